@@ -1,0 +1,19 @@
+"""The contract every loss fulfils."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from prvrlab.data.batch import Batch
+from prvrlab.models.base import ModelOutput
+
+
+class Loss(nn.Module):
+    """A loss term: reads a ``ModelOutput`` and its ``Batch``, returns a scalar.
+
+    Subclasses take only their own keyword-only hyperparameters; the weight of
+    the term lives in :class:`prvrlab.losses.weighted.WeightedLoss`.
+    """
+
+    def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
+        raise NotImplementedError

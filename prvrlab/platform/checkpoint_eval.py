@@ -1,0 +1,61 @@
+"""Evaluate a saved model (``best_model.pt``) on any split of its collection."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from prvrlab.data.errors import DataError
+from prvrlab.platform.config import ConfigError, validate
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Read a model file written by training; a clear error when it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"checkpoint not found: {path}")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise DataError(f"{path}: not a readable prvrlab checkpoint ({type(exc).__name__}: {exc})") from None
+    if not isinstance(blob, dict) or "model" not in blob or "config" not in blob:
+        raise DataError(f"{path}: not a prvrlab checkpoint (expected keys 'model' and 'config')")
+    return blob
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    *,
+    split: str,
+    data_root: str | None = None,
+    ranks_out: str | None = None,
+    amp: str = "none",
+):
+    """Evaluate the model in ``path`` on ``split``; optionally write per-query ranks."""
+    from prvrlab.data.collection import open_collection
+    from prvrlab.platform.evaluate import evaluate, save_ranks
+    from prvrlab.platform.worker import build_model
+
+    blob = load_checkpoint(path)
+    try:
+        cfg = validate(blob["config"])
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: stored config is invalid: {exc}") from None
+    if data_root is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(Path(data_root).resolve())))
+    collection = open_collection(cfg.data)
+    collection.split(split)
+    model = build_model(cfg, collection.video_dim, collection.query_dim)
+    try:
+        model.load_state_dict(blob["model"])
+    except RuntimeError as exc:
+        raise DataError(f"{path}: weights do not fit the configured model: {exc}") from None
+    device = torch.device("cpu")
+    result = evaluate(
+        model, collection, split, cfg.eval, device=device, amp_dtype=torch.bfloat16 if amp == "bf16" else None
+    )
+    if ranks_out:
+        save_ranks(Path(ranks_out), result.table)
+    return result

@@ -1,0 +1,167 @@
+"""The ``prvrlab`` command line.
+
+Every command validates its input first and ends with one clear message and a
+non-zero exit on bad input (missing or corrupt files, invalid configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    from prvrlab.platform.config import parse_override
+
+    return dict(parse_override(p) for p in pairs)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from prvrlab.platform.config import load_config
+    from prvrlab.platform.trainer import train
+
+    cfg = load_config(args.config, _overrides(args.set))
+    if args.check:
+        print(cfg.to_yaml(), end="")
+        return 0
+    result = train(cfg, use_ray=not args.no_ray)
+    metrics = {k: v for k, v in result.final_metrics.items() if k != "kind"}
+    print(f"best val SumR {result.best_sumr:.1f} at epoch {result.best_epoch + 1}; run {result.run_id}")
+    for split in ("val", "test"):
+        if f"{split}/sumr" in metrics:
+            print(
+                f"  {split:<5} R@1 {metrics[f'{split}/r1']:.1f}  R@5 {metrics[f'{split}/r5']:.1f}  "
+                f"R@10 {metrics[f'{split}/r10']:.1f}  R@100 {metrics[f'{split}/r100']:.1f}  "
+                f"SumR {metrics[f'{split}/sumr']:.1f}"
+            )
+    print(f"  files: {result.run_dir}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from prvrlab.platform.checkpoint_eval import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        args.checkpoint, split=args.split, data_root=args.data_root, ranks_out=args.ranks, amp=args.amp
+    )
+    m = result.metrics
+    print(
+        f"{args.split}: {result.num_queries} queries x {result.num_videos} videos  "
+        f"R@1 {m['r1']:.1f}  R@5 {m['r5']:.1f}  R@10 {m['r10']:.1f}  R@100 {m['r100']:.1f}  SumR {m['sumr']:.1f}"
+    )
+    for group, values in (result.by_group or {}).items():
+        print(f"  {group:<7} ({int(values.get('count', 0))} queries)  SumR {values['sumr']:.1f}")
+    if args.json:
+        print(json.dumps({"metrics": m, "by_group": result.by_group}, indent=1))
+    return 0
+
+
+def cmd_data_synth(args: argparse.Namespace) -> int:
+    from prvrlab.data.synth import synthesize
+
+    path = synthesize(Path(args.out), preset=args.preset, seed=args.seed, progress=not args.quiet)
+    print(f"wrote synthetic collection '{args.preset}' to {path}")
+    return 0
+
+
+def cmd_data_convert(args: argparse.Namespace) -> int:
+    from prvrlab.data.convert import convert_bigfile
+
+    path = convert_bigfile(Path(args.src), Path(args.dst), progress=not args.quiet)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from prvrlab.data.inspect import inspect_collection
+    from prvrlab.platform.config import DataConfig, load_config
+
+    if args.config:
+        data = load_config(args.config, _overrides(args.set)).data
+    else:
+        data = DataConfig(
+            root=args.root,
+            collection=args.collection,
+            visual_feature=args.visual_feature,
+            text_feature=args.text_feature,
+            test_split=None,
+        )
+    report = inspect_collection(data)
+    print(report.format())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prvrlab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train one config with Ray Train (DDP) and log it to MLflow")
+    p.add_argument("config", help="experiment YAML (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
+    p.add_argument("--check", action="store_true", help="validate and print the resolved config, train nothing")
+    p.add_argument("--no-ray", action="store_true", help="train in this process without Ray (one worker)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a saved model (best_model.pt) on a split")
+    p.add_argument("checkpoint", help="best_model.pt written by a training run")
+    p.add_argument("--split", default="test")
+    p.add_argument("--data-root", default=None, help="use features from here instead of the run's data.root")
+    p.add_argument("--ranks", default=None, help="write per-query ranks to this Parquet file")
+    p.add_argument("--amp", choices=["none", "bf16"], default="none")
+    p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
+    p.set_defaults(func=cmd_eval)
+
+    data = sub.add_parser("data", help="synthetic data, conversion and checks").add_subparsers(dest="data_cmd", required=True)
+    p = data.add_parser("synth", help="write a synthetic PRVR collection in the public release layout")
+    p.add_argument("--out", default="data/synth")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_data_synth)
+
+    p = data.add_parser("convert", help="convert a BigFile feature folder to one HDF5 file")
+    p.add_argument("src", help="BigFile folder (feature.bin, shape.txt, id.txt, video2frames.txt)")
+    p.add_argument("dst", help="output .hdf5 file (one dataset per video)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_data_convert)
+
+    p = data.add_parser("inspect", help="summarise and check a collection")
+    p.add_argument("--config", default=None, help="take the data section of this experiment config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--root", default="data/synth")
+    p.add_argument("--collection", default="synth")
+    p.add_argument("--visual-feature", default="synth_feat")
+    p.add_argument("--text-feature", default=None)
+    p.set_defaults(func=cmd_data_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``prvrlab`` console script."""
+    from prvrlab.data.errors import DataError
+    from prvrlab.platform.config import ConfigError
+    from prvrlab.platform.trainer import TrainingError
+    from prvrlab.registry import RegistryError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, DataError, RegistryError) as exc:
+        print(f"prvrlab: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingError as exc:
+        print(f"prvrlab: training failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("prvrlab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

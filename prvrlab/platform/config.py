@@ -1,0 +1,444 @@
+"""Experiment configuration: YAML -> validated, typed config.
+
+Everything is checked before Ray starts: unknown keys (with the closest valid
+key suggested), wrong types, impossible values, unknown component names, and
+the keyword-only parameters of the chosen backbone and losses.  Every value
+is addressable by a dotted key (``train.lr``, ``model.sigmas``,
+``losses.clip_nce.weight``), which is what ``--set`` and search spaces use.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from prvrlab.registry import BACKBONES, LOSSES, RegistryError, closest, did_you_mean
+
+# Constructor arguments the platform derives from the data, never from the user.
+DATA_DERIVED = ("video_dim", "query_dim")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the offending key."""
+
+
+@dataclass
+class DataConfig:
+    """Where the features are and how they are preprocessed."""
+
+    root: str = "data/synth"  # folder holding FeatureData/ and TextData/
+    collection: str = "synth"  # tvr | activitynet | charades | synth (file name prefix)
+    visual_feature: str = "synth_feat"  # FeatureData/<name> BigFile folder, or an .hdf5 file
+    text_feature: str | None = None  # default: TextData/roberta_<collection>_query_feat.hdf5
+    train_split: str = "train"
+    val_split: str = "val"
+    test_split: str | None = "test"
+    max_frames: int = 128
+    num_clips: int = 32
+    max_query_len: int = 30
+    synthesize: str | None = None  # synthetic preset written to `root` when it is missing
+    synth_seed: int = 0
+    loader_workers: int = 0
+
+    def check(self) -> None:
+        _positive(self, "max_frames", "num_clips", "max_query_len")
+        if self.loader_workers < 0:
+            raise ConfigError("data.loader_workers must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, early stopping and distribution."""
+
+    epochs: int = 100
+    batch_size: int = 128  # videos per step, over all workers
+    lr: float = 2.5e-4
+    weight_decay: float = 0.01
+    warmup_proportion: float = 0.01
+    grad_clip: float = 1.0
+    early_stop_patience: int = 10
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: float | None = None  # None: derived from the cluster's CPUs
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    max_failures: int = 2
+    torch_threads: int | None = None  # None: cpus_per_worker rounded up
+    seed: int = 0
+
+    def check(self) -> None:
+        _positive(self, "epochs", "batch_size", "lr", "num_workers")
+        if self.weight_decay < 0:
+            raise ConfigError("train.weight_decay must be >= 0")
+        if not 0 <= self.warmup_proportion < 1:
+            raise ConfigError("train.warmup_proportion must be in [0, 1)")
+        if self.grad_clip < 0:
+            raise ConfigError("train.grad_clip must be >= 0 (0 disables clipping)")
+        if self.early_stop_patience < 1:
+            raise ConfigError("train.early_stop_patience must be >= 1")
+        if self.max_failures < 0:
+            raise ConfigError("train.max_failures must be >= 0")
+        if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
+            raise ConfigError("train.cpus_per_worker must be > 0")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError("train.torch_threads must be >= 1")
+        if self.amp == "fp16" and not self.use_gpu:
+            raise ConfigError("train.amp: fp16 needs train.use_gpu=true; use bf16 on CPU")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation batching (memory bound) and the splits evaluated at the end."""
+
+    video_batch_size: int = 256  # videos encoded per forward
+    query_batch_size: int = 1024  # queries encoded per forward
+    score_chunk: int = 2048  # queries scored against all videos at once
+    final_splits: list[str] = field(default_factory=lambda: ["val", "test"])
+
+    def check(self) -> None:
+        _positive(self, "video_batch_size", "query_batch_size", "score_chunk")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking and Ray storage."""
+
+    uri: str | None = None  # default: $MLFLOW_TRACKING_URI or sqlite:///<cwd>/mlflow.db
+    experiment: str = "prvrlab"
+    run_name: str | None = None
+    storage_path: str = "results"  # checkpoints and run files; resolved to absolute
+
+    def check(self) -> None:
+        if not self.experiment:
+            raise ConfigError("tracking.experiment must not be empty")
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "tracking": TrackingConfig,
+}
+TOP_LEVEL = ("name", "data", "model", "losses", "train", "eval", "tracking")
+
+
+@dataclass
+class ExperimentConfig:
+    """A validated experiment: data + backbone + losses + training."""
+
+    name: str
+    data: DataConfig
+    model: dict[str, Any]  # {"name": backbone, **constructor params}
+    losses: dict[str, dict[str, Any]]  # term -> {"loss": name, "weight": w, **params}
+    train: TrainConfig
+    eval: EvalConfig
+    tracking: TrackingConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON serialisable)."""
+        return {
+            "name": self.name,
+            "data": dataclasses.asdict(self.data),
+            "model": copy.deepcopy(self.model),
+            "losses": copy.deepcopy(self.losses),
+            "train": dataclasses.asdict(self.train),
+            "eval": dataclasses.asdict(self.eval),
+            "tracking": dataclasses.asdict(self.tracking),
+        }
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> value (lists kept as values)."""
+        return flatten(self.to_dict())
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        """Stable hash of everything that affects results (tracking excluded)."""
+        d = self.to_dict()
+        d.pop("tracking")
+        d.pop("name")
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def backbone(self) -> str:
+        return str(self.model["name"])
+
+    def loss_weights(self) -> dict[str, float]:
+        return {term: float(spec["weight"]) for term, spec in self.losses.items()}
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _positive(section: Any, *names: str) -> None:
+    prefix = _section_name(section)
+    for name in names:
+        value = getattr(section, name)
+        if not value > 0:
+            raise ConfigError(f"{prefix}.{name} must be > 0, got {value!r}")
+
+
+def _section_name(section: Any) -> str:
+    for key, cls in SECTIONS.items():
+        if isinstance(section, cls):
+            return key
+    return type(section).__name__
+
+
+# ---------------------------------------------------------------- type coercion
+
+
+def coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check ``value`` against a type annotation, converting int -> float.
+
+    Raises ConfigError naming ``key`` when the value does not fit.
+    """
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any or annotation is inspect_empty:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{key}: {value!r} is not {_type_name(annotation)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(
+                f"{key}: {value!r} is not one of {', '.join(map(repr, args))}"
+                + (did_you_mean(str(value), [str(a) for a in args]) if isinstance(value, str) else "")
+            )
+        return value
+    if origin in (list, tuple, typing.Sequence) or annotation in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        items = [coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):
+                try:
+                    value = float(value)  # YAML reads '1e-3' as a string
+                except ValueError:
+                    raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+            else:
+                raise ConfigError(f"{key}: expected a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+inspect_empty = object()
+
+
+def _type_name(annotation: Any) -> str:
+    return str(annotation).replace("typing.", "")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_keys(given: dict[str, Any], valid: typing.Iterable[str], where: str) -> None:
+    valid = list(valid)
+    for key in given:
+        if key not in valid:
+            prefix = f"{where}." if where else ""
+            raise ConfigError(
+                f"unknown key '{prefix}{key}'{did_you_mean(key, valid)}; "
+                f"valid keys{' in ' + where if where else ''}: {', '.join(valid)}"
+            )
+
+
+def _build_section(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    _check_keys(raw, names, where)
+    values = {k: coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
+    section = cls(**values)
+    section.check()
+    return section
+
+
+def _check_component(registry, name: Any, params: dict[str, Any], where: str, skip: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: expected a registered {registry.kind} name, got {name!r}")
+    try:
+        known = registry.params(name)
+    except RegistryError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    out: dict[str, Any] = {}
+    settable = [p for p in known if p not in DATA_DERIVED]
+    for key, value in params.items():
+        if key not in settable:
+            base = where.rsplit(".", 1)[0]
+            raise ConfigError(
+                f"unknown key '{base}.{key}' for {registry.kind} '{name}'"
+                f"{did_you_mean(key, list(settable) + list(skip))}; valid: {', '.join(list(skip) + settable)}"
+            )
+        out[key] = coerce(value, known[key].annotation, f"{where.rsplit('.', 1)[0]}.{key}")
+    for p in known.values():
+        if p.required and p.name not in out and p.name not in DATA_DERIVED:
+            raise ConfigError(f"{where.rsplit('.', 1)[0]}.{p.name} is required by {registry.kind} '{name}'")
+    return out
+
+
+def validate(raw: dict[str, Any]) -> ExperimentConfig:
+    """Turn a raw nested mapping into an ExperimentConfig, or raise ConfigError."""
+    if not isinstance(raw, dict):
+        raise ConfigError("a config must be a mapping at the top level")
+    _check_keys(raw, TOP_LEVEL, "")
+    name = raw.get("name", "experiment")
+    if not isinstance(name, str) or not name:
+        raise ConfigError("name: expected a non-empty string")
+
+    sections = {key: _build_section(cls, raw.get(key), key) for key, cls in SECTIONS.items()}
+
+    model_raw = raw.get("model")
+    if not isinstance(model_raw, dict) or "name" not in model_raw:
+        raise ConfigError(f"model.name is required; registered backbones: {', '.join(BACKBONES.names())}")
+    model_params = {k: v for k, v in model_raw.items() if k != "name"}
+    model = {"name": model_raw["name"], **_check_component(BACKBONES, model_raw["name"], model_params, "model.name", ("name",))}
+
+    losses_raw = raw.get("losses")
+    if not isinstance(losses_raw, dict) or not losses_raw:
+        raise ConfigError("losses: expected a mapping of term name -> {loss, weight, ...}")
+    losses: dict[str, dict[str, Any]] = {}
+    for term, spec in losses_raw.items():
+        where = f"losses.{term}"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where}: expected a mapping with 'loss' and 'weight'")
+        loss_name = spec.get("loss", term)
+        weight = coerce(spec.get("weight", 1.0), float, f"{where}.weight")
+        if weight < 0:
+            raise ConfigError(f"{where}.weight must be >= 0, got {weight}")
+        params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
+        checked = _check_component(LOSSES, loss_name, params, f"{where}.loss", ("loss", "weight"))
+        losses[str(term)] = {"loss": loss_name, "weight": weight, **checked}
+    if all(spec["weight"] == 0 for spec in losses.values()):
+        raise ConfigError("losses: every weight is 0, nothing would be trained")
+
+    cfg = ExperimentConfig(name=name, model=model, losses=losses, **sections)
+    _instantiate_check(cfg)
+    return cfg
+
+
+def _instantiate_check(cfg: ExperimentConfig) -> None:
+    """Build the loss modules once so their own value checks run now."""
+    for term, spec in cfg.losses.items():
+        params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
+        try:
+            LOSSES.build(spec["loss"], **params)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"losses.{term}: {exc}") from None
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=1e-3' -> ('train.lr', 0.001); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    return key, yaml.safe_load(value) if value.strip() else None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys in a raw config (creating loss terms when needed)."""
+    out = copy.deepcopy(raw)
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                if i == 0 and part not in TOP_LEVEL:
+                    raise ConfigError(f"unknown key '{dotted}'{did_you_mean(part, TOP_LEVEL)}")
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"cannot set '{dotted}': '{'.'.join(parts[: i + 1])}' is not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file; a clear error naming the file when it is bad."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return raw
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Load, override and validate a config file."""
+    raw = apply_overrides(load_raw(path), overrides or {})
+    try:
+        return validate(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def suggest_key(key: str, cfg: ExperimentConfig) -> str | None:
+    """The valid dotted key closest to ``key`` (for search-space errors)."""
+    return closest(key, cfg.flat())

@@ -1,0 +1,618 @@
+"""Retrieval evaluation: encode a split once, rank every query, report R@K.
+
+The pipeline is split into small pieces that work on plain iterables of
+batches and on embeddings, so each can be tested without the data layer:
+
+    encode_split   video / query batches -> VideoEmbedding, QueryEmbedding
+    compute_ranks  embeddings -> 1-based rank of each query's video (chunked)
+    recall_at      ranks -> {"r1", "r5", "r10", "r100", "sumr"} in percent
+    recall_by_group  the same per moment/video-ratio group (short/medium/long)
+    rank_table / save_ranks / load_ranks   per-query ranks as Parquet
+    evaluate       all of the above on one split of a data-layer Collection
+
+Tie handling (see ``compute_ranks``): a video scoring exactly as high as the
+ground truth is ranked *before* it, so ties never help.  A model whose scores
+are constant gets rank ``Nv`` for every query and R@K = 0 (except when
+``K >= Nv``), rather than the K/Nv an unstable argsort would hand out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
+
+__all__ = [
+    "DEFAULT_KS",
+    "GROUPS",
+    "EvalResult",
+    "chance_recall",
+    "compute_ranks",
+    "encode_queries",
+    "encode_split",
+    "encode_videos",
+    "evaluate",
+    "evaluate_batches",
+    "load_ranks",
+    "rank_table",
+    "ratio_groups",
+    "recall_at",
+    "recall_by_group",
+    "resolve_amp_dtype",
+    "save_ranks",
+]
+
+DEFAULT_KS: tuple[int, ...] = (1, 5, 10, 100)
+
+# Moment/video duration ratio groups (REFERENCE §1): upper bounds, inclusive.
+GROUPS: tuple[str, ...] = ("short", "medium", "long")
+_GROUP_UPPER: tuple[float, ...] = (0.2, 0.4, 1.0)
+UNGROUPED = ""  # label of ratios outside (0, inf) or NaN
+
+VideoBatch = tuple[Sequence[str], Tensor, Tensor, Tensor]  # ids, clips, frames, frame_mask
+QueryBatch = tuple[Sequence[str], Tensor, Tensor]  # ids, queries, query_mask
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def resolve_amp_dtype(amp: str | torch.dtype | None) -> torch.dtype | None:
+    """``"none"``/None -> None, ``"bf16"`` -> bfloat16, ``"fp16"`` -> float16.
+
+    A ``torch.dtype`` is returned unchanged (must be bfloat16 or float16).
+    """
+    if amp is None:
+        return None
+    if isinstance(amp, torch.dtype):
+        if amp not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"amp_dtype must be torch.bfloat16 or torch.float16, got {amp!r}")
+        return amp
+    names = {"none": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    key = str(amp).lower()
+    if key not in names:
+        raise ValueError(f"amp_dtype must be one of 'none', 'bf16', 'fp16', got {amp!r}")
+    return names[key]
+
+
+def _autocast(device: torch.device, amp_dtype: torch.dtype | None):
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued kernels so wall-clock timings mean something on GPUs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """model.eval() for the duration, restoring the previous mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _float32(emb):
+    """A copy of an embedding dataclass with every floating tensor in float32."""
+
+    def cast(t: Tensor) -> Tensor:
+        return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(emb):
+        v = getattr(emb, f.name)
+        if isinstance(v, Tensor):
+            changes[f.name] = cast(v)
+        elif isinstance(v, dict):
+            changes[f.name] = {k: cast(t) if isinstance(t, Tensor) else t for k, t in v.items()}
+    return dataclasses.replace(emb, **changes)
+
+
+def _num_rows(emb) -> int:
+    """First dimension shared by every tensor of an embedding dataclass."""
+    sizes = set()
+    for f in dataclasses.fields(emb):
+        v = getattr(emb, f.name)
+        if isinstance(v, Tensor):
+            sizes.add(int(v.shape[0]))
+        elif isinstance(v, dict):
+            sizes.update(int(t.shape[0]) for t in v.values() if isinstance(t, Tensor))
+    if not sizes:
+        raise ValueError(f"{type(emb).__name__} holds no tensor")
+    if len(sizes) > 1:
+        raise ValueError(f"{type(emb).__name__} tensors disagree on their first dimension: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _check_unique(ids: list[str], what: str) -> None:
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        dup = None
+        for i in ids:
+            if i in seen:
+                dup = i
+                break
+            seen.add(i)
+        raise ValueError(f"{what} {dup!r} was yielded more than once; every {what} must be encoded once")
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode_videos(
+    model: RetrievalModel,
+    batches: Iterable[VideoBatch],
+    *,
+    device: torch.device | str,
+    amp_dtype: torch.dtype | str | None = None,
+) -> tuple[VideoEmbedding, list[str]]:
+    """Encode every video once; returns the concatenated embedding and the ids.
+
+    ``batches`` yields ``(video_ids, clips (B,Lc,Dv), frames (B,Lf,Dv),
+    frame_mask (B,Lf))``; batches may differ in ``Lf`` (the concatenation
+    zero/False-pads it).  Runs under ``torch.inference_mode()`` with the model
+    in eval mode; ``amp_dtype`` enables autocast for the encoders only and the
+    result is cast back to float32.  The caller restores the model's mode.
+    """
+    device = torch.device(device)
+    amp_dtype = resolve_amp_dtype(amp_dtype)
+    model.eval()
+    parts: list[VideoEmbedding] = []
+    ids: list[str] = []
+    with torch.inference_mode():
+        for video_ids, clips, frames, frame_mask in batches:
+            if len(video_ids) != clips.shape[0]:
+                raise ValueError(f"a video batch has {len(video_ids)} ids but {clips.shape[0]} rows")
+            clips = clips.to(device, non_blocking=True)
+            frames = frames.to(device, non_blocking=True)
+            frame_mask = frame_mask.to(device, non_blocking=True)
+            with _autocast(device, amp_dtype):
+                emb = model.encode_videos(clips, frames, frame_mask)
+            parts.append(_float32(emb))
+            ids.extend(str(v) for v in video_ids)
+    if not parts:
+        raise ValueError("no video batch was yielded; cannot evaluate an empty split")
+    _check_unique(ids, "video")
+    return VideoEmbedding.cat(parts), ids
+
+
+def encode_queries(
+    model: RetrievalModel,
+    batches: Iterable[QueryBatch],
+    *,
+    device: torch.device | str,
+    amp_dtype: torch.dtype | str | None = None,
+) -> tuple[QueryEmbedding, list[str]]:
+    """Encode every query; ``batches`` yields ``(query_ids, queries (N,Lq,Dq), query_mask (N,Lq))``.
+
+    Same rules as ``encode_videos`` (inference mode, eval mode, optional
+    autocast, float32 result, padded concatenation, ids checked unique).
+    """
+    device = torch.device(device)
+    amp_dtype = resolve_amp_dtype(amp_dtype)
+    model.eval()
+    parts: list[QueryEmbedding] = []
+    ids: list[str] = []
+    with torch.inference_mode():
+        for query_ids, queries, query_mask in batches:
+            if len(query_ids) != queries.shape[0]:
+                raise ValueError(f"a query batch has {len(query_ids)} ids but {queries.shape[0]} rows")
+            queries = queries.to(device, non_blocking=True)
+            query_mask = query_mask.to(device, non_blocking=True)
+            with _autocast(device, amp_dtype):
+                emb = model.encode_queries(queries, query_mask)
+            parts.append(_float32(emb))
+            ids.extend(str(q) for q in query_ids)
+    if not parts:
+        raise ValueError("no query batch was yielded; cannot evaluate an empty split")
+    _check_unique(ids, "query")
+    return QueryEmbedding.cat(parts), ids
+
+
+def encode_split(
+    model: RetrievalModel,
+    video_batches_iter: Iterable[VideoBatch],
+    query_batches_iter: Iterable[QueryBatch],
+    *,
+    device: torch.device | str,
+    amp_dtype: torch.dtype | str | None = None,
+) -> tuple[VideoEmbedding, QueryEmbedding]:
+    """Encode all videos (each once) and all queries of a split, in yield order.
+
+    The model is put in eval mode (its previous mode is restored on return)
+    and everything runs under ``torch.inference_mode()``.  With ``amp_dtype``
+    (e.g. ``torch.bfloat16`` or ``"bf16"``) the encoders run under autocast;
+    the embeddings are cast back to float32 so scoring and metrics stay fp32.
+    Use ``encode_videos`` / ``encode_queries`` to also get the yielded ids.
+    """
+    with _eval_mode(model):
+        video, _ = encode_videos(model, video_batches_iter, device=device, amp_dtype=amp_dtype)
+        query, _ = encode_queries(model, query_batches_iter, device=device, amp_dtype=amp_dtype)
+    return video, query
+
+
+# ---------------------------------------------------------------- ranking
+
+
+def compute_ranks(
+    model: RetrievalModel,
+    query_emb: QueryEmbedding,
+    video_emb: VideoEmbedding,
+    query_video: np.ndarray | Tensor | Sequence[int],
+    *,
+    chunk: int,
+) -> np.ndarray:
+    """1-based rank of each query's ground-truth video among all videos.
+
+    Scores ``chunk`` queries against ALL videos at a time with
+    ``model.fuse(model.score(...))`` (float32), so at most a
+    ``(chunk, Nv)`` score matrix exists at once; the ground-truth score is
+    gathered per row and compared with the whole row, without any Python loop
+    over queries or videos.
+
+    ``query_video[i]`` is the index (into the videos of ``video_emb``) of query
+    ``i``'s relevant video.
+
+    Ties count AGAINST the ground truth::
+
+        rank = 1 + #(videos scoring strictly higher)
+                 + #(other videos scoring exactly the same)
+
+    i.e. the ground truth is placed last among the videos it ties with.  The
+    reference implementations rank with an unstable argsort, where ties fall
+    back to gallery order and can help the ground truth (an untrained model
+    with constant scores then gets R@K ~ K/Nv); here constant scores give
+    rank ``Nv`` for every query.  NaN scores are treated as ``-inf`` (a NaN
+    ground truth is tied with every other NaN/``-inf`` score, hence ranked
+    last among them).
+
+    Returns an int64 array of shape (Nq,), values in [1, Nv].
+    """
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    num_queries = _num_rows(query_emb)
+    num_videos = _num_rows(video_emb)
+    if isinstance(query_video, Tensor):
+        qv = query_video.detach().to("cpu", torch.long).reshape(-1)
+    else:
+        qv = torch.as_tensor(np.asarray(query_video), dtype=torch.long).reshape(-1)
+    if qv.numel() != num_queries:
+        raise ValueError(f"query_video has {qv.numel()} entries but there are {num_queries} queries")
+    if num_queries and (int(qv.min()) < 0 or int(qv.max()) >= num_videos):
+        raise ValueError(
+            f"query_video values must lie in [0, {num_videos - 1}], got range "
+            f"[{int(qv.min())}, {int(qv.max())}]"
+        )
+
+    ranks = np.empty(num_queries, dtype=np.int64)
+    with _eval_mode(model), torch.inference_mode():
+        for start in range(0, num_queries, chunk):
+            stop = min(start + chunk, num_queries)
+            query_part = query_emb.index(slice(start, stop))
+            scores = model.fuse(model.score(query_part, video_emb)).float()  # (n, Nv)
+            if scores.shape != (stop - start, num_videos):
+                raise ValueError(
+                    f"model.fuse returned shape {tuple(scores.shape)}, expected {(stop - start, num_videos)}"
+                )
+            scores = torch.where(torch.isnan(scores), torch.full_like(scores, float("-inf")), scores)
+            target = qv[start:stop].to(scores.device).unsqueeze(1)  # (n, 1)
+            gt = scores.gather(1, target)  # (n, 1)
+            higher = (scores > gt).sum(dim=1)
+            tied_others = (scores == gt).sum(dim=1) - 1  # the ground truth ties with itself
+            ranks[start:stop] = (1 + higher + tied_others).cpu().numpy()
+    return ranks
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def recall_at(ranks: np.ndarray | Sequence[int], ks: Sequence[int] = DEFAULT_KS) -> dict[str, float]:
+    """Percent of queries whose rank is <= K, as ``{"r1": .., "r5": .., ..., "sumr": ..}``.
+
+    ``sumr`` is the sum of the requested R@K values.
+    """
+    r = np.asarray(ranks)
+    if r.ndim != 1 or r.size == 0:
+        raise ValueError(f"ranks must be a non-empty 1-D array, got shape {r.shape}")
+    if (r < 1).any():
+        raise ValueError(f"ranks are 1-based, got a minimum of {r.min()}")
+    out: dict[str, float] = {}
+    for k in ks:
+        if int(k) < 1:
+            raise ValueError(f"K must be >= 1, got {k!r}")
+        out[f"r{int(k)}"] = float((r <= int(k)).mean() * 100.0)
+    out["sumr"] = float(sum(out.values()))
+    return out
+
+
+def chance_recall(num_videos: int, ks: Sequence[int] = DEFAULT_KS) -> dict[str, float]:
+    """Expected R@K (percent) of random continuous scoring: ``min(K, Nv) / Nv * 100``."""
+    if int(num_videos) < 1:
+        raise ValueError(f"num_videos must be >= 1, got {num_videos!r}")
+    out = {f"r{int(k)}": min(int(k), int(num_videos)) / int(num_videos) * 100.0 for k in ks}
+    out["sumr"] = float(sum(out.values()))
+    return out
+
+
+def ratio_groups(ratios: np.ndarray | Sequence[float]) -> np.ndarray:
+    """Moment/video ratio group of each query: ``"short"``, ``"medium"`` or ``"long"``.
+
+    short: r in (0, 0.2]; medium: (0.2, 0.4]; long: (0.4, 1].  Ratios above 1
+    (annotations that overrun the video's duration) count as long.  Ratios
+    <= 0 or NaN get ``""`` (ungrouped).  Boundaries are compared in the
+    array's own floating dtype, so a float32 0.2 is still short.
+    """
+    r = np.asarray(ratios)
+    if not np.issubdtype(r.dtype, np.floating):
+        r = r.astype(np.float64)
+    labels = np.full(r.shape, UNGROUPED, dtype=object)
+    lower = r.dtype.type(0.0)
+    valid = r > lower  # False for NaN
+    for name, upper in zip(GROUPS, _GROUP_UPPER):
+        up = r.dtype.type(upper)
+        hit = valid & (r <= up) if name != GROUPS[-1] else valid
+        labels[hit] = name
+        valid = valid & ~hit
+    return labels
+
+
+def recall_by_group(
+    ranks: np.ndarray | Sequence[int],
+    ratios: np.ndarray | Sequence[float],
+    ks: Sequence[int] = DEFAULT_KS,
+) -> dict[str, dict[str, float]]:
+    """``recall_at`` per ratio group, each dict with an extra ``"count"``.
+
+    Every group of ``GROUPS`` is present; an empty group has ``count`` 0 and
+    NaN metrics.  Ungrouped queries (ratio <= 0 or NaN) are left out.
+    """
+    r = np.asarray(ranks)
+    labels = ratio_groups(ratios)
+    if labels.shape != r.shape:
+        raise ValueError(f"ranks {r.shape} and ratios {labels.shape} must have the same shape")
+    out: dict[str, dict[str, float]] = {}
+    for name in GROUPS:
+        mask = labels == name
+        count = int(mask.sum())
+        if count:
+            metrics = recall_at(r[mask], ks)
+        else:
+            metrics = {f"r{int(k)}": float("nan") for k in ks}
+            metrics["sumr"] = float("nan")
+        metrics["count"] = count
+        out[name] = metrics
+    return out
+
+
+# ---------------------------------------------------------------- rank tables
+
+
+def rank_table(
+    query_ids: Sequence[str],
+    video_ids_of_queries: Sequence[str],
+    ranks: np.ndarray | Sequence[int],
+    ratios: np.ndarray | Sequence[float] | None = None,
+) -> pa.Table:
+    """Per-query table: ``query_id`` (string), ``video_id`` (string, the ground
+    truth), ``rank`` (int64), and ``ratio`` (float64) when ratios are given."""
+    n = len(query_ids)
+    r = np.asarray(ranks, dtype=np.int64)
+    if len(video_ids_of_queries) != n or r.shape != (n,):
+        raise ValueError(
+            f"query_ids ({n}), video_ids_of_queries ({len(video_ids_of_queries)}) "
+            f"and ranks {r.shape} must have the same length"
+        )
+    columns = {
+        "query_id": pa.array([str(q) for q in query_ids], type=pa.string()),
+        "video_id": pa.array([str(v) for v in video_ids_of_queries], type=pa.string()),
+        "rank": pa.array(r, type=pa.int64()),
+    }
+    if ratios is not None:
+        rat = np.asarray(ratios, dtype=np.float64)
+        if rat.shape != (n,):
+            raise ValueError(f"ratios has shape {rat.shape}, expected ({n},)")
+        columns["ratio"] = pa.array(rat, type=pa.float64())
+    return pa.table(columns)
+
+
+def save_ranks(path: str | Path, table: pa.Table) -> Path:
+    """Write a rank table to Parquet (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+def load_ranks(path: str | Path) -> pa.Table:
+    """Read a rank table written by ``save_ranks``."""
+    return pq.read_table(Path(path))
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@dataclass
+class EvalResult:
+    """The outcome of evaluating one split.
+
+    ``metrics``: r1, r5, r10, r100, sumr (percent).  ``by_group``: per ratio
+    group metrics + count, or None when the split has no ratios.  ``ranks``:
+    int64 (Nq,) in ``table`` row order.  ``seconds``: total wall time;
+    ``timings``: its parts (encode_videos, encode_queries, score).
+    """
+
+    metrics: dict[str, float]
+    by_group: dict[str, dict[str, float]] | None
+    ranks: np.ndarray
+    table: pa.Table
+    num_queries: int
+    num_videos: int
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def flat(self, prefix: str = "") -> dict[str, float]:
+        """Metrics as one flat mapping for logging: ``{prefix}r1``,
+        ``{prefix}short/r1``, ``{prefix}short/count``, ..."""
+        out = {f"{prefix}{k}": float(v) for k, v in self.metrics.items()}
+        for group, metrics in (self.by_group or {}).items():
+            out.update({f"{prefix}{group}/{k}": float(v) for k, v in metrics.items()})
+        return out
+
+
+def _permutation(yielded: list[str], expected: Sequence[str], what: str) -> np.ndarray | None:
+    """Index into ``expected`` of every yielded id (None when already equal)."""
+    expected = [str(e) for e in expected]
+    if yielded == expected:
+        return None
+    position = {e: i for i, e in enumerate(expected)}
+    missing = [y for y in yielded if y not in position]
+    if missing or len(yielded) != len(expected):
+        extra = f"; e.g. {missing[0]!r} is not in the split" if missing else ""
+        raise ValueError(
+            f"the {what} batches yielded {len(yielded)} ids, the split lists {len(expected)}{extra}"
+        )
+    return np.fromiter((position[y] for y in yielded), dtype=np.int64, count=len(yielded))
+
+
+def evaluate_batches(
+    model: RetrievalModel,
+    video_batches_iter: Iterable[VideoBatch],
+    query_batches_iter: Iterable[QueryBatch],
+    *,
+    video_ids: Sequence[str],
+    query_ids: Sequence[str],
+    query_video: np.ndarray | Sequence[int],
+    ratios: np.ndarray | Sequence[float] | None = None,
+    chunk: int = 2048,
+    device: torch.device | str = "cpu",
+    amp_dtype: torch.dtype | str | None = None,
+    ks: Sequence[int] = DEFAULT_KS,
+) -> EvalResult:
+    """``evaluate`` without the data layer: batches plus the split's index.
+
+    ``video_ids`` / ``query_ids`` / ``query_video`` / ``ratios`` describe the
+    split (``query_video[i]`` indexes ``video_ids``).  The batches may yield
+    videos and queries in any order, but each exactly once; results (ranks,
+    table rows) follow the order in which queries were yielded.
+    """
+    device = torch.device(device)
+    query_video = np.asarray(query_video, dtype=np.int64)
+    if query_video.shape != (len(query_ids),):
+        raise ValueError(f"query_video has shape {query_video.shape}, expected ({len(query_ids)},)")
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    with _eval_mode(model):
+        t0 = time.perf_counter()
+        video_emb, yielded_videos = encode_videos(model, video_batches_iter, device=device, amp_dtype=amp_dtype)
+        _sync(device)
+        timings["encode_videos"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        query_emb, yielded_queries = encode_queries(model, query_batches_iter, device=device, amp_dtype=amp_dtype)
+        _sync(device)
+        timings["encode_queries"] = time.perf_counter() - t0
+
+        # Align the split's index with the order in which things were encoded.
+        video_perm = _permutation(yielded_videos, video_ids, "video")  # yielded row -> split index
+        query_perm = _permutation(yielded_queries, query_ids, "query")
+        qv_split = query_video if query_perm is None else query_video[query_perm]  # split video index
+        if video_perm is None:
+            qv_rows = qv_split
+        else:
+            row_of_split_video = np.empty(len(video_ids), dtype=np.int64)
+            row_of_split_video[video_perm] = np.arange(len(video_perm), dtype=np.int64)
+            qv_rows = row_of_split_video[qv_split]
+        query_ratios = None
+        if ratios is not None:
+            query_ratios = np.asarray(ratios, dtype=np.float64)
+            if query_perm is not None:
+                query_ratios = query_ratios[query_perm]
+
+        t0 = time.perf_counter()
+        ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=chunk)
+        _sync(device)
+        timings["score"] = time.perf_counter() - t0
+
+    split_video_ids = [str(v) for v in video_ids]
+    table = rank_table(yielded_queries, [split_video_ids[i] for i in qv_split], ranks, query_ratios)
+    seconds = time.perf_counter() - t_start
+    timings["total"] = seconds
+    return EvalResult(
+        metrics=recall_at(ranks, ks),
+        by_group=None if query_ratios is None else recall_by_group(ranks, query_ratios, ks),
+        ranks=ranks,
+        table=table,
+        num_queries=len(ranks),
+        num_videos=len(yielded_videos),
+        seconds=seconds,
+        timings=timings,
+    )
+
+
+def _data_layer_generators():
+    """``video_batches`` and ``query_batches`` from the data layer (imported lazily)."""
+    errors = []
+    for module_name in ("prvrlab.data.dataset", "prvrlab.data.collection"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            errors.append(f"{module_name}: {exc}")
+            continue
+        if hasattr(module, "video_batches") and hasattr(module, "query_batches"):
+            return module.video_batches, module.query_batches
+        errors.append(f"{module_name}: no video_batches/query_batches")
+    raise ImportError("the data layer's video_batches/query_batches were not found (" + "; ".join(errors) + ")")
+
+
+def evaluate(
+    model: RetrievalModel,
+    collection: Any,
+    split: str,
+    eval_cfg: Any,
+    *,
+    device: torch.device | str,
+    amp_dtype: torch.dtype | str | None = None,
+) -> EvalResult:
+    """Evaluate ``model`` on ``split`` of a data-layer ``Collection``.
+
+    Videos are encoded ``eval_cfg.video_batch_size`` at a time, queries
+    ``eval_cfg.query_batch_size`` at a time, and ``eval_cfg.score_chunk``
+    queries are scored against all videos at once (see ``compute_ranks`` for
+    the tie rule).  ``amp_dtype`` (``"bf16"``, ``torch.bfloat16``, ...)
+    enables autocast for encoding only; scores and metrics are float32.  The
+    model's train/eval mode is restored afterwards.
+    """
+    video_batches, query_batches = _data_layer_generators()
+    index = collection.split(split)
+    ratios = getattr(index, "ratios", None)
+    return evaluate_batches(
+        model,
+        video_batches(collection, split, eval_cfg.video_batch_size),
+        query_batches(collection, split, eval_cfg.query_batch_size),
+        video_ids=index.video_ids,
+        query_ids=index.query_ids,
+        query_video=index.query_video,
+        ratios=ratios,
+        chunk=int(eval_cfg.score_chunk),
+        device=device,
+        amp_dtype=amp_dtype,
+    )

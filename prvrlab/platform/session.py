@@ -1,0 +1,99 @@
+"""Where a training worker reports to: Ray Train, or the calling process.
+
+The worker function talks to a ``Session`` only, so the same code runs inside
+a Ray Train worker group (``RaySession``) and in-process without any Ray
+cluster (``LocalSession``, used by unit tests and for debugging).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+class Session:
+    """What a worker needs from its runtime."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @contextmanager
+    def checkpoint_dir(self) -> Iterator[Path | None]:
+        """The folder of the latest checkpoint to resume from, or None."""
+        yield None
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        """Report one round of metrics (all ranks, same number of times)."""
+        raise NotImplementedError
+
+
+class LocalSession(Session):
+    """In-process session: checkpoints copied to ``root``, reports to a callback."""
+
+    def __init__(self, root: str | Path, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.on_report = on_report
+        self.reports: list[dict[str, Any]] = []
+
+    @property
+    def _latest(self) -> Path:
+        return self.root / "checkpoint_latest"
+
+    @contextmanager
+    def checkpoint_dir(self) -> Iterator[Path | None]:
+        yield self._latest if self._latest.is_dir() else None
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        if checkpoint_dir is not None:
+            tmp = self.root / "checkpoint_tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(checkpoint_dir, tmp)
+            shutil.rmtree(self._latest, ignore_errors=True)
+            tmp.rename(self._latest)
+        self.reports.append(dict(metrics))
+        if self.on_report is not None:
+            self.on_report(dict(metrics))
+
+
+class RaySession(Session):
+    """Session backed by ``ray.train`` inside a TorchTrainer worker."""
+
+    def __init__(self) -> None:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        self.rank = ctx.get_world_rank()
+        self.world_size = ctx.get_world_size()
+        self.local_rank = ctx.get_local_rank()
+
+    @contextmanager
+    def checkpoint_dir(self) -> Iterator[Path | None]:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            yield None
+            return
+        with ckpt.as_directory() as path:
+            yield Path(path)
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        import ray.train
+
+        ckpt = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=ckpt)
+
+
+@contextmanager
+def scratch_dir() -> Iterator[Path]:
+    """A temporary folder removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="prvrlab-ckpt-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""MLflow tracking: one writer, absolute URIs, runs always closed.
+
+Only the driver process writes to the tracking store.  Runs are created and
+closed explicitly through ``MlflowClient`` (no fluent global state), metrics
+are sent in batches, and a run always ends FINISHED, FAILED or KILLED.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+DEFAULT_DB = "mlflow.db"
+PARAM_MAX = 6000
+
+
+def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None) -> str:
+    """An absolute tracking URI.
+
+    ``None`` means ``$MLFLOW_TRACKING_URI`` or an SQLite file ``mlflow.db`` in
+    the working directory.  Relative SQLite and file paths are made absolute
+    so that Ray workers and ``ray job submit`` (which change directory) reach
+    the same store.
+    """
+    base = Path(cwd or os.getcwd()).resolve()
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{base / DEFAULT_DB}"
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///") :]
+        if not path.startswith("/"):
+            return f"sqlite:///{(base / path).resolve()}"
+        return uri
+    if uri.startswith("file:"):
+        path = uri[len("file://") :] if uri.startswith("file://") else uri[len("file:") :]
+        return "file://" + str((base / path).resolve())
+    if "://" not in uri:
+        return "file://" + str((base / uri).resolve())
+    return uri
+
+
+def git_commit(cwd: str | Path | None = None) -> str:
+    """The current git commit (suffixed '-dirty' with local changes), or 'unknown'."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _clean_value(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= PARAM_MAX else text[: PARAM_MAX - 3] + "..."
+
+
+def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite numeric entries of a metrics dict (bools and strings dropped)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if math.isfinite(float(v)):
+            out[k] = float(v)
+    return out
+
+
+class Tracker:
+    """A thin MLflow writer bound to one tracking URI and experiment."""
+
+    def __init__(self, uri: str, experiment: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+
+    def start_run(self, name: str, *, tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> str:
+        """Create a RUNNING run and return its id."""
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, _clean_value(v)) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i : i + 100])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        items = [Metric(k, v, stamp, step or 0) for k, v in sorted(numeric_metrics(metrics).items())]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i : i + 500])
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(k, _clean_value(v)) for k, v in tags.items()])
+
+    def log_artifacts(self, run_id: str, paths: Iterable[Path], artifact_path: str | None = None) -> None:
+        for path in paths:
+            if path.is_dir():
+                self.client.log_artifacts(run_id, str(path), artifact_path)
+            elif path.exists():
+                self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def end_run(self, run_id: str, status: str) -> None:
+        """Close a run as FINISHED, FAILED or KILLED."""
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"bad run status {status!r}")
+        self.client.set_terminated(run_id, status=status)

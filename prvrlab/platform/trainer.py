@@ -1,0 +1,298 @@
+"""The training driver: validated config -> Ray Train DDP run -> MLflow run.
+
+The driver checks the data before Ray starts, starts (or joins) Ray, fits a
+``TorchTrainer`` whose workers run :func:`prvrlab.platform.worker.train_worker`,
+and is the only process writing to MLflow: worker reports travel from the Train
+controller to the driver through a Ray queue, and the driver logs them, prints
+one line per epoch, and closes the run FINISHED, FAILED or KILLED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue as stdlib_queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from prvrlab.platform.config import ExperimentConfig
+from prvrlab.platform.tracking import Tracker, git_commit, resolve_tracking_uri
+
+
+class TrainingError(RuntimeError):
+    """A run that did not finish (worker error, non-finite loss)."""
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    run_id: str
+    run_dir: Path
+    best_sumr: float
+    best_epoch: int
+    final_metrics: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resolve_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> ExperimentConfig:
+    """A copy whose data root and storage path are absolute (workers chdir)."""
+    base = (cwd or Path.cwd()).resolve()
+    data = dataclasses.replace(cfg.data, root=str((base / cfg.data.root).resolve()))
+    visual = Path(cfg.data.visual_feature)
+    if visual.is_absolute():
+        data = dataclasses.replace(data, visual_feature=str(visual))
+    tracking = dataclasses.replace(
+        cfg.tracking,
+        storage_path=str((base / cfg.tracking.storage_path).resolve()),
+        uri=resolve_tracking_uri(cfg.tracking.uri, base),
+    )
+    return dataclasses.replace(cfg, data=data, tracking=tracking)
+
+
+def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
+    """Write the synthetic collection if asked and missing; open and check the data.
+
+    Returns the opened collection (so the caller knows the dimensions).
+    Raises DataError naming the file when the data is missing or corrupt.
+    """
+    from prvrlab.data.collection import open_collection
+
+    root = Path(cfg.data.root)
+    if cfg.data.synthesize and not (root / "TextData").is_dir():
+        from prvrlab.data.synth import synthesize
+
+        synthesize(root, preset=cfg.data.synthesize, seed=cfg.data.synth_seed, progress=progress)
+    collection = open_collection(cfg.data)
+    for split in {cfg.data.train_split, cfg.data.val_split}:
+        collection.split(split)
+    return collection
+
+
+def run_name_for(cfg: ExperimentConfig) -> str:
+    """A unique, filesystem-safe run name: <name>-<timestamp>."""
+    stem = cfg.tracking.run_name or cfg.name
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-") or "run"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
+    """Tags every training run carries."""
+    return {
+        "prvrlab.kind": "train",
+        "backbone": cfg.backbone,
+        "plugins": ",".join(sorted(cfg.model.get("plugins", []) or [])) or "none",
+        "losses": ",".join(t for t, s in cfg.losses.items() if s["weight"] > 0),
+        "dataset": cfg.data.collection,
+        "seed": str(cfg.train.seed),
+        "git_commit": git_commit(),
+        "config_hash": cfg.fingerprint(),
+    }
+
+
+def cpus_per_worker(cfg: ExperimentConfig, cluster_cpus: float, reserved: float = 0.0) -> float:
+    """CPUs per Train worker: the configured value or an equal share of the cluster."""
+    if cfg.train.cpus_per_worker is not None:
+        return cfg.train.cpus_per_worker
+    share = (cluster_cpus - reserved) / cfg.train.num_workers
+    if share <= 0:
+        raise TrainingError(
+            f"the cluster has {cluster_cpus:g} CPUs, too few for {cfg.train.num_workers} workers"
+        )
+    return float(int(share)) if share >= 1 else round(share, 3)
+
+
+def format_epoch_line(m: dict[str, Any], epochs: int) -> str:
+    """One concise line per epoch."""
+    terms = " ".join(
+        f"{k[len('train/'):]}={m[k]:.4f}" for k in sorted(m) if k.startswith("train/") and k != "train/loss"
+    )
+    return (
+        f"epoch {m['epoch'] + 1:>3}/{epochs}  loss {m.get('train/loss', float('nan')):.4f} ({terms})  "
+        f"val SumR {m.get('val/sumr', float('nan')):6.1f} [R@1 {m.get('val/r1', 0):.1f} R@5 {m.get('val/r5', 0):.1f} "
+        f"R@10 {m.get('val/r10', 0):.1f} R@100 {m.get('val/r100', 0):.1f}]  "
+        f"best {m['best/sumr']:.1f}@{m['best/epoch'] + 1}  {m['time/epoch_s']:.1f}s"
+    )
+
+
+class RunRecorder:
+    """Turns worker reports into MLflow metrics and console lines (driver side)."""
+
+    def __init__(self, tracker: Tracker, run_id: str, epochs: int, echo: Callable[[str], None] | None) -> None:
+        self.tracker, self.run_id, self.epochs, self.echo = tracker, run_id, epochs, echo
+        self.history: list[dict[str, Any]] = []
+        self.final: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def __call__(self, metrics: dict[str, Any]) -> None:
+        kind = metrics.get("kind")
+        if kind == "epoch":
+            self.history.append(metrics)
+            self.tracker.log_metrics(self.run_id, metrics, step=int(metrics["epoch"]))
+            if self.echo:
+                self.echo(format_epoch_line(metrics, self.epochs))
+        elif kind == "final":
+            self.final = metrics
+            self.tracker.log_metrics(self.run_id, {f"final/{k}": v for k, v in metrics.items()})
+        elif kind == "nonfinite":
+            self.error = str(metrics.get("error", "non-finite loss"))
+
+
+def _queue_callback(q):
+    """A Train UserCallback forwarding rank 0's reports to the driver's queue."""
+    from ray.train import UserCallback
+
+    class ForwardReports(UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics:
+                q.put(dict(metrics[0]))
+
+    return ForwardReports()
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster at $RAY_ADDRESS, or start a quiet local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            configure_logging=True,
+        )
+
+
+def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
+    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
+
+    from prvrlab.platform.worker import train_worker
+
+    ensure_ray()
+    cpus = cpus_per_worker(cfg, float(ray.cluster_resources().get("CPU", os.cpu_count() or 1)))
+    reports = Queue(actor_options={"num_cpus": 0})
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"experiment": cfg.to_dict(), "run_dir": str(run_dir), "cpus_per_worker": cpus},
+        torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.train.num_workers,
+            use_gpu=cfg.train.use_gpu,
+            resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.train.use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=cfg.tracking.storage_path,
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
+            callbacks=[_queue_callback(reports)],
+        ),
+    )
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised in the driver thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="prvrlab-fit", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive() or not reports.empty():
+            try:
+                on_report(reports.get(timeout=0.5))
+            except (stdlib_queue.Empty, ray.util.queue.Empty):
+                continue
+    finally:
+        thread.join(timeout=5)
+        try:
+            ray.kill(reports.actor)
+        except Exception:
+            pass
+    if "error" in outcome:
+        raise TrainingError(_short_error(outcome["error"])) from outcome["error"]
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    tail = lines[-8:] if len(lines) > 8 else lines
+    return f"{type(exc).__name__}: " + "\n".join(tail)
+
+
+def train(
+    cfg: ExperimentConfig,
+    *,
+    use_ray: bool = True,
+    echo: Callable[[str], None] | None = print,
+    parent_run_id: str | None = None,
+) -> TrainResult:
+    """Train ``cfg`` and record it as one MLflow run; raises TrainingError on failure."""
+    cfg = resolve_paths(cfg)
+    prepare_data(cfg, progress=echo is not None)
+    name = run_name_for(cfg)
+    run_dir = Path(cfg.tracking.storage_path) / name / "files"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    tracker = Tracker(cfg.tracking.uri or resolve_tracking_uri(None), cfg.tracking.experiment)
+    run_id = tracker.start_run(name, tags=run_tags(cfg), parent_run_id=parent_run_id)
+    tracker.log_params(run_id, cfg.flat())
+    recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
+    if echo:
+        echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
+    status = "FAILED"
+    try:
+        if use_ray:
+            fit_with_ray(cfg, run_dir, name, recorder)
+        else:
+            from prvrlab.platform.worker import run_local
+
+            run_local(cfg.to_dict(), run_dir, on_report=recorder)
+        if recorder.error:
+            raise TrainingError(f"non-finite loss: {recorder.error}")
+        if not recorder.final:
+            raise TrainingError("training ended without its final report")
+        tracker.log_metrics(run_id, {"best/sumr": recorder.final["best/sumr"], "best/epoch": recorder.final["best/epoch"]})
+        tracker.log_artifacts(run_id, [run_dir / "config.yaml"])
+        tracker.log_artifacts(run_id, sorted(run_dir.glob("ranks_*.parquet")), "ranks")
+        tracker.log_artifacts(run_id, [run_dir / "best_model.pt"], "checkpoints")
+        (run_dir / "history.json").write_text(json.dumps(recorder.history, indent=1))
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except TrainingError as exc:
+        tracker.set_tags(run_id, {"error": str(exc)})
+        raise
+    except Exception as exc:
+        tracker.set_tags(run_id, {"error": _short_error(exc)})
+        raise TrainingError(_short_error(exc)) from exc
+    finally:
+        tracker.end_run(run_id, status)
+    return TrainResult(
+        run_id=run_id,
+        run_dir=run_dir,
+        best_sumr=float(recorder.final["best/sumr"]),
+        best_epoch=int(recorder.final["best/epoch"]),
+        final_metrics=recorder.final,
+        history=recorder.history,
+    )
+

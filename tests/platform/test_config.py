@@ -1,0 +1,131 @@
+"""Config validation: unknown keys, types, values, components, overrides."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prvrlab.platform.config import (
+    ConfigError,
+    apply_overrides,
+    flatten,
+    load_config,
+    parse_override,
+    validate,
+)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def base() -> dict:
+    return {
+        "name": "t",
+        "model": {"name": "gmmformer", "hidden_size": 32},
+        "losses": {
+            "clip_triplet": {"loss": "triplet", "weight": 1.0, "branch": "clip", "margin": 0.1},
+            "clip_nce": {"loss": "infonce", "weight": 0.02, "branch": "clip"},
+        },
+        "train": {"epochs": 2},
+    }
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.backbone == "gmmformer"
+    assert cfg.loss_weights()["clip_triplet"] == 1.0
+
+
+def test_valid_config_round_trips_through_yaml():
+    cfg = validate(base())
+    again = validate(yaml.safe_load(cfg.to_yaml()))
+    assert again.to_dict() == cfg.to_dict()
+    assert again.fingerprint() == cfg.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ({"train.lrr": 1e-3}, "'train.lrr' (did you mean 'lr'?)"),
+        ({"trian.lr": 1e-3}, "(did you mean 'train'?)"),
+        ({"model.hiden_size": 64}, "'model.hiden_size'"),
+        ({"losses.clip_triplet.margn": 0.2}, "did you mean 'margin'?"),
+        ({"losses.clip_nce.loss": "infonse"}, "did you mean 'infonce'?"),
+        ({"model.name": "gmmformr"}, "did you mean 'gmmformer'?"),
+    ],
+)
+def test_unknown_keys_and_names_suggest_the_closest(override, needle):
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(base(), override))
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ({"train.epochs": "ten"}, "train.epochs: expected an integer"),
+        ({"train.epochs": 0}, "train.epochs must be > 0"),
+        ({"train.lr": -1.0}, "train.lr must be > 0"),
+        ({"train.use_gpu": "yes"}, "train.use_gpu: expected true/false"),
+        ({"train.amp": "bf17"}, "train.amp"),
+        ({"train.warmup_proportion": 1.5}, "train.warmup_proportion"),
+        ({"losses.clip_nce.weight": -0.1}, "losses.clip_nce.weight must be >= 0"),
+        ({"model.hidden_size": 1.5}, "model.hidden_size: expected an integer"),
+        ({"train.lr": float("nan")}, "train.lr: expected a finite number"),
+    ],
+)
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(base(), override))
+    assert needle in str(err.value)
+
+
+def test_all_zero_weights_rejected():
+    raw = apply_overrides(base(), {"losses.clip_triplet.weight": 0, "losses.clip_nce.weight": 0})
+    with pytest.raises(ConfigError, match="every weight is 0"):
+        validate(raw)
+
+
+def test_int_accepted_where_float_expected_and_yaml_exponent_strings():
+    cfg = validate(apply_overrides(base(), {"train.lr": "1e-3", "losses.clip_nce.weight": 1}))
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert isinstance(cfg.losses["clip_nce"]["weight"], float)
+
+
+def test_parse_override_uses_yaml_types():
+    assert parse_override("train.lr=1.0e-3") == ("train.lr", 1.0e-3)
+    assert parse_override("train.use_gpu=true") == ("train.use_gpu", True)
+    assert parse_override("model.sigmas=[1, .inf]") == ("model.sigmas", [1, float("inf")])
+    with pytest.raises(ConfigError):
+        parse_override("train.lr")
+
+
+def test_overrides_reach_nested_keys_and_new_loss_terms():
+    raw = apply_overrides(base(), {"losses.qd.loss": "query_diverse", "losses.qd.weight": 0.5})
+    cfg = validate(raw)
+    assert cfg.losses["qd"]["weight"] == 0.5
+    assert "losses.qd.weight" in cfg.flat()
+
+
+def test_flatten():
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
+
+
+def test_missing_and_bad_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml.safe_dump(apply_overrides(base(), {"train.bogus": 1})))
+    with pytest.raises(ConfigError, match=r"wrong.yaml: unknown key 'train.bogus'"):
+        load_config(wrong)
+
+
+def test_fingerprint_ignores_tracking_but_not_hyperparameters():
+    a = validate(base())
+    b = validate(apply_overrides(base(), {"tracking.experiment": "other"}))
+    c = validate(apply_overrides(base(), {"train.lr": 1e-3}))
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()

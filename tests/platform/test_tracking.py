@@ -1,0 +1,44 @@
+"""MLflow helpers: absolute URIs, run lifecycle."""
+
+from pathlib import Path
+
+import pytest
+
+from prvrlab.platform.tracking import Tracker, numeric_metrics, resolve_tracking_uri
+
+
+def test_default_uri_is_absolute_sqlite_in_cwd(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+
+
+def test_env_uri_honoured_and_relative_paths_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///stores/x.db")
+    assert resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve() / 'stores/x.db'}"
+    assert resolve_tracking_uri("http://127.0.0.1:5000", tmp_path) == "http://127.0.0.1:5000"
+    assert resolve_tracking_uri("mlruns", tmp_path) == "file://" + str(tmp_path.resolve() / "mlruns")
+    assert resolve_tracking_uri("sqlite:////abs/m.db", tmp_path) == "sqlite:////abs/m.db"
+
+
+def test_numeric_metrics_drops_strings_bools_and_nonfinite():
+    got = numeric_metrics({"a": 1, "b": 2.5, "kind": "epoch", "flag": True, "nan": float("nan")})
+    assert got == {"a": 1.0, "b": 2.5}
+
+
+def test_run_lifecycle_and_parent_link(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    tracker = Tracker(uri, "exp")
+    parent = tracker.start_run("parent")
+    child = tracker.start_run("child", tags={"backbone": "x"}, parent_run_id=parent)
+    tracker.log_params(child, {"train.lr": 0.1, "model.sigmas": [1.0, float("inf")]})
+    tracker.log_metrics(child, {"val/sumr": 12.5, "kind": "epoch"}, step=3)
+    tracker.end_run(child, "FINISHED")
+    tracker.end_run(parent, "KILLED")
+    run = tracker.client.get_run(child)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    assert run.data.params["train.lr"] == "0.1"
+    assert run.data.metrics["val/sumr"] == 12.5
+    assert tracker.client.get_run(parent).info.status == "KILLED"
+    with pytest.raises(ValueError):
+        tracker.end_run(child, "RUNNING")
