@@ -182,14 +182,19 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from prvrlab.platform.worker import train_worker
+    from prvrlab.platform.worker import fault_hook_from_env, train_worker
 
     ensure_ray()
     cpus = cpus_per_worker(cfg, float(ray.cluster_resources().get("CPU", os.cpu_count() or 1)))
     reports = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"experiment": cfg.to_dict(), "run_dir": str(run_dir), "cpus_per_worker": cpus},
+        train_loop_config={
+            "experiment": cfg.to_dict(),
+            "run_dir": str(run_dir),
+            "cpus_per_worker": cpus,
+            "fault": fault_hook_from_env(),
+        },
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=cfg.train.num_workers,

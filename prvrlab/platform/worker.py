@@ -89,20 +89,29 @@ def _atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _maybe_inject_fault(epoch: int, rank: int) -> None:
-    """Test hook: kill this worker process once, after ``epoch``, on rank 0."""
-    target = os.environ.get(FAULT_EPOCH_ENV)
-    marker = os.environ.get(FAULT_MARKER_ENV)
-    if target is None or marker is None or rank != 0 or int(target) != epoch:
+def fault_hook_from_env() -> dict[str, Any] | None:
+    """The driver-side test hook: crash rank 0 once after an epoch (see FAULT_*_ENV)."""
+    epoch, marker = os.environ.get(FAULT_EPOCH_ENV), os.environ.get(FAULT_MARKER_ENV)
+    if epoch is None or marker is None:
+        return None
+    return {"epoch": int(epoch), "marker": marker}
+
+
+def _maybe_inject_fault(epoch: int, rank: int, hook: dict[str, Any] | None) -> None:
+    """Kill this worker process once after ``hook['epoch']`` on rank 0 (tests)."""
+    if hook is None or rank != 0 or hook["epoch"] != epoch or Path(hook["marker"]).exists():
         return
-    if Path(marker).exists():
-        return
-    Path(marker).write_text(f"crashed after epoch {epoch}\n")
+    Path(hook["marker"]).write_text(f"crashed after epoch {epoch}\n")
+    time.sleep(hook.get("delay_s", 3.0))  # let the controller register the checkpoint
     os._exit(17)
 
 
 def train_worker(loop_config: dict[str, Any], session: Session | None = None) -> None:
-    """Train one run. ``loop_config``: {"experiment": raw config dict, "run_dir": path}."""
+    """Train one run.
+
+    ``loop_config``: {"experiment": config dict, "run_dir": folder for run files,
+    "cpus_per_worker": float, "fault": optional test hook}.
+    """
     cfg = validate(loop_config["experiment"])
     run_dir = Path(loop_config["run_dir"])
     session = session or RaySession()
@@ -241,7 +250,7 @@ def train_worker(loop_config: dict[str, Any], session: Session | None = None) ->
                 session.report(metrics, tmp)
         else:
             session.report(metrics, None)
-        _maybe_inject_fault(epoch, rank)
+        _maybe_inject_fault(epoch, rank, loop_config.get("fault"))
         if state["bad_epochs"] >= cfg.train.early_stop_patience:
             break
 

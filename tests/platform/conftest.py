@@ -1,0 +1,22 @@
+"""Shared fixtures: a tiny synthetic collection and a small, fast config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    from prvrlab.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("synth_tiny")
+    synthesize(root, preset="tiny", seed=0, progress=False)
+    return root

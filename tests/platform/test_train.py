@@ -1,0 +1,104 @@
+"""End-to-end training: in-process worker, Ray Train DDP, resume, NaN, MLflow."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from prvrlab.data.batch import Batch
+from prvrlab.losses.base import Loss
+from prvrlab.models.base import ModelOutput
+from prvrlab.platform.config import validate
+from prvrlab.platform.evaluate import evaluate
+from prvrlab.platform.trainer import TrainingError, train
+from prvrlab.platform.tracking import Tracker
+from prvrlab.platform.worker import build_model, seed_everything
+from prvrlab.registry import LOSSES
+
+from train_helpers import small_raw
+
+
+def untrained_val_sumr(raw: dict) -> float:
+    """SumR of the same model, same seed, before any training step."""
+    from prvrlab.data.collection import open_collection
+
+    cfg = validate(raw)
+    seed_everything(cfg.train.seed)
+    collection = open_collection(cfg.data)
+    model = build_model(cfg, collection.video_dim, collection.query_dim)
+    return evaluate(model, collection, "val", cfg.eval, device=torch.device("cpu")).metrics["sumr"]
+
+
+def runs(raw: dict):
+    tracker = Tracker(raw["tracking"]["uri"], raw["tracking"]["experiment"])
+    return tracker.client.search_runs([tracker.experiment_id])
+
+
+def test_in_process_training_learns_and_is_recorded(tiny_root, tmp_path):
+    raw = small_raw(tiny_root, tmp_path)
+    before = untrained_val_sumr(raw)
+    result = train(validate(raw), use_ray=False, echo=None)
+    assert result.best_sumr > before + 20, (before, result.best_sumr)
+    assert [h["epoch"] for h in result.history] == list(range(len(result.history)))
+    (run,) = runs(raw)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.lr"] == "0.001"
+    assert run.data.tags["backbone"] == "gmmformer"
+    assert run.data.metrics["best/sumr"] == pytest.approx(result.best_sumr)
+    assert "train/clip_triplet" in run.data.metrics and "val/r100" in run.data.metrics
+    ranks = pq.read_table(result.run_dir / "ranks_test.parquet")
+    assert set(ranks.column_names) >= {"query_id", "video_id", "rank"}
+
+
+@LOSSES.register("test_nan")
+class NanLoss(Loss):
+    """Becomes NaN on the second epoch (test only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> torch.Tensor:
+        value = out.scores["clip"].sim.mean()
+        return value * float("nan") if epoch >= 1 else value * 0.0
+
+
+def test_nan_loss_fails_the_run_cleanly(tiny_root, tmp_path):
+    raw = small_raw(tiny_root, tmp_path, epochs=3)
+    raw["losses"]["bad_term"] = {"loss": "test_nan", "weight": 1.0}
+    with pytest.raises(TrainingError, match="bad_term"):
+        train(validate(raw), use_ray=False, echo=None)
+    (run,) = runs(raw)
+    assert run.info.status == "FAILED"
+    assert "bad_term" in run.data.tags["error"]
+
+
+@pytest.mark.slow
+def test_two_worker_ddp_through_ray_train(tiny_root, tmp_path):
+    raw = small_raw(tiny_root, tmp_path, num_workers=2, epochs=6)
+    before = untrained_val_sumr(raw)
+    result = train(validate(raw), echo=None)
+    assert result.best_sumr > before + 20, (before, result.best_sumr)
+    (run,) = runs(raw)
+    assert run.info.status == "FINISHED"
+    artifacts = {a.path for a in Tracker(raw["tracking"]["uri"], "tests").client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "ranks", "checkpoints"} <= artifacts
+    assert (result.run_dir / "best_model.pt").is_file()
+
+
+@pytest.mark.slow
+def test_worker_failure_resumes_from_last_checkpoint(tiny_root, tmp_path, monkeypatch):
+    marker = tmp_path / "crashed"
+    monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "1")
+    monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(marker))
+    raw = small_raw(tiny_root, tmp_path, num_workers=2, epochs=4, max_failures=1)
+    result = train(validate(raw), echo=None)
+    assert marker.exists(), "the injected crash did not happen"
+    epochs = [h["epoch"] for h in result.history]
+    assert epochs.count(0) == 1 and epochs[-1] == 3, epochs  # resumed, not started over
+    assert epochs == [0, 1, 2, 3], epochs  # resumed right after the last checkpoint
+    (run,) = runs(raw)
+    assert run.info.status == "FINISHED"

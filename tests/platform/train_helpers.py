@@ -1,0 +1,24 @@
+"""Config builders shared by the training tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def small_raw(root: Path, tmp: Path, **train) -> dict:
+    """A fast GMMFormer config on the tiny synthetic collection."""
+    return {
+        "name": "tiny",
+        "data": {"root": str(root), "collection": "synth", "visual_feature": "synth_feat"},
+        "model": {"name": "gmmformer", "hidden_size": 32, "num_heads": 2, "dropout": 0.0},
+        "losses": {
+            "clip_triplet": {"loss": "triplet", "weight": 1.0, "branch": "clip", "margin": 0.2},
+            "frame_triplet": {"loss": "triplet", "weight": 1.0, "branch": "frame", "margin": 0.2},
+            "clip_nce": {"loss": "infonce", "weight": 0.05, "branch": "clip"},
+            "frame_nce": {"loss": "infonce", "weight": 0.05, "branch": "frame"},
+            "query_diverse": {"loss": "query_diverse", "weight": 0.003, "branch": "clip"},
+        },
+        "train": {"epochs": 8, "batch_size": 16, "lr": 1e-3, "num_workers": 1, "seed": 0, **train},
+        "eval": {"final_splits": ["val", "test"]},
+        "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests", "storage_path": str(tmp / "results")},
+    }
