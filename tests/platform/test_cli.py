@@ -1,0 +1,90 @@
+"""The command line: happy paths on tiny data and one clear error per bad input."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from prvrlab.platform.cli import EXIT_BAD_INPUT, main
+from prvrlab.platform.tracking import Tracker
+
+from train_helpers import small_raw
+
+
+def write_config(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def run_count(raw: dict) -> int:
+    db = Path(raw["tracking"]["uri"][len("sqlite:///") :])
+    if not db.exists():
+        return 0
+    tracker = Tracker(raw["tracking"]["uri"], raw["tracking"]["experiment"])
+    return len(tracker.client.search_runs([tracker.experiment_id]))
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == EXIT_BAD_INPUT
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_unknown_key_names_key_and_suggestion(tiny_root, tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", small_raw(tiny_root, tmp_path))
+    assert main(["train", str(cfg), "--set", "train.epoch=3"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "'train.epoch'" in err and "did you mean 'epochs'?" in err
+
+
+def test_missing_data_is_named_and_nothing_is_recorded(tmp_path, capsys):
+    raw = small_raw(tmp_path / "no_such_collection", tmp_path)
+    cfg = write_config(tmp_path / "c.yaml", raw)
+    assert main(["train", str(cfg), "--no-ray"]) == EXIT_BAD_INPUT
+    assert "no_such_collection" in capsys.readouterr().err
+    assert run_count(raw) == 0
+
+
+def test_corrupt_feature_bin_is_named(tiny_root, tmp_path, capsys):
+    root = tmp_path / "copy"
+    shutil.copytree(tiny_root, root)
+    feature_bin = next(root.glob("FeatureData/*/feature.bin"))
+    feature_bin.write_bytes(feature_bin.read_bytes()[:-8])
+    assert main(["data", "inspect", "--root", str(root)]) == EXIT_BAD_INPUT
+    assert "feature.bin" in capsys.readouterr().err
+
+
+def test_synth_and_inspect(tmp_path, capsys):
+    assert main(["data", "synth", "--preset", "tiny", "--out", str(tmp_path / "s"), "--quiet"]) == 0
+    assert main(["data", "inspect", "--root", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "val" in out
+
+
+def test_check_prints_resolved_config(tiny_root, tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", small_raw(tiny_root, tmp_path))
+    assert main(["train", str(cfg), "--check", "--set", "train.lr=0.01"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["lr"] == 0.01
+
+
+def test_train_then_eval_checkpoint(tiny_root, tmp_path, capsys):
+    raw = small_raw(tiny_root, tmp_path, epochs=2)
+    cfg = write_config(tmp_path / "c.yaml", raw)
+    assert main(["train", str(cfg), "--no-ray"]) == 0
+    out = capsys.readouterr().out
+    assert "epoch   2/2" in out and "best val SumR" in out
+    (best,) = (tmp_path / "results").glob("*/files/best_model.pt")
+    ranks = tmp_path / "ranks.parquet"
+    assert main(["eval", str(best), "--split", "test", "--ranks", str(ranks)]) == 0
+    assert "SumR" in capsys.readouterr().out
+    assert pq.read_table(ranks).num_rows > 0
+
+
+def test_eval_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    assert main(["eval", str(junk)]) == EXIT_BAD_INPUT
+    assert "junk.pt" in capsys.readouterr().err
