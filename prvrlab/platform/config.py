@@ -194,8 +194,8 @@ def _positive(section: Any, *names: str) -> None:
     prefix = _section_name(section)
     for name in names:
         value = getattr(section, name)
-        if not value > 0:
-            raise ConfigError(f"{prefix}.{name} must be > 0, got {value!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{prefix}.{name} must be a finite number > 0, got {value!r}")
 
 
 def _section_name(section: Any) -> str:
@@ -265,8 +265,8 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
             else:
                 raise ConfigError(f"{key}: expected a number, got {value!r}")
         value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        if math.isnan(value):
+            raise ConfigError(f"{key}: expected a number, got NaN")
         return value
     if annotation is str:
         if not isinstance(value, str):

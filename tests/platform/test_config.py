@@ -64,14 +64,15 @@ def test_unknown_keys_and_names_suggest_the_closest(override, needle):
     "override, needle",
     [
         ({"train.epochs": "ten"}, "train.epochs: expected an integer"),
-        ({"train.epochs": 0}, "train.epochs must be > 0"),
-        ({"train.lr": -1.0}, "train.lr must be > 0"),
+        ({"train.epochs": 0}, "train.epochs must be a finite number > 0"),
+        ({"train.lr": -1.0}, "train.lr must be a finite number > 0"),
+        ({"train.lr": float("inf")}, "train.lr must be a finite number > 0"),
         ({"train.use_gpu": "yes"}, "train.use_gpu: expected true/false"),
         ({"train.amp": "bf17"}, "train.amp"),
         ({"train.warmup_proportion": 1.5}, "train.warmup_proportion"),
         ({"losses.clip_nce.weight": -0.1}, "losses.clip_nce.weight must be >= 0"),
         ({"model.hidden_size": 1.5}, "model.hidden_size: expected an integer"),
-        ({"train.lr": float("nan")}, "train.lr: expected a finite number"),
+        ({"train.lr": float("nan")}, "train.lr: expected a number, got NaN"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):

@@ -1,0 +1,232 @@
+"""A PRVR collection on disk: visual features, query features and caption splits.
+
+:func:`open_collection` resolves the paths of a :class:`DataConfig`::
+
+    <root>/FeatureData/<visual_feature>         BigFile folder or HDF5 file (absolute path: as is)
+    <root>/TextData/<text_feature>              default roberta_<collection>_query_feat.hdf5
+    <root>/TextData/<collection><split>.caption.txt
+    <root>/TextData/<collection><split>.timestamps.json   optional, analysis only
+
+and checks them: a missing file, a caption whose video has no visual features,
+a query without features, a dimension mismatch, an empty video or query all
+raise :class:`DataError` naming the file and the id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from prvrlab.data.errors import DataError
+from prvrlab.data.features import VisualFeatures, open_visual_features
+from prvrlab.data.text import (
+    QueryFeatures,
+    caption_path,
+    moment_ratios,
+    read_captions,
+    read_timestamps,
+    timestamps_path,
+    video_id_of,
+)
+
+if TYPE_CHECKING:
+    from prvrlab.platform.config import DataConfig
+
+
+@dataclass(frozen=True)
+class SplitIndex:
+    """The videos and queries of one split, queries grouped contiguously per video.
+
+    ``query_video[i]`` is the position in ``video_ids`` of query ``i``'s video;
+    the queries of video ``v`` are ``query_ids[query_offsets[v]:query_offsets[v + 1]]``.
+    Videos are in order of first appearance in the caption file, and a video's
+    queries keep their caption-file order.
+    """
+
+    name: str
+    caption_file: Path
+    video_ids: list[str]
+    query_ids: list[str]
+    query_texts: list[str]
+    query_video: np.ndarray  # (Nq,) int64
+    query_offsets: np.ndarray  # (Nv + 1,) int64
+    frame_counts: np.ndarray  # (Nv,) int64, raw frames per video
+    token_counts: np.ndarray  # (Nq,) int64, raw tokens per query (before truncation)
+    ratios: np.ndarray | None  # (Nq,) float64 moment/video duration, NaN where unknown; None without timestamps
+
+    @property
+    def num_videos(self) -> int:
+        """Number of videos in the split."""
+        return len(self.video_ids)
+
+    @property
+    def num_queries(self) -> int:
+        """Number of queries in the split."""
+        return len(self.query_ids)
+
+    def queries_of(self, video: int) -> slice:
+        """Positions of the queries of video number ``video``."""
+        return slice(int(self.query_offsets[video]), int(self.query_offsets[video + 1]))
+
+
+class Collection:
+    """Open feature stores plus lazily built, cached split indexes.
+
+    Picklable (feature handles are reopened per process), so it can be sent to
+    DataLoader workers and Ray actors.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        root: Path,
+        visual_path: Path,
+        query_path: Path,
+        text_dir: Path,
+        max_frames: int = 128,
+        num_clips: int = 32,
+        max_query_len: int = 30,
+    ) -> None:
+        self.name = name
+        self.root = root
+        self.text_dir = text_dir
+        self.max_frames = max_frames
+        self.num_clips = num_clips
+        self.max_query_len = max_query_len
+        self.visual: VisualFeatures = open_visual_features(visual_path)
+        self.queries = QueryFeatures(query_path)
+        self._splits: dict[str, SplitIndex] = {}
+
+    @property
+    def video_dim(self) -> int:
+        """Visual feature dimension Dv."""
+        return self.visual.dim
+
+    @property
+    def query_dim(self) -> int:
+        """Query token feature dimension Dq."""
+        return self.queries.dim
+
+    def caption_file(self, split: str) -> Path:
+        """Path of the caption file of ``split``."""
+        return caption_path(self.text_dir, self.name, split)
+
+    def timestamps_file(self, split: str) -> Path:
+        """Path of the (optional) timestamps file of ``split``."""
+        return timestamps_path(self.text_dir, self.name, split)
+
+    def split(self, name: str) -> SplitIndex:
+        """The validated index of split ``name`` (built once, then cached)."""
+        if name not in self._splits:
+            self._splits[name] = self._build_split(name)
+        return self._splits[name]
+
+    def close(self) -> None:
+        """Close open feature handles (they reopen on demand)."""
+        self.visual.close()
+        self.queries.close()
+
+    def _build_split(self, name: str) -> SplitIndex:
+        path = self.caption_file(name)
+        captions = read_captions(path)
+        if not captions:
+            raise DataError(f"{path}: no caption")
+        cap_ids = [c for c, _ in captions]
+        cap_videos = [video_id_of(c) for c in cap_ids]
+        video_ids = list(dict.fromkeys(cap_videos))
+        position = {v: i for i, v in enumerate(video_ids)}
+        missing = [v for v in video_ids if not self.visual.has(v)]
+        if missing:
+            cap = cap_ids[cap_videos.index(missing[0])]
+            raise DataError(
+                f"{path}: caption {cap!r} refers to video {missing[0]!r}, which has no features in "
+                f"{self.visual.path} ({len(missing)} of {len(video_ids)} videos missing)"
+            )
+        frame_counts = np.array([self.visual.num_frames(v) for v in video_ids], dtype=np.int64)
+        empty = np.flatnonzero(frame_counts == 0)
+        if empty.size:
+            raise DataError(f"{self.visual.path}: video {video_ids[int(empty[0])]!r} has no frame")
+        raw_video = np.fromiter(map(position.__getitem__, cap_videos), dtype=np.int64, count=len(cap_ids))
+        order = np.argsort(raw_video, kind="stable")  # group queries by video, keep file order within
+        query_ids = [cap_ids[i] for i in order]
+        query_texts = [captions[i][1] for i in order]
+        query_video = raw_video[order]
+        offsets = np.zeros(len(video_ids) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(query_video, minlength=len(video_ids)), out=offsets[1:])
+        token_counts = self.queries.check(query_ids, source=path)
+        stamps = read_timestamps(self.timestamps_file(name))
+        ratios = moment_ratios(stamps, query_ids) if stamps is not None else None
+        return SplitIndex(
+            name=name,
+            caption_file=path,
+            video_ids=video_ids,
+            query_ids=query_ids,
+            query_texts=query_texts,
+            query_video=query_video,
+            query_offsets=offsets,
+            frame_counts=frame_counts,
+            token_counts=token_counts,
+            ratios=ratios,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Collection({self.name!r}, root={str(self.root)!r}, videos={len(self.visual)}, "
+            f"queries={len(self.queries)}, video_dim={self.video_dim}, query_dim={self.query_dim})"
+        )
+
+
+def resolve_paths(cfg: "DataConfig") -> dict[str, Path]:
+    """The file paths a DataConfig points to: root, visual, query, text_dir."""
+    root = Path(cfg.root).expanduser()
+    visual = Path(cfg.visual_feature).expanduser()
+    if not visual.is_absolute():
+        visual = root / "FeatureData" / visual
+    text_dir = root / "TextData"
+    query = Path(cfg.text_feature or f"roberta_{cfg.collection}_query_feat.hdf5").expanduser()
+    if not query.is_absolute():
+        query = text_dir / query
+    return {"root": root, "visual": visual, "query": query, "text_dir": text_dir}
+
+
+def configured_splits(cfg: "DataConfig") -> list[str]:
+    """The split names a DataConfig uses (train, val and test when set), without repeats."""
+    names = [cfg.train_split, cfg.val_split, cfg.test_split]
+    return list(dict.fromkeys(n for n in names if n))
+
+
+def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_synthesize: bool = True) -> Collection:
+    """Open the collection described by ``cfg``.
+
+    When ``cfg.synthesize`` names a synthetic preset, ``cfg.root`` does not
+    exist yet and ``allow_synthesize`` is true, the preset is generated there
+    first (safe when several processes race to do it).  With
+    ``validate_splits`` the configured splits are indexed and checked now, so
+    a bad file fails before training starts.
+    """
+    paths = resolve_paths(cfg)
+    if allow_synthesize and cfg.synthesize and not paths["root"].exists():
+        from prvrlab.data.synth import synthesize_if_missing
+
+        synthesize_if_missing(paths["root"], preset=cfg.synthesize, seed=cfg.synth_seed)
+    if not paths["root"].is_dir():
+        raise DataError(f"data root not found: {paths['root']} (set data.root, or data.synthesize to generate one)")
+    collection = Collection(
+        name=cfg.collection,
+        root=paths["root"],
+        visual_path=paths["visual"],
+        query_path=paths["query"],
+        text_dir=paths["text_dir"],
+        max_frames=cfg.max_frames,
+        num_clips=cfg.num_clips,
+        max_query_len=cfg.max_query_len,
+    )
+    if validate_splits:
+        for name in configured_splits(cfg):
+            collection.split(name)
+        collection.close()
+    return collection

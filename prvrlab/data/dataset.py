@@ -1,0 +1,277 @@
+"""Datasets, collation, the distributed video batch sampler and eval iterators.
+
+A training sample is a video with all of its queries; :func:`collate` turns a
+list of them into a :class:`~prvrlab.data.batch.Batch` whose queries are
+contiguous per video.  :class:`VideoBatchSampler` splits each epoch's
+permutation of videos across DDP ranks so that every rank yields the same
+number of batches.  :func:`video_batches` and :func:`query_batches` iterate a
+split in order for evaluation (videos and queries are encoded separately).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from prvrlab.data.batch import Batch
+from prvrlab.data.collection import Collection, SplitIndex
+from prvrlab.data.preprocess import preprocess_clips, preprocess_frames, preprocess_query
+
+
+@dataclass
+class VideoItem:
+    """One preprocessed video with all of its queries."""
+
+    video_id: str
+    frames: np.ndarray  # (Lf, Dv) float32, Lf <= max_frames
+    clips: np.ndarray  # (Lc, Dv) float32
+    query_ids: list[str]
+    queries: list[np.ndarray]  # each (Lq_i, Dq) float32, Lq_i <= max_query_len
+
+
+class VideoDataset(Dataset):
+    """Item ``i`` is video ``i`` of ``split`` with all its queries, preprocessed."""
+
+    def __init__(self, collection: Collection, split: str | SplitIndex) -> None:
+        self.collection = collection
+        self.index = collection.split(split) if isinstance(split, str) else split
+
+    def __len__(self) -> int:
+        return self.index.num_videos
+
+    def video(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Preprocessed ``(frames (Lf, Dv), clips (Lc, Dv))`` of video ``i``."""
+        c = self.collection
+        raw = c.visual.frames(self.index.video_ids[i])  # (n, Dv)
+        return preprocess_frames(raw, c.max_frames), preprocess_clips(raw, c.num_clips)
+
+    def query(self, j: int) -> np.ndarray:
+        """Preprocessed tokens (Lq, Dq) of query ``j`` of the split."""
+        c = self.collection
+        return preprocess_query(c.queries.tokens(self.index.query_ids[j]), c.max_query_len)
+
+    def __getitem__(self, i: int) -> VideoItem:
+        frames, clips = self.video(i)
+        span = self.index.queries_of(i)
+        return VideoItem(
+            video_id=self.index.video_ids[i],
+            frames=frames,
+            clips=clips,
+            query_ids=self.index.query_ids[span],
+            queries=[self.query(j) for j in range(span.start, span.stop)],
+        )
+
+
+def pad_sequences(arrays: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
+    """Stack (L_i, D) arrays into zero-padded (N, L, D) float32 and a (N, L) bool mask."""
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))  # (N,)
+    longest = int(lengths.max())
+    out = np.zeros((len(arrays), longest, arrays[0].shape[1]), dtype=np.float32)  # (N, L, D)
+    for i, a in enumerate(arrays):
+        out[i, : a.shape[0]] = a
+    mask = np.arange(longest)[None, :] < lengths[:, None]  # (N, L)
+    return torch.from_numpy(out), torch.from_numpy(mask)
+
+
+def collate(items: Sequence[VideoItem]) -> Batch:
+    """Collate videos (each with all its queries) into a Batch.
+
+    Frames are padded to the longest video of the batch and queries to the
+    longest query; queries stay contiguous per video and ``query_video``
+    indexes the batch rows.
+    """
+    if not items:
+        raise ValueError("collate needs at least one video")
+    frames, frame_mask = pad_sequences([it.frames for it in items])  # (B, Lf, Dv), (B, Lf)
+    clips = torch.from_numpy(np.stack([it.clips for it in items]))  # (B, Lc, Dv)
+    queries, query_mask = pad_sequences([q for it in items for q in it.queries])  # (Nq, Lq, Dq), (Nq, Lq)
+    counts = [len(it.queries) for it in items]
+    query_video = torch.from_numpy(np.repeat(np.arange(len(items), dtype=np.int64), counts))  # (Nq,)
+    return Batch(
+        frames=frames,
+        frame_mask=frame_mask,
+        clips=clips,
+        queries=queries,
+        query_mask=query_mask,
+        query_video=query_video,
+        video_ids=[it.video_id for it in items],
+        query_ids=[q for it in items for q in it.query_ids],
+    )
+
+
+class VideoBatchSampler(Sampler[list[int]]):
+    """Distributed batch sampler over videos; ``batch_size`` is per rank.
+
+    Each epoch draws a permutation of the videos (seeded by ``(seed, epoch)``;
+    the identity when ``shuffle`` is false).  Global step ``s`` takes the next
+    ``batch_size * world_size`` videos of the permutation and rank ``r`` gets
+    the ``r``-th contiguous share, so the union over ranks of step ``s`` is the
+    batch a single process with ``batch_size * world_size`` would see.  When
+    the last step is short, it is split evenly over the ranks (``ceil(m /
+    world_size)`` each), padding by wrapping around to the start of the
+    permutation; with ``drop_last`` the short step is dropped.  Every rank
+    therefore yields the same number of batches, as DDP requires.
+    """
+
+    def __init__(
+        self,
+        num_videos: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ) -> None:
+        if num_videos < 1:
+            raise ValueError(f"num_videos must be >= 1, got {num_videos!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed!r}")
+        if drop_last and num_videos < batch_size * world_size:
+            raise ValueError(
+                f"drop_last with {num_videos} videos < batch_size * world_size = {batch_size * world_size} "
+                "would yield no batch"
+            )
+        self.num_videos = num_videos
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` (call before iterating each epoch)."""
+        self.epoch = int(epoch)
+
+    def permutation(self) -> np.ndarray:
+        """This epoch's order of all videos, (num_videos,) int64."""
+        if not self.shuffle:
+            return np.arange(self.num_videos, dtype=np.int64)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_videos)
+
+    def __len__(self) -> int:
+        step = self.batch_size * self.world_size
+        if self.drop_last:
+            return self.num_videos // step
+        return math.ceil(self.num_videos / step)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm = self.permutation()
+        step = self.batch_size * self.world_size
+        for s in range(len(self)):
+            chunk = perm[s * step : (s + 1) * step]
+            share = self.batch_size
+            if len(chunk) < step:
+                share = math.ceil(len(chunk) / self.world_size)
+                wrap = perm[np.arange(share * self.world_size - len(chunk)) % self.num_videos]
+                chunk = np.concatenate([chunk, wrap])
+            yield chunk[self.rank * share : (self.rank + 1) * share].tolist()
+
+
+def train_loader(
+    collection: Collection,
+    split: str,
+    *,
+    batch_size_per_rank: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    num_workers: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    pin_memory: bool = False,
+) -> tuple[DataLoader, VideoBatchSampler]:
+    """A DataLoader of Batches over ``split`` for one DDP rank, and its sampler.
+
+    Call ``sampler.set_epoch(epoch)`` before each epoch.
+    """
+    dataset = VideoDataset(collection, split)
+    sampler = VideoBatchSampler(
+        len(dataset),
+        batch_size_per_rank,
+        shuffle=shuffle,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        drop_last=drop_last,
+    )
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
+    )
+    return loader, sampler
+
+
+class _EvalBatches(Dataset):
+    """Item ``k`` is the ``k``-th batch of videos or queries of a split, in split order."""
+
+    def __init__(self, dataset: VideoDataset, kind: str, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        self.dataset = dataset
+        self.kind = kind
+        self.batch_size = batch_size
+        total = dataset.index.num_videos if kind == "videos" else dataset.index.num_queries
+        self.starts = list(range(0, total, batch_size))
+        self.total = total
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, k: int) -> tuple:
+        lo = self.starts[k]
+        hi = min(lo + self.batch_size, self.total)
+        index = self.dataset.index
+        if self.kind == "videos":
+            loaded = [self.dataset.video(i) for i in range(lo, hi)]
+            frames, frame_mask = pad_sequences([f for f, _ in loaded])  # (B, Lf, Dv), (B, Lf)
+            clips = torch.from_numpy(np.stack([c for _, c in loaded]))  # (B, Lc, Dv)
+            return index.video_ids[lo:hi], clips, frames, frame_mask
+        queries, query_mask = pad_sequences([self.dataset.query(j) for j in range(lo, hi)])  # (N, Lq, Dq), (N, Lq)
+        return index.query_ids[lo:hi], queries, query_mask
+
+
+def _iterate(batches: _EvalBatches, num_workers: int) -> Iterator[tuple]:
+    if num_workers == 0:
+        for k in range(len(batches)):
+            yield batches[k]
+        return
+    yield from DataLoader(batches, batch_size=None, shuffle=False, num_workers=num_workers)
+
+
+def video_batches(
+    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0
+) -> Iterator[tuple[list[str], Tensor, Tensor, Tensor]]:
+    """Yield ``(video_ids, clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` in split order.
+
+    Frames are padded to the longest video of each batch.
+    """
+    return _iterate(_EvalBatches(VideoDataset(collection, split), "videos", batch_size), num_workers)
+
+
+def query_batches(
+    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0
+) -> Iterator[tuple[list[str], Tensor, Tensor]]:
+    """Yield ``(query_ids, queries (N, Lq, Dq), query_mask (N, Lq))`` in split order.
+
+    Split order groups queries by video (see :class:`SplitIndex`); tokens are
+    padded to the longest query of each batch.
+    """
+    return _iterate(_EvalBatches(VideoDataset(collection, split), "queries", batch_size), num_workers)

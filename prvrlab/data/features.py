@@ -1,0 +1,227 @@
+"""Visual feature stores behind one interface, and the HDF5 array reader.
+
+Two on-disk formats hold per-video frame features:
+
+- a BigFile folder (:mod:`prvrlab.data.bigfile`), the format of the original
+  TVR / ActivityNet / Charades releases;
+- an HDF5 file with one dataset per video id at the root, shape
+  ``(n_frames, D)`` (newer CLIP releases, or :func:`prvrlab.data.convert.convert_bigfile`).
+
+:func:`open_visual_features` picks the reader from the path (folder or file).
+Both readers are safe to pickle into DataLoader workers or Ray actors: HDF5
+handles are opened lazily per process and never pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Protocol, runtime_checkable
+
+import h5py
+import numpy as np
+
+from prvrlab.data.bigfile import BigFile
+from prvrlab.data.errors import DataError
+
+
+@runtime_checkable
+class VisualFeatures(Protocol):
+    """Per-video frame features, whatever the storage format."""
+
+    path: Path
+    format: str  # "bigfile" | "hdf5"
+
+    @property
+    def dim(self) -> int:
+        """Feature dimension D."""
+
+    def __len__(self) -> int: ...
+
+    def video_ids(self) -> list[str]:
+        """Every stored video id."""
+
+    def has(self, video_id: str) -> bool:
+        """Whether features for ``video_id`` are stored."""
+
+    def num_frames(self, video_id: str) -> int:
+        """Number of frames of ``video_id``."""
+
+    def frame_counts(self) -> dict[str, int]:
+        """Frames per video, for every stored video."""
+
+    def frames(self, video_id: str) -> np.ndarray:
+        """Frames of ``video_id``, (n, D) float32."""
+
+    def close(self) -> None:
+        """Release open handles (they are reopened on demand)."""
+
+
+class H5Arrays:
+    """An HDF5 file holding one 2-D dataset per key at its root.
+
+    The key list is read once on construction; the file handle is opened on
+    first read in each process (tracked by pid) and dropped when pickled.
+    ``what`` names the content in error messages ("query features", ...).
+    """
+
+    def __init__(self, path: str | Path, *, what: str = "features") -> None:
+        self.path = Path(path)
+        self.what = what
+        if not self.path.is_file():
+            raise DataError(f"{what} file not found: {self.path}")
+        try:
+            with h5py.File(self.path, "r") as f:
+                self._keys = list(f.keys())
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot open as HDF5 ({exc})") from None
+        self._keyset = frozenset(self._keys)
+        self._handle: h5py.File | None = None
+        self._pid = -1
+
+    def keys(self) -> list[str]:
+        """Every dataset name at the root, in file order."""
+        return list(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keyset
+
+    def missing(self, keys: Iterable[str]) -> list[str]:
+        """The keys (in the given order) that have no dataset in the file."""
+        return [k for k in keys if k not in self._keyset]
+
+    def shapes(self, keys: Iterable[str] | None = None) -> np.ndarray:
+        """(n, 2) int64 shapes of the datasets ``keys`` (default: all), metadata only.
+
+        Raises DataError naming the file and key for a missing key or a
+        dataset that is not 2-D.
+        """
+        keys = self._keys if keys is None else list(keys)
+        fid = self._file().id
+        out = np.empty((len(keys), 2), dtype=np.int64)
+        for i, key in enumerate(keys):
+            shape = self._dataset(fid, key).shape
+            if len(shape) != 2:
+                raise DataError(f"{self.path}: dataset {key!r} has shape {shape}, expected (n, D)")
+            out[i] = shape
+        return out
+
+    def read(self, key: str) -> np.ndarray:
+        """The dataset ``key`` as a float32 array (n, D)."""
+        dsid = self._dataset(self._file().id, key)
+        shape = dsid.shape
+        if len(shape) != 2:
+            raise DataError(f"{self.path}: dataset {key!r} has shape {shape}, expected (n, D)")
+        out = np.empty(shape, dtype=np.float32)  # (n, D)
+        if out.size:
+            dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+        return out
+
+    def close(self) -> None:
+        """Close this process's handle (reopened on the next read)."""
+        if self._handle is not None and self._pid == os.getpid():
+            self._handle.close()
+        self._handle = None
+
+    def _dataset(self, fid, key: str):
+        try:
+            return h5py.h5d.open(fid, key.encode("utf-8"))
+        except (KeyError, ValueError, TypeError):
+            raise DataError(f"{self.path}: no dataset {key!r} in the {self.what} file") from None
+
+    def _file(self) -> h5py.File:
+        if self._handle is None or self._pid != os.getpid():
+            # A handle inherited through fork belongs to the parent: never reuse it.
+            self._handle = h5py.File(self.path, "r")
+            self._pid = os.getpid()
+        return self._handle
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        state["_pid"] = -1
+        return state
+
+    def __repr__(self) -> str:
+        return f"H5Arrays({str(self.path)!r}, datasets={len(self)})"
+
+
+class HDF5Features:
+    """Visual features in HDF5, one dataset (n_frames, D) per video id.
+
+    Every dataset's shape is checked on open (metadata only): all must be
+    2-D with the same D, else DataError naming the file and the video id.
+    """
+
+    format = "hdf5"
+
+    def __init__(self, path: str | Path) -> None:
+        self._arrays = H5Arrays(path, what="visual features")
+        self.path = self._arrays.path
+        ids = self._arrays.keys()
+        if not ids:
+            raise DataError(f"{self.path}: the visual feature file holds no video")
+        shapes = self._arrays.shapes(ids)  # (V, 2)
+        self._arrays.close()
+        bad = np.flatnonzero(shapes[:, 1] != shapes[0, 1])
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(
+                f"{self.path}: video {ids[i]!r} has dimension {shapes[i, 1]}, "
+                f"but video {ids[0]!r} has {shapes[0, 1]}"
+            )
+        self._dim = int(shapes[0, 1])
+        self._counts = dict(zip(ids, shapes[:, 0].tolist()))
+
+    @property
+    def dim(self) -> int:
+        """Feature dimension D."""
+        return self._dim
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def video_ids(self) -> list[str]:
+        """Every video id (dataset name), in file order."""
+        return list(self._counts)
+
+    def has(self, video_id: str) -> bool:
+        """Whether a dataset named ``video_id`` exists."""
+        return video_id in self._counts
+
+    def num_frames(self, video_id: str) -> int:
+        """Number of frames of ``video_id``."""
+        try:
+            return self._counts[video_id]
+        except KeyError:
+            raise DataError(f"{self.path}: no video {video_id!r}") from None
+
+    def frame_counts(self) -> dict[str, int]:
+        """Frames per video, for every video."""
+        return dict(self._counts)
+
+    def frames(self, video_id: str) -> np.ndarray:
+        """Frames of ``video_id``, (n, D) float32."""
+        if video_id not in self._counts:
+            raise DataError(f"{self.path}: no video {video_id!r}")
+        return self._arrays.read(video_id)  # (n, D)
+
+    def close(self) -> None:
+        """Close this process's HDF5 handle."""
+        self._arrays.close()
+
+    def __repr__(self) -> str:
+        return f"HDF5Features({str(self.path)!r}, videos={len(self)}, dim={self._dim})"
+
+
+def open_visual_features(path: str | Path) -> VisualFeatures:
+    """Open visual features: a BigFile folder, or an HDF5 file (one dataset per video)."""
+    path = Path(path)
+    if path.is_dir():
+        return BigFile(path)
+    if path.is_file():
+        return HDF5Features(path)
+    raise DataError(f"visual features not found: {path} (expected a BigFile folder or an HDF5 file)")

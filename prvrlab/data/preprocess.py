@@ -1,0 +1,81 @@
+"""Feature preprocessing applied by the PRVR reference implementations.
+
+- Frames: a video with more than ``max_frames`` frames is mean-pooled into
+  ``max_frames`` bins; shorter videos are kept as they are.
+- Clips: always ``num_clips`` bins over the raw frames (frames repeat when the
+  video has fewer than ``num_clips`` frames).
+- Binning of ``n`` frames into ``B`` bins: edges ``e_i = round(i * n / B)``
+  (numpy rounding, half to even), bin ``i`` averages frames ``[e_i, e_{i+1})``;
+  an empty bin takes frame ``min(e_i, n - 1)``.  The reference code also clamps
+  the last edge to ``n - 1`` and so leaves the final frame out of the last bin;
+  we keep it in (edges run to ``n``).
+- Every frame / clip row and every query token is L2-normalised after pooling;
+  all-zero rows stay zero.  Queries are truncated to ``max_query_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def bin_edges(n: int, num_bins: int) -> np.ndarray:
+    """Bin edges ``round(i * n / num_bins)`` for i = 0..num_bins, (num_bins + 1,) int64.
+
+    Computed in integers, so ties round half to even exactly as ``np.round``
+    does on the exact quotient (no floating-point drift for any ``num_bins``).
+    """
+    if n < 1 or num_bins < 1:
+        raise ValueError(f"bin_edges needs n >= 1 and num_bins >= 1, got n={n}, num_bins={num_bins}")
+    q, r = np.divmod(np.arange(num_bins + 1, dtype=np.int64) * n, num_bins)  # exact integer division
+    return q + ((2 * r > num_bins) | ((2 * r == num_bins) & (q % 2 == 1)))  # round half to even
+
+
+def mean_pool_bins(x: np.ndarray, num_bins: int) -> np.ndarray:
+    """Mean of each bin of rows of ``x`` (n, D) -> (num_bins, D), float32.
+
+    Non-empty bins tile ``[0, n)`` in order, so one ``np.add.reduceat`` over
+    their starts sums them all; empty bins copy the frame at their start.
+    """
+    n = x.shape[0]
+    edges = bin_edges(n, num_bins)  # (B + 1,)
+    starts, counts = edges[:-1], np.diff(edges)  # (B,), (B,)
+    full = counts > 0  # (B,)
+    out = np.empty((num_bins, x.shape[1]), dtype=np.float32)  # (B, D)
+    sums = np.add.reduceat(x, starts[full], axis=0, dtype=np.float32)  # (B_full, D)
+    out[full] = sums / counts[full, None]
+    if not full.all():
+        out[~full] = x[np.minimum(starts[~full], n - 1)]
+    return out
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    """Rows of ``x`` (..., D) scaled to unit L2 norm, float32; zero rows stay zero."""
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=-1, keepdims=True)  # (..., 1)
+    return x / np.where(norms > 0, norms, 1.0).astype(np.float32)
+
+
+def preprocess_frames(frames: np.ndarray, max_frames: int) -> np.ndarray:
+    """Frame features (n, D) -> (min(n, max_frames), D), mean-pooled if n > max_frames, L2-normalised."""
+    _check_frames(frames)
+    if frames.shape[0] > max_frames:
+        frames = mean_pool_bins(frames, max_frames)  # (max_frames, D)
+    return l2_normalize(frames)
+
+
+def preprocess_clips(frames: np.ndarray, num_clips: int) -> np.ndarray:
+    """Frame features (n, D) -> (num_clips, D) clip features, L2-normalised."""
+    _check_frames(frames)
+    return l2_normalize(mean_pool_bins(frames, num_clips))  # (num_clips, D)
+
+
+def preprocess_query(tokens: np.ndarray, max_query_len: int) -> np.ndarray:
+    """Token features (n, Dq) -> (min(n, max_query_len), Dq), each token L2-normalised."""
+    if tokens.ndim != 2 or tokens.shape[0] == 0:
+        raise ValueError(f"query tokens must be (n >= 1, Dq), got shape {tokens.shape}")
+    return l2_normalize(tokens[:max_query_len])
+
+
+def _check_frames(frames: np.ndarray) -> None:
+    if frames.ndim != 2 or frames.shape[0] == 0:
+        raise ValueError(f"frames must be (n >= 1, D), got shape {frames.shape}")

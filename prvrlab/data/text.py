@@ -1,0 +1,177 @@
+"""Captions, query token features and moment timestamps.
+
+Files of a collection ``<c>`` under ``TextData/``:
+
+- ``<c><split>.caption.txt``: one ``"<cap_id> <caption text>"`` per line, split
+  on the first whitespace; the video of a caption is ``cap_id.split('#')[0]``.
+- ``roberta_<c>_query_feat.hdf5``: one dataset per cap_id at the root,
+  shape ``(n_tokens, Dq)``.
+- ``<c><split>.timestamps.json`` (optional, analysis only): a JSON object
+  ``{cap_id: [start_seconds, end_seconds, video_duration_seconds]}``.  The
+  synthetic generator writes it; the public releases ship their moments in
+  other files, so it is usually absent there and ratios are then ``None``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from prvrlab.data.errors import DataError
+from prvrlab.data.features import H5Arrays
+
+
+def video_id_of(cap_id: str) -> str:
+    """The video id of a caption id: everything before the first ``#``."""
+    return cap_id.split("#", 1)[0]
+
+
+def caption_path(text_dir: str | Path, collection: str, split: str) -> Path:
+    """``TextData/<collection><split>.caption.txt``."""
+    return Path(text_dir) / f"{collection}{split}.caption.txt"
+
+
+def timestamps_path(text_dir: str | Path, collection: str, split: str) -> Path:
+    """``TextData/<collection><split>.timestamps.json``."""
+    return Path(text_dir) / f"{collection}{split}.timestamps.json"
+
+
+def read_captions(path: str | Path) -> list[tuple[str, str]]:
+    """``[(cap_id, caption_text), ...]`` in file order; blank lines are skipped.
+
+    Raises DataError naming the file for a missing file or a repeated cap_id.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"caption file not found: {path}")
+    out: list[tuple[str, str]] = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.strip().split(None, 1)
+            if parts:
+                out.append((parts[0], parts[1] if len(parts) > 1 else ""))
+    if len({c for c, _ in out}) != len(out):
+        seen: set[str] = set()
+        for cap_id, _ in out:
+            if cap_id in seen:
+                raise DataError(f"{path}: caption id {cap_id!r} appears more than once")
+            seen.add(cap_id)
+    return out
+
+
+def write_captions(path: str | Path, captions: Iterable[tuple[str, str]]) -> None:
+    """Write ``(cap_id, text)`` pairs as a caption file."""
+    with Path(path).open("w", encoding="utf-8") as f:
+        for cap_id, text in captions:
+            f.write(f"{cap_id} {text}\n")
+
+
+class QueryFeatures:
+    """Query token features: an HDF5 file with one (n_tokens, Dq) dataset per cap_id.
+
+    ``dim`` comes from the first dataset; :meth:`check` validates a set of
+    cap_ids (presence is set-based, shapes are a metadata-only scan) and
+    :meth:`tokens` re-checks the shape of what it reads.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self._arrays = H5Arrays(path, what="query features")
+        self.path = self._arrays.path
+        keys = self._arrays.keys()
+        if not keys:
+            raise DataError(f"{self.path}: the query feature file holds no query")
+        self._first = keys[0]
+        self._dim = int(self._arrays.shapes([self._first])[0, 1])
+        self._arrays.close()
+
+    @property
+    def dim(self) -> int:
+        """Token feature dimension Dq."""
+        return self._dim
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __contains__(self, cap_id: str) -> bool:
+        return cap_id in self._arrays
+
+    def missing(self, cap_ids: Iterable[str]) -> list[str]:
+        """The cap_ids without a dataset, in the given order."""
+        return self._arrays.missing(cap_ids)
+
+    def check(self, cap_ids: list[str], *, source: str | Path | None = None) -> np.ndarray:
+        """Validate ``cap_ids`` and return their token counts (n,) int64.
+
+        Raises DataError naming this file and the cap_id when one is missing
+        (and ``source``, the caption file, when given), has a dimension other
+        than :attr:`dim`, or has no token.
+        """
+        missing = self.missing(cap_ids)
+        if missing:
+            where = f" (captions: {source})" if source is not None else ""
+            raise DataError(
+                f"{self.path}: query id {missing[0]!r} has no features{where}; "
+                f"{len(missing)} of {len(cap_ids)} query ids are missing"
+            )
+        shapes = self._arrays.shapes(cap_ids)  # (n, 2)
+        bad = np.flatnonzero(shapes[:, 1] != self._dim)
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(
+                f"{self.path}: query {cap_ids[i]!r} has dimension {shapes[i, 1]}, "
+                f"but query {self._first!r} has {self._dim}"
+            )
+        empty = np.flatnonzero(shapes[:, 0] == 0)
+        if empty.size:
+            raise DataError(f"{self.path}: query {cap_ids[int(empty[0])]!r} has no token")
+        return shapes[:, 0].copy()
+
+    def tokens(self, cap_id: str) -> np.ndarray:
+        """Token features of ``cap_id``, (n_tokens, Dq) float32."""
+        out = self._arrays.read(cap_id)  # (n, Dq)
+        if out.shape[1] != self._dim or out.shape[0] == 0:
+            raise DataError(f"{self.path}: query {cap_id!r} has shape {out.shape}, expected (n >= 1, {self._dim})")
+        return out
+
+    def close(self) -> None:
+        """Close this process's HDF5 handle."""
+        self._arrays.close()
+
+    def __repr__(self) -> str:
+        return f"QueryFeatures({str(self.path)!r}, queries={len(self)}, dim={self._dim})"
+
+
+def read_timestamps(path: str | Path) -> dict[str, tuple[float, float, float]] | None:
+    """``{cap_id: (start, end, duration)}`` from a timestamps file, or None if absent."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: expected a JSON object {{cap_id: [start, end, duration]}}")
+    out: dict[str, tuple[float, float, float]] = {}
+    for cap_id, value in raw.items():
+        if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)):
+            raise DataError(f"{path}: query {cap_id!r}: expected [start, end, duration], got {value!r}")
+        out[cap_id] = (float(value[0]), float(value[1]), float(value[2]))
+    return out
+
+
+def write_timestamps(path: str | Path, timestamps: dict[str, tuple[float, float, float]]) -> None:
+    """Write ``{cap_id: (start, end, duration)}`` as a timestamps JSON file."""
+    data = {k: [round(float(x), 4) for x in v] for k, v in timestamps.items()}
+    Path(path).write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+
+
+def moment_ratios(timestamps: dict[str, tuple[float, float, float]], cap_ids: list[str]) -> np.ndarray:
+    """Moment / video duration ratio per cap_id, (n,) float64 in [0, 1]; NaN when unknown."""
+    t = np.array([timestamps.get(c, (np.nan, np.nan, np.nan)) for c in cap_ids], dtype=np.float64).reshape(-1, 3)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = (t[:, 1] - t[:, 0]) / t[:, 2]  # (n,)
+    return np.clip(r, 0.0, 1.0)

@@ -1,0 +1,97 @@
+"""VideoDataset, collate, train_loader and the eval iterators."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prvrlab.data.collection import open_collection
+from prvrlab.data.dataset import VideoDataset, collate, query_batches, train_loader, video_batches
+from prvrlab.data.text import video_id_of
+
+
+def _unit(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_item_is_a_preprocessed_video_with_its_queries(toy_cfg, files):
+    col = open_collection(toy_cfg)
+    ds = VideoDataset(col, "train")
+    assert len(ds) == 3
+    item = ds[0]
+    assert item.video_id == "vA" and item.query_ids == ["vA#0", "vA#1"]
+    np.testing.assert_allclose(item.frames, _unit(files.video_frames(5, 6, 1)), rtol=1e-6)
+    assert item.clips.shape == (32, 6)
+    np.testing.assert_allclose(np.linalg.norm(item.clips, axis=1), 1.0, rtol=1e-6)
+    assert [q.shape for q in item.queries] == [(3, 4), (30, 4)]  # 35 tokens truncated to 30
+    np.testing.assert_allclose(item.queries[0], 0.5)  # constant tokens, unit norm
+    val = VideoDataset(col, "val")[0]
+    assert val.frames.shape == (128, 6)  # 140 frames mean-pooled
+
+
+def test_collate_pads_and_indexes(toy_cfg):
+    ds = VideoDataset(open_collection(toy_cfg), "train")
+    items = [ds[i] for i in range(3)]
+    b = collate(items)
+    assert b.video_ids == ["vA", "vB", "vC"]
+    assert b.query_ids == ["vA#0", "vA#1", "vB#0", "vB#1", "vC#0"]
+    assert b.frames.shape == (3, 40, 6) and b.frames.dtype == torch.float32
+    assert b.frame_mask.dtype == torch.bool and b.frame_mask.sum(1).tolist() == [5, 40, 3]
+    assert b.clips.shape == (3, 32, 6)
+    assert b.queries.shape == (5, 30, 4) and b.query_mask.sum(1).tolist() == [3, 30, 2, 4, 1]
+    assert b.query_video.dtype == torch.int64 and b.query_video.tolist() == [0, 0, 1, 1, 2]
+    assert not b.frames[~b.frame_mask].any() and not b.queries[~b.query_mask].any()  # zero padding
+    assert b.frames[b.frame_mask].norm(dim=-1).allclose(torch.ones(48))
+    np.testing.assert_allclose(b.frames[2, :3].numpy(), items[2].frames)
+    np.testing.assert_allclose(b.queries[4, :1].numpy(), items[2].queries[0])
+    # a one-video batch
+    one = collate([items[2]])
+    assert one.frames.shape == (1, 3, 6) and one.queries.shape == (1, 1, 4) and one.query_video.tolist() == [0]
+
+
+def _check_batch(b):
+    qv = b.query_video.tolist()
+    assert qv == sorted(qv)  # contiguous per video
+    assert [b.video_ids[v] for v in qv] == [video_id_of(q) for q in b.query_ids]
+    assert len(set(b.video_ids)) == b.num_videos
+
+
+def test_train_loader_covers_split(toy_cfg):
+    col = open_collection(toy_cfg)
+    loader, sampler = train_loader(col, "train", batch_size_per_rank=2, rank=0, world_size=1, seed=3, num_workers=0)
+    seen = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        batches = list(loader)
+        assert len(batches) == len(loader) == 2
+        for b in batches:
+            _check_batch(b)
+        seen.append(sorted(v for b in batches for v in b.video_ids))
+    assert seen[0] == seen[1] == ["vA", "vB", "vC"]
+
+
+def test_loader_workers_reopen_hdf5(tmp_path, files):
+    cfg = files.make_collection(tmp_path / "h5", files.toy_videos, files.toy_captions, fmt="hdf5")
+    col = open_collection(cfg)
+    col.visual.frames("vA")  # the parent holds open handles before the workers fork
+    col.queries.tokens("vA#0")
+    loader, _ = train_loader(col, "train", batch_size_per_rank=3, rank=0, world_size=1, seed=0, num_workers=1)
+    (batch,) = list(loader)
+    _check_batch(batch)
+    assert batch.num_queries == 5
+
+
+def test_eval_iterators_follow_split_order(toy_cfg):
+    col = open_collection(toy_cfg)
+    ds = VideoDataset(col, "train")
+    vb = list(video_batches(col, "train", 2))
+    assert [ids for ids, *_ in vb] == [["vA", "vB"], ["vC"]]
+    ids, clips, frames, mask = vb[0]
+    assert clips.shape == (2, 32, 6) and frames.shape == (2, 40, 6) and mask.sum(1).tolist() == [5, 40]
+    np.testing.assert_allclose(clips[1].numpy(), ds.video(1)[1])
+    assert vb[1][2].shape == (1, 3, 6)  # padded to the longest video of that batch only
+    qb = list(query_batches(col, "train", 3))
+    assert [ids for ids, *_ in qb] == [["vA#0", "vA#1", "vB#0"], ["vB#1", "vC#0"]]
+    assert qb[0][1].shape == (3, 30, 4) and qb[1][1].shape == (2, 4, 4)
+    assert qb[1][2].sum(1).tolist() == [4, 1]
+    np.testing.assert_allclose(qb[1][1][0].numpy(), ds.query(3))

@@ -1,0 +1,97 @@
+"""Preprocessing against expectations computed by hand or by explicit loops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prvrlab.data.preprocess import (
+    bin_edges,
+    l2_normalize,
+    mean_pool_bins,
+    preprocess_clips,
+    preprocess_frames,
+    preprocess_query,
+)
+
+
+def _bins_by_loop(x: np.ndarray, num_bins: int) -> np.ndarray:
+    """Reference: the binning rule written out with Python round-half-even and a loop."""
+    n = len(x)
+    edges = [round(i * n / num_bins) for i in range(num_bins + 1)]
+    out = []
+    for i in range(num_bins):
+        s, e = edges[i], edges[i + 1]
+        out.append(x[s:e].mean(axis=0) if s < e else x[min(s, n - 1)])
+    return np.stack(out)
+
+
+def test_five_frames_to_32_clips_repeat_pattern():
+    x = np.arange(5, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)  # frame i = [i, i]
+    clips = mean_pool_bins(x, 32)
+    # Edges round(i * 5 / 32) by hand: 0 for i <= 3, 1 for 4..9, 2 for 10..16 (16 * 5 / 32 = 2.5
+    # rounds half to even), 3 for 17..22, 4 for 23..28, 5 for 29..32 (start clamped to frame 4).
+    expected = [0] * 4 + [1] * 6 + [2] * 7 + [3] * 6 + [4] * 9
+    assert clips[:, 0].tolist() == expected
+    assert bin_edges(5, 32)[:8].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_one_frame_fills_every_clip():
+    x = np.array([[3.0, 4.0]], dtype=np.float32)
+    clips = preprocess_clips(x, 32)
+    assert clips.shape == (32, 2)
+    np.testing.assert_allclose(clips, np.tile([[0.6, 0.8]], (32, 1)), rtol=1e-6)
+
+
+def test_300_frames_to_128_bins_matches_explicit_loop():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 7)).astype(np.float32)
+    pooled = mean_pool_bins(x, 128)
+    edges = [round(i * 300 / 128) for i in range(129)]
+    assert edges[-1] == 300  # the last frame belongs to the last bin
+    for i in range(128):
+        np.testing.assert_allclose(pooled[i], x[edges[i] : edges[i + 1]].mean(axis=0), rtol=1e-5, atol=1e-6)
+    frames = preprocess_frames(x, 128)
+    np.testing.assert_allclose(frames, pooled / np.linalg.norm(pooled, axis=1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 31, 32, 33, 64, 100, 127, 128, 129, 255, 1000])
+@pytest.mark.parametrize("num_bins", [3, 32, 128])
+def test_binning_matches_loop_for_many_lengths(n, num_bins):
+    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
+    np.testing.assert_allclose(mean_pool_bins(x, num_bins), _bins_by_loop(x, num_bins), rtol=1e-5, atol=1e-6)
+
+
+def test_frames_kept_up_to_max_frames():
+    x = np.random.default_rng(1).standard_normal((128, 4)).astype(np.float32)
+    out = preprocess_frames(x, 128)
+    assert out.shape == (128, 4)
+    np.testing.assert_allclose(out, x / np.linalg.norm(x, axis=1, keepdims=True), rtol=1e-6)
+    assert preprocess_frames(x[:10], 128).shape == (10, 4)
+    assert preprocess_frames(np.vstack([x, x]), 128).shape == (128, 4)
+
+
+def test_rows_have_unit_norm_and_zero_rows_stay_zero():
+    x = np.random.default_rng(2).standard_normal((40, 5)).astype(np.float32) * 7
+    x[3] = 0
+    out = l2_normalize(x)
+    norms = np.linalg.norm(out, axis=1)
+    assert norms[3] == 0 and np.isfinite(out).all()
+    np.testing.assert_allclose(np.delete(norms, 3), 1.0, rtol=1e-6)
+    clips = preprocess_clips(np.zeros((4, 5), np.float32), 32)
+    assert np.isfinite(clips).all() and not clips.any()
+
+
+def test_query_tokens_normalised_and_truncated():
+    tokens = np.arange(1, 41, dtype=np.float32)[:, None] * np.array([[3.0, 4.0]], np.float32)  # (40, 2)
+    out = preprocess_query(tokens, 30)
+    assert out.shape == (30, 2) and out.dtype == np.float32
+    np.testing.assert_allclose(out, np.tile([[0.6, 0.8]], (30, 1)), rtol=1e-6)
+    assert preprocess_query(tokens[:3], 30).shape == (3, 2)
+
+
+def test_bad_shapes_rejected():
+    with pytest.raises(ValueError, match="n >= 1"):
+        preprocess_clips(np.zeros((0, 3), np.float32), 32)
+    with pytest.raises(ValueError, match="n >= 1"):
+        preprocess_query(np.zeros((0, 3), np.float32), 30)

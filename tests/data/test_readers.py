@@ -1,0 +1,159 @@
+"""Readers on files written by hand, checked value by value."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from prvrlab.data.bigfile import BigFile, read_video2frames
+from prvrlab.data.errors import DataError
+from prvrlab.data.features import HDF5Features, VisualFeatures, open_visual_features
+from prvrlab.data.text import QueryFeatures, moment_ratios, read_captions, read_timestamps, video_id_of
+
+
+@pytest.fixture
+def bigfile_dir(tmp_path, files):
+    # Rows are stored in an order unrelated to the videos; ids contain '#' and latin-1 characters.
+    ids = ["v_x#enc#0_f1", "café\xa0b_0", "v_x#enc#0_f0", "café\xa0b_1", "unused", "v_x#enc#0_f2"]
+    matrix = np.arange(6 * 3, dtype=np.float32).reshape(6, 3) * 0.5  # row r = [1.5 r, 1.5 r + .5, 1.5 r + 1]
+    v2f = {
+        "v_x#enc#0": ["v_x#enc#0_f0", "v_x#enc#0_f1", "v_x#enc#0_f2"],
+        "café\xa0b": ["café\xa0b_1", "café\xa0b_0"],
+    }
+    return files.write_bigfile(tmp_path / "bf", ids, matrix, v2f), matrix
+
+
+def test_bigfile_reads_exact_rows_in_video2frames_order(bigfile_dir):
+    folder, matrix = bigfile_dir
+    bf = BigFile(folder)
+    assert bf.dim == 3 and bf.num_rows == 6 and len(bf) == 2
+    assert bf.video_ids() == ["v_x#enc#0", "café\xa0b"]
+    np.testing.assert_array_equal(bf.frames("v_x#enc#0"), matrix[[2, 0, 5]])
+    np.testing.assert_array_equal(bf.frames("café\xa0b"), matrix[[3, 1]])
+    assert bf.frames("v_x#enc#0").dtype == np.float32
+    assert bf.num_frames("café\xa0b") == 2
+    assert bf.frame_counts() == {"v_x#enc#0": 3, "café\xa0b": 2}
+    assert bf.has("v_x#enc#0") and not bf.has("v_x")
+    assert isinstance(bf, VisualFeatures)
+
+
+def test_bigfile_unknown_video_names_file(bigfile_dir):
+    bf = BigFile(bigfile_dir[0])
+    with pytest.raises(DataError, match="video2frames.txt.*'nope'"):
+        bf.frames("nope")
+
+
+def test_bigfile_pickles_without_memmap(bigfile_dir):
+    folder, matrix = bigfile_dir
+    bf = BigFile(folder)
+    bf.frames("v_x#enc#0")  # opens the memory map
+    blob = pickle.dumps(bf)
+    assert len(blob) < 5000  # the features themselves are not pickled
+    clone = pickle.loads(blob)
+    np.testing.assert_array_equal(clone.frames("café\xa0b"), matrix[[3, 1]])
+
+
+def test_open_visual_features_picks_reader(bigfile_dir, tmp_path, files):
+    assert isinstance(open_visual_features(bigfile_dir[0]), BigFile)
+    path = files.write_h5(tmp_path / "v.h5", {"a": np.ones((2, 3), np.float32)})
+    assert isinstance(open_visual_features(path), HDF5Features)
+    with pytest.raises(DataError, match="not found.*missing.h5"):
+        open_visual_features(tmp_path / "missing.h5")
+
+
+def test_video2frames_fast_path_equals_literal_eval(tmp_path):
+    # Quotes, backslashes and trailing commas take the literal_eval path; plain text the JSON path.
+    cases = {
+        "plain.txt": "{'a': ['a_0', 'a_1'], 'b#1': []}",
+        "dq.txt": '{"it\'s": ["x"], \'b\': [\'y\',]}',
+        "bs.txt": "{'a\\\\b': ['f\\'0'], 'c': ('d',),}",
+    }
+    expected = {
+        "plain.txt": {"a": ["a_0", "a_1"], "b#1": []},
+        "dq.txt": {"it's": ["x"], "b": ["y"]},
+        "bs.txt": {"a\\b": ["f'0"], "c": ("d",)},
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        assert read_video2frames(tmp_path / name) == expected[name]
+
+
+def test_video2frames_plain_text_skips_the_syntax_tree(tmp_path, monkeypatch):
+    import prvrlab.data.bigfile as bigfile
+
+    def no_literal_eval(text):
+        raise AssertionError("the JSON fast path should have been used")
+
+    monkeypatch.setattr(bigfile.ast, "literal_eval", no_literal_eval)
+    (tmp_path / "v2f.txt").write_text("{'v_1#enc': ['v_1#enc_0'], 'café': []}\n", encoding="latin-1")
+    assert read_video2frames(tmp_path / "v2f.txt") == {"v_1#enc": ["v_1#enc_0"], "café": []}
+
+
+def test_video2frames_entries_must_be_strings(tmp_path):
+    (tmp_path / "ints.txt").write_text("{'a': ['a0'], 'b': [1, 2]}")
+    with pytest.raises(DataError, match="ints.txt: entry 'b'"):
+        read_video2frames(tmp_path / "ints.txt")
+
+
+def test_video2frames_is_never_evaluated(tmp_path):
+    (tmp_path / "evil.txt").write_text("__import__('os').system('echo pwned')")
+    with pytest.raises(DataError, match="evil.txt.*not a Python dict literal"):
+        read_video2frames(tmp_path / "evil.txt")
+
+
+def test_hdf5_features_exact_values(tmp_path, files):
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    b = np.full((1, 3), -2.5, dtype=np.float64)  # converted to float32 on read
+    path = files.write_h5(tmp_path / "feat.hdf5", {"v#1": a, "v2": b})
+    feats = HDF5Features(path)
+    assert feats.dim == 3 and feats.video_ids() == ["v#1", "v2"]
+    assert feats.frame_counts() == {"v#1": 4, "v2": 1}
+    np.testing.assert_array_equal(feats.frames("v#1"), a)
+    out = feats.frames("v2")
+    assert out.dtype == np.float32 and out.tolist() == [[-2.5, -2.5, -2.5]]
+    clone = pickle.loads(pickle.dumps(feats))  # open handle is dropped, reopened lazily
+    np.testing.assert_array_equal(clone.frames("v#1"), a)
+    with pytest.raises(DataError, match="feat.hdf5.*'zz'"):
+        feats.frames("zz")
+
+
+def test_captions_split_on_first_space(tmp_path):
+    path = tmp_path / "ctrain.caption.txt"
+    path.write_text("v_a#enc#0 A man  opens the door.\n\nv_b#1 one\nv_c#0\n")
+    caps = read_captions(path)
+    assert caps == [("v_a#enc#0", "A man  opens the door."), ("v_b#1", "one"), ("v_c#0", "")]
+    assert [video_id_of(c) for c, _ in caps] == ["v_a", "v_b", "v_c"]
+    assert video_id_of("plain") == "plain"
+
+
+def test_duplicate_caption_id(tmp_path):
+    path = tmp_path / "cval.caption.txt"
+    path.write_text("a#0 x\nb#0 y\na#0 z\n")
+    with pytest.raises(DataError, match="cval.caption.txt.*'a#0'"):
+        read_captions(path)
+
+
+def test_query_features(tmp_path, files):
+    q0 = np.arange(8, dtype=np.float32).reshape(2, 4)
+    path = files.write_h5(tmp_path / "q.hdf5", {"a#0": q0, "a#1": np.ones((5, 4)), "b#0": np.ones((3, 4))})
+    qf = QueryFeatures(path)
+    assert qf.dim == 4 and len(qf) == 3 and "a#1" in qf
+    np.testing.assert_array_equal(qf.tokens("a#0"), q0)
+    assert qf.check(["b#0", "a#0", "a#1"]).tolist() == [3, 2, 5]
+    assert qf.missing(["a#0", "zz", "b#0"]) == ["zz"]
+
+
+def test_timestamps_and_ratios(tmp_path):
+    path = tmp_path / "ts.json"
+    path.write_text('{"a#0": [1.0, 3.0, 10.0], "a#1": [0, 10, 10]}')
+    stamps = read_timestamps(path)
+    assert stamps == {"a#0": (1.0, 3.0, 10.0), "a#1": (0.0, 10.0, 10.0)}
+    r = moment_ratios(stamps, ["a#1", "zz", "a#0"])
+    np.testing.assert_allclose(r[[0, 2]], [1.0, 0.2])
+    assert np.isnan(r[1])
+    assert read_timestamps(tmp_path / "absent.json") is None
+    path.write_text('{"a#0": [1.0, 3.0]}')
+    with pytest.raises(DataError, match="ts.json.*'a#0'"):
+        read_timestamps(path)
