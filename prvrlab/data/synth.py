@@ -118,7 +118,7 @@ class SynthPreset:
 PRESETS: dict[str, SynthPreset] = {
     "tiny": SynthPreset(  # for tests: easier (less noise) so that a few steps already learn something
         name="tiny",
-        videos=(48, 16, 16),
+        videos=(96, 48, 48),
         queries_per_video=(2, 3),
         frames=(8, 60),
         video_dim=64,

@@ -36,7 +36,7 @@ def test_reads_back_through_open_collection(tiny_root):
     col = open_collection(DataConfig(root=str(tiny_root)))
     assert (col.video_dim, col.query_dim) == (64, 48)
     sizes = {s: col.split(s).num_videos for s in ("train", "val", "test")}
-    assert sizes == {"train": 48, "val": 16, "test": 16}
+    assert tuple(sizes.values()) == PRESETS["tiny"].videos
     ids = [v for s in ("train", "val", "test") for v in col.split(s).video_ids]
     assert len(ids) == len(set(ids)) == len(col.visual)  # unique across splits
     train = col.split("train")
@@ -92,7 +92,7 @@ def test_overwrites_previous_synthetic_files_only(tmp_path):
 def test_open_collection_synthesizes_missing_root(tmp_path):
     cfg = DataConfig(root=str(tmp_path / "auto"), synthesize="tiny", synth_seed=3)
     col = open_collection(cfg)
-    assert col.split("val").num_videos == 16
+    assert col.split("val").num_videos == PRESETS["tiny"].videos[1]
     assert (tmp_path / "auto" / "synth.json").is_file()
 
 
