@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -142,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame) -> None:
+    """SIGTERM ends a command like Ctrl-C: open MLflow runs are closed as KILLED."""
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prvrlab`` console script."""
     from prvrlab.data.errors import DataError
@@ -150,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prvrlab.registry import RegistryError
 
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError, RegistryError) as exc:

@@ -88,3 +88,29 @@ def test_eval_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
     junk.write_bytes(b"not a checkpoint")
     assert main(["eval", str(junk)]) == EXIT_BAD_INPUT
     assert "junk.pt" in capsys.readouterr().err
+
+
+def test_sigterm_closes_the_run_as_killed(tiny_root, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    raw = small_raw(tiny_root, tmp_path, epochs=500, early_stop_patience=500)
+    cfg = write_config(tmp_path / "c.yaml", raw)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prvrlab.platform.cli", "train", str(cfg), "--no-ray"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("epoch"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    tracker = Tracker(raw["tracking"]["uri"], raw["tracking"]["experiment"])
+    (run,) = tracker.client.search_runs([tracker.experiment_id])
+    assert run.info.status == "KILLED"
