@@ -374,13 +374,30 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
 
 
 def _instantiate_check(cfg: ExperimentConfig) -> None:
-    """Build the loss modules once so their own value checks run now."""
+    """Build the backbone (on the meta device) and the losses once so that their
+    own value checks run now, and check every loss ``branch`` against the
+    backbone's branches."""
+    import torch
+
+    params = {k: v for k, v in cfg.model.items() if k != "name"}
+    try:
+        with torch.device("meta"):
+            model = BACKBONES.build(cfg.model["name"], video_dim=8, query_dim=8, **params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model: {exc}") from None
+    branches = list(getattr(model, "score_weights", {}))
     for term, spec in cfg.losses.items():
         params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
         try:
             LOSSES.build(spec["loss"], **params)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"losses.{term}: {exc}") from None
+        branch = params.get("branch")
+        if branch is not None and branches and branch not in branches:
+            raise ConfigError(
+                f"losses.{term}.branch: '{branch}' is not a branch of backbone '{cfg.backbone}'"
+                f"{did_you_mean(branch, branches)}; branches: {', '.join(branches)}"
+            )
 
 
 # ---------------------------------------------------------------- overrides

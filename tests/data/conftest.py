@@ -9,17 +9,8 @@ from types import SimpleNamespace
 import h5py
 import numpy as np
 import pytest
-import torch
 
 from prvrlab.platform.config import DataConfig
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def write_bigfile(folder: Path, frame_ids: list[str], matrix: np.ndarray, video2frames: dict[str, list[str]]) -> Path:

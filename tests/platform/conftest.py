@@ -5,12 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -72,6 +72,9 @@ def test_unknown_keys_and_names_suggest_the_closest(override, needle):
         ({"train.warmup_proportion": 1.5}, "train.warmup_proportion"),
         ({"losses.clip_nce.weight": -0.1}, "losses.clip_nce.weight must be >= 0"),
         ({"model.hidden_size": 1.5}, "model.hidden_size: expected an integer"),
+        ({"losses.clip_nce.branch": "clp"}, "losses.clip_nce.branch: 'clp' is not a branch of backbone 'gmmformer' (did you mean 'clip'?)"),
+        ({"model.sigmas": [0.5, -1.0]}, "model:"),
+        ({"model.dropout": 1.5}, "model:"),
         ({"train.lr": float("nan")}, "train.lr: expected a number, got NaN"),
     ],
 )

@@ -1,0 +1,182 @@
+"""Time one GMMFormer training step on a synthetic TVR-shaped batch.
+
+A step is forward + losses (triplet, InfoNCE on both branches, query-diverse)
++ backward + AdamW, data excluded; the reference figure for the official
+GMMFormer on this kind of 2-core machine is 12.8 s (fp32, frames padded to 128).
+
+    .venv/bin/python benchmarks/bench_model_step.py                 # fp32 and bf16, all 128 frames real
+    .venv/bin/python benchmarks/bench_model_step.py --min-frames 32 # variable lengths (padding skipped)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import resource
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from prvrlab.data.batch import Batch
+from prvrlab.losses.weighted import WeightedLoss
+from prvrlab.registry import BACKBONES
+
+LOSSES = {
+    "clip_trip": {"loss": "triplet", "weight": 1.0, "branch": "clip", "margin": 0.1},
+    "frame_trip": {"loss": "triplet", "weight": 1.0, "branch": "frame", "margin": 0.1},
+    "clip_nce": {"loss": "infonce", "weight": 0.02, "branch": "clip"},
+    "frame_nce": {"loss": "infonce", "weight": 0.04, "branch": "frame"},
+    "div": {"loss": "query_diverse", "weight": 8e-5, "branch": "clip", "alpha": 32.0, "delta": 0.2},
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--videos", type=int, default=128, help="videos per batch")
+    p.add_argument("--queries", type=int, default=640, help="queries per batch (spread evenly over the videos)")
+    p.add_argument("--frames", type=int, default=128, help="padded frame length")
+    p.add_argument("--min-frames", type=int, default=None, help="real frames drawn in [min, frames] (default: all)")
+    p.add_argument("--clips", type=int, default=32)
+    p.add_argument("--query-len", type=int, default=30, help="padded query length")
+    p.add_argument("--min-query-len", type=int, default=8, help="real tokens drawn in [min, query-len]")
+    p.add_argument("--video-dim", type=int, default=3072)
+    p.add_argument("--query-dim", type=int, default=768)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per precision")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per precision")
+    p.add_argument("--amp", choices=["none", "bf16", "both"], default="both")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def synthetic_batch(args: argparse.Namespace, g: torch.Generator) -> Batch:
+    """L2-normalised random features with random real lengths, zero padded."""
+    B, Nq = args.videos, args.queries
+    min_frames = args.frames if args.min_frames is None else args.min_frames
+    frame_len = torch.randint(min_frames, args.frames + 1, (B,), generator=g)
+    query_len = torch.randint(args.min_query_len, args.query_len + 1, (Nq,), generator=g)
+    frame_mask = torch.arange(args.frames)[None] < frame_len[:, None]  # (B, Lf)
+    query_mask = torch.arange(args.query_len)[None] < query_len[:, None]  # (Nq, Lq)
+    frames = F.normalize(torch.randn(B, args.frames, args.video_dim, generator=g), dim=-1) * frame_mask[..., None]
+    clips = F.normalize(torch.randn(B, args.clips, args.video_dim, generator=g), dim=-1)
+    queries = F.normalize(torch.randn(Nq, args.query_len, args.query_dim, generator=g), dim=-1) * query_mask[..., None]
+    query_video = torch.arange(Nq) * B // Nq  # contiguous, ~Nq/B queries per video
+    return Batch(
+        frames=frames,
+        frame_mask=frame_mask,
+        clips=clips,
+        queries=queries,
+        query_mask=query_mask,
+        query_video=query_video,
+        video_ids=[f"v{i}" for i in range(B)],
+        query_ids=[f"q{i}" for i in range(Nq)],
+    )
+
+
+def gemm_roof(dtype: torch.dtype, repeats: int = 5) -> float:
+    """GFLOP/s of a (16384 x 384) @ (384 x 4608) matmul, the shape of a GMMBlock's Q/K/V projection."""
+    a = torch.randn(16384, 384, dtype=dtype)
+    b = torch.randn(384, 4608, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 16384 * 384 * 4608 / best / 1e9
+
+
+class Runner:
+    """A model, its losses and AdamW, trained on one batch under one precision."""
+
+    def __init__(self, args: argparse.Namespace, amp: str) -> None:
+        torch.manual_seed(args.seed)
+        self.amp = amp
+        self.model = BACKBONES.build(
+            "gmmformer", video_dim=args.video_dim, query_dim=args.query_dim, hidden_size=args.hidden,
+            max_frames=max(args.frames, args.clips), max_query_len=args.query_len,
+        ).train()
+        self.criterion = WeightedLoss.from_config(LOSSES)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.01)
+        self.times: dict[str, list[float]] = {"forward": [], "losses": [], "backward": [], "AdamW": [], "step": []}
+
+    def step(self, batch: Batch, record: bool) -> None:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.amp == "bf16" else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        with ctx:
+            out = self.model(batch)
+            t1 = time.perf_counter()
+            result = self.criterion(out, batch, epoch=0)
+        t2 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        result.total.backward()
+        t3 = time.perf_counter()
+        self.optimizer.step()
+        t4 = time.perf_counter()
+        if record:
+            for key, value in zip(self.times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+                self.times[key].append(value)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    batch = synthetic_batch(args, torch.Generator().manual_seed(args.seed))
+    real_frames = int(batch.frame_mask.sum())
+    real_tokens = int(batch.query_mask.sum())
+    print(
+        f"batch: {args.videos} videos x {args.frames} frames ({real_frames / args.videos:.1f} real on average), "
+        f"{args.clips} clips, {args.queries} queries x {args.query_len} tokens "
+        f"({real_tokens / args.queries:.1f} real); dims {args.video_dim}/{args.query_dim} -> {args.hidden}; "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    roofs = {"none": gemm_roof(torch.float32), "bf16": gemm_roof(torch.bfloat16)}
+    print(f"GEMM roof now: fp32 {roofs['none']:.0f} GFLOP/s, bf16 {roofs['bf16']:.0f} GFLOP/s")
+    amps = ["none", "bf16"] if args.amp == "both" else [args.amp]
+    runners = [Runner(args, amp) for amp in amps]
+    counter = FlopCounterMode(display=False)
+    with counter:  # one untimed step, counting the FLOPs of forward + losses + backward
+        runners[0].step(batch, record=False)
+    gflop = counter.get_total_flops() / 1e9
+    counter = FlopCounterMode(display=False)
+    with counter:  # the same with padding computed, as the reference code does
+        runners[0].step(replace(batch, frame_mask=torch.ones_like(batch.frame_mask),
+                                query_mask=torch.ones_like(batch.query_mask)), record=False)
+    padded_gflop = counter.get_total_flops() / 1e9
+    print(f"work per step: {gflop:.0f} GFLOP of matrix products ({padded_gflop:.0f} GFLOP if padding were computed)")
+    for step in range(args.warmup + args.steps):  # precisions interleaved: both see the same machine load
+        for runner in runners:
+            runner.step(batch, record=step >= args.warmup)
+    best = {}
+    for runner in runners:
+        t = runner.times
+        best[runner.amp] = min(t["step"])
+        parts = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in t.items() if k != "step")
+        print(
+            f"{'fp32' if runner.amp == 'none' else 'bf16 autocast':>13}: step min {min(t['step']):6.2f} s, "
+            f"median {statistics.median(t['step']):6.2f} s ({parts}) = {args.videos / min(t['step']):.1f} videos/s, "
+            f"{gflop / min(t['step']):.0f} GFLOP/s effective ({gflop / min(t['step']) / roofs[runner.amp]:.0%} of roof)"
+        )
+    print(f"({args.steps} timed steps per precision after {args.warmup} warm-up; min = least disturbed by other load)")
+    if len(best) == 2:
+        print(f"bf16 speed-up over fp32: {best['none'] / best['bf16']:.2f}x")
+    for amp, value in best.items():
+        name = "fp32" if amp == "none" else "bf16"
+        print(f"{name}: {12.8 / value:.2f}x the official GMMFormer's 12.8 s/step (REFERENCE.md section 8)")
+    # The machine's speed varies (shared cores): compare with the fastest any fp32 implementation computing
+    # padding (as the reference does) could be right now, i.e. that work at the fp32 GEMM roof.
+    floor = padded_gflop / roofs["none"]
+    for amp, value in best.items():
+        name = "fp32" if amp == "none" else "bf16"
+        print(f"{name}: {floor / value:.2f}x an ideal fp32 step computing padding at today's roof ({floor:.2f} s)")
+    print(f"peak resident memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Gaussian-constrained attention (GMMFormer) and the plain transformer layer.
+
+A Gaussian branch with width sigma multiplies the scaled attention logits by a
+window over relative position: with positions ``p_t = t / (n - 1)`` of a
+sequence of ``n`` real tokens (normalised to [0, 1] per sequence, so padding
+never changes the window) and ``w = sigma / 9``::
+
+    G(i, j) = exp(-(p_j - p_i)^2 / (2 w^2))        (1 on the diagonal)
+
+``sigma = inf`` gives the all-ones window, i.e. plain attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from prvrlab.models.blocks import BranchLinear, Dropout, Packing, check_positive_int, dropout_mask
+
+DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
+
+
+def parse_sigmas(values: Sequence[float | str], name: str = "sigmas") -> tuple[float, ...]:
+    """Window widths as floats: positive numbers, ``inf`` or the string ``"inf"``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
+        raise ValueError(f"{name} must be a non-empty list of positive numbers or 'inf', got {values!r}")
+    out = []
+    for i, value in enumerate(values):
+        sigma = math.nan
+        if isinstance(value, str):
+            try:
+                sigma = float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            sigma = float(value)
+        if not sigma > 0:  # also rejects NaN
+            raise ValueError(f"{name}[{i}] must be a positive number or 'inf', got {value!r}")
+        out.append(sigma)
+    return tuple(out)
+
+
+def _window_from_offsets(offsets: Tensor, sigma: float) -> Tensor:
+    """exp(-d^2 / (2 (sigma/9)^2)) for normalised offsets d; ones when sigma is inf."""
+    if math.isinf(sigma):
+        return torch.ones_like(offsets)
+    width = sigma / 9.0
+    return torch.exp(-(offsets * offsets) / (2.0 * width * width))
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_window(length: int, sigma: float, device: torch.device) -> Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        steps = torch.arange(length, device=device, dtype=torch.float32)
+        offsets = (steps[None, :] - steps[:, None]) / max(length - 1, 1)  # (L, L)
+        return _window_from_offsets(offsets, sigma)
+
+
+def gaussian_window(length: int, sigma: float, *, device: torch.device | str | None = None) -> Tensor:
+    """The (length, length) window of a sequence of ``length`` real tokens (cached; do not modify)."""
+    check_positive_int(length, "length")
+    (sigma,) = parse_sigmas([sigma], "sigma")
+    return _cached_window(length, sigma, torch.device(device or "cpu"))
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_stack(
+    length: int, sigmas: tuple[float, ...], scale: float, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        stack = torch.stack([_cached_window(length, s, device) for s in sigmas])  # (K, L, L)
+        return (stack * scale).to(dtype)[None, :, None]  # (1, K, 1, L, L)
+
+
+def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float]) -> Tensor:
+    """(B, K, L, L) windows of sequences with real ``lengths`` (B,) padded to ``length``."""
+    steps = torch.arange(length, device=lengths.device, dtype=torch.float32)
+    offsets = steps[None, :] - steps[:, None]  # (L, L)
+    inv = 1.0 / (lengths.clamp(min=2) - 1).to(torch.float32)  # (B,)
+    offsets = offsets[None] * inv[:, None, None]  # (B, L, L)
+    return torch.stack([_window_from_offsets(offsets, s) for s in sigmas], dim=1)  # (B, K, L, L)
+
+
+class GaussianAttention(nn.Module):
+    """K parallel multi-head self-attention branches, one Gaussian window each.
+
+    Branch k computes ``a_k = softmax(G_k * Q_k K_k^T / sqrt(d_h)) V_k`` per head
+    (padding keys masked) and returns ``W_o,k a_k + b_o,k``; the output holds
+    every branch, (K, N, D).  The Q/K/V projections of all branches are one
+    Linear(D, 3*K*D) whose output features are laid out ``[Q | K | V]``, each
+    as (K branches, H heads, d_h); the output projections are one
+    :class:`BranchLinear` (one batched GEMM).  ``dropout`` applies to the
+    attention probabilities.  Logits and softmax run in the projections' dtype
+    (bf16 under autocast; the softmax kernel accumulates in fp32).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int = 4,
+        sigmas: Sequence[float | str] = DEFAULT_SIGMAS,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        check_positive_int(hidden_size, "hidden_size")
+        check_positive_int(num_heads, "num_heads")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.sigmas = parse_sigmas(sigmas)
+        self.num_branches = len(self.sigmas)
+        self.plain = all(math.isinf(s) for s in self.sigmas)
+        self.qkv = nn.Linear(hidden_size, 3 * self.num_branches * hidden_size)
+        self.out = BranchLinear(num_branches=self.num_branches, in_dim=hidden_size, out_dim=hidden_size)
+        self.attn_dropout = Dropout(dropout, name="attention_dropout")
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """(B, L, D) with (B, L) mask -> (K, B, L, D), zeros on padding."""
+        packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
+        out = self.forward_packed(packing.pack(x), packing)  # (K, N, D)
+        return torch.stack([packing.unpack(branch) for branch in out])  # (K, B, L, D)
+
+    def _logit_scale(self, packing: Packing, dtype: torch.dtype) -> Tensor | float:
+        """1/sqrt(d_h) times the windows: a float, (1, K, 1, L, L) or (B, K, 1, L, L)."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.plain:
+            return scale
+        if packing.is_full:
+            return _cached_stack(packing.length, self.sigmas, scale, dtype, packing.lengths.device)
+        windows = batched_windows(packing.lengths, packing.length, self.sigmas)  # (B, K, L, L)
+        return windows.mul_(scale).to(dtype).unsqueeze(2)  # (B, K, 1, L, L)
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D) packed tokens -> (K, N, D), one output per branch."""
+        B, L = packing.batch, packing.length
+        K, H, Dh = self.num_branches, self.num_heads, self.head_dim
+        qkv = packing.unpack(self.qkv(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
+        # unbind before permuting: the backward then stacks the three gradients straight into this layout
+        q, k, v = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, K, H, L, Dh) each
+        logits = torch.matmul(q, k.transpose(-1, -2))  # (B, K, H, L, L)
+        scale = self._logit_scale(packing, logits.dtype)
+        if packing.is_full:
+            logits = logits.mul_(scale)
+        else:  # one pass: window * logits + key bias (a huge negative on padding keys)
+            key_bias = torch.zeros(packing.mask.shape, dtype=logits.dtype, device=logits.device)
+            key_bias.masked_fill_(~packing.mask, torch.finfo(logits.dtype).min / 2)
+            key_bias = key_bias[:, None, None, None, :]  # (B, 1, 1, 1, L)
+            if isinstance(scale, Tensor):
+                logits = torch.addcmul(key_bias, logits, scale)
+            else:
+                logits = key_bias.add(logits, alpha=scale)
+        probs = self.attn_dropout(torch.softmax(logits, dim=-1))  # (B, K, H, L, L)
+        ctx = torch.matmul(probs, v)  # (B, K, H, L, Dh)
+        ctx = ctx.permute(1, 0, 3, 2, 4).reshape(K, B * L, H * Dh)  # (K, B*L, D)
+        if packing.index is not None:
+            ctx = ctx.index_select(1, packing.index)  # (K, N, D)
+        return self.out(ctx)  # (K, N, D)
+
+
+class GMMBlock(nn.Module):
+    """GMMFormer's block: Gaussian attention branches, each closed like a BERT attention layer, averaged.
+
+    ``y_k = LN_k(x + Dropout(GaussianAttention(x)_k))`` and ``y = mean_k y_k``
+    (per-branch LayerNorm weights), as the reference code's GMMBlock; with
+    ``ffn_size > 0`` a feed-forward sublayer follows,
+    ``y = LN(y + Dropout(Linear(F, D)(GELU(Linear(D, F)(y)))))`` (not in the
+    reference code).  ``dropout`` applies to the residual branches,
+    ``attention_dropout`` to the attention probabilities (off by default: on
+    CPU it costs several passes over the (B, K, H, L, L) attention tensor).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int = 4,
+        sigmas: Sequence[float | str] = DEFAULT_SIGMAS,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        ffn_size: int = 0,
+    ) -> None:
+        super().__init__()
+        if isinstance(ffn_size, bool) or not isinstance(ffn_size, int) or ffn_size < 0:
+            raise ValueError(f"ffn_size must be an integer >= 0 (0: no feed-forward sublayer), got {ffn_size!r}")
+        self.attention = GaussianAttention(
+            hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout
+        )
+        K = self.attention.num_branches
+        self.dropout = Dropout(dropout)
+        self.norm_weight = nn.Parameter(torch.ones(K, hidden_size))  # per-branch LayerNorm affine
+        self.norm_bias = nn.Parameter(torch.zeros(K, hidden_size))
+        self.ffn: nn.Module | None = None
+        if ffn_size:
+            self.ffn = nn.Sequential(nn.Linear(hidden_size, ffn_size), nn.GELU(), nn.Linear(ffn_size, hidden_size))
+            self.ffn_norm = nn.LayerNorm(hidden_size)
+
+    @property
+    def sigmas(self) -> tuple[float, ...]:
+        return self.attention.sigmas
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """(B, L, D) with (B, L) mask -> (B, L, D), zeros on padding."""
+        packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
+        return packing.unpack(self.forward_packed(packing.pack(x), packing))
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D) packed tokens -> (N, D)."""
+        branches = self.attention.forward_packed(x, packing)  # (K, N, D)
+        p = self.dropout.p
+        if self.training and p > 0:  # residual and dropout in one pass
+            h = torch.addcmul(x, branches, dropout_mask(branches, p))  # (K, N, D)
+        else:
+            h = branches + x  # (K, N, D)
+        K, D = h.shape[0], h.shape[-1]
+        weights = (self.norm_weight / K).unbind(0)  # the mean over branches folded into the affine
+        biases = (self.norm_bias / K).unbind(0)
+        y: Tensor | None = None
+        for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
+            y_k = F.layer_norm(h_k, (D,), w_k, b_k)  # (N, D)
+            y = y_k if y is None else y + y_k
+        if self.ffn is not None:
+            y = self.ffn_norm(y + self.dropout(self.ffn(y)))  # (N, D)
+        return y
+
+
+class TransformerLayer(GMMBlock):
+    """A post-norm transformer layer: one plain attention branch (sigma = inf).
+
+    ``ffn_size`` defaults to ``hidden_size``; 0 leaves only the attention
+    sublayer (a BERT attention layer, as the reference query encoders).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int = 4,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        ffn_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            sigmas=(math.inf,),
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            ffn_size=hidden_size if ffn_size is None else ffn_size,
+        )

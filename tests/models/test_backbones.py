@@ -1,0 +1,279 @@
+"""Contract tests run on every registered backbone, plus GMMFormer specifics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+
+from prvrlab.data.batch import Batch
+from prvrlab.models.base import ModelOutput, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.registry import BACKBONES
+
+VIDEO_DIM, QUERY_DIM, NUM_CLIPS = 12, 10, 8
+# Small values for whichever of these parameters a backbone has.
+TINY = {
+    "hidden_size": 16,
+    "num_heads": 2,
+    "num_gmm_blocks": 1,
+    "max_frames": 16,
+    "max_query_len": 8,
+}
+
+
+def build(name: str, **overrides) -> RetrievalModel:
+    params = BACKBONES.params(name)
+    kwargs = {k: v for k, v in {**TINY, **overrides}.items() if k in params}
+    return BACKBONES.build(name, video_dim=VIDEO_DIM, query_dim=QUERY_DIM, **kwargs)
+
+
+def make_batch(
+    frame_lengths: list[int],
+    query_lengths: list[int],
+    query_video: list[int],
+    *,
+    frame_pad: int = 0,
+    query_pad: int = 0,
+    seed: int = 0,
+) -> Batch:
+    """Random features; padded positions hold garbage (a model must ignore them)."""
+    g = torch.Generator().manual_seed(seed)
+    B, Nq = len(frame_lengths), len(query_lengths)
+    Lf, Lq = max(frame_lengths) + frame_pad, max(query_lengths) + query_pad
+    frame_mask = torch.arange(Lf)[None] < torch.tensor(frame_lengths)[:, None]
+    query_mask = torch.arange(Lq)[None] < torch.tensor(query_lengths)[:, None]
+    return Batch(
+        frames=torch.randn(B, Lf, VIDEO_DIM, generator=g),
+        frame_mask=frame_mask,
+        clips=torch.randn(B, NUM_CLIPS, VIDEO_DIM, generator=g),
+        queries=torch.randn(Nq, Lq, QUERY_DIM, generator=g),
+        query_mask=query_mask,
+        query_video=torch.tensor(query_video),
+        video_ids=[f"v{i}" for i in range(B)],
+        query_ids=[f"q{i}" for i in range(Nq)],
+    )
+
+
+def with_padding(batch: Batch, frame_pad: int, query_pad: int) -> Batch:
+    """The same batch with extra padded (garbage) frames and tokens appended."""
+    g = torch.Generator().manual_seed(123)
+    B, Lf, Dv = batch.frames.shape
+    Nq, Lq, Dq = batch.queries.shape
+    return Batch(
+        frames=torch.cat([batch.frames, torch.randn(B, frame_pad, Dv, generator=g)], dim=1),
+        frame_mask=torch.cat([batch.frame_mask, torch.zeros(B, frame_pad, dtype=torch.bool)], dim=1),
+        clips=batch.clips,
+        queries=torch.cat([batch.queries, torch.randn(Nq, query_pad, Dq, generator=g)], dim=1),
+        query_mask=torch.cat([batch.query_mask, torch.zeros(Nq, query_pad, dtype=torch.bool)], dim=1),
+        query_video=batch.query_video,
+        video_ids=batch.video_ids,
+        query_ids=batch.query_ids,
+    )
+
+
+def standard_batch() -> Batch:
+    return make_batch([7, 3, 1, 5], [4, 2, 6, 1, 3, 5, 2], [0, 0, 1, 2, 2, 2, 3])
+
+
+NAMES = BACKBONES.names()
+
+
+def test_gmmformer_is_registered():
+    assert "gmmformer" in NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_shapes_finite_and_gradients(name):
+    model = build(name).train()
+    batch = standard_batch()
+    out = model(batch)
+    assert isinstance(out, ModelOutput)
+    assert isinstance(out.query, QueryEmbedding) and isinstance(out.video, VideoEmbedding)
+    assert set(model.score_weights) <= set(out.scores)
+    nq, nv = batch.num_queries, batch.num_videos
+    loss = model.fuse(out.scores).sum()
+    for branch, scores in out.scores.items():
+        assert scores.sim.shape == (nq, nv), branch
+        assert torch.isfinite(scores.sim).all(), branch
+        assert (scores.sim.abs() <= 1 + 1e-5).all(), f"{branch}: sim must be a cosine"
+        if scores.logits is not None:
+            assert scores.logits.shape == (nq, nv)
+            assert torch.isfinite(scores.logits).all()
+            loss = loss + scores.logits.sum()
+    for vector in out.query.vectors.values():
+        assert vector.shape[0] == nq
+    loss.backward()
+    for pname, param in model.named_parameters():
+        assert param.grad is not None, f"{pname} received no gradient"
+        assert torch.isfinite(param.grad).all(), pname
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_padding_does_not_change_scores(name):
+    model = build(name).eval()
+    batch = standard_batch()
+    padded = with_padding(batch, frame_pad=5, query_pad=2)
+    with torch.no_grad():
+        a = model.score(
+            model.encode_queries(batch.queries, batch.query_mask),
+            model.encode_videos(batch.clips, batch.frames, batch.frame_mask),
+            with_logits=True,
+        )
+        b = model.score(
+            model.encode_queries(padded.queries, padded.query_mask),
+            model.encode_videos(padded.clips, padded.frames, padded.frame_mask),
+            with_logits=True,
+        )
+    for branch in a:
+        torch.testing.assert_close(a[branch].sim, b[branch].sim, atol=1e-5, rtol=1e-5)
+        if a[branch].logits is not None:
+            torch.testing.assert_close(a[branch].logits, b[branch].logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scoring_in_one_call_equals_separate_calls(name):
+    model = build(name).eval()
+    batch = standard_batch()
+    with torch.no_grad():
+        video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+        query = model.encode_queries(batch.queries, batch.query_mask)
+        full = model.score(query, video, with_logits=True)
+        per_video = [
+            model.score(query, video.index(slice(v, v + 1)), with_logits=True) for v in range(batch.num_videos)
+        ]
+        per_query = [
+            model.score(query.index(slice(i, i + 1)), video, with_logits=True) for i in range(batch.num_queries)
+        ]
+    for branch, scores in full.items():
+        torch.testing.assert_close(scores.sim, torch.cat([s[branch].sim for s in per_video], dim=1))
+        torch.testing.assert_close(scores.sim, torch.cat([s[branch].sim for s in per_query], dim=0))
+        if scores.logits is not None:
+            torch.testing.assert_close(scores.logits, torch.cat([s[branch].logits for s in per_video], dim=1))
+            torch.testing.assert_close(scores.logits, torch.cat([s[branch].logits for s in per_query], dim=0))
+        # without logits the similarities are the same
+        assert model.score(query, video)[branch].logits is None
+        torch.testing.assert_close(model.score(query, video)[branch].sim, scores.sim)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_video_one_query_keeps_batch_dims(name):
+    model = build(name).eval()
+    batch = make_batch([1], [1], [0])
+    with torch.no_grad():
+        out = model(batch)
+    for vector in out.query.vectors.values():
+        assert vector.dim() == 2 and vector.shape[0] == 1
+    for scores in out.scores.values():
+        assert scores.sim.shape == (1, 1)
+    assert model.fuse(out.scores).shape == (1, 1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_autocast_forward_is_finite(name):
+    model = build(name).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(standard_batch())
+        loss = model.fuse(out.scores).sum()
+    loss.backward()
+    for scores in out.scores.values():
+        assert scores.sim.dtype == torch.float32 and torch.isfinite(scores.sim).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ---------------------------------------------------------------- GMMFormer specifics
+
+
+def test_gmmformer_sigmas_accept_inf_spellings():
+    from_yaml = yaml.safe_load("[0.5, 1, 5, .inf]")
+    assert math.isinf(from_yaml[-1])
+    for sigmas in (from_yaml, [0.5, 1, 5, "inf"], (0.5, math.inf)):
+        model = build("gmmformer", sigmas=sigmas)
+        assert math.isinf(model.sigmas[-1])
+        assert model.clip_blocks[0].sigmas == model.sigmas
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"sigmas": [1.0, -2.0]}, "sigmas"),
+        ({"sigmas": []}, "sigmas"),
+        ({"sigmas": [1.0, "wide"]}, "sigmas"),
+        ({"sigmas": [float("nan")]}, "sigmas"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"hidden_size": 10, "num_heads": 4}, "num_heads"),
+        ({"dropout": 1.5}, "dropout"),
+        ({"num_gmm_blocks": 0}, "num_gmm_blocks"),
+        ({"max_frames": -1}, "max_frames"),
+        ({"clip_weight": -0.1}, "clip_weight"),
+        ({"clip_weight": 0.0, "frame_weight": 0.0}, "score weights"),
+    ],
+)
+def test_gmmformer_rejects_bad_hyperparameters(kwargs, param):
+    with pytest.raises(ValueError, match=param):
+        build("gmmformer", **kwargs)
+
+
+def test_gmmformer_score_weights_and_fuse():
+    model = build("gmmformer", clip_weight=0.6, frame_weight=0.4).eval()
+    assert model.score_weights == {"clip": 0.6, "frame": 0.4}
+    with torch.no_grad():
+        out = model(standard_batch())
+    expected = 0.6 * out.scores["clip"].sim + 0.4 * out.scores["frame"].sim
+    torch.testing.assert_close(model.fuse(out.scores), expected)
+
+
+def test_gmmformer_scores_match_their_definition():
+    model = build("gmmformer").eval()
+    batch = standard_batch()
+    with torch.no_grad():
+        out = model(batch)
+    q = out.query.vectors["clip"]
+    assert q is out.query.vectors["frame"]
+    for i in range(batch.num_queries):
+        for v in range(batch.num_videos):
+            clips = out.video.clip[v]
+            cos = torch.nn.functional.cosine_similarity(q[i][None], clips, dim=-1)
+            assert math.isclose(out.scores["clip"].sim[i, v].item(), cos.max().item(), abs_tol=1e-5)
+            assert math.isclose(out.scores["clip"].logits[i, v].item(), (clips @ q[i]).max().item(), abs_tol=1e-4)
+            frame = out.video.frame[v]
+            cos_f = torch.nn.functional.cosine_similarity(q[i], frame, dim=0)
+            assert math.isclose(out.scores["frame"].sim[i, v].item(), cos_f.item(), abs_tol=1e-5)
+            assert math.isclose(out.scores["frame"].logits[i, v].item(), (q[i] @ frame).item(), abs_tol=1e-4)
+
+
+def test_gmmformer_init_is_normal_002():
+    model = build("gmmformer", hidden_size=64, num_heads=4)
+    w = model.clip_blocks[0].attention.qkv.weight
+    assert abs(w.std().item() - 0.02) < 0.002
+    assert torch.count_nonzero(model.clip_blocks[0].attention.qkv.bias) == 0
+    assert abs(model.frame_blocks[0].attention.out.weight.std().item() - 0.02) < 0.002
+
+
+def test_gmmformer_too_many_frames_is_a_clear_error():
+    model = build("gmmformer", max_frames=16)
+    batch = make_batch([20, 3], [2], [0])
+    with pytest.raises(ValueError, match="max_len=16"):
+        model(batch)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_autocast_scores_track_fp32(name):
+    model = build(name).eval()
+    batch = standard_batch()
+    with torch.no_grad():
+        ref = model(batch).scores
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(batch).scores
+    for branch in ref:
+        torch.testing.assert_close(low[branch].sim, ref[branch].sim, atol=0.05, rtol=0.05)
+
+
+def test_gmmformer_with_feed_forward_sublayers():
+    model = build("gmmformer", ffn_size=24).train()
+    assert model.clip_blocks[0].ffn is not None and model.query_encoder.ffn is not None
+    out = model(standard_batch())
+    model.fuse(out.scores).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert build("gmmformer").clip_blocks[0].ffn is None  # the reference has none

@@ -1,0 +1,244 @@
+"""Tests of the shared blocks against hand computations and naive loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prvrlab.models.blocks import AttentionPooling, InputProjection, Packing, PositionalEmbedding
+from prvrlab.models.gmm import (
+    GaussianAttention,
+    GMMBlock,
+    TransformerLayer,
+    batched_windows,
+    gaussian_window,
+    parse_sigmas,
+)
+
+
+def hand_window(n: int, sigma: float) -> list[list[float]]:
+    width = sigma / 9
+    pos = [i / (n - 1) if n > 1 else 0.0 for i in range(n)]
+    return [[math.exp(-((pj - pi) ** 2) / (2 * width**2)) for pj in pos] for pi in pos]
+
+
+@pytest.mark.parametrize("n, sigma", [(5, 1.0), (7, 0.5), (4, 5.0), (1, 1.0)])
+def test_gaussian_window_matches_hand_computation(n, sigma):
+    got = gaussian_window(n, sigma)
+    assert got.shape == (n, n)
+    torch.testing.assert_close(got, torch.tensor(hand_window(n, sigma)), atol=1e-6, rtol=1e-5)
+    assert torch.all(torch.diagonal(got) == 1)
+
+
+def test_gaussian_window_values_spot_check():
+    # n = 3, sigma = 1: offsets 0, 0.5, 1 with width 1/9 -> exp(-0.25 * 81 / 2), exp(-81 / 2)
+    w = gaussian_window(3, 1.0)
+    assert math.isclose(w[0, 1].item(), math.exp(-10.125), rel_tol=1e-5)
+    assert math.isclose(w[0, 2].item(), math.exp(-40.5), rel_tol=1e-4)
+
+
+def test_gaussian_window_infinite_is_all_ones_and_cached():
+    assert torch.equal(gaussian_window(6, math.inf), torch.ones(6, 6))
+    assert gaussian_window(6, 2.0) is gaussian_window(6, 2.0)
+
+
+def test_batched_windows_use_each_sequence_real_length():
+    windows = batched_windows(torch.tensor([5, 3, 6]), 6, (1.0, math.inf))  # (B, K, L, L)
+    assert windows.shape == (3, 2, 6, 6)
+    torch.testing.assert_close(windows[0, 0, :5, :5], gaussian_window(5, 1.0))
+    torch.testing.assert_close(windows[1, 0, :3, :3], gaussian_window(3, 1.0))
+    torch.testing.assert_close(windows[2, 0], gaussian_window(6, 1.0))
+    assert torch.equal(windows[:, 1], torch.ones(3, 6, 6))
+
+
+def test_parse_sigmas():
+    assert parse_sigmas([0.5, 1, "inf", float("inf")]) == (0.5, 1.0, math.inf, math.inf)
+    for bad in ([0.0], [-1.0], ["x"], [], "inf", [True]):
+        with pytest.raises(ValueError, match="sigmas"):
+            parse_sigmas(bad)
+
+
+def naive_gaussian_attention(attn: GaussianAttention, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Branch by branch, head by head, video by video, on the unpadded sequences: (K, B, L, D)."""
+    D, K, H = attn.hidden_size, attn.num_branches, attn.num_heads
+    dh = D // H
+    wq, wk, wv = attn.qkv.weight.split(K * D)  # layout [Q | K | V], each (K, H, dh)
+    bq, bk, bv = attn.qkv.bias.split(K * D)
+    out = torch.zeros(K, *x.shape)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        xb = x[b, :n]  # (n, D)
+        for k, sigma in enumerate(attn.sigmas):
+            window = torch.tensor(hand_window(n, sigma)) if math.isfinite(sigma) else torch.ones(n, n)
+            heads = []
+            for h in range(H):
+                rows = slice(k * D + h * dh, k * D + (h + 1) * dh)
+                q = xb @ wq[rows].T + bq[rows]
+                kk = xb @ wk[rows].T + bk[rows]
+                v = xb @ wv[rows].T + bv[rows]
+                logits = window * (q @ kk.T) / math.sqrt(dh)
+                heads.append(torch.softmax(logits, dim=-1) @ v)
+            a_k = torch.cat(heads, dim=-1)  # (n, D)
+            out[k, b, :n] = a_k @ attn.out.weight[k].T + attn.out.bias[k]
+    return out
+
+
+def naive_gmm_block(block: GMMBlock, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """mean_k LayerNorm_k(x + branch_k), video by video (eval mode, no FFN)."""
+    branches = naive_gaussian_attention(block.attention, x, lengths)
+    out = torch.zeros_like(x)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            normed = []
+            for k in range(block.attention.num_branches):
+                h = x[b, t] + branches[k, b, t]
+                h = (h - h.mean()) / torch.sqrt(h.var(unbiased=False) + 1e-5)
+                normed.append(h * block.norm_weight[k] + block.norm_bias[k])
+            out[b, t] = torch.stack(normed).mean(0)
+    return out
+
+
+def randomise(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+
+
+@pytest.mark.parametrize("sigmas", [(0.5, math.inf, 2.0), (math.inf,), (1.0,)])
+def test_fused_branches_equal_naive_loop(sigmas):
+    attn = GaussianAttention(hidden_size=8, num_heads=2, sigmas=sigmas).eval()
+    randomise(attn)
+    lengths = [5, 3, 0, 1]
+    x = torch.randn(4, 5, 8)
+    mask = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
+    torch.testing.assert_close(attn(x, mask), naive_gaussian_attention(attn, x, lengths), atol=1e-5, rtol=1e-4)
+    full = attn(x[:1])  # no mask: the cached-window path
+    torch.testing.assert_close(full, naive_gaussian_attention(attn, x[:1], [5]), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lengths", [[5, 3, 0, 1], [5, 5]])
+def test_gmm_block_and_gradients_equal_naive_loop(lengths):
+    block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(0.5, math.inf, 2.0)).eval()
+    randomise(block)
+    x = torch.randn(len(lengths), 5, 8, requires_grad=True)
+    mask = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
+    weights = torch.randn(len(lengths), 5, 8) * mask[..., None]
+    results = []
+    for fn in (lambda: block(x, mask), lambda: naive_gmm_block(block, x, lengths)):
+        block.zero_grad()
+        x.grad = None
+        y = fn()
+        (y * weights).sum().backward()
+        results.append((y.detach(), x.grad.clone(), block.attention.qkv.weight.grad.clone(),
+                        block.attention.out.weight.grad.clone(), block.norm_weight.grad.clone()))
+    for fused, naive in zip(*results):
+        torch.testing.assert_close(fused, naive, atol=1e-4, rtol=1e-4)
+
+
+def test_gmm_block_fully_padded_row_is_finite_and_zero():
+    block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(1.0, math.inf), dropout=0.1).train()
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    y = block(x, mask)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[1], torch.zeros(4, 8))
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in block.parameters())
+
+
+def test_gmm_block_ignores_padding():
+    block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(0.5, 1.0, math.inf), dropout=0.0).eval()
+    x = torch.randn(2, 6, 8)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2], dtype=torch.bool)
+    y = block(x, mask)
+    torch.testing.assert_close(y[1, :4], block(x[1:, :4])[0], atol=1e-5, rtol=1e-5)
+    x2 = x.clone()
+    x2[1, 4:] = 100.0  # garbage in padding changes nothing
+    torch.testing.assert_close(block(x2, mask), y)
+
+
+def test_transformer_layer_is_plain_attention_with_ffn():
+    layer = TransformerLayer(hidden_size=8, num_heads=2, dropout=0.0)
+    assert layer.sigmas == (math.inf,)
+    assert layer.attention.plain
+    assert layer.ffn is not None and layer.ffn[0].out_features == 8
+    assert TransformerLayer(hidden_size=8, num_heads=2, ffn_size=0).ffn is None
+    with pytest.raises(ValueError, match="ffn_size"):
+        GMMBlock(hidden_size=8, ffn_size=-1)
+
+
+def test_attention_pooling_one_token_returns_it():
+    pool = AttentionPooling(hidden_size=6)
+    x = torch.randn(3, 1, 6)
+    torch.testing.assert_close(pool(x), x[:, 0])
+    torch.testing.assert_close(pool(x, torch.ones(3, 1, dtype=torch.bool)), x[:, 0])
+    padded = torch.randn(2, 4, 6)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    out = pool(padded, mask)
+    assert out.shape == (2, 6)
+    torch.testing.assert_close(out[0], padded[0, 0])
+
+
+def test_attention_pooling_matches_loop_and_empty_row_is_zero():
+    pool = AttentionPooling(hidden_size=4)
+    x = torch.randn(3, 5, 4)
+    lengths = [5, 2, 0]
+    mask = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
+    out = pool(x, mask)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros(4))
+            continue
+        scores = torch.stack([pool.score(x[b, t]).squeeze() for t in range(n)])
+        expected = (torch.softmax(scores, dim=0)[:, None] * x[b, :n]).sum(0)
+        torch.testing.assert_close(out[b], expected)
+
+
+def test_packing_round_trip_and_prefix_check():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    packing = Packing.from_mask(mask, 3, 3, "cpu")
+    x = torch.randn(3, 3, 2)
+    packed = packing.pack(x)
+    assert packed.shape == (6, 2)
+    assert packing.positions.tolist() == [0, 1, 0, 0, 1, 2]
+    assert torch.equal(packing.unpack(packed), x * mask[..., None])
+    assert Packing.from_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3, "cpu").is_full
+    with pytest.raises(ValueError, match="real tokens first"):
+        Packing.from_mask(torch.tensor([[0, 1, 1]], dtype=torch.bool), 1, 3, "cpu")
+
+
+def test_input_projection_and_positional_embedding():
+    proj = InputProjection(in_dim=5, out_dim=4, dropout=0.0)
+    y = proj(torch.randn(2, 3, 5))
+    assert y.shape == (2, 3, 4) and (y >= 0).all()
+    pos = PositionalEmbedding(max_len=3, hidden_size=4, dropout=0.0)
+    x = torch.randn(2, 3, 4)
+    packing = Packing.full(2, 3, "cpu")
+    torch.testing.assert_close(pos.forward_packed(packing.pack(x), packing), packing.pack(pos(x)))
+    with pytest.raises(ValueError, match="max_len=3"):
+        pos(torch.randn(1, 4, 4))
+    with pytest.raises(ValueError, match="dropout"):
+        InputProjection(in_dim=5, out_dim=4, dropout=-0.1)
+
+
+def test_fast_dropout_statistics_gradient_and_seed():
+    from prvrlab.models.blocks import Dropout, fast_dropout
+
+    x = torch.ones(200, 500, requires_grad=True)
+    torch.manual_seed(3)
+    y = fast_dropout(x, 0.2, True)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 0.2) < 0.01
+    assert torch.allclose(y[y != 0], torch.tensor(1.25))
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d(x * keep)/dx = keep
+    torch.manual_seed(3)
+    assert torch.equal(fast_dropout(x, 0.2, True), y)
+    assert fast_dropout(x, 0.2, False) is x
+    layer = Dropout(0.3).eval()
+    assert layer(x) is x
+    with pytest.raises(ValueError, match="attention_dropout"):
+        Dropout(1.0, name="attention_dropout")
