@@ -1,0 +1,116 @@
+"""The search platform's own overhead on this machine.
+
+For a small search (tiny synthetic data, 3 trials, 2 epochs, one trial at a
+time) with one worker per trial (trained inside the Tune trial actor) and
+with two (a Ray Train DDP worker group per trial), prints:
+
+- time from a trial's start (its MLflow child run is created in the driver)
+  to its first training step (first epoch report minus that epoch's time);
+- the share of the search's wall time spent outside training epochs.
+
+With a GPU it also prints the aggregate trial throughput when packing 1, 2
+and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
+
+    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from prvrlab.data.synth import synthesize
+from prvrlab.platform.search import search
+from prvrlab.platform.search_spec import load_search_spec
+from prvrlab.platform.tracking import Tracker
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_spec(tmp: Path, root: Path, name: str, trials: int, epochs: int, workers: int, gpus: float = 0.0, concurrency: int = 1) -> Path:
+    spec = {
+        "name": name,
+        "base_config": str(REPO / "configs" / "gmmformer_synth.yaml"),
+        "overrides": {
+            "data.root": str(root),
+            "data.synthesize": None,
+            "model.hidden_size": 32,
+            "model.num_heads": 2,
+            "train.epochs": epochs,
+            "train.batch_size": 16,
+            "eval.final_splits": ["val"],
+            "tracking.uri": f"sqlite:///{tmp / 'mlflow.db'}",
+            "tracking.storage_path": str(tmp / "results"),
+            "tracking.experiment": "bench",
+        },
+        "budget": {"trials": trials},
+        "concurrency": concurrency,
+        "resources": {"workers_per_trial": workers, "gpus_per_worker": gpus},
+        "sampler": {"type": "random", "seed": 0},
+        "space": {"train.lr": {"loguniform": [3e-4, 3e-3]}},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
+    spec = load_search_spec(write_spec(tmp, root, name, **kw))
+    t0 = time.time()
+    result = search(spec, echo=lambda _: None)
+    wall = time.time() - t0
+    tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench")
+    children = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
+    )
+    startups, train_s = [], 0.0
+    for child in children:
+        epochs = tracker.client.get_metric_history(child.info.run_id, "time/epoch_s")
+        if not epochs:
+            continue
+        first = min(epochs, key=lambda m: m.step)
+        startups.append(first.timestamp / 1000 - child.info.start_time / 1000 - first.value)
+        train_s += sum(m.value for m in epochs)
+    return {
+        "wall_s": wall,
+        "trials": len(children),
+        "startup_s": statistics.fmean(startups) if startups else float("nan"),
+        "train_s": train_s,
+        "outside_share": 1 - train_s / wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="prvrlab-bench-search-") as tmp_name:
+        tmp = Path(tmp_name)
+        root = synthesize(tmp / "synth_tiny", preset="tiny", seed=0, progress=False)
+        print(f"search overhead: {args.trials} trials x {args.epochs} epochs, tiny synthetic data, 1 trial at a time")
+        print(f"{'workers/trial':>13} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
+        for workers in (1, 2):
+            m = measure(tmp, root, f"overhead_w{workers}", trials=args.trials, epochs=args.epochs, workers=workers)
+            print(f"{workers:>13} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
+
+        import torch
+
+        if not torch.cuda.is_available():
+            print("GPU packing (1/2/4 trials per GPU): skipped, needs a GPU (none visible)")
+            return
+        print(f"{'trials/GPU':>10} {'wall s':>8} {'trials/hour':>12}")
+        for per_gpu in (1, 2, 4):
+            m = measure(
+                tmp, root, f"pack{per_gpu}", trials=4, epochs=args.epochs, workers=1, gpus=1.0 / per_gpu, concurrency=per_gpu
+            )
+            print(f"{per_gpu:>10} {m['wall_s']:8.1f} {3600 * m['trials'] / m['wall_s']:12.1f}")
+
+
+if __name__ == "__main__":
+    main()
