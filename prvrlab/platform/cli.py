@@ -45,6 +45,51 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_search(args: argparse.Namespace) -> int:
+    from prvrlab.platform.search import search
+    from prvrlab.platform.search_spec import load_search_spec
+
+    spec = load_search_spec(args.spec, _overrides(args.set))
+    if args.check:
+        print(f"{args.spec}: valid search spec ({len(spec.space)} keys, {spec.trials} trials)")
+        return 0
+    result = search(spec, resume=args.resume)
+    c = result.counts
+    print(
+        f"search '{spec.name}': {c['finished']} finished, {c['early_stopped']} early-stopped, "
+        f"{c['failed']} failed, {c['unfinished']} unfinished; MLflow parent run {result.parent_run_id}"
+    )
+    if result.best is not None:
+        print(f"best trial {result.best['trial_id']}: {spec.metric} {result.best['value']:.2f}")
+        for key, value in result.best["config"].items():
+            print(f"  {key}: {value!r}")
+        print(f"best config written to {result.best['path']}  (prvrlab train {result.best['path']})")
+    if result.interrupted:
+        print(f"interrupted: continue with  prvrlab search {args.spec} --resume", file=sys.stderr)
+        return 130
+    return 0 if result.best is not None else EXIT_FAILED
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from prvrlab.platform.ablation import ablate
+    from prvrlab.platform.search_spec import load_ablation_spec
+
+    spec = load_ablation_spec(args.spec, _overrides(args.set))
+    if args.check:
+        print(f"{args.spec}: valid ablation spec ({len(spec.variants)} variants x {len(spec.seeds)} seeds)")
+        return 0
+    result = ablate(spec, resume=args.resume)
+    c = result.counts
+    print(
+        f"ablation '{spec.name}': {c['finished']} cells finished, {c['failed']} failed, {c['missing']} missing; "
+        f"MLflow parent run {result.parent_run_id}"
+    )
+    if result.interrupted:
+        print(f"interrupted: continue with  prvrlab ablate {args.spec} --resume", file=sys.stderr)
+        return 130
+    return 0 if c["failed"] == 0 and c["missing"] == 0 else EXIT_FAILED
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from prvrlab.platform.checkpoint_eval import evaluate_checkpoint
 
@@ -83,6 +128,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     from prvrlab.data.inspect import inspect_collection
     from prvrlab.platform.config import DataConfig, load_config
 
+    splits = None
     if args.config:
         data = load_config(args.config, _overrides(args.set)).data
     else:
@@ -91,9 +137,11 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             collection=args.collection,
             visual_feature=args.visual_feature,
             text_feature=args.text_feature,
-            test_split=None,
         )
-    report = inspect_collection(data)
+        suffix = ".caption.txt"
+        found = Path(args.root, "TextData").glob(f"{args.collection}*{suffix}")
+        splits = sorted(p.name[len(args.collection) : -len(suffix)] for p in found) or None
+    report = inspect_collection(data, splits=splits)
     print(report.format())
     return 0
 
@@ -108,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="validate and print the resolved config, train nothing")
     p.add_argument("--no-ray", action="store_true", help="train in this process without Ray (one worker)")
     p.set_defaults(func=cmd_train)
+
+    for name, func, what in (("search", cmd_search, "a hyperparameter search"), ("ablate", cmd_ablate, "an ablation study")):
+        p = sub.add_parser(name, help=f"run {what} on Ray Tune (one DDP training run per trial), tracked in MLflow")
+        p.add_argument("spec", help=f"{name} spec YAML (see search_spaces/)")
+        p.add_argument("--resume", action="store_true", help="continue the latest interrupted submission of this spec")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override of the base config, repeatable")
+        p.add_argument("--check", action="store_true", help="validate the spec only")
+        p.set_defaults(func=func)
 
     p = sub.add_parser("eval", help="evaluate a saved model (best_model.pt) on a split")
     p.add_argument("checkpoint", help="best_model.pt written by a training run")
@@ -152,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prvrlab`` console script."""
     from prvrlab.data.errors import DataError
     from prvrlab.platform.config import ConfigError
+    from prvrlab.platform.search_spec import StudyError
     from prvrlab.platform.trainer import TrainingError
     from prvrlab.registry import RegistryError
 
@@ -165,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingError as exc:
         print(f"prvrlab: training failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except StudyError as exc:
+        print(f"prvrlab: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("prvrlab: interrupted", file=sys.stderr)
         return 130
