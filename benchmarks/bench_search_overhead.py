@@ -62,7 +62,7 @@ def write_spec(tmp: Path, root: Path, name: str, trials: int, epochs: int, worke
 def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
     spec = load_search_spec(write_spec(tmp, root, name, **kw))
     t0 = time.time()
-    result = search(spec, echo=lambda _: None)
+    result = search(spec, echo=None)
     wall = time.time() - t0
     tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench")
     children = tracker.client.search_runs(

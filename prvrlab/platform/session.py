@@ -89,6 +89,35 @@ class RaySession(Session):
         ray.train.report(metrics, checkpoint=ckpt)
 
 
+class TuneSession(Session):
+    """Session of a one-worker trial trained inside its Ray Tune trial actor.
+
+    Reports go to ``ray.tune.report`` (after ``enrich``, which may fill in
+    the searched metric), checkpoints are Tune's, so a retried trial resumes
+    from its last epoch.
+    """
+
+    def __init__(self, enrich: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        self.enrich = enrich or (lambda metrics: metrics)
+
+    @contextmanager
+    def checkpoint_dir(self) -> Iterator[Path | None]:
+        import ray.tune
+
+        ckpt = ray.tune.get_checkpoint()
+        if ckpt is None:
+            yield None
+            return
+        with ckpt.as_directory() as path:
+            yield Path(path)
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        import ray.tune
+
+        ckpt = ray.tune.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        ray.tune.report(self.enrich(dict(metrics)), checkpoint=ckpt)
+
+
 @contextmanager
 def scratch_dir() -> Iterator[Path]:
     """A temporary folder removed afterwards."""

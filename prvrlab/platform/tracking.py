@@ -22,11 +22,11 @@ def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None) 
     """An absolute tracking URI.
 
     ``None`` means ``$MLFLOW_TRACKING_URI`` or an SQLite file ``mlflow.db`` in
-    the working directory.  Relative SQLite and file paths are made absolute
+    ``$PRVRLAB_HOME`` or else the working directory.  Relative SQLite and file paths are made absolute
     so that Ray workers and ``ray job submit`` (which change directory) reach
     the same store.
     """
-    base = Path(cwd or os.getcwd()).resolve()
+    base = Path(cwd or os.environ.get("PRVRLAB_HOME") or os.getcwd()).resolve()
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{base / DEFAULT_DB}"
     if uri.startswith("sqlite:///"):
         path = uri[len("sqlite:///") :]

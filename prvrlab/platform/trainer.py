@@ -40,9 +40,19 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def project_home() -> Path:
+    """``$PRVRLAB_HOME`` or the current directory: where relative config paths point."""
+    return Path(os.environ.get("PRVRLAB_HOME") or Path.cwd())
+
+
 def resolve_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> ExperimentConfig:
-    """A copy whose data root and storage path are absolute (workers chdir)."""
-    base = (cwd or Path.cwd()).resolve()
+    """A copy whose data root and storage path are absolute (workers chdir).
+
+    Relative paths resolve against ``cwd``, else ``$PRVRLAB_HOME`` (set it
+    under ``ray job submit``, whose driver runs in a temporary copy of the
+    working dir), else the current directory.
+    """
+    base = (cwd or project_home()).resolve()
     data = dataclasses.replace(cfg.data, root=str((base / cfg.data.root).resolve()))
     visual = Path(cfg.data.visual_feature)
     if visual.is_absolute():

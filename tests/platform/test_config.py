@@ -32,8 +32,8 @@ def base() -> dict:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
-    assert cfg.backbone == "gmmformer"
-    assert cfg.loss_weights()["clip_triplet"] == 1.0
+    assert cfg.backbone == path.stem.rsplit("_", 1)[0]
+    assert sum(cfg.loss_weights().values()) > 0
 
 
 def test_valid_config_round_trips_through_yaml():

@@ -1,0 +1,154 @@
+"""Ablation studies: every variant x seed of a spec as one Tune grid.
+
+Each cell is a trial (no searcher).  Child runs carry ``prvrlab.variant``,
+``prvrlab.seed``, ``components`` and ``config_hash``; resubmitting the spec
+reuses the study's parent run and skips every cell whose config hash already
+has a FINISHED child run of this study in the experiment.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+from prvrlab.platform.mlflow_callback import RunMap
+from prvrlab.platform.search import (
+    StudyResult,
+    make_study,
+    open_parent,
+    prepare_study,
+    run_study,
+    study_root,
+    _prepare_environment,
+)
+from prvrlab.platform.search_spec import AblationSpec
+
+
+def finished_hashes(tracker, name: str) -> dict[str, str]:
+    """config hash -> run id of this ablation's FINISHED (full-budget) child runs."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'FINISHED'",
+        max_results=5000,
+    )
+    return {
+        r.data.tags["config_hash"]: r.info.run_id
+        for r in runs
+        if r.data.tags.get("prvrlab.status") == "finished" and "config_hash" in r.data.tags
+    }
+
+
+def summarise(tracker, name: str, metric: str, cells: dict[str, dict[str, Any]], spec: AblationSpec) -> dict[str, tuple[float, float, int]]:
+    """variant -> (mean, std, n) of ``final/<metric>`` (else ``<metric>``) over finished seeds."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'FINISHED'",
+        max_results=5000,
+    )
+    values: dict[str, list[float]] = {v: [] for v in spec.variants}
+    seen: set[str] = set()
+    for r in runs:
+        cell = r.data.tags.get("prvrlab.cell")
+        if r.data.tags.get("prvrlab.status") != "finished" or cell not in cells or cell in seen:
+            continue
+        value = r.data.metrics.get(f"final/{metric}", r.data.metrics.get(metric))
+        if value is not None and math.isfinite(value):
+            seen.add(cell)
+            values[spec.cell_labels(cell)[0]].append(value)
+    return {
+        v: (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0, len(xs))
+        for v, xs in values.items()
+        if xs
+    }
+
+
+def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], None] | None = print) -> StudyResult:
+    """Run (or resume) an ablation; cells already finished in MLflow are skipped (``echo=None``: silent)."""
+    progress = echo is not None
+    echo = echo or (lambda _: None)
+    from ray import tune
+
+    from prvrlab.platform.search import Study
+    from prvrlab.platform.tracking import Tracker
+    from prvrlab.platform.trainer import ensure_ray
+
+    base, study_dir, resumed = prepare_study(spec, resume=resume, kind="ablation", echo=echo)
+    tracker = Tracker(base.tracking.uri, base.tracking.experiment)
+    runs = RunMap(study_dir)
+    all_cells = spec.cells()
+    done = finished_hashes(tracker, spec.name)
+    plain = Study(
+        kind="ablation", name=spec.name, study_dir=str(study_dir), base_raw=base.to_dict(), metric=spec.metric,
+        mode=spec.mode, workers=spec.resources.workers_per_trial, cpus_per_worker=1.0,
+        gpus_per_worker=spec.resources.gpus_per_worker, tracking_uri=base.tracking.uri,
+        experiment=base.tracking.experiment, cells=all_cells,
+    )
+    todo = {c: o for c, o in all_cells.items() if plain.experiment_config({"cell": c}).fingerprint() not in done}
+    skipped = len(all_cells) - len(todo)
+    root = study_root(base.tracking.storage_path, "ablation", spec.name)
+    parent = open_parent(tracker, runs, spec, "ablation", study_dir, parent_run_id=None if resumed else previous_parent_excluding(root, study_dir))
+    echo(
+        f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "
+        f"{skipped} already finished; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
+    )
+    status = "FAILED"
+    interrupted = False
+    try:
+        if todo or resumed:
+            _prepare_environment()
+            ensure_ray()
+            study = make_study(spec, "ablation", base, study_dir, cells=all_cells)
+            _, _, interrupted = run_study(
+                spec,
+                study,
+                tune_config_kwargs={"num_samples": 1, "max_concurrent_trials": spec.concurrency},
+                param_space={"cell": tune.grid_search(sorted(todo, key=list(all_cells).index))},
+                resume=resumed,
+                tracker=tracker,
+                total=len(todo),
+                progress=progress,
+            )
+        summary = summarise(tracker, spec.name, spec.metric, all_cells, spec)
+        counts = _cell_counts(tracker, spec.name, all_cells, plain)
+        metrics: dict[str, float] = {f"cells/{k}": v for k, v in counts.items()}
+        if summary:
+            echo(f"{'variant':<24} {spec.metric + ' mean':>16} {'std':>8} {'seeds':>6}")
+            for variant, (mean, std, n) in summary.items():
+                echo(f"{variant:<24} {mean:16.2f} {std:8.2f} {n:6d}")
+                metrics[f"variant/{variant}/mean"] = mean
+                metrics[f"variant/{variant}/std"] = std
+        tracker.log_metrics(parent, metrics)
+        status = "KILLED" if interrupted else "FINISHED"
+        return StudyResult(study_dir, parent, counts, None, interrupted)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.end_run(parent, status)
+
+
+def previous_parent_excluding(root: Path, current: Path) -> str | None:
+    """The parent run of an earlier submission (not ``current``), to keep one parent per ablation."""
+    if not root.is_dir():
+        return None
+    for folder in sorted((d for d in root.iterdir() if d.is_dir() and d != current), reverse=True):
+        parent = RunMap(folder).parent
+        if parent:
+            return parent
+    return None
+
+
+def _cell_counts(tracker, name: str, cells: dict[str, dict[str, Any]], study) -> dict[str, int]:
+    """finished / failed / missing cells of the whole ablation (over all submissions)."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation'",
+        max_results=5000,
+    )
+    finished = {r.data.tags.get("prvrlab.cell") for r in runs if r.data.tags.get("prvrlab.status") == "finished" and r.info.status == "FINISHED"}
+    failed = {r.data.tags.get("prvrlab.cell") for r in runs if r.info.status == "FAILED"} - finished
+    finished &= set(cells)
+    failed &= set(cells)
+    return {"finished": len(finished), "failed": len(failed), "missing": len(cells) - len(finished) - len(failed)}

@@ -1,0 +1,250 @@
+"""The driver-side MLflow writer of a search or ablation (a Ray Tune callback).
+
+One child run per trial, nested under the study's parent run.  Only this
+callback (in the driver process) writes to the tracking store; each trial
+report becomes one batched ``log_batch``.  Every child run ends FINISHED,
+FAILED or KILLED:
+
+- finished at full budget: FINISHED, ``prvrlab.status=finished``;
+- stopped by the scheduler (ASHA) or the time limit: FINISHED with
+  ``prvrlab.early_stopped=true`` and ``prvrlab.status=early_stopped``;
+- non-finite loss: FAILED, ``prvrlab.status=nonfinite`` and the error tag;
+- crashed beyond its retries: FAILED, ``prvrlab.status=error`` and the error tag;
+- still running when the driver is interrupted: KILLED (reopened on ``--resume``).
+
+The trial id -> run id map lives in ``<study dir>/study.json`` so that a
+restored study reattaches to the same runs instead of duplicating them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ray.tune import Callback
+
+if TYPE_CHECKING:
+    from prvrlab.platform.search import Study
+
+STUDY_FILE = "study.json"
+INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
+
+
+def watch_interrupts() -> None:
+    """Wrap Tune's SIGINT handler so that an interrupt is also recorded in INTERRUPTED (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGINT)
+    if getattr(current, "prvrlab_watch", False):
+        return
+
+    def handler(signum, frame) -> None:
+        INTERRUPTED.set()
+        if callable(current):
+            current(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    handler.prvrlab_watch = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, handler)
+
+
+class RunMap:
+    """``study.json``: the parent run id and trial id -> child run id (atomic writes)."""
+
+    def __init__(self, study_dir: str | Path) -> None:
+        self.path = Path(study_dir) / STUDY_FILE
+        data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.parent: str | None = data.get("parent")
+        self.trials: dict[str, str] = dict(data.get("trials", {}))
+        self.closed: dict[str, str] = dict(data.get("closed", {}))
+        self.meta: dict[str, Any] = dict(data.get("meta", {}))
+
+    def save(self) -> None:
+        """Write the map (temp file + rename)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        payload = {"parent": self.parent, "trials": self.trials, "closed": self.closed, "meta": self.meta}
+        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def trial_outcome(last_result: dict[str, Any] | None) -> str:
+    """'finished', 'nonfinite' or 'early_stopped' for a trial that ended without an error."""
+    kind = (last_result or {}).get("kind")
+    if kind == "final":
+        return "finished"
+    if kind == "nonfinite":
+        return "nonfinite"
+    return "early_stopped"
+
+
+class MlflowStudyCallback(Callback):
+    """Writes a study's child runs from the Tune driver (picklable: the client is created lazily)."""
+
+    def __init__(self, study: "Study") -> None:
+        self.study = study
+        self._tracker = None
+        self._map: RunMap | None = None
+        self._open: set[str] = set()
+        self._commit: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None}
+
+    # ------------------------------------------------------------ helpers
+
+    @property
+    def tracker(self):
+        """The lazily created Tracker (one MlflowClient in the driver)."""
+        if self._tracker is None:
+            from prvrlab.platform.tracking import Tracker
+
+            self._tracker = Tracker(self.study.tracking_uri, self.study.experiment)
+        return self._tracker
+
+    @property
+    def runs(self) -> RunMap:
+        """The persisted trial -> run map."""
+        if self._map is None:
+            self._map = RunMap(self.study.study_dir)
+        return self._map
+
+    def _child_run(self, trial) -> str:
+        """The child run of ``trial``: reattached when known, created otherwise."""
+        trial_id = trial.trial_id
+        run_id = self.runs.trials.get(trial_id)
+        if run_id is not None:
+            if trial_id not in self._open:
+                self.tracker.client.update_run(run_id, status="RUNNING")
+                if self.runs.closed.pop(trial_id, None) == "KILLED":
+                    self.tracker.client.delete_tag(run_id, "prvrlab.stop_reason")
+                    self.tracker.set_tags(run_id, {"prvrlab.status": "resumed"})
+                self.runs.save()
+                self._open.add(trial_id)
+            return run_id
+        from prvrlab.platform.tracking import git_commit
+
+        if self._commit is None:
+            self._commit = git_commit()
+        cfg = self.study.experiment_config(trial.config)
+        tags = self.study.trial_tags(trial.config, cfg, commit=self._commit)
+        tags["prvrlab.trial_id"] = trial_id
+        run_id = self.tracker.start_run(self.study.run_name(trial_id, trial.config), tags=tags, parent_run_id=self.runs.parent)
+        self.tracker.log_params(run_id, cfg.flat())
+        self.runs.trials[trial_id] = run_id
+        self.runs.save()
+        self._open.add(trial_id)
+        return run_id
+
+    def close(self, trial, status: str, tags: dict[str, Any]) -> None:
+        """Log the trial's files, tag and end its run (idempotent)."""
+        self.close_id(trial.trial_id, status, tags)
+
+    def close_id(self, trial_id: str, status: str, tags: dict[str, Any]) -> None:
+        """Close the child run of ``trial_id`` (files logged unless KILLED)."""
+        run_id = self.runs.trials.get(trial_id)
+        if run_id is None or self.runs.closed.get(trial_id) in ("FINISHED", "FAILED"):
+            return
+        tracker = self.tracker
+        files = self.study.trial_dir(trial_id)
+        if status != "KILLED":
+            tracker.log_artifacts(run_id, [files / "config.yaml"])
+            tracker.log_artifacts(run_id, sorted(files.glob("ranks_*.parquet")), "ranks")
+            tracker.log_artifacts(run_id, [files / "best_model.pt"], "checkpoints")
+        tracker.set_tags(run_id, tags)
+        tracker.end_run(run_id, status)
+        self._open.discard(trial_id)
+        self.runs.closed[trial_id] = status
+        self.runs.save()
+
+    def close_all(self, trials, interrupted: bool = False) -> None:
+        """Close every still-open child run according to its trial's state."""
+        by_id = {t.trial_id: t for t in trials}
+        for trial_id in list(self.runs.trials):
+            if self.runs.closed.get(trial_id) in ("FINISHED", "FAILED"):
+                continue
+            trial = by_id.get(trial_id)
+            if trial is None:
+                if interrupted and self.runs.closed.get(trial_id) is None:
+                    self.close_id(trial_id, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"})
+                continue
+            status = getattr(trial, "status", "")
+            if status == "TERMINATED":
+                self._complete(trial)
+            elif status == "ERROR":
+                self._error(trial)
+            elif trial_id in self._open or self.runs.closed.get(trial_id) is None:
+                reason = "interrupted" if interrupted else "not finished when the study ended"
+                self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": reason})
+
+    def _complete(self, trial) -> None:
+        outcome = trial_outcome(trial.last_result)
+        if outcome == "early_stopped" and INTERRUPTED.is_set():
+            self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"})
+        elif outcome == "nonfinite":
+            error = str(trial.last_result.get("error", "non-finite loss"))
+            self.close(trial, "FAILED", {"prvrlab.status": "nonfinite", "error": error})
+        elif outcome == "early_stopped":
+            self.close(trial, "FINISHED", {"prvrlab.status": "early_stopped", "prvrlab.early_stopped": "true"})
+        else:
+            self.close(trial, "FINISHED", {"prvrlab.status": "finished", "prvrlab.early_stopped": "false"})
+
+    def _error(self, trial) -> None:
+        error = ""
+        try:
+            exc = trial.get_error()
+            error = str(exc) if exc is not None else ""
+        except Exception:  # the error file may be gone after a restore
+            error = ""
+        lines = [ln for ln in error.strip().splitlines() if ln.strip()]
+        self.close(trial, "FAILED", {"prvrlab.status": "error", "error": "\n".join(lines[-8:]) or "trial failed"})
+
+    # ------------------------------------------------------------ Tune hooks
+
+    def on_step_begin(self, iteration, trials, **info) -> None:
+        """Keep Ctrl-C observable (Tune installs its own SIGINT handler when the run starts)."""
+        watch_interrupts()
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        """Create (or reattach to) the trial's child run."""
+        self._child_run(trial)
+
+    def on_trial_restore(self, iteration, trials, trial, **info) -> None:
+        """A restored trial keeps its run."""
+        self._child_run(trial)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        """Log one report: an epoch as a step, the final round as ``final/*``."""
+        run_id = self._child_run(trial)
+        kind = result.get("kind")
+        metrics = {k: v for k, v in result.items() if "/" in k or k in ("lr", "epoch")}
+        if kind == "epoch":
+            self.tracker.log_metrics(run_id, metrics, step=int(result["epoch"]))
+        elif kind == "final":
+            final = {f"final/{k}": v for k, v in metrics.items()}
+            final.update({k: metrics[k] for k in ("best/sumr", "best/epoch") if k in metrics})
+            self.tracker.log_metrics(run_id, final)
+        elif kind == "nonfinite":
+            self.tracker.set_tags(run_id, {"error": str(result.get("error", "non-finite loss"))})
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        """A crashed trial is retried from its checkpoint: count it on the run."""
+        run_id = self._child_run(trial)
+        self.tracker.set_tags(run_id, {"prvrlab.retries": str(trial.run_metadata.num_failures)})
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        """Close the run FINISHED (full budget or early-stopped) or FAILED (non-finite)."""
+        self._complete(trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        """Close the run FAILED with the error."""
+        self._error(trial)
+
+    def on_experiment_end(self, trials, **info) -> None:
+        """Close whatever is still open."""
+        self.close_all(trials)

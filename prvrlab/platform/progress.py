@@ -1,0 +1,103 @@
+"""A concise live view of a search or ablation (one line per event).
+
+Replaces Ray's raw log stream: each trial report prints the study's counts
+(done / running / failed), the best metric so far and the trial's own
+parameters and current metric.  Ray's full logs stay in its session folder.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Callable
+
+from ray.tune import Callback
+
+from prvrlab.platform.mlflow_callback import trial_outcome
+
+
+def format_params(params: dict[str, Any]) -> str:
+    """``key=value`` pairs, floats to 3 significant digits."""
+    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+class ProgressCallback(Callback):
+    """Prints one line per trial start, epoch, completion and failure."""
+
+    def __init__(self, metric: str, mode: str, total: int, labels: Callable[[dict[str, Any]], str]) -> None:
+        self.metric, self.mode, self.total, self.labels = metric, mode, total, labels
+        self.best: dict[str, float] = {}
+        self.t0 = time.time()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "best": {}, "t0": 0.0}
+
+    def _echo(self, text: str) -> None:
+        if not self.t0:
+            self.t0 = time.time()
+        print(f"[{time.time() - self.t0:6.0f}s] {text}", file=sys.stdout, flush=True)
+
+    def _better(self, a: float, b: float) -> bool:
+        return a > b if self.mode == "max" else a < b
+
+    def _counts(self, trials, ended=None, error: bool = False) -> str:
+        done = failed = running = 0
+        for t in trials:
+            status = ("ERROR" if error else "TERMINATED") if t is ended else t.status
+            if status == "TERMINATED":
+                if trial_outcome(t.last_result) == "nonfinite":
+                    failed += 1
+                else:
+                    done += 1
+            elif status == "ERROR":
+                failed += 1
+            elif status == "RUNNING":
+                running += 1
+        best = self._overall_best()
+        best_text = f"best {self.metric} {best[1]:.2f} ({best[0]})" if best else f"best {self.metric} -"
+        return f"{done + failed}/{self.total} done ({failed} failed), {running} running | {best_text}"
+
+    def _overall_best(self) -> tuple[str, float] | None:
+        best = None
+        for trial_id, value in self.best.items():
+            if best is None or self._better(value, best[1]):
+                best = (trial_id, value)
+        return best
+
+    def _note(self, trial, result: dict[str, Any]) -> None:
+        value = result.get(self.metric)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            old = self.best.get(trial.trial_id)
+            if old is None or self._better(value, old):
+                self.best[trial.trial_id] = float(value)
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        """Announce a trial and its parameters."""
+        self._echo(f"start  {trial.trial_id}  {self.labels(trial.config)}")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        """One line per epoch report."""
+        self._note(trial, result)
+        if result.get("kind") != "epoch":
+            return
+        value = result.get(self.metric)
+        shown = f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+        self._echo(
+            f"{self._counts(trials)} | {trial.trial_id} epoch {int(result['epoch']) + 1} "
+            f"{self.metric} {shown}  {self.labels(trial.config)}"
+        )
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        """The trial's outcome and the new counts."""
+        outcome = trial_outcome(trial.last_result)
+        extra = f": {trial.last_result.get('error')}" if outcome == "nonfinite" else ""
+        self._echo(f"{outcome:<13} {trial.trial_id}{extra} | {self._counts(trials, ended=trial)}")
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        """A crashed trial is being retried."""
+        self._echo(f"retry  {trial.trial_id} from its last checkpoint | {self._counts(trials)}")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        """A trial failed for good."""
+        self._echo(f"failed {trial.trial_id} (error) | {self._counts(trials, ended=trial, error=True)}")

@@ -1,0 +1,580 @@
+"""Searches and ablations on Ray Tune: one trial = one training run.
+
+The driver validates the spec, prepares the data once, starts (or joins)
+Ray and runs a Tune experiment whose function trainable :func:`run_trial`
+trains one config:
+
+- one worker per trial: ``train_worker`` runs inside the trial actor itself
+  (a :class:`TuneSession`; the actor holds the worker's CPUs/GPU share and
+  is reused between trials), which skips a Train worker group's start;
+- several workers: the trial fits a Ray Train ``TorchTrainer`` (DDP) named
+  after the trial id, so a retried trial resumes from its checkpoint; the
+  trial actor itself asks for 0.01 CPU.
+
+Only the driver writes to MLflow (:class:`MlflowStudyCallback`); the study
+folder ``<storage>/<kind>/<name>/<stamp>/`` holds Tune's state (``tune/``),
+Train runs (``train/``), per-trial files (``trials/<id>/files``), the run
+map (``study.json``) and, for a search, ``best_config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+from ray.tune.search.optuna import OptunaSearch
+
+from prvrlab.platform.config import ExperimentConfig, apply_overrides, validate
+from prvrlab.platform.mlflow_callback import INTERRUPTED, MlflowStudyCallback, RunMap, trial_outcome
+from prvrlab.platform.progress import format_params
+from prvrlab.platform.search_spec import SearchSpec, StudyError, StudySpec
+
+TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
+
+
+def _components(cfg: ExperimentConfig) -> str:
+    """Backbone, plug-ins and loss terms of non-zero weight (generic, from the config)."""
+    parts = [f"backbone:{cfg.backbone}"]
+    parts += [f"plugin:{p}" for p in sorted(cfg.model.get("plugins", []) or [])]
+    parts += [f"loss:{t}" for t, s in cfg.losses.items() if s["weight"] > 0]
+    return ",".join(parts)
+
+
+@dataclass
+class Study:
+    """Everything a trial and the driver callbacks need (plain data, picklable)."""
+
+    kind: str  # "search" | "ablation"
+    name: str
+    study_dir: str
+    base_raw: dict[str, Any]  # resolved base config (absolute paths) with the spec's overrides
+    metric: str
+    mode: str
+    workers: int
+    cpus_per_worker: float
+    gpus_per_worker: float
+    tracking_uri: str
+    experiment: str
+    cells: dict[str, dict[str, Any]] | None = None  # ablation: cell -> overrides
+    fault: dict[str, Any] | None = None  # test hook forwarded to the workers
+
+    def overrides(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The dotted overrides a trial config stands for."""
+        if self.cells is not None:
+            return dict(self.cells[config["cell"]])
+        return {k: v for k, v in config.items()}
+
+    def experiment_config(self, config: dict[str, Any]) -> ExperimentConfig:
+        """The trial's validated experiment config."""
+        raw = apply_overrides(self.base_raw, self.overrides(config))
+        raw = apply_overrides(raw, {"train.num_workers": self.workers, "train.use_gpu": self.gpus_per_worker > 0})
+        return validate(raw)
+
+    def trial_dir(self, trial_id: str) -> Path:
+        """Where a trial writes its run files."""
+        return Path(self.study_dir) / "trials" / trial_id / "files"
+
+    def label(self, config: dict[str, Any]) -> str:
+        """A short description of a trial for the progress view."""
+        if self.cells is not None:
+            return str(config["cell"])
+        return format_params(config)
+
+    def run_name(self, trial_id: str, config: dict[str, Any]) -> str:
+        """The MLflow name of a trial's child run."""
+        if self.cells is not None:
+            return f"{self.name}/{config['cell']}"
+        return f"{self.name}/{trial_id}"
+
+    def trial_tags(self, config: dict[str, Any], cfg: ExperimentConfig, commit: str) -> dict[str, str]:
+        """Tags of a trial's child run."""
+        from prvrlab.platform.trainer import run_tags
+
+        tags = run_tags(cfg)
+        tags.update(
+            {
+                "prvrlab.kind": "trial",
+                "prvrlab.study": self.name,
+                "prvrlab.study_kind": self.kind,
+                "backbone": cfg.backbone,
+                "dataset": cfg.data.collection,
+                "seed": str(cfg.train.seed),
+                "prvrlab.seed": str(cfg.train.seed),
+                "git_commit": commit,
+                "config_hash": cfg.fingerprint(),
+                "components": _components(cfg),
+                "plugins": ",".join(sorted(cfg.model.get("plugins", []) or [])) or "none",
+                "losses": ",".join(t for t, s in cfg.losses.items() if s["weight"] > 0),
+            }
+        )
+        if self.cells is not None:
+            tags["prvrlab.variant"] = str(config["cell"]).rsplit("/seed", 1)[0]
+            tags["prvrlab.cell"] = str(config["cell"])
+        else:
+            tags["prvrlab.sampled"] = format_params(config)
+        return tags
+
+
+# ---------------------------------------------------------------- the trial
+
+
+class MetricFiller:
+    """Makes every report carry the searched metric where it is meaningful.
+
+    The final round has no per-epoch value: it gets the best model's value
+    (``best/<name>``) or the best value seen so far.  Non-finite rounds are
+    left without it (Optuna records such a trial as pruned).
+    """
+
+    def __init__(self, metric: str, mode: str) -> None:
+        self.metric, self.mode = metric, mode
+        self.best: float | None = None
+
+    def __call__(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        kind = metrics.get("kind")
+        value = metrics.get(self.metric)
+        if kind == "epoch" and isinstance(value, (int, float)):
+            if self.best is None or (value > self.best if self.mode == "max" else value < self.best):
+                self.best = float(value)
+        if kind == "final" and self.metric not in metrics:
+            fallback = metrics.get("best/" + self.metric.rsplit("/", 1)[-1], self.best)
+            if fallback is not None:
+                metrics[self.metric] = fallback
+        return metrics
+
+
+def _report_callback(filler: MetricFiller):
+    """A Train callback forwarding rank 0's reports to Tune (with the metric filled in)."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class FilledTuneReport(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            filled = [filler(dict(metrics[0]))] + list(metrics[1:])
+            super().after_report(run_context, filled, checkpoint)
+
+    return FilledTuneReport()
+
+
+def run_trial(config: dict[str, Any], study: Study) -> None:
+    """Tune function trainable: train one config (in-actor for 1 worker, TorchTrainer DDP otherwise)."""
+    from ray import tune
+
+    from prvrlab.platform.session import TuneSession
+    from prvrlab.platform.worker import train_worker
+
+    trial_id = tune.get_context().get_trial_id()
+    cfg = study.experiment_config(config)
+    run_dir = study.trial_dir(trial_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    loop_config = {
+        "experiment": cfg.to_dict(),
+        "run_dir": str(run_dir),
+        "cpus_per_worker": study.cpus_per_worker,
+        "fault": study.fault,
+    }
+    filler = MetricFiller(study.metric, study.mode)
+    if study.workers == 1:
+        train_worker(loop_config, TuneSession(filler))
+        return
+
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    use_gpu = study.gpus_per_worker > 0
+    resources = {"CPU": study.cpus_per_worker, **({"GPU": study.gpus_per_worker} if use_gpu else {})}
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=study.workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=trial_id,
+            storage_path=str(Path(study.study_dir) / "train"),
+            failure_config=FailureConfig(max_failures=0),  # retries are Tune's (max_retries)
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
+            callbacks=[_report_callback(filler)],
+        ),
+    )
+    trainer.fit()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def study_root(storage_path: str | Path, kind: str, name: str) -> Path:
+    """``<storage>/<kind>/<name>``: holds one folder per submission."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+    return Path(storage_path) / kind / safe
+
+
+def latest_study_dir(root: Path) -> Path | None:
+    """The newest submission folder under ``root`` that has Tune state, or None."""
+    if not root.is_dir():
+        return None
+    dirs = sorted(d for d in root.iterdir() if d.is_dir() and (d / "tune").is_dir())
+    return dirs[-1] if dirs else None
+
+
+def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -> tuple[float, float]:
+    """(CPUs, GPUs) per Train worker for ``spec`` on this cluster."""
+    res = spec.resources
+    if res.gpus_per_worker > 0 and cluster_gpus <= 0:
+        raise StudyError(f"{spec.path}: resources.gpus_per_worker is {res.gpus_per_worker:g} but the cluster has no GPU")
+    if res.cpus_per_worker is not None:
+        return res.cpus_per_worker, res.gpus_per_worker
+    reserved = TRIAL_ACTOR_CPU * spec.concurrency if res.workers_per_trial > 1 else 0.0
+    share = (cluster_cpus - reserved) / (spec.concurrency * res.workers_per_trial)
+    if share <= 0:
+        raise StudyError(f"the cluster has {cluster_cpus:g} CPUs, too few for {spec.concurrency} x {res.workers_per_trial} workers")
+    cpus = float(int(share)) if share >= 1 else math.floor(share * 100) / 100
+    return max(cpus, 0.01), res.gpus_per_worker
+
+
+def _prepare_environment() -> None:
+    """Driver-side settings: quiet output, strict metric check off, frequent state saves."""
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # final/non-finite rounds may lack the metric
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
+    os.environ.setdefault("TUNE_MAX_PENDING_TRIALS_PG", "1")
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+
+
+def _trainable(study: Study, resources: dict[str, float]):
+    from ray import tune
+
+    return tune.with_resources(tune.with_parameters(run_trial, study=study), resources)
+
+
+@dataclass
+class StudyResult:
+    """What a study produced."""
+
+    study_dir: Path
+    parent_run_id: str
+    counts: dict[str, int]
+    best: dict[str, Any] | None  # {"trial_id", "value", "config", "path"} for a search
+    interrupted: bool = False
+
+
+def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[str], None]) -> tuple[ExperimentConfig, Path, bool]:
+    """Resolve paths, prepare the data and pick the study folder (before Ray starts)."""
+    from prvrlab.platform.trainer import prepare_data, resolve_paths
+
+    base = resolve_paths(validate(spec.base_raw))
+    prepare_data(base, progress=False)
+    root = study_root(base.tracking.storage_path, kind, spec.name)
+    if resume:
+        study_dir = latest_study_dir(root)
+        if study_dir is None:
+            raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {root}")
+        echo(f"resuming {kind} '{spec.name}' from {study_dir}")
+        return base, study_dir, True
+    study_dir = root / _stamp()
+    while study_dir.exists():
+        time.sleep(1)
+        study_dir = root / _stamp()
+    study_dir.mkdir(parents=True)
+    return base, study_dir, False
+
+
+def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Path, parent_run_id: str | None = None) -> str:
+    """Create the study's parent run, or reopen the one ``study.json`` (or the caller) names."""
+    from prvrlab.platform.tracking import git_commit
+
+    run_id = runs.parent or parent_run_id
+    if run_id is not None:
+        tracker.client.update_run(run_id, status="RUNNING")
+    else:
+        tags = {
+            "prvrlab.kind": kind,
+            "prvrlab.study": spec.name,
+            "git_commit": git_commit(),
+            "prvrlab.study_dir": str(study_dir),
+        }
+        run_id = tracker.start_run(f"{spec.name}-{study_dir.name}", tags=tags)
+        spec_raw = yaml.safe_load(spec.path.read_text())
+        params = {"spec.metric": spec.metric, "spec.mode": spec.mode, "spec.base_config": str(spec.base_config)}
+        params.update({f"spec.{k}": v for k, v in spec_raw.items() if k not in ("space", "variants", "name", "base_config")})
+        for key, value in (spec_raw.get("space") or {}).items():
+            params[f"space.{key}"] = value
+        for key, value in (spec_raw.get("variants") or {}).items():
+            params[f"variant.{key}"] = value
+        tracker.log_params(run_id, params)
+        tracker.log_artifacts(run_id, [spec.path], "spec")
+    runs.parent = run_id
+    runs.meta.update({"kind": kind, "name": spec.name, "spec": str(spec.path)})
+    runs.save()
+    return run_id
+
+
+def run_study(
+    spec: StudySpec,
+    study: Study,
+    *,
+    tune_config_kwargs: dict[str, Any],
+    param_space: dict[str, Any],
+    resume: bool,
+    tracker,
+    total: int,
+    progress: bool = True,
+) -> tuple[Any, MlflowStudyCallback, bool]:
+    """Run (or restore) the Tune experiment of ``study``; returns (ResultGrid, callback, interrupted)."""
+    from ray import tune
+
+    from prvrlab.platform.progress import ProgressCallback
+
+    if study.workers == 1:
+        resources = {"cpu": study.cpus_per_worker, "gpu": study.gpus_per_worker}
+    else:
+        resources = {"cpu": TRIAL_ACTOR_CPU}
+    trainable = _trainable(study, resources)
+    tune_dir = Path(study.study_dir) / "tune"
+    mlflow_cb = MlflowStudyCallback(study)
+    callbacks: list[Any] = [mlflow_cb]
+    if progress:
+        callbacks.append(ProgressCallback(spec.metric, spec.mode, total, study.label))
+    if resume and tune_dir.is_dir() and tune.Tuner.can_restore(str(tune_dir)):
+        tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
+        tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, reuse_actors=study.workers == 1, **tune_config_kwargs),
+            run_config=tune.RunConfig(
+                name="tune",
+                storage_path=str(study.study_dir),
+                verbose=0,
+                callbacks=callbacks,
+                failure_config=tune.FailureConfig(max_failures=spec.max_retries),
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+                log_to_file=True,
+            ),
+        )
+    interrupted = False
+    INTERRUPTED.clear()
+    previous = _sigterm_as_sigint()
+    try:
+        results = tuner.fit()
+    except KeyboardInterrupt:
+        interrupted = True
+        results = None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    trials = _trials(tuner)
+    if INTERRUPTED.is_set() or any(t.status in ("PENDING", "RUNNING", "PAUSED") for t in trials):
+        interrupted = True
+    mlflow_cb.close_all(trials, interrupted=interrupted)
+    return results, mlflow_cb, interrupted
+
+
+def _sigterm_as_sigint():
+    """Make SIGTERM stop Tune like Ctrl-C (state saved, trials stopped); returns the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def forward(signum, frame) -> None:
+        INTERRUPTED.set()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    return signal.signal(signal.SIGTERM, forward)
+
+
+def _trials(tuner) -> list[Any]:
+    """The trials Tune knows (for closing runs after an interrupt)."""
+    try:
+        grid = tuner.get_results()
+    except Exception:
+        return []
+    analysis = getattr(grid, "_experiment_analysis", None)
+    return list(getattr(analysis, "trials", []) or [])
+
+
+def count_outcomes(trials) -> dict[str, int]:
+    """finished / early_stopped / failed / unfinished counts over Tune trials."""
+    counts = {"finished": 0, "early_stopped": 0, "failed": 0, "unfinished": 0}
+    for t in trials:
+        if t.status == "TERMINATED":
+            outcome = trial_outcome(t.last_result)
+            counts["failed" if outcome == "nonfinite" else outcome] += 1
+        elif t.status == "ERROR":
+            counts["failed"] += 1
+        else:
+            counts["unfinished"] += 1
+    return counts
+
+
+# ---------------------------------------------------------------- search
+
+
+def best_trial(trials, study: Study) -> dict[str, Any] | None:
+    """The trial with the best value of the metric over all its reports (failed ones excluded)."""
+    better = (lambda a, b: a > b) if study.mode == "max" else (lambda a, b: a < b)
+    best = None
+    for t in trials:
+        if t.status != "TERMINATED" or trial_outcome(t.last_result) == "nonfinite":
+            continue
+        value = t.metric_analysis.get(study.metric, {}).get(study.mode)
+        if value is None or not math.isfinite(value):
+            continue
+        if best is None or better(value, best["value"]):
+            best = {"trial_id": t.trial_id, "value": float(value), "config": dict(t.config)}
+    return best
+
+
+def write_best_config(study: Study, best: dict[str, Any], spec: SearchSpec) -> Path:
+    """``<study dir>/best_config.yaml``: the best trial's config, ready for ``prvrlab train``."""
+    cfg = study.experiment_config(best["config"])
+    cfg = dataclasses.replace(cfg, name=f"{spec.name}_best", tracking=dataclasses.replace(cfg.tracking, run_name=None))
+    header = (
+        f"# best trial {best['trial_id']} of search '{spec.name}' ({spec.metric} {best['value']:.3f}, mode {spec.mode})\n"
+        f"# searched values: {format_params(best['config'])}\n"
+        f"# the spec's overrides are included: {format_params(spec.overrides) or 'none'}\n"
+    )
+    path = Path(study.study_dir) / "best_config.yaml"
+    path.write_text(header + cfg.to_yaml())
+    return path
+
+
+def make_study(spec: StudySpec, kind: str, base: ExperimentConfig, study_dir: Path, cells=None) -> Study:
+    """A :class:`Study` for ``spec`` with per-worker resources from the running cluster."""
+    import ray
+
+    from prvrlab.platform.worker import fault_hook_from_env
+
+    cluster = ray.cluster_resources()
+    cpus, gpus = trial_resources(spec, float(cluster.get("CPU", os.cpu_count() or 1)), float(cluster.get("GPU", 0)))
+    base_raw = apply_overrides(base.to_dict(), {})
+    return Study(
+        kind=kind,
+        name=spec.name,
+        study_dir=str(study_dir),
+        base_raw=base_raw,
+        metric=spec.metric,
+        mode=spec.mode,
+        workers=spec.resources.workers_per_trial,
+        cpus_per_worker=cpus,
+        gpus_per_worker=gpus,
+        tracking_uri=base.tracking.uri,
+        experiment=base.tracking.experiment,
+        cells=cells,
+        fault=fault_hook_from_env(),
+    )
+
+
+class TolerantOptunaSearch(OptunaSearch):
+    """OptunaSearch that skips rounds without the metric (non-finite, final-without-metric)."""
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        """Report an intermediate value to Optuna only when the round has one."""
+        if self.metric in result:
+            super().on_trial_result(trial_id, result)
+
+
+def _searcher(spec: SearchSpec):
+    """OptunaSearch (seeded sampler, define-by-run space) that tolerates rounds without the metric.
+
+    A non-finite round carries no metric value: it is not reported to Optuna
+    (stock OptunaSearch would raise), and the trial ends up PRUNED there.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if spec.sampler == "grid":
+        sampler = optuna.samplers.GridSampler(spec.grid(), seed=spec.seed)
+    elif spec.sampler == "random":
+        sampler = optuna.samplers.RandomSampler(seed=spec.seed)
+    else:
+        sampler = optuna.samplers.TPESampler(seed=spec.seed)
+    return TolerantOptunaSearch(space=spec.define_by_run(), metric=spec.metric, mode=spec.mode, sampler=sampler, seed=spec.seed)
+
+
+def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None] | None = print) -> StudyResult:
+    """Run (or resume) a hyperparameter search; returns the study's outcome (``echo=None``: silent)."""
+    progress = echo is not None
+    echo = echo or (lambda _: None)
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from prvrlab.platform.tracking import Tracker
+    from prvrlab.platform.trainer import ensure_ray
+
+    base, study_dir, resumed = prepare_study(spec, resume=resume, kind="search", echo=echo)
+    tracker = Tracker(base.tracking.uri, base.tracking.experiment)
+    runs = RunMap(study_dir)
+    parent = open_parent(tracker, runs, spec, "search", study_dir)
+    status = "FAILED"
+    try:
+        _prepare_environment()
+        ensure_ray()
+        study = make_study(spec, "search", base, study_dir)
+        echo(
+            f"search '{spec.name}': {spec.trials} trials, {spec.concurrency} at a time, "
+            f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
+            + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
+            + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
+        )
+        searcher = _searcher(spec)
+        if spec.scheduler == "asha":
+            scheduler = ASHAScheduler(
+                time_attr="training_iteration",
+                max_t=validate(spec.base_raw).train.epochs + 1,  # the last round is the final evaluation
+                grace_period=spec.grace_period,
+                reduction_factor=spec.reduction_factor,
+                stop_last_trials=False,
+            )
+        else:
+            scheduler = FIFOScheduler()
+        results, mlflow_cb, interrupted = run_study(
+            spec,
+            study,
+            tune_config_kwargs={
+                "search_alg": searcher,
+                "scheduler": scheduler,
+                "num_samples": spec.trials,
+                "max_concurrent_trials": spec.concurrency,
+                "time_budget_s": spec.time_limit_s,
+            },
+            param_space={},
+            resume=resumed,
+            tracker=tracker,
+            total=spec.trials,
+            progress=progress,
+        )
+        trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
+        counts = count_outcomes(trials)
+        best = best_trial(trials, study)
+        summary = {f"trials/{k}": v for k, v in counts.items()}
+        if best is not None:
+            path = write_best_config(study, best, spec)
+            best["path"] = path
+            summary[f"best/{spec.metric}"] = best["value"]
+            tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
+            tracker.log_artifacts(parent, [path])
+        tracker.log_metrics(parent, summary)
+        status = "KILLED" if interrupted else "FINISHED"
+        return StudyResult(study_dir, parent, counts, best, interrupted)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.end_run(parent, status)
+
+
+def runs_for(study_dir: Path) -> dict[str, str]:
+    """trial id -> child run id of a study folder."""
+    return RunMap(study_dir).trials

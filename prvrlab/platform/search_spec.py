@@ -1,0 +1,469 @@
+"""Search and ablation specs: YAML -> validated dataclasses, before Ray starts.
+
+A search spec names a base config, fixed ``overrides``, the metric and mode,
+the budget, resources, scheduler, sampler and a ``space`` that maps dotted
+config keys to distributions::
+
+    space:
+      train.lr: {loguniform: [1.0e-4, 3.0e-3]}
+      losses.query_diverse.alpha: {choice: [16, 32, 64], when: {losses.query_diverse.weight: {">": 0}}}
+
+Every key is checked against the base config (including constructor
+parameters left at their default) and every distribution end is pushed
+through :func:`prvrlab.platform.config.validate`, so a typo or an impossible
+value is one :class:`ConfigError` naming the key.  Nothing here imports a
+concrete model or loss: the valid keys come from the registries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prvrlab.platform.config import (
+    DATA_DERIVED,
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    load_raw,
+    validate,
+)
+from prvrlab.registry import BACKBONES, LOSSES, did_you_mean
+
+DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
+SCHEDULERS = ("none", "asha")
+SAMPLERS = ("tpe", "random", "grid")
+EVAL_METRICS = ("r1", "r5", "r10", "r100", "sumr")
+
+SEARCH_KEYS = (
+    "name", "base_config", "overrides", "metric", "mode", "budget", "concurrency",
+    "resources", "scheduler", "sampler", "max_retries", "space",
+)
+ABLATION_KEYS = (
+    "name", "base_config", "overrides", "metric", "mode", "baseline", "variants", "seeds",
+    "concurrency", "resources", "max_retries",
+)
+
+
+class StudyError(RuntimeError):
+    """A study that cannot run as asked (nothing to resume, no GPU for GPU trials...)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One searched config key: a distribution and an optional condition."""
+
+    key: str
+    kind: str  # one of DISTRIBUTIONS
+    args: tuple[Any, ...]  # (low, high) or the choices
+    when: dict[str, Any] = field(default_factory=dict)
+
+    def suggest(self, trial: Any) -> Any:
+        """Sample this parameter from an ``optuna.Trial``."""
+        if self.kind == "loguniform":
+            return trial.suggest_float(self.key, self.args[0], self.args[1], log=True)
+        if self.kind == "uniform":
+            return trial.suggest_float(self.key, self.args[0], self.args[1])
+        if self.kind == "int":
+            return trial.suggest_int(self.key, self.args[0], self.args[1])
+        return trial.suggest_categorical(self.key, list(self.args))
+
+    def probe_values(self) -> list[Any]:
+        """Values whose configs are validated up front (range ends, every choice)."""
+        return list(self.args)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Resources of one trial: DDP workers, CPUs and (fractional) GPUs each."""
+
+    workers_per_trial: int = 1
+    cpus_per_worker: float | None = None  # None: an equal share of the cluster
+    gpus_per_worker: float = 0.0  # 0.25 packs four one-worker trials per GPU
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    """What search and ablation specs share."""
+
+    path: Path
+    name: str
+    base_config: Path
+    base_raw: dict[str, Any]  # base config with ``overrides`` applied
+    overrides: dict[str, Any]
+    metric: str
+    mode: str
+    concurrency: int
+    resources: Resources
+    max_retries: int
+
+    @property
+    def base(self) -> ExperimentConfig:
+        """The validated base config (with the spec's overrides)."""
+        return validate(self.base_raw)
+
+
+@dataclass(frozen=True)
+class SearchSpec(StudySpec):
+    """A validated hyperparameter search spec."""
+
+    trials: int = 10
+    time_limit_s: float | None = None
+    scheduler: str = "none"
+    grace_period: int = 1
+    reduction_factor: float = 2.0
+    sampler: str = "tpe"
+    seed: int = 0
+    space: tuple[Param, ...] = ()
+
+    def grid(self) -> dict[str, list[Any]]:
+        """The full grid (grid sampler): key -> values."""
+        return {p.key: list(p.args) for p in self.space}
+
+    def define_by_run(self) -> "DefineByRun":
+        """An Optuna define-by-run function: conditional keys are sampled only when their condition holds."""
+        return DefineByRun(self.space, self.base.flat())
+
+
+class DefineByRun:
+    """Picklable define-by-run space (Tune saves the searcher with the experiment)."""
+
+    def __init__(self, params: tuple[Param, ...], base_flat: dict[str, Any]) -> None:
+        self.params, self.base_flat = params, base_flat
+
+    def __call__(self, trial: Any) -> None:
+        """Suggest every parameter whose ``when`` holds for the values chosen so far (or the base config)."""
+        chosen: dict[str, Any] = {}
+        for p in self.params:
+            if all(condition_holds(chosen.get(k, self.base_flat.get(k)), v) for k, v in p.when.items()):
+                chosen[p.key] = p.suggest(trial)
+
+
+CONDITION_OPS = {
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    ">": lambda a, b: a is not None and a > b,
+    ">=": lambda a, b: a is not None and a >= b,
+    "<": lambda a, b: a is not None and a < b,
+    "<=": lambda a, b: a is not None and a <= b,
+    "in": lambda a, b: a in b,
+    "not_in": lambda a, b: a not in b,
+}
+
+
+def condition_holds(actual: Any, expected: Any) -> bool:
+    """A ``when`` condition: a value (equality), a list (membership) or {op: value}."""
+    if isinstance(expected, dict):
+        ((op, value),) = expected.items()
+        return bool(CONDITION_OPS[op](actual, value))
+    if isinstance(expected, list):
+        return actual in expected
+    return actual == expected
+
+
+def _check_condition(expected: Any, where: str) -> None:
+    if isinstance(expected, dict):
+        if len(expected) != 1 or next(iter(expected)) not in CONDITION_OPS:
+            raise ConfigError(
+                f"{where}: a condition mapping takes exactly one of {', '.join(CONDITION_OPS)}, got {expected!r}"
+            )
+
+
+@dataclass(frozen=True)
+class AblationSpec(StudySpec):
+    """A validated ablation spec: variants x seeds."""
+
+    baseline: str = ""
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seeds: tuple[int, ...] = (0,)
+
+    def cells(self) -> dict[str, dict[str, Any]]:
+        """Cell key ('<variant>/seed<k>') -> overrides, baseline first."""
+        out: dict[str, dict[str, Any]] = {}
+        order = [self.baseline] + [v for v in self.variants if v != self.baseline]
+        for variant, seed in itertools.product(order, self.seeds):
+            out[f"{variant}/seed{seed}"] = {**self.variants[variant], "train.seed": seed}
+        return out
+
+    def cell_labels(self, cell: str) -> tuple[str, int]:
+        """'<variant>/seed<k>' -> (variant, k)."""
+        variant, seed = cell.rsplit("/seed", 1)
+        return variant, int(seed)
+
+
+# ---------------------------------------------------------------- key checks
+
+
+def valid_keys(cfg: ExperimentConfig) -> list[str]:
+    """Every settable dotted key of ``cfg``, including constructor parameters at their default."""
+    keys = dict.fromkeys(cfg.flat())
+    for name in BACKBONES.params(cfg.backbone):
+        if name not in DATA_DERIVED:
+            keys[f"model.{name}"] = None
+    for term, spec in cfg.losses.items():
+        for name in LOSSES.params(spec["loss"]):
+            keys[f"losses.{term}.{name}"] = None
+        keys[f"losses.{term}.weight"] = None
+    return list(keys)
+
+
+def reported_metrics(cfg: ExperimentConfig) -> list[str]:
+    """The metrics the training worker reports for ``cfg`` (what a spec may optimise)."""
+    out = [f"val/{m}" for m in EVAL_METRICS] + ["train/loss", "best/sumr"]
+    out += [f"train/{term}" for term in cfg.losses]
+    return out
+
+
+def check_override_keys(overrides: dict[str, Any], cfg: ExperimentConfig, where: str) -> None:
+    """Every dotted key must exist in ``cfg`` (an unknown one names the closest valid key)."""
+    keys = valid_keys(cfg)
+    for key in overrides:
+        if not isinstance(key, str) or key not in keys:
+            raise ConfigError(f"{where}: unknown config key '{key}'{did_you_mean(str(key), keys)}")
+
+
+def validate_with(raw: dict[str, Any], overrides: dict[str, Any], where: str) -> ExperimentConfig:
+    """Validate ``raw`` with ``overrides`` applied; errors are prefixed with ``where``."""
+    try:
+        return validate(apply_overrides(raw, overrides))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    return value
+
+
+def _number(value: Any, where: str, *, integer: bool = False, minimum: float | None = None, strict: bool = False) -> Any:
+    if isinstance(value, str):
+        try:
+            value = float(value)  # YAML reads '1e-3' as a string
+        except ValueError:
+            pass
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if integer:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise ConfigError(f"{where}: expected {'an integer' if integer else 'a number'}, got {value!r}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        raise ConfigError(f"{where}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    return int(value) if integer else value
+
+
+def _check_keys(raw: dict[str, Any], valid: tuple[str, ...], where: str) -> None:
+    for key in raw:
+        if key not in valid:
+            raise ConfigError(f"{where}: unknown key '{key}'{did_you_mean(str(key), valid)}; valid: {', '.join(valid)}")
+
+
+def _resolve_base(spec_path: Path, value: Any) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{spec_path}: base_config: expected a path to an experiment YAML")
+    candidates = [spec_path.parent / value, Path(value)]
+    for path in candidates:
+        if path.is_file():
+            return path.resolve()
+    raise ConfigError(f"{spec_path}: base_config: file not found: {value} (looked next to the spec and in the current directory)")
+
+
+def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"spec file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return path, raw
+
+
+def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """Fields every spec has; ``extra_overrides`` (--set) are applied after the spec's own."""
+    name = raw.get("name", path.stem)
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ConfigError(f"{path}: name: expected a non-empty string without '/', got {name!r}")
+    base_path = _resolve_base(path, raw.get("base_config"))
+    base_raw = load_raw(base_path)
+    overrides = {**_mapping(raw.get("overrides"), f"{path}: overrides"), **(extra_overrides or {})}
+    try:
+        plain = validate(base_raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: base_config {base_path}: {exc}") from None
+    check_override_keys(overrides, plain, f"{path}: overrides")
+    base = validate_with(base_raw, overrides, f"{path}: overrides")
+    base_raw = apply_overrides(base_raw, overrides)
+
+    metric = raw.get("metric", "val/sumr")
+    metrics = reported_metrics(base)
+    if metric not in metrics:
+        raise ConfigError(
+            f"{path}: metric: the trainer never reports '{metric}'{did_you_mean(str(metric), metrics)}; "
+            f"reported: {', '.join(metrics)}"
+        )
+    mode = raw.get("mode", "max")
+    if mode not in ("max", "min"):
+        raise ConfigError(f"{path}: mode: expected 'max' or 'min', got {mode!r}")
+
+    res_raw = _mapping(raw.get("resources"), f"{path}: resources")
+    _check_keys(res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker"), f"{path}: resources")
+    workers = _number(res_raw.get("workers_per_trial", base.train.num_workers), f"{path}: resources.workers_per_trial", integer=True, minimum=1)
+    cpus = res_raw.get("cpus_per_worker", base.train.cpus_per_worker)
+    if cpus is not None:
+        cpus = float(_number(cpus, f"{path}: resources.cpus_per_worker", minimum=0, strict=True))
+    gpus = float(_number(res_raw.get("gpus_per_worker", 1.0 if base.train.use_gpu else 0.0), f"{path}: resources.gpus_per_worker", minimum=0))
+    if gpus > 1 and not float(gpus).is_integer():
+        raise ConfigError(f"{path}: resources.gpus_per_worker: a fraction must be below 1, got {gpus!r}")
+    return {
+        "path": path.resolve(),
+        "name": name,
+        "base_config": base_path,
+        "base_raw": base_raw,
+        "overrides": overrides,
+        "metric": metric,
+        "mode": mode,
+        "concurrency": _number(raw.get("concurrency", 1), f"{path}: concurrency", integer=True, minimum=1),
+        "resources": Resources(workers, cpus, gpus),
+        "max_retries": _number(raw.get("max_retries", base.train.max_failures), f"{path}: max_retries", integer=True, minimum=0),
+    }
+
+
+def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str]) -> Param:
+    where = f"{path}: space.{key}"
+    if key not in keys:
+        raise ConfigError(f"{path}: space: unknown config key '{key}'{did_you_mean(key, keys)}")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping like {{loguniform: [low, high]}}, got {raw!r}")
+    when = _mapping(raw.get("when"), f"{where}.when")
+    kinds = [k for k in raw if k != "when"]
+    if len(kinds) != 1 or kinds[0] not in DISTRIBUTIONS:
+        bad = next((k for k in kinds if k not in DISTRIBUTIONS), None)
+        hint = did_you_mean(str(bad), DISTRIBUTIONS) if bad else ""
+        raise ConfigError(f"{where}: expected exactly one of {', '.join(DISTRIBUTIONS)} (plus optional 'when'), got {kinds}{hint}")
+    kind = kinds[0]
+    args = raw[kind]
+    if kind in ("choice", "grid"):
+        if not isinstance(args, list) or not args:
+            raise ConfigError(f"{where}.{kind}: expected a non-empty list of values, got {args!r}")
+        args = tuple(args)
+    else:
+        if not isinstance(args, list) or len(args) != 2:
+            raise ConfigError(f"{where}.{kind}: expected [low, high], got {args!r}")
+        lo = _number(args[0], f"{where}.{kind}[0]", integer=kind == "int")
+        hi = _number(args[1], f"{where}.{kind}[1]", integer=kind == "int")
+        if lo >= hi:
+            raise ConfigError(f"{where}.{kind}: low must be < high, got [{lo!r}, {hi!r}]")
+        if kind == "loguniform" and lo <= 0:
+            raise ConfigError(f"{where}.loguniform: a log range must be > 0, got [{lo!r}, {hi!r}]")
+        args = (lo, hi)
+    for cond_key, expected in when.items():
+        if cond_key == key or (cond_key not in keys):
+            raise ConfigError(f"{where}.when: unknown config key '{cond_key}'{did_you_mean(str(cond_key), keys)}")
+        _check_condition(expected, f"{where}.when.{cond_key}")
+    param = Param(key=key, kind=kind, args=args, when=dict(when))
+    for value in param.probe_values():
+        validate_with(base_raw, {key: value}, f"{where} = {value!r}")
+    return param
+
+
+def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = None) -> SearchSpec:
+    """Read and validate a search spec; raises ConfigError naming the file and key."""
+    path, raw = _read_spec(path)
+    _check_keys(raw, SEARCH_KEYS, str(path))
+    common = _common(path, raw, extra_overrides)
+    base = validate(common["base_raw"])
+    keys = valid_keys(base)
+
+    space_raw = _mapping(raw.get("space"), f"{path}: space")
+    if not space_raw:
+        raise ConfigError(f"{path}: space: expected at least one searched key")
+    params: list[Param] = []
+    for key, value in space_raw.items():
+        param = _param(path, str(key), value, common["base_raw"], keys)
+        for cond_key in param.when:
+            if cond_key in space_raw and cond_key not in [p.key for p in params]:
+                raise ConfigError(f"{path}: space.{key}.when: '{cond_key}' must be listed before '{key}'")
+        params.append(param)
+
+    budget = _mapping(raw.get("budget"), f"{path}: budget")
+    _check_keys(budget, ("trials", "time_limit_s"), f"{path}: budget")
+    sched = _mapping(raw.get("scheduler"), f"{path}: scheduler")
+    _check_keys(sched, ("type", "grace_period", "reduction_factor"), f"{path}: scheduler")
+    sched_type = sched.get("type", "none")
+    if sched_type not in SCHEDULERS:
+        raise ConfigError(f"{path}: scheduler.type: unknown scheduler {sched_type!r}{did_you_mean(str(sched_type), SCHEDULERS)}; known: {', '.join(SCHEDULERS)}")
+    samp = _mapping(raw.get("sampler"), f"{path}: sampler")
+    _check_keys(samp, ("type", "seed"), f"{path}: sampler")
+    samp_type = samp.get("type", "tpe")
+    if samp_type not in SAMPLERS:
+        raise ConfigError(f"{path}: sampler.type: unknown sampler {samp_type!r}{did_you_mean(str(samp_type), SAMPLERS)}; known: {', '.join(SAMPLERS)}")
+
+    grid_size = None
+    if samp_type == "grid":
+        for p in params:
+            if p.kind not in ("grid", "choice"):
+                raise ConfigError(f"{path}: space.{p.key}: the grid sampler needs 'grid' or 'choice' values, got '{p.kind}'")
+            if p.when:
+                raise ConfigError(f"{path}: space.{p.key}.when: conditional keys are not supported by the grid sampler")
+        grid_size = math.prod(len(p.args) for p in params)
+    trials = budget.get("trials", grid_size if grid_size is not None else 10)
+    time_limit = budget.get("time_limit_s")
+    epochs = base.train.epochs
+    grace = _number(sched.get("grace_period", 1), f"{path}: scheduler.grace_period", integer=True, minimum=1)
+    if sched_type == "asha" and grace > epochs:
+        raise ConfigError(f"{path}: scheduler.grace_period: {grace} is more than train.epochs ({epochs})")
+    return SearchSpec(
+        **common,
+        trials=_number(trials, f"{path}: budget.trials", integer=True, minimum=1),
+        time_limit_s=None if time_limit is None else float(_number(time_limit, f"{path}: budget.time_limit_s", minimum=0, strict=True)),
+        scheduler=sched_type,
+        grace_period=grace,
+        reduction_factor=float(_number(sched.get("reduction_factor", 2), f"{path}: scheduler.reduction_factor", minimum=1, strict=True)),
+        sampler=samp_type,
+        seed=_number(samp.get("seed", 0), f"{path}: sampler.seed", integer=True, minimum=0),
+        space=tuple(params),
+    )
+
+
+def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None = None) -> AblationSpec:
+    """Read and validate an ablation spec; every variant x seed config is validated now."""
+    path, raw = _read_spec(path)
+    _check_keys(raw, ABLATION_KEYS, str(path))
+    common = _common(path, raw, extra_overrides)
+    base = validate(common["base_raw"])
+    variants_raw = _mapping(raw.get("variants"), f"{path}: variants")
+    if not variants_raw:
+        raise ConfigError(f"{path}: variants: expected at least one named variant")
+    variants: dict[str, dict[str, Any]] = {}
+    for name, overrides in variants_raw.items():
+        where = f"{path}: variants.{name}"
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"{where}: a variant name must be a non-empty string without '/'")
+        overrides = _mapping(overrides, where)
+        check_override_keys(overrides, base, where)
+        validate_with(common["base_raw"], overrides, where)
+        variants[name] = dict(overrides)
+    baseline = raw.get("baseline", next(iter(variants)))
+    if baseline not in variants:
+        raise ConfigError(f"{path}: baseline: '{baseline}' is not a variant{did_you_mean(str(baseline), variants)}")
+    seeds_raw = raw.get("seeds", [base.train.seed])
+    if not isinstance(seeds_raw, list) or not seeds_raw:
+        raise ConfigError(f"{path}: seeds: expected a non-empty list of integers, got {seeds_raw!r}")
+    seeds = tuple(_number(s, f"{path}: seeds[{i}]", integer=True, minimum=0) for i, s in enumerate(seeds_raw))
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{path}: seeds: repeated seed in {list(seeds)}")
+    return AblationSpec(**common, baseline=baseline, variants=variants, seeds=seeds)
+

@@ -1,0 +1,53 @@
+"""Ablation: variants x seeds as trials, tags, and skipping finished cells on resubmission."""
+
+from __future__ import annotations
+
+import pytest
+
+from prvrlab.platform.ablation import ablate
+from prvrlab.platform.search_spec import load_ablation_spec
+
+from search_helpers import study_runs, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_shutdown():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def test_two_variants_two_seeds_then_resubmit_skips_everything(tiny_root, tmp_path, capsys):
+    variants = {"full": {}, "no_query_diverse": {"losses.query_diverse.weight": 0}}
+    path = tiny_spec(tmp_path, tiny_root, name="abl", variants=variants, seeds=[0, 1], concurrency=2)
+    spec = load_ablation_spec(path)
+    result = ablate(spec, echo=print)
+    assert result.counts == {"finished": 4, "failed": 0, "missing": 0}
+    out = capsys.readouterr().out
+    assert "no_query_diverse" in out and "mean" in out
+
+    parents, children = study_runs(tmp_path)
+    (parent,) = parents
+    assert parent.info.status == "FINISHED" and parent.data.tags["prvrlab.kind"] == "ablation"
+    assert len(children) == 4
+    cells = {(c.data.tags["prvrlab.variant"], c.data.tags["prvrlab.seed"]) for c in children}
+    assert cells == {(v, s) for v in variants for s in ("0", "1")}
+    for child in children:
+        tags = child.data.tags
+        assert child.info.status == "FINISHED" and tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.params["train.seed"] == tags["prvrlab.seed"]
+        assert ("loss:query_diverse" in tags["components"]) == (tags["prvrlab.variant"] == "full")
+        assert "backbone:gmmformer" in tags["components"] and len(tags["config_hash"]) == 16
+    hashes = {c.data.tags["config_hash"] for c in children}
+    assert len(hashes) == 4
+    assert "variant/full/mean" in parent.data.metrics
+
+    again = ablate(load_ablation_spec(path), echo=print)
+    assert again.counts == {"finished": 4, "failed": 0, "missing": 0}
+    assert "4 already finished" in capsys.readouterr().out
+    parents, children = study_runs(tmp_path)
+    assert len(children) == 4 and len(parents) == 1  # no new runs, same parent
+    assert parents[0].info.status == "FINISHED"

@@ -1,0 +1,122 @@
+"""Searches end to end on Ray Tune: MLflow nesting, best config, crash retry, NaN, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prvrlab.platform.config import load_config
+from prvrlab.platform.search import search
+from prvrlab.platform.search_spec import load_search_spec
+
+from search_helpers import metric_history, study_runs, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_shutdown():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys):
+    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 2}))
+    result = search(spec, echo=print)
+    out = capsys.readouterr().out
+    assert result.counts == {"finished": 3, "early_stopped": 0, "failed": 0, "unfinished": 0}
+    assert "best val/sumr" in out and "epoch 2" in out
+
+    parents, children = study_runs(tmp_path)
+    (parent,) = parents
+    assert parent.info.status == "FINISHED" and parent.data.tags["prvrlab.kind"] == "search"
+    assert parent.data.metrics["trials/finished"] == 3
+    assert parent.data.metrics["best/val/sumr"] == pytest.approx(result.best["value"])
+    assert len(children) == 3
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.tags["prvrlab.status"] == "finished"
+        assert child.data.params["train.num_workers"] == "2"
+        assert "final/val/sumr" in child.data.metrics and "train/clip_triplet" in child.data.metrics
+        assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [0, 1]
+    best = load_config(result.best["path"])
+    assert best.train.lr == pytest.approx(result.best["config"]["train.lr"])
+    assert best.train.epochs == 2
+
+
+def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_path, monkeypatch):
+    marker = tmp_path / "crashed"
+    monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "0")
+    monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(marker))
+    path = tiny_spec(
+        tmp_path,
+        tiny_root,
+        name="faults",
+        sampler={"type": "grid", "seed": 0},
+        budget={"trials": 3},
+        space={"train.lr": {"grid": [1.0e-3, 1.0e7, 2.0e-3]}},
+    )
+    spec = load_search_spec(path, {"train.grad_clip": 0.0, "train.epochs": 3})
+    result = search(spec, echo=print)
+    assert marker.exists(), "the injected crash did not happen"
+    assert result.counts["finished"] == 2 and result.counts["failed"] == 1, result.counts
+    _, children = study_runs(tmp_path)
+    assert len(children) == 3 and all(c.info.status != "RUNNING" for c in children)
+    (nan,) = [c for c in children if c.data.tags["prvrlab.status"] == "nonfinite"]
+    assert nan.info.status == "FAILED" and "non-finite" in nan.data.tags["error"]
+    assert nan.data.params["train.lr"] == "10000000.0"
+    (retried,) = [c for c in children if "prvrlab.retries" in c.data.tags]
+    assert retried.info.status == "FINISHED"
+    steps = [m.step for m in metric_history(tmp_path, retried.info.run_id, "val/sumr")]
+    assert steps == [0, 1, 2], steps  # resumed after epoch 0's checkpoint, not restarted
+
+
+def _closed_trials(study_root):
+    for path in study_root.glob("*/study.json"):
+        return len(json.loads(path.read_text()).get("closed", {}))
+    return 0
+
+
+def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
+    path = tiny_spec(tmp_path, tiny_root, name="resumable")
+    cmd = [sys.executable, "-m", "prvrlab.platform.cli", "search", str(path), "--set", "train.epochs=12"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    root = tmp_path / "results" / "search" / "resumable"
+    deadline = time.time() + 240
+    try:
+        while _closed_trials(root) < 1:
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.time() < deadline, "no trial finished in time"
+            time.sleep(0.5)
+        time.sleep(4)  # let Tune save its experiment state (every 2 s)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    _, before = study_runs(tmp_path)
+    finished_before = {c.data.tags["prvrlab.trial_id"] for c in before if c.info.status == "FINISHED"}
+    assert finished_before and len(finished_before) < 3
+
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for trial_id in finished_before:
+        assert f"start  {trial_id}" not in done.stdout  # finished trials are not rerun
+    parents, children = study_runs(tmp_path)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 3, [c.data.tags["prvrlab.trial_id"] for c in children]
+    assert len({c.data.tags["prvrlab.trial_id"] for c in children}) == 3
+    assert all(c.info.status == "FINISHED" for c in children), [c.info.status for c in children]
+    for child in children:
+        if child.data.tags["prvrlab.trial_id"] in finished_before:
+            steps = [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")]
+            assert steps == list(range(12)), steps

@@ -1,0 +1,186 @@
+"""Search and ablation specs: validation before Ray starts, each error naming its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from prvrlab.platform.cli import main
+from prvrlab.platform.config import ConfigError, load_config
+from prvrlab.platform.search_spec import load_ablation_spec, load_search_spec, valid_keys
+
+from train_helpers import small_raw
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def base(tmp_path, tiny_root) -> Path:
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(small_raw(tiny_root, tmp_path)))
+    return path
+
+
+def write_spec(tmp_path: Path, **fields) -> Path:
+    spec = {"name": "s", "base_config": "base.yaml", "space": {"train.lr": {"loguniform": [1e-4, 1e-2]}}}
+    spec.update(fields)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_defaults_and_fields(base, tmp_path):
+    spec = load_search_spec(write_spec(tmp_path, budget={"trials": 4}, resources={"workers_per_trial": 2, "gpus_per_worker": 0.25}))
+    assert (spec.metric, spec.mode, spec.trials, spec.sampler, spec.scheduler) == ("val/sumr", "max", 4, "tpe", "none")
+    assert spec.resources.workers_per_trial == 2 and spec.resources.gpus_per_worker == 0.25
+    assert spec.space[0].kind == "loguniform" and spec.space[0].args == (1e-4, 1e-2)
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"space": {"train.lrr": {"uniform": [0, 1]}}}, "'train.lrr' (did you mean 'train.lr'?)"),
+        ({"space": {"losses.clip_nce.wieght": {"uniform": [0, 1]}}}, "'losses.clip_nce.wieght' (did you mean 'losses.clip_nce.weight'?)"),
+        ({"space": {"train.lr": {"uniform": [0.1, 0.01]}}}, "space.train.lr.uniform: low must be < high"),
+        ({"space": {"train.lr": {"loguniform": [0, 0.01]}}}, "space.train.lr.loguniform: a log range must be > 0"),
+        ({"space": {"train.lr": {"choice": []}}}, "space.train.lr.choice: expected a non-empty list"),
+        ({"space": {"train.lr": {"lognormal": [1, 2]}}}, "space.train.lr"),
+        ({"space": {"train.epochs": {"int": [0, 3]}}}, "train.epochs = 0"),
+        ({"space": {"losses.clip_nce.weight": {"uniform": [-1, 1]}}}, "losses.clip_nce.weight = -1"),
+        ({"metric": "val/sumR"}, "metric: the trainer never reports 'val/sumR' (did you mean 'val/sumr'?)"),
+        ({"mode": "maximum"}, "mode"),
+        ({"scheduler": {"type": "ashaa"}}, "scheduler.type: unknown scheduler 'ashaa' (did you mean 'asha'?)"),
+        ({"sampler": {"type": "tpee"}}, "sampler.type: unknown sampler 'tpee' (did you mean 'tpe'?)"),
+        ({"overrides": {"train.epoch": 2}}, "overrides: unknown config key 'train.epoch' (did you mean 'train.epochs'?)"),
+        ({"budgett": {"trials": 2}}, "unknown key 'budgett' (did you mean 'budget'?)"),
+        ({"budget": {"trials": 0}}, "budget.trials"),
+        ({"resources": {"workers_per_trial": 0}}, "resources.workers_per_trial"),
+        ({"resources": {"gpus_per_worker": 1.5}}, "resources.gpus_per_worker"),
+        ({"base_config": "missing.yaml"}, "base_config: file not found: missing.yaml"),
+        (
+            {"space": {"losses.query_diverse.alpha": {"choice": [16.0], "when": {"losses.query_diverse.wait": 0}}}},
+            "when: unknown config key 'losses.query_diverse.wait'",
+        ),
+        ({"sampler": {"type": "grid"}}, "the grid sampler needs 'grid' or 'choice' values"),
+    ],
+)
+def test_bad_specs_name_the_key(base, tmp_path, fields, needle):
+    with pytest.raises(ConfigError) as err:
+        load_search_spec(write_spec(tmp_path, **fields))
+    assert needle in str(err.value)
+    assert "spec.yaml" in str(err.value)
+
+
+def test_constructor_defaults_are_searchable(base, tmp_path):
+    """A loss parameter absent from the base YAML (at its default) is still a valid key."""
+    keys = valid_keys(load_config(base))
+    assert "losses.query_diverse.alpha" in keys and "losses.clip_triplet.hard_negative_start_epoch" in keys
+    spec = load_search_spec(write_spec(tmp_path, space={"losses.query_diverse.alpha": {"choice": [16.0, 32.0]}}))
+    assert spec.space[0].key == "losses.query_diverse.alpha"
+
+
+def test_conditional_parameter_is_sampled_only_when_its_condition_holds(base, tmp_path):
+    space = {
+        "losses.query_diverse.weight": {"choice": [0.0, 0.003]},
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"losses.query_diverse.weight": 0.003}},
+    }
+    spec = load_search_spec(write_spec(tmp_path, space=space))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    fn = spec.define_by_run()
+    for _ in range(12):
+        trial = study.ask()
+        fn(trial)
+        on = trial.params["losses.query_diverse.weight"] == 0.003
+        assert ("losses.query_diverse.delta" in trial.params) == on
+        study.tell(trial, 0.0)
+
+
+def test_condition_must_come_after_its_key(base, tmp_path):
+    space = {
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"losses.query_diverse.weight": 0.003}},
+        "losses.query_diverse.weight": {"choice": [0.0, 0.003]},
+    }
+    with pytest.raises(ConfigError, match="must be listed before"):
+        load_search_spec(write_spec(tmp_path, space=space))
+
+
+def test_grid_budget_is_the_grid_size(base, tmp_path):
+    space = {"train.lr": {"grid": [1e-3, 1e-4]}, "losses.clip_nce.weight": {"choice": [0.01, 0.02, 0.05]}}
+    spec = load_search_spec(write_spec(tmp_path, space=space, sampler={"type": "grid"}))
+    assert spec.trials == 6 and spec.grid()["train.lr"] == [1e-3, 1e-4]
+
+
+def test_ablation_spec_cells_and_errors(base, tmp_path):
+    path = tmp_path / "abl.yaml"
+    raw = {"name": "a", "base_config": "base.yaml", "variants": {"full": {}, "no_qd": {"losses.query_diverse.weight": 0}}, "seeds": [0, 1]}
+    path.write_text(yaml.safe_dump(raw))
+    spec = load_ablation_spec(path)
+    assert spec.baseline == "full"
+    assert list(spec.cells()) == ["full/seed0", "full/seed1", "no_qd/seed0", "no_qd/seed1"]
+    assert spec.cells()["no_qd/seed1"] == {"losses.query_diverse.weight": 0, "train.seed": 1}
+    raw["variants"]["bad"] = {"losses.query_divers.weight": 0}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"variants.bad: unknown config key 'losses.query_divers.weight' \(did you mean"):
+        load_ablation_spec(path)
+    raw["variants"]["bad"] = {k: 0 for k in ("losses.clip_triplet.weight", "losses.frame_triplet.weight", "losses.clip_nce.weight", "losses.frame_nce.weight", "losses.query_diverse.weight")}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="variants.bad.*every weight is 0"):
+        load_ablation_spec(path)
+
+
+@pytest.mark.parametrize("spec", sorted(p.name for p in (REPO / "search_spaces").glob("*.yaml")))
+def test_shipped_specs_are_valid(spec):
+    path = REPO / "search_spaces" / spec
+    if spec.startswith("ablation"):
+        loaded = load_ablation_spec(path)
+        assert len(loaded.cells()) >= 2
+    else:
+        loaded = load_search_spec(path)
+        assert loaded.space
+
+
+def test_cli_bad_spec_exits_2_naming_the_key(base, tmp_path, capsys):
+    path = write_spec(tmp_path, space={"train.lrr": {"uniform": [0.1, 0.2]}})
+    assert main(["search", str(path)]) == 2
+    assert "train.lrr" in capsys.readouterr().err
+    assert main(["ablate", str(tmp_path / "nope.yaml")]) == 2
+
+
+@pytest.mark.parametrize(
+    "condition, holds_for",
+    [
+        ({">": 0}, {0.001, 0.003}),
+        ({"!=": 0.001}, {0.0, 0.003}),
+        ([0.0, 0.003], {0.0, 0.003}),
+        (0.001, {0.001}),
+    ],
+)
+def test_condition_operators(base, tmp_path, condition, holds_for):
+    space = {
+        "losses.query_diverse.weight": {"choice": [0.0, 0.001, 0.003]},
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"losses.query_diverse.weight": condition}},
+    }
+    spec = load_search_spec(write_spec(tmp_path, space=space))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    fn = spec.define_by_run()
+    seen = set()
+    for _ in range(20):
+        trial = study.ask()
+        fn(trial)
+        weight = trial.params["losses.query_diverse.weight"]
+        seen.add(weight)
+        assert ("losses.query_diverse.delta" in trial.params) == (weight in holds_for)
+        study.tell(trial, 0.0)
+    assert seen == {0.0, 0.001, 0.003}
+
+
+def test_bad_condition_operator_names_the_key(base, tmp_path):
+    space = {
+        "losses.query_diverse.weight": {"choice": [0.0, 0.003]},
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"losses.query_diverse.weight": {"=>": 0}}},
+    }
+    with pytest.raises(ConfigError, match=r"space.losses.query_diverse.delta.when.losses.query_diverse.weight"):
+        load_search_spec(write_spec(tmp_path, space=space))
