@@ -108,6 +108,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from prvrlab.reports.report import Options, report
+
+    options = Options(split=args.split, n_boot=args.bootstrap, seed=args.seed, profile=args.profile, galleries=tuple(args.gallery))
+    path, parent = report(
+        run_id=args.run_id, experiment=args.experiment, spec=args.spec, tracking_uri=args.tracking_uri,
+        out=args.out, options=options, log_artifact=not args.no_log,
+    )
+    print(f"wrote {path} (and its figures); " + ("not logged" if args.no_log else f"logged as artifact report/ of run {parent}"))
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from prvrlab.platform.config import load_config
+    from prvrlab.platform.trainer import resolve_paths
+    from prvrlab.reports.profile import profile_config, profile_table
+
+    cfg = resolve_paths(load_config(args.config, _overrides(args.set)))
+    result = profile_config(
+        cfg, galleries=args.gallery, queries=args.queries, video_dim=args.video_dim, query_dim=args.query_dim, device=args.device
+    )
+    print(profile_table([result]), end="")
+    return 0
+
+
 def cmd_data_synth(args: argparse.Namespace) -> int:
     from prvrlab.data.synth import synthesize
 
@@ -173,6 +198,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=["none", "bf16"], default="none")
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="write the markdown report (tables, statistics, figures) of a search or ablation from MLflow")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--run-id", default=None, help="the study's parent run id")
+    who.add_argument("--experiment", default=None, help="an MLflow experiment: its latest search/ablation")
+    who.add_argument("--spec", default=None, help="a search/ablation spec: the latest study of that name")
+    p.add_argument("--out", default=None, help="output folder (default results/reports/<study name>)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else $MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when logged, else val)")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the resampling and importances (default 0)")
+    p.add_argument("--profile", action="store_true", help="add an efficiency table (prvrlab profile of each variant's config)")
+    p.add_argument("--gallery", type=int, nargs="+", default=[500, 1000, 1500, 2000, 2500], help="gallery sizes for --profile")
+    p.add_argument("--no-log", action="store_true", help="do not log the report as an artifact of the parent run")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("profile", help="parameters, FLOPs, ms per query at several gallery sizes and memory of a config's model")
+    p.add_argument("config", help="experiment YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
+    p.add_argument("--gallery", type=int, nargs="+", default=[500, 1000, 1500, 2000, 2500], help="gallery sizes (videos)")
+    p.add_argument("--queries", type=int, default=20, help="single-query runs timed per gallery size (median)")
+    p.add_argument("--video-dim", type=int, default=None, help="video feature size (default: read from the data)")
+    p.add_argument("--query-dim", type=int, default=None, help="query token feature size (default: read from the data)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when train.use_gpu and available)")
+    p.set_defaults(func=cmd_profile)
 
     data = sub.add_parser("data", help="synthetic data, conversion and checks").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("synth", help="write a synthetic PRVR collection in the public release layout")

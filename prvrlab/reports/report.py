@@ -1,0 +1,636 @@
+"""Assemble ``report.md`` (+ PNGs) for a search or ablation read from MLflow.
+
+Determinism: rows follow the spec's order (variants) or sorted keys, ties are
+broken by trial id, floats are printed with fixed decimals, the bootstrap and
+permutation tests use ``numpy.random.default_rng(seed)`` per table cell, the
+Optuna importances a seeded fANOVA, and nothing time-dependent is written —
+re-running on the same runs gives byte-identical markdown (``--profile``
+timings excepted: they are measurements).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import yaml
+
+from prvrlab.reports import plots, stats
+from prvrlab.reports.source import ReportError, Study, TrialRun, find_parent, load_study
+from prvrlab.reports.tables import (
+    DASH,
+    METRIC_KEYS,
+    METRIC_NAMES,
+    NOT_SIGNIFICANT,
+    VariantRow,
+    ablation_table,
+    bold_best,
+    escape,
+    fmt,
+    fmt_p,
+    fmt_param,
+    kv_table,
+    md_table,
+    metric_table,
+)
+
+GROUPS = ("short", "medium", "long")
+TOP_TRIALS = 10
+CURVES = 3
+CI_TRIALS = 5
+
+
+@dataclass
+class Options:
+    split: str | None = None  # None: test when the runs have it, else val
+    n_boot: int = 1000
+    seed: int = 0
+    profile: bool = False
+    galleries: Sequence[int] = (500, 1000, 1500, 2000, 2500)
+
+
+@dataclass
+class Doc:
+    """The report being written: markdown parts and figure files."""
+
+    out: Path
+    parts: list[str] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
+
+    def add(self, text: str) -> None:
+        self.parts.append(text.rstrip("\n") + "\n")
+
+    def section(self, title: str) -> None:
+        self.add(f"## {title}")
+
+    def figure(self, name: str, caption: str) -> None:
+        self.figures.append(name)
+        self.add(f"![{caption}]({name})")
+
+    def text(self) -> str:
+        return "\n".join(self.parts)
+
+
+def _parse(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    for parser in (ast.literal_eval, yaml.safe_load):
+        try:
+            return parser(value)
+        except Exception:
+            continue
+    return value
+
+
+def _num(text: str | None) -> Any:
+    """A param string as a number when it is one."""
+    if text is None:
+        return None
+    value = _parse(text)
+    return value
+
+
+def pick_split(study: Study, split: str | None) -> str:
+    if split is not None:
+        return split
+    if any(r.final("test", "sumr") is not None for r in study.runs):
+        return "test"
+    return "val"
+
+
+def _has_groups(runs: Sequence[TrialRun], split: str) -> bool:
+    return any(r.final(split, f"{g}/sumr") is not None for r in runs for g in GROUPS)
+
+
+# ---------------------------------------------------------------- ablation
+
+
+def _spec_variants(study: Study) -> tuple[list[str], str, list[int]]:
+    spec = study.spec
+    variants = list((spec.get("variants") or {}).keys())
+    if not variants:
+        variants = sorted(k[len("variant.") :] for k in study.params if k.startswith("variant."))
+    seen = sorted({r.variant for r in study.runs if r.variant} - set(variants))
+    variants += seen
+    baseline = spec.get("baseline") or _parse(study.params.get("spec.baseline")) or (variants[0] if variants else "")
+    seeds = spec.get("seeds") or _parse(study.params.get("spec.seeds"))
+    if not isinstance(seeds, list):
+        seeds = sorted({r.seed for r in study.runs if r.seed is not None})
+    order = [baseline] + [v for v in variants if v != baseline] if baseline in variants else variants
+    return order, str(baseline), [int(s) for s in seeds]
+
+
+def _choose(cands: list[TrialRun]) -> TrialRun | None:
+    """The run standing for a cell: a usable one first, then the latest."""
+    if not cands:
+        return None
+    return sorted(cands, key=lambda r: (not r.ok, r.status != "finished", -r.start_time, r.run_id))[0]
+
+
+def ablation_cells(study: Study, split: str) -> tuple[list[VariantRow], dict[str, dict[int, TrialRun]], str, list[int]]:
+    """Variant rows (values from MLflow) and the run chosen per (variant, seed)."""
+    order, baseline, seeds = _spec_variants(study)
+    rows, chosen = [], {}
+    for v in order:
+        by_seed: dict[int, TrialRun] = {}
+        row = VariantRow(name=v, components=None, seeds_expected=tuple(seeds))
+        runs_v = [r for r in study.runs if r.variant == v]
+        comp_src = _choose(runs_v)
+        row.components = comp_src.components if comp_src is not None and comp_src.components else None
+        ok = []
+        for s in sorted(set(seeds) | {r.seed for r in runs_v if r.seed is not None}):
+            run = _choose([r for r in runs_v if r.seed == s])
+            if run is None:
+                row.problems[s] = "missing"
+                continue
+            by_seed[s] = run
+            if not run.ok:
+                row.problems[s] = run.status
+                continue
+            if run.final(split, "sumr") is None:
+                row.problems[s] = f"no {split} metrics"
+                continue
+            ok.append(s)
+            for m in METRIC_KEYS:
+                value = run.final(split, m)
+                if value is not None:
+                    row.values.setdefault(m, []).append(value)
+        row.seeds_ok = tuple(ok)
+        rows.append(row)
+        chosen[v] = by_seed
+    return rows, chosen, baseline, seeds
+
+
+def _seed_hits(study: Study, runs: list[TrialRun], split: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(query ids, hit matrix averaged over the runs) on the queries all runs share."""
+    loaded = [study.ranks(r, split) for r in runs]
+    loaded = [x for x in loaded if x is not None]
+    if not loaded:
+        return None
+    common = sorted(set.intersection(*(set(x["query_id"].tolist()) for x in loaded)))
+    if not common:
+        return None
+    mats = []
+    for x in loaded:
+        pos = {q: i for i, q in enumerate(x["query_id"].tolist())}
+        mats.append(stats.hits(x["rank"][[pos[q] for q in common]]))
+    return np.asarray(common), np.mean(mats, axis=0)
+
+
+def _ci_cell(iv: stats.Interval) -> str:
+    return f"{fmt(iv.value)} [{fmt(iv.low)}, {fmt(iv.high)}]"
+
+
+def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, baseline: str, split: str, opt: Options) -> dict[str, bool]:
+    """Bootstrap CIs per variant and paired tests vs the baseline; returns variant -> significant."""
+    ok_runs = {r.name: [chosen[r.name][s] for s in r.seeds_ok] for r in rows}
+    base_hits = _seed_hits(study, ok_runs.get(baseline, []), split)
+    base_row = next((r for r in rows if r.name == baseline), None)
+    table_rows, significance = [], {}
+    for r in rows:
+        h = _seed_hits(study, ok_runs[r.name], split)
+        if h is None:
+            table_rows.append([escape(r.name), *([DASH] * 5), DASH, DASH, DASH, DASH, DASH])
+            continue
+        ids, mat = h
+        ci = stats.bootstrap_ci(hit_matrix=mat, n_boot=opt.n_boot, seed=opt.seed)
+        cells = [_ci_cell(ci[m]) for m in ("sumr", "r1", "r5", "r10", "r100")]
+        delta = p_q = p_s = p_t = DASH
+        sig = DASH
+        if r.name != baseline and base_hits is not None:
+            a, b = stats.align(ids, mat, base_hits[0], base_hits[1])
+            pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
+            delta = f"{fmt(pr.delta, signed=True)} [{fmt(pr.low, signed=True)}, {fmt(pr.high, signed=True)}]"
+            p_q = fmt_p(pr.p_value)
+            significance[r.name] = pr.significant
+            sig = "yes" if pr.significant else f"no {NOT_SIGNIFICANT}"
+            shared = [s for s in r.seeds_ok if base_row is not None and s in base_row.seeds_ok]
+            if shared:
+                v_s = [chosen[r.name][s].final(split, "sumr") for s in shared]
+                b_s = [chosen[baseline][s].final(split, "sumr") for s in shared]
+                st = stats.seed_test(v_s, b_s)
+                p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)})" if st.n else "")
+                p_t = fmt_p(st.p_ttest)
+        label = f"{escape(r.name)} (baseline)" if r.name == baseline else escape(r.name)
+        table_rows.append([label, *cells, delta, p_q, p_s, p_t, sig])
+    header = ["Variant", "SumR [95% CI]", "R@1 [95% CI]", "R@5 [95% CI]", "R@10 [95% CI]", "R@100 [95% CI]",
+              "ΔSumR [95% CI]", "p (queries)", "p (seeds, exact)", "p (seeds, t-test)", "Significant"]
+    doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
+    doc.add(md_table(header, table_rows))
+    doc.add(
+        f"Intervals: percentile bootstrap over the {split} queries ({opt.n_boot} resamples, seed {opt.seed}) of the "
+        "metric averaged over the variant's finished seeds (per-query hits averaged first). ΔSumR: variant minus "
+        "baseline on the queries both share, with a paired-bootstrap interval; p (queries): two-sided sign-flip "
+        f"permutation test on the per-query SumR differences ({opt.n_boot} resamples); p (seeds): exact two-sided "
+        "sign-flip test over the per-seed SumR differences (min = smallest p attainable with that many seeds) and a "
+        f"paired t-test. {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} (queries test)."
+    )
+    return significance
+
+
+def ratio_section(doc: Doc, entries: list[tuple[str, list[TrialRun]]], split: str, what: str = "Variant") -> None:
+    """Per-variant (or per-trial) metrics in the short / medium / long moment-ratio groups."""
+    rows = []
+    for name, runs in entries:
+        for g in GROUPS:
+            values = {m: [v for v in (r.final(split, f"{g}/{m}") for r in runs) if v is not None] for m in METRIC_KEYS}
+            counts = [r.final(split, f"{g}/count") for r in runs]
+            count = next((int(c) for c in counts if c is not None), None)
+            rows.append(([escape(name), g, DASH if count is None else str(count)], values))
+    doc.section(f"Moment/video-ratio breakdown ({split})")
+    doc.add(metric_table([what, "Group", "Queries"], rows, bold=False, lead_align=["l", "l", "r"]))
+    doc.add("Groups by moment/video duration ratio r: short r ∈ (0, 0.2], medium (0.2, 0.4], long (0.4, 1]; mean over seeds.")
+
+
+def _ablation_sweeps(study: Study, rows: list[VariantRow], chosen) -> dict[str, list[tuple[Any, TrialRun]]]:
+    """Config keys that take at least 3 values across the variants -> [(value, run)]."""
+    variants = study.spec.get("variants") or {}
+    keys = sorted({k for ov in variants.values() if isinstance(ov, dict) for k in ov})
+    out = {}
+    for key in keys:
+        points = []
+        for r in rows:
+            for s in r.seeds_ok:
+                run = chosen[r.name][s]
+                points.append((_num(run.params.get(key)), run))
+        if len({str(v) for v, _ in points}) >= 3:
+            out[key] = points
+    return out
+
+
+def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]], space: dict[str, Any], split: str, value_of) -> None:
+    """One table (+ figure) per swept key: rows per value, or bins for continuous keys."""
+    if not sweeps:
+        return
+    doc.section(f"Sensitivity ({split})")
+    for key in sorted(sweeps):
+        points = [(v, r) for v, r in sweeps[key] if v is not None]
+        if not points:
+            continue
+        dist = space.get(key) or {}
+        kind = next((k for k in dist if k != "when"), "choice") if isinstance(dist, dict) else "choice"
+        distinct = sorted({v for v, _ in points}, key=_sort_value)
+        continuous = kind in ("loguniform", "uniform") or (kind == "int" and len(distinct) > 8)
+        log = kind == "loguniform"
+        groups: list[tuple[str, list[TrialRun]]] = []
+        if continuous and len(distinct) > 1:
+            lo, hi = (float(x) for x in dist[kind]) if kind in dist else (float(distinct[0]), float(distinct[-1]))
+            n_bins = min(4, len(distinct))
+            tr = (math.log10 if log else float)
+            edges = [tr(lo) + (tr(hi) - tr(lo)) * i / n_bins for i in range(n_bins + 1)]
+            edges = [10**e for e in edges] if log else edges
+            for i in range(n_bins):
+                members = [r for v, r in points if (edges[i] <= float(v) < edges[i + 1]) or (i == n_bins - 1 and float(v) >= edges[i])
+                           or (i == 0 and float(v) < edges[0])]
+                if members:
+                    close = "]" if i == n_bins - 1 else ")"
+                    groups.append((f"[{fmt_param(edges[i])}, {fmt_param(edges[i + 1])}{close}", members))
+        else:
+            for d in distinct:
+                groups.append((fmt_param(d), [r for v, r in points if v == d]))
+        rows = []
+        for label, members in groups:
+            vals = {m: [x for x in (r.final(split, m) for r in members) if x is not None] for m in METRIC_KEYS}
+            rows.append(([label, str(len(members))], vals))
+        doc.add(f"**{escape(key)}**" + (" (binned, log scale)" if continuous and log else " (binned)" if continuous else ""))
+        doc.add(metric_table([escape(key), "Runs"], rows, lead_align=["l", "r"]))
+        fig_points = [(v, value_of(r)) for v, r in points if value_of(r) is not None]
+        if fig_points:
+            name = f"sensitivity_{plots.safe_name(key)}.png"
+            plots.sensitivity_plot(key, fig_points, doc.out / name, log=log, categorical=not continuous and not _numeric(distinct))
+            doc.figure(name, f"SumR against {key}")
+
+
+def _numeric(values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _sort_value(v):
+    return (0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
+
+
+def problems_section(doc: Doc, runs: list[TrialRun], missing: list[str]) -> None:
+    """Failed / killed / unfinished runs and missing cells, never dropped silently."""
+    bad = [r for r in runs if not r.ok]
+    if not bad and not missing:
+        return
+    doc.section("Failed, unfinished and missing runs")
+    rows = []
+    for r in bad:
+        label = r.tags.get("prvrlab.cell") or r.trial_id
+        err = escape(r.error.strip().splitlines()[-1] if r.error.strip() else "")
+        rows.append([escape(label), r.status, f"`{r.run_id}`", err[:160] or DASH])
+    for cell in missing:
+        rows.append([escape(cell), "missing", DASH, "no run in MLflow"])
+    doc.add(md_table(["Cell / trial", "Status", "Run", "Error"], rows, ["l", "l", "l", "l"]))
+
+
+def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
+    split = pick_split(study, opt.split)
+    rows, chosen, baseline, seeds = ablation_cells(study, split)
+    several = len(seeds) > 1
+    doc.add(f"# Ablation: {escape(study.name)}")
+    counts = _status_counts(study.runs)
+    missing = [f"{r.name}/seed{s}" for r in rows for s, p in sorted(r.problems.items()) if p == "missing"]
+    doc.add(kv_table([
+        ("Parent run", f"`{study.parent_id}`"),
+        ("Split", split),
+        ("Baseline", escape(baseline)),
+        ("Variants", str(len(rows))),
+        ("Seeds", ", ".join(str(s) for s in seeds) or DASH),
+        ("Runs", _counts_text(counts) + (f", {len(missing)} missing" if missing else "")),
+        ("Metric", f"{study.metric} ({study.mode})"),
+    ]))
+    significance = {}
+    has_ranks = any(study.ranks(chosen[r.name][s], split) is not None for r in rows for s in r.seeds_ok[:1])
+    conf = Doc(doc.out)
+    if has_ranks:
+        significance = confidence_section(conf, study, rows, chosen, baseline, split, opt)
+    for r in rows:
+        r.delta_significant = significance.get(r.name)
+    doc.section(f"Ablation ({split})")
+    doc.add(ablation_table(rows, baseline, several_seeds=several))
+    legend = [f"{'Mean ± std over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
+              f"ΔSumR against the baseline; best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
+    if significance:
+        legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries).")
+    doc.add(" ".join(legend))
+    doc.parts.extend(conf.parts)
+    if _has_groups([chosen[r.name][s] for r in rows for s in r.seeds_ok], split):
+        ratio_section(doc, [(r.name, [chosen[r.name][s] for s in r.seeds_ok]) for r in rows], split)
+    sweeps = _ablation_sweeps(study, rows, chosen)
+    sensitivity_section(doc, sweeps, {}, split, lambda r: r.final(split, "sumr"))
+    if opt.profile:
+        _profile_section(doc, study, [(r.name, chosen[r.name][r.seeds_ok[0]] if r.seeds_ok else next(iter(chosen[r.name].values()), None)) for r in rows], opt)
+    problems_section(doc, study.runs, missing)
+
+
+# ---------------------------------------------------------------- search
+
+
+def _space(study: Study) -> dict[str, dict[str, Any]]:
+    space = study.spec.get("space")
+    if isinstance(space, dict) and space:
+        return space
+    out = {}
+    for k, v in study.params.items():
+        if k.startswith("space."):
+            out[k[len("space."):]] = _parse(v)
+    return dict(sorted(out.items()))
+
+
+def _active(space: dict[str, Any], run: TrialRun) -> dict[str, Any]:
+    """The searched values of a trial (conditional keys only when their condition held)."""
+    from prvrlab.platform.search_spec import condition_holds
+
+    chosen: dict[str, Any] = {}
+    for key, dist in space.items():
+        when = (dist or {}).get("when") or {}
+        if all(condition_holds(chosen.get(k, _num(run.params.get(k))), v) for k, v in when.items()):
+            if key in run.params:
+                chosen[key] = _num(run.params[key])
+    return chosen
+
+
+def objective(study: Study, run: TrialRun) -> float | None:
+    """The searched metric of a trial: ``final/<metric>``, else the best of its per-epoch history."""
+    value = run.metrics.get(f"final/{study.metric}")
+    if value is not None and math.isfinite(value):
+        return value
+    hist = [v for _, v in study.history(run, study.metric) if math.isfinite(v)]
+    if not hist:
+        return None
+    return max(hist) if study.mode == "max" else min(hist)
+
+
+def importances(space: dict[str, Any], trials: list[tuple[dict[str, Any], float]], seed: int) -> dict[str, float] | str:
+    """Optuna fANOVA importances on an in-memory study rebuilt from the trials (or why not)."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    dists = {}
+    for key, dist in space.items():
+        kind = next((k for k in dist if k != "when"), None)
+        args = dist[kind]
+        if kind == "loguniform":
+            dists[key] = FloatDistribution(float(args[0]), float(args[1]), log=True)
+        elif kind == "uniform":
+            dists[key] = FloatDistribution(float(args[0]), float(args[1]))
+        elif kind == "int":
+            dists[key] = IntDistribution(int(args[0]), int(args[1]))
+        else:
+            dists[key] = CategoricalDistribution(list(args))
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=seed))
+    for params, value in trials:
+        p, d = {}, {}
+        for key, v in params.items():
+            if key not in dists:
+                continue
+            dist = dists[key]
+            if isinstance(dist, CategoricalDistribution):
+                match = [c for c in dist.choices if c == v or str(c) == str(v)]
+                if not match:
+                    continue
+                v = match[0]
+            elif isinstance(dist, IntDistribution):
+                v = int(v)
+            else:
+                v = float(v)
+            p[key], d[key] = v, dist
+        study.add_trial(optuna.trial.create_trial(value=float(value), params=p, distributions=d))
+    varying = [k for k in dists if len({str(params.get(k)) for params, _ in trials if k in params}) > 1]
+    if len(trials) < 2 or not varying:
+        return "not enough completed trials with varying values to estimate importances"
+    try:
+        result = optuna.importance.get_param_importances(
+            study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=seed), params=varying
+        )
+    except Exception as exc:  # fANOVA needs complete trials that all share the params
+        return f"importances unavailable: {exc}"
+    return dict(result)
+
+
+def search_report(doc: Doc, study: Study, opt: Options) -> None:
+    split = pick_split(study, opt.split)
+    space = _space(study)
+    keys = list(space)
+    scored = []
+    for r in study.runs:
+        value = objective(study, r) if r.ok else None
+        scored.append((r, value))
+    sign = -1.0 if study.mode == "max" else 1.0
+    ranked = sorted([(r, v) for r, v in scored if v is not None], key=lambda x: (sign * x[1], x[0].trial_id))
+    doc.add(f"# Search: {escape(study.name)}")
+    counts = _status_counts(study.runs)
+    doc.add(kv_table([
+        ("Parent run", f"`{study.parent_id}`"),
+        ("Split", split),
+        ("Metric", f"{study.metric} ({study.mode})"),
+        ("Trials", _counts_text(counts)),
+        ("Searched", ", ".join(f"`{escape(k)}`" for k in keys) or DASH),
+    ]))
+    doc.section("Best trial")
+    if not ranked:
+        doc.add("*No trial finished with a value of the metric.*")
+    else:
+        best, value = ranked[0]
+        pairs = [("Trial", f"`{best.trial_id}`"), ("Run", f"`{best.run_id}`"), (study.metric, fmt(value, 2))]
+        pairs += [(f"`{escape(k)}`", fmt_param(v)) for k, v in _active(space, best).items()]
+        pairs += [(f"{split} {METRIC_NAMES[m]}", fmt(best.final(split, m))) for m in METRIC_KEYS]
+        doc.add(kv_table(pairs))
+        doc.add(f"Full config: artifact `config.yaml` of run `{best.run_id}`.")
+    if ranked:
+        doc.section(f"Top trials ({split})")
+        header = ["#", "Trial", "Status", *(f"`{escape(k)}`" for k in keys), *(METRIC_NAMES[m] for m in METRIC_KEYS), study.metric]
+        top = ranked[:TOP_TRIALS]
+        cols = []
+        for m in METRIC_KEYS:
+            vals = [r.final(split, m) for r, _ in top]
+            cols.append(bold_best([fmt(v) for v in vals], vals))
+        obj = bold_best([fmt(v, 2) for _, v in top], [v for _, v in top], study.mode, 2)
+        rows = []
+        for i, (r, _) in enumerate(top):
+            act = _active(space, r)
+            rows.append([str(i + 1), f"`{r.trial_id}`", r.status, *(fmt_param(act[k]) if k in act else DASH for k in keys),
+                         *(c[i] for c in cols), obj[i]])
+        doc.add(md_table(header, rows, ["r", "l", "l", *("r" for _ in keys), *("r" for _ in METRIC_KEYS), "r"]))
+        doc.add(f"R@K and SumR: the trial's best model on {split} (— when the trial was stopped early); "
+                f"{study.metric}: the searched value (best over epochs for early-stopped trials).")
+    early = [(r, v) for r, v in scored if r.status == "early_stopped"]
+    doc.section("Stopped early")
+    if early:
+        rows = [[f"`{r.trial_id}`", *(fmt_param(_active(space, r).get(k)) if k in _active(space, r) else DASH for k in keys),
+                 str(len(study.history(r, study.metric))), fmt(v, 2)] for r, v in early]
+        doc.add(md_table(["Trial", *(f"`{escape(k)}`" for k in keys), "Epochs", study.metric], rows))
+    else:
+        doc.add("*None.*")
+    doc.section("Parameter importances")
+    complete = [(_active(space, r), v) for r, v in ranked]
+    imp = importances(space, complete, opt.seed) if space else "no search space recorded"
+    if isinstance(imp, str):
+        doc.add(f"*{escape(imp)}.*")
+    else:
+        rows = [[f"`{escape(k)}`", fmt(v, 3)] for k, v in sorted(imp.items(), key=lambda kv: (-round(kv[1], 6), kv[0]))]
+        doc.add(md_table(["Hyperparameter", "Importance"], rows))
+        doc.add(f"fANOVA (Optuna, seed {opt.seed}) on {len(complete)} trials rebuilt from MLflow; importances sum to 1.")
+    if ranked:
+        curves = [(f"{r.trial_id} ({fmt(v, 1)})", study.history(r, study.metric)) for r, v in ranked[:CURVES]]
+        if any(points for _, points in curves):
+            doc.section("Learning curves")
+            plots.learning_curves(curves, doc.out / "learning_curves.png", ylabel=study.metric)
+            doc.figure("learning_curves.png", f"{study.metric} per epoch of the best {len(curves)} trials")
+        _search_confidence(doc, study, ranked[:CI_TRIALS], split, opt)
+        if _has_groups([ranked[0][0]], split):
+            ratio_section(doc, [(f"{ranked[0][0].trial_id} (best)", [ranked[0][0]])], split, "Trial")
+    sweeps = {k: [(_active(space, r).get(k), r) for r, _ in ranked] for k in keys}
+    sensitivity_section(doc, sweeps, space, split, lambda r: r.final(split, "sumr"))
+    if opt.profile and ranked:
+        _profile_section(doc, study, [(f"best ({ranked[0][0].trial_id})", ranked[0][0])], opt)
+    problems_section(doc, [r for r in study.runs if r.status != "early_stopped"], [])
+
+
+def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]], split: str, opt: Options) -> None:
+    loaded = [(r, study.ranks(r, split)) for r, _ in top]
+    loaded = [(r, x) for r, x in loaded if x is not None]
+    if not loaded:
+        return
+    best_run, best = loaded[0]
+    rows = []
+    for r, x in loaded:
+        h = stats.hits(x["rank"])
+        ci = stats.bootstrap_ci(hit_matrix=h, n_boot=opt.n_boot, seed=opt.seed)
+        cells = [_ci_cell(ci[m]) for m in ("sumr", "r1", "r5", "r10", "r100")]
+        delta = p = sig = DASH
+        if r is not best_run:
+            a, b = stats.align(x["query_id"], h, best["query_id"], stats.hits(best["rank"]))
+            pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
+            delta = f"{fmt(pr.delta, signed=True)} [{fmt(pr.low, signed=True)}, {fmt(pr.high, signed=True)}]"
+            p, sig = fmt_p(pr.p_value), ("yes" if pr.significant else f"no {NOT_SIGNIFICANT}")
+        rows.append([f"`{r.trial_id}`" + (" (best)" if r is best_run else ""), *cells, delta, p, sig])
+    doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
+    doc.add(md_table(["Trial", "SumR [95% CI]", "R@1 [95% CI]", "R@5 [95% CI]", "R@10 [95% CI]", "R@100 [95% CI]",
+                      "ΔSumR vs best [95% CI]", "p (queries)", "Significant"], rows))
+    doc.add(f"Percentile bootstrap over queries ({opt.n_boot} resamples, seed {opt.seed}); each trial against the best "
+            f"one with a two-sided paired sign-flip test on per-query SumR; {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA}.")
+
+
+# ---------------------------------------------------------------- shared
+
+
+def _status_counts(runs: list[TrialRun]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return counts
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    order = ["finished", "early_stopped", "nonfinite", "error", "killed"]
+    keys = [k for k in order if k in counts] + sorted(k for k in counts if k not in order)
+    return ", ".join(f"{counts[k]} {k.replace('_', '-')}" for k in keys) or "no runs"
+
+
+def _profile_section(doc: Doc, study: Study, entries: list[tuple[str, TrialRun | None]], opt: Options) -> None:
+    from prvrlab.platform.config import validate
+    from prvrlab.reports.profile import profile_config, profile_table
+
+    results = []
+    for name, run in entries:
+        if run is None:
+            continue
+        dst = study.cache_dir() / run.run_id / "config"
+        try:
+            local = study.client.download_artifacts(run.run_id, "config.yaml", str(dst))
+        except Exception:
+            continue
+        cfg = validate(yaml.safe_load(Path(local).read_text()))
+        results.append(profile_config(cfg, galleries=opt.galleries, name=name, device="cpu"))
+    if results:
+        doc.section("Efficiency")
+        doc.add(profile_table(results))
+        doc.add("Measured by `prvrlab profile` on each variant's config (random weights and inputs); timings vary between runs.")
+
+
+def write_report(study: Study, out: str | Path, opt: Options | None = None) -> Path:
+    """Write ``out/report.md`` and its figures; returns the markdown path."""
+    opt = opt or Options()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = Doc(out)
+    if study.kind == "ablation":
+        ablation_report(doc, study, opt)
+    else:
+        search_report(doc, study, opt)
+    doc.add(f"<sub>Generated by `prvrlab report` from MLflow experiment {study.experiment_id}, parent run "
+            f"`{study.parent_id}`; bootstrap {opt.n_boot} resamples, seed {opt.seed}.</sub>")
+    path = out / "report.md"
+    path.write_bytes(doc.text().encode("utf-8"))
+    return path
+
+
+def report(
+    *,
+    run_id: str | None = None,
+    experiment: str | None = None,
+    spec: str | Path | None = None,
+    tracking_uri: str | None = None,
+    out: str | Path | None = None,
+    options: Options | None = None,
+    log_artifact: bool = True,
+) -> tuple[Path, str]:
+    """Find the study, write its report, log the folder as artifact ``report/`` of the parent run."""
+    uri, parent = find_parent(run_id=run_id, experiment=experiment, spec=spec, tracking_uri=tracking_uri)
+    study = load_study(uri, parent)
+    out = Path(out) if out is not None else Path("results") / "reports" / plots.safe_name(study.name)
+    path = write_report(study, out, options)
+    if log_artifact:
+        study.client.log_artifacts(parent, str(out), "report")
+    return path, parent
+
+
+__all__ = ["Options", "ReportError", "report", "write_report"]

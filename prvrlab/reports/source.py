@@ -1,0 +1,303 @@
+"""Read a finished (or partial) search / ablation back from MLflow alone.
+
+A study is one parent run (tag ``prvrlab.kind`` = ``search`` | ``ablation``)
+with one child run per trial (``mlflow.parentRunId``).  Nothing here needs Ray
+or the study folder: the tracking store is the only source, so a report can
+be written on any machine that reaches it.
+
+Three ways to name a study: the parent run id, an experiment name (its latest
+parent run), or the spec file (its ``name`` -> the latest parent run of that
+study in the spec's experiment).  An unknown id / experiment / spec raises
+:class:`ReportError` naming it (the CLI turns it into exit code 2).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from prvrlab.platform.search_spec import StudyError
+
+STUDY_KINDS = ("search", "ablation")
+OK_STATUSES = ("finished", "early_stopped")  # prvrlab.status of a trial with usable metrics
+
+
+class ReportError(StudyError):
+    """A study that cannot be found or read (unknown run id, experiment, spec)."""
+
+
+@dataclass
+class TrialRun:
+    """One child run: tags, params (flattened config), latest metrics and status."""
+
+    run_id: str
+    name: str
+    run_status: str  # MLflow: FINISHED | FAILED | KILLED | RUNNING
+    start_time: int
+    tags: dict[str, str]
+    params: dict[str, str]
+    metrics: dict[str, float]
+
+    @property
+    def status(self) -> str:
+        """prvrlab.status: finished | early_stopped | nonfinite | error | killed | resumed | running."""
+        return self.tags.get("prvrlab.status", "running" if self.run_status == "RUNNING" else self.run_status.lower())
+
+    @property
+    def ok(self) -> bool:
+        """Metrics are usable (the trial ran to the end or was stopped early by the scheduler)."""
+        return self.status in OK_STATUSES and self.run_status == "FINISHED"
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("nonfinite", "error") or self.run_status == "FAILED"
+
+    @property
+    def variant(self) -> str | None:
+        return self.tags.get("prvrlab.variant")
+
+    @property
+    def seed(self) -> int | None:
+        value = self.tags.get("prvrlab.seed", self.params.get("train.seed"))
+        return None if value is None else int(value)
+
+    @property
+    def trial_id(self) -> str:
+        return self.tags.get("prvrlab.trial_id", self.run_id)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        text = self.tags.get("components", "")
+        return tuple(sorted(t for t in text.split(",") if t))
+
+    @property
+    def error(self) -> str:
+        return self.tags.get("error", self.tags.get("prvrlab.stop_reason", ""))
+
+    def final(self, split: str, metric: str) -> float | None:
+        """``final/<split>/<metric>`` when logged and finite."""
+        value = self.metrics.get(f"final/{split}/{metric}")
+        return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass
+class Study:
+    """A parent run and its child runs, read from one tracking store."""
+
+    tracking_uri: str
+    parent_id: str
+    kind: str  # search | ablation
+    name: str
+    experiment_id: str
+    tags: dict[str, str]
+    params: dict[str, str]
+    spec: dict[str, Any]  # the spec file as logged (artifact spec/*.yaml), {} when absent
+    runs: list[TrialRun]  # sorted by (variant, seed, trial id, run id)
+    client: Any = field(repr=False, default=None)
+    _cache: Path | None = field(repr=False, default=None)
+
+    @property
+    def metric(self) -> str:
+        return self.params.get("spec.metric", self.spec.get("metric", "val/sumr"))
+
+    @property
+    def mode(self) -> str:
+        return self.params.get("spec.mode", self.spec.get("mode", "max"))
+
+    def cache_dir(self) -> Path:
+        if self._cache is None:
+            self._cache = Path(tempfile.mkdtemp(prefix="prvrlab-report-"))
+        return self._cache
+
+    def ranks(self, run: TrialRun, split: str) -> dict[str, Any] | None:
+        """Per-query ranks of ``run`` on ``split``: {"query_id", "rank", "ratio"} arrays sorted by query id, or None."""
+        from prvrlab.platform.evaluate import load_ranks
+
+        dst = self.cache_dir() / run.run_id
+        local = dst / "ranks" / f"ranks_{split}.parquet"
+        if not local.is_file() and (dst / f"ranks_{split}.parquet").is_file():
+            local = dst / f"ranks_{split}.parquet"
+        if not local.is_file():
+            try:
+                names = {f.path for f in self.client.list_artifacts(run.run_id, "ranks")}
+            except Exception:
+                return None
+            if f"ranks/ranks_{split}.parquet" not in names:
+                return None
+            dst.mkdir(parents=True, exist_ok=True)
+            local = Path(self.client.download_artifacts(run.run_id, f"ranks/ranks_{split}.parquet", str(dst)))
+        table = load_ranks(local)
+        qid = np.asarray(table.column("query_id").to_pylist(), dtype=object)
+        order = np.argsort(qid.astype(str), kind="stable")
+        out = {"query_id": qid[order].astype(str), "rank": np.asarray(table.column("rank").to_numpy(), dtype=np.int64)[order]}
+        if "ratio" in table.column_names:
+            out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
+        return out
+
+    def history(self, run: TrialRun, key: str) -> list[tuple[int, float]]:
+        """(step, value) of a per-epoch metric, one value per step (the last logged), sorted by step."""
+        points: dict[int, float] = {}
+        for m in sorted(self.client.get_metric_history(run.run_id, key), key=lambda m: (m.step, m.timestamp)):
+            points[int(m.step)] = float(m.value)
+        return sorted(points.items())
+
+
+# ---------------------------------------------------------------- finding the parent run
+
+
+def _client(uri: str):
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _latest_parent(client, experiment_ids: list[str], extra_filter: str = "") -> Any | None:
+    found = []
+    for kind in STUDY_KINDS:  # the filter language has no IN for tags
+        filt = f"tags.`prvrlab.kind` = '{kind}'" + (f" and {extra_filter}" if extra_filter else "")
+        found += client.search_runs(experiment_ids, filter_string=filt, order_by=["attributes.start_time DESC"], max_results=1)
+    found.sort(key=lambda r: (-(r.info.start_time or 0), r.info.run_id))
+    return found[0] if found else None
+
+
+def find_parent(
+    *,
+    run_id: str | None = None,
+    experiment: str | None = None,
+    spec: str | Path | None = None,
+    tracking_uri: str | None = None,
+) -> tuple[str, str]:
+    """(tracking URI, parent run id) of the study named by exactly one of run_id / experiment / spec."""
+    from prvrlab.platform.tracking import resolve_tracking_uri
+
+    given = [x for x in (run_id, experiment, spec) if x is not None]
+    if len(given) != 1:
+        raise ReportError("name the study with exactly one of --run-id, --experiment or --spec")
+    if spec is not None:
+        return _parent_from_spec(Path(spec), tracking_uri)
+    uri = resolve_tracking_uri(tracking_uri)
+    client = _client(uri)
+    if run_id is not None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            raise ReportError(f"unknown run id '{run_id}': no such run in the tracking store {uri}") from None
+        kind = run.data.tags.get("prvrlab.kind")
+        if kind == "trial" and run.data.tags.get("mlflow.parentRunId"):
+            return uri, run.data.tags["mlflow.parentRunId"]
+        if kind not in STUDY_KINDS:
+            raise ReportError(f"run '{run_id}' is not a search or ablation parent run (prvrlab.kind={kind!r})")
+        return uri, run_id
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ReportError(f"unknown experiment '{experiment}' in the tracking store {uri}")
+    run = _latest_parent(client, [exp.experiment_id])
+    if run is None:
+        raise ReportError(f"experiment '{experiment}' has no search or ablation parent run ({uri})")
+    return uri, run.info.run_id
+
+
+def _parent_from_spec(path: Path, tracking_uri: str | None) -> tuple[str, str]:
+    """The latest parent run of the study a spec file describes (its experiment and tracking URI)."""
+    from prvrlab.platform.config import ConfigError
+    from prvrlab.platform.search_spec import load_ablation_spec, load_search_spec
+    from prvrlab.platform.tracking import resolve_tracking_uri
+    from prvrlab.platform.trainer import resolve_paths
+
+    if not path.is_file():
+        raise ReportError(f"unknown spec '{path}': file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+        loader = load_ablation_spec if isinstance(raw, dict) and "variants" in raw else load_search_spec
+        spec = loader(path)
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise ReportError(f"spec '{path}' cannot be read: {exc}") from None
+    base = resolve_paths(spec.base)
+    uri = resolve_tracking_uri(tracking_uri) if tracking_uri else base.tracking.uri
+    client = _client(uri)
+    exp = client.get_experiment_by_name(base.tracking.experiment)
+    run = None
+    if exp is not None:
+        run = _latest_parent(client, [exp.experiment_id], f"tags.`prvrlab.study` = '{spec.name}'")
+    if run is None:
+        raise ReportError(
+            f"spec '{path}': no search or ablation named '{spec.name}' in experiment "
+            f"'{base.tracking.experiment}' of the tracking store {uri}"
+        )
+    return uri, run.info.run_id
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _spec_artifact(client, run_id: str, cache: Path) -> dict[str, Any]:
+    try:
+        files = [f.path for f in client.list_artifacts(run_id, "spec") if f.path.endswith((".yaml", ".yml"))]
+    except Exception:
+        return {}
+    if not files:
+        return {}
+    local = client.download_artifacts(run_id, sorted(files)[0], str(cache / "spec"))
+    data = yaml.safe_load(Path(local).read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def _sort_key(run: TrialRun) -> tuple:
+    return (run.variant or "", run.seed if run.seed is not None else -1, run.trial_id, run.run_id)
+
+
+def load_study(uri: str, parent_id: str) -> Study:
+    """The parent run and every child run (all statuses) of a study."""
+    client = _client(uri)
+    parent = client.get_run(parent_id)
+    kind = parent.data.tags.get("prvrlab.kind", "")
+    if kind not in STUDY_KINDS:
+        raise ReportError(f"run '{parent_id}' is not a search or ablation parent run (prvrlab.kind={kind!r})")
+    exp_id = parent.info.experiment_id
+    cache = Path(tempfile.mkdtemp(prefix="prvrlab-report-"))
+    children = []
+    token = None
+    while True:
+        page = client.search_runs(
+            [exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'", max_results=1000, page_token=token
+        )
+        children.extend(page)
+        token = page.token
+        if not token:
+            break
+    runs = [
+        TrialRun(
+            run_id=r.info.run_id,
+            name=r.info.run_name or "",
+            run_status=r.info.status,
+            start_time=int(r.info.start_time or 0),
+            tags=dict(r.data.tags),
+            params=dict(r.data.params),
+            metrics=dict(r.data.metrics),
+        )
+        for r in children
+    ]
+    return Study(
+        tracking_uri=uri,
+        parent_id=parent_id,
+        kind=kind,
+        name=parent.data.tags.get("prvrlab.study", parent.info.run_name or parent_id),
+        experiment_id=exp_id,
+        tags=dict(parent.data.tags),
+        params=dict(parent.data.params),
+        spec=_spec_artifact(client, parent_id, cache),
+        runs=sorted(runs, key=_sort_key),
+        client=client,
+        _cache=cache,
+    )

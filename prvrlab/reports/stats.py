@@ -1,0 +1,201 @@
+"""Confidence for retrieval metrics from per-query ranks (seeded, deterministic).
+
+Every query contributes a per-query "hit" vector ``100 * [rank <= K]`` for
+K in (1, 5, 10, 100); R@K is its mean over queries and SumR the mean of the
+row sums (the query's SumR contribution).  So:
+
+- :func:`bootstrap_ci`: percentile bootstrap over queries (resample the
+  queries with replacement ``n_boot`` times, one ``rng.integers(0, n, n)``
+  draw per resample from ``numpy.random.default_rng(seed)``); the interval is
+  the 2.5 / 97.5 percentiles (NumPy's default linear interpolation).
+- :func:`paired_test`: a variant against the baseline on the SAME queries
+  (joined on query id): the per-query differences of SumR contributions
+  ``d_i``; observed delta = mean(d); two-sided sign-flip permutation test
+  (each resample multiplies every ``d_i`` by an independent random sign, one
+  ``rng.integers(0, 2, n)`` draw per resample), p = (1 + #{|mean(s d)| >=
+  |mean(d)|}) / (1 + n_perm); plus a paired-bootstrap 95% interval of the delta.
+  Identical ranks give d = 0 and p = 1 exactly.
+- :func:`seed_test`: across seeds, the per-seed SumR differences
+  (variant seed s minus baseline seed s), exact two-sided sign-flip test over
+  all 2^S sign vectors (S <= 16) and a paired t-test (S >= 2, SciPy).  With two
+  seeds the smallest attainable exact p is 0.5: say so rather than over-claim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+KS: tuple[int, ...] = (1, 5, 10, 100)
+METRICS: tuple[str, ...] = ("r1", "r5", "r10", "r100", "sumr")
+ALPHA = 0.05
+_TOL = 1e-9  # ties of resampled statistics with the observed one count as "as extreme"
+
+
+def hits(ranks: Sequence[int] | np.ndarray, ks: Sequence[int] = KS) -> np.ndarray:
+    """(n, len(ks)) per-query hit matrix in percent: ``100 * [rank <= K]``."""
+    r = np.asarray(ranks, dtype=np.int64).reshape(-1)
+    if r.size == 0:
+        raise ValueError("no ranks given")
+    return (r[:, None] <= np.asarray(ks, dtype=np.int64)[None, :]).astype(np.float64) * 100.0
+
+
+def _metrics_of(h: np.ndarray) -> np.ndarray:
+    """(.., len(ks)+1): the column means then their sum (SumR)."""
+    means = h.mean(axis=-2)
+    return np.concatenate([means, means.sum(axis=-1, keepdims=True)], axis=-1)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a 95% interval."""
+
+    value: float
+    low: float
+    high: float
+
+
+def bootstrap_ci(
+    ranks: Sequence[int] | np.ndarray | None = None,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    hit_matrix: np.ndarray | None = None,
+) -> dict[str, Interval]:
+    """Percentile bootstrap interval of R@1, R@5, R@10, R@100 and SumR over queries.
+
+    Pass per-query ``ranks`` or a precomputed ``hit_matrix`` (n, 4) (e.g. hits
+    averaged over seeds, to get the interval of a seed-averaged metric).
+    """
+    h = hits(ranks) if hit_matrix is None else np.asarray(hit_matrix, dtype=np.float64)
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot!r}")
+    n = h.shape[0]
+    rng = np.random.default_rng(seed)
+    stats = np.empty((n_boot, h.shape[1] + 1), dtype=np.float64)
+    for b in range(n_boot):
+        idx = rng.integers(0, n, size=n)
+        stats[b] = _metrics_of(h[idx])
+    point = _metrics_of(h)
+    tail = (1.0 - level) / 2.0 * 100.0
+    low = np.percentile(stats, tail, axis=0)
+    high = np.percentile(stats, 100.0 - tail, axis=0)
+    return {m: Interval(float(point[i]), float(low[i]), float(high[i])) for i, m in enumerate(METRICS)}
+
+
+@dataclass(frozen=True)
+class PairedResult:
+    """Variant minus baseline over the same queries."""
+
+    delta: float  # observed SumR difference
+    low: float  # paired-bootstrap 95% interval of the difference
+    high: float
+    p_value: float  # two-sided sign-flip permutation test
+    n_queries: int
+
+    @property
+    def significant(self) -> bool:
+        return self.p_value < ALPHA
+
+
+def align(a_ids: Sequence[str], a_values: np.ndarray, b_ids: Sequence[str], b_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``a_values`` and ``b_values`` for the query ids both have, sorted by id."""
+    a_pos = {str(q): i for i, q in enumerate(a_ids)}
+    b_pos = {str(q): i for i, q in enumerate(b_ids)}
+    common = sorted(set(a_pos) & set(b_pos))
+    if not common:
+        raise ValueError("the two runs share no query id")
+    return (
+        np.asarray(a_values)[[a_pos[q] for q in common]],
+        np.asarray(b_values)[[b_pos[q] for q in common]],
+    )
+
+
+def paired_test(
+    variant: np.ndarray,
+    baseline: np.ndarray,
+    *,
+    n_perm: int = 1000,
+    seed: int = 0,
+) -> PairedResult:
+    """Paired test of per-query SumR contributions (or hit matrices) of a variant vs the baseline.
+
+    ``variant`` / ``baseline``: aligned per-query arrays, either SumR
+    contributions (n,) or hit matrices (n, 4) (summed per row).
+    """
+    v = np.asarray(variant, dtype=np.float64)
+    b = np.asarray(baseline, dtype=np.float64)
+    if v.ndim == 2:
+        v = v.sum(axis=1)
+    if b.ndim == 2:
+        b = b.sum(axis=1)
+    if v.shape != b.shape or v.size == 0:
+        raise ValueError(f"paired arrays must have the same non-empty shape, got {v.shape} and {b.shape}")
+    d = v - b
+    n = d.size
+    observed = float(d.mean())
+    rng = np.random.default_rng(seed)
+    extreme = 0
+    for _ in range(n_perm):
+        signs = rng.integers(0, 2, size=n) * 2 - 1
+        if abs(float((signs * d).mean())) >= abs(observed) - _TOL:
+            extreme += 1
+    p = (1 + extreme) / (1 + n_perm)
+    boot = np.empty(n_perm, dtype=np.float64)
+    for i in range(n_perm):
+        boot[i] = d[rng.integers(0, n, size=n)].mean()
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return PairedResult(observed, float(low), float(high), float(min(1.0, p)), n)
+
+
+@dataclass(frozen=True)
+class SeedResult:
+    """Variant minus baseline over paired seeds."""
+
+    deltas: tuple[float, ...]
+    p_exact: float  # exact two-sided sign-flip test over 2^S sign vectors (nan when S < 1)
+    p_ttest: float  # paired t-test (nan when S < 2 or no variance)
+
+    @property
+    def n(self) -> int:
+        return len(self.deltas)
+
+    @property
+    def min_p(self) -> float:
+        """The smallest p the exact test can give with this many seeds."""
+        return 2.0 / 2**self.n if self.n else float("nan")
+
+
+def seed_test(variant: Sequence[float], baseline: Sequence[float]) -> SeedResult:
+    """Paired test over seeds: ``variant[s]`` and ``baseline[s]`` are SumR of the same seed."""
+    v = np.asarray(variant, dtype=np.float64)
+    b = np.asarray(baseline, dtype=np.float64)
+    if v.shape != b.shape:
+        raise ValueError(f"seed arrays differ in length: {v.shape} vs {b.shape}")
+    d = v - b
+    s = d.size
+    if s == 0:
+        return SeedResult((), float("nan"), float("nan"))
+    if s > 16:
+        raise ValueError(f"the exact seed test enumerates 2^S sign vectors; {s} seeds is too many")
+    observed = abs(float(d.mean()))
+    count = 0
+    total = 0
+    for signs in itertools.product((1.0, -1.0), repeat=s):
+        total += 1
+        if abs(float((np.asarray(signs) * d).mean())) >= observed - _TOL:
+            count += 1
+    p_exact = count / total
+    p_t = float("nan")
+    if s >= 2 and float(np.std(d)) > 0:
+        from scipy import stats
+
+        p_t = float(stats.ttest_rel(v, b).pvalue)
+    elif s >= 2 and observed <= _TOL:
+        p_t = 1.0
+    return SeedResult(tuple(float(x) for x in d), float(p_exact), p_t if not math.isnan(p_t) else float("nan"))

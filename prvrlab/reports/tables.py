@@ -1,0 +1,222 @@
+"""Markdown tables in the papers' format (GitHub-renderable, paste-able into a paper).
+
+Plain functions over plain data: no MLflow here.  Numbers use one decimal for
+R@K and SumR (as the PRVR papers do), a signed one-decimal ΔSumR, p-values
+with three decimals; a missing value is ``—`` and a cell without any finished
+run says ``failed`` or ``missing``.  The best value of each metric column is
+bold (every row that ties with it at the printed precision).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+METRIC_KEYS: tuple[str, ...] = ("r1", "r5", "r10", "r100", "sumr")
+METRIC_NAMES: dict[str, str] = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "r100": "R@100", "sumr": "SumR"}
+CHECK, CROSS = "✓", "–"
+DASH = "—"
+NOT_SIGNIFICANT = "†"
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def fmt(value: float | None, digits: int = 1, signed: bool = False) -> str:
+    """Fixed decimals, no negative zero; None / non-finite -> ``—``."""
+    if value is None or not math.isfinite(value):
+        return DASH
+    text = f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+    zero = f"{0:.{digits}f}"
+    if text.lstrip("+-") == zero:
+        return zero
+    return text
+
+
+def fmt_p(p: float | None) -> str:
+    """A p-value: three decimals, ``<0.001`` below."""
+    if p is None or not math.isfinite(p):
+        return DASH
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def fmt_param(value: Any) -> str:
+    """A hyperparameter value: 4 significant digits for floats."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def escape(text: str) -> str:
+    """Make free text safe inside a table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ").strip()
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None) -> str:
+    """A GitHub markdown table; ``align`` per column: 'l', 'c' or 'r' (default: first left, rest right)."""
+    align = list(align or (["l"] + ["r"] * (len(header) - 1)))
+    marks = {"l": ":--", "c": ":-:", "r": "--:"}
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(marks[a] for a in align) + "|"]
+    for row in rows:
+        if len(row) != len(header):
+            raise ValueError(f"row has {len(row)} cells, header has {len(header)}: {row!r}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bold_best(cells: list[str], values: list[float | None], mode: str = "max", digits: int = 1) -> list[str]:
+    """Bold the cells whose value equals the best at the printed precision."""
+    shown = [round(v, digits) for v in values if v is not None and math.isfinite(v)]
+    if not shown:
+        return cells
+    best = max(shown) if mode == "max" else min(shown)
+    return [
+        f"**{c}**" if v is not None and math.isfinite(v) and round(v, digits) == best else c
+        for c, v in zip(cells, values)
+    ]
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, 0.0
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+
+
+# ---------------------------------------------------------------- ablation table
+
+
+@dataclass
+class VariantRow:
+    """One variant of an ablation: per-seed metric values and what went wrong."""
+
+    name: str
+    components: tuple[str, ...] | None  # None: no run carried them
+    seeds_expected: tuple[int, ...]
+    values: dict[str, list[float]] = field(default_factory=dict)  # metric -> finite values over usable seeds
+    seeds_ok: tuple[int, ...] = ()
+    problems: dict[int, str] = field(default_factory=dict)  # seed -> failed | nonfinite | error | killed | missing | ...
+    delta_significant: bool | None = None  # query-level paired test vs the baseline (None: not tested)
+
+    def mean(self, metric: str) -> float | None:
+        xs = self.values.get(metric) or []
+        return mean_std(xs)[0] if xs else None
+
+    @property
+    def empty_label(self) -> str:
+        """What a metric cell says when no seed finished."""
+        kinds = set(self.problems.values())
+        if kinds and kinds <= {"missing"}:
+            return "missing"
+        if "running" in kinds and not (kinds - {"running", "missing"}):
+            return "running"
+        return "failed"
+
+
+def component_label(token: str) -> str:
+    """'loss:query_diverse' -> 'query_diverse'; 'backbone:gmmformer' -> 'gmmformer'."""
+    return token.split(":", 1)[1] if ":" in token else token
+
+
+def varying_components(rows: Sequence[VariantRow]) -> list[str]:
+    """Component tokens present in some variants but not all (sorted: backbone, plugin, loss, then name)."""
+    sets = [set(r.components) for r in rows if r.components is not None]
+    if not sets:
+        return []
+    union = set().union(*sets)
+    common = set.intersection(*sets)
+    order = {"backbone": 0, "plugin": 1, "loss": 2}
+    return sorted(union - common, key=lambda t: (order.get(t.split(":", 1)[0], 3), t))
+
+
+def _seed_cell(row: VariantRow) -> str:
+    n_ok, n_all = len(row.seeds_ok), len(row.seeds_expected)
+    text = f"{n_ok}/{n_all}" if n_all else str(n_ok)
+    bad = sorted(set(row.problems.values()))
+    if bad:
+        counts = [f"{sum(1 for v in row.problems.values() if v == b)} {b}" for b in bad]
+        text += " (" + ", ".join(counts) + ")"
+    return text
+
+
+def ablation_table(rows: Sequence[VariantRow], baseline: str, *, several_seeds: bool) -> str:
+    """One row per variant: ✓/– per varying component, R@K and SumR (mean ± std), ΔSumR, seeds."""
+    comps = varying_components(rows)
+    labels = [component_label(c) for c in comps]
+    if len(set(labels)) != len(labels):
+        labels = comps
+    header = ["Variant", *labels, *(METRIC_NAMES[m] for m in METRIC_KEYS), "ΔSumR", "Seeds" if several_seeds else "Runs"]
+    align = ["l", *("c" for _ in comps), *("r" for _ in METRIC_KEYS), "r", "r"]
+    base = next((r for r in rows if r.name == baseline), None)
+    base_sumr = base.mean("sumr") if base is not None else None
+
+    columns: list[list[str]] = []
+    for m in METRIC_KEYS:
+        cells, values = [], []
+        for r in rows:
+            xs = r.values.get(m) or []
+            if not xs:
+                cells.append(f"*{r.empty_label}*")
+                values.append(None)
+                continue
+            mean, std = mean_std(xs)
+            cells.append(f"{fmt(mean)} ± {fmt(std)}" if several_seeds and len(xs) > 1 else fmt(mean))
+            values.append(mean)
+        columns.append(bold_best(cells, values))
+    delta_cells, delta_values = [], []
+    for r in rows:
+        mean = r.mean("sumr")
+        if r.name == baseline:
+            delta_cells.append(DASH)
+            delta_values.append(None)
+        elif mean is None or base_sumr is None:
+            delta_cells.append(DASH)
+            delta_values.append(None)
+        else:
+            d = mean - base_sumr
+            delta_cells.append(fmt(d, signed=True) + (f" {NOT_SIGNIFICANT}" if r.delta_significant is False else ""))
+            delta_values.append(d)
+    delta_cells = bold_best(delta_cells, delta_values) if any(v is not None and v > 0 for v in delta_values) else delta_cells
+
+    out_rows = []
+    for i, r in enumerate(rows):
+        name = f"{escape(r.name)} (baseline)" if r.name == baseline else escape(r.name)
+        marks = ["?" if r.components is None else (CHECK if c in r.components else CROSS) for c in comps]
+        out_rows.append([name, *marks, *(col[i] for col in columns), delta_cells[i], _seed_cell(r)])
+    return md_table(header, out_rows, align)
+
+
+# ---------------------------------------------------------------- grouped metric tables
+
+
+def metric_table(
+    first: Sequence[str],
+    rows: Sequence[tuple[Sequence[str], dict[str, list[float]]]],
+    *,
+    extra: Sequence[str] = (),
+    extra_cells: Sequence[Sequence[str]] | None = None,
+    bold: bool = True,
+    lead_align: Sequence[str] | None = None,
+) -> str:
+    """Rows of leading cells + mean R@K / SumR over the given values (one decimal)."""
+    header = [*first, *(METRIC_NAMES[m] for m in METRIC_KEYS), *extra]
+    align = list(lead_align or ["l"] * len(first)) + ["r"] * (len(METRIC_KEYS) + len(extra))
+    columns = []
+    for m in METRIC_KEYS:
+        values = [mean_std(v[m])[0] if v.get(m) else None for _, v in rows]
+        cells = [fmt(x) for x in values]
+        columns.append(bold_best(cells, values) if bold else cells)
+    out = []
+    for i, (lead, _) in enumerate(rows):
+        out.append([*lead, *(col[i] for col in columns), *((extra_cells or [[]] * len(rows))[i])])
+    return md_table(header, out, align)
+
+
+def kv_table(pairs: Sequence[tuple[str, str]]) -> str:
+    """A two-column key/value table."""
+    return md_table(["", ""], [[f"**{k}**", v] for k, v in pairs], ["l", "l"])

@@ -1,0 +1,44 @@
+"""Session fixtures: one real tiny ablation (2 variants x 2 seeds) and one real 3-trial search."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # search_helpers
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    from prvrlab.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("synth_tiny_reports")
+    synthesize(root, preset="tiny", seed=0, progress=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def studies(tiny_root, tmp_path_factory):
+    """{"tmp", "uri", "ablation": parent id, "search": parent id} of real studies run through the platform."""
+    import ray
+
+    from prvrlab.platform.ablation import ablate
+    from prvrlab.platform.search import search
+    from prvrlab.platform.search_spec import load_ablation_spec, load_search_spec
+    from search_helpers import tiny_spec
+
+    tmp = tmp_path_factory.mktemp("report_studies")
+    variants = {"full": {}, "no_query_diverse": {"losses.query_diverse.weight": 0}}
+    abl_path = tiny_spec(tmp, tiny_root, name="abl", variants=variants, seeds=[0, 1], concurrency=2)
+    abl = ablate(load_ablation_spec(abl_path), echo=None)
+    srch = search(load_search_spec(tiny_spec(tmp, tiny_root, name="srch")), echo=None)
+    ray.shutdown()
+    return {
+        "tmp": tmp,
+        "uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "ablation": abl.parent_run_id,
+        "search": srch.parent_run_id,
+        "ablation_spec": abl_path,
+    }

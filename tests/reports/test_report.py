@@ -1,0 +1,142 @@
+"""Reports of a real tiny ablation and search (run once through the platform), checked against MLflow."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from prvrlab.platform.cli import main
+from prvrlab.reports.report import Options, write_report
+from prvrlab.reports.source import load_study
+
+pytestmark = pytest.mark.slow
+OPT = Options(n_boot=200, seed=0)
+METRICS = ("r1", "r5", "r10", "r100", "sumr")
+
+
+def _table(md: str, heading: str) -> list[list[str]]:
+    """Rows (cells stripped of bold) of the first table after a heading starting with ``heading``."""
+    lines = md.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(heading))
+    rows = []
+    for ln in lines[start + 1 :]:
+        if ln.startswith("|"):
+            rows.append([c.strip().replace("**", "") for c in ln.strip("|").split("|")])
+        elif rows:
+            break
+    return rows
+
+
+def _children(uri: str, parent: str):
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(parent)
+    return client, client.search_runs([run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
+
+
+def test_ablation_table_equals_mlflow(studies, tmp_path):
+    md = write_report(load_study(studies["uri"], studies["ablation"]), tmp_path, OPT).read_text()
+    rows = _table(md, "## Ablation (val)")
+    header, body = rows[0], rows[2:]
+    assert header == ["Variant", "query_diverse", "R@1", "R@5", "R@10", "R@100", "SumR", "ΔSumR", "Seeds"]
+    assert [r[0] for r in body] == ["full (baseline)", "no_query_diverse"]
+    assert body[0][1] == "✓" and body[1][1] == "–"
+
+    _, children = _children(studies["uri"], studies["ablation"])
+    values: dict[str, dict[str, list[float]]] = {}
+    for c in children:
+        assert c.data.tags["prvrlab.status"] == "finished"
+        for m in METRICS:
+            values.setdefault(c.data.tags["prvrlab.variant"], {}).setdefault(m, []).append(c.data.metrics[f"final/val/{m}"])
+    for row, variant in zip(body, ("full", "no_query_diverse")):
+        for i, m in enumerate(METRICS):
+            xs = values[variant][m]
+            assert row[2 + i] == f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs):.1f}"
+        assert row[-1] == "2/2"
+    delta = statistics.fmean(values["no_query_diverse"]["sumr"]) - statistics.fmean(values["full"]["sumr"])
+    assert body[1][7].split()[0] == (f"{delta:+.1f}" if f"{abs(delta):.1f}" != "0.0" else "0.0")
+    assert body[0][7] == "—"
+    # confidence section: CI around the same SumR, a p-value for the variant
+    conf = _table(md, "## Confidence (val")
+    assert conf[2][1].startswith(f"{statistics.fmean(values['full']['sumr']):.1f} [")
+    assert conf[3][7] not in ("—", "") and "(n=2, min 0.500)" in conf[3][8]
+    assert "## Moment/video-ratio breakdown (val)" in md
+
+
+def test_report_is_byte_identical_when_rerun(studies, tmp_path):
+    a = write_report(load_study(studies["uri"], studies["ablation"]), tmp_path / "a", OPT).read_bytes()
+    b = write_report(load_study(studies["uri"], studies["ablation"]), tmp_path / "b", OPT).read_bytes()
+    assert a == b
+    s1 = write_report(load_study(studies["uri"], studies["search"]), tmp_path / "s1", OPT).read_bytes()
+    s2 = write_report(load_study(studies["uri"], studies["search"]), tmp_path / "s2", OPT).read_bytes()
+    assert s1 == s2
+
+
+def test_cli_report_by_spec_logs_the_artifact(studies, tmp_path, capsys):
+    out = tmp_path / "rep"
+    code = main(["report", "--spec", str(studies["ablation_spec"]), "--out", str(out), "--bootstrap", "100"])
+    assert code == 0 and (out / "report.md").is_file()
+    client = MlflowClient(tracking_uri=studies["uri"])
+    names = {f.path for f in client.list_artifacts(studies["ablation"], "report")}
+    assert "report/report.md" in names
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [(["--run-id", "0123456789abcdef"], "0123456789abcdef"), (["--experiment", "no-such-exp"], "no-such-exp"),
+     (["--spec", "missing_spec.yaml"], "missing_spec.yaml")],
+)
+def test_bad_input_exits_2_naming_it(studies, args, named, capsys):
+    code = main(["report", *args, "--tracking-uri", studies["uri"], "--no-log"])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and err.count("\n") == 1
+
+
+def test_failed_cell_is_shown(studies, tmp_path):
+    from prvrlab.platform.tracking import Tracker
+
+    db = tmp_path / "copy.db"
+    shutil.copy(Path(studies["tmp"]) / "mlflow.db", db)
+    uri = f"sqlite:///{db}"
+    tracker = Tracker(uri, "tests")
+    tags = {"prvrlab.kind": "trial", "prvrlab.variant": "broken", "prvrlab.seed": "0", "prvrlab.cell": "broken/seed0",
+            "prvrlab.status": "error", "error": "RuntimeError: boom", "components": "backbone:gmmformer,loss:clip_triplet"}
+    run = tracker.start_run("abl/broken/seed0", tags=tags, parent_run_id=studies["ablation"])
+    tracker.end_run(run, "FAILED")
+    md = write_report(load_study(uri, studies["ablation"]), tmp_path / "r", OPT).read_text()
+    rows = _table(md, "## Ablation (val)")
+    body = {r[0]: r for r in rows[2:]}
+    sumr = rows[0].index("SumR")
+    assert body["broken"][sumr] == "*failed*" and "1 error" in body["broken"][-1]
+    assert body["full (baseline)"][sumr] != "*failed*"
+    assert "## Failed, unfinished and missing runs" in md and "RuntimeError: boom" in md
+
+
+def test_search_summary(studies, tmp_path):
+    out = tmp_path / "s"
+    md = write_report(load_study(studies["uri"], studies["search"]), out, OPT).read_text()
+    _, children = _children(studies["uri"], studies["search"])
+    assert len(children) == 3
+    best = max(children, key=lambda c: (c.data.metrics["final/val/sumr"], c.data.tags["prvrlab.trial_id"]))
+    summary = {r[0]: r[1] for r in _table(md, "## Best trial")[2:]}
+    assert summary["Trial"] == f"`{best.data.tags['prvrlab.trial_id']}`"
+    assert summary["val SumR"] == f"{best.data.metrics['final/val/sumr']:.1f}"
+    assert summary["`train.lr`"] == f"{float(best.data.params['train.lr']):.4g}"
+    top = _table(md, "## Top trials")[2:]
+    assert len(top) == 3 and [r[8] for r in top] == sorted([r[8] for r in top], key=float, reverse=True)
+    imp = _table(md, "## Parameter importances")
+    assert imp[2][0] == "`train.lr`" and imp[2][1] == "1.000"
+    assert (out / "learning_curves.png").is_file() and (out / "sensitivity_train.lr.png").is_file()
+    assert "## Sensitivity (val)" in md and "## Stopped early" in md
+
+
+def test_profile_cli_prints_gallery_sizes(tiny_root, capsys):
+    repo = Path(__file__).resolve().parents[2]
+    code = main(["profile", str(repo / "configs" / "gmmformer_synth.yaml"), "--set", f"data.root={tiny_root}",
+                 "--set", "model.hidden_size=32", "--set", "model.num_heads=2", "--gallery", "30", "60", "--queries", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| Database size | 30 | 60 |" in out and "Params (M)" in out and "FLOPs (G)" in out

@@ -1,0 +1,66 @@
+"""Statistics against independent computations on known inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from prvrlab.reports import stats
+
+
+def _recall(r: np.ndarray) -> list[float]:
+    vals = [float(np.mean(r <= k) * 100.0) for k in (1, 5, 10, 100)]
+    return vals + [sum(vals)]
+
+
+def test_bootstrap_ci_matches_a_numpy_loop_with_the_same_seed():
+    ranks = np.random.default_rng(3).integers(1, 300, size=157)
+    got = stats.bootstrap_ci(ranks, n_boot=300, seed=11)
+    rng = np.random.default_rng(11)
+    boot = []
+    for _ in range(300):
+        boot.append(_recall(ranks[rng.integers(0, ranks.size, size=ranks.size)]))
+    boot = np.asarray(boot)
+    point = _recall(ranks)
+    for i, m in enumerate(stats.METRICS):
+        assert got[m].value == pytest.approx(point[i], abs=1e-9)
+        assert got[m].low == pytest.approx(np.percentile(boot[:, i], 2.5), abs=1e-9)
+        assert got[m].high == pytest.approx(np.percentile(boot[:, i], 97.5), abs=1e-9)
+        assert got[m].low <= got[m].value <= got[m].high
+    again = stats.bootstrap_ci(ranks, n_boot=300, seed=11)
+    assert again == got
+
+
+def test_paired_identical_ranks_give_p_one_and_not_significant():
+    ranks = np.random.default_rng(0).integers(1, 50, size=80)
+    res = stats.paired_test(stats.hits(ranks), stats.hits(ranks), n_perm=200, seed=0)
+    assert res.delta == 0.0 and res.p_value == 1.0 and not res.significant
+    assert res.low == 0.0 and res.high == 0.0
+
+
+def test_paired_clearly_better_is_significant_and_matches_a_loop():
+    rng = np.random.default_rng(1)
+    base = rng.integers(20, 200, size=120)
+    better = np.maximum(1, base // 20)  # every query moves near the top
+    res = stats.paired_test(stats.hits(better), stats.hits(base), n_perm=300, seed=5)
+    assert res.significant and res.p_value == pytest.approx(1 / 301)
+    d = stats.hits(better).sum(1) - stats.hits(base).sum(1)
+    assert res.delta == pytest.approx(d.mean())
+    # independent sign-flip loop with the same generator stream
+    g = np.random.default_rng(5)
+    count = sum(abs((( g.integers(0, 2, size=d.size) * 2 - 1) * d).mean()) >= abs(d.mean()) - 1e-9 for _ in range(300))
+    assert res.p_value == pytest.approx((1 + count) / 301)
+
+
+def test_seed_test_exact_enumeration_and_ttest():
+    v, b = [10.0, 12.0, 13.5], [9.0, 10.0, 10.5]
+    res = stats.seed_test(v, b)
+    d = np.subtract(v, b)
+    hits = sum(abs((np.asarray(s) * d).mean()) >= abs(d.mean()) - 1e-12 for s in itertools.product((1, -1), repeat=3))
+    assert res.p_exact == pytest.approx(hits / 8) == pytest.approx(0.25)
+    assert res.p_ttest == pytest.approx(sps.ttest_rel(v, b).pvalue)
+    same = stats.seed_test([5.0, 6.0], [5.0, 6.0])
+    assert same.p_exact == 1.0 and same.p_ttest == 1.0 and same.min_p == 0.5

@@ -1,0 +1,22 @@
+"""Formatting rules of the markdown tables."""
+
+from prvrlab.reports.tables import VariantRow, ablation_table, bold_best, fmt, md_table
+
+
+def test_fmt_and_bold():
+    assert fmt(-0.04) == "0.0" and fmt(1.25, signed=True) == "+1.2" and fmt(None) == "—" and fmt(float("nan")) == "—"
+    assert bold_best(["1.0", "2.0", "2.0"], [1.0, 2.04, 1.96]) == ["1.0", "**2.0**", "**2.0**"]
+    assert md_table(["a", "b"], [["x", "1"]]).splitlines()[1] == "|:--|--:|"
+
+
+def test_failed_and_missing_cells_are_shown():
+    rows = [
+        VariantRow("base", ("loss:a", "loss:b"), (0,), {"r1": [1.0], "r5": [2.0], "r10": [3.0], "r100": [4.0], "sumr": [10.0]}, (0,)),
+        VariantRow("crashed", ("loss:a",), (0,), problems={0: "error"}),
+        VariantRow("never_ran", None, (0,), problems={0: "missing"}),
+    ]
+    text = ablation_table(rows, "base", several_seeds=False)
+    lines = text.splitlines()
+    assert lines[0] == "| Variant | b | R@1 | R@5 | R@10 | R@100 | SumR | ΔSumR | Runs |"
+    assert "| crashed | – | *failed* |" in text and "0/1 (1 error)" in text
+    assert "| never_ran | ? | *missing* |" in text and "0/1 (1 missing)" in text
