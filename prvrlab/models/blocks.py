@@ -102,6 +102,12 @@ class BranchLinear(nn.Module):
         return torch.baddbmm(self.bias[:, None, :], x, self.weight.transpose(1, 2))
 
 
+def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dim of (K, N, D) with a per-branch affine ``weight``/``bias`` (K, D)."""
+    y = F.layer_norm(x, (x.shape[-1],), eps=eps)  # (K, N, D)
+    return torch.addcmul(bias[:, None, :], y, weight[:, None, :])  # (K, N, D)
+
+
 def init_normal_(module: nn.Module, std: float = 0.02) -> None:
     """Initialise Linear/BranchLinear/Embedding weights from N(0, std) and biases to zero."""
     for m in module.modules():
@@ -159,6 +165,13 @@ class Packing:
     @property
     def num_tokens(self) -> int:
         return self.batch * self.length if self.index is None else int(self.index.shape[0])
+
+    def rows(self) -> Tensor:
+        """(N,) long: the batch row of every packed token."""
+        device = self.positions.device
+        if self.index is None:
+            return torch.arange(self.batch, device=device).repeat_interleave(self.length)  # (B*L,)
+        return torch.div(self.index, self.length, rounding_mode="floor")  # (N,)
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, L, *F) -> (N, *F), keeping only real tokens."""
@@ -252,3 +265,28 @@ class AttentionPooling(nn.Module):
             weights = weights * mask  # fully padded rows pool to zero
         return torch.einsum("bl,bld->bd", weights.to(x.dtype), x)  # (B, D)
 
+
+
+class AdditiveAttentionPooling(AttentionPooling):
+    """Additive (Bahdanau) attention pooling: scores ``v^T tanh(W x + b)``, masked softmax, weighted sum.
+
+    ``attention_size`` is the width of ``W`` (default: ``hidden_size``).  The
+    same masking rules as :class:`AttentionPooling` (a row without real
+    tokens pools to zero).
+    """
+
+    def __init__(self, *, hidden_size: int, attention_size: int | None = None) -> None:
+        super().__init__(hidden_size=hidden_size)
+        width = hidden_size if attention_size is None else check_positive_int(attention_size, "attention_size")
+        self.project = nn.Linear(hidden_size, width)
+        self.score = nn.Linear(width, 1, bias=False)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """(B, L, D) with (B, L) mask -> (B, D)."""
+        logits = self.score(torch.tanh(self.project(x))).squeeze(-1).float()  # (B, L)
+        return self._pool(x, logits, mask)
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D) packed tokens -> (B, D)."""
+        logits = packing.unpack(self.score(torch.tanh(self.project(x))).squeeze(-1).float())  # (B, L)
+        return self._pool(packing.unpack(x), logits, None if packing.is_full else packing.mask)

@@ -1,0 +1,112 @@
+"""GMMFormer v2's optimal-matching loss: a one-to-one assignment of a video's queries to its clips.
+
+For every video v of the batch with M_v >= 2 queries, with
+``pi_ij = cos(q_i, c_j)`` between its queries ``out.query.vectors[branch]``
+and its clip embeddings ``out.video.clip[v]`` (Lc, D), the Hungarian
+algorithm (``scipy.optimize.linear_sum_assignment``, maximising) finds the
+assignment A* giving each query a distinct clip with the largest total
+cosine (Eq. 6); then::
+
+    loss = mean over all assigned (i, j) pairs of the batch of (1 - pi_ij)
+
+i.e. the reference code's reduction (one mean over the pairs of all videos,
+so a video weighs in proportion to its queries; the paper's Eq. 7 writes
+the per-video mean).  The assignment is not differentiated; the gradient
+flows through the assigned cosines.  A video with more queries than clips
+(M_v > Lc) gets a rectangular problem: only Lc of its queries are assigned
+(the ones the solver picks) and the others are left out of the loss.  When
+no video has two queries the loss is 0, still attached to the graph.
+
+Cost on an accelerator: the per-video cosine matrices are computed in one
+batched product on padded (B, M_max, Lc) query slots, copied to the host
+once; besides that copy the only host transfer is ``query_video`` (to size
+the padding).  The solver runs on the host, then the assigned cosines are
+gathered on the device with index tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor
+
+from prvrlab.data.batch import Batch
+from prvrlab.losses._common import check_branch
+from prvrlab.losses.base import Loss
+from prvrlab.models.base import ModelOutput
+from prvrlab.registry import LOSSES
+
+
+def group_queries(query_video: np.ndarray, num_videos: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-video query counts (B,) and each query's slot (its rank among its video's queries), (Nq,)."""
+    counts = np.bincount(query_video, minlength=num_videos)  # (B,)
+    order = np.argsort(query_video, kind="stable")  # (Nq,)
+    first = np.cumsum(counts) - counts  # (B,) position of each video's first query in `order`
+    slot = np.empty_like(query_video)
+    slot[order] = np.arange(query_video.shape[0]) - first[query_video[order]]
+    return counts, slot
+
+
+def matching_cosines(vectors: Tensor, clips: Tensor, query_video: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The assigned (query, clip) cosines (P,) with grad and their query indices (P,); None if no video has 2 queries.
+
+    ``vectors`` (Nq, D), ``clips`` (B, Lc, D), ``query_video`` (Nq,) long.
+    """
+    nq = vectors.shape[0]
+    num_videos, num_clips, _ = clips.shape
+    qv = query_video.detach().cpu().numpy().astype(np.int64)  # host transfer 1 (small)
+    counts, slot = group_queries(qv, num_videos)
+    if nq == 0 or num_clips == 0 or counts.max(initial=0) < 2:
+        return None
+    width = int(counts.max())
+    device = vectors.device
+    video_idx = torch.as_tensor(qv, device=device)
+    slot_idx = torch.as_tensor(slot, device=device)
+    with torch.autocast(device_type=device.type, enabled=False):
+        q = F.normalize(vectors.float(), dim=-1)  # (Nq, D)
+        c = F.normalize(clips.float(), dim=-1)  # (B, Lc, D)
+        padded = q.new_zeros(num_videos, width, q.shape[1])  # (B, M_max, D)
+        padded = padded.index_put((video_idx, slot_idx), q)
+        cos = torch.bmm(padded, c.transpose(1, 2))  # (B, M_max, Lc)
+    host = cos.detach().cpu().numpy()  # host transfer 2: every cost matrix at once
+    vids, rows, cols = [], [], []
+    for v in np.flatnonzero(counts >= 2):
+        r, k = linear_sum_assignment(host[v, : counts[v]], maximize=True)
+        vids.append(np.full(r.shape[0], v))
+        rows.append(r)
+        cols.append(k)
+    v_t = torch.as_tensor(np.concatenate(vids), device=device)
+    r_t = torch.as_tensor(np.concatenate(rows), device=device)
+    k_t = torch.as_tensor(np.concatenate(cols), device=device)
+    assigned = cos[v_t, r_t, k_t]  # (P,)
+    # query index of each assigned slot: invert (video, slot) -> query
+    lookup = torch.full((num_videos, width), -1, dtype=torch.long, device=device)
+    lookup[video_idx, slot_idx] = torch.arange(nq, device=device)
+    return assigned, lookup[v_t, r_t]
+
+
+@LOSSES.register("optimal_matching")
+class OptimalMatchingLoss(Loss):
+    """Optimal-matching loss of GMMFormer v2 between ``out.query.vectors[branch]`` and ``out.video.clip``."""
+
+    def __init__(self, *, branch: str = "clip") -> None:
+        super().__init__()
+        self.branch = check_branch(branch)
+
+    def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
+        vectors = out.query.vectors.get(self.branch)
+        if vectors is None:
+            raise ValueError(
+                f"optimal_matching: branch={self.branch!r} has no query vector; "
+                f"available: {', '.join(sorted(out.query.vectors))}"
+            )
+        clips = out.video.clip
+        if clips is None or clips.dim() != 3:
+            raise ValueError("optimal_matching needs per-clip video embeddings out.video.clip (B, Lc, D)")
+        result = matching_cosines(vectors, clips, batch.query_video)
+        if result is None:
+            return (vectors.sum() + clips.sum()).float() * 0.0
+        assigned, _ = result
+        return (1.0 - assigned).mean()

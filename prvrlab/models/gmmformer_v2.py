@@ -1,0 +1,378 @@
+"""GMMFormer v2 (Wang et al., 2024): TC-GMMBlocks, a frame-level branch, max-over-time scoring.
+
+Query: InputProjection -> positional embedding -> one transformer layer ->
+attention pooling -> one (Nq, D) vector shared by both branches (as the
+reference code; the paper's Sec. 3.1).  Clip branch: clips -> InputProjection
+-> positional embedding -> ``num_blocks`` TC-GMMBlocks -> (B, Lc, D); score =
+max cosine over the clips.  Frame branch: frames -> InputProjection ->
+positional embedding -> TC-GMMBlocks (padding skipped) -> (B, Lf, D) with a
+mask; score = max cosine over the *real* frames (padding never wins, unlike
+the reference code, REFERENCE.md section 9).
+
+A TC-GMMBlock runs K Gaussian-constrained transformer layers in parallel on
+the same input (one per width in ``sigmas``; ``inf`` = plain attention), each
+``y_k = LN2_k(h_k + FFN_k(h_k))`` with ``h_k = LN1_k(x + GaussAttn_k(x))``
+(post-norm, ReLU FFN of width ``ffn_size``, per-branch weights), and then
+aggregates the K outputs with one of the paper's strategies (Table 4):
+
+* ``average``  - the mean over branches (GMMFormer's static aggregation, AP);
+* ``learned``  - softmax(w / tau) with one learned logit per branch (WA);
+* ``dynamic``  - per-video branch weights: a learned query vector phi
+  cross-attends to each branch's output, a linear layer maps each summary to
+  one logit, softmax over branches at temperature tau (DA);
+* ``temporal`` - temporal consolidation (TCM, the paper's default): the same
+  cross-attention summaries, an MLP maps each to one logit per time step
+  (``max_frames`` outputs, the first L used), softmax over branches at every
+  time step at temperature tau (Eqs. 1-3).
+
+The cross-attention uses one query (phi), so it is computed without
+projecting any key: ``q . W_k x = (W_k^T q) . x`` per head, and the values are
+projected after pooling (``sum_j a_j W_v x_j = W_v sum_j a_j x_j``), which
+makes its cost negligible next to the branches.
+
+Differences from the reference code, all deliberate: the Gaussian windows
+use each sequence's real length (the reference uses the padded length, 128
+for frames, so a video's embedding depends on the padding); the branches'
+self-attention has an output projection (the reference has none); no dropout
+inside the FFN and, by default, none on attention probabilities (both cost
+full passes over the largest tensors on CPU); the paper's appendix writes
+the Gaussian blocks pre-norm, the reference code (followed here) post-norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.blocks import (
+    AttentionPooling,
+    BranchLinear,
+    Dropout,
+    InputProjection,
+    Packing,
+    PositionalEmbedding,
+    autocast_input,
+    branch_layer_norm,
+    check_positive_int,
+    check_probability,
+    dropout_mask,
+    init_normal_,
+)
+from prvrlab.models.gmm import GaussianAttention, TransformerLayer, parse_sigmas
+from prvrlab.models.gmmformer import check_score_weights
+from prvrlab.models.scoring import max_scores
+from prvrlab.registry import BACKBONES
+
+Aggregation = Literal["average", "learned", "dynamic", "temporal"]
+AGGREGATIONS: tuple[str, ...] = ("average", "learned", "dynamic", "temporal")
+V2_SIGMAS: tuple[float, ...] = (0.1, 0.5, 1.0, 3.0, 5.0, 8.0, 10.0, math.inf)
+
+
+def check_positive_number(value: object, name: str) -> float:
+    """``value`` as a finite float > 0, else a ValueError naming ``name``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def resolve_ffn_size(ffn_size: int | None, hidden_size: int) -> int:
+    """``ffn_size`` (None: 4 * hidden_size) as a positive int, else a ValueError naming it."""
+    if ffn_size is None:
+        return 4 * hidden_size
+    return check_positive_int(ffn_size, "ffn_size")
+
+
+class LearnedQueryAttention(nn.Module):
+    """A learned query vector phi cross-attends to each branch's output sequence.
+
+    Input (K, N, D) packed branch outputs; output (B, K, D): one summary per
+    video and branch, ``LN2(s + FFN(s))`` with ``s = LN1(phi + W_o MHA(phi, X_k))``
+    (multi-head attention over the real tokens only; a transformer
+    cross-attention layer with one query, as the reference's block-aware CA).
+    """
+
+    def __init__(self, *, hidden_size: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.phi = nn.Parameter(torch.randn(hidden_size))  # N(0, 1) as the reference's weight token
+        self.query = nn.Linear(hidden_size, hidden_size)
+        self.key = nn.Linear(hidden_size, hidden_size, bias=False)  # a key bias cancels in the softmax
+        self.value = nn.Linear(hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, hidden_size)
+        self.norm1 = nn.LayerNorm(hidden_size)
+        self.ffn = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.ReLU(), nn.Linear(hidden_size, hidden_size))
+        self.norm2 = nn.LayerNorm(hidden_size)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x: Tensor, packing: Packing) -> Tensor:
+        """(K, N, D) packed branch outputs -> (B, K, D) summaries."""
+        K, N, D = x.shape
+        B, L, H, Dh = packing.batch, packing.length, self.num_heads, self.head_dim
+        # F.linear rather than self.query(phi): module hooks (e.g. FlopCounterMode's) choke on a bare leaf input
+        q = F.linear(self.phi, self.query.weight, self.query.bias).view(H, Dh)  # (H, Dh)
+        # logits_h(j) = (W_k x_j)_h . q_h / sqrt(Dh) = x_j . (W_k,h^T q_h) / sqrt(Dh)
+        u = torch.einsum("hed,he->hd", self.key.weight.view(H, Dh, D), q) / math.sqrt(Dh)  # (H, D)
+        tokens = x.transpose(0, 1).reshape(N, K * D)  # (N, K*D)
+        logits = torch.matmul(x, u.t().to(x.dtype))  # (K, N, H)
+        logits = packing.unpack(logits.transpose(0, 1).reshape(N, K * H)).view(B, L, K, H).float()  # (B, L, K, H)
+        if not packing.is_full:
+            pad = ~packing.mask[:, :, None, None]  # (B, L, 1, 1)
+            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        probs = torch.softmax(logits, dim=1)  # (B, L, K, H)
+        if not packing.is_full:
+            probs = probs * packing.mask[:, :, None, None]  # rows without real tokens pool to zero
+        padded = packing.unpack(tokens).view(B, L, K, D)  # (B, L, K, D)
+        pooled = torch.einsum("blkh,blkd->bkhd", probs.to(padded.dtype), padded)  # (B, K, H, D)
+        w_v = self.value.weight.view(H, Dh, D)
+        ctx = torch.einsum("bkhd,hed->bkhe", pooled, w_v.to(pooled.dtype)).reshape(B, K, D)  # (B, K, D)
+        ctx = ctx + self.value.bias.to(ctx.dtype)
+        s = self.norm1(self.phi + self.dropout(self.out(ctx)))  # (B, K, D)
+        return self.norm2(s + self.dropout(self.ffn(s)))  # (B, K, D)
+
+
+class TCGMMBlock(nn.Module):
+    """K parallel Gaussian-constrained transformer layers and their aggregation (see the module docstring).
+
+    The K branches share one fused Q/K/V projection (:class:`GaussianAttention`)
+    and run their output projections and FFNs as batched GEMMs
+    (:class:`BranchLinear`); token-wise work runs on packed real tokens.
+    ``max_len`` bounds the sequence length (the temporal consolidation has one
+    output per time step).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int = 4,
+        sigmas: Sequence[float | str] = V2_SIGMAS,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        ffn_size: int | None = None,
+        aggregation: Aggregation = "temporal",
+        tau: float = 0.6,
+        max_len: int = 128,
+    ) -> None:
+        super().__init__()
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+        self.attention = GaussianAttention(
+            hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout
+        )
+        K = self.attention.num_branches
+        F_ = resolve_ffn_size(ffn_size, hidden_size)
+        self.aggregation = aggregation
+        self.tau = check_positive_number(tau, "tau")
+        self.max_len = check_positive_int(max_len, "max_len")
+        self.dropout = Dropout(dropout)
+        self.norm1_weight = nn.Parameter(torch.ones(K, hidden_size))
+        self.norm1_bias = nn.Parameter(torch.zeros(K, hidden_size))
+        self.ffn_in = BranchLinear(num_branches=K, in_dim=hidden_size, out_dim=F_)
+        self.ffn_out = BranchLinear(num_branches=K, in_dim=F_, out_dim=hidden_size)
+        self.norm2_weight = nn.Parameter(torch.ones(K, hidden_size))
+        self.norm2_bias = nn.Parameter(torch.zeros(K, hidden_size))
+        self.branch_logits: nn.Parameter | None = None
+        self.summary: LearnedQueryAttention | None = None
+        self.weight_head: nn.Module | None = None
+        if aggregation == "learned":
+            self.branch_logits = nn.Parameter(torch.zeros(K))  # uniform at start
+        elif aggregation in ("dynamic", "temporal"):
+            self.summary = LearnedQueryAttention(hidden_size=hidden_size, num_heads=num_heads, dropout=dropout)
+            out = 1 if aggregation == "dynamic" else max_len
+            self.weight_head = nn.Sequential(
+                nn.Linear(hidden_size, hidden_size), nn.ReLU(), Dropout(dropout), nn.Linear(hidden_size, out)
+            )
+
+    @property
+    def sigmas(self) -> tuple[float, ...]:
+        return self.attention.sigmas
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """(B, L, D) with (B, L) mask -> (B, L, D), zeros on padding."""
+        packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
+        return packing.unpack(self.forward_packed(packing.pack(x), packing))
+
+    def branches_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D) packed tokens -> (K, N, D): every branch's output before aggregation."""
+        p = self.dropout.p if self.training else 0.0
+        # Under autocast the (K, N, D) residual stream stays in the autocast dtype (LayerNorm keeps its
+        # input's dtype and accumulates in float32): no float32 <-> bf16 copies of the largest tensors.
+        x = autocast_input(x)  # (N, D)
+        a = self.attention.forward_packed(x, packing)  # (K, N, D)
+        h = torch.addcmul(x, a, dropout_mask(a, p)) if p > 0 else a + x  # (K, N, D)
+        h = branch_layer_norm(h, self.norm1_weight.to(h.dtype), self.norm1_bias.to(h.dtype))  # (K, N, D)
+        f = self.ffn_out(F.relu(self.ffn_in(h)))  # (K, N, D)
+        h = torch.addcmul(h, f, dropout_mask(f, p)) if p > 0 else h + f  # (K, N, D)
+        return branch_layer_norm(h, self.norm2_weight.to(h.dtype), self.norm2_bias.to(h.dtype))  # (K, N, D)
+
+    def branch_weights(self, branches: Tensor, packing: Packing) -> Tensor | None:
+        """Float32 aggregation weights summing to 1 over branches: (N, K) per token, (K,) for
+        ``learned`` (the same for every token), None for ``average``."""
+        if self.aggregation == "average":
+            return None
+        if self.aggregation == "learned":
+            return torch.softmax(self.branch_logits.float() / self.tau, dim=0)  # (K,)
+        summary = self.summary(branches, packing)  # (B, K, D)
+        logits = self.weight_head(summary).float()  # (B, K, 1) or (B, K, max_len)
+        rows = packing.rows()  # (N,)
+        if self.aggregation == "dynamic":
+            per_token = logits.squeeze(-1)[rows]  # (N, K)
+        else:
+            if packing.length > self.max_len:
+                raise ValueError(
+                    f"sequence length {packing.length} exceeds the temporal consolidation's max_len={self.max_len}"
+                )
+            per_token = logits.transpose(1, 2)[rows, packing.positions]  # (N, K)
+        return torch.softmax(per_token / self.tau, dim=-1)  # (N, K)
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D) packed tokens -> (N, D) aggregated."""
+        branches = self.branches_packed(x, packing)  # (K, N, D)
+        weights = self.branch_weights(branches, packing)  # (N, K) or None
+        if weights is None:
+            return branches.mean(dim=0)  # (N, D)
+        if weights.dim() == 1:
+            return torch.einsum("k,knd->nd", weights.to(branches.dtype), branches)  # (N, D)
+        return torch.einsum("nk,knd->nd", weights.to(branches.dtype), branches)  # (N, D)
+
+
+@BACKBONES.register("gmmformer_v2")
+class GMMFormerV2(RetrievalModel):
+    """GMMFormer v2: TC-GMMBlock clip and frame branches, both scored by max cosine over time.
+
+    ``sigmas``: Gaussian widths of the branches (``"inf"``: plain attention);
+    ``aggregation``: how a TC-GMMBlock merges its branches (``temporal`` =
+    the paper's temporal consolidation; ``average`` / ``learned`` /
+    ``dynamic`` = the alternatives of its Table 4); ``tau``: softmax
+    temperature of the branch weights (0.09 TVR, 0.6 ActivityNet / Charades);
+    ``num_blocks``: TC-GMMBlocks per video branch; ``ffn_size``: FFN width of
+    every branch and of the query encoder (None: 4 * hidden_size, as the
+    reference); ``clip_weight`` / ``frame_weight``: the branches' weights in
+    the retrieval score.
+    """
+
+    def __init__(
+        self,
+        *,
+        video_dim: int,
+        query_dim: int,
+        hidden_size: int = 384,
+        num_heads: int = 4,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        ffn_size: int | None = None,
+        sigmas: list[float | str] = [0.1, 0.5, 1.0, 3.0, 5.0, 8.0, 10.0, "inf"],  # noqa: B006 - never mutated
+        aggregation: Aggregation = "temporal",
+        tau: float = 0.6,
+        num_blocks: int = 1,
+        max_frames: int = 128,
+        max_query_len: int = 30,
+        clip_weight: float = 0.7,
+        frame_weight: float = 0.3,
+    ) -> None:
+        super().__init__()
+        check_positive_int(video_dim, "video_dim")
+        check_positive_int(query_dim, "query_dim")
+        check_positive_int(hidden_size, "hidden_size")
+        check_positive_int(num_heads, "num_heads")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+        check_probability(dropout, "dropout")
+        check_probability(attention_dropout, "attention_dropout")
+        ffn = resolve_ffn_size(ffn_size, hidden_size)
+        self.sigmas = parse_sigmas(sigmas)
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+        self.aggregation = aggregation
+        self.tau = check_positive_number(tau, "tau")
+        check_positive_int(num_blocks, "num_blocks")
+        self.max_frames = check_positive_int(max_frames, "max_frames")
+        self.max_query_len = check_positive_int(max_query_len, "max_query_len")
+        self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
+        self.hidden_size = hidden_size
+
+        def blocks() -> nn.ModuleList:
+            return nn.ModuleList(
+                TCGMMBlock(
+                    hidden_size=hidden_size,
+                    num_heads=num_heads,
+                    sigmas=self.sigmas,
+                    dropout=dropout,
+                    attention_dropout=attention_dropout,
+                    ffn_size=ffn,
+                    aggregation=aggregation,
+                    tau=tau,
+                    max_len=max_frames,
+                )
+                for _ in range(num_blocks)
+            )
+
+        self.query_proj = InputProjection(in_dim=query_dim, out_dim=hidden_size, dropout=dropout)
+        self.query_pos = PositionalEmbedding(max_len=max_query_len, hidden_size=hidden_size, dropout=dropout)
+        self.query_encoder = TransformerLayer(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            ffn_size=ffn,
+        )
+        self.query_pool = AttentionPooling(hidden_size=hidden_size)
+
+        self.clip_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
+        self.clip_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
+        self.clip_blocks = blocks()
+
+        self.frame_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
+        self.frame_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
+        self.frame_blocks = blocks()
+
+        init_normal_(self)  # Linear/Embedding/BranchLinear only: phi keeps its N(0, 1) draw
+
+    def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
+        """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> clip (B, Lc, D), frame (B, Lf, D) + mask."""
+        B, Lc, _ = clips.shape
+        clip_packing = Packing.full(B, Lc, clips.device)
+        c = self.clip_pos.forward_packed(self.clip_proj(clip_packing.pack(clips)), clip_packing)  # (B*Lc, D)
+        for block in self.clip_blocks:
+            c = block.forward_packed(c, clip_packing)  # (B*Lc, D)
+
+        frame_packing = Packing.from_mask(frame_mask, B, frames.shape[1], frames.device)
+        f = self.frame_pos.forward_packed(self.frame_proj(frame_packing.pack(frames)), frame_packing)  # (Nf, D)
+        for block in self.frame_blocks:
+            f = block.forward_packed(f, frame_packing)  # (Nf, D)
+        return VideoEmbedding(
+            clip=clip_packing.unpack(c),  # (B, Lc, D)
+            frame=frame_packing.unpack(f),  # (B, Lf, D), zeros on padding
+            frame_mask=frame_packing.mask,  # (B, Lf)
+        )
+
+    def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
+        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
+        packing = Packing.from_mask(query_mask, queries.shape[0], queries.shape[1], queries.device)
+        t = self.query_pos.forward_packed(self.query_proj(packing.pack(queries)), packing)  # (Nt, D)
+        t = self.query_encoder.forward_packed(t, packing)  # (Nt, D)
+        vector = self.query_pool.forward_packed(t, packing)  # (Nq, D)
+        return QueryEmbedding(
+            vectors={"clip": vector, "frame": vector}, tokens=packing.unpack(t), token_mask=packing.mask
+        )
+
+    def score(
+        self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
+    ) -> dict[str, BranchScores]:
+        """Clip: max over clips; frame: max over real frames (cosine; logits: the raw dot products)."""
+        if video.clip is None or video.frame is None or video.frame.dim() != 3:
+            raise ValueError("GMMFormerV2.score needs VideoEmbedding.clip and per-frame VideoEmbedding.frame")
+        return {
+            "clip": max_scores(query.vectors["clip"], video.clip, with_logits=with_logits),  # (Nq, Nv)
+            "frame": max_scores(
+                query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits
+            ),  # (Nq, Nv)
+        }

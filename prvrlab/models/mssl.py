@@ -1,0 +1,279 @@
+"""MS-SL (Dong et al., ACM MM 2022): multi-scale similarity learning for PRVR.
+
+Query: InputProjection -> positional embedding -> one transformer layer ->
+two attention poolings (``Linear(D, 2)`` scores, one masked softmax each):
+a modular query vector for the clip branch and one for the frame branch.
+
+Clip branch: the Lc clips -> InputProjection -> positional embedding ->
+transformer layer -> multi-scale sliding-window proposals: every window of
+k = 1..``max_window`` consecutive clips (stride 1) averaged, i.e.
+Lc (Lc + 1) / 2 = 528 proposals for 32 clips when ``max_window >= Lc``
+(computed from a cumulative sum in one gather).  ``VideoEmbedding.clip``
+holds the proposals (Nv, P, D), ordered by window length then start.  Clip
+score = max cosine over the proposals (logits: max raw dot product).
+
+Frame branch: frames -> InputProjection -> positional embedding ->
+transformer layer (padding skipped) -> key and value maps
+(``Linear(D, 2D)``, no bias).  Key-clip guided attention: for a (query,
+video) pair, the proposal with the highest clip-branch cosine (the key clip)
+attends over the video's real frames, ``a = softmax_j(p . key_j)`` (no
+scaling, as the reference), giving ``z = sum_j a_j value_j``; frame score =
+cos(frame query, z) (logits: the raw dot).  ``VideoEmbedding.frame`` holds
+the values (Nv, Lf, D) with ``frame_mask``, ``extra["frame_key"]`` the keys.
+
+The frame score depends on the pair, so :meth:`MSSL.score` computes it
+batched over chunks of videos: best proposal index (Nq, C) -> gathered key
+clips (Nq, C, D) -> masked attention logits (C, Nq, Lf) -> attended vectors
+(C, Nq, D), with the chunk size bounding the largest of these tensors.
+
+Differences from the reference code: the reference (whose latest commit
+crashes, REFERENCE.md section 9) computes the frame branch in training only
+for each query's own video and compares it with every other query's
+attended vector; here every (query, video) pair of the batch gets its true
+frame score, in training as in retrieval.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+
+from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.blocks import (
+    InputProjection,
+    Packing,
+    PositionalEmbedding,
+    check_positive_int,
+    check_probability,
+    init_normal_,
+)
+from prvrlab.models.gmm import TransformerLayer
+from prvrlab.models.gmmformer import check_score_weights
+from prvrlab.registry import BACKBONES
+
+# Upper bound on the elements of the per-chunk tensors of MSSL.score.
+_MAX_CHUNK_ELEMENTS = 1 << 26
+_EPS = 1e-6
+
+
+@functools.lru_cache(maxsize=64)
+def _window_bounds(length: int, max_window: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Start, end (exclusive) and length (P,) of every window of 1..max_window over ``length`` items."""
+    with torch.inference_mode(False), torch.no_grad():
+        starts, ends = [], []
+        for k in range(1, min(max_window, length) + 1):
+            s = torch.arange(0, length - k + 1, device=device)
+            starts.append(s)
+            ends.append(s + k)
+        start = torch.cat(starts)
+        end = torch.cat(ends)
+        return start, end, (end - start).to(torch.float32)
+
+
+def num_proposals(length: int, max_window: int) -> int:
+    """How many sliding windows of 1..max_window items fit in ``length`` items."""
+    k = min(max_window, length)
+    return k * length - k * (k - 1) // 2
+
+
+def sliding_window_proposals(x: Tensor, max_window: int) -> Tensor:
+    """(B, L, D) -> (B, P, D): the mean of every window of k = 1..max_window consecutive items (stride 1).
+
+    Ordered by window length, then start.  Computed in float32 from a
+    cumulative sum (one subtraction per window, no loop over windows).
+    """
+    B, L, D = x.shape
+    start, end, size = _window_bounds(L, max_window, x.device)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        csum = torch.cat([x.new_zeros(B, 1, D, dtype=torch.float32), x.float().cumsum(dim=1)], dim=1)  # (B, L+1, D)
+        sums = csum[:, end] - csum[:, start]  # (B, P, D)
+        return (sums / size[None, :, None]).to(x.dtype)  # (B, P, D)
+
+
+class ModularPooling(nn.Module):
+    """``num_vectors`` attention poolings sharing one ``Linear(D, num_vectors)`` score layer.
+
+    (B, L, D) tokens with a (B, L) mask -> (B, num_vectors, D); a row without
+    real tokens pools to zero.
+    """
+
+    def __init__(self, *, hidden_size: int, num_vectors: int) -> None:
+        super().__init__()
+        self.score = nn.Linear(hidden_size, check_positive_int(num_vectors, "num_vectors"), bias=False)
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D) packed tokens -> (B, num_vectors, D)."""
+        logits = packing.unpack(self.score(x).float())  # (B, L, M)
+        padded = packing.unpack(x)  # (B, L, D)
+        if not packing.is_full:
+            logits = logits.masked_fill(~packing.mask[:, :, None], torch.finfo(logits.dtype).min)
+        weights = torch.softmax(logits, dim=1)  # (B, L, M)
+        if not packing.is_full:
+            weights = weights * packing.mask[:, :, None]
+        return torch.einsum("blm,bld->bmd", weights.to(padded.dtype), padded)  # (B, M, D)
+
+
+@BACKBONES.register("mssl")
+class MSSL(RetrievalModel):
+    """MS-SL with a multi-scale proposal clip branch and a key-clip guided frame branch.
+
+    ``max_window``: the longest sliding window in clips (32: all 528
+    proposals of 32 clips); ``ffn_size``: feed-forward width after every
+    attention layer (0: none, as the reference's BERT attention layers);
+    ``dropout``: input, positional and residual dropout;
+    ``attention_dropout``: on attention probabilities; ``clip_weight`` /
+    ``frame_weight``: the branches' weights in the retrieval score (0.7 / 0.3;
+    0.5 / 0.5 on Charades, REFERENCE.md section 1).
+    """
+
+    def __init__(
+        self,
+        *,
+        video_dim: int,
+        query_dim: int,
+        hidden_size: int = 384,
+        num_heads: int = 4,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        ffn_size: int = 0,
+        max_window: int = 32,
+        max_frames: int = 128,
+        max_query_len: int = 30,
+        clip_weight: float = 0.7,
+        frame_weight: float = 0.3,
+    ) -> None:
+        super().__init__()
+        check_positive_int(video_dim, "video_dim")
+        check_positive_int(query_dim, "query_dim")
+        check_positive_int(hidden_size, "hidden_size")
+        check_positive_int(num_heads, "num_heads")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+        check_probability(dropout, "dropout")
+        check_probability(attention_dropout, "attention_dropout")
+        if isinstance(ffn_size, bool) or not isinstance(ffn_size, int) or ffn_size < 0:
+            raise ValueError(f"ffn_size must be an integer >= 0 (0: no feed-forward sublayer), got {ffn_size!r}")
+        self.max_window = check_positive_int(max_window, "max_window")
+        self.max_frames = check_positive_int(max_frames, "max_frames")
+        self.max_query_len = check_positive_int(max_query_len, "max_query_len")
+        self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
+        self.hidden_size = hidden_size
+
+        def encoder() -> TransformerLayer:
+            return TransformerLayer(
+                hidden_size=hidden_size,
+                num_heads=num_heads,
+                dropout=dropout,
+                attention_dropout=attention_dropout,
+                ffn_size=ffn_size,
+            )
+
+        self.query_proj = InputProjection(in_dim=query_dim, out_dim=hidden_size, dropout=dropout)
+        self.query_pos = PositionalEmbedding(max_len=max_query_len, hidden_size=hidden_size, dropout=dropout)
+        self.query_encoder = encoder()
+        self.query_pool = ModularPooling(hidden_size=hidden_size, num_vectors=2)  # [clip, frame]
+
+        self.clip_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
+        self.clip_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
+        self.clip_encoder = encoder()
+
+        self.frame_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
+        self.frame_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
+        self.frame_encoder = encoder()
+        self.frame_key_value = nn.Linear(hidden_size, 2 * hidden_size, bias=False)  # [key | value]
+
+        init_normal_(self)
+
+    def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
+        """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> proposals (B, P, D), frame values/keys (B, Lf, D)."""
+        B, Lc, _ = clips.shape
+        clip_packing = Packing.full(B, Lc, clips.device)
+        c = self.clip_pos.forward_packed(self.clip_proj(clip_packing.pack(clips)), clip_packing)  # (B*Lc, D)
+        c = self.clip_encoder.forward_packed(c, clip_packing)  # (B*Lc, D)
+        proposals = sliding_window_proposals(clip_packing.unpack(c), self.max_window)  # (B, P, D)
+
+        frame_packing = Packing.from_mask(frame_mask, B, frames.shape[1], frames.device)
+        f = self.frame_pos.forward_packed(self.frame_proj(frame_packing.pack(frames)), frame_packing)  # (Nf, D)
+        f = self.frame_encoder.forward_packed(f, frame_packing)  # (Nf, D)
+        key, value = self.frame_key_value(f).chunk(2, dim=-1)  # (Nf, D) each
+        return VideoEmbedding(
+            clip=proposals,
+            frame=frame_packing.unpack(value),  # (B, Lf, D), zeros on padding
+            frame_mask=frame_packing.mask,  # (B, Lf)
+            extra={"frame_key": frame_packing.unpack(key)},  # (B, Lf, D)
+        )
+
+    def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
+        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> clip and frame query vectors (Nq, D) each."""
+        packing = Packing.from_mask(query_mask, queries.shape[0], queries.shape[1], queries.device)
+        t = self.query_pos.forward_packed(self.query_proj(packing.pack(queries)), packing)  # (Nt, D)
+        t = self.query_encoder.forward_packed(t, packing)  # (Nt, D)
+        modular = self.query_pool.forward_packed(t, packing)  # (Nq, 2, D)
+        return QueryEmbedding(
+            vectors={"clip": modular[:, 0], "frame": modular[:, 1]},
+            tokens=packing.unpack(t),
+            token_mask=packing.mask,
+        )
+
+    def score(
+        self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
+    ) -> dict[str, BranchScores]:
+        """Clip: max over proposals; frame: key-clip guided attention (cosine; logits: raw dots). fp32."""
+        if video.clip is None or video.frame is None or "frame_key" not in video.extra:
+            raise ValueError("MSSL.score needs VideoEmbedding.clip (proposals), .frame and extra['frame_key']")
+        q_clip, q_frame = query.vectors["clip"], query.vectors["frame"]
+        nq = q_clip.shape[0]
+        nv, num_props, dim = video.clip.shape
+        length = video.frame.shape[1]
+        if nv == 0 or num_props == 0 or length == 0:
+            empty = q_clip.new_full((nq, nv), -1.0, dtype=torch.float32)  # (Nq, Nv)
+            out = BranchScores(sim=empty, logits=empty.clone() if with_logits else None)
+            return {"clip": out, "frame": BranchScores(sim=empty.clone(), logits=out.logits)}
+        per_video = max(1, nq * (num_props + length + 2 * dim))
+        chunk = max(1, _MAX_CHUNK_ELEMENTS // per_video)
+        parts: dict[str, list[Tensor]] = {"clip_sim": [], "clip_logit": [], "frame_sim": [], "frame_logit": []}
+        with torch.autocast(device_type=q_clip.device.type, enabled=False):
+            qc = q_clip.float()  # (Nq, D)
+            qf = q_frame.float()  # (Nq, D)
+            qc_norm = qc.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
+            qf_norm = qf.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
+            mask_all = video.frame_mask
+            for start in range(0, nv, chunk):
+                props = video.clip[start : start + chunk].float()  # (C, P, D)
+                keys = video.extra["frame_key"][start : start + chunk].float()  # (C, Lf, D)
+                values = video.frame[start : start + chunk].float()  # (C, Lf, D)
+                c = props.shape[0]
+                dots = (qc @ props.reshape(c * num_props, dim).t()).view(nq, c, num_props)  # (Nq, C, P)
+                cos = dots / (qc_norm[:, None, None] * props.norm(dim=-1).clamp(min=_EPS)[None])  # (Nq, C, P)
+                clip_sim, best = cos.max(dim=-1)  # (Nq, C) each
+                parts["clip_sim"].append(clip_sim)
+                if with_logits:
+                    parts["clip_logit"].append(dots.amax(dim=-1))  # (Nq, C)
+                # key clip of every (query, video) pair
+                videos = torch.arange(c, device=props.device)[None, :].expand(nq, c)  # (Nq, C)
+                key_clip = props[videos, best].transpose(0, 1)  # (C, Nq, D)
+                att = torch.bmm(key_clip, keys.transpose(1, 2))  # (C, Nq, Lf)
+                if mask_all is not None:
+                    real = mask_all[start : start + chunk].to(torch.bool)[:, None, :]  # (C, 1, Lf)
+                    att = att.masked_fill(~real, torch.finfo(att.dtype).min)
+                    probs = torch.softmax(att, dim=-1) * real  # (C, Nq, Lf); no real frame -> zeros
+                else:
+                    probs = torch.softmax(att, dim=-1)  # (C, Nq, Lf)
+                attended = torch.bmm(probs, values)  # (C, Nq, D)
+                f_dots = (attended * qf[None]).sum(dim=-1).t()  # (Nq, C)
+                f_norm = attended.norm(dim=-1).clamp(min=_EPS).t()  # (Nq, C)
+                parts["frame_sim"].append(f_dots / (qf_norm[:, None] * f_norm))  # (Nq, C)
+                if with_logits:
+                    parts["frame_logit"].append(f_dots)
+
+        def cat(name: str) -> Tensor | None:
+            if not parts[name]:
+                return None
+            return parts[name][0] if len(parts[name]) == 1 else torch.cat(parts[name], dim=1)  # (Nq, Nv)
+
+        return {
+            "clip": BranchScores(sim=cat("clip_sim"), logits=cat("clip_logit")),
+            "frame": BranchScores(sim=cat("frame_sim"), logits=cat("frame_logit")),
+        }
