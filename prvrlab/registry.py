@@ -8,7 +8,7 @@ A component registers itself under a literal name with a decorator::
 
 The platform (config validation, trainer, search, reports) only ever looks
 components up by that name, so adding one means adding one file.  Modules in
-``prvrlab.models`` and ``prvrlab.losses`` are imported on first lookup, which
+``prvrlab.models``, ``prvrlab.losses`` and ``prvrlab.models.plugins`` are imported on first lookup, which
 is what makes a new file self-registering.
 """
 
@@ -149,3 +149,4 @@ def constructor_params(cls: Callable[..., Any]) -> dict[str, Param]:
 
 BACKBONES: Registry[Any] = Registry("backbone", "prvrlab.models")
 LOSSES: Registry[Any] = Registry("loss", "prvrlab.losses")
+PLUGINS: Registry[Any] = Registry("plugin", "prvrlab.models.plugins")

@@ -49,3 +49,15 @@ def positive_mask(query_video: Tensor, num_videos: int) -> Tensor:
     """(Nq, Nv) bool, True where query i belongs to video v."""
     videos = torch.arange(num_videos, device=query_video.device)  # (Nv,)
     return query_video[:, None] == videos[None, :]  # (Nq, Nv)
+
+
+def plugin_aux(out: ModelOutput, keys: tuple[str, ...], loss: str) -> list[Tensor]:
+    """``out.aux[key]`` for every key; a ValueError naming the plug-in to enable when one is missing."""
+    missing = [k for k in keys if k not in out.aux]
+    if missing:
+        plugin = missing[0].split(".", 1)[0]
+        raise ValueError(
+            f"{loss}: the model output has no {', '.join(repr(k) for k in missing)}; this loss needs the "
+            f"'{plugin}' plug-in enabled with the part that produces them (config section plugins.{plugin})"
+        )
+    return [out.aux[k] for k in keys]

@@ -15,5 +15,10 @@ class Loss(nn.Module):
     the term lives in :class:`prvrlab.losses.weighted.WeightedLoss`.
     """
 
+    def required_aux(self) -> tuple[str, ...]:
+        """``ModelOutput.aux`` keys this loss reads (plug-in outputs such as 'ral.text_mu');
+        config validation checks that an enabled plug-in provides them."""
+        return ()
+
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
         raise NotImplementedError

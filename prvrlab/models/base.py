@@ -145,6 +145,11 @@ class RetrievalModel(nn.Module):
     """
 
     score_weights: dict[str, float]
+    # Generic plug-in hook: a backbone whose ``VideoEmbedding.frame`` is pooled
+    # also returns its per-frame embeddings in ``extra['frame_tokens']`` (Nv, Lf, D)
+    # and ``extra['frame_mask']`` (Nv, Lf) when this is True (off by default so
+    # that retrieval without plug-ins keeps no per-frame tensors).
+    expose_frame_tokens: bool = False
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
         """Encode (B, Lc, Dv) clips and (B, Lf, Dv) frames with a (B, Lf) mask."""

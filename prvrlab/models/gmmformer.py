@@ -139,7 +139,10 @@ class GMMFormer(RetrievalModel):
         for block in self.frame_blocks:
             f = block.forward_packed(f, frame_packing)  # (Nf, D)
         frame = self.frame_pool.forward_packed(f, frame_packing)  # (B, D)
-        return VideoEmbedding(clip=clip_packing.unpack(c), frame=frame)
+        extra = {}
+        if self.expose_frame_tokens:  # plug-in hook (see RetrievalModel.expose_frame_tokens)
+            extra = {"frame_tokens": frame_packing.unpack(f), "frame_mask": frame_packing.mask}  # (B, Lf, D), (B, Lf)
+        return VideoEmbedding(clip=clip_packing.unpack(c), frame=frame, extra=extra)
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""

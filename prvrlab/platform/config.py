@@ -22,10 +22,12 @@ from typing import Any, Literal
 
 import yaml
 
-from prvrlab.registry import BACKBONES, LOSSES, RegistryError, closest, did_you_mean
+from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, closest, did_you_mean
 
 # Constructor arguments the platform derives from the data, never from the user.
 DATA_DERIVED = ("video_dim", "query_dim")
+# Constructor arguments of a plug-in the platform derives from the backbone.
+PLUGIN_DERIVED = ("hidden_size",)
 
 
 class ConfigError(ValueError):
@@ -128,7 +130,7 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "tracking": TrackingConfig,
 }
-TOP_LEVEL = ("name", "data", "model", "losses", "train", "eval", "tracking")
+TOP_LEVEL = ("name", "data", "model", "plugins", "losses", "train", "eval", "tracking")
 
 
 @dataclass
@@ -142,6 +144,7 @@ class ExperimentConfig:
     train: TrainConfig
     eval: EvalConfig
     tracking: TrackingConfig
+    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # plug-in name -> constructor params
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON serialisable)."""
@@ -149,6 +152,7 @@ class ExperimentConfig:
             "name": self.name,
             "data": dataclasses.asdict(self.data),
             "model": copy.deepcopy(self.model),
+            "plugins": copy.deepcopy(self.plugins),
             "losses": copy.deepcopy(self.losses),
             "train": dataclasses.asdict(self.train),
             "eval": dataclasses.asdict(self.eval),
@@ -156,8 +160,11 @@ class ExperimentConfig:
         }
 
     def flat(self) -> dict[str, Any]:
-        """Dotted key -> value (lists kept as values)."""
-        return flatten(self.to_dict())
+        """Dotted key -> value (lists kept as values); no ``plugins`` entry when none is enabled."""
+        d = self.to_dict()
+        if not d["plugins"]:
+            d.pop("plugins")
+        return flatten(d)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -167,6 +174,8 @@ class ExperimentConfig:
         d = self.to_dict()
         d.pop("tracking")
         d.pop("name")
+        if not d["plugins"]:
+            d.pop("plugins")  # configs without plug-ins keep the fingerprint they had before plug-ins existed
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -310,7 +319,23 @@ def _build_section(cls: type, raw: Any, where: str) -> Any:
     return section
 
 
-def _check_component(registry, name: Any, params: dict[str, Any], where: str, skip: tuple[str, ...]) -> dict[str, Any]:
+def _check_component(
+    registry,
+    name: Any,
+    params: dict[str, Any],
+    where: str,
+    skip: tuple[str, ...],
+    *,
+    derived: tuple[str, ...] = DATA_DERIVED,
+    base: str | None = None,
+) -> dict[str, Any]:
+    """Check ``params`` against the keyword-only constructor of ``registry``'s ``name``.
+
+    ``where`` names the key holding the component name (``model.name``);
+    ``base`` the section holding its parameters (default: ``where`` minus its
+    last part); ``derived`` the parameters the platform fills in itself.
+    """
+    base = where.rsplit(".", 1)[0] if base is None else base
     if not isinstance(name, str):
         raise ConfigError(f"{where}: expected a registered {registry.kind} name, got {name!r}")
     try:
@@ -318,18 +343,17 @@ def _check_component(registry, name: Any, params: dict[str, Any], where: str, sk
     except RegistryError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     out: dict[str, Any] = {}
-    settable = [p for p in known if p not in DATA_DERIVED]
+    settable = [p for p in known if p not in derived]
     for key, value in params.items():
         if key not in settable:
-            base = where.rsplit(".", 1)[0]
             raise ConfigError(
                 f"unknown key '{base}.{key}' for {registry.kind} '{name}'"
                 f"{did_you_mean(key, list(settable) + list(skip))}; valid: {', '.join(list(skip) + settable)}"
             )
-        out[key] = coerce(value, known[key].annotation, f"{where.rsplit('.', 1)[0]}.{key}")
+        out[key] = coerce(value, known[key].annotation, f"{base}.{key}")
     for p in known.values():
-        if p.required and p.name not in out and p.name not in DATA_DERIVED:
-            raise ConfigError(f"{where.rsplit('.', 1)[0]}.{p.name} is required by {registry.kind} '{name}'")
+        if p.required and p.name not in out and p.name not in derived:
+            raise ConfigError(f"{base}.{p.name} is required by {registry.kind} '{name}'")
     return out
 
 
@@ -368,7 +392,23 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     if all(spec["weight"] == 0 for spec in losses.values()):
         raise ConfigError("losses: every weight is 0, nothing would be trained")
 
-    cfg = ExperimentConfig(name=name, model=model, losses=losses, **sections)
+    plugins_raw = raw.get("plugins")
+    if plugins_raw is None:
+        plugins_raw = {}
+    if not isinstance(plugins_raw, dict):
+        raise ConfigError(f"plugins: expected a mapping of plug-in name -> parameters, got {plugins_raw!r}")
+    plugins: dict[str, dict[str, Any]] = {}
+    for plugin_name, params in plugins_raw.items():
+        where = f"plugins.{plugin_name}"
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where}: expected a mapping of parameters, got {params!r}")
+        plugins[str(plugin_name)] = _check_component(
+            PLUGINS, plugin_name, params, where, (), derived=PLUGIN_DERIVED, base=where
+        )
+
+    cfg = ExperimentConfig(name=name, model=model, losses=losses, plugins=plugins, **sections)
     _instantiate_check(cfg)
     return cfg
 
@@ -386,18 +426,60 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {exc}") from None
     branches = list(getattr(model, "score_weights", {}))
+    provided: set[str] = set()  # ModelOutput.aux keys the enabled plug-ins produce
+    if cfg.plugins:
+        width = backbone_hidden_size(cfg.model)
+        for plugin_name, plugin_params in cfg.plugins.items():
+            try:
+                with torch.device("meta"):
+                    plugin = PLUGINS.build(plugin_name, hidden_size=width, **plugin_params)
+                plugin.check_backbone(model, cfg.backbone)
+            except (ValueError, TypeError) as exc:  # PluginError is a ValueError
+                raise ConfigError(f"plugins.{plugin_name}: {exc}") from None
+            provided.update(f"{plugin_name}.{key}" for key in plugin.aux_keys())
     for term, spec in cfg.losses.items():
         params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
         try:
-            LOSSES.build(spec["loss"], **params)
+            loss = LOSSES.build(spec["loss"], **params)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"losses.{term}: {exc}") from None
+        missing = [key for key in loss.required_aux() if key not in provided]
+        if missing and spec["weight"] > 0:
+            section = missing[0].split(".", 1)[0]
+            raise ConfigError(
+                f"losses.{term}: loss '{spec['loss']}' reads {', '.join(missing)} from the model output, "
+                f"which no enabled plug-in produces; enable it under plugins.{section} "
+                f"(enabled: {', '.join(cfg.plugins) or 'none'}) or set losses.{term}.weight: 0"
+            )
         branch = params.get("branch")
         if branch is not None and branches and branch not in branches:
             raise ConfigError(
                 f"losses.{term}.branch: '{branch}' is not a branch of backbone '{cfg.backbone}'"
                 f"{did_you_mean(branch, branches)}; branches: {', '.join(branches)}"
             )
+
+
+def plugin_tokens(cfg: ExperimentConfig) -> list[str]:
+    """Enabled plug-in parts for tags, generically: ``name.part`` for every boolean
+    parameter the plug-in lists in ``switch_params`` that is on (defaults included),
+    or ``name`` when it lists none."""
+    out: list[str] = []
+    for name, params in sorted(cfg.plugins.items()):
+        known = PLUGINS.params(name)
+        switches = getattr(PLUGINS.get(name), "switch_params", ())
+        on = [key for key in switches if key in known and params.get(key, known[key].default) is True]
+        out += [f"{name}.{key}" for key in on] if switches else [name]
+    return out
+
+
+def backbone_hidden_size(model: dict[str, Any]) -> int:
+    """The hidden width of the configured backbone (what plug-ins are built with)."""
+    if "hidden_size" in model:
+        return int(model["hidden_size"])
+    params = BACKBONES.params(model["name"])
+    if "hidden_size" not in params or params["hidden_size"].default is None:
+        raise ConfigError(f"backbone '{model['name']}' has no hidden_size parameter; plug-ins need its width")
+    return int(params["hidden_size"].default)
 
 
 # ---------------------------------------------------------------- overrides

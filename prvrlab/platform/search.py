@@ -33,7 +33,7 @@ from typing import Any, Callable
 import yaml
 from ray.tune.search.optuna import OptunaSearch
 
-from prvrlab.platform.config import ExperimentConfig, apply_overrides, validate
+from prvrlab.platform.config import ExperimentConfig, apply_overrides, plugin_tokens, validate
 from prvrlab.platform.mlflow_callback import INTERRUPTED, MlflowStudyCallback, RunMap, trial_outcome
 from prvrlab.platform.progress import format_params
 from prvrlab.platform.search_spec import SearchSpec, StudyError, StudySpec
@@ -44,7 +44,7 @@ TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on i
 def _components(cfg: ExperimentConfig) -> str:
     """Backbone, plug-ins and loss terms of non-zero weight (generic, from the config)."""
     parts = [f"backbone:{cfg.backbone}"]
-    parts += [f"plugin:{p}" for p in sorted(cfg.model.get("plugins", []) or [])]
+    parts += [f"plugin:{p}" for p in plugin_tokens(cfg)]
     parts += [f"loss:{t}" for t, s in cfg.losses.items() if s["weight"] > 0]
     return ",".join(parts)
 
@@ -112,7 +112,7 @@ class Study:
                 "git_commit": commit,
                 "config_hash": cfg.fingerprint(),
                 "components": _components(cfg),
-                "plugins": ",".join(sorted(cfg.model.get("plugins", []) or [])) or "none",
+                "plugins": ",".join(plugin_tokens(cfg)) or "none",
                 "losses": ",".join(t for t, s in cfg.losses.items() if s["weight"] > 0),
             }
         )

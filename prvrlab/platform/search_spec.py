@@ -27,13 +27,14 @@ import yaml
 
 from prvrlab.platform.config import (
     DATA_DERIVED,
+    PLUGIN_DERIVED,
     ConfigError,
     ExperimentConfig,
     apply_overrides,
     load_raw,
     validate,
 )
-from prvrlab.registry import BACKBONES, LOSSES, did_you_mean
+from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, did_you_mean
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
 SCHEDULERS = ("none", "asha")
@@ -205,6 +206,10 @@ def valid_keys(cfg: ExperimentConfig) -> list[str]:
     for name in BACKBONES.params(cfg.backbone):
         if name not in DATA_DERIVED:
             keys[f"model.{name}"] = None
+    for plugin in cfg.plugins:
+        for name in PLUGINS.params(plugin):
+            if name not in PLUGIN_DERIVED:
+                keys[f"plugins.{plugin}.{name}"] = None
     for term, spec in cfg.losses.items():
         for name in LOSSES.params(spec["loss"]):
             keys[f"losses.{term}.{name}"] = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from prvrlab.platform.config import ExperimentConfig
+from prvrlab.platform.config import ExperimentConfig, plugin_tokens
 from prvrlab.platform.tracking import Tracker, git_commit, resolve_tracking_uri
 
 
@@ -96,7 +96,7 @@ def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
     return {
         "prvrlab.kind": "train",
         "backbone": cfg.backbone,
-        "plugins": ",".join(sorted(cfg.model.get("plugins", []) or [])) or "none",
+        "plugins": ",".join(plugin_tokens(cfg)) or "none",
         "losses": ",".join(t for t, s in cfg.losses.items() if s["weight"] > 0),
         "dataset": cfg.data.collection,
         "seed": str(cfg.train.seed),

@@ -42,11 +42,31 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(cfg: ExperimentConfig, video_dim: int, query_dim: int) -> torch.nn.Module:
-    """The configured backbone, looked up by its registered name."""
-    from prvrlab.registry import BACKBONES
+    """The configured backbone, looked up by its registered name, wrapped with the
+    configured plug-ins (``PluggedModel``) when ``cfg.plugins`` is not empty."""
+    from prvrlab.platform.config import backbone_hidden_size
+    from prvrlab.registry import BACKBONES, PLUGINS
 
     params = {k: v for k, v in cfg.model.items() if k != "name"}
-    return BACKBONES.build(cfg.model["name"], video_dim=video_dim, query_dim=query_dim, **params)
+    backbone = BACKBONES.build(cfg.model["name"], video_dim=video_dim, query_dim=query_dim, **params)
+    if not cfg.plugins:
+        return backbone
+    from prvrlab.models.plugins.base import PluggedModel
+
+    width = backbone_hidden_size(cfg.model)
+    plugins = {name: PLUGINS.build(name, hidden_size=width, **p) for name, p in cfg.plugins.items()}
+    return PluggedModel(backbone=backbone, plugins=plugins)
+
+
+def aux_metrics(aux: dict[str, Any]) -> dict[str, float]:
+    """Scalars a model reports for logging: ``aux['metric.<name>']`` -> {'<name>': value}."""
+    from prvrlab.models.plugins.base import METRIC_PREFIX
+
+    return {
+        key[len(METRIC_PREFIX) :]: float(value.detach())
+        for key, value in aux.items()
+        if key.startswith(METRIC_PREFIX) and isinstance(value, torch.Tensor) and value.numel() == 1
+    }
 
 
 def amp_dtype(cfg: ExperimentConfig) -> torch.dtype | None:
@@ -203,6 +223,8 @@ def train_worker(loop_config: dict[str, Any], session: Session | None = None) ->
             sums["loss"] = sums.get("loss", 0.0) + float(res.total.detach())
             for term, value in res.terms.items():
                 sums[term] = sums.get(term, 0.0) + float(value)
+            for name, value in aux_metrics(out.aux).items():  # e.g. train/ral.sigma_query
+                sums[name] = sums.get(name, 0.0) + value
         if failure:
             session.report({"kind": "nonfinite", "epoch": epoch, "error": f"epoch {epoch}: {failure}"})
             return

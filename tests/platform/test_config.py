@@ -32,7 +32,10 @@ def base() -> dict:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
-    assert cfg.backbone == path.stem.rsplit("_", 1)[0]
+    stem = path.stem.rsplit("_", 1)[0]  # <backbone>[_<plugin>...]_<collection>
+    for plugin in cfg.plugins:
+        stem = stem.removesuffix(f"_{plugin}")
+    assert cfg.backbone == stem
     assert sum(cfg.loss_weights().values()) > 0
 
 
@@ -133,3 +136,87 @@ def test_fingerprint_ignores_tracking_but_not_hyperparameters():
     b = validate(apply_overrides(base(), {"tracking.experiment": "other"}))
     c = validate(apply_overrides(base(), {"train.lr": 1e-3}))
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+# ---------------------------------------------------------------- plug-ins
+
+
+def _ral_raw(**plugin) -> dict:
+    return {
+        "name": "ral",
+        "model": {"name": "gmmformer_v2", "hidden_size": 32, "num_heads": 2},
+        "plugins": {"ral": plugin},
+        "losses": {
+            "clip_triplet": {"loss": "triplet", "weight": 1.0, "branch": "clip"},
+            "ral_da": {"loss": "ral_da", "weight": 2.5e-4},
+            "ral_pm": {"loss": "ral_pm", "weight": 4e-3},
+        },
+    }
+
+
+def test_plugins_section_is_validated_and_dotted():
+    cfg = validate(_ral_raw(num_proxies=4, support="single"))
+    assert cfg.plugins == {"ral": {"num_proxies": 4, "support": "single"}}
+    assert cfg.flat()["plugins.ral.num_proxies"] == 4
+    assert validate(apply_overrides(_ral_raw(), {"plugins.ral.num_proxies": 2})).plugins["ral"]["num_proxies"] == 2
+    assert cfg.fingerprint() != validate(_ral_raw(num_proxies=2)).fingerprint()
+
+
+def test_plugins_default_empty_keeps_old_fingerprint():
+    raw = _ral_raw()
+    del raw["plugins"]
+    raw["losses"] = {"clip_triplet": raw["losses"]["clip_triplet"]}
+    cfg = validate(raw)
+    assert cfg.plugins == {} and "plugins" not in cfg.flat()
+    assert validate({**raw, "plugins": {}}).fingerprint() == cfg.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "plugin, match",
+    [
+        ({"num_proxie": 4}, r"plugins\.ral\.num_proxie.*did you mean 'num_proxies'"),
+        ({"support": "all"}, r"plugins\.ral\.support"),
+        ({"num_proxies": 0}, r"plugins\.ral: num_proxies"),
+        ({"hidden_size": 4}, r"plugins\.ral\.hidden_size"),
+    ],
+)
+def test_bad_plugin_params_are_named(plugin, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(_ral_raw(**plugin))
+
+
+def test_unknown_plugin_suggests_the_closest():
+    raw = _ral_raw()
+    raw["plugins"] = {"rall": {}}
+    with pytest.raises(ConfigError, match="did you mean 'ral'"):
+        validate(raw)
+
+
+def test_ral_on_a_backbone_without_frame_branch_is_rejected():
+    raw = _ral_raw()
+    raw["model"] = {"name": "ice_base", "hidden_size": 32, "num_heads": 2}
+    raw["losses"]["clip_triplet"]["branch"] = "moment"
+    with pytest.raises(ConfigError, match=r"plugins\.ral: .*ice_base.*no 'frame' branch"):
+        validate(raw)
+
+
+def test_ral_losses_need_msra_enabled():
+    with pytest.raises(ConfigError, match=r"losses\.ral_da: .*plugins\.ral"):
+        validate(_ral_raw(msra=False))
+    raw = _ral_raw()
+    del raw["plugins"]
+    with pytest.raises(ConfigError, match=r"losses\.ral_da: .*enabled: none"):
+        validate(raw)
+    raw = _ral_raw(msra=False)
+    raw["losses"]["ral_da"]["weight"] = 0.0
+    raw["losses"]["ral_pm"]["weight"] = 0.0
+    assert validate(raw).plugins == {"ral": {"msra": False}}
+
+
+def test_plugin_tokens_are_generic():
+    from prvrlab.platform.config import plugin_tokens
+
+    assert plugin_tokens(validate(_ral_raw())) == ["ral.msra", "ral.csa"]
+    raw = _ral_raw(msra=False)
+    del raw["losses"]["ral_da"], raw["losses"]["ral_pm"]
+    assert plugin_tokens(validate(raw)) == ["ral.csa"]

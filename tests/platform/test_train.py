@@ -102,3 +102,18 @@ def test_worker_failure_resumes_from_last_checkpoint(tiny_root, tmp_path, monkey
     assert epochs == [0, 1, 2, 3], epochs  # resumed right after the last checkpoint
     (run,) = runs(raw)
     assert run.info.status == "FINISHED"
+
+
+def test_in_process_training_with_the_ral_plugin_logs_sigma(tiny_root, tmp_path):
+    raw = small_raw(tiny_root, tmp_path, epochs=2)
+    raw["plugins"] = {"ral": {"num_proxies": 2}}
+    raw["losses"]["ral_da"] = {"loss": "ral_da", "weight": 2.5e-4}
+    raw["losses"]["ral_pm"] = {"loss": "ral_pm", "weight": 4e-3, "tau": 0.07}
+    result = train(validate(raw), use_ray=False, echo=None)
+    assert len(result.history) == 2
+    (run,) = runs(raw)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["plugins"] == "ral.msra,ral.csa"
+    for key in ("train/ral.sigma_query", "train/ral.sigma_video", "train/ral_da", "train/ral_pm"):
+        assert key in run.data.metrics, key
+    assert run.data.metrics["train/ral.sigma_video"] > 0

@@ -1,0 +1,307 @@
+"""RAL (Robust Alignment Learning, paper 000): MSRA + CSA on a backbone's frame branch.
+
+MSRA (training only)
+    Text units: with ``support="set"`` one per video of the batch, its *query
+    support set* = the word tokens of all its queries concatenated (Eq. 5);
+    with ``support="single"`` one per query (Table 4, X^q = Q).  Video units:
+    one per video, its per-frame tokens.  Each unit's tokens X (n, D) are
+    aggregated (Eqs. 6-7)::
+
+        x_g = FC(mean_n X)                           global
+        x_l = softmax_n(w2 . tanh(W1 X_n)) . X       local (gated attention)
+        g   = LayerNorm(x_g + x_l)                   ("local"/"global": one term only)
+
+    then ``mu = h_mu(g)``, ``logvar = clamp(h_logvar(g), logvar_min, logvar_max)``
+    (variances in log space; sigma = exp(logvar / 2)).  Proxies (Eq. 9): the
+    mean followed by ``num_proxies`` samples mu + sigma * eps, eps ~ N(0, I),
+    i.e. (n, K + 1, D); ``sampling=False`` uses the mean alone (n, 1, D).
+    Modules are separate per modality.  The aux outputs (``ral.*``) feed the
+    ``ral_da`` and ``ral_pm`` losses; MSRA changes no score — its losses shape
+    the backbone's frame and word tokens (the "robust Q and V_f" of appendix A).
+    The geometric mean of sigma over units and dimensions is logged per epoch
+    as ``train/ral.sigma_query`` / ``train/ral.sigma_video`` (Fig. 10).
+
+CSA (training and retrieval)
+    Word confidences g = masked softmax over the query's valid words of
+    MLP(q_i) (Linear -> ReLU -> Linear(., 1)); ``csa_weighting="average"``
+    uses 1 / #words instead (Fig. 8c).  The branch score becomes (Eqs. 11-12)
+    ``S(q, v) = sum_i g_i * max_j cos(q_i, v_j)`` over v's real frames (padding
+    never wins); its logits use the raw dot products q_i . v_j the same way.
+    q_i are the backbone's word tokens (``QueryEmbedding.tokens``), v_j its
+    per-frame tokens, both in the backbone's hidden space.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from prvrlab.data.batch import Batch
+from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.blocks import check_positive_int, init_normal_
+from prvrlab.models.plugins.base import METRIC_PREFIX, Plugin, PluginError, frame_tokens
+from prvrlab.registry import PLUGINS
+
+_MAX_CHUNK_ELEMENTS = 1 << 26  # bound on the (Nq, Lq, chunk, Lf) similarity tensor
+_EPS = 1e-6
+
+
+def _choice(value: object, name: str, options: tuple[str, ...]) -> str:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def masked_softmax(logits: Tensor, mask: Tensor) -> Tensor:
+    """Softmax over the last dim restricted to ``mask``; rows without a True are all zero."""
+    logits = logits.float().masked_fill(~mask, float("-inf"))
+    peak = logits.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    weights = torch.exp(logits - peak) * mask  # exp(-inf) = 0 on padding
+    return weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-12)
+
+
+class MultiGranularityAggregator(nn.Module):
+    """Groups of tokens -> one LayerNorm(global + local) vector per group (Eqs. 6-7)."""
+
+    def __init__(self, *, hidden_size: int, aggregation: str) -> None:
+        super().__init__()
+        self.aggregation = aggregation
+        if aggregation in ("both", "global"):
+            self.global_fc = nn.Linear(hidden_size, hidden_size)
+        if aggregation in ("both", "local"):
+            self.gate_hidden = nn.Linear(hidden_size, hidden_size, bias=False)  # W1
+            self.gate_score = nn.Linear(hidden_size, 1, bias=False)  # w2
+        self.norm = nn.LayerNorm(hidden_size)
+
+    def forward(self, tokens: Tensor, member: Tensor) -> Tensor:
+        """``tokens`` (N, D) real tokens, ``member`` (G, N) bool token-in-group -> (G, D)."""
+        total = tokens.new_zeros(member.shape[0], tokens.shape[1])  # (G, D)
+        if self.aggregation in ("both", "global"):
+            counts = member.sum(dim=1, keepdim=True).clamp(min=1)  # (G, 1)
+            mean = (member.to(tokens.dtype) @ tokens) / counts  # (G, D)
+            total = total + self.global_fc(mean)
+        if self.aggregation in ("both", "local"):
+            gate = self.gate_score(torch.tanh(self.gate_hidden(tokens))).squeeze(-1)  # (N,)
+            att = masked_softmax(gate[None, :].expand_as(member), member)  # (G, N)
+            total = total + att.to(tokens.dtype) @ tokens  # (G, D)
+        return self.norm(total)
+
+
+class GaussianEncoder(nn.Module):
+    """Aggregator + mean and log-variance heads for one modality."""
+
+    def __init__(self, *, hidden_size: int, aggregation: str, logvar_min: float, logvar_max: float) -> None:
+        super().__init__()
+        self.aggregate = MultiGranularityAggregator(hidden_size=hidden_size, aggregation=aggregation)
+        self.mean = nn.Linear(hidden_size, hidden_size)
+        self.logvar = nn.Linear(hidden_size, hidden_size)
+        self.logvar_min, self.logvar_max = logvar_min, logvar_max
+
+    def forward(self, tokens: Tensor, member: Tensor) -> tuple[Tensor, Tensor]:
+        """(N, D) tokens, (G, N) membership -> mu (G, D), logvar (G, D)."""
+        g = self.aggregate(tokens, member)
+        return self.mean(g), self.logvar(g).clamp(self.logvar_min, self.logvar_max)
+
+
+def sample_proxies(mu: Tensor, logvar: Tensor, num_proxies: int, sampling: bool) -> Tensor:
+    """(G, D) Gaussians -> (G, K + 1, D) [mu, mu + sigma * eps_1..K], or (G, 1, D) [mu] without sampling."""
+    if not sampling:
+        return mu[:, None]
+    std = torch.exp(0.5 * logvar)  # (G, D)
+    eps = torch.randn(mu.shape[0], num_proxies, mu.shape[1], device=mu.device, dtype=mu.dtype)  # (G, K, D)
+    return torch.cat([mu[:, None], mu[:, None] + std[:, None] * eps], dim=1)
+
+
+def _groups(tokens: Tensor, mask: Tensor, row_group: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
+    """Padded (R, L, D) rows assigned to groups -> real tokens (N, D) and (G, N) membership."""
+    flat_mask = mask.reshape(-1)  # (R*L,)
+    real = tokens.reshape(-1, tokens.shape[-1])[flat_mask]  # (N, D)
+    token_group = row_group.repeat_interleave(mask.shape[1])[flat_mask]  # (N,)
+    member = token_group[None, :] == torch.arange(num_groups, device=tokens.device)[:, None]  # (G, N)
+    return real, member
+
+
+def confidence_scores(
+    words: Tensor, weights: Tensor, frames: Tensor, frame_mask: Tensor, *, with_logits: bool = False
+) -> BranchScores:
+    """S(q, v) = sum_i weights[q, i] * max over v's real frames j of cos(words[q, i], frames[v, j]).
+
+    ``words`` (Nq, Lq, D), ``weights`` (Nq, Lq) (0 on padding), ``frames``
+    (Nv, Lf, D), ``frame_mask`` (Nv, Lf) -> (Nq, Nv); logits use raw dots.
+    A video without real frames scores -1 (sim) and 0 (logits).  fp32, chunked
+    over videos.
+    """
+    nq, lq, dim = words.shape
+    nv, lf, _ = frames.shape
+    if nv == 0 or lf == 0 or nq == 0:
+        empty = words.new_full((nq, nv), -1.0, dtype=torch.float32)
+        return BranchScores(sim=empty, logits=torch.zeros_like(empty) if with_logits else None)
+    chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, nq * lq * lf))
+    sims, logits = [], []
+    with torch.autocast(device_type=words.device.type, enabled=False):
+        q = words.float().reshape(nq * lq, dim)  # (Nq*Lq, D)
+        qn = F.normalize(q, dim=-1, eps=_EPS)
+        w = weights.float()  # (Nq, Lq)
+        for start in range(0, nv, chunk):
+            v = frames[start : start + chunk].float()  # (C, Lf, D)
+            c = v.shape[0]
+            pad = ~frame_mask[start : start + chunk].to(torch.bool)  # (C, Lf)
+            vn = F.normalize(v, dim=-1, eps=_EPS).reshape(c * lf, dim)
+            cos = (qn @ vn.t()).view(nq, lq, c, lf).masked_fill(pad[None, None], -1.0)  # (Nq, Lq, C, Lf)
+            sims.append((cos.max(dim=-1).values * w[:, :, None]).sum(dim=1))  # (Nq, C)
+            if with_logits:
+                dots = (q @ v.reshape(c * lf, dim).t()).view(nq, lq, c, lf)  # (Nq, Lq, C, Lf)
+                best = dots.masked_fill(pad[None, None], torch.finfo(torch.float32).min).max(dim=-1).values
+                best = torch.where(pad.all(dim=1)[None, None, :], torch.zeros_like(best), best)  # (Nq, Lq, C)
+                logits.append((best * w[:, :, None]).sum(dim=1))  # (Nq, C)
+        sim = torch.cat(sims, dim=1)  # (Nq, Nv)
+        return BranchScores(sim=sim, logits=torch.cat(logits, dim=1) if with_logits else None)
+
+
+@PLUGINS.register("ral")
+class RAL(Plugin):
+    """MSRA (``msra``) and CSA (``csa``) on the backbone's ``branch`` (default ``frame``).
+
+    ``num_proxies`` K samples per Gaussian (plus the mean); ``sampling=False``:
+    the mean only; ``support``: "set" (all of a video's queries) or "single";
+    ``aggregation``: "both" | "local" | "global"; ``logvar_min/max``: the clamp
+    of log sigma^2; ``csa_weighting``: "learned" | "average"; ``csa_hidden``:
+    width of the confidence MLP (0: the backbone's hidden size).  With
+    ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
+    score (the baseline cell of an ablation: the bare backbone's results).
+    """
+
+    switch_params = ("msra", "csa")
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        msra: bool = True,
+        csa: bool = True,
+        num_proxies: int = 6,
+        sampling: bool = True,
+        support: Literal["set", "single"] = "set",
+        aggregation: Literal["both", "local", "global"] = "both",
+        logvar_min: float = -10.0,
+        logvar_max: float = 10.0,
+        csa_weighting: Literal["learned", "average"] = "learned",
+        csa_hidden: int = 0,
+        branch: str = "frame",
+    ) -> None:
+        super().__init__()
+        check_positive_int(hidden_size, "hidden_size")
+        self.msra = _bool(msra, "msra")
+        self.csa = _bool(csa, "csa")
+        self.num_proxies = check_positive_int(num_proxies, "num_proxies")
+        self.sampling = _bool(sampling, "sampling")
+        self.support = _choice(support, "support", ("set", "single"))
+        self.aggregation = _choice(aggregation, "aggregation", ("both", "local", "global"))
+        self.csa_weighting = _choice(csa_weighting, "csa_weighting", ("learned", "average"))
+        for value, name in ((logvar_min, "logvar_min"), (logvar_max, "logvar_max")):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not logvar_min < logvar_max:
+            raise ValueError(f"logvar_min ({logvar_min!r}) must be < logvar_max ({logvar_max!r})")
+        if isinstance(csa_hidden, bool) or not isinstance(csa_hidden, int) or csa_hidden < 0:
+            raise ValueError(f"csa_hidden must be an integer >= 0 (0: hidden_size), got {csa_hidden!r}")
+        if not isinstance(branch, str) or not branch.isidentifier():
+            raise ValueError(f"branch must be a branch name such as 'frame', got {branch!r}")
+        self.branch = branch
+        if self.msra:
+            kw = dict(hidden_size=hidden_size, aggregation=self.aggregation, logvar_min=float(logvar_min), logvar_max=float(logvar_max))
+            self.text_gaussian = GaussianEncoder(**kw)
+            self.video_gaussian = GaussianEncoder(**kw)
+        if self.csa and self.csa_weighting == "learned":
+            width = csa_hidden or hidden_size
+            self.confidence = nn.Sequential(nn.Linear(hidden_size, width), nn.ReLU(), nn.Linear(width, 1))
+        init_normal_(self)
+
+    # ------------------------------------------------------------ contract
+
+
+    def check_backbone(self, backbone: RetrievalModel, backbone_name: str) -> None:
+        branches = list(getattr(backbone, "score_weights", {}))
+        if self.branch not in branches:
+            raise PluginError(
+                f"RAL works on a frame-level branch with per-frame embeddings; backbone '{backbone_name}' "
+                f"has no '{self.branch}' branch (branches: {', '.join(branches)}); "
+                "use it with gmmformer, gmmformer_v2 or mssl, or set plugins.ral.branch"
+            )
+
+    def needs_frame_tokens(self, training: bool) -> bool:
+        return self.csa or (self.msra and training)
+
+
+    def aux_keys(self) -> tuple[str, ...]:
+        if not self.msra:
+            return ()
+        return ("text_mu", "text_logvar", "video_mu", "video_logvar", "text_video", "text_proxies", "video_proxies")
+
+    # ------------------------------------------------------------ CSA
+
+    def word_weights(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        """(Nq, Lq) confidences g: softmax over each query's valid words (zero on padding)."""
+        mask = mask.to(torch.bool)
+        if self.csa_weighting == "average":
+            return mask.float() / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        return masked_softmax(self.confidence(tokens).squeeze(-1), mask)
+
+    def adjust_scores(
+        self, query: QueryEmbedding, video: VideoEmbedding, scores: dict[str, BranchScores], *, with_logits: bool
+    ) -> dict[str, BranchScores]:
+        if not self.csa:
+            return scores
+        if query.tokens is None or query.token_mask is None:
+            raise PluginError("RAL CSA needs word-level query tokens (QueryEmbedding.tokens / token_mask)")
+        frames, frame_mask = frame_tokens(video, "RAL CSA")
+        weights = self.word_weights(query.tokens, query.token_mask)  # (Nq, Lq)
+        out = dict(scores)
+        out[self.branch] = confidence_scores(query.tokens, weights, frames, frame_mask, with_logits=with_logits)
+        return out
+
+    # ------------------------------------------------------------ MSRA
+
+    def training_aux(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+        if not self.msra:
+            return {}
+        if query.tokens is None or query.token_mask is None:
+            raise PluginError("RAL MSRA needs word-level query tokens (QueryEmbedding.tokens / token_mask)")
+        frames, frame_mask = frame_tokens(video, "RAL MSRA")
+        num_videos = frames.shape[0]
+        query_video = batch.query_video.to(frames.device)
+        if self.support == "set":
+            present = torch.bincount(query_video, minlength=num_videos) > 0  # (B,)
+            text_video = present.nonzero().squeeze(1)  # (T,) videos with queries in the batch
+            slot = torch.cumsum(present.long(), 0) - 1  # video -> its text unit
+            row_group = slot[query_video]  # (Nq,)
+        else:
+            text_video = query_video  # (T = Nq,)
+            row_group = torch.arange(query_video.shape[0], device=frames.device)
+        words, member_q = _groups(query.tokens, query.token_mask.to(torch.bool), row_group, text_video.shape[0])
+        text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
+        real, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
+        video_mu, video_logvar = self.video_gaussian(real, member_v)  # (B, D) each
+        aux = {
+            "text_mu": text_mu,
+            "text_logvar": text_logvar,
+            "video_mu": video_mu,
+            "video_logvar": video_logvar,
+            "text_video": text_video,
+            "text_proxies": sample_proxies(text_mu, text_logvar, self.num_proxies, self.sampling),
+            "video_proxies": sample_proxies(video_mu, video_logvar, self.num_proxies, self.sampling),
+            # geometric mean of sigma = exp(mean(log sigma)) over units and dimensions (Fig. 10)
+            f"{METRIC_PREFIX}sigma_query": torch.exp(0.5 * text_logvar.detach().float().mean()),
+            f"{METRIC_PREFIX}sigma_video": torch.exp(0.5 * video_logvar.detach().float().mean()),
+        }
+        return aux

@@ -1,0 +1,250 @@
+"""The RAL plug-in (MSRA + CSA) and the generic plug-in wrapper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prvrlab.models.base import VideoEmbedding
+from prvrlab.models.plugins.base import PluggedModel, PluginError, frame_tokens
+from prvrlab.models.plugins.ral import RAL, confidence_scores, masked_softmax, sample_proxies
+from prvrlab.registry import BACKBONES, PLUGINS
+from tests.models.test_backbones import build, make_batch
+
+FRAME_BACKBONES = [n for n in ("gmmformer", "gmmformer_v2", "mssl") if n in BACKBONES.names()]
+HIDDEN = 16
+
+
+def plugged(backbone: str = "gmmformer", seed: int = 0, **params) -> PluggedModel:
+    torch.manual_seed(seed)
+    model = build(backbone, dropout=0.0) if "dropout" in BACKBONES.params(backbone) else build(backbone)
+    torch.manual_seed(seed + 1)
+    return PluggedModel(backbone=model, plugins={"ral": PLUGINS.build("ral", hidden_size=HIDDEN, **params)})
+
+
+def batch(**kw):
+    return make_batch([5, 3, 4], [4, 2, 3, 5, 2], [0, 0, 1, 2, 2], frame_pad=2, query_pad=1, **kw)
+
+
+def test_registered_and_validates_params():
+    assert "ral" in PLUGINS.names()
+    with pytest.raises(ValueError, match="num_proxies"):
+        RAL(hidden_size=8, num_proxies=0)
+    with pytest.raises(ValueError, match="support"):
+        RAL(hidden_size=8, support="all")
+    assert list(RAL(hidden_size=8, msra=False, csa=False).parameters()) == []  # a no-op (ablation baseline)
+
+
+def test_both_parts_off_is_the_bare_backbone():
+    b = batch()
+    model = plugged(msra=False, csa=False)
+    model.eval()
+    with torch.no_grad():
+        out, bare = model(b), model.backbone(b)
+    assert out.aux == {}
+    assert all(torch.equal(out.scores[k].sim, bare.scores[k].sim) for k in bare.scores)
+
+
+def test_masked_softmax_sums_to_one_and_ignores_padding():
+    logits = torch.randn(4, 6)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1] * 6, [1, 0, 0, 0, 0, 0], [0] * 6], dtype=torch.bool)
+    w = masked_softmax(logits, mask)
+    assert torch.allclose(w[:3].sum(1), torch.ones(3))
+    assert (w[~mask] == 0).all() and (w[3] == 0).all()
+    # padding values never matter
+    w2 = masked_softmax(logits.masked_fill(~mask, 1e4), mask)
+    assert torch.allclose(w, w2)
+
+
+def test_csa_word_weights_learned_and_average():
+    plugin = RAL(hidden_size=8, msra=False)
+    tokens, mask = torch.randn(3, 5, 8), torch.arange(5)[None] < torch.tensor([5, 2, 3])[:, None]
+    g = plugin.word_weights(tokens, mask)
+    assert torch.allclose(g.sum(1), torch.ones(3)) and (g[~mask] == 0).all()
+    g_pad = plugin.word_weights(tokens.masked_fill(~mask[..., None], 99.0), mask)
+    assert torch.allclose(g, g_pad)
+    avg = RAL(hidden_size=8, msra=False, csa_weighting="average").word_weights(tokens, mask)
+    assert torch.allclose(avg[1], torch.tensor([0.5, 0.5, 0, 0, 0]))
+
+
+def test_confidence_scores_match_a_hand_loop():
+    g = torch.Generator().manual_seed(0)
+    words, frames = torch.randn(3, 4, 6, generator=g), torch.randn(5, 7, 6, generator=g)
+    word_mask = torch.arange(4)[None] < torch.tensor([4, 1, 3])[:, None]
+    frame_mask = torch.arange(7)[None] < torch.tensor([7, 2, 5, 1, 3])[:, None]
+    frames = frames.masked_fill(~frame_mask[..., None], 50.0)  # padding that would win a max
+    weights = masked_softmax(torch.randn(3, 4, generator=g), word_mask)
+    out = confidence_scores(words, weights, frames, frame_mask, with_logits=True)
+    for q in range(3):
+        for v in range(5):
+            sim = logit = 0.0
+            for i in range(4):
+                if not word_mask[q, i]:
+                    continue
+                cos = [float(torch.cosine_similarity(words[q, i], frames[v, j], dim=0)) for j in range(7) if frame_mask[v, j]]
+                dot = [float(words[q, i] @ frames[v, j]) for j in range(7) if frame_mask[v, j]]
+                sim += float(weights[q, i]) * max(cos)
+                logit += float(weights[q, i]) * max(dot)
+            assert out.sim[q, v].item() == pytest.approx(sim, abs=1e-5)
+            assert out.logits[q, v].item() == pytest.approx(logit, abs=1e-4)
+
+
+def test_confidence_scores_chunked_equals_unchunked(monkeypatch):
+    import prvrlab.models.plugins.ral as ral
+
+    words, frames = torch.randn(3, 4, 6), torch.randn(9, 5, 6)
+    wm, fm = torch.ones(3, 4, dtype=torch.bool), torch.arange(5)[None] < torch.randint(1, 6, (9,))[:, None]
+    w = masked_softmax(torch.randn(3, 4), wm)
+    full = confidence_scores(words, w, frames, fm, with_logits=True)
+    monkeypatch.setattr(ral, "_MAX_CHUNK_ELEMENTS", 60)
+    part = confidence_scores(words, w, frames, fm, with_logits=True)
+    assert torch.allclose(full.sim, part.sim) and torch.allclose(full.logits, part.logits)
+
+
+def test_proxies_have_the_right_statistics():
+    torch.manual_seed(0)
+    mu, logvar = torch.tensor([[1.0, -2.0, 0.5]]), torch.tensor([[0.0, -2.0, 1.0]])
+    p = sample_proxies(mu.expand(20000, 3), logvar.expand(20000, 3), 4, True)  # (N, 5, 3)
+    assert p.shape == (20000, 5, 3)
+    assert torch.equal(p[:, 0], mu.expand(20000, 3))  # the mean comes first
+    samples = p[:, 1:].reshape(-1, 3)
+    assert torch.allclose(samples.mean(0), mu[0], atol=0.02)
+    assert torch.allclose(samples.var(0), logvar[0].exp(), rtol=0.03)
+    assert torch.equal(sample_proxies(mu, logvar, 4, False), mu[:, None])  # "w/o sampling": the mean only
+
+
+def test_csa_off_leaves_the_backbone_scores_and_msra_off_adds_nothing():
+    b = batch()
+    model = plugged(csa=False)
+    model.eval()
+    bare = model.backbone
+    with torch.no_grad():
+        assert torch.equal(model(b).scores["frame"].sim, bare(b).scores["frame"].sim)
+        out = plugged(msra=False)(b)
+    assert out.aux == {}
+    assert not any(name.startswith("plugins.ral.text_gaussian") for name, _ in plugged(msra=False).named_parameters())
+    assert not any("confidence" in name for name, _ in plugged(csa=False).named_parameters())
+
+
+def test_csa_replaces_only_the_frame_branch():
+    b = batch()
+    model = plugged(msra=False)
+    model.eval()
+    with torch.no_grad():
+        out, bare = model(b), model.backbone(b)
+        assert torch.equal(out.scores["clip"].sim, bare.scores["clip"].sim)
+        q, v = model.encode_queries(b.queries, b.query_mask), model.encode_videos(b.clips, b.frames, b.frame_mask)
+        frames, fmask = frame_tokens(v, "test")
+        g = model.plugins["ral"].word_weights(q.tokens, q.token_mask)
+        expected = confidence_scores(q.tokens, g, frames, fmask)
+        assert torch.allclose(out.scores["frame"].sim, expected.sim)
+        assert torch.allclose(model.fuse(out.scores), 0.7 * out.scores["clip"].sim + 0.3 * expected.sim)
+
+
+def test_retrieval_path_never_runs_msra(monkeypatch):
+    model = plugged()
+    model.eval()
+    calls = []
+    monkeypatch.setattr(RAL, "training_aux", lambda self, *a: calls.append(1) or {})
+    monkeypatch.setattr(type(model.plugins["ral"].text_gaussian), "forward", lambda *a: pytest.fail("MSRA ran"))
+    b = batch()
+    with torch.no_grad():
+        v = model.encode_videos(b.clips, b.frames, b.frame_mask)
+        q = model.encode_queries(b.queries, b.query_mask)
+        model.fuse(model.score(q, v))
+    assert calls == []
+
+
+def test_gmmformer_keeps_no_frame_tokens_at_retrieval_without_csa():
+    b = batch()
+    model = plugged(csa=False)
+    model.train()
+    assert "frame_tokens" in model.encode_videos(b.clips, b.frames, b.frame_mask).extra
+    model.eval()
+    assert "frame_tokens" not in model.encode_videos(b.clips, b.frames, b.frame_mask).extra
+
+
+def test_msra_aux_support_set_and_single_query():
+    b = batch()
+    out = plugged(num_proxies=3)(b)
+    assert out.aux["ral.text_mu"].shape == (3, HIDDEN)  # one support set per video
+    assert out.aux["ral.text_proxies"].shape == (3, 4, HIDDEN)
+    assert out.aux["ral.video_proxies"].shape == (3, 4, HIDDEN)
+    assert out.aux["ral.text_video"].tolist() == [0, 1, 2]
+    assert out.aux["metric.ral.sigma_query"].numel() == 1 and out.aux["metric.ral.sigma_video"] > 0
+    single = plugged(support="single", sampling=False)(b)
+    assert single.aux["ral.text_mu"].shape == (5, HIDDEN)
+    assert single.aux["ral.text_video"].tolist() == [0, 0, 1, 2, 2]
+    assert single.aux["ral.text_proxies"].shape == (5, 1, HIDDEN)
+
+
+def test_support_set_is_the_concatenation_of_the_videos_queries():
+    """The set's Gaussian equals that of one query holding all the video's words (order-free)."""
+    plugin = RAL(hidden_size=8, csa=False)
+    plugin.eval()
+    words = torch.randn(3, 4, 8)
+    mask = torch.arange(4)[None] < torch.tensor([4, 2, 3])[:, None]
+    from prvrlab.models.plugins.ral import _groups
+
+    real, member = _groups(words, mask, torch.tensor([0, 0, 0]), 1)
+    concat = torch.cat([words[i, : int(mask[i].sum())] for i in range(3)])
+    mu, lv = plugin.text_gaussian(real, member)
+    mu2, lv2 = plugin.text_gaussian(concat.flip(0), torch.ones(1, concat.shape[0], dtype=torch.bool))
+    assert torch.allclose(mu, mu2, atol=1e-5) and torch.allclose(lv, lv2, atol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["both", "local", "global"])
+def test_aggregation_variants_build_only_their_parts(aggregation):
+    agg = RAL(hidden_size=8, csa=False, aggregation=aggregation).text_gaussian.aggregate
+    assert hasattr(agg, "global_fc") == (aggregation != "local")
+    assert hasattr(agg, "gate_hidden") == (aggregation != "global")
+
+
+def test_rejects_a_backbone_without_frame_branch():
+    plugin = RAL(hidden_size=8)
+    model = build("ice_base") if "ice_base" in BACKBONES.names() else None
+    if model is None:
+        pytest.skip("ice_base not registered")
+    with pytest.raises(PluginError, match="no 'frame' branch"):
+        plugin.check_backbone(model, "ice_base")
+
+
+def test_frame_tokens_needs_per_frame_embeddings():
+    with pytest.raises(PluginError, match="per-frame"):
+        frame_tokens(VideoEmbedding(frame=torch.randn(2, 4)), "RAL CSA")
+
+
+@pytest.mark.parametrize("backbone", FRAME_BACKBONES)
+def test_forward_backward_on_every_declared_backbone(backbone):
+    from prvrlab.losses.ral_da import RALDistributionAlignmentLoss
+    from prvrlab.losses.ral_pm import RALProxyMatchingLoss
+
+    model = plugged(backbone)
+    b = batch()
+    out = model(b)
+    loss = (
+        out.scores["frame"].sim.diag().sum()
+        + out.scores["frame"].logits.mean()
+        + RALDistributionAlignmentLoss()(out, b, epoch=0)
+        + RALProxyMatchingLoss()(out, b, epoch=0)
+    )
+    assert torch.isfinite(loss)
+    loss.backward()
+    ral = model.plugins["ral"]
+    for name, p in ral.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("backbone", FRAME_BACKBONES)
+def test_no_nan_with_one_video_and_one_query(backbone):
+    from prvrlab.losses.ral_da import RALDistributionAlignmentLoss
+    from prvrlab.losses.ral_pm import RALProxyMatchingLoss
+
+    model = plugged(backbone)
+    b = make_batch([1], [1], [0])
+    out = model(b)
+    total = RALDistributionAlignmentLoss()(out, b, epoch=0) + RALProxyMatchingLoss()(out, b, epoch=0)
+    total = total + out.scores["frame"].sim.sum()
+    total.backward()
+    assert torch.isfinite(total)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
