@@ -28,9 +28,9 @@ def tvr_bench_collection(root: Path, train_videos: int, val_videos: int, test_vi
     return root
 
 
-def tvr_config(root: Path, **overrides):
-    """configs/gmmformer_tvr.yaml on the synthetic TVR-shaped collection."""
-    raw = load_raw(REPO / "configs" / "gmmformer_tvr.yaml")
+def tvr_config(root: Path, config: str = "gmmformer_tvr.yaml", **overrides):
+    """A TVR config from configs/ (GMMFormer by default) on the synthetic TVR-shaped collection."""
+    raw = load_raw(REPO / "configs" / config)
     base = {
         "data.root": str(root),
         "data.collection": "synth",

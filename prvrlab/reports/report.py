@@ -345,6 +345,15 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
         ("Runs", _counts_text(counts) + (f", {len(missing)} missing" if missing else "")),
         ("Metric", f"{study.metric} ({study.mode})"),
     ]))
+    variant_overrides = study.spec.get("variants") or {}
+    if variant_overrides:
+        doc.section("Variants")
+        doc.add(md_table(
+            ["Variant", "Overrides of the base config"],
+            [[escape(r.name), escape("; ".join(f"{k} = {_fmt_value(v)}" for k, v in (variant_overrides.get(r.name) or {}).items()) or DASH)]
+             for r in rows],
+            ["l", "l"],
+        ))
     significance = {}
     has_ranks = any(study.ranks(chosen[r.name][s], split) is not None for r in rows for s in r.seeds_ok[:1])
     conf = Doc(doc.out)
@@ -367,6 +376,11 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     if opt.profile:
         _profile_section(doc, study, [(r.name, chosen[r.name][r.seeds_ok[0]] if r.seeds_ok else next(iter(chosen[r.name].values()), None)) for r in rows], opt)
     problems_section(doc, study.runs, missing)
+
+
+def _fmt_value(value: Any) -> str:
+    """A variant override as YAML would show it (``[.inf]``, ``0``, ``average``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
 
 
 # ---------------------------------------------------------------- search
