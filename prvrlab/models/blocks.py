@@ -290,3 +290,17 @@ class AdditiveAttentionPooling(AttentionPooling):
         """(N, D) packed tokens -> (B, D)."""
         logits = packing.unpack(self.score(torch.tanh(self.project(x))).squeeze(-1).float())  # (B, L)
         return self._pool(packing.unpack(x), logits, None if packing.is_full else packing.mask)
+
+
+def check_backbone_sizes(
+    *, video_dim: int, query_dim: int, hidden_size: int, num_heads: int, dropout: float, attention_dropout: float
+) -> None:
+    """The checks every backbone constructor shares; a ValueError names the bad parameter."""
+    check_positive_int(video_dim, "video_dim")
+    check_positive_int(query_dim, "query_dim")
+    check_positive_int(hidden_size, "hidden_size")
+    check_positive_int(num_heads, "num_heads")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+    check_probability(dropout, "dropout")
+    check_probability(attention_dropout, "attention_dropout")

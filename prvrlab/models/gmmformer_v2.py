@@ -59,8 +59,8 @@ from prvrlab.models.blocks import (
     PositionalEmbedding,
     autocast_input,
     branch_layer_norm,
+    check_backbone_sizes,
     check_positive_int,
-    check_probability,
     dropout_mask,
     init_normal_,
 )
@@ -279,14 +279,14 @@ class GMMFormerV2(RetrievalModel):
         frame_weight: float = 0.3,
     ) -> None:
         super().__init__()
-        check_positive_int(video_dim, "video_dim")
-        check_positive_int(query_dim, "query_dim")
-        check_positive_int(hidden_size, "hidden_size")
-        check_positive_int(num_heads, "num_heads")
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
-        check_probability(dropout, "dropout")
-        check_probability(attention_dropout, "attention_dropout")
+        check_backbone_sizes(
+            video_dim=video_dim,
+            query_dim=query_dim,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+        )
         ffn = resolve_ffn_size(ffn_size, hidden_size)
         self.sigmas = parse_sigmas(sigmas)
         if aggregation not in AGGREGATIONS:

@@ -30,8 +30,8 @@ from prvrlab.models.blocks import (
     InputProjection,
     Packing,
     PositionalEmbedding,
+    check_backbone_sizes,
     check_positive_int,
-    check_probability,
     init_normal_,
 )
 from prvrlab.models.gmm import TransformerLayer
@@ -69,14 +69,14 @@ class ICEBase(RetrievalModel):
         video_weight: float = 0.3,
     ) -> None:
         super().__init__()
-        check_positive_int(video_dim, "video_dim")
-        check_positive_int(query_dim, "query_dim")
-        check_positive_int(hidden_size, "hidden_size")
-        check_positive_int(num_heads, "num_heads")
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
-        check_probability(dropout, "dropout")
-        check_probability(attention_dropout, "attention_dropout")
+        check_backbone_sizes(
+            video_dim=video_dim,
+            query_dim=query_dim,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+        )
         ffn = resolve_ffn_size(ffn_size, hidden_size)
         check_positive_int(num_layers, "num_layers")
         self.max_frames = check_positive_int(max_frames, "max_frames")

@@ -45,8 +45,8 @@ from prvrlab.models.blocks import (
     InputProjection,
     Packing,
     PositionalEmbedding,
+    check_backbone_sizes,
     check_positive_int,
-    check_probability,
     init_normal_,
 )
 from prvrlab.models.gmm import TransformerLayer
@@ -145,14 +145,14 @@ class MSSL(RetrievalModel):
         frame_weight: float = 0.3,
     ) -> None:
         super().__init__()
-        check_positive_int(video_dim, "video_dim")
-        check_positive_int(query_dim, "query_dim")
-        check_positive_int(hidden_size, "hidden_size")
-        check_positive_int(num_heads, "num_heads")
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
-        check_probability(dropout, "dropout")
-        check_probability(attention_dropout, "attention_dropout")
+        check_backbone_sizes(
+            video_dim=video_dim,
+            query_dim=query_dim,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+        )
         if isinstance(ffn_size, bool) or not isinstance(ffn_size, int) or ffn_size < 0:
             raise ValueError(f"ffn_size must be an integer >= 0 (0: no feed-forward sublayer), got {ffn_size!r}")
         self.max_window = check_positive_int(max_window, "max_window")
