@@ -23,8 +23,8 @@ import torch
 
 from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
-from prvrlab.platform.evaluate import evaluate
-from prvrlab.platform.worker import build_model, seed_everything
+from prvrlab.evaluation.retrieval import evaluate
+from prvrlab.platform.train.loop import build_model, seed_everything
 
 
 def main() -> None:

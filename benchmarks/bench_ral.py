@@ -22,8 +22,8 @@ from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.losses.weighted import WeightedLoss
-from prvrlab.platform.optim import build_optimizer
-from prvrlab.platform.worker import build_model, seed_everything
+from prvrlab.platform.train.optim import build_optimizer
+from prvrlab.platform.train.loop import build_model, seed_everything
 from prvrlab.reports.profile import profile_config, profile_table
 
 RAL = {

@@ -25,9 +25,9 @@ from pathlib import Path
 import yaml
 
 from prvrlab.data.synth import synthesize
-from prvrlab.platform.search import search
-from prvrlab.platform.search_spec import load_search_spec
-from prvrlab.platform.tracking import Tracker
+from prvrlab.platform.search.tuning import search
+from prvrlab.platform.search.spec import load_search_spec
+from prvrlab.platform.tracking.store import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 

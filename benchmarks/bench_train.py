@@ -27,8 +27,8 @@ from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.losses.weighted import WeightedLoss
-from prvrlab.platform.optim import build_optimizer
-from prvrlab.platform.worker import build_model, seed_everything
+from prvrlab.platform.train.optim import build_optimizer
+from prvrlab.platform.train.loop import build_model, seed_everything
 
 REFERENCE_BATCH_S = 12.8 + 5.3
 

@@ -33,7 +33,7 @@ from prvrlab.data.text import (
 )
 
 if TYPE_CHECKING:
-    from prvrlab.platform.config import DataConfig
+    from prvrlab.data.config import DataConfig
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class Collection:
         )
 
 
-def resolve_paths(cfg: "DataConfig") -> dict[str, Path]:
+def data_paths(cfg: "DataConfig") -> dict[str, Path]:
     """The file paths a DataConfig points to: root, visual, query, text_dir."""
     root = Path(cfg.root).expanduser()
     visual = Path(cfg.visual_feature).expanduser()
@@ -208,7 +208,7 @@ def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_sy
     ``validate_splits`` the configured splits are indexed and checked now, so
     a bad file fails before training starts.
     """
-    paths = resolve_paths(cfg)
+    paths = data_paths(cfg)
     if allow_synthesize and cfg.synthesize and not paths["root"].exists():
         from prvrlab.data.synth import synthesize_if_missing
 

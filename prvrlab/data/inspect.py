@@ -11,7 +11,7 @@ import numpy as np
 from prvrlab.data.collection import SplitIndex, configured_splits, open_collection
 
 if TYPE_CHECKING:
-    from prvrlab.platform.config import DataConfig
+    from prvrlab.data.config import DataConfig
 
 RATIO_GROUPS = (("short", 0.0, 0.2), ("medium", 0.2, 0.4), ("long", 0.4, 1.0))  # (name, low, high]
 

@@ -25,7 +25,7 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import load_config
-    from prvrlab.platform.trainer import train
+    from prvrlab.platform.train.driver import train
 
     cfg = load_config(args.config, _overrides(args.set))
     if args.check:
@@ -46,8 +46,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from prvrlab.platform.search import search
-    from prvrlab.platform.search_spec import load_search_spec
+    from prvrlab.platform.search.tuning import search
+    from prvrlab.platform.search.spec import load_search_spec
 
     spec = load_search_spec(args.spec, _overrides(args.set))
     if args.check:
@@ -71,8 +71,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from prvrlab.platform.ablation import ablate
-    from prvrlab.platform.search_spec import load_ablation_spec
+    from prvrlab.platform.search.ablation import ablate
+    from prvrlab.platform.search.spec import load_ablation_spec
 
     spec = load_ablation_spec(args.spec, _overrides(args.set))
     if args.check:
@@ -91,7 +91,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from prvrlab.platform.checkpoint_eval import evaluate_checkpoint
+    from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 
     result = evaluate_checkpoint(
         args.checkpoint, split=args.split, data_root=args.data_root, ranks_out=args.ranks, amp=args.amp
@@ -122,10 +122,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import load_config
-    from prvrlab.platform.trainer import resolve_paths
+    from prvrlab.platform.runtime import resolve_config_paths
     from prvrlab.reports.profile import profile_config, profile_table
 
-    cfg = resolve_paths(load_config(args.config, _overrides(args.set)))
+    cfg = resolve_config_paths(load_config(args.config, _overrides(args.set)))
     result = profile_config(
         cfg, galleries=args.gallery, queries=args.queries, video_dim=args.video_dim, query_dim=args.query_dim, device=args.device
     )
@@ -151,7 +151,8 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from prvrlab.data.inspect import inspect_collection
-    from prvrlab.platform.config import DataConfig, load_config
+    from prvrlab.data.config import DataConfig
+    from prvrlab.platform.config import load_config
 
     splits = None
     if args.config:
@@ -258,8 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prvrlab`` console script."""
     from prvrlab.data.errors import DataError
     from prvrlab.platform.config import ConfigError
-    from prvrlab.platform.search_spec import StudyError
-    from prvrlab.platform.trainer import TrainingError
+    from prvrlab.platform.search.spec import StudyError
+    from prvrlab.platform.train.driver import TrainingError
     from prvrlab.registry import RegistryError
 
     args = build_parser().parse_args(argv)

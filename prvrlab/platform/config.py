@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from prvrlab.data.config import DataConfig
 from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, closest, did_you_mean
 
 # Constructor arguments the platform derives from the data, never from the user.
@@ -32,30 +33,6 @@ PLUGIN_DERIVED = ("hidden_size",)
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the offending key."""
-
-
-@dataclass
-class DataConfig:
-    """Where the features are and how they are preprocessed."""
-
-    root: str = "data/synth"  # folder holding FeatureData/ and TextData/
-    collection: str = "synth"  # tvr | activitynet | charades | synth (file name prefix)
-    visual_feature: str = "synth_feat"  # FeatureData/<name> BigFile folder, or an .hdf5 file
-    text_feature: str | None = None  # default: TextData/roberta_<collection>_query_feat.hdf5
-    train_split: str = "train"
-    val_split: str = "val"
-    test_split: str | None = "test"
-    max_frames: int = 128
-    num_clips: int = 32
-    max_query_len: int = 30
-    synthesize: str | None = None  # synthetic preset written to `root` when it is missing
-    synth_seed: int = 0
-    loader_workers: int = 0
-
-    def check(self) -> None:
-        _positive(self, "max_frames", "num_clips", "max_query_len")
-        if self.loader_workers < 0:
-            raise ConfigError("data.loader_workers must be >= 0")
 
 
 @dataclass
@@ -315,7 +292,12 @@ def _build_section(cls: type, raw: Any, where: str) -> Any:
     _check_keys(raw, names, where)
     values = {k: coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
     section = cls(**values)
-    section.check()
+    try:
+        section.check()
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return section
 
 

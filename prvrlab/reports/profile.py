@@ -179,7 +179,7 @@ def profile_config(
     name: str | None = None,
 ) -> ProfileResult:
     """Build the config's model (random weights) and profile it."""
-    from prvrlab.platform.worker import build_model
+    from prvrlab.platform.train.loop import build_model
 
     if video_dim is None or query_dim is None:
         vd, qd = model_dims(cfg)

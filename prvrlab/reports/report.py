@@ -399,7 +399,7 @@ def _space(study: Study) -> dict[str, dict[str, Any]]:
 
 def _active(space: dict[str, Any], run: TrialRun) -> dict[str, Any]:
     """The searched values of a trial (conditional keys only when their condition held)."""
-    from prvrlab.platform.search_spec import condition_holds
+    from prvrlab.platform.search.spec import condition_holds
 
     chosen: dict[str, Any] = {}
     for key, dist in space.items():

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from prvrlab.platform.search_spec import StudyError
+from prvrlab.platform.search.spec import StudyError
 
 STUDY_KINDS = ("search", "ablation")
 OK_STATUSES = ("finished", "early_stopped")  # prvrlab.status of a trial with usable metrics
@@ -117,7 +117,7 @@ class Study:
 
     def ranks(self, run: TrialRun, split: str) -> dict[str, Any] | None:
         """Per-query ranks of ``run`` on ``split``: {"query_id", "rank", "ratio"} arrays sorted by query id, or None."""
-        from prvrlab.platform.evaluate import load_ranks
+        from prvrlab.evaluation.metrics import load_ranks
 
         dst = self.cache_dir() / run.run_id
         local = dst / "ranks" / f"ranks_{split}.parquet"
@@ -177,7 +177,7 @@ def find_parent(
     tracking_uri: str | None = None,
 ) -> tuple[str, str]:
     """(tracking URI, parent run id) of the study named by exactly one of run_id / experiment / spec."""
-    from prvrlab.platform.tracking import resolve_tracking_uri
+    from prvrlab.platform.tracking.store import resolve_tracking_uri
 
     given = [x for x in (run_id, experiment, spec) if x is not None]
     if len(given) != 1:
@@ -211,9 +211,9 @@ def find_parent(
 def _parent_from_spec(path: Path, tracking_uri: str | None) -> tuple[str, str]:
     """The latest parent run of the study a spec file describes (its experiment and tracking URI)."""
     from prvrlab.platform.config import ConfigError
-    from prvrlab.platform.search_spec import load_ablation_spec, load_search_spec
-    from prvrlab.platform.tracking import resolve_tracking_uri
-    from prvrlab.platform.trainer import resolve_paths
+    from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
+    from prvrlab.platform.tracking.store import resolve_tracking_uri
+    from prvrlab.platform.runtime import resolve_config_paths
 
     if not path.is_file():
         raise ReportError(f"unknown spec '{path}': file not found")
@@ -223,7 +223,7 @@ def _parent_from_spec(path: Path, tracking_uri: str | None) -> tuple[str, str]:
         spec = loader(path)
     except (ConfigError, yaml.YAMLError) as exc:
         raise ReportError(f"spec '{path}' cannot be read: {exc}") from None
-    base = resolve_paths(spec.base)
+    base = resolve_config_paths(spec.base)
     uri = resolve_tracking_uri(tracking_uri) if tracking_uri else base.tracking.uri
     client = _client(uri)
     exp = client.get_experiment_by_name(base.tracking.experiment)

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from prvrlab.platform.config import DataConfig
+from prvrlab.data.config import DataConfig
 
 
 def write_bigfile(folder: Path, frame_ids: list[str], matrix: np.ndarray, video2frames: dict[str, list[str]]) -> Path:

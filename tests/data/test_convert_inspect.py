@@ -13,7 +13,7 @@ from prvrlab.data.convert import convert_bigfile
 from prvrlab.data.errors import DataError
 from prvrlab.data.features import HDF5Features
 from prvrlab.data.inspect import inspect_collection
-from prvrlab.platform.config import DataConfig
+from prvrlab.data.config import DataConfig
 
 
 def test_convert_round_trip(toy_cfg, tmp_path, files):

@@ -16,7 +16,7 @@ from prvrlab.data.errors import DataError
 from prvrlab.data.inspect import inspect_collection
 from prvrlab.data.synth import PRESETS, get_preset, synthesize
 from prvrlab.data.text import read_captions
-from prvrlab.platform.config import DataConfig
+from prvrlab.data.config import DataConfig
 
 
 def test_layout(tiny_root):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from prvrlab.platform.tracking import Tracker
+from prvrlab.platform.tracking.store import Tracker
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_OVERRIDES = {

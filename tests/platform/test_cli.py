@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from prvrlab.platform.cli import EXIT_BAD_INPUT, main
-from prvrlab.platform.tracking import Tracker
+from prvrlab.platform.tracking.store import Tracker
 
 from train_helpers import small_raw
 

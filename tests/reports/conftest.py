@@ -24,9 +24,9 @@ def studies(tiny_root, tmp_path_factory):
     """{"tmp", "uri", "ablation": parent id, "search": parent id} of real studies run through the platform."""
     import ray
 
-    from prvrlab.platform.ablation import ablate
-    from prvrlab.platform.search import search
-    from prvrlab.platform.search_spec import load_ablation_spec, load_search_spec
+    from prvrlab.platform.search.ablation import ablate
+    from prvrlab.platform.search.tuning import search
+    from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
     from search_helpers import tiny_spec
 
     tmp = tmp_path_factory.mktemp("report_studies")

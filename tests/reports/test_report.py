@@ -96,7 +96,7 @@ def test_bad_input_exits_2_naming_it(studies, args, named, capsys):
 
 
 def test_failed_cell_is_shown(studies, tmp_path):
-    from prvrlab.platform.tracking import Tracker
+    from prvrlab.platform.tracking.store import Tracker
 
     db = tmp_path / "copy.db"
     shutil.copy(Path(studies["tmp"]) / "mlflow.db", db)

@@ -13,10 +13,10 @@ from prvrlab.data.batch import Batch
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.platform.config import validate
-from prvrlab.platform.evaluate import evaluate
-from prvrlab.platform.trainer import TrainingError, train
-from prvrlab.platform.tracking import Tracker
-from prvrlab.platform.worker import build_model, seed_everything
+from prvrlab.evaluation.retrieval import evaluate
+from prvrlab.platform.train.driver import TrainingError, train
+from prvrlab.platform.tracking.store import Tracker
+from prvrlab.platform.train.loop import build_model, seed_everything
 from prvrlab.registry import LOSSES
 
 from train_helpers import small_raw

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from prvrlab.platform.config import ExperimentConfig, validate
-from prvrlab.platform.session import LocalSession, RaySession, Session, scratch_dir
+from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
@@ -145,8 +145,8 @@ def train_worker(loop_config: dict[str, Any], session: Session | None = None) ->
     from prvrlab.data.collection import open_collection
     from prvrlab.data.dataset import train_loader
     from prvrlab.losses.weighted import NonFiniteLossError, WeightedLoss
-    from prvrlab.platform.evaluate import evaluate
-    from prvrlab.platform.optim import build_optimizer
+    from prvrlab.evaluation.retrieval import evaluate
+    from prvrlab.platform.train.optim import build_optimizer
 
     collection = open_collection(cfg.data)
     model = build_model(cfg, collection.video_dim, collection.query_dim).to(device)
@@ -284,7 +284,8 @@ def train_worker(loop_config: dict[str, Any], session: Session | None = None) ->
 
 def _final_evaluation(cfg, collection, model, best_path: Path, run_dir: Path, device, dtype) -> dict[str, Any]:
     """Evaluate the best model on ``eval.final_splits``; write per-query ranks."""
-    from prvrlab.platform.evaluate import evaluate, save_ranks
+    from prvrlab.evaluation.metrics import save_ranks
+    from prvrlab.evaluation.retrieval import evaluate
 
     if best_path.exists():
         model.load_state_dict(torch.load(best_path, map_location=device, weights_only=True)["model"])

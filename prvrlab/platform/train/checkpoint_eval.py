@@ -35,8 +35,9 @@ def evaluate_checkpoint(
 ):
     """Evaluate the model in ``path`` on ``split``; optionally write per-query ranks."""
     from prvrlab.data.collection import open_collection
-    from prvrlab.platform.evaluate import evaluate, save_ranks
-    from prvrlab.platform.worker import build_model
+    from prvrlab.evaluation.metrics import save_ranks
+    from prvrlab.evaluation.retrieval import evaluate
+    from prvrlab.platform.train.loop import build_model
 
     blob = load_checkpoint(path)
     try:

@@ -1,4 +1,4 @@
-"""Tests of prvrlab.platform.evaluate with tiny fake models and fake batches."""
+"""Tests of prvrlab.evaluation (metrics and retrieval) with tiny fake models and fake batches."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.platform import evaluate as ev
+from prvrlab.evaluation import metrics as evm
+from prvrlab.evaluation import retrieval as ev
 from prvrlab.platform.config import EvalConfig
 
 torch.set_num_threads(1)
@@ -140,7 +141,7 @@ def test_constant_scores_rank_last():
     query_video = np.arange(nq) % nv
     ranks = ev.compute_ranks(model, query_ids_emb(nq), video_ids_emb(nv), query_video, chunk=4)
     np.testing.assert_array_equal(ranks, np.full(nq, nv))
-    metrics = ev.recall_at(ranks)
+    metrics = evm.recall_at(ranks)
     assert metrics["r1"] == 0.0 and metrics["r5"] == 0.0 and metrics["r10"] == 0.0
     assert metrics["r100"] == 100.0  # K >= Nv
 
@@ -166,38 +167,38 @@ def test_compute_ranks_validates_inputs():
 
 
 def test_recall_at_hand_made():
-    metrics = ev.recall_at(np.array([1, 2, 6, 11, 101]))
+    metrics = evm.recall_at(np.array([1, 2, 6, 11, 101]))
     assert metrics == pytest.approx({"r1": 20.0, "r5": 40.0, "r10": 60.0, "r100": 80.0, "sumr": 200.0})
     assert list(metrics) == ["r1", "r5", "r10", "r100", "sumr"]
     assert all(isinstance(v, float) for v in metrics.values())
     with pytest.raises(ValueError):
-        ev.recall_at(np.array([], dtype=np.int64))
+        evm.recall_at(np.array([], dtype=np.int64))
     with pytest.raises(ValueError, match="1-based"):
-        ev.recall_at(np.array([0, 1]))
+        evm.recall_at(np.array([0, 1]))
 
 
 def test_chance_recall():
-    assert ev.chance_recall(50) == pytest.approx({"r1": 2.0, "r5": 10.0, "r10": 20.0, "r100": 100.0, "sumr": 132.0})
-    assert ev.chance_recall(1000)["r100"] == pytest.approx(10.0)
+    assert evm.chance_recall(50) == pytest.approx({"r1": 2.0, "r5": 10.0, "r10": 20.0, "r100": 100.0, "sumr": 132.0})
+    assert evm.chance_recall(1000)["r100"] == pytest.approx(10.0)
 
 
 def test_ratio_group_boundaries():
-    labels = ev.ratio_groups([0.2, 0.2000001, 0.4, 1.0, 0.05, 0.41, 1.3, 0.0, -0.1, float("nan")])
+    labels = evm.ratio_groups([0.2, 0.2000001, 0.4, 1.0, 0.05, 0.41, 1.3, 0.0, -0.1, float("nan")])
     assert list(labels) == ["short", "medium", "medium", "long", "short", "long", "long", "", "", ""]
     # float32 0.2 is slightly above float64 0.2 but must stay short
-    assert list(ev.ratio_groups(np.array([0.2, 0.4], dtype=np.float32))) == ["short", "medium"]
+    assert list(evm.ratio_groups(np.array([0.2, 0.4], dtype=np.float32))) == ["short", "medium"]
 
 
 def test_recall_by_group():
     ranks = np.array([1, 20, 3, 200, 1])
     ratios = np.array([0.1, 0.15, 0.3, 0.9, -1.0])
-    groups = ev.recall_by_group(ranks, ratios)
+    groups = evm.recall_by_group(ranks, ratios)
     assert set(groups) == {"short", "medium", "long"}
     assert groups["short"]["count"] == 2 and groups["short"]["r1"] == pytest.approx(50.0)
     assert groups["short"]["r100"] == pytest.approx(100.0)
     assert groups["medium"]["count"] == 1 and groups["medium"]["r5"] == pytest.approx(100.0)
     assert groups["long"]["count"] == 1 and groups["long"]["sumr"] == pytest.approx(0.0)
-    empty = ev.recall_by_group(np.array([1]), np.array([0.1]))["long"]
+    empty = evm.recall_by_group(np.array([1]), np.array([0.1]))["long"]
     assert empty["count"] == 0 and math.isnan(empty["r1"])
 
 
@@ -205,20 +206,20 @@ def test_recall_by_group():
 
 
 def test_rank_table_parquet_round_trip(tmp_path):
-    table = ev.rank_table(["q0", "q1", "q2"], ["v1", "v0", "v1"], np.array([3, 1, 7]), [0.1, 0.5, 0.25])
+    table = evm.rank_table(["q0", "q1", "q2"], ["v1", "v0", "v1"], np.array([3, 1, 7]), [0.1, 0.5, 0.25])
     assert table.column_names == ["query_id", "video_id", "rank", "ratio"]
     assert table.schema.field("rank").type == pa.int64()
-    path = ev.save_ranks(tmp_path / "sub" / "ranks.parquet", table)
-    loaded = ev.load_ranks(path)
+    path = evm.save_ranks(tmp_path / "sub" / "ranks.parquet", table)
+    loaded = evm.load_ranks(path)
     assert loaded.equals(table)
     assert loaded.column("rank").to_pylist() == [3, 1, 7]
 
-    no_ratio = ev.rank_table(["q0"], ["v0"], [2])
+    no_ratio = evm.rank_table(["q0"], ["v0"], [2])
     assert no_ratio.column_names == ["query_id", "video_id", "rank"]
-    ev.save_ranks(tmp_path / "r2.parquet", no_ratio)
-    assert ev.load_ranks(tmp_path / "r2.parquet").equals(no_ratio)
+    evm.save_ranks(tmp_path / "r2.parquet", no_ratio)
+    assert evm.load_ranks(tmp_path / "r2.parquet").equals(no_ratio)
     with pytest.raises(ValueError):
-        ev.rank_table(["q0", "q1"], ["v0"], [1, 2])
+        evm.rank_table(["q0", "q1"], ["v0"], [1, 2])
 
 
 # ---------------------------------------------------------------- encoding

@@ -10,11 +10,11 @@ import yaml
 
 from prvrlab.platform.cli import main
 from prvrlab.platform.config import ConfigError, load_config
-from prvrlab.platform.search_spec import load_ablation_spec, load_search_spec, valid_keys
+from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec, valid_keys
 
 from train_helpers import small_raw
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

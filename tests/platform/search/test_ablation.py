@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prvrlab.platform.ablation import ablate
-from prvrlab.platform.search_spec import load_ablation_spec
+from prvrlab.platform.search.ablation import ablate
+from prvrlab.platform.search.spec import load_ablation_spec
 
 from search_helpers import study_runs, tiny_spec
 

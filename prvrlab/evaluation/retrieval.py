@@ -5,10 +5,8 @@ batches and on embeddings, so each can be tested without the data layer:
 
     encode_split   video / query batches -> VideoEmbedding, QueryEmbedding
     compute_ranks  embeddings -> 1-based rank of each query's video (chunked)
-    recall_at      ranks -> {"r1", "r5", "r10", "r100", "sumr"} in percent
-    recall_by_group  the same per moment/video-ratio group (short/medium/long)
-    rank_table / save_ranks / load_ranks   per-query ranks as Parquet
-    evaluate       all of the above on one split of a data-layer Collection
+    evaluate       encoding, ranking and the metrics of :mod:`prvrlab.evaluation.metrics`
+                   on one split of a data-layer Collection
 
 Tie handling (see ``compute_ranks``): a video scoring exactly as high as the
 ground truth is ranked *before* it, so ties never help.  A model whose scores
@@ -20,47 +18,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
+from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
 
 __all__ = [
-    "DEFAULT_KS",
-    "GROUPS",
     "EvalResult",
-    "chance_recall",
     "compute_ranks",
     "encode_queries",
     "encode_split",
     "encode_videos",
     "evaluate",
     "evaluate_batches",
-    "load_ranks",
-    "rank_table",
-    "ratio_groups",
-    "recall_at",
-    "recall_by_group",
     "resolve_amp_dtype",
-    "save_ranks",
 ]
 
-DEFAULT_KS: tuple[int, ...] = (1, 5, 10, 100)
-
-# Moment/video duration ratio groups (REFERENCE §1): upper bounds, inclusive.
-GROUPS: tuple[str, ...] = ("short", "medium", "long")
-_GROUP_UPPER: tuple[float, ...] = (0.2, 0.4, 1.0)
-UNGROUPED = ""  # label of ratios outside (0, inf) or NaN
 
 VideoBatch = tuple[Sequence[str], Tensor, Tensor, Tensor]  # ids, clips, frames, frame_mask
 QueryBatch = tuple[Sequence[str], Tensor, Tensor]  # ids, queries, query_mask
@@ -322,131 +303,6 @@ def compute_ranks(
     return ranks
 
 
-# ---------------------------------------------------------------- metrics
-
-
-def recall_at(ranks: np.ndarray | Sequence[int], ks: Sequence[int] = DEFAULT_KS) -> dict[str, float]:
-    """Percent of queries whose rank is <= K, as ``{"r1": .., "r5": .., ..., "sumr": ..}``.
-
-    ``sumr`` is the sum of the requested R@K values.
-    """
-    r = np.asarray(ranks)
-    if r.ndim != 1 or r.size == 0:
-        raise ValueError(f"ranks must be a non-empty 1-D array, got shape {r.shape}")
-    if (r < 1).any():
-        raise ValueError(f"ranks are 1-based, got a minimum of {r.min()}")
-    out: dict[str, float] = {}
-    for k in ks:
-        if int(k) < 1:
-            raise ValueError(f"K must be >= 1, got {k!r}")
-        out[f"r{int(k)}"] = float((r <= int(k)).mean() * 100.0)
-    out["sumr"] = float(sum(out.values()))
-    return out
-
-
-def chance_recall(num_videos: int, ks: Sequence[int] = DEFAULT_KS) -> dict[str, float]:
-    """Expected R@K (percent) of random continuous scoring: ``min(K, Nv) / Nv * 100``."""
-    if int(num_videos) < 1:
-        raise ValueError(f"num_videos must be >= 1, got {num_videos!r}")
-    out = {f"r{int(k)}": min(int(k), int(num_videos)) / int(num_videos) * 100.0 for k in ks}
-    out["sumr"] = float(sum(out.values()))
-    return out
-
-
-def ratio_groups(ratios: np.ndarray | Sequence[float]) -> np.ndarray:
-    """Moment/video ratio group of each query: ``"short"``, ``"medium"`` or ``"long"``.
-
-    short: r in (0, 0.2]; medium: (0.2, 0.4]; long: (0.4, 1].  Ratios above 1
-    (annotations that overrun the video's duration) count as long.  Ratios
-    <= 0 or NaN get ``""`` (ungrouped).  Boundaries are compared in the
-    array's own floating dtype, so a float32 0.2 is still short.
-    """
-    r = np.asarray(ratios)
-    if not np.issubdtype(r.dtype, np.floating):
-        r = r.astype(np.float64)
-    labels = np.full(r.shape, UNGROUPED, dtype=object)
-    lower = r.dtype.type(0.0)
-    valid = r > lower  # False for NaN
-    for name, upper in zip(GROUPS, _GROUP_UPPER):
-        up = r.dtype.type(upper)
-        hit = valid & (r <= up) if name != GROUPS[-1] else valid
-        labels[hit] = name
-        valid = valid & ~hit
-    return labels
-
-
-def recall_by_group(
-    ranks: np.ndarray | Sequence[int],
-    ratios: np.ndarray | Sequence[float],
-    ks: Sequence[int] = DEFAULT_KS,
-) -> dict[str, dict[str, float]]:
-    """``recall_at`` per ratio group, each dict with an extra ``"count"``.
-
-    Every group of ``GROUPS`` is present; an empty group has ``count`` 0 and
-    NaN metrics.  Ungrouped queries (ratio <= 0 or NaN) are left out.
-    """
-    r = np.asarray(ranks)
-    labels = ratio_groups(ratios)
-    if labels.shape != r.shape:
-        raise ValueError(f"ranks {r.shape} and ratios {labels.shape} must have the same shape")
-    out: dict[str, dict[str, float]] = {}
-    for name in GROUPS:
-        mask = labels == name
-        count = int(mask.sum())
-        if count:
-            metrics = recall_at(r[mask], ks)
-        else:
-            metrics = {f"r{int(k)}": float("nan") for k in ks}
-            metrics["sumr"] = float("nan")
-        metrics["count"] = count
-        out[name] = metrics
-    return out
-
-
-# ---------------------------------------------------------------- rank tables
-
-
-def rank_table(
-    query_ids: Sequence[str],
-    video_ids_of_queries: Sequence[str],
-    ranks: np.ndarray | Sequence[int],
-    ratios: np.ndarray | Sequence[float] | None = None,
-) -> pa.Table:
-    """Per-query table: ``query_id`` (string), ``video_id`` (string, the ground
-    truth), ``rank`` (int64), and ``ratio`` (float64) when ratios are given."""
-    n = len(query_ids)
-    r = np.asarray(ranks, dtype=np.int64)
-    if len(video_ids_of_queries) != n or r.shape != (n,):
-        raise ValueError(
-            f"query_ids ({n}), video_ids_of_queries ({len(video_ids_of_queries)}) "
-            f"and ranks {r.shape} must have the same length"
-        )
-    columns = {
-        "query_id": pa.array([str(q) for q in query_ids], type=pa.string()),
-        "video_id": pa.array([str(v) for v in video_ids_of_queries], type=pa.string()),
-        "rank": pa.array(r, type=pa.int64()),
-    }
-    if ratios is not None:
-        rat = np.asarray(ratios, dtype=np.float64)
-        if rat.shape != (n,):
-            raise ValueError(f"ratios has shape {rat.shape}, expected ({n},)")
-        columns["ratio"] = pa.array(rat, type=pa.float64())
-    return pa.table(columns)
-
-
-def save_ranks(path: str | Path, table: pa.Table) -> Path:
-    """Write a rank table to Parquet (parent folders created); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
-    return path
-
-
-def load_ranks(path: str | Path) -> pa.Table:
-    """Read a rank table written by ``save_ranks``."""
-    return pq.read_table(Path(path))
-
-
 # ---------------------------------------------------------------- end to end
 
 
@@ -568,21 +424,6 @@ def evaluate_batches(
     )
 
 
-def _data_layer_generators():
-    """``video_batches`` and ``query_batches`` from the data layer (imported lazily)."""
-    errors = []
-    for module_name in ("prvrlab.data.dataset", "prvrlab.data.collection"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            errors.append(f"{module_name}: {exc}")
-            continue
-        if hasattr(module, "video_batches") and hasattr(module, "query_batches"):
-            return module.video_batches, module.query_batches
-        errors.append(f"{module_name}: no video_batches/query_batches")
-    raise ImportError("the data layer's video_batches/query_batches were not found (" + "; ".join(errors) + ")")
-
-
 def evaluate(
     model: RetrievalModel,
     collection: Any,
@@ -601,7 +442,8 @@ def evaluate(
     enables autocast for encoding only; scores and metrics are float32.  The
     model's train/eval mode is restored afterwards.
     """
-    video_batches, query_batches = _data_layer_generators()
+    from prvrlab.data.dataset import query_batches, video_batches
+
     index = collection.split(split)
     ratios = getattr(index, "ratios", None)
     return evaluate_batches(

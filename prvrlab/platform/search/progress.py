@@ -14,12 +14,7 @@ from typing import Any, Callable
 
 from ray.tune import Callback
 
-from prvrlab.platform.mlflow_callback import trial_outcome
-
-
-def format_params(params: dict[str, Any]) -> str:
-    """``key=value`` pairs, floats to 3 significant digits."""
-    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+from prvrlab.platform.search.outcome import trial_outcome
 
 
 class ProgressCallback(Callback):

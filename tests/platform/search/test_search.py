@@ -12,8 +12,8 @@ import time
 import pytest
 
 from prvrlab.platform.config import load_config
-from prvrlab.platform.search import search
-from prvrlab.platform.search_spec import load_search_spec
+from prvrlab.platform.search.tuning import search
+from prvrlab.platform.search.spec import load_search_spec
 
 from search_helpers import metric_history, study_runs, tiny_spec
 

@@ -27,66 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 from ray.tune import Callback
 
+from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_outcome, watch_interrupts
+
 if TYPE_CHECKING:
-    from prvrlab.platform.search import Study
-
-STUDY_FILE = "study.json"
-INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
-
-
-def watch_interrupts() -> None:
-    """Wrap Tune's SIGINT handler so that an interrupt is also recorded in INTERRUPTED (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    current = signal.getsignal(signal.SIGINT)
-    if getattr(current, "prvrlab_watch", False):
-        return
-
-    def handler(signum, frame) -> None:
-        INTERRUPTED.set()
-        if callable(current):
-            current(signum, frame)
-        else:
-            raise KeyboardInterrupt
-
-    handler.prvrlab_watch = True  # type: ignore[attr-defined]
-    signal.signal(signal.SIGINT, handler)
-
-
-class RunMap:
-    """``study.json``: the parent run id and trial id -> child run id (atomic writes)."""
-
-    def __init__(self, study_dir: str | Path) -> None:
-        self.path = Path(study_dir) / STUDY_FILE
-        data = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        self.parent: str | None = data.get("parent")
-        self.trials: dict[str, str] = dict(data.get("trials", {}))
-        self.closed: dict[str, str] = dict(data.get("closed", {}))
-        self.meta: dict[str, Any] = dict(data.get("meta", {}))
-
-    def save(self) -> None:
-        """Write the map (temp file + rename)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        payload = {"parent": self.parent, "trials": self.trials, "closed": self.closed, "meta": self.meta}
-        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
-
-
-def trial_outcome(last_result: dict[str, Any] | None) -> str:
-    """'finished', 'nonfinite' or 'early_stopped' for a trial that ended without an error."""
-    kind = (last_result or {}).get("kind")
-    if kind == "final":
-        return "finished"
-    if kind == "nonfinite":
-        return "nonfinite"
-    return "early_stopped"
-
+    from prvrlab.platform.search.study import StudyContext
 
 class MlflowStudyCallback(Callback):
     """Writes a study's child runs from the Tune driver (picklable: the client is created lazily)."""
 
-    def __init__(self, study: "Study") -> None:
+    def __init__(self, study: "StudyContext") -> None:
         self.study = study
         self._tracker = None
         self._map: RunMap | None = None
@@ -102,7 +51,7 @@ class MlflowStudyCallback(Callback):
     def tracker(self):
         """The lazily created Tracker (one MlflowClient in the driver)."""
         if self._tracker is None:
-            from prvrlab.platform.tracking import Tracker
+            from prvrlab.platform.tracking.store import Tracker
 
             self._tracker = Tracker(self.study.tracking_uri, self.study.experiment)
         return self._tracker
@@ -127,7 +76,7 @@ class MlflowStudyCallback(Callback):
                 self.runs.save()
                 self._open.add(trial_id)
             return run_id
-        from prvrlab.platform.tracking import git_commit
+        from prvrlab.platform.tracking.store import git_commit
 
         if self._commit is None:
             self._commit = git_commit()

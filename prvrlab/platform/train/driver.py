@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prvrlab.platform.config import ExperimentConfig, plugin_tokens
-from prvrlab.platform.tracking import Tracker, git_commit, resolve_tracking_uri
+from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
+from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri
+from prvrlab.platform.tracking.tags import run_tags
 
 
 class TrainingError(RuntimeError):
@@ -40,69 +42,11 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def project_home() -> Path:
-    """``$PRVRLAB_HOME`` or the current directory: where relative config paths point."""
-    return Path(os.environ.get("PRVRLAB_HOME") or Path.cwd())
-
-
-def resolve_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> ExperimentConfig:
-    """A copy whose data root and storage path are absolute (workers chdir).
-
-    Relative paths resolve against ``cwd``, else ``$PRVRLAB_HOME`` (set it
-    under ``ray job submit``, whose driver runs in a temporary copy of the
-    working dir), else the current directory.
-    """
-    base = (cwd or project_home()).resolve()
-    data = dataclasses.replace(cfg.data, root=str((base / cfg.data.root).resolve()))
-    visual = Path(cfg.data.visual_feature)
-    if visual.is_absolute():
-        data = dataclasses.replace(data, visual_feature=str(visual))
-    tracking = dataclasses.replace(
-        cfg.tracking,
-        storage_path=str((base / cfg.tracking.storage_path).resolve()),
-        uri=resolve_tracking_uri(cfg.tracking.uri, base),
-    )
-    return dataclasses.replace(cfg, data=data, tracking=tracking)
-
-
-def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
-    """Write the synthetic collection if asked and missing; open and check the data.
-
-    Returns the opened collection (so the caller knows the dimensions).
-    Raises DataError naming the file when the data is missing or corrupt.
-    """
-    from prvrlab.data.collection import open_collection
-
-    root = Path(cfg.data.root)
-    if cfg.data.synthesize and not (root / "TextData").is_dir():
-        from prvrlab.data.synth import synthesize
-
-        synthesize(root, preset=cfg.data.synthesize, seed=cfg.data.synth_seed, progress=progress)
-    collection = open_collection(cfg.data)
-    for split in {cfg.data.train_split, cfg.data.val_split}:
-        collection.split(split)
-    return collection
-
-
 def run_name_for(cfg: ExperimentConfig) -> str:
     """A unique, filesystem-safe run name: <name>-<timestamp>."""
     stem = cfg.tracking.run_name or cfg.name
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-") or "run"
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
-    """Tags every training run carries."""
-    return {
-        "prvrlab.kind": "train",
-        "backbone": cfg.backbone,
-        "plugins": ",".join(plugin_tokens(cfg)) or "none",
-        "losses": ",".join(t for t, s in cfg.losses.items() if s["weight"] > 0),
-        "dataset": cfg.data.collection,
-        "seed": str(cfg.train.seed),
-        "git_commit": git_commit(),
-        "config_hash": cfg.fingerprint(),
-    }
 
 
 def cpus_per_worker(cfg: ExperimentConfig, cluster_cpus: float, reserved: float = 0.0) -> float:
@@ -165,26 +109,6 @@ def _queue_callback(q):
     return ForwardReports()
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster at $RAY_ADDRESS, or start a quiet local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    else:
-        ray.init(
-            num_cpus=num_cpus or os.cpu_count(),
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="ERROR",
-            configure_logging=True,
-        )
-
-
 def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
     """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``."""
     import ray
@@ -192,7 +116,7 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from prvrlab.platform.worker import fault_hook_from_env, train_worker
+    from prvrlab.platform.train.loop import fault_hook_from_env, train_worker
 
     ensure_ray()
     cpus = cpus_per_worker(cfg, float(ray.cluster_resources().get("CPU", os.cpu_count() or 1)))
@@ -260,7 +184,7 @@ def train(
     parent_run_id: str | None = None,
 ) -> TrainResult:
     """Train ``cfg`` and record it as one MLflow run; raises TrainingError on failure."""
-    cfg = resolve_paths(cfg)
+    cfg = resolve_config_paths(cfg)
     prepare_data(cfg, progress=echo is not None)
     name = run_name_for(cfg)
     run_dir = Path(cfg.tracking.storage_path) / name / "files"
@@ -278,7 +202,7 @@ def train(
         if use_ray:
             fit_with_ray(cfg, run_dir, name, recorder)
         else:
-            from prvrlab.platform.worker import run_local
+            from prvrlab.platform.train.loop import run_local
 
             run_local(cfg.to_dict(), run_dir, on_report=recorder)
         if recorder.error:

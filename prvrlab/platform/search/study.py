@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
-from ray.tune.search.optuna import OptunaSearch
 
 from prvrlab.platform.config import ExperimentConfig, apply_overrides, plugin_tokens, validate
-from prvrlab.platform.mlflow_callback import INTERRUPTED, MlflowStudyCallback, RunMap, trial_outcome
-from prvrlab.platform.progress import format_params
-from prvrlab.platform.search_spec import SearchSpec, StudyError, StudySpec
+from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
+from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, format_params, trial_outcome
+from prvrlab.platform.search.spec import SearchSpec, StudyError, StudySpec
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
 
@@ -50,7 +49,7 @@ def _components(cfg: ExperimentConfig) -> str:
 
 
 @dataclass
-class Study:
+class StudyContext:
     """Everything a trial and the driver callbacks need (plain data, picklable)."""
 
     kind: str  # "search" | "ablation"
@@ -97,7 +96,7 @@ class Study:
 
     def trial_tags(self, config: dict[str, Any], cfg: ExperimentConfig, commit: str) -> dict[str, str]:
         """Tags of a trial's child run."""
-        from prvrlab.platform.trainer import run_tags
+        from prvrlab.platform.tracking.tags import run_tags
 
         tags = run_tags(cfg)
         tags.update(
@@ -164,12 +163,12 @@ def _report_callback(filler: MetricFiller):
     return FilledTuneReport()
 
 
-def run_trial(config: dict[str, Any], study: Study) -> None:
+def run_trial(config: dict[str, Any], study: StudyContext) -> None:
     """Tune function trainable: train one config (in-actor for 1 worker, TorchTrainer DDP otherwise)."""
     from ray import tune
 
-    from prvrlab.platform.session import TuneSession
-    from prvrlab.platform.worker import train_worker
+    from prvrlab.platform.train.session import TuneSession
+    from prvrlab.platform.train.loop import train_worker
 
     trial_id = tune.get_context().get_trial_id()
     cfg = study.experiment_config(config)
@@ -244,7 +243,7 @@ def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -
     return max(cpus, 0.01), res.gpus_per_worker
 
 
-def _prepare_environment() -> None:
+def prepare_environment() -> None:
     """Driver-side settings: quiet output, strict metric check off, frequent state saves."""
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # final/non-finite rounds may lack the metric
@@ -253,7 +252,7 @@ def _prepare_environment() -> None:
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
 
-def _trainable(study: Study, resources: dict[str, float]):
+def _trainable(study: StudyContext, resources: dict[str, float]):
     from ray import tune
 
     return tune.with_resources(tune.with_parameters(run_trial, study=study), resources)
@@ -272,9 +271,9 @@ class StudyResult:
 
 def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[str], None]) -> tuple[ExperimentConfig, Path, bool]:
     """Resolve paths, prepare the data and pick the study folder (before Ray starts)."""
-    from prvrlab.platform.trainer import prepare_data, resolve_paths
+    from prvrlab.platform.runtime import prepare_data, resolve_config_paths
 
-    base = resolve_paths(validate(spec.base_raw))
+    base = resolve_config_paths(validate(spec.base_raw))
     prepare_data(base, progress=False)
     root = study_root(base.tracking.storage_path, kind, spec.name)
     if resume:
@@ -293,7 +292,7 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
 
 def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Path, parent_run_id: str | None = None) -> str:
     """Create the study's parent run, or reopen the one ``study.json`` (or the caller) names."""
-    from prvrlab.platform.tracking import git_commit
+    from prvrlab.platform.tracking.store import git_commit
 
     run_id = runs.parent or parent_run_id
     if run_id is not None:
@@ -323,7 +322,7 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
 
 def run_study(
     spec: StudySpec,
-    study: Study,
+    study: StudyContext,
     *,
     tune_config_kwargs: dict[str, Any],
     param_space: dict[str, Any],
@@ -335,7 +334,7 @@ def run_study(
     """Run (or restore) the Tune experiment of ``study``; returns (ResultGrid, callback, interrupted)."""
     from ray import tune
 
-    from prvrlab.platform.progress import ProgressCallback
+    from prvrlab.platform.search.progress import ProgressCallback
 
     if study.workers == 1:
         resources = {"cpu": study.cpus_per_worker, "gpu": study.gpus_per_worker}
@@ -419,48 +418,16 @@ def count_outcomes(trials) -> dict[str, int]:
     return counts
 
 
-# ---------------------------------------------------------------- search
-
-
-def best_trial(trials, study: Study) -> dict[str, Any] | None:
-    """The trial with the best value of the metric over all its reports (failed ones excluded)."""
-    better = (lambda a, b: a > b) if study.mode == "max" else (lambda a, b: a < b)
-    best = None
-    for t in trials:
-        if t.status != "TERMINATED" or trial_outcome(t.last_result) == "nonfinite":
-            continue
-        value = t.metric_analysis.get(study.metric, {}).get(study.mode)
-        if value is None or not math.isfinite(value):
-            continue
-        if best is None or better(value, best["value"]):
-            best = {"trial_id": t.trial_id, "value": float(value), "config": dict(t.config)}
-    return best
-
-
-def write_best_config(study: Study, best: dict[str, Any], spec: SearchSpec) -> Path:
-    """``<study dir>/best_config.yaml``: the best trial's config, ready for ``prvrlab train``."""
-    cfg = study.experiment_config(best["config"])
-    cfg = dataclasses.replace(cfg, name=f"{spec.name}_best", tracking=dataclasses.replace(cfg.tracking, run_name=None))
-    header = (
-        f"# best trial {best['trial_id']} of search '{spec.name}' ({spec.metric} {best['value']:.3f}, mode {spec.mode})\n"
-        f"# searched values: {format_params(best['config'])}\n"
-        f"# the spec's overrides are included: {format_params(spec.overrides) or 'none'}\n"
-    )
-    path = Path(study.study_dir) / "best_config.yaml"
-    path.write_text(header + cfg.to_yaml())
-    return path
-
-
-def make_study(spec: StudySpec, kind: str, base: ExperimentConfig, study_dir: Path, cells=None) -> Study:
-    """A :class:`Study` for ``spec`` with per-worker resources from the running cluster."""
+def make_study(spec: StudySpec, kind: str, base: ExperimentConfig, study_dir: Path, cells=None) -> StudyContext:
+    """A :class:`StudyContext` for ``spec`` with per-worker resources from the running cluster."""
     import ray
 
-    from prvrlab.platform.worker import fault_hook_from_env
+    from prvrlab.platform.train.loop import fault_hook_from_env
 
     cluster = ray.cluster_resources()
     cpus, gpus = trial_resources(spec, float(cluster.get("CPU", os.cpu_count() or 1)), float(cluster.get("GPU", 0)))
     base_raw = apply_overrides(base.to_dict(), {})
-    return Study(
+    return StudyContext(
         kind=kind,
         name=spec.name,
         study_dir=str(study_dir),
@@ -475,104 +442,6 @@ def make_study(spec: StudySpec, kind: str, base: ExperimentConfig, study_dir: Pa
         cells=cells,
         fault=fault_hook_from_env(),
     )
-
-
-class TolerantOptunaSearch(OptunaSearch):
-    """OptunaSearch that skips rounds without the metric (non-finite, final-without-metric)."""
-
-    def on_trial_result(self, trial_id: str, result: dict) -> None:
-        """Report an intermediate value to Optuna only when the round has one."""
-        if self.metric in result:
-            super().on_trial_result(trial_id, result)
-
-
-def _searcher(spec: SearchSpec):
-    """OptunaSearch (seeded sampler, define-by-run space) that tolerates rounds without the metric.
-
-    A non-finite round carries no metric value: it is not reported to Optuna
-    (stock OptunaSearch would raise), and the trial ends up PRUNED there.
-    """
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if spec.sampler == "grid":
-        sampler = optuna.samplers.GridSampler(spec.grid(), seed=spec.seed)
-    elif spec.sampler == "random":
-        sampler = optuna.samplers.RandomSampler(seed=spec.seed)
-    else:
-        sampler = optuna.samplers.TPESampler(seed=spec.seed)
-    return TolerantOptunaSearch(space=spec.define_by_run(), metric=spec.metric, mode=spec.mode, sampler=sampler, seed=spec.seed)
-
-
-def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None] | None = print) -> StudyResult:
-    """Run (or resume) a hyperparameter search; returns the study's outcome (``echo=None``: silent)."""
-    progress = echo is not None
-    echo = echo or (lambda _: None)
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
-    from prvrlab.platform.tracking import Tracker
-    from prvrlab.platform.trainer import ensure_ray
-
-    base, study_dir, resumed = prepare_study(spec, resume=resume, kind="search", echo=echo)
-    tracker = Tracker(base.tracking.uri, base.tracking.experiment)
-    runs = RunMap(study_dir)
-    parent = open_parent(tracker, runs, spec, "search", study_dir)
-    status = "FAILED"
-    try:
-        _prepare_environment()
-        ensure_ray()
-        study = make_study(spec, "search", base, study_dir)
-        echo(
-            f"search '{spec.name}': {spec.trials} trials, {spec.concurrency} at a time, "
-            f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
-            + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
-            + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
-        )
-        searcher = _searcher(spec)
-        if spec.scheduler == "asha":
-            scheduler = ASHAScheduler(
-                time_attr="training_iteration",
-                max_t=validate(spec.base_raw).train.epochs + 1,  # the last round is the final evaluation
-                grace_period=spec.grace_period,
-                reduction_factor=spec.reduction_factor,
-                stop_last_trials=False,
-            )
-        else:
-            scheduler = FIFOScheduler()
-        results, mlflow_cb, interrupted = run_study(
-            spec,
-            study,
-            tune_config_kwargs={
-                "search_alg": searcher,
-                "scheduler": scheduler,
-                "num_samples": spec.trials,
-                "max_concurrent_trials": spec.concurrency,
-                "time_budget_s": spec.time_limit_s,
-            },
-            param_space={},
-            resume=resumed,
-            tracker=tracker,
-            total=spec.trials,
-            progress=progress,
-        )
-        trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
-        counts = count_outcomes(trials)
-        best = best_trial(trials, study)
-        summary = {f"trials/{k}": v for k, v in counts.items()}
-        if best is not None:
-            path = write_best_config(study, best, spec)
-            best["path"] = path
-            summary[f"best/{spec.metric}"] = best["value"]
-            tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
-            tracker.log_artifacts(parent, [path])
-        tracker.log_metrics(parent, summary)
-        status = "KILLED" if interrupted else "FINISHED"
-        return StudyResult(study_dir, parent, counts, best, interrupted)
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        tracker.end_run(parent, status)
 
 
 def runs_for(study_dir: Path) -> dict[str, str]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from prvrlab.platform.tracking import Tracker, numeric_metrics, resolve_tracking_uri
+from prvrlab.platform.tracking.store import Tracker, numeric_metrics, resolve_tracking_uri
 
 
 def test_default_uri_is_absolute_sqlite_in_cwd(tmp_path, monkeypatch):

@@ -13,17 +13,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from prvrlab.platform.mlflow_callback import RunMap
-from prvrlab.platform.search import (
+from prvrlab.platform.search.outcome import RunMap
+from prvrlab.platform.search.study import (
     StudyResult,
     make_study,
     open_parent,
     prepare_study,
     run_study,
     study_root,
-    _prepare_environment,
+    prepare_environment,
 )
-from prvrlab.platform.search_spec import AblationSpec
+from prvrlab.platform.search.spec import AblationSpec
 
 
 def finished_hashes(tracker, name: str) -> dict[str, str]:
@@ -70,16 +70,16 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     echo = echo or (lambda _: None)
     from ray import tune
 
-    from prvrlab.platform.search import Study
-    from prvrlab.platform.tracking import Tracker
-    from prvrlab.platform.trainer import ensure_ray
+    from prvrlab.platform.search.study import StudyContext
+    from prvrlab.platform.tracking.store import Tracker
+    from prvrlab.platform.runtime import ensure_ray
 
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="ablation", echo=echo)
     tracker = Tracker(base.tracking.uri, base.tracking.experiment)
     runs = RunMap(study_dir)
     all_cells = spec.cells()
     done = finished_hashes(tracker, spec.name)
-    plain = Study(
+    plain = StudyContext(
         kind="ablation", name=spec.name, study_dir=str(study_dir), base_raw=base.to_dict(), metric=spec.metric,
         mode=spec.mode, workers=spec.resources.workers_per_trial, cpus_per_worker=1.0,
         gpus_per_worker=spec.resources.gpus_per_worker, tracking_uri=base.tracking.uri,
@@ -97,7 +97,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     interrupted = False
     try:
         if todo or resumed:
-            _prepare_environment()
+            prepare_environment()
             ensure_ray()
             study = make_study(spec, "ablation", base, study_dir, cells=all_cells)
             _, _, interrupted = run_study(

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from prvrlab.platform.optim import BertAdam, build_optimizer, param_groups, warmup_linear
+from prvrlab.platform.train.optim import BertAdam, build_optimizer, param_groups, warmup_linear
 
 
 def test_bert_adam_matches_hand_computed_steps_without_bias_correction():

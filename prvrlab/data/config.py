@@ -1,0 +1,37 @@
+"""Where a collection's files are and how its features are preprocessed (the ``data:`` config section).
+
+Defined here, in the data layer, so that readers and loaders need nothing from
+the platform; :mod:`prvrlab.platform.config` validates it with the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DataConfig:
+    """Where the features are and how they are preprocessed."""
+
+    root: str = "data/synth"  # folder holding FeatureData/ and TextData/
+    collection: str = "synth"  # tvr | activitynet | charades | synth (file name prefix)
+    visual_feature: str = "synth_feat"  # FeatureData/<name> BigFile folder, or an .hdf5 file
+    text_feature: str | None = None  # default: TextData/roberta_<collection>_query_feat.hdf5
+    train_split: str = "train"
+    val_split: str = "val"
+    test_split: str | None = "test"
+    max_frames: int = 128
+    num_clips: int = 32
+    max_query_len: int = 30
+    synthesize: str | None = None  # synthetic preset written to `root` when it is missing
+    synth_seed: int = 0
+    loader_workers: int = 0
+
+    def check(self) -> None:
+        """A ValueError naming the ``data.<key>`` that is out of range."""
+        for name in ("max_frames", "num_clips", "max_query_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"data.{name} must be an integer > 0, got {value!r}")
+        if self.loader_workers < 0:
+            raise ValueError("data.loader_workers must be >= 0")

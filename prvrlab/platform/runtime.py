@@ -1,0 +1,77 @@
+"""Where a run executes: the project folder, absolute paths, the data, the Ray cluster.
+
+Shared by training, searches and ablations (the driver side only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from prvrlab.platform.config import ExperimentConfig
+from prvrlab.platform.tracking.store import resolve_tracking_uri
+
+
+def project_home() -> Path:
+    """``$PRVRLAB_HOME`` or the current directory: where relative config paths point."""
+    return Path(os.environ.get("PRVRLAB_HOME") or Path.cwd())
+
+
+def resolve_config_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> ExperimentConfig:
+    """A copy whose data root and storage path are absolute (workers chdir).
+
+    Relative paths resolve against ``cwd``, else ``$PRVRLAB_HOME`` (set it
+    under ``ray job submit``, whose driver runs in a temporary copy of the
+    working dir), else the current directory.
+    """
+    base = (cwd or project_home()).resolve()
+    data = dataclasses.replace(cfg.data, root=str((base / cfg.data.root).resolve()))
+    visual = Path(cfg.data.visual_feature)
+    if visual.is_absolute():
+        data = dataclasses.replace(data, visual_feature=str(visual))
+    tracking = dataclasses.replace(
+        cfg.tracking,
+        storage_path=str((base / cfg.tracking.storage_path).resolve()),
+        uri=resolve_tracking_uri(cfg.tracking.uri, base),
+    )
+    return dataclasses.replace(cfg, data=data, tracking=tracking)
+
+
+def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
+    """Write the synthetic collection if asked and missing; open and check the data.
+
+    Returns the opened collection (so the caller knows the dimensions).
+    Raises DataError naming the file when the data is missing or corrupt.
+    """
+    from prvrlab.data.collection import open_collection
+
+    root = Path(cfg.data.root)
+    if cfg.data.synthesize and not (root / "TextData").is_dir():
+        from prvrlab.data.synth import synthesize
+
+        synthesize(root, preset=cfg.data.synthesize, seed=cfg.data.synth_seed, progress=progress)
+    collection = open_collection(cfg.data)
+    for split in {cfg.data.train_split, cfg.data.val_split}:
+        collection.split(split)
+    return collection
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster at $RAY_ADDRESS, or start a quiet local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            configure_logging=True,
+        )

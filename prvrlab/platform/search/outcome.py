@@ -1,0 +1,71 @@
+"""What the study's driver-side pieces share: the run map, trial outcomes, interrupts, labels.
+
+Kept free of callbacks and Tune drivers so that the MLflow callback, the
+progress view and the study driver all import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+STUDY_FILE = "study.json"
+INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
+
+
+def watch_interrupts() -> None:
+    """Wrap Tune's SIGINT handler so that an interrupt is also recorded in INTERRUPTED (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGINT)
+    if getattr(current, "prvrlab_watch", False):
+        return
+
+    def handler(signum, frame) -> None:
+        INTERRUPTED.set()
+        if callable(current):
+            current(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    handler.prvrlab_watch = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, handler)
+
+
+class RunMap:
+    """``study.json``: the parent run id and trial id -> child run id (atomic writes)."""
+
+    def __init__(self, study_dir: str | Path) -> None:
+        self.path = Path(study_dir) / STUDY_FILE
+        data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.parent: str | None = data.get("parent")
+        self.trials: dict[str, str] = dict(data.get("trials", {}))
+        self.closed: dict[str, str] = dict(data.get("closed", {}))
+        self.meta: dict[str, Any] = dict(data.get("meta", {}))
+
+    def save(self) -> None:
+        """Write the map (temp file + rename)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        payload = {"parent": self.parent, "trials": self.trials, "closed": self.closed, "meta": self.meta}
+        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def trial_outcome(last_result: dict[str, Any] | None) -> str:
+    """'finished', 'nonfinite' or 'early_stopped' for a trial that ended without an error."""
+    kind = (last_result or {}).get("kind")
+    if kind == "final":
+        return "finished"
+    if kind == "nonfinite":
+        return "nonfinite"
+    return "early_stopped"
+
+
+def format_params(params: dict[str, Any]) -> str:
+    """``key=value`` pairs, floats to 3 significant digits."""
+    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

@@ -1,0 +1,157 @@
+"""Hyperparameter searches: Optuna samples, Ray Tune runs the trials (see :mod:`.study`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from ray.tune.search.optuna import OptunaSearch
+
+from prvrlab.platform.config import validate
+from prvrlab.platform.search.outcome import RunMap, format_params, trial_outcome
+from prvrlab.platform.search.spec import SearchSpec
+from prvrlab.platform.search.study import (
+    StudyContext,
+    StudyResult,
+    count_outcomes,
+    make_study,
+    open_parent,
+    prepare_environment,
+    prepare_study,
+    run_study,
+    runs_for,
+)
+
+
+# ---------------------------------------------------------------- search
+
+
+def best_trial(trials, study: StudyContext) -> dict[str, Any] | None:
+    """The trial with the best value of the metric over all its reports (failed ones excluded)."""
+    better = (lambda a, b: a > b) if study.mode == "max" else (lambda a, b: a < b)
+    best = None
+    for t in trials:
+        if t.status != "TERMINATED" or trial_outcome(t.last_result) == "nonfinite":
+            continue
+        value = t.metric_analysis.get(study.metric, {}).get(study.mode)
+        if value is None or not math.isfinite(value):
+            continue
+        if best is None or better(value, best["value"]):
+            best = {"trial_id": t.trial_id, "value": float(value), "config": dict(t.config)}
+    return best
+
+
+def write_best_config(study: StudyContext, best: dict[str, Any], spec: SearchSpec) -> Path:
+    """``<study dir>/best_config.yaml``: the best trial's config, ready for ``prvrlab train``."""
+    cfg = study.experiment_config(best["config"])
+    cfg = dataclasses.replace(cfg, name=f"{spec.name}_best", tracking=dataclasses.replace(cfg.tracking, run_name=None))
+    header = (
+        f"# best trial {best['trial_id']} of search '{spec.name}' ({spec.metric} {best['value']:.3f}, mode {spec.mode})\n"
+        f"# searched values: {format_params(best['config'])}\n"
+        f"# the spec's overrides are included: {format_params(spec.overrides) or 'none'}\n"
+    )
+    path = Path(study.study_dir) / "best_config.yaml"
+    path.write_text(header + cfg.to_yaml())
+    return path
+
+
+class TolerantOptunaSearch(OptunaSearch):
+    """OptunaSearch that skips rounds without the metric (non-finite, final-without-metric)."""
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        """Report an intermediate value to Optuna only when the round has one."""
+        if self.metric in result:
+            super().on_trial_result(trial_id, result)
+
+
+def _searcher(spec: SearchSpec):
+    """OptunaSearch (seeded sampler, define-by-run space) that tolerates rounds without the metric.
+
+    A non-finite round carries no metric value: it is not reported to Optuna
+    (stock OptunaSearch would raise), and the trial ends up PRUNED there.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if spec.sampler == "grid":
+        sampler = optuna.samplers.GridSampler(spec.grid(), seed=spec.seed)
+    elif spec.sampler == "random":
+        sampler = optuna.samplers.RandomSampler(seed=spec.seed)
+    else:
+        sampler = optuna.samplers.TPESampler(seed=spec.seed)
+    return TolerantOptunaSearch(space=spec.define_by_run(), metric=spec.metric, mode=spec.mode, sampler=sampler, seed=spec.seed)
+
+
+def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None] | None = print) -> StudyResult:
+    """Run (or resume) a hyperparameter search; returns the study's outcome (``echo=None``: silent)."""
+    progress = echo is not None
+    echo = echo or (lambda _: None)
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from prvrlab.platform.tracking.store import Tracker
+    from prvrlab.platform.runtime import ensure_ray
+
+    base, study_dir, resumed = prepare_study(spec, resume=resume, kind="search", echo=echo)
+    tracker = Tracker(base.tracking.uri, base.tracking.experiment)
+    runs = RunMap(study_dir)
+    parent = open_parent(tracker, runs, spec, "search", study_dir)
+    status = "FAILED"
+    try:
+        prepare_environment()
+        ensure_ray()
+        study = make_study(spec, "search", base, study_dir)
+        echo(
+            f"search '{spec.name}': {spec.trials} trials, {spec.concurrency} at a time, "
+            f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
+            + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
+            + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
+        )
+        searcher = _searcher(spec)
+        if spec.scheduler == "asha":
+            scheduler = ASHAScheduler(
+                time_attr="training_iteration",
+                max_t=validate(spec.base_raw).train.epochs + 1,  # the last round is the final evaluation
+                grace_period=spec.grace_period,
+                reduction_factor=spec.reduction_factor,
+                stop_last_trials=False,
+            )
+        else:
+            scheduler = FIFOScheduler()
+        results, mlflow_cb, interrupted = run_study(
+            spec,
+            study,
+            tune_config_kwargs={
+                "search_alg": searcher,
+                "scheduler": scheduler,
+                "num_samples": spec.trials,
+                "max_concurrent_trials": spec.concurrency,
+                "time_budget_s": spec.time_limit_s,
+            },
+            param_space={},
+            resume=resumed,
+            tracker=tracker,
+            total=spec.trials,
+            progress=progress,
+        )
+        trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
+        counts = count_outcomes(trials)
+        best = best_trial(trials, study)
+        summary = {f"trials/{k}": v for k, v in counts.items()}
+        if best is not None:
+            path = write_best_config(study, best, spec)
+            best["path"] = path
+            summary[f"best/{spec.metric}"] = best["value"]
+            tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
+            tracker.log_artifacts(parent, [path])
+        tracker.log_metrics(parent, summary)
+        status = "KILLED" if interrupted else "FINISHED"
+        return StudyResult(study_dir, parent, counts, best, interrupted)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.end_run(parent, status)
+
+
