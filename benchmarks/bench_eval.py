@@ -24,7 +24,8 @@ import torch
 from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.evaluation.retrieval import evaluate
-from prvrlab.platform.train.loop import build_model, seed_everything
+from prvrlab.models.factory import build_model
+from prvrlab.platform.train.loop import seed_everything
 
 
 def main() -> None:
@@ -45,7 +46,7 @@ def main() -> None:
     t0 = time.perf_counter()
     collection = open_collection(cfg.data)
     print(f"open + check collection: {time.perf_counter() - t0:.1f} s")
-    model = build_model(cfg, collection.video_dim, collection.query_dim)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     for amp in args.amp:
         dtype = torch.bfloat16 if amp == "bf16" else None
         for split in args.splits:

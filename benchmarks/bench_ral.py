@@ -23,7 +23,8 @@ from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.platform.train.optim import build_optimizer
-from prvrlab.platform.train.loop import build_model, seed_everything
+from prvrlab.models.factory import build_model
+from prvrlab.platform.train.loop import seed_everything
 from prvrlab.reports.profile import profile_config, profile_table
 
 RAL = {
@@ -40,7 +41,7 @@ RAL = {
 def step_seconds(cfg, collection, steps: int, amp: str) -> float:
     """Mean seconds of forward + losses + backward + optimiser over ``steps`` batches."""
     seed_everything(0)
-    model = build_model(cfg, collection.video_dim, collection.query_dim)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     losses = WeightedLoss.from_config(cfg.losses)
     loader, _ = train_loader(collection, "train", batch_size_per_rank=cfg.train.batch_size, rank=0,
                              world_size=1, seed=0, num_workers=0)

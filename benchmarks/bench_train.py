@@ -28,7 +28,8 @@ from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.platform.train.optim import build_optimizer
-from prvrlab.platform.train.loop import build_model, seed_everything
+from prvrlab.models.factory import build_model
+from prvrlab.platform.train.loop import seed_everything
 
 REFERENCE_BATCH_S = 12.8 + 5.3
 
@@ -52,7 +53,7 @@ def main() -> None:
         cfg = tvr_config(root, **{"train.amp": amp, "data.loader_workers": args.loader_workers})
         seed_everything(0)
         collection = open_collection(cfg.data)
-        model = build_model(cfg, collection.video_dim, collection.query_dim)
+        model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
         losses = WeightedLoss.from_config(cfg.losses)
         loader, _ = train_loader(
             collection, "train", batch_size_per_rank=cfg.train.batch_size, rank=0, world_size=1,

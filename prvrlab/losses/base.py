@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import ModelOutput
+from prvrlab.models.component import Component
 
 
-class Loss(nn.Module):
+class Loss(Component):
     """A loss term: reads a ``ModelOutput`` and its ``Batch``, returns a scalar.
 
     Subclasses take only their own keyword-only hyperparameters; the weight of
-    the term lives in :class:`prvrlab.losses.weighted.WeightedLoss`.
+    the term lives in :class:`prvrlab.losses.weighted.WeightedLoss`.  As a
+    :class:`~prvrlab.models.component.Component` a loss declares what it
+    needs from the backbone (``needs``), may own learnable parameters (they
+    are optimised and checkpointed with the model), may act at epoch
+    start/end and after each step, and may log metrics (``log_metric``).
     """
 
     def required_aux(self) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ from prvrlab.data.batch import Batch
 from prvrlab.losses._common import check_branch
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
+from prvrlab.models.component import MOMENT_TOKENS, QUERY_GROUPS
 from prvrlab.registry import LOSSES
 
 
@@ -95,6 +96,10 @@ class OptimalMatchingLoss(Loss):
         super().__init__()
         self.branch = check_branch(branch)
 
+    def needs(self, *, training: bool) -> frozenset[str]:
+        """Each video's clip (moment) embeddings and its group of queries."""
+        return frozenset({MOMENT_TOKENS, QUERY_GROUPS})
+
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
         vectors = out.query.vectors.get(self.branch)
         if vectors is None:
@@ -102,9 +107,7 @@ class OptimalMatchingLoss(Loss):
                 f"optimal_matching: branch={self.branch!r} has no query vector; "
                 f"available: {', '.join(sorted(out.query.vectors))}"
             )
-        clips = out.video.clip
-        if clips is None or clips.dim() != 3:
-            raise ValueError("optimal_matching needs per-clip video embeddings out.video.clip (B, Lc, D)")
+        clips, _ = out.video.moment_tokens()  # (B, Lc, D)
         result = matching_cosines(vectors, clips, batch.query_video)
         if result is None:
             return (vectors.sum() + clips.sum()).float() * 0.0

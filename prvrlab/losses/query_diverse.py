@@ -22,6 +22,7 @@ from prvrlab.data.batch import Batch
 from prvrlab.losses._common import check_branch, check_number
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
+from prvrlab.models.component import QUERY_GROUPS
 from prvrlab.registry import LOSSES
 
 
@@ -49,6 +50,10 @@ class QueryDiverseLoss(Loss):
         self.branch = check_branch(branch)
         self.alpha = check_number(alpha, "alpha", minimum=0.0, strict=True)
         self.delta = check_number(delta, "delta", minimum=0.0)
+
+    def needs(self, *, training: bool) -> frozenset[str]:
+        """Each video's group of queries (pushed apart from each other)."""
+        return frozenset({QUERY_GROUPS})
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
         vectors = out.query.vectors.get(self.branch)

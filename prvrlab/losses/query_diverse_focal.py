@@ -32,6 +32,7 @@ from prvrlab.data.batch import Batch
 from prvrlab.losses._common import check_branch, check_number
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
+from prvrlab.models.component import QUERY_GROUPS
 from prvrlab.registry import LOSSES
 
 
@@ -93,6 +94,10 @@ class QueryDiverseFocalLoss(Loss):
         if reduction not in ("query", "pair"):
             raise ValueError(f"reduction must be 'query' or 'pair', got {reduction!r}")
         self.reduction = reduction
+
+    def needs(self, *, training: bool) -> frozenset[str]:
+        """Each video's group of queries (pushed apart from each other)."""
+        return frozenset({QUERY_GROUPS})
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
         vectors = out.query.vectors.get(self.branch)

@@ -4,43 +4,97 @@ A backbone encodes videos and queries separately (so evaluation encodes each
 video once) and scores any set of queries against any set of videos, per
 *branch* (e.g. ``"clip"`` and ``"frame"``).  The final retrieval score is the
 weighted sum of the branch similarities with ``score_weights``.
+
+A backbone also declares the capabilities it can supply to losses and
+plug-ins (``provides``, names from :mod:`prvrlab.models.component`) and
+supplies each one only when it is requested for the current mode
+(``request`` / ``exposes``), so retrieval keeps no tensor that only
+training reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from prvrlab.data.batch import Batch
+from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS, check_capabilities
+
+
+def _map_value(v: Any, fn):
+    if isinstance(v, Tensor):
+        return fn(v)
+    if is_dataclass(v) and not isinstance(v, type):
+        return _map_tensors(v, fn)
+    return v
 
 
 def _map_tensors(obj, fn):
-    """Apply ``fn`` to every Tensor field of a dataclass, keeping the others."""
+    """Apply ``fn`` to every Tensor of a dataclass: its fields, its dict fields and nested
+    embeddings in them (e.g. a plug-in's second encoder's ``VideoEmbedding`` in ``extra``)."""
     changes = {}
     for f in fields(obj):
         v = getattr(obj, f.name)
-        if isinstance(v, Tensor):
-            changes[f.name] = fn(v)
-        elif isinstance(v, dict):
-            changes[f.name] = {k: fn(t) if isinstance(t, Tensor) else t for k, t in v.items()}
+        if isinstance(v, dict):
+            changes[f.name] = {k: _map_value(t, fn) for k, t in v.items()}
+        else:
+            changes[f.name] = _map_value(v, fn)
     return replace(obj, **changes)
+
+
+def _ones_mask(tokens: Tensor) -> Tensor:
+    return torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
 
 
 @dataclass
 class VideoEmbedding:
     """Encoded videos; every tensor has the video index as its first dimension.
 
-    ``clip``: (Nv, Lc, D) clip-level embeddings.  ``frame``: (Nv, D) pooled or
-    (Nv, Lf, D) per-frame embeddings with ``frame_mask`` (Nv, Lf).  ``extra``
-    holds backbone- or plug-in-specific per-video tensors (first dim Nv).
+    ``clip``: (Nv, Lc, D) clip-level (moment) embeddings.  ``frame``: (Nv, D)
+    pooled or (Nv, Lf, D) per-frame embeddings with ``frame_mask`` (Nv, Lf).
+    ``extra`` holds backbone- or plug-in-specific per-video values (tensors
+    with first dim Nv, or nested embeddings such as a second encoder's);
+    plug-in entries are named ``"<plugin>.<key>"``.  Components read the
+    capabilities through :meth:`frame_tokens` and :meth:`moment_tokens`.
     """
 
     clip: Tensor | None = None
     frame: Tensor | None = None
     frame_mask: Tensor | None = None
-    extra: dict[str, Tensor] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def frame_tokens(self) -> tuple[Tensor, Tensor]:
+        """Per-frame embeddings (Nv, Lf, D) and their (Nv, Lf) bool mask (capability ``frame_tokens``).
+
+        From ``extra['frame_tokens']`` / ``extra['frame_mask']`` (backbones whose
+        ``frame`` is pooled put them there when the capability is requested),
+        else from a per-frame ``frame`` with ``frame_mask``.
+        """
+        if "frame_tokens" in self.extra:
+            tokens, mask = self.extra["frame_tokens"], self.extra.get("frame_mask")
+        elif self.frame is not None and self.frame.dim() == 3:
+            tokens, mask = self.frame, self.frame_mask
+        else:
+            raise ValueError(
+                "no per-frame embeddings in this VideoEmbedding: the backbone must provide and be asked for "
+                f"'{FRAME_TOKENS}' (a component's needs() requests it)"
+            )
+        return tokens, (_ones_mask(tokens) if mask is None else mask.to(torch.bool))
+
+    def moment_tokens(self) -> tuple[Tensor, Tensor]:
+        """Moment/clip-level embeddings (Nv, M, D) and their (Nv, M) bool mask (capability ``moment_tokens``)."""
+        if "moment_tokens" in self.extra:
+            tokens, mask = self.extra["moment_tokens"], self.extra.get("moment_mask")
+        elif self.clip is not None and self.clip.dim() == 3:
+            tokens, mask = self.clip, None
+        else:
+            raise ValueError(f"no moment embeddings in this VideoEmbedding (capability '{MOMENT_TOKENS}')")
+        return tokens, (_ones_mask(tokens) if mask is None else mask.to(torch.bool))
 
     def to(self, device: torch.device | str) -> "VideoEmbedding":
         return _map_tensors(self, lambda t: t.to(device))
@@ -64,13 +118,21 @@ class QueryEmbedding:
 
     ``vectors`` maps a branch name to its (Nq, D) query vector (a backbone may
     use one shared vector for all branches).  ``tokens`` (Nq, Lq, D) and
-    ``token_mask`` (Nq, Lq) keep the word-level encodings for plug-ins.
+    ``token_mask`` (Nq, Lq) keep the word-level encodings (capability
+    ``word_tokens``, read through :meth:`word_tokens`).
     """
 
     vectors: dict[str, Tensor] = field(default_factory=dict)
     tokens: Tensor | None = None
     token_mask: Tensor | None = None
-    extra: dict[str, Tensor] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def word_tokens(self) -> tuple[Tensor, Tensor]:
+        """Per-word embeddings (Nq, Lq, D) and their (Nq, Lq) bool mask (capability ``word_tokens``)."""
+        if self.tokens is None:
+            raise ValueError(f"no per-word embeddings in this QueryEmbedding (capability '{WORD_TOKENS}')")
+        mask = self.token_mask
+        return self.tokens, (_ones_mask(self.tokens) if mask is None else mask.to(torch.bool))
 
     def to(self, device: torch.device | str) -> "QueryEmbedding":
         return _map_tensors(self, lambda t: t.to(device))
@@ -86,17 +148,24 @@ class QueryEmbedding:
         return _cat(parts)
 
 
+def _cat_values(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, Tensor):
+        return _pad_cat(values)
+    if is_dataclass(first) and not isinstance(first, type):
+        return _cat(values)
+    return first
+
+
 def _cat(parts):
     first = parts[0]
     changes = {}
     for f in fields(first):
         v = getattr(first, f.name)
-        if isinstance(v, Tensor):
-            changes[f.name] = _pad_cat([getattr(p, f.name) for p in parts])
-        elif isinstance(v, dict):
-            changes[f.name] = {
-                k: _pad_cat([getattr(p, f.name)[k] for p in parts]) for k in v
-            }
+        if isinstance(v, dict):
+            changes[f.name] = {k: _cat_values([getattr(p, f.name)[k] for p in parts]) for k in v}
+        else:
+            changes[f.name] = _cat_values([getattr(p, f.name) for p in parts])
     return replace(first, **changes)
 
 
@@ -133,7 +202,7 @@ class ModelOutput:
     scores: dict[str, BranchScores]  # branch name -> (Nq, B) scores
     query: QueryEmbedding
     video: VideoEmbedding
-    aux: dict[str, Tensor] = field(default_factory=dict)  # plug-in extras
+    aux: dict[str, Any] = field(default_factory=dict)  # plug-in training extras, "<plugin>.<key>"
 
 
 class RetrievalModel(nn.Module):
@@ -145,11 +214,37 @@ class RetrievalModel(nn.Module):
     """
 
     score_weights: dict[str, float]
-    # Generic plug-in hook: a backbone whose ``VideoEmbedding.frame`` is pooled
-    # also returns its per-frame embeddings in ``extra['frame_tokens']`` (Nv, Lf, D)
-    # and ``extra['frame_mask']`` (Nv, Lf) when this is True (off by default so
-    # that retrieval without plug-ins keeps no per-frame tensors).
-    expose_frame_tokens: bool = False
+    # Capabilities this backbone can supply (names from prvrlab.models.component).
+    provides: ClassVar[frozenset[str]] = frozenset()
+
+    def request(self, *, training: Iterable[str] = (), retrieval: Iterable[str] = ()) -> None:
+        """Ask for capabilities in training mode and in eval (retrieval) mode (an unknown name is a
+        ValueError; whether this backbone ``provides`` them is checked by the model factory)."""
+        wanted = {True: frozenset(training), False: frozenset(retrieval)}
+        for names in wanted.values():
+            check_capabilities(names, type(self).__name__)
+        self.__dict__["_requested"] = wanted
+
+    def exposes(self, capability: str) -> bool:
+        """Whether ``encode_*`` should supply ``capability`` now (training forward, or the current mode)."""
+        requested = self.__dict__.get("_requested")
+        if requested is None:
+            return False
+        training = self.__dict__.get("_forced_mode", self.training)
+        return capability in requested[training]
+
+    @contextlib.contextmanager
+    def training_exposure(self) -> Iterator[None]:
+        """Supply the training-time capabilities whatever the module mode (the training forward)."""
+        previous = self.__dict__.get("_forced_mode")
+        self.__dict__["_forced_mode"] = True
+        try:
+            yield
+        finally:
+            if previous is None:
+                self.__dict__.pop("_forced_mode", None)
+            else:
+                self.__dict__["_forced_mode"] = previous
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
         """Encode (B, Lc, Dv) clips and (B, Lf, Dv) frames with a (B, Lf) mask."""
@@ -178,7 +273,9 @@ class RetrievalModel(nn.Module):
         return total
 
     def forward(self, batch: Batch) -> ModelOutput:
-        video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
-        query = self.encode_queries(batch.queries, batch.query_mask)
+        """The training path: encode with the training-time capabilities, score with logits."""
+        with self.training_exposure():
+            video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+            query = self.encode_queries(batch.queries, batch.query_mask)
         scores = self.score(query, video, with_logits=True)
         return ModelOutput(scores=scores, query=query, video=video)

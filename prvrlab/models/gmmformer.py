@@ -31,6 +31,7 @@ from prvrlab.models.blocks import (
     check_positive_int,
     init_normal_,
 )
+from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GMMBlock, TransformerLayer, parse_sigmas
 from prvrlab.models.scoring import max_scores, vector_scores
 from prvrlab.registry import BACKBONES
@@ -57,6 +58,8 @@ class GMMFormer(RetrievalModel):
     attention layer (0: none, as the reference); ``clip_weight`` /
     ``frame_weight``: the branches' weights in the retrieval score.
     """
+
+    provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
 
     def __init__(
         self,
@@ -140,7 +143,7 @@ class GMMFormer(RetrievalModel):
             f = block.forward_packed(f, frame_packing)  # (Nf, D)
         frame = self.frame_pool.forward_packed(f, frame_packing)  # (B, D)
         extra = {}
-        if self.expose_frame_tokens:  # plug-in hook (see RetrievalModel.expose_frame_tokens)
+        if self.exposes(FRAME_TOKENS):  # the frame branch is pooled: per-frame embeddings only on request
             extra = {"frame_tokens": frame_packing.unpack(f), "frame_mask": frame_packing.mask}  # (B, Lf, D), (B, Lf)
         return VideoEmbedding(clip=clip_packing.unpack(c), frame=frame, extra=extra)
 

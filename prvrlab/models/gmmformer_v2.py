@@ -64,6 +64,7 @@ from prvrlab.models.blocks import (
     dropout_mask,
     init_normal_,
 )
+from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GaussianAttention, TransformerLayer, parse_sigmas
 from prvrlab.models.gmmformer import check_score_weights
 from prvrlab.models.scoring import max_scores
@@ -258,6 +259,8 @@ class GMMFormerV2(RetrievalModel):
     reference); ``clip_weight`` / ``frame_weight``: the branches' weights in
     the retrieval score.
     """
+
+    provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # frame and clip embeddings are always per item
 
     def __init__(
         self,

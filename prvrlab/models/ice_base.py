@@ -34,6 +34,7 @@ from prvrlab.models.blocks import (
     check_positive_int,
     init_normal_,
 )
+from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
 from prvrlab.models.gmmformer import check_score_weights
 from prvrlab.models.gmmformer_v2 import resolve_ffn_size
@@ -51,6 +52,8 @@ class ICEBase(RetrievalModel):
     branches' weights in the retrieval score (each >= 0; the paper's alpha =
     0.7; they need not sum to 1, ranking only depends on their ratio).
     """
+
+    provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
 
     def __init__(
         self,
@@ -125,7 +128,10 @@ class ICEBase(RetrievalModel):
         for layer in self.frame_encoder:
             f = layer.forward_packed(f, frame_packing)  # (Nf, D)
         video = self.video_pool.forward_packed(f, frame_packing)  # (B, D)
-        return VideoEmbedding(clip=moment_packing.unpack(m), frame=video)
+        extra = {}
+        if self.exposes(FRAME_TOKENS):  # the video branch is pooled: per-frame embeddings only on request
+            extra = {"frame_tokens": frame_packing.unpack(f), "frame_mask": frame_packing.mask}  # (B, Lf, D), (B, Lf)
+        return VideoEmbedding(clip=moment_packing.unpack(m), frame=video, extra=extra)
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) sentence vector shared by both branches."""

@@ -49,6 +49,7 @@ from prvrlab.models.blocks import (
     check_positive_int,
     init_normal_,
 )
+from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
 from prvrlab.models.gmmformer import check_score_weights
 from prvrlab.registry import BACKBONES
@@ -127,6 +128,8 @@ class MSSL(RetrievalModel):
     ``frame_weight``: the branches' weights in the retrieval score (0.7 / 0.3;
     0.5 / 0.5 on Charades, REFERENCE.md section 1).
     """
+
+    provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # per-frame values and proposals are always per item
 
     def __init__(
         self,

@@ -1,9 +1,13 @@
-"""Experiment configuration: YAML -> validated, typed config.
+"""Experiment configuration: YAML -> validated, fully resolved, typed config.
 
-Everything is checked before Ray starts: unknown keys (with the closest valid
-key suggested), wrong types, impossible values, unknown component names, and
-the keyword-only parameters of the chosen backbone and losses.  Every value
-is addressable by a dotted key (``train.lr``, ``model.sigmas``,
+Everything is checked once, at the edge, before Ray starts: unknown keys (with
+the closest valid key suggested), wrong types, impossible values, unknown
+component names, the keyword-only parameters of the chosen backbone, plug-ins
+and losses, and what each loss and plug-in needs from the backbone.  The
+result carries every constructor default filled in, so MLflow params, the
+config hash, ablation skip-detection and search conditions all see the values
+that actually run; workers receive this object and do not validate again.
+Every value is addressable by a dotted key (``train.lr``, ``model.sigmas``,
 ``losses.clip_nce.weight``), which is what ``--set`` and search spaces use.
 """
 
@@ -23,12 +27,8 @@ from typing import Any, Literal
 import yaml
 
 from prvrlab.data.config import DataConfig
-from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, closest, did_you_mean
-
-# Constructor arguments the platform derives from the data, never from the user.
-DATA_DERIVED = ("video_dim", "query_dim")
-# Constructor arguments of a plug-in the platform derives from the backbone.
-PLUGIN_DERIVED = ("hidden_size",)
+from prvrlab.models.factory import DATA_DERIVED, PLUGIN_DERIVED
+from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean
 
 
 class ConfigError(ValueError):
@@ -160,9 +160,6 @@ class ExperimentConfig:
     def backbone(self) -> str:
         return str(self.model["name"])
 
-    def loss_weights(self) -> dict[str, float]:
-        return {term: float(spec["weight"]) for term, spec in self.losses.items()}
-
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'a': {'b': 1}} -> {'a.b': 1}."""
@@ -201,20 +198,19 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
     """
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
-    if annotation is Any or annotation is inspect_empty:
+    if annotation is Any:
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{key}: {value!r} is not {_type_name(annotation)}")
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} is not {str(annotation).replace('typing.', '')}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(
@@ -259,13 +255,6 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     return value
-
-
-inspect_empty = object()
-
-
-def _type_name(annotation: Any) -> str:
-    return str(annotation).replace("typing.", "")
 
 
 # ---------------------------------------------------------------- validation
@@ -334,9 +323,22 @@ def _check_component(
             )
         out[key] = coerce(value, known[key].annotation, f"{base}.{key}")
     for p in known.values():
-        if p.required and p.name not in out and p.name not in derived:
+        if p.name in out or p.name in derived:
+            continue
+        if p.required:
             raise ConfigError(f"{base}.{p.name} is required by {registry.kind} '{name}'")
+        # the resolved config carries every default, typed as a user-given value would be
+        out[p.name] = coerce(_plain(p.default), p.annotation, f"{base}.{p.name}")
     return out
+
+
+def _plain(value: Any) -> Any:
+    """A default as plain YAML/JSON data (tuples become lists), copied."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def validate(raw: dict[str, Any]) -> ExperimentConfig:
@@ -396,48 +398,49 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
 
 
 def _instantiate_check(cfg: ExperimentConfig) -> None:
-    """Build the backbone (on the meta device) and the losses once so that their
-    own value checks run now, and check every loss ``branch`` against the
-    backbone's branches."""
+    """Build model and losses once on the meta device through the model factory, so that their
+    own value checks, the plug-ins' backbone checks and every component's needs run now; then
+    check every loss ``branch`` and plug-in output a loss reads."""
     import torch
 
-    params = {k: v for k, v in cfg.model.items() if k != "name"}
+    from prvrlab.models.factory import build_backbone, build_system, check_needs
+
     try:
         with torch.device("meta"):
-            model = BACKBONES.build(cfg.model["name"], video_dim=8, query_dim=8, **params)
+            backbone = build_backbone(cfg.model, video_dim=8, query_dim=8)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {exc}") from None
-    branches = list(getattr(model, "score_weights", {}))
-    provided: set[str] = set()  # ModelOutput.aux keys the enabled plug-ins produce
-    if cfg.plugins:
-        width = backbone_hidden_size(cfg.model)
-        for plugin_name, plugin_params in cfg.plugins.items():
-            try:
-                with torch.device("meta"):
-                    plugin = PLUGINS.build(plugin_name, hidden_size=width, **plugin_params)
-                plugin.check_backbone(model, cfg.backbone)
-            except (ValueError, TypeError) as exc:  # PluginError is a ValueError
-                raise ConfigError(f"plugins.{plugin_name}: {exc}") from None
-            provided.update(f"{plugin_name}.{key}" for key in plugin.aux_keys())
+    branches = list(getattr(backbone, "score_weights", {}))
     for term, spec in cfg.losses.items():
-        params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
         try:
-            loss = LOSSES.build(spec["loss"], **params)
+            with torch.device("meta"):
+                loss = LOSSES.build(spec["loss"], **{k: v for k, v in spec.items() if k not in ("loss", "weight")})
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"losses.{term}: {exc}") from None
-        missing = [key for key in loss.required_aux() if key not in provided]
+        branch = spec.get("branch")
+        if spec["weight"] > 0 and isinstance(branch, str) and branches and branch not in branches:
+            raise ConfigError(
+                f"losses.{term}.branch: '{branch}' is not a branch of backbone '{cfg.backbone}'"
+                f"{did_you_mean(branch, branches)}; branches: {', '.join(branches)}"
+            )
+        try:
+            check_needs(backbone, cfg.backbone, {f"losses.{term}": loss} if spec["weight"] > 0 else {})
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        with torch.device("meta"):
+            system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8)
+    except (ValueError, TypeError) as exc:  # PluginError and NeedsError name plugins.<name> / losses.<term>
+        raise ConfigError(str(exc)) from None
+    provided = {f"{name}.{key}" for name, plugin in system.plugins().items() for key in plugin.aux_keys()}
+    for term, spec in cfg.losses.items():
+        missing = [key for key in system.losses.losses[term].required_aux() if key not in provided]
         if missing and spec["weight"] > 0:
             section = missing[0].split(".", 1)[0]
             raise ConfigError(
                 f"losses.{term}: loss '{spec['loss']}' reads {', '.join(missing)} from the model output, "
                 f"which no enabled plug-in produces; enable it under plugins.{section} "
                 f"(enabled: {', '.join(cfg.plugins) or 'none'}) or set losses.{term}.weight: 0"
-            )
-        branch = params.get("branch")
-        if branch is not None and branches and branch not in branches:
-            raise ConfigError(
-                f"losses.{term}.branch: '{branch}' is not a branch of backbone '{cfg.backbone}'"
-                f"{did_you_mean(branch, branches)}; branches: {', '.join(branches)}"
             )
 
 
@@ -452,16 +455,6 @@ def plugin_tokens(cfg: ExperimentConfig) -> list[str]:
         on = [key for key in switches if key in known and params.get(key, known[key].default) is True]
         out += [f"{name}.{key}" for key in on] if switches else [name]
     return out
-
-
-def backbone_hidden_size(model: dict[str, Any]) -> int:
-    """The hidden width of the configured backbone (what plug-ins are built with)."""
-    if "hidden_size" in model:
-        return int(model["hidden_size"])
-    params = BACKBONES.params(model["name"])
-    if "hidden_size" not in params or params["hidden_size"].default is None:
-        raise ConfigError(f"backbone '{model['name']}' has no hidden_size parameter; plug-ins need its width")
-    return int(params["hidden_size"].default)
 
 
 # ---------------------------------------------------------------- overrides
@@ -518,8 +511,3 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ex
         return validate(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-
-
-def suggest_key(key: str, cfg: ExperimentConfig) -> str | None:
-    """The valid dotted key closest to ``key`` (for search-space errors)."""
-    return closest(key, cfg.flat())

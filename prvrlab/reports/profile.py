@@ -179,13 +179,13 @@ def profile_config(
     name: str | None = None,
 ) -> ProfileResult:
     """Build the config's model (random weights) and profile it."""
-    from prvrlab.platform.train.loop import build_model
+    from prvrlab.models.factory import build_model
 
     if video_dim is None or query_dim is None:
         vd, qd = model_dims(cfg)
         video_dim, query_dim = video_dim or vd, query_dim or qd
     torch.manual_seed(0)
-    model = build_model(cfg, video_dim, query_dim)
+    model = build_model(cfg.model, cfg.plugins, video_dim=video_dim, query_dim=query_dim)
     dev = device or ("cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu")
     return profile_model(
         model,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prvrlab.models.base import VideoEmbedding
-from prvrlab.models.plugins.base import PluggedModel, PluginError, frame_tokens
+from prvrlab.models.plugins.base import PluggedModel, PluginError
 from prvrlab.models.plugins.ral import RAL, confidence_scores, masked_softmax, sample_proxies
 from prvrlab.registry import BACKBONES, PLUGINS
 from tests.models.test_backbones import build, make_batch
@@ -19,7 +19,10 @@ def plugged(backbone: str = "gmmformer", seed: int = 0, **params) -> PluggedMode
     torch.manual_seed(seed)
     model = build(backbone, dropout=0.0) if "dropout" in BACKBONES.params(backbone) else build(backbone)
     torch.manual_seed(seed + 1)
-    return PluggedModel(backbone=model, plugins={"ral": PLUGINS.build("ral", hidden_size=HIDDEN, **params)})
+    plugin = PLUGINS.build("ral", hidden_size=HIDDEN, **params)
+    wrapped = PluggedModel(backbone=model, plugins={"ral": plugin})
+    wrapped.request(training=plugin.needs(training=True), retrieval=plugin.needs(training=False))
+    return wrapped
 
 
 def batch(**kw):
@@ -134,7 +137,7 @@ def test_csa_replaces_only_the_frame_branch():
         out, bare = model(b), model.backbone(b)
         assert torch.equal(out.scores["clip"].sim, bare.scores["clip"].sim)
         q, v = model.encode_queries(b.queries, b.query_mask), model.encode_videos(b.clips, b.frames, b.frame_mask)
-        frames, fmask = frame_tokens(v, "test")
+        frames, fmask = v.frame_tokens()
         g = model.plugins["ral"].word_weights(q.tokens, q.token_mask)
         expected = confidence_scores(q.tokens, g, frames, fmask)
         assert torch.allclose(out.scores["frame"].sim, expected.sim)
@@ -166,12 +169,15 @@ def test_gmmformer_keeps_no_frame_tokens_at_retrieval_without_csa():
 
 def test_msra_aux_support_set_and_single_query():
     b = batch()
-    out = plugged(num_proxies=3)(b)
+    model = plugged(num_proxies=3)
+    out = model(b)
     assert out.aux["ral.text_mu"].shape == (3, HIDDEN)  # one support set per video
     assert out.aux["ral.text_proxies"].shape == (3, 4, HIDDEN)
     assert out.aux["ral.video_proxies"].shape == (3, 4, HIDDEN)
     assert out.aux["ral.text_video"].tolist() == [0, 1, 2]
-    assert out.aux["metric.ral.sigma_query"].numel() == 1 and out.aux["metric.ral.sigma_video"] > 0
+    metrics = model.plugins["ral"].pop_step_metrics()
+    assert set(metrics) == {"sigma_query", "sigma_video"} and metrics["sigma_video"] > 0
+    assert model.plugins["ral"].pop_step_metrics() == {}  # popped once per step
     single = plugged(support="single", sampling=False)(b)
     assert single.aux["ral.text_mu"].shape == (5, HIDDEN)
     assert single.aux["ral.text_video"].tolist() == [0, 0, 1, 2, 2]
@@ -210,8 +216,8 @@ def test_rejects_a_backbone_without_frame_branch():
 
 
 def test_frame_tokens_needs_per_frame_embeddings():
-    with pytest.raises(PluginError, match="per-frame"):
-        frame_tokens(VideoEmbedding(frame=torch.randn(2, 4)), "RAL CSA")
+    with pytest.raises(ValueError, match="per-frame"):
+        VideoEmbedding(frame=torch.randn(2, 4)).frame_tokens()
 
 
 @pytest.mark.parametrize("backbone", FRAME_BACKBONES)

@@ -1,44 +1,47 @@
 """The plug-in contract and the model that wraps a backbone with plug-ins.
 
-A :class:`Plugin` is an ``nn.Module`` with keyword-only constructor
-parameters (its config section) plus ``hidden_size``, which the platform
-derives from the backbone.  It can
+A :class:`Plugin` is a :class:`~prvrlab.models.component.Component` (needs,
+epoch/step hooks, metrics) with keyword-only constructor parameters (its
+config section) plus ``hidden_size``, which the platform derives from the
+backbone.  Besides the component hooks it can
 
 - ``check_backbone``: refuse a backbone it does not fit (config validation
   calls it on a meta-device backbone, so the message reaches the user before
   anything runs);
-- ``needs_frame_tokens``: ask the backbone for per-frame embeddings through
-  the generic hook ``RetrievalModel.expose_frame_tokens`` (per mode, so that
-  retrieval keeps no per-frame tensors a plug-in only needs for training);
-- ``aux_keys``: what ``training_aux`` provides (config validation checks
-  that losses reading plug-in outputs have them);
-- ``adjust_scores``: replace or change branch scores; this runs at training
-  *and* retrieval time (``PluggedModel.score``);
-- ``training_aux``: training-only extras written into ``ModelOutput.aux``
-  under ``"<plugin>.<key>"``; never called by evaluation.  Keys starting with
-  ``metric.`` (i.e. ``"metric.<plugin>.<name>"`` after namespacing) hold
-  scalars the training worker averages per epoch and logs as
-  ``train/<plugin>.<name>``.
-
-Its parameters are registered as submodules of :class:`PluggedModel`, so the
-optimiser, DDP and checkpoints include them.
+- ``attach``: receive the backbone it is plugged into and a factory for
+  fresh copies of it (e.g. a second encoder trained beside the first);
+  modules the plug-in creates are its own parameters, so the optimiser,
+  DDP and checkpoints include them.  The backbone itself is *not* a
+  sub-module of the plug-in (read it through ``self.host``);
+- ``encode_videos`` / ``encode_queries``: add per-video / per-query values
+  (tensors with the item index first, or whole embeddings of an auxiliary
+  encoder) to ``VideoEmbedding.extra`` / ``QueryEmbedding.extra`` under
+  ``"<plugin>.<key>"``; these run at training and retrieval time, so
+  retrieval may use them;
+- ``adjust_scores``: replace or change branch scores (training and
+  retrieval, :meth:`PluggedModel.score`);
+- ``aux_keys`` / ``training_aux``: training-only extras written into
+  ``ModelOutput.aux`` under ``"<plugin>.<key>"`` (never called by
+  evaluation; config validation checks that losses reading them have them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import Tensor, nn
 
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, ModelOutput, QueryEmbedding, RetrievalModel, VideoEmbedding
-
-METRIC_PREFIX = "metric."
+from prvrlab.models.component import Component
 
 
 class PluginError(ValueError):
     """A plug-in does not fit the backbone or the data it was given."""
 
 
-class Plugin(nn.Module):
+class Plugin(Component):
     """Base class of every plug-in (all hooks default to 'do nothing')."""
 
     registered_name: str = "plugin"
@@ -49,13 +52,21 @@ class Plugin(nn.Module):
     def check_backbone(self, backbone: RetrievalModel, backbone_name: str) -> None:
         """Raise PluginError when ``backbone`` lacks what this plug-in needs."""
 
-    def needs_frame_tokens(self, training: bool) -> bool:
-        """Whether the backbone must expose per-frame embeddings (in train / eval mode)."""
-        return False
+    def attach(self, backbone: RetrievalModel, *, make_backbone: Callable[[], RetrievalModel] | None) -> None:
+        """Called once by :class:`PluggedModel`; keeps ``backbone`` as ``self.host`` (not a sub-module)."""
+        self.__dict__["host"] = backbone
 
     def aux_keys(self) -> tuple[str, ...]:
         """Keys (without the prefix) ``training_aux`` provides; losses requiring others fail validation."""
         return ()
+
+    def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor, video: VideoEmbedding) -> dict[str, Any]:
+        """Extra per-video values (keys without the prefix) added to ``video.extra``."""
+        return {}
+
+    def encode_queries(self, queries: Tensor, query_mask: Tensor, query: QueryEmbedding) -> dict[str, Any]:
+        """Extra per-query values (keys without the prefix) added to ``query.extra``."""
+        return {}
 
     def adjust_scores(
         self,
@@ -68,67 +79,57 @@ class Plugin(nn.Module):
         """Branch scores after this plug-in (training and retrieval)."""
         return scores
 
-    def training_aux(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+    def training_aux(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Any]:
         """Training-only extras (keys without the plug-in prefix)."""
         return {}
-
-
-def frame_tokens(video: VideoEmbedding, who: str) -> tuple[Tensor, Tensor]:
-    """Per-frame embeddings (Nv, Lf, D) and their (Nv, Lf) bool mask.
-
-    Read from ``extra['frame_tokens']`` / ``extra['frame_mask']`` (backbones
-    whose ``frame`` is pooled put them there when ``expose_frame_tokens`` is
-    set), else from a per-frame ``frame`` (Nv, Lf, D) with ``frame_mask``.
-    """
-    if "frame_tokens" in video.extra:
-        tokens = video.extra["frame_tokens"]
-        mask = video.extra.get("frame_mask")
-    elif video.frame is not None and video.frame.dim() == 3:
-        tokens, mask = video.frame, video.frame_mask
-    else:
-        raise PluginError(
-            f"{who} needs per-frame embeddings: VideoEmbedding.extra['frame_tokens'] or a (Nv, Lf, D) "
-            "VideoEmbedding.frame; this backbone provides neither"
-        )
-    if mask is None:
-        mask = tokens.new_ones(tokens.shape[:2], dtype=bool)
-    return tokens, mask.to(bool)
 
 
 class PluggedModel(RetrievalModel):
     """A backbone plus plug-ins, itself a :class:`RetrievalModel`.
 
-    Encoding is the backbone's; ``score`` is the backbone's followed by every
-    plug-in's ``adjust_scores`` in config order; ``forward`` additionally
-    collects every plug-in's ``training_aux``.
+    Encoding is the backbone's followed by every plug-in's ``encode_*``;
+    ``score`` is the backbone's followed by every plug-in's ``adjust_scores``
+    in config order; ``forward`` additionally collects every plug-in's
+    ``training_aux``.
     """
 
-    def __init__(self, *, backbone: RetrievalModel, plugins: dict[str, Plugin]) -> None:
+    def __init__(
+        self,
+        *,
+        backbone: RetrievalModel,
+        plugins: dict[str, Plugin],
+        make_backbone: Callable[[], RetrievalModel] | None = None,
+    ) -> None:
         super().__init__()
         if not plugins:
             raise ValueError("PluggedModel needs at least one plug-in; use the bare backbone otherwise")
         self.backbone = backbone
         self.plugins = nn.ModuleDict(plugins)
-        self._sync_hooks()
+        self.provides = backbone.provides  # type: ignore[misc]
+        for plugin in plugins.values():
+            plugin.attach(backbone, make_backbone=make_backbone)
 
-    def _sync_hooks(self, training: bool | None = None) -> None:
-        training = self.training if training is None else training
-        self.backbone.expose_frame_tokens = any(p.needs_frame_tokens(training) for p in self.plugins.values())
-
-    def train(self, mode: bool = True) -> "PluggedModel":
-        super().train(mode)
-        self._sync_hooks()
-        return self
+    def request(self, *, training: Iterable[str] = (), retrieval: Iterable[str] = ()) -> None:
+        """Forwarded to the backbone (which does the encoding)."""
+        self.backbone.request(training=training, retrieval=retrieval)
 
     @property
     def score_weights(self) -> dict[str, float]:  # type: ignore[override]
         return self.backbone.score_weights
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
-        return self.backbone.encode_videos(clips, frames, frame_mask)
+        video = self.backbone.encode_videos(clips, frames, frame_mask)
+        for name, plugin in self.plugins.items():
+            for key, value in plugin.encode_videos(clips, frames, frame_mask, video).items():
+                video.extra[f"{name}.{key}"] = value
+        return video
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
-        return self.backbone.encode_queries(queries, query_mask)
+        query = self.backbone.encode_queries(queries, query_mask)
+        for name, plugin in self.plugins.items():
+            for key, value in plugin.encode_queries(queries, query_mask, query).items():
+                query.extra[f"{name}.{key}"] = value
+        return query
 
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
@@ -143,18 +144,12 @@ class PluggedModel(RetrievalModel):
 
     def forward(self, batch: Batch) -> ModelOutput:
         """The training path (whatever the module mode): scores plus every plug-in's aux."""
-        self._sync_hooks(training=True)
-        try:
+        with self.backbone.training_exposure():
             video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
-        finally:
-            self._sync_hooks()
-        query = self.encode_queries(batch.queries, batch.query_mask)
+            query = self.encode_queries(batch.queries, batch.query_mask)
         scores = self.score(query, video, with_logits=True)
-        aux: dict[str, Tensor] = {}
+        aux: dict[str, Any] = {}
         for name, plugin in self.plugins.items():
             for key, value in plugin.training_aux(batch, query, video).items():
-                if key.startswith(METRIC_PREFIX):
-                    aux[f"{METRIC_PREFIX}{name}.{key[len(METRIC_PREFIX):]}"] = value
-                else:
-                    aux[f"{name}.{key}"] = value
+                aux[f"{name}.{key}"] = value
         return ModelOutput(scores=scores, query=query, video=video, aux=aux)

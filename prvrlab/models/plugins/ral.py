@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import check_positive_int, init_normal_
-from prvrlab.models.plugins.base import METRIC_PREFIX, Plugin, PluginError, frame_tokens
+from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
+from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS
 
 _MAX_CHUNK_ELEMENTS = 1 << 26  # bound on the (Nq, Lq, chunk, Lf) similarity tensor
@@ -229,7 +230,6 @@ class RAL(Plugin):
 
     # ------------------------------------------------------------ contract
 
-
     def check_backbone(self, backbone: RetrievalModel, backbone_name: str) -> None:
         branches = list(getattr(backbone, "score_weights", {}))
         if self.branch not in branches:
@@ -239,9 +239,12 @@ class RAL(Plugin):
                 "use it with gmmformer, gmmformer_v2 or mssl, or set plugins.ral.branch"
             )
 
-    def needs_frame_tokens(self, training: bool) -> bool:
-        return self.csa or (self.msra and training)
+    def needs(self, *, training: bool) -> frozenset[str]:
+        """Word and frame tokens for CSA (always) and MSRA (training only)."""
+        return frozenset({WORD_TOKENS, FRAME_TOKENS}) if self.csa or (self.msra and training) else frozenset()
 
+    def metric_names(self) -> tuple[str, ...]:
+        return ("sigma_query", "sigma_video") if self.msra else ()
 
     def aux_keys(self) -> tuple[str, ...]:
         if not self.msra:
@@ -262,12 +265,11 @@ class RAL(Plugin):
     ) -> dict[str, BranchScores]:
         if not self.csa:
             return scores
-        if query.tokens is None or query.token_mask is None:
-            raise PluginError("RAL CSA needs word-level query tokens (QueryEmbedding.tokens / token_mask)")
-        frames, frame_mask = frame_tokens(video, "RAL CSA")
-        weights = self.word_weights(query.tokens, query.token_mask)  # (Nq, Lq)
+        words, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
+        frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
+        weights = self.word_weights(words, word_mask)  # (Nq, Lq)
         out = dict(scores)
-        out[self.branch] = confidence_scores(query.tokens, weights, frames, frame_mask, with_logits=with_logits)
+        out[self.branch] = confidence_scores(words, weights, frames, frame_mask, with_logits=with_logits)
         return out
 
     # ------------------------------------------------------------ MSRA
@@ -275,9 +277,8 @@ class RAL(Plugin):
     def training_aux(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
         if not self.msra:
             return {}
-        if query.tokens is None or query.token_mask is None:
-            raise PluginError("RAL MSRA needs word-level query tokens (QueryEmbedding.tokens / token_mask)")
-        frames, frame_mask = frame_tokens(video, "RAL MSRA")
+        words_padded, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
+        frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         num_videos = frames.shape[0]
         query_video = batch.query_video.to(frames.device)
         if self.support == "set":
@@ -288,7 +289,7 @@ class RAL(Plugin):
         else:
             text_video = query_video  # (T = Nq,)
             row_group = torch.arange(query_video.shape[0], device=frames.device)
-        words, member_q = _groups(query.tokens, query.token_mask.to(torch.bool), row_group, text_video.shape[0])
+        words, member_q = _groups(words_padded, word_mask, row_group, text_video.shape[0])
         text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
         real, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
         video_mu, video_logvar = self.video_gaussian(real, member_v)  # (B, D) each
@@ -300,8 +301,8 @@ class RAL(Plugin):
             "text_video": text_video,
             "text_proxies": sample_proxies(text_mu, text_logvar, self.num_proxies, self.sampling),
             "video_proxies": sample_proxies(video_mu, video_logvar, self.num_proxies, self.sampling),
-            # geometric mean of sigma = exp(mean(log sigma)) over units and dimensions (Fig. 10)
-            f"{METRIC_PREFIX}sigma_query": torch.exp(0.5 * text_logvar.detach().float().mean()),
-            f"{METRIC_PREFIX}sigma_video": torch.exp(0.5 * video_logvar.detach().float().mean()),
         }
+        # geometric mean of sigma = exp(mean(log sigma)) over units and dimensions (Fig. 10)
+        self.log_metric("sigma_query", torch.exp(0.5 * text_logvar.detach().float().mean()))
+        self.log_metric("sigma_video", torch.exp(0.5 * video_logvar.detach().float().mean()))
         return aux

@@ -176,7 +176,7 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     loop_config = {
-        "experiment": cfg.to_dict(),
+        "experiment": cfg,
         "run_dir": str(run_dir),
         "cpus_per_worker": study.cpus_per_worker,
         "fault": study.fault,

@@ -37,7 +37,7 @@ def evaluate_checkpoint(
     from prvrlab.data.collection import open_collection
     from prvrlab.evaluation.metrics import save_ranks
     from prvrlab.evaluation.retrieval import evaluate
-    from prvrlab.platform.train.loop import build_model
+    from prvrlab.models.factory import build_model
 
     blob = load_checkpoint(path)
     try:
@@ -48,7 +48,7 @@ def evaluate_checkpoint(
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(Path(data_root).resolve())))
     collection = open_collection(cfg.data)
     collection.split(split)
-    model = build_model(cfg, collection.video_dim, collection.query_dim)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     try:
         model.load_state_dict(blob["model"])
     except RuntimeError as exc:

@@ -124,7 +124,7 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={
-            "experiment": cfg.to_dict(),
+            "experiment": cfg,
             "run_dir": str(run_dir),
             "cpus_per_worker": cpus,
             "fault": fault_hook_from_env(),
@@ -204,7 +204,7 @@ def train(
         else:
             from prvrlab.platform.train.loop import run_local
 
-            run_local(cfg.to_dict(), run_dir, on_report=recorder)
+            run_local(cfg, run_dir, on_report=recorder)
         if recorder.error:
             raise TrainingError(f"non-finite loss: {recorder.error}")
         if not recorder.final:

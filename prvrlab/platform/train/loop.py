@@ -1,13 +1,22 @@
-"""The training worker: one DDP rank of a run (or the whole run in-process).
+"""The training loop of one DDP rank (or of the whole run in-process), in named stages.
 
-``train_worker(loop_config, session)`` is what Ray Train's TorchTrainer runs
-on every worker.  It only talks to a :class:`Session`, writes run files
-(best model, per-query ranks) to the run folder, and never touches MLflow:
-the driver is the one process that writes to the tracking store.
+:class:`TrainingLoop` runs ``setup -> restore -> [epoch_start -> steps ->
+epoch_end -> validate -> report] per epoch -> final_evaluation``.  Components
+(losses and plug-ins, :mod:`prvrlab.models.component`) act through their
+hooks at epoch start/end and after every step; the loop hands them what they
+need (the model, a loader over this rank's training shard, the DDP group).
+What trains is a :class:`~prvrlab.models.factory.TrainingSystem` (model + loss
+terms): every parameter of every component is optimised, DDP-averaged and
+checkpointed.
+
+The loop only talks to a :class:`Session`, writes run files (best model,
+per-query ranks) to the run folder and never touches MLflow: the driver is the
+one process that writes to the tracking store.
 
 Reported rounds (every rank reports the same number of times):
-- one per epoch: ``kind="epoch"`` with train losses, validation R@K/SumR,
-  best-so-far, timings, and a checkpoint for failure recovery;
+- one per epoch: ``kind="epoch"`` with train losses, component metrics
+  (``train/<component>.<name>``), validation R@K/SumR, best-so-far, timings,
+  and a checkpoint for failure recovery;
 - one at the end: ``kind="final"`` with the best model's metrics on
   ``eval.final_splits`` and the run files written.
 A non-finite loss ends training on every rank at the same step and is
@@ -20,6 +29,7 @@ import math
 import os
 import random
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,57 +51,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(cfg: ExperimentConfig, video_dim: int, query_dim: int) -> torch.nn.Module:
-    """The configured backbone, looked up by its registered name, wrapped with the
-    configured plug-ins (``PluggedModel``) when ``cfg.plugins`` is not empty."""
-    from prvrlab.platform.config import backbone_hidden_size
-    from prvrlab.registry import BACKBONES, PLUGINS
-
-    params = {k: v for k, v in cfg.model.items() if k != "name"}
-    backbone = BACKBONES.build(cfg.model["name"], video_dim=video_dim, query_dim=query_dim, **params)
-    if not cfg.plugins:
-        return backbone
-    from prvrlab.models.plugins.base import PluggedModel
-
-    width = backbone_hidden_size(cfg.model)
-    plugins = {name: PLUGINS.build(name, hidden_size=width, **p) for name, p in cfg.plugins.items()}
-    return PluggedModel(backbone=backbone, plugins=plugins)
-
-
-def aux_metrics(aux: dict[str, Any]) -> dict[str, float]:
-    """Scalars a model reports for logging: ``aux['metric.<name>']`` -> {'<name>': value}."""
-    from prvrlab.models.plugins.base import METRIC_PREFIX
-
-    return {
-        key[len(METRIC_PREFIX) :]: float(value.detach())
-        for key, value in aux.items()
-        if key.startswith(METRIC_PREFIX) and isinstance(value, torch.Tensor) and value.numel() == 1
-    }
-
-
-def amp_dtype(cfg: ExperimentConfig) -> torch.dtype | None:
-    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.amp]
-
-
-def _device(cfg: ExperimentConfig, session: Session) -> torch.device:
-    if cfg.train.use_gpu:
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.use_gpu is true but this worker sees no CUDA device")
-        dev = torch.device("cuda", session.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    if _distributed():
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``tensor`` summed (``"sum"``) or maximised (``"max"``) over the DDP ranks (a new tensor)."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"all_reduce op must be one of {', '.join(ops)}, got {op!r}")
+    if not _distributed():
+        return tensor
+    out = tensor.clone()
+    dist.all_reduce(out, op=ops[op])
+    return out
 
 
 def _broadcast(obj: Any) -> Any:
@@ -101,6 +74,15 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _union_of_names(names: list[str]) -> list[str]:
+    """The sorted union of ``names`` over the ranks (so every rank reduces the same vector)."""
+    if not _distributed():
+        return sorted(names)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return sorted(set().union(*gathered))
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -126,184 +108,338 @@ def _maybe_inject_fault(epoch: int, rank: int, hook: dict[str, Any] | None) -> N
     os._exit(17)
 
 
-def train_worker(loop_config: dict[str, Any], session: Session | None = None) -> None:
-    """Train one run.
+@dataclass
+class Progress:
+    """What survives a restart besides the weights: the last finished epoch and early-stopping state."""
 
-    ``loop_config``: {"experiment": config dict, "run_dir": folder for run files,
-    "cpus_per_worker": float, "fault": optional test hook}.
+    epoch: int = -1
+    best_sumr: float = -1.0
+    best_epoch: int = -1
+    bad_epochs: int = 0
+
+
+class MetricSums:
+    """Per-name sums and counts of per-step scalars, reduced over ranks at the epoch's end."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        """Mean of every name over all steps of all ranks."""
+        names = _union_of_names(list(self.sums))
+        values = [self.sums.get(n, 0.0) for n in names] + [float(self.counts.get(n, 0)) for n in names]
+        totals = all_reduce(torch.tensor(values, dtype=torch.float64))
+        k = len(names)
+        return {n: float(totals[i] / max(1.0, float(totals[k + i]))) for i, n in enumerate(names)}
+
+
+class TrainingLoop:
+    """One rank's training run: build, restore, train epoch by epoch, evaluate the best model.
+
+    ``cfg`` is the validated, fully resolved config (defaults filled in) that
+    the driver checked; the loop does not validate it again.
     """
-    cfg = validate(loop_config["experiment"])
-    run_dir = Path(loop_config["run_dir"])
-    session = session or RaySession()
-    rank, world = session.rank, session.world_size
 
-    threads = cfg.train.torch_threads or max(1, math.ceil(loop_config.get("cpus_per_worker", 1)))
-    torch.set_num_threads(threads)
-    device = _device(cfg, session)
-    seed_everything(cfg.train.seed)
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        session: Session,
+        run_dir: str | Path,
+        cpus_per_worker: float = 1.0,
+        fault: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.run_dir = Path(run_dir)
+        self.cpus_per_worker = cpus_per_worker
+        self.fault = fault
+        self.rank, self.world = session.rank, session.world_size
+        self.progress = Progress()
+        self.global_step = 0
 
-    from prvrlab.data.collection import open_collection
-    from prvrlab.data.dataset import train_loader
-    from prvrlab.losses.weighted import NonFiniteLossError, WeightedLoss
-    from prvrlab.evaluation.retrieval import evaluate
-    from prvrlab.platform.train.optim import build_optimizer
+    # ------------------------------------------------------------ stages
 
-    collection = open_collection(cfg.data)
-    model = build_model(cfg, collection.video_dim, collection.query_dim).to(device)
-    loss_fn = WeightedLoss.from_config(cfg.losses).to(device)
+    def setup(self) -> None:
+        """Threads, device, seed, data, the training system, its DDP wrapper, the optimiser."""
+        from prvrlab.data.collection import open_collection
+        from prvrlab.data.dataset import train_loader
+        from prvrlab.evaluation.retrieval import resolve_amp_dtype
+        from prvrlab.models.factory import build_system
+        from prvrlab.platform.train.optim import build_optimizer
 
-    per_rank = max(1, cfg.train.batch_size // world)
-    loader, sampler = train_loader(
-        collection,
-        cfg.data.train_split,
-        batch_size_per_rank=per_rank,
-        rank=rank,
-        world_size=world,
-        seed=cfg.train.seed,
-        num_workers=cfg.data.loader_workers,
-    )
-    steps_per_epoch = len(sampler)
-    optimizer, scheduler = build_optimizer(
-        model,
-        lr=cfg.train.lr,
-        weight_decay=cfg.train.weight_decay,
-        total_steps=steps_per_epoch * cfg.train.epochs,
-        warmup_proportion=cfg.train.warmup_proportion,
-    )
+        cfg = self.cfg
+        torch.set_num_threads(cfg.train.torch_threads or max(1, math.ceil(self.cpus_per_worker)))
+        self.device = self._device()
+        seed_everything(cfg.train.seed)
+        self.collection = open_collection(cfg.data)
+        dims = {"video_dim": self.collection.video_dim, "query_dim": self.collection.query_dim}
+        self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims).to(self.device)
+        self.model = self.system.model
+        self.components = self.system.components()
+        self.per_rank = max(1, cfg.train.batch_size // self.world)
+        self.loader, self.sampler = train_loader(
+            self.collection,
+            cfg.data.train_split,
+            batch_size_per_rank=self.per_rank,
+            rank=self.rank,
+            world_size=self.world,
+            seed=cfg.train.seed,
+            num_workers=cfg.data.loader_workers,
+        )
+        self.optimizer, self.scheduler = build_optimizer(
+            self.system,
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            total_steps=len(self.sampler) * cfg.train.epochs,
+            warmup_proportion=cfg.train.warmup_proportion,
+        )
+        self.amp_dtype = resolve_amp_dtype(cfg.train.amp)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype is torch.float16)
+        self.best_path = self.run_dir / "best_model.pt"
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
 
-    state = {"epoch": -1, "best_sumr": -1.0, "best_epoch": -1, "bad_epochs": 0}
-    with session.checkpoint_dir() as ckpt:
-        if ckpt is not None:
-            saved = torch.load(Path(ckpt) / "state.pt", map_location=device, weights_only=True)
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            scheduler.load_state_dict(saved["scheduler"])
-            state = saved["progress"]
+    def restore(self) -> None:
+        """Resume from the session's latest checkpoint (weights, optimiser, schedule, RNG, progress)."""
+        with self.session.checkpoint_dir() as ckpt:
+            if ckpt is None:
+                return
+            saved = torch.load(Path(ckpt) / "state.pt", map_location=self.device, weights_only=True)
+            self.model.load_state_dict(saved["model"])
+            if "losses" in saved:
+                self.system.losses.load_state_dict(saved["losses"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+            self.progress = Progress(**saved["progress"])
+            self.global_step = int(saved.get("global_step", 0))
             torch.set_rng_state(saved["rng"])
 
-    train_model = model
-    if world > 1:
-        ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
-        train_model = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    def wrap(self) -> torch.nn.Module:
+        """The module the steps run: the system, in DDP when there are several ranks."""
+        if self.world == 1:
+            return self.system
+        kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        return torch.nn.parallel.DistributedDataParallel(self.system, **kwargs)
 
-    dtype = amp_dtype(cfg)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
-    best_path = run_dir / "best_model.pt"
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    def epoch_context(self, epoch: int):
+        """The :class:`EpochContext` handed to the components' epoch hooks."""
+        from prvrlab.data.dataset import train_loader
+        from prvrlab.models.component import EpochContext
 
-    for epoch in range(state["epoch"] + 1, cfg.train.epochs):
-        t0 = time.perf_counter()
-        sampler.set_epoch(epoch)
+        def train_batches():
+            loader, _ = train_loader(
+                self.collection,
+                self.cfg.data.train_split,
+                batch_size_per_rank=self.per_rank,
+                rank=self.rank,
+                world_size=self.world,
+                shuffle=False,
+            )
+            for batch in loader:
+                yield batch.to(self.device, non_blocking=True)
+
+        return EpochContext(
+            epoch=epoch,
+            num_epochs=self.cfg.train.epochs,
+            model=self.model,
+            device=self.device,
+            amp_dtype=self.amp_dtype,
+            rank=self.rank,
+            world_size=self.world,
+            train_batches=train_batches,
+            all_reduce=all_reduce,
+            process_group=dist.group.WORLD if _distributed() else None,
+        )
+
+    def epoch_hooks(self, epoch: int, hook: str) -> dict[str, float]:
+        """Run ``on_epoch_start`` / ``on_epoch_end`` of every component; their metrics, namespaced."""
+        from prvrlab.models.component import Component
+
+        out: dict[str, float] = {}
+        ctx = None
+        for prefix, component in self.components.items():
+            if getattr(type(component), hook) is getattr(Component, hook):
+                continue  # not overridden: no context built, no loader opened
+            ctx = ctx or self.epoch_context(epoch)
+            for name, value in (getattr(component, hook)(ctx) or {}).items():
+                out[f"train/{prefix}.{name}"] = float(value)
+        if ctx is not None:
+            self.system.train()
+        return out
+
+    def train_epoch(self, epoch: int, train_model: torch.nn.Module) -> tuple[dict[str, float], str]:
+        """All steps of one epoch; (mean train metrics, failure message or '')."""
+        from prvrlab.losses.weighted import NonFiniteLossError
+        from prvrlab.models.component import StepContext
+
+        self.sampler.set_epoch(epoch)
         train_model.train()
-        sums: dict[str, float] = {}
-        steps = 0
-        failure = ""
-        for batch in loader:
-            batch = batch.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                out = train_model(batch)
-            try:
-                res = loss_fn(out, batch, epoch=epoch)
-                bad = 0.0
-            except NonFiniteLossError as exc:
-                failure, bad = str(exc), 1.0
-            if _all_reduce_sum(torch.tensor([bad], device=device)).item() > 0:
-                failure = failure or "non-finite loss on another worker"
-                break
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(res.total).backward()
-            if cfg.train.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            steps += 1
-            sums["loss"] = sums.get("loss", 0.0) + float(res.total.detach())
-            for term, value in res.terms.items():
-                sums[term] = sums.get(term, 0.0) + float(value)
-            for name, value in aux_metrics(out.aux).items():  # e.g. train/ral.sigma_query
-                sums[name] = sums.get(name, 0.0) + value
-        if failure:
-            session.report({"kind": "nonfinite", "epoch": epoch, "error": f"epoch {epoch}: {failure}"})
-            return
-        names = sorted(sums)
-        totals = _all_reduce_sum(torch.tensor([sums[n] for n in names] + [steps], dtype=torch.float64))
-        train_metrics = {f"train/{n}": float(totals[i] / max(1.0, totals[-1])) for i, n in enumerate(names)}
-        train_time = time.perf_counter() - t0
+        sums = MetricSums()
+        dtype = self.amp_dtype
+        for step, batch in enumerate(self.loader):
+            batch = batch.to(self.device, non_blocking=True)
+            failure, bad = "", 0.0
+            with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                try:
+                    result, out = train_model(batch, epoch=epoch)
+                except NonFiniteLossError as exc:
+                    failure, bad = str(exc), 1.0
+            if all_reduce(torch.tensor([bad], device=self.device)).item() > 0:
+                return {}, failure or "non-finite loss on another worker"
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(result.total).backward()
+            if self.cfg.train.grad_clip > 0:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.system.parameters(), self.cfg.train.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+            sums.add("loss", float(result.total.detach()))
+            for term, value in result.terms.items():
+                sums.add(term, float(value))
+            ctx = StepContext(epoch=epoch, step=step, global_step=self.global_step, batch=batch, output=out, terms=result.terms)
+            for prefix, component in self.components.items():
+                component.on_step_end(ctx)
+                for name, value in component.pop_step_metrics().items():
+                    sums.add(f"{prefix}.{name}", value)
+            self.global_step += 1
+        return {f"train/{name}": value for name, value in sums.means().items()}, ""
 
-        metrics: dict[str, Any] = {}
-        if rank == 0:
-            result = evaluate(model, collection, cfg.data.val_split, cfg.eval, device=device, amp_dtype=dtype)
+    def validate(self, epoch: int) -> dict[str, float]:
+        """Rank 0 evaluates on the validation split and keeps the best model; state is shared."""
+        from prvrlab.evaluation.retrieval import evaluate
+
+        metrics: dict[str, float] = {}
+        state = self.progress
+        if self.rank == 0:
+            result = evaluate(self.model, self.collection, self.cfg.data.val_split, self.cfg.eval, device=self.device, amp_dtype=self.amp_dtype)
             metrics = {f"val/{k}": v for k, v in result.metrics.items()}
             sumr = result.metrics["sumr"]
-            if sumr > state["best_sumr"]:
-                state.update(best_sumr=sumr, best_epoch=epoch, bad_epochs=0)
-                _atomic_save({"model": model.state_dict(), "config": cfg.to_dict(), "epoch": epoch}, best_path)
+            if sumr > state.best_sumr:
+                state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
+                _atomic_save(self._weights() | {"config": self.cfg.to_dict(), "epoch": epoch}, self.best_path)
             else:
-                state["bad_epochs"] += 1
-        state = _broadcast(state)
-        state["epoch"] = epoch
-        metrics.update(train_metrics)
+                state.bad_epochs += 1
+        self.progress = Progress(**_broadcast(asdict(state)))
+        self.progress.epoch = epoch
+        return metrics
+
+    def report(self, epoch: int, metrics: dict[str, Any], t0: float, train_time: float) -> None:
+        """One ``kind="epoch"`` round on every rank; rank 0 attaches the recovery checkpoint."""
         metrics.update(
             {
                 "kind": "epoch",
                 "epoch": epoch,
-                "lr": scheduler.get_last_lr()[0],
-                "best/sumr": state["best_sumr"],
-                "best/epoch": state["best_epoch"],
+                "lr": self.scheduler.get_last_lr()[0],
+                "best/sumr": self.progress.best_sumr,
+                "best/epoch": self.progress.best_epoch,
                 "time/train_s": train_time,
                 "time/epoch_s": time.perf_counter() - t0,
             }
         )
-        if rank == 0:
-            with scratch_dir() as tmp:
-                torch.save(
-                    {
-                        "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "progress": state,
-                        "rng": torch.get_rng_state(),
-                    },
-                    tmp / "state.pt",
-                )
-                session.report(metrics, tmp)
-        else:
-            session.report(metrics, None)
-        _maybe_inject_fault(epoch, rank, loop_config.get("fault"))
-        if state["bad_epochs"] >= cfg.train.early_stop_patience:
-            break
+        if self.rank != 0:
+            self.session.report(metrics, None)
+            return
+        with scratch_dir() as tmp:
+            state = self._weights() | {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "progress": asdict(self.progress),
+                "global_step": self.global_step,
+                "rng": torch.get_rng_state(),
+            }
+            torch.save(state, tmp / "state.pt")
+            self.session.report(metrics, tmp)
 
-    final: dict[str, Any] = {"kind": "final", "best/sumr": state["best_sumr"], "best/epoch": state["best_epoch"]}
-    if rank == 0:
-        final.update(_final_evaluation(cfg, collection, model, best_path, run_dir, device, dtype))
-    session.report(final, None)
+    def final_evaluation(self) -> None:
+        """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""
+        final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch}
+        if self.rank == 0:
+            final.update(self._evaluate_best())
+        self.session.report(final, None)
+
+    # ------------------------------------------------------------ the whole run
+
+    def run(self) -> None:
+        """All stages, in order."""
+        self.setup()
+        self.restore()
+        train_model = self.wrap()
+        for epoch in range(self.progress.epoch + 1, self.cfg.train.epochs):
+            t0 = time.perf_counter()
+            metrics: dict[str, Any] = self.epoch_hooks(epoch, "on_epoch_start")
+            train_metrics, failure = self.train_epoch(epoch, train_model)
+            if failure:
+                self.session.report({"kind": "nonfinite", "epoch": epoch, "error": f"epoch {epoch}: {failure}"})
+                return
+            metrics.update(train_metrics)
+            metrics.update(self.epoch_hooks(epoch, "on_epoch_end"))
+            train_time = time.perf_counter() - t0
+            metrics.update(self.validate(epoch))
+            self.report(epoch, metrics, t0, train_time)
+            _maybe_inject_fault(epoch, self.rank, self.fault)
+            if self.progress.bad_epochs >= self.cfg.train.early_stop_patience:
+                break
+        self.final_evaluation()
+
+    # ------------------------------------------------------------ helpers
+
+    def _device(self) -> torch.device:
+        if self.cfg.train.use_gpu:
+            if not torch.cuda.is_available():
+                raise RuntimeError("train.use_gpu is true but this worker sees no CUDA device")
+            dev = torch.device("cuda", self.session.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+            return dev
+        return torch.device("cpu")
+
+    def _weights(self) -> dict[str, Any]:
+        """The model's and the loss terms' state (what a checkpoint holds besides the optimiser)."""
+        return {"model": self.model.state_dict(), "losses": self.system.losses.state_dict()}
+
+    def _evaluate_best(self) -> dict[str, Any]:
+        """Evaluate the best model on ``eval.final_splits``; write per-query ranks."""
+        from prvrlab.evaluation.metrics import save_ranks
+        from prvrlab.evaluation.retrieval import evaluate
+
+        cfg = self.cfg
+        if self.best_path.exists():
+            self.model.load_state_dict(torch.load(self.best_path, map_location=self.device, weights_only=True)["model"])
+        out: dict[str, Any] = {}
+        available = {cfg.data.train_split, cfg.data.val_split, cfg.data.test_split}
+        for split in cfg.eval.final_splits:
+            if split not in available or split is None:
+                continue
+            result = evaluate(self.model, self.collection, split, cfg.eval, device=self.device, amp_dtype=self.amp_dtype)
+            out.update(result.flat(f"{split}/"))
+            save_ranks(self.run_dir / f"ranks_{split}.parquet", result.table)
+        return out
 
 
-def _final_evaluation(cfg, collection, model, best_path: Path, run_dir: Path, device, dtype) -> dict[str, Any]:
-    """Evaluate the best model on ``eval.final_splits``; write per-query ranks."""
-    from prvrlab.evaluation.metrics import save_ranks
-    from prvrlab.evaluation.retrieval import evaluate
+def train_worker(loop_config: dict[str, Any], session: Session | None = None) -> None:
+    """What every Ray Train worker (or a Tune trial actor) runs.
 
-    if best_path.exists():
-        model.load_state_dict(torch.load(best_path, map_location=device, weights_only=True)["model"])
-    out: dict[str, Any] = {}
-    available = {cfg.data.train_split, cfg.data.val_split, cfg.data.test_split}
-    for split in cfg.eval.final_splits:
-        if split not in available or split is None:
-            continue
-        result = evaluate(model, collection, split, cfg.eval, device=device, amp_dtype=dtype)
-        out.update({f"{split}/{k}": v for k, v in result.metrics.items()})
-        for group, values in (result.by_group or {}).items():
-            out.update({f"{split}/{group}/{k}": v for k, v in values.items()})
-        save_ranks(run_dir / f"ranks_{split}.parquet", result.table)
-    return out
+    ``loop_config``: {"experiment": the resolved ExperimentConfig, "run_dir":
+    folder for run files, "cpus_per_worker": float, "fault": optional test hook}.
+    """
+    TrainingLoop(
+        loop_config["experiment"],
+        session=session or RaySession(),
+        run_dir=loop_config["run_dir"],
+        cpus_per_worker=loop_config.get("cpus_per_worker", 1.0),
+        fault=loop_config.get("fault"),
+    ).run()
 
 
-def run_local(experiment: dict[str, Any], run_dir: str | Path, on_report=None) -> LocalSession:
-    """Run the worker in this process without Ray (single rank)."""
+def run_local(experiment: ExperimentConfig | dict[str, Any], run_dir: str | Path, on_report=None) -> LocalSession:
+    """Run the loop in this process without Ray (single rank); a dict is validated first."""
+    cfg = experiment if isinstance(experiment, ExperimentConfig) else validate(experiment)
     session = LocalSession(Path(run_dir) / "local_session", on_report=on_report)
-    train_worker({"experiment": experiment, "run_dir": str(run_dir)}, session)
+    train_worker({"experiment": cfg, "run_dir": str(run_dir)}, session)
     return session

@@ -16,7 +16,8 @@ from prvrlab.platform.config import validate
 from prvrlab.evaluation.retrieval import evaluate
 from prvrlab.platform.train.driver import TrainingError, train
 from prvrlab.platform.tracking.store import Tracker
-from prvrlab.platform.train.loop import build_model, seed_everything
+from prvrlab.models.factory import build_model
+from prvrlab.platform.train.loop import seed_everything
 from prvrlab.registry import LOSSES
 
 from train_helpers import small_raw
@@ -29,7 +30,7 @@ def untrained_val_sumr(raw: dict) -> float:
     cfg = validate(raw)
     seed_everything(cfg.train.seed)
     collection = open_collection(cfg.data)
-    model = build_model(cfg, collection.video_dim, collection.query_dim)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     return evaluate(model, collection, "val", cfg.eval, device=torch.device("cpu")).metrics["sumr"]
 
 

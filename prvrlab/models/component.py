@@ -1,0 +1,147 @@
+"""The extension seam: what losses and plug-ins declare, and the hooks the training loop calls.
+
+Every loss and every plug-in is a :class:`Component`.  A component
+
+- declares what it **needs** from the backbone (:data:`CAPABILITIES`):
+  per-frame embeddings, per-word embeddings, moment/clip-level embeddings,
+  per-video query groups.  Config validation rejects a component whose
+  needs the configured backbone cannot meet, naming both; the backbone is
+  asked to expose exactly what the enabled components need (training and
+  retrieval separately, so retrieval keeps no tensor only training reads);
+- owns learnable parameters, auxiliary encoders (e.g. a second backbone
+  copy) and buffers like any ``nn.Module``: the training loop puts every
+  parameter of every component in the optimiser, the DDP wrapper and the
+  checkpoint;
+- may act at **epoch start / epoch end** (:meth:`Component.on_epoch_start`,
+  :meth:`Component.on_epoch_end`) with an :class:`EpochContext`: the model,
+  a loader over this rank's share of the training split, the device and
+  an all-reduce over the DDP process group (e.g. a dataset-wide statistic
+  recomputed with the current model), and **after every optimiser step**
+  (:meth:`Component.on_step_end`);
+- reports scalar **metrics** (:meth:`Component.log_metric` during a step,
+  or returned by the epoch hooks).  They are logged per epoch as
+  ``train/<component>.<name>`` (``<component>`` = the plug-in name or the
+  loss term), usable as a search or ablation metric when listed in
+  :meth:`Component.metric_names`, and shown by the reports.
+
+Nothing here imports the data layer's loaders or the platform: the training
+loop builds the contexts and hands them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------- capabilities
+
+FRAME_TOKENS = "frame_tokens"
+WORD_TOKENS = "word_tokens"
+MOMENT_TOKENS = "moment_tokens"
+QUERY_GROUPS = "query_groups"
+
+CAPABILITIES: dict[str, str] = {
+    FRAME_TOKENS: "per-frame video embeddings (Nv, Lf, D) with their mask: VideoEmbedding.frame_tokens()",
+    WORD_TOKENS: "per-word query embeddings (Nq, Lq, D) with their mask: QueryEmbedding.word_tokens()",
+    MOMENT_TOKENS: "moment/clip-level video embeddings (Nv, M, D) with their mask: VideoEmbedding.moment_tokens()",
+    QUERY_GROUPS: "per-video query groups (Batch.query_video: each video's queries are contiguous)",
+}
+# Provided by the data layer's batching for every backbone.
+DATA_CAPABILITIES = frozenset({QUERY_GROUPS})
+
+
+def check_capabilities(names: Iterable[str], who: str) -> frozenset[str]:
+    """``names`` as a frozenset, or a ValueError naming the unknown one and the valid ones."""
+    out = frozenset(names)
+    unknown = sorted(out - set(CAPABILITIES))
+    if unknown:
+        raise ValueError(f"{who}: unknown capability {unknown[0]!r}; known: {', '.join(CAPABILITIES)}")
+    return out
+
+
+# ---------------------------------------------------------------- contexts
+
+
+def _identity_reduce(tensor: Tensor, op: str = "sum") -> Tensor:
+    return tensor
+
+
+@dataclass
+class EpochContext:
+    """What an epoch hook gets.
+
+    ``model``: the unwrapped model (backbone + plug-ins); call ``model.eval()``
+    / ``model.train()`` as needed (the loop restores training mode after
+    the hooks).  ``train_batches()``: a fresh iterator over this rank's share
+    of the training split, batches already on ``device`` (every video once
+    per rank, in a fixed order).  ``all_reduce(t, op)``: sums (``"sum"``) or
+    takes the maximum (``"max"``) of ``t`` over the DDP ranks, in place
+    semantics not required (the result is returned); identity on one rank.
+    ``process_group``: the DDP group (None on one rank) for anything else.
+    """
+
+    epoch: int
+    num_epochs: int
+    model: nn.Module
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    rank: int
+    world_size: int
+    train_batches: Callable[[], Iterator[Any]]
+    all_reduce: Callable[..., Tensor] = _identity_reduce
+    process_group: Any = None
+
+    def autocast(self):
+        """The loop's autocast context for encoding (disabled without AMP)."""
+        return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
+
+
+@dataclass
+class StepContext:
+    """What :meth:`Component.on_step_end` gets, after the optimiser step."""
+
+    epoch: int
+    step: int  # step within the epoch (0-based)
+    global_step: int  # steps since the start of training (0-based)
+    batch: Any  # the Batch just trained on
+    output: Any  # its ModelOutput
+    terms: dict[str, Tensor]  # unweighted, detached loss terms
+
+
+# ---------------------------------------------------------------- the base class
+
+
+class Component(nn.Module):
+    """Base of every loss and plug-in: needs, hooks and metrics (all default to nothing)."""
+
+    def needs(self, *, training: bool) -> frozenset[str]:
+        """Capabilities (names in :data:`CAPABILITIES`) needed at training / retrieval time."""
+        return frozenset()
+
+    def metric_names(self) -> tuple[str, ...]:
+        """Metrics this component reports every epoch (``train/<component>.<name>``)."""
+        return ()
+
+    def on_epoch_start(self, ctx: EpochContext) -> dict[str, float]:
+        """Called on every rank before the epoch's first step; returns metrics to log."""
+        return {}
+
+    def on_step_end(self, ctx: StepContext) -> None:
+        """Called on every rank after every optimiser step."""
+
+    def on_epoch_end(self, ctx: EpochContext) -> dict[str, float]:
+        """Called on every rank after the epoch's last step (before validation); returns metrics."""
+        return {}
+
+    def log_metric(self, name: str, value: Tensor | float) -> None:
+        """Record a scalar for this step; the loop averages it over the epoch's steps and ranks."""
+        metrics = self.__dict__.setdefault("_step_metrics", {})
+        metrics[name] = float(value.detach()) if isinstance(value, Tensor) else float(value)
+
+    def pop_step_metrics(self) -> dict[str, float]:
+        """The metrics logged since the last call (the loop calls this once per step)."""
+        return self.__dict__.pop("_step_metrics", {})

@@ -1,0 +1,168 @@
+"""One place that builds a backbone, its plug-ins and the loss terms from config sections.
+
+Training, evaluation, checkpoint loading, profiling and config validation all
+build through here, by registered name only::
+
+    model  = build_model(model_cfg, plugins_cfg, video_dim=..., query_dim=...)   # retrieval
+    system = build_system(model_cfg, plugins_cfg, losses_cfg, video_dim=..., query_dim=...)  # training
+
+The sections are plain mappings (``{"name": "gmmformer", **params}``,
+``{plugin: params}``, ``{term: {"loss": name, "weight": w, **params}}``), so
+nothing here depends on the platform's config types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from prvrlab.data.batch import Batch
+from prvrlab.losses.weighted import LossResult, WeightedLoss
+from prvrlab.models.base import ModelOutput, RetrievalModel
+from prvrlab.models.component import CAPABILITIES, DATA_CAPABILITIES, Component
+from prvrlab.models.plugins.base import PluggedModel, Plugin
+from prvrlab.registry import BACKBONES, PLUGINS
+
+# Constructor arguments the platform derives (never set in a config).
+DATA_DERIVED = ("video_dim", "query_dim")  # backbones: from the data
+PLUGIN_DERIVED = ("hidden_size",)  # plug-ins: from the backbone
+
+
+class NeedsError(ValueError):
+    """A component needs a capability the backbone does not provide."""
+
+
+def build_backbone(model_cfg: Mapping[str, Any], *, video_dim: int, query_dim: int) -> RetrievalModel:
+    """The registered backbone ``model_cfg['name']`` with the section's parameters."""
+    params = {k: v for k, v in model_cfg.items() if k != "name"}
+    return BACKBONES.build(model_cfg["name"], video_dim=video_dim, query_dim=query_dim, **params)
+
+
+def build_plugins(plugins_cfg: Mapping[str, Mapping[str, Any]], *, hidden_size: int) -> dict[str, Plugin]:
+    """Every configured plug-in, in config order, built for a backbone of width ``hidden_size``;
+    a constructor's ValueError is re-raised naming ``plugins.<name>``."""
+    out: dict[str, Plugin] = {}
+    for name, params in plugins_cfg.items():
+        try:
+            out[name] = PLUGINS.build(name, hidden_size=hidden_size, **dict(params or {}))
+        except ValueError as exc:
+            raise type(exc)(f"plugins.{name}: {exc}") from None
+    return out
+
+
+def check_needs(backbone: RetrievalModel, backbone_name: str, components: Mapping[str, Component]) -> None:
+    """Raise NeedsError when a component (``where`` -> component) needs what the backbone lacks."""
+    available = frozenset(backbone.provides) | DATA_CAPABILITIES
+    for where, component in components.items():
+        needed = component.needs(training=True) | component.needs(training=False)
+        missing = sorted(needed - available)
+        if missing:
+            kind = type(component).__dict__.get("registered_name", type(component).__name__)
+            raise NeedsError(
+                f"{where}: '{kind}' needs {', '.join(missing)} ({CAPABILITIES[missing[0]]}), which backbone "
+                f"'{backbone_name}' does not provide; it provides: {', '.join(sorted(available))}"
+            )
+
+
+def build_model(
+    model_cfg: Mapping[str, Any],
+    plugins_cfg: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    video_dim: int,
+    query_dim: int,
+) -> RetrievalModel:
+    """The backbone, wrapped with its plug-ins (:class:`PluggedModel`) when there are any.
+
+    The backbone is asked to expose what the plug-ins need at retrieval time
+    (``build_system`` adds the training needs of plug-ins and losses).
+    """
+    backbone = build_backbone(model_cfg, video_dim=video_dim, query_dim=query_dim)
+    plugins = build_plugins(plugins_cfg or {}, hidden_size=int(getattr(backbone, "hidden_size")))
+    for name, plugin in plugins.items():
+        try:
+            plugin.check_backbone(backbone, str(model_cfg["name"]))
+        except ValueError as exc:
+            raise type(exc)(f"plugins.{name}: {exc}") from None
+    check_needs(backbone, str(model_cfg["name"]), {f"plugins.{n}": p for n, p in plugins.items()})
+    model: RetrievalModel = backbone
+    if plugins:
+        model = PluggedModel(
+            backbone=backbone,
+            plugins=plugins,
+            make_backbone=lambda: build_backbone(model_cfg, video_dim=video_dim, query_dim=query_dim),
+        )
+    model.request(
+        training=set().union(*(p.needs(training=True) for p in plugins.values())),
+        retrieval=set().union(*(p.needs(training=False) for p in plugins.values())),
+    )
+    return model
+
+
+def build_losses(losses_cfg: Mapping[str, Mapping[str, Any]]) -> WeightedLoss:
+    """The weighted sum of the configured loss terms."""
+    return WeightedLoss.from_config(losses_cfg)
+
+
+class TrainingSystem(nn.Module):
+    """Everything that learns: the model (backbone + plug-ins) and the loss terms.
+
+    The training loop optimises, wraps in DDP and checkpoints this module, so
+    every parameter of every component (a loss's learnable temperature, a
+    plug-in's second encoder) trains, is averaged across ranks and survives a
+    restart.  ``forward`` runs the model under the caller's autocast and the
+    losses in full precision.
+    """
+
+    def __init__(self, *, model: RetrievalModel, losses: WeightedLoss) -> None:
+        super().__init__()
+        self.model = model
+        self.losses = losses
+        plugins = self.plugins()
+        model.request(
+            training=set().union(*(c.needs(training=True) for c in self.components().values())),
+            retrieval=set().union(*(p.needs(training=False) for p in plugins.values())),
+        )
+        for term, loss in losses.losses.items():
+            if losses.weights[term] == 0.0:  # never computed: its parameters get no gradient (DDP would refuse)
+                loss.requires_grad_(False)
+
+    def plugins(self) -> dict[str, Plugin]:
+        """Plug-in name -> plug-in (empty for a bare backbone)."""
+        return dict(self.model.plugins.items()) if isinstance(self.model, PluggedModel) else {}
+
+    def components(self) -> dict[str, Component]:
+        """Metric prefix -> component: plug-ins by name, then loss terms by term name."""
+        out: dict[str, Component] = dict(self.plugins())
+        out.update({term: loss for term, loss in self.losses.losses.items() if self.losses.weights[term] > 0})
+        return out
+
+    def forward(self, batch: Batch, *, epoch: int) -> tuple[LossResult, ModelOutput]:
+        """(weighted loss, model output) of a training batch."""
+        out = self.model(batch)
+        with torch.autocast(batch.queries.device.type, enabled=False):
+            result = self.losses(out, batch, epoch=epoch)
+        return result, out
+
+
+def build_system(
+    model_cfg: Mapping[str, Any],
+    plugins_cfg: Mapping[str, Mapping[str, Any]] | None,
+    losses_cfg: Mapping[str, Mapping[str, Any]],
+    *,
+    video_dim: int,
+    query_dim: int,
+) -> TrainingSystem:
+    """Model and losses for training; losses whose needs the backbone lacks are refused here too."""
+    model = build_model(model_cfg, plugins_cfg, video_dim=video_dim, query_dim=query_dim)
+    losses = build_losses(losses_cfg)
+    backbone = model.backbone if isinstance(model, PluggedModel) else model
+    check_needs(backbone, str(model_cfg["name"]), {f"losses.{t}": loss for t, loss in losses.losses.items()})
+    return TrainingSystem(model=model, losses=losses)
+
+
+def declared_metrics(system: TrainingSystem) -> list[str]:
+    """``train/<component>.<name>`` for every metric the components declare."""
+    return [f"train/{prefix}.{name}" for prefix, c in system.components().items() for name in c.metric_names()]
