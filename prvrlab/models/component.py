@@ -99,6 +99,15 @@ class EpochContext:
         """The loop's autocast context for encoding (disabled without AMP)."""
         return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
 
+    def encode(self, batch: Any) -> tuple[Any, Any]:
+        """(VideoEmbedding, QueryEmbedding) of a training batch with the current model: eval mode
+        (no dropout), no gradient, the training-time capabilities exposed, under the loop's autocast."""
+        self.model.eval()
+        with torch.no_grad(), self.model.training_exposure(), self.autocast():
+            video = self.model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+            query = self.model.encode_queries(batch.queries, batch.query_mask)
+        return video, query
+
 
 @dataclass
 class StepContext:

@@ -159,7 +159,8 @@ def build_system(
     model = build_model(model_cfg, plugins_cfg, video_dim=video_dim, query_dim=query_dim)
     losses = build_losses(losses_cfg)
     backbone = model.backbone if isinstance(model, PluggedModel) else model
-    check_needs(backbone, str(model_cfg["name"]), {f"losses.{t}": loss for t, loss in losses.losses.items()})
+    active = {f"losses.{t}": loss for t, loss in losses.losses.items() if losses.weights[t] > 0}  # weight 0: never run
+    check_needs(backbone, str(model_cfg["name"]), active)
     return TrainingSystem(model=model, losses=losses)
 
 

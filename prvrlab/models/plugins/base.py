@@ -113,6 +113,10 @@ class PluggedModel(RetrievalModel):
         """Forwarded to the backbone (which does the encoding)."""
         self.backbone.request(training=training, retrieval=retrieval)
 
+    def training_exposure(self):
+        """The backbone's (it does the encoding)."""
+        return self.backbone.training_exposure()
+
     @property
     def score_weights(self) -> dict[str, float]:  # type: ignore[override]
         return self.backbone.score_weights

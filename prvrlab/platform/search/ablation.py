@@ -99,7 +99,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
         if todo or resumed:
             prepare_environment()
             ensure_ray()
-            study = make_study(spec, "ablation", base, study_dir, cells=all_cells)
+            study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
             _, _, interrupted = run_study(
                 spec,
                 study,

@@ -18,11 +18,6 @@ restored study reattaches to the same runs instead of duplicating them.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ray.tune import Callback

@@ -17,6 +17,7 @@ concrete model or loss: the valid keys come from the registries.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class StudyError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Param:
+class SearchParam:
     """One searched config key: a distribution and an optional condition."""
 
     key: str
@@ -103,9 +104,9 @@ class StudySpec:
     resources: Resources
     max_retries: int
 
-    @property
+    @functools.cached_property
     def base(self) -> ExperimentConfig:
-        """The validated base config (with the spec's overrides)."""
+        """The validated base config (with the spec's overrides), validated once."""
         return validate(self.base_raw)
 
 
@@ -120,7 +121,7 @@ class SearchSpec(StudySpec):
     reduction_factor: float = 2.0
     sampler: str = "tpe"
     seed: int = 0
-    space: tuple[Param, ...] = ()
+    space: tuple[SearchParam, ...] = ()
 
     def grid(self) -> dict[str, list[Any]]:
         """The full grid (grid sampler): key -> values."""
@@ -134,7 +135,7 @@ class SearchSpec(StudySpec):
 class DefineByRun:
     """Picklable define-by-run space (Tune saves the searcher with the experiment)."""
 
-    def __init__(self, params: tuple[Param, ...], base_flat: dict[str, Any]) -> None:
+    def __init__(self, params: tuple[SearchParam, ...], base_flat: dict[str, Any]) -> None:
         self.params, self.base_flat = params, base_flat
 
     def __call__(self, trial: Any) -> None:
@@ -353,7 +354,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     }
 
 
-def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str]) -> Param:
+def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str]) -> SearchParam:
     where = f"{path}: space.{key}"
     if key not in keys:
         raise ConfigError(f"{path}: space: unknown config key '{key}'{did_you_mean(key, keys)}")
@@ -385,7 +386,7 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
         if cond_key == key or (cond_key not in keys):
             raise ConfigError(f"{where}.when: unknown config key '{cond_key}'{did_you_mean(str(cond_key), keys)}")
         _check_condition(expected, f"{where}.when.{cond_key}")
-    param = Param(key=key, kind=kind, args=args, when=dict(when))
+    param = SearchParam(key=key, kind=kind, args=args, when=dict(when))
     for value in param.probe_values():
         validate_with(base_raw, {key: value}, f"{where} = {value!r}")
     return param
@@ -402,7 +403,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     space_raw = _mapping(raw.get("space"), f"{path}: space")
     if not space_raw:
         raise ConfigError(f"{path}: space: expected at least one searched key")
-    params: list[Param] = []
+    params: list[SearchParam] = []
     for key, value in space_raw.items():
         param = _param(path, str(key), value, common["base_raw"], keys)
         for cond_key in param.when:

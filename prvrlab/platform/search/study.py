@@ -19,14 +19,14 @@ map (``study.json``) and, for a search, ``best_config.yaml``.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import os
 import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,7 +35,7 @@ import yaml
 from prvrlab.platform.config import ExperimentConfig, apply_overrides, plugin_tokens, validate
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
 from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, format_params, trial_outcome
-from prvrlab.platform.search.spec import SearchSpec, StudyError, StudySpec
+from prvrlab.platform.search.spec import StudyError, StudySpec
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
 
@@ -65,6 +65,7 @@ class StudyContext:
     experiment: str
     cells: dict[str, dict[str, Any]] | None = None  # ablation: cell -> overrides
     fault: dict[str, Any] | None = None  # test hook forwarded to the workers
+    resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
 
     def overrides(self, config: dict[str, Any]) -> dict[str, Any]:
         """The dotted overrides a trial config stands for."""
@@ -73,10 +74,15 @@ class StudyContext:
         return {k: v for k, v in config.items()}
 
     def experiment_config(self, config: dict[str, Any]) -> ExperimentConfig:
-        """The trial's validated experiment config."""
-        raw = apply_overrides(self.base_raw, self.overrides(config))
-        raw = apply_overrides(raw, {"train.num_workers": self.workers, "train.use_gpu": self.gpus_per_worker > 0})
-        return validate(raw)
+        """The trial's validated, resolved experiment config (validated once per process and trial
+        config; an ablation's cells are all resolved by the driver before Ray starts)."""
+        key = json.dumps(self.overrides(config), sort_keys=True, default=str)
+        cache = self.resolved
+        if key not in cache:
+            raw = apply_overrides(self.base_raw, self.overrides(config))
+            raw = apply_overrides(raw, {"train.num_workers": self.workers, "train.use_gpu": self.gpus_per_worker > 0})
+            cache[key] = validate(raw)
+        return cache[key]
 
     def trial_dir(self, trial_id: str) -> Path:
         """Where a trial writes its run files."""
@@ -273,7 +279,7 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
     """Resolve paths, prepare the data and pick the study folder (before Ray starts)."""
     from prvrlab.platform.runtime import prepare_data, resolve_config_paths
 
-    base = resolve_config_paths(validate(spec.base_raw))
+    base = resolve_config_paths(spec.base)
     prepare_data(base, progress=False)
     root = study_root(base.tracking.storage_path, kind, spec.name)
     if resume:
@@ -418,8 +424,16 @@ def count_outcomes(trials) -> dict[str, int]:
     return counts
 
 
-def make_study(spec: StudySpec, kind: str, base: ExperimentConfig, study_dir: Path, cells=None) -> StudyContext:
-    """A :class:`StudyContext` for ``spec`` with per-worker resources from the running cluster."""
+def make_study(
+    spec: StudySpec,
+    kind: str,
+    base: ExperimentConfig,
+    study_dir: Path,
+    cells=None,
+    resolved: dict[str, ExperimentConfig] | None = None,
+) -> StudyContext:
+    """A :class:`StudyContext` for ``spec`` with per-worker resources from the running cluster
+    (``resolved``: configs the driver already validated, keyed as ``StudyContext.resolved``)."""
     import ray
 
     from prvrlab.platform.train.loop import fault_hook_from_env
@@ -427,7 +441,7 @@ def make_study(spec: StudySpec, kind: str, base: ExperimentConfig, study_dir: Pa
     cluster = ray.cluster_resources()
     cpus, gpus = trial_resources(spec, float(cluster.get("CPU", os.cpu_count() or 1)), float(cluster.get("GPU", 0)))
     base_raw = apply_overrides(base.to_dict(), {})
-    return StudyContext(
+    study = StudyContext(
         kind=kind,
         name=spec.name,
         study_dir=str(study_dir),
@@ -442,6 +456,10 @@ def make_study(spec: StudySpec, kind: str, base: ExperimentConfig, study_dir: Pa
         cells=cells,
         fault=fault_hook_from_env(),
     )
+    study.resolved.update(resolved or {})
+    for cell in cells or {}:  # an ablation's configs are all known: resolve them once, here
+        study.experiment_config({"cell": cell})
+    return study
 
 
 def runs_for(study_dir: Path) -> dict[str, str]:

@@ -9,7 +9,6 @@ from typing import Any, Callable
 
 from ray.tune.search.optuna import OptunaSearch
 
-from prvrlab.platform.config import validate
 from prvrlab.platform.search.outcome import RunMap, format_params, trial_outcome
 from prvrlab.platform.search.spec import SearchSpec
 from prvrlab.platform.search.study import (
@@ -112,7 +111,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
         if spec.scheduler == "asha":
             scheduler = ASHAScheduler(
                 time_attr="training_iteration",
-                max_t=validate(spec.base_raw).train.epochs + 1,  # the last round is the final evaluation
+                max_t=spec.base.train.epochs + 1,  # the last round is the final evaluation
                 grace_period=spec.grace_period,
                 reduction_factor=spec.reduction_factor,
                 stop_last_trials=False,

@@ -9,7 +9,6 @@ one line per epoch, and closes the run FINISHED, FAILED or KILLED.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue as stdlib_queue
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from prvrlab.platform.config import ExperimentConfig, plugin_tokens
+from prvrlab.platform.config import ExperimentConfig
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri
 from prvrlab.platform.tracking.tags import run_tags

@@ -257,8 +257,15 @@ class TrainingLoop:
             process_group=dist.group.WORLD if _distributed() else None,
         )
 
-    def epoch_hooks(self, epoch: int, hook: str) -> dict[str, float]:
-        """Run ``on_epoch_start`` / ``on_epoch_end`` of every component; their metrics, namespaced."""
+    def epoch_start(self, epoch: int) -> dict[str, float]:
+        """Every component's ``on_epoch_start``; their metrics as ``train/<component>.<name>``."""
+        return self._epoch_hooks(epoch, "on_epoch_start")
+
+    def epoch_end(self, epoch: int) -> dict[str, float]:
+        """Every component's ``on_epoch_end``; their metrics as ``train/<component>.<name>``."""
+        return self._epoch_hooks(epoch, "on_epoch_end")
+
+    def _epoch_hooks(self, epoch: int, hook: str) -> dict[str, float]:
         from prvrlab.models.component import Component
 
         out: dict[str, float] = {}
@@ -273,42 +280,49 @@ class TrainingLoop:
             self.system.train()
         return out
 
-    def train_epoch(self, epoch: int, train_model: torch.nn.Module) -> tuple[dict[str, float], str]:
-        """All steps of one epoch; (mean train metrics, failure message or '')."""
+    def step(self, train_model: torch.nn.Module, batch, epoch: int, step: int, sums: "MetricSums") -> str:
+        """One optimiser step on every rank; returns a failure message ('' when the loss was finite)."""
         from prvrlab.losses.weighted import NonFiniteLossError
         from prvrlab.models.component import StepContext
 
+        batch = batch.to(self.device, non_blocking=True)
+        failure, bad = "", 0.0
+        dtype = self.amp_dtype
+        with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            try:
+                result, out = train_model(batch, epoch=epoch)
+            except NonFiniteLossError as exc:
+                failure, bad = str(exc), 1.0
+        if all_reduce(torch.tensor([bad], device=self.device)).item() > 0:  # every rank stops at the same step
+            return failure or "non-finite loss on another worker"
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(result.total).backward()
+        if self.cfg.train.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.system.parameters(), self.cfg.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        sums.add("loss", float(result.total.detach()))
+        for term, value in result.terms.items():
+            sums.add(term, float(value))
+        ctx = StepContext(epoch=epoch, step=step, global_step=self.global_step, batch=batch, output=out, terms=result.terms)
+        for prefix, component in self.components.items():
+            component.on_step_end(ctx)
+            for name, value in component.pop_step_metrics().items():
+                sums.add(f"{prefix}.{name}", value)
+        self.global_step += 1
+        return ""
+
+    def train_epoch(self, epoch: int, train_model: torch.nn.Module) -> tuple[dict[str, float], str]:
+        """All steps of one epoch; (mean train metrics over steps and ranks, failure message or '')."""
         self.sampler.set_epoch(epoch)
         train_model.train()
         sums = MetricSums()
-        dtype = self.amp_dtype
         for step, batch in enumerate(self.loader):
-            batch = batch.to(self.device, non_blocking=True)
-            failure, bad = "", 0.0
-            with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                try:
-                    result, out = train_model(batch, epoch=epoch)
-                except NonFiniteLossError as exc:
-                    failure, bad = str(exc), 1.0
-            if all_reduce(torch.tensor([bad], device=self.device)).item() > 0:
-                return {}, failure or "non-finite loss on another worker"
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.scale(result.total).backward()
-            if self.cfg.train.grad_clip > 0:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.system.parameters(), self.cfg.train.grad_clip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.scheduler.step()
-            sums.add("loss", float(result.total.detach()))
-            for term, value in result.terms.items():
-                sums.add(term, float(value))
-            ctx = StepContext(epoch=epoch, step=step, global_step=self.global_step, batch=batch, output=out, terms=result.terms)
-            for prefix, component in self.components.items():
-                component.on_step_end(ctx)
-                for name, value in component.pop_step_metrics().items():
-                    sums.add(f"{prefix}.{name}", value)
-            self.global_step += 1
+            failure = self.step(train_model, batch, epoch, step, sums)
+            if failure:
+                return {}, failure
         return {f"train/{name}": value for name, value in sums.means().items()}, ""
 
     def validate(self, epoch: int) -> dict[str, float]:
@@ -373,13 +387,13 @@ class TrainingLoop:
         train_model = self.wrap()
         for epoch in range(self.progress.epoch + 1, self.cfg.train.epochs):
             t0 = time.perf_counter()
-            metrics: dict[str, Any] = self.epoch_hooks(epoch, "on_epoch_start")
+            metrics: dict[str, Any] = self.epoch_start(epoch)
             train_metrics, failure = self.train_epoch(epoch, train_model)
             if failure:
                 self.session.report({"kind": "nonfinite", "epoch": epoch, "error": f"epoch {epoch}: {failure}"})
                 return
             metrics.update(train_metrics)
-            metrics.update(self.epoch_hooks(epoch, "on_epoch_end"))
+            metrics.update(self.epoch_end(epoch))
             train_time = time.perf_counter() - t0
             metrics.update(self.validate(epoch))
             self.report(epoch, metrics, t0, train_time)
