@@ -15,7 +15,7 @@ training reads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, ClassVar
 
@@ -205,17 +205,39 @@ class ModelOutput:
     aux: dict[str, Any] = field(default_factory=dict)  # plug-in training extras, "<plugin>.<key>"
 
 
+def rename_legacy_keys(state_dict: dict[str, Any], prefix: str, renames: Mapping[str, str]) -> None:
+    """Rename in place every key ``prefix + old + rest`` to ``prefix + new + rest``, for each ``old`` ->
+    ``new`` key prefix of ``renames``.  A key whose new name is already taken stays as it is (strict
+    loading then reports it as unexpected)."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        for old, new in renames.items():
+            if rest.startswith(old):
+                target = prefix + new + rest[len(old) :]
+                if target not in state_dict:
+                    state_dict[target] = state_dict.pop(key)
+                break
+
+
 class RetrievalModel(nn.Module):
     """Base class of every backbone.
 
     Subclasses implement ``encode_videos``, ``encode_queries`` and ``score``;
     ``forward`` (training) and ``fuse`` (retrieval score) come from here.
     ``score_weights`` maps each branch to its weight in the final score.
+    ``legacy_keys`` maps the state-dict key prefixes of a backbone's earlier
+    module layouts to the current ones: ``load_state_dict`` renames them, so
+    checkpoints written before a layout change keep loading.
     """
 
     score_weights: dict[str, float]
     # Capabilities this backbone can supply (names from prvrlab.models.component).
     provides: ClassVar[frozenset[str]] = frozenset()
+    legacy_keys: ClassVar[Mapping[str, str]] = {}
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        rename_legacy_keys(state_dict, prefix, self.legacy_keys)  # before the sub-modules read their keys
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def request(self, *, training: Iterable[str] = (), retrieval: Iterable[str] = ()) -> None:
         """Ask for capabilities in training mode and in eval (retrieval) mode (an unknown name is a

@@ -5,29 +5,29 @@ real tokens, real tokens first) or *packed* ``(N, D)``: only the N real
 tokens, described by a :class:`Packing`.  Token-wise layers (projections,
 feed-forward networks, normalisation) run on packed tokens so that no compute
 is spent on padding; only attention needs the padded layout.
+
+The backbone scaffolding at the end is what every backbone builds from:
+:class:`BackboneSizes` (the shared constructor checks), the
+:class:`SequenceEncoder` / :class:`QueryEncoder` of its query, clip and frame
+streams, :class:`PooledFrameBackbone` (a max-over-clips branch beside a
+pooled frame branch), :func:`resolve_ffn_size` (what ``ffn_size`` means) and
+:func:`legacy_encoder_keys` (checkpoint keys of the layout before encoders).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def check_positive_int(value: object, name: str) -> int:
-    """``value`` as an int > 0, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def check_probability(value: object, name: str) -> float:
-    """``value`` as a float in [0, 1), else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
-    return float(value)
+from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
+from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.component import FRAME_TOKENS
+from prvrlab.models.scoring import max_scores, vector_scores
 
 
 def dropout_mask(x: Tensor, p: float) -> Tensor:
@@ -187,6 +187,19 @@ class Packing:
         return out.reshape(self.batch, self.length, *x.shape[1:])
 
 
+class PackedLayer(nn.Module):
+    """A layer computed on packed real tokens (:meth:`forward_packed`); :meth:`forward` takes the padded layout."""
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D_in) packed tokens -> (N, D)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """(B, L, D_in) with (B, L) mask -> (B, L, D), zeros on padding."""
+        packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
+        return packing.unpack(self.forward_packed(packing.pack(x), packing))
+
+
 class InputProjection(nn.Module):
     """LayerNorm -> Dropout -> Linear -> ReLU, applied token-wise on (..., in_dim)."""
 
@@ -266,7 +279,6 @@ class AttentionPooling(nn.Module):
         return torch.einsum("bl,bld->bd", weights.to(x.dtype), x)  # (B, D)
 
 
-
 class AdditiveAttentionPooling(AttentionPooling):
     """Additive (Bahdanau) attention pooling: scores ``v^T tanh(W x + b)``, masked softmax, weighted sum.
 
@@ -292,15 +304,213 @@ class AdditiveAttentionPooling(AttentionPooling):
         return self._pool(packing.unpack(x), logits, None if packing.is_full else packing.mask)
 
 
-def check_backbone_sizes(
-    *, video_dim: int, query_dim: int, hidden_size: int, num_heads: int, dropout: float, attention_dropout: float
-) -> None:
-    """The checks every backbone constructor shares; a ValueError names the bad parameter."""
-    check_positive_int(video_dim, "video_dim")
-    check_positive_int(query_dim, "query_dim")
-    check_positive_int(hidden_size, "hidden_size")
-    check_positive_int(num_heads, "num_heads")
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
-    check_probability(dropout, "dropout")
-    check_probability(attention_dropout, "attention_dropout")
+# ---------------------------------------------------------------- backbone scaffolding
+
+
+def check_score_weights(weights: dict[str, float]) -> dict[str, float]:
+    """Branch weights (finite, >= 0, not all zero) as floats; a ValueError names the bad one."""
+    for name, value in weights.items():
+        if not is_number(value) or value < 0:
+            raise ValueError(f"{name}_weight must be a finite number >= 0, got {value!r}")
+    if all(value == 0 for value in weights.values()):
+        raise ValueError(f"score weights {weights!r} are all zero; at least one branch must count")
+    return {name: float(value) for name, value in weights.items()}
+
+
+def resolve_ffn_size(ffn_size: int | None, hidden_size: int) -> int:
+    """What ``ffn_size`` means in every layer and backbone: the width of the feed-forward sublayer
+    after an attention sublayer; 0: no feed-forward sublayer; None: ``4 * hidden_size``."""
+    if ffn_size is None:
+        return 4 * hidden_size
+    return check_int(ffn_size, "ffn_size", minimum=0)
+
+
+class SequenceEncoder(PackedLayer):
+    """InputProjection -> PositionalEmbedding -> ``num_layers`` layers on the packed real tokens,
+    plus an optional pooling head: the query, clip/moment and frame encoders of the backbones.
+
+    ``layer()`` builds one layer and ``pool()`` the head, both modules with
+    ``forward_packed(x, packing)`` on (N, D) packed tokens.  Submodules are
+    built in the order ``proj``, ``pos``, ``layers`` (a ModuleList), ``pool``
+    (None without a head), so a seeded construction always draws the same
+    initial weights.
+    """
+
+    def __init__(
+        self,
+        *,
+        in_dim: int,
+        hidden_size: int,
+        max_len: int,
+        dropout: float,
+        layer: Callable[[], nn.Module],
+        num_layers: int = 1,
+        pool: Callable[[], nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        check_positive_int(num_layers, "num_layers")
+        self.proj = InputProjection(in_dim=in_dim, out_dim=hidden_size, dropout=dropout)
+        self.pos = PositionalEmbedding(max_len=max_len, hidden_size=hidden_size, dropout=dropout)
+        self.layers = nn.ModuleList(layer() for _ in range(num_layers))
+        self.pool = None if pool is None else pool()
+
+    def encode(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Packing]:
+        """(B, L, in_dim) features with a (B, L) mask (None: no padding) -> (N, D) encodings of the
+        real tokens, and their packing."""
+        packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
+        return self.forward_packed(packing.pack(x), packing), packing
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, in_dim) packed features -> (N, D)."""
+        t = self.pos.forward_packed(self.proj(x), packing)  # (N, D)
+        for layer in self.layers:
+            t = layer.forward_packed(t, packing)  # (N, D)
+        return t
+
+    def pooled(self, t: Tensor, packing: Packing) -> Tensor:
+        """(N, D) encodings -> the head's (B, ...) output."""
+        if self.pool is None:
+            raise ValueError("this SequenceEncoder has no pooling head")
+        return self.pool.forward_packed(t, packing)
+
+
+class QueryEncoder(SequenceEncoder):
+    """A :class:`SequenceEncoder` whose head turns queries into one vector per retrieval branch."""
+
+    def embed(self, queries: Tensor, query_mask: Tensor, *, branches: Sequence[str]) -> QueryEmbedding:
+        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> branch vectors and (Nq, Lq, D) word tokens.
+
+        A head output (Nq, D) is one vector shared by every branch; (Nq, K, D)
+        gives the K ``branches`` one vector each, in order.
+        """
+        t, packing = self.encode(queries, query_mask)  # (Nt, D)
+        pooled = self.pooled(t, packing)  # (Nq, D) or (Nq, K, D)
+        if pooled.dim() == 2:
+            vectors = {branch: pooled for branch in branches}
+        else:
+            if pooled.shape[1] != len(branches):
+                raise ValueError(f"the query head gives {pooled.shape[1]} vectors for branches {tuple(branches)}")
+            vectors = {branch: pooled[:, k] for k, branch in enumerate(branches)}
+        return QueryEmbedding(vectors=vectors, tokens=packing.unpack(t), token_mask=packing.mask)
+
+
+@dataclass(frozen=True)
+class BackboneSizes:
+    """The sizes every backbone shares, checked on construction (a ValueError names the bad one),
+    and the encoders built from them.
+
+    ``layer_args``: the keyword arguments every attention layer takes
+    (:class:`~prvrlab.models.gmm.GMMBlock`, ``TransformerLayer``, ``TCGMMBlock``).
+    """
+
+    video_dim: int
+    query_dim: int
+    hidden_size: int
+    num_heads: int
+    dropout: float
+    attention_dropout: float
+    max_frames: int
+    max_query_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("video_dim", "query_dim", "hidden_size", "num_heads", "max_frames", "max_query_len"):
+            check_positive_int(getattr(self, name), name)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        check_probability(self.dropout, "dropout")
+        check_probability(self.attention_dropout, "attention_dropout")
+
+    @property
+    def layer_args(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "dropout": self.dropout,
+            "attention_dropout": self.attention_dropout,
+        }
+
+    def video_encoder(
+        self, layer: Callable[[], nn.Module], *, num_layers: int = 1, pool: Callable[[], nn.Module] | None = None
+    ) -> SequenceEncoder:
+        """An encoder of (B, L, video_dim) clips or frames (up to ``max_frames``)."""
+        args = self._encoder_args(layer, num_layers, pool)
+        return SequenceEncoder(in_dim=self.video_dim, max_len=self.max_frames, **args)
+
+    def query_encoder(
+        self, layer: Callable[[], nn.Module], *, pool: Callable[[], nn.Module], num_layers: int = 1
+    ) -> QueryEncoder:
+        """An encoder of (Nq, Lq, query_dim) query tokens (up to ``max_query_len``) with a pooling head."""
+        args = self._encoder_args(layer, num_layers, pool)
+        return QueryEncoder(in_dim=self.query_dim, max_len=self.max_query_len, **args)
+
+    def _encoder_args(
+        self, layer: Callable[[], nn.Module], num_layers: int, pool: Callable[[], nn.Module] | None
+    ) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden_size,
+            "dropout": self.dropout,
+            "layer": layer,
+            "num_layers": num_layers,
+            "pool": pool,
+        }
+
+
+class PooledFrameBackbone(RetrievalModel):
+    """A backbone with a clip-level branch, scored by the max cosine over a video's clips (or
+    moments), and a frame branch pooled to one vector per video, scored by cosine; one query
+    vector serves both (GMMFormer, the ICE base model).
+
+    ``branches`` names the (clip-level, video-level) branches.  Subclasses build
+    ``query`` (a :class:`QueryEncoder` with a (Nq, D) head) and ``frame`` (a
+    :class:`SequenceEncoder` with a (B, D) head) and implement :meth:`encode_clips`.
+    Per-frame embeddings are kept only when the ``frame_tokens`` capability is exposed.
+    """
+
+    branches: ClassVar[tuple[str, str]] = ("clip", "frame")
+    query: QueryEncoder
+    frame: SequenceEncoder
+
+    def encode_clips(self, clips: Tensor) -> Tensor:
+        """(B, Lc, Dv) clip features -> (B, Lc, D) clip-level embeddings."""
+        raise NotImplementedError
+
+    def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
+        """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> clip (B, Lc, D), frame (B, D)."""
+        clip = self.encode_clips(clips)  # (B, Lc, D)
+        f, packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
+        extra = {}
+        if self.exposes(FRAME_TOKENS):  # the frame branch is pooled: per-frame embeddings only on request
+            extra = {"frame_tokens": packing.unpack(f), "frame_mask": packing.mask}  # (B, Lf, D), (B, Lf)
+        return VideoEmbedding(clip=clip, frame=self.frame.pooled(f, packing), extra=extra)  # frame (B, D)
+
+    def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
+        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
+        return self.query.embed(queries, query_mask, branches=self.branches)
+
+    def score(
+        self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
+    ) -> dict[str, BranchScores]:
+        """Clip-level: max over clips of the cosine (logits: of the raw dot); video-level: cosine (logits: raw dot)."""
+        if video.clip is None or video.frame is None or video.frame.dim() != 2:
+            raise ValueError(f"{type(self).__name__}.score needs VideoEmbedding.clip and .frame (one vector per video)")
+        clip_level, video_level = self.branches
+        return {
+            clip_level: max_scores(query.vectors[clip_level], video.clip, with_logits=with_logits),  # (Nq, Nv)
+            video_level: vector_scores(query.vectors[video_level], video.frame, with_logits=with_logits),  # (Nq, Nv)
+        }
+
+
+def legacy_encoder_keys(
+    name: str, *, layers: str, single_layer: bool = False, pool: str | None = None
+) -> dict[str, str]:
+    """Old -> new checkpoint key prefixes of the :class:`SequenceEncoder` ``name`` of a backbone
+    whose encoder modules were its own attributes: ``<name>_proj``, ``<name>_pos``, the layers
+    ``layers`` (a ModuleList, or the one layer itself with ``single_layer``) and the head ``pool``."""
+    out = {
+        f"{name}_proj.": f"{name}.proj.",
+        f"{name}_pos.": f"{name}.pos.",
+        f"{layers}.": f"{name}.layers.0." if single_layer else f"{name}.layers.",
+    }
+    if pool is not None:
+        out[f"{pool}."] = f"{name}.pool."
+    return out

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prvrlab.models.blocks import BranchLinear, Dropout, Packing, check_positive_int, dropout_mask
+from prvrlab.checks import check_positive_int
+from prvrlab.models.blocks import BranchLinear, Dropout, PackedLayer, Packing, dropout_mask, resolve_ffn_size
 
 DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
 
@@ -165,16 +166,18 @@ class GaussianAttention(nn.Module):
         return self.out(ctx)  # (K, N, D)
 
 
-class GMMBlock(nn.Module):
+class GMMBlock(PackedLayer):
     """GMMFormer's block: Gaussian attention branches, each closed like a BERT attention layer, averaged.
 
     ``y_k = LN_k(x + Dropout(GaussianAttention(x)_k))`` and ``y = mean_k y_k``
-    (per-branch LayerNorm weights), as the reference code's GMMBlock; with
-    ``ffn_size > 0`` a feed-forward sublayer follows,
+    (per-branch LayerNorm weights), as the reference code's GMMBlock.
+    ``ffn_size`` is the width F of a feed-forward sublayer after it,
     ``y = LN(y + Dropout(Linear(F, D)(GELU(Linear(D, F)(y)))))`` (not in the
-    reference code).  ``dropout`` applies to the residual branches,
-    ``attention_dropout`` to the attention probabilities (off by default: on
-    CPU it costs several passes over the (B, K, H, L, L) attention tensor).
+    reference code); 0: none (the default); None: 4 * hidden_size (see
+    :func:`~prvrlab.models.blocks.resolve_ffn_size`).  ``dropout`` applies to
+    the residual branches, ``attention_dropout`` to the attention
+    probabilities (off by default: on CPU it costs several passes over the
+    (B, K, H, L, L) attention tensor).
     """
 
     def __init__(
@@ -185,11 +188,10 @@ class GMMBlock(nn.Module):
         sigmas: Sequence[float | str] = DEFAULT_SIGMAS,
         dropout: float = 0.1,
         attention_dropout: float = 0.0,
-        ffn_size: int = 0,
+        ffn_size: int | None = 0,
     ) -> None:
         super().__init__()
-        if isinstance(ffn_size, bool) or not isinstance(ffn_size, int) or ffn_size < 0:
-            raise ValueError(f"ffn_size must be an integer >= 0 (0: no feed-forward sublayer), got {ffn_size!r}")
+        ffn_size = resolve_ffn_size(ffn_size, hidden_size)
         self.attention = GaussianAttention(
             hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout
         )
@@ -205,11 +207,6 @@ class GMMBlock(nn.Module):
     @property
     def sigmas(self) -> tuple[float, ...]:
         return self.attention.sigmas
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """(B, L, D) with (B, L) mask -> (B, L, D), zeros on padding."""
-        packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
-        return packing.unpack(self.forward_packed(packing.pack(x), packing))
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, D) packed tokens -> (N, D)."""
@@ -234,8 +231,9 @@ class GMMBlock(nn.Module):
 class TransformerLayer(GMMBlock):
     """A post-norm transformer layer: one plain attention branch (sigma = inf).
 
-    ``ffn_size`` defaults to ``hidden_size``; 0 leaves only the attention
-    sublayer (a BERT attention layer, as the reference query encoders).
+    ``ffn_size``: the feed-forward width, None (the default): 4 * hidden_size;
+    0 leaves only the attention sublayer (a BERT attention layer, as the
+    reference query encoders).
     """
 
     def __init__(
@@ -253,5 +251,5 @@ class TransformerLayer(GMMBlock):
             sigmas=(math.inf,),
             dropout=dropout,
             attention_dropout=attention_dropout,
-            ffn_size=hidden_size if ffn_size is None else ffn_size,
+            ffn_size=ffn_size,
         )

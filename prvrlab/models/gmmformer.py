@@ -17,49 +17,43 @@ reference uses the padded length, so its scores depend on the batch);
 
 from __future__ import annotations
 
-import math
+from torch import Tensor
 
-from torch import Tensor, nn
-
-from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.checks import check_positive_int
 from prvrlab.models.blocks import (
     AttentionPooling,
-    InputProjection,
-    Packing,
-    PositionalEmbedding,
-    check_backbone_sizes,
-    check_positive_int,
+    BackboneSizes,
+    PooledFrameBackbone,
+    check_score_weights,
     init_normal_,
+    legacy_encoder_keys,
+    resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GMMBlock, TransformerLayer, parse_sigmas
-from prvrlab.models.scoring import max_scores, vector_scores
 from prvrlab.registry import BACKBONES
 
 
-def check_score_weights(weights: dict[str, float]) -> dict[str, float]:
-    """Validate branch weights (finite, >= 0, not all zero); a ValueError names the bad one."""
-    for name, value in weights.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}_weight must be a finite number >= 0, got {value!r}")
-    if all(value == 0 for value in weights.values()):
-        raise ValueError(f"score weights {weights!r} are all zero; at least one branch must count")
-    return {name: float(value) for name, value in weights.items()}
-
-
 @BACKBONES.register("gmmformer")
-class GMMFormer(RetrievalModel):
+class GMMFormer(PooledFrameBackbone):
     """GMMFormer with a clip branch (max over the clips) and a pooled frame branch.
 
     ``sigmas``: widths of the Gaussian branches of every GMMBlock (``"inf"`` or
     float inf: plain attention); ``num_gmm_blocks`` blocks per video branch;
     ``dropout``: input, positional and residual dropout; ``attention_dropout``:
-    on attention probabilities; ``ffn_size``: feed-forward width after every
-    attention layer (0: none, as the reference); ``clip_weight`` /
+    on attention probabilities; ``ffn_size``: width of the feed-forward
+    sublayer after every attention layer, the query encoder's included (0:
+    none, as the reference; None: 4 * hidden_size); ``clip_weight`` /
     ``frame_weight``: the branches' weights in the retrieval score.
+    Encoders: ``query``, ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
+    legacy_keys = {
+        **legacy_encoder_keys("query", layers="query_encoder", single_layer=True, pool="query_pool"),
+        **legacy_encoder_keys("clip", layers="clip_blocks"),
+        **legacy_encoder_keys("frame", layers="frame_blocks", pool="frame_pool"),
+    }
 
     def __init__(
         self,
@@ -70,7 +64,7 @@ class GMMFormer(RetrievalModel):
         num_heads: int = 4,
         dropout: float = 0.1,
         attention_dropout: float = 0.0,
-        ffn_size: int = 0,
+        ffn_size: int | None = 0,
         sigmas: list[float | str] = [0.5, 1.0, 5.0, "inf"],  # noqa: B006 - never mutated
         num_gmm_blocks: int = 2,
         max_frames: int = 128,
@@ -79,92 +73,33 @@ class GMMFormer(RetrievalModel):
         frame_weight: float = 0.3,
     ) -> None:
         super().__init__()
-        check_backbone_sizes(
+        sizes = BackboneSizes(
             video_dim=video_dim,
             query_dim=query_dim,
             hidden_size=hidden_size,
             num_heads=num_heads,
             dropout=dropout,
             attention_dropout=attention_dropout,
+            max_frames=max_frames,
+            max_query_len=max_query_len,
         )
         self.sigmas = parse_sigmas(sigmas)
+        ffn = resolve_ffn_size(ffn_size, hidden_size)
         check_positive_int(num_gmm_blocks, "num_gmm_blocks")
-        self.max_frames = check_positive_int(max_frames, "max_frames")
-        self.max_query_len = check_positive_int(max_query_len, "max_query_len")
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
-        self.hidden_size = hidden_size
+        self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
-        def blocks() -> nn.ModuleList:
-            return nn.ModuleList(
-                GMMBlock(
-                    hidden_size=hidden_size,
-                    num_heads=num_heads,
-                    sigmas=self.sigmas,
-                    dropout=dropout,
-                    attention_dropout=attention_dropout,
-                    ffn_size=ffn_size,
-                )
-                for _ in range(num_gmm_blocks)
-            )
+        def block() -> GMMBlock:
+            return GMMBlock(**sizes.layer_args, sigmas=self.sigmas, ffn_size=ffn)
 
-        self.query_proj = InputProjection(in_dim=query_dim, out_dim=hidden_size, dropout=dropout)
-        self.query_pos = PositionalEmbedding(max_len=max_query_len, hidden_size=hidden_size, dropout=dropout)
-        self.query_encoder = TransformerLayer(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            ffn_size=ffn_size,
-        )
-        self.query_pool = AttentionPooling(hidden_size=hidden_size)
+        def pool() -> AttentionPooling:
+            return AttentionPooling(hidden_size=hidden_size)
 
-        self.clip_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.clip_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.clip_blocks = blocks()
-
-        self.frame_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.frame_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.frame_blocks = blocks()
-        self.frame_pool = AttentionPooling(hidden_size=hidden_size)
-
+        self.query = sizes.query_encoder(lambda: TransformerLayer(**sizes.layer_args, ffn_size=ffn), pool=pool)
+        self.clip = sizes.video_encoder(block, num_layers=num_gmm_blocks)
+        self.frame = sizes.video_encoder(block, num_layers=num_gmm_blocks, pool=pool)
         init_normal_(self)
 
-    def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
-        """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> clip (B, Lc, D), frame (B, D)."""
-        B, Lc, _ = clips.shape
-        clip_packing = Packing.full(B, Lc, clips.device)
-        c = self.clip_pos.forward_packed(self.clip_proj(clip_packing.pack(clips)), clip_packing)  # (B*Lc, D)
-        for block in self.clip_blocks:
-            c = block.forward_packed(c, clip_packing)  # (B*Lc, D)
-
-        frame_packing = Packing.from_mask(frame_mask, B, frames.shape[1], frames.device)
-        f = self.frame_pos.forward_packed(self.frame_proj(frame_packing.pack(frames)), frame_packing)  # (Nf, D)
-        for block in self.frame_blocks:
-            f = block.forward_packed(f, frame_packing)  # (Nf, D)
-        frame = self.frame_pool.forward_packed(f, frame_packing)  # (B, D)
-        extra = {}
-        if self.exposes(FRAME_TOKENS):  # the frame branch is pooled: per-frame embeddings only on request
-            extra = {"frame_tokens": frame_packing.unpack(f), "frame_mask": frame_packing.mask}  # (B, Lf, D), (B, Lf)
-        return VideoEmbedding(clip=clip_packing.unpack(c), frame=frame, extra=extra)
-
-    def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
-        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
-        packing = Packing.from_mask(query_mask, queries.shape[0], queries.shape[1], queries.device)
-        t = self.query_pos.forward_packed(self.query_proj(packing.pack(queries)), packing)  # (Nt, D)
-        t = self.query_encoder.forward_packed(t, packing)  # (Nt, D)
-        vector = self.query_pool.forward_packed(t, packing)  # (Nq, D)
-        return QueryEmbedding(
-            vectors={"clip": vector, "frame": vector}, tokens=packing.unpack(t), token_mask=packing.mask
-        )
-
-    def score(
-        self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
-    ) -> dict[str, BranchScores]:
-        """Clip: max over clips of cosine (logits: of q.c); frame: cosine (logits: q.f)."""
-        if video.clip is None or video.frame is None:
-            raise ValueError("GMMFormer.score needs VideoEmbedding.clip and .frame")
-        return {
-            "clip": max_scores(query.vectors["clip"], video.clip, with_logits=with_logits),  # (Nq, Nv)
-            "frame": vector_scores(query.vectors["frame"], video.frame, with_logits=with_logits),  # (Nq, Nv)
-        }
-
+    def encode_clips(self, clips: Tensor) -> Tensor:
+        """(B, Lc, Dv) -> (B, Lc, D)."""
+        return self.clip(clips)

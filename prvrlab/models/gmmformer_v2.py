@@ -49,24 +49,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prvrlab.checks import check_number, check_positive_int
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
+    BackboneSizes,
     BranchLinear,
     Dropout,
-    InputProjection,
+    PackedLayer,
     Packing,
-    PositionalEmbedding,
     autocast_input,
     branch_layer_norm,
-    check_backbone_sizes,
-    check_positive_int,
+    check_score_weights,
     dropout_mask,
     init_normal_,
+    legacy_encoder_keys,
+    resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GaussianAttention, TransformerLayer, parse_sigmas
-from prvrlab.models.gmmformer import check_score_weights
 from prvrlab.models.scoring import max_scores
 from prvrlab.registry import BACKBONES
 
@@ -75,19 +76,12 @@ AGGREGATIONS: tuple[str, ...] = ("average", "learned", "dynamic", "temporal")
 V2_SIGMAS: tuple[float, ...] = (0.1, 0.5, 1.0, 3.0, 5.0, 8.0, 10.0, math.inf)
 
 
-def check_positive_number(value: object, name: str) -> float:
-    """``value`` as a finite float > 0, else a ValueError naming ``name``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if not ok:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def resolve_ffn_size(ffn_size: int | None, hidden_size: int) -> int:
-    """``ffn_size`` (None: 4 * hidden_size) as a positive int, else a ValueError naming it."""
-    if ffn_size is None:
-        return 4 * hidden_size
-    return check_positive_int(ffn_size, "ffn_size")
+def check_tcgmm_ffn_size(ffn_size: int | None, hidden_size: int) -> int:
+    """``ffn_size`` resolved as everywhere (None: 4 * hidden_size); a TC-GMMBlock needs one (not 0)."""
+    ffn = resolve_ffn_size(ffn_size, hidden_size)
+    if ffn == 0:
+        raise ValueError("ffn_size must be > 0 or None here: every TC-GMMBlock branch has a feed-forward sublayer")
+    return ffn
 
 
 class LearnedQueryAttention(nn.Module):
@@ -139,7 +133,7 @@ class LearnedQueryAttention(nn.Module):
         return self.norm2(s + self.dropout(self.ffn(s)))  # (B, K, D)
 
 
-class TCGMMBlock(nn.Module):
+class TCGMMBlock(PackedLayer):
     """K parallel Gaussian-constrained transformer layers and their aggregation (see the module docstring).
 
     The K branches share one fused Q/K/V projection (:class:`GaussianAttention`)
@@ -169,9 +163,9 @@ class TCGMMBlock(nn.Module):
             hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout
         )
         K = self.attention.num_branches
-        F_ = resolve_ffn_size(ffn_size, hidden_size)
+        F_ = check_tcgmm_ffn_size(ffn_size, hidden_size)
         self.aggregation = aggregation
-        self.tau = check_positive_number(tau, "tau")
+        self.tau = check_number(tau, "tau", minimum=0, strict=True)
         self.max_len = check_positive_int(max_len, "max_len")
         self.dropout = Dropout(dropout)
         self.norm1_weight = nn.Parameter(torch.ones(K, hidden_size))
@@ -195,11 +189,6 @@ class TCGMMBlock(nn.Module):
     @property
     def sigmas(self) -> tuple[float, ...]:
         return self.attention.sigmas
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """(B, L, D) with (B, L) mask -> (B, L, D), zeros on padding."""
-        packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
-        return packing.unpack(self.forward_packed(packing.pack(x), packing))
 
     def branches_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, D) packed tokens -> (K, N, D): every branch's output before aggregation."""
@@ -254,13 +243,20 @@ class GMMFormerV2(RetrievalModel):
     the paper's temporal consolidation; ``average`` / ``learned`` /
     ``dynamic`` = the alternatives of its Table 4); ``tau``: softmax
     temperature of the branch weights (0.09 TVR, 0.6 ActivityNet / Charades);
-    ``num_blocks``: TC-GMMBlocks per video branch; ``ffn_size``: FFN width of
-    every branch and of the query encoder (None: 4 * hidden_size, as the
-    reference); ``clip_weight`` / ``frame_weight``: the branches' weights in
-    the retrieval score.
+    ``num_blocks``: TC-GMMBlocks per video branch; ``ffn_size``: width of the
+    feed-forward sublayer of every branch and of the query encoder (None: 4 *
+    hidden_size, as the reference; 0, no feed-forward sublayer, is refused:
+    a TC-GMMBlock always has one); ``clip_weight`` / ``frame_weight``: the
+    branches' weights in the retrieval score.  Encoders: ``query``, ``clip``
+    and ``frame`` (:class:`SequenceEncoder`).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # frame and clip embeddings are always per item
+    legacy_keys = {
+        **legacy_encoder_keys("query", layers="query_encoder", single_layer=True, pool="query_pool"),
+        **legacy_encoder_keys("clip", layers="clip_blocks"),
+        **legacy_encoder_keys("frame", layers="frame_blocks"),
+    }
 
     def __init__(
         self,
@@ -282,90 +278,57 @@ class GMMFormerV2(RetrievalModel):
         frame_weight: float = 0.3,
     ) -> None:
         super().__init__()
-        check_backbone_sizes(
+        sizes = BackboneSizes(
             video_dim=video_dim,
             query_dim=query_dim,
             hidden_size=hidden_size,
             num_heads=num_heads,
             dropout=dropout,
             attention_dropout=attention_dropout,
+            max_frames=max_frames,
+            max_query_len=max_query_len,
         )
-        ffn = resolve_ffn_size(ffn_size, hidden_size)
+        ffn = check_tcgmm_ffn_size(ffn_size, hidden_size)
         self.sigmas = parse_sigmas(sigmas)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
         self.aggregation = aggregation
-        self.tau = check_positive_number(tau, "tau")
+        self.tau = check_number(tau, "tau", minimum=0, strict=True)
         check_positive_int(num_blocks, "num_blocks")
-        self.max_frames = check_positive_int(max_frames, "max_frames")
-        self.max_query_len = check_positive_int(max_query_len, "max_query_len")
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
-        self.hidden_size = hidden_size
+        self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
-        def blocks() -> nn.ModuleList:
-            return nn.ModuleList(
-                TCGMMBlock(
-                    hidden_size=hidden_size,
-                    num_heads=num_heads,
-                    sigmas=self.sigmas,
-                    dropout=dropout,
-                    attention_dropout=attention_dropout,
-                    ffn_size=ffn,
-                    aggregation=aggregation,
-                    tau=tau,
-                    max_len=max_frames,
-                )
-                for _ in range(num_blocks)
+        def block() -> TCGMMBlock:
+            return TCGMMBlock(
+                **sizes.layer_args,
+                sigmas=self.sigmas,
+                ffn_size=ffn,
+                aggregation=aggregation,
+                tau=tau,
+                max_len=max_frames,
             )
 
-        self.query_proj = InputProjection(in_dim=query_dim, out_dim=hidden_size, dropout=dropout)
-        self.query_pos = PositionalEmbedding(max_len=max_query_len, hidden_size=hidden_size, dropout=dropout)
-        self.query_encoder = TransformerLayer(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            ffn_size=ffn,
+        self.query = sizes.query_encoder(
+            lambda: TransformerLayer(**sizes.layer_args, ffn_size=ffn),
+            pool=lambda: AttentionPooling(hidden_size=hidden_size),
         )
-        self.query_pool = AttentionPooling(hidden_size=hidden_size)
-
-        self.clip_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.clip_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.clip_blocks = blocks()
-
-        self.frame_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.frame_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.frame_blocks = blocks()
-
+        self.clip = sizes.video_encoder(block, num_layers=num_blocks)
+        self.frame = sizes.video_encoder(block, num_layers=num_blocks)
         init_normal_(self)  # Linear/Embedding/BranchLinear only: phi keeps its N(0, 1) draw
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
         """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> clip (B, Lc, D), frame (B, Lf, D) + mask."""
-        B, Lc, _ = clips.shape
-        clip_packing = Packing.full(B, Lc, clips.device)
-        c = self.clip_pos.forward_packed(self.clip_proj(clip_packing.pack(clips)), clip_packing)  # (B*Lc, D)
-        for block in self.clip_blocks:
-            c = block.forward_packed(c, clip_packing)  # (B*Lc, D)
-
-        frame_packing = Packing.from_mask(frame_mask, B, frames.shape[1], frames.device)
-        f = self.frame_pos.forward_packed(self.frame_proj(frame_packing.pack(frames)), frame_packing)  # (Nf, D)
-        for block in self.frame_blocks:
-            f = block.forward_packed(f, frame_packing)  # (Nf, D)
+        clip = self.clip(clips)  # (B, Lc, D)
+        f, frame_packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
         return VideoEmbedding(
-            clip=clip_packing.unpack(c),  # (B, Lc, D)
+            clip=clip,
             frame=frame_packing.unpack(f),  # (B, Lf, D), zeros on padding
             frame_mask=frame_packing.mask,  # (B, Lf)
         )
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
-        packing = Packing.from_mask(query_mask, queries.shape[0], queries.shape[1], queries.device)
-        t = self.query_pos.forward_packed(self.query_proj(packing.pack(queries)), packing)  # (Nt, D)
-        t = self.query_encoder.forward_packed(t, packing)  # (Nt, D)
-        vector = self.query_pool.forward_packed(t, packing)  # (Nq, D)
-        return QueryEmbedding(
-            vectors={"clip": vector, "frame": vector}, tokens=packing.unpack(t), token_mask=packing.mask
-        )
+        return self.query.embed(queries, query_mask, branches=("clip", "frame"))
 
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False

@@ -22,38 +22,43 @@ that read clips (e.g. the optimal-matching loss) work on the moments.
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.checks import check_positive_int
 from prvrlab.models.blocks import (
     AdditiveAttentionPooling,
-    InputProjection,
-    Packing,
-    PositionalEmbedding,
-    check_backbone_sizes,
-    check_positive_int,
+    BackboneSizes,
+    PooledFrameBackbone,
+    check_score_weights,
     init_normal_,
+    legacy_encoder_keys,
+    resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.gmmformer import check_score_weights
-from prvrlab.models.gmmformer_v2 import resolve_ffn_size
-from prvrlab.models.scoring import max_scores, vector_scores
 from prvrlab.registry import BACKBONES
 
 
 @BACKBONES.register("ice_base")
-class ICEBase(RetrievalModel):
+class ICEBase(PooledFrameBackbone):
     """Video-level (pooled frames) and moment-level (max over 32 moments) branches.
 
-    ``num_layers``: transformer layers of every encoder; ``ffn_size``: their
-    feed-forward width (None: 4 * hidden_size, a standard transformer
-    layer); ``moment_weight`` (alpha) / ``video_weight`` (1 - alpha): the
-    branches' weights in the retrieval score (each >= 0; the paper's alpha =
-    0.7; they need not sum to 1, ranking only depends on their ratio).
+    ``num_layers``: transformer layers of every encoder; ``ffn_size``: width
+    of their feed-forward sublayers (None: 4 * hidden_size, a standard
+    transformer layer; 0: none); ``moment_weight`` (alpha) / ``video_weight``
+    (1 - alpha): the branches' weights in the retrieval score (each >= 0; the
+    paper's alpha = 0.7; they need not sum to 1, ranking only depends on their
+    ratio).  Encoders: ``query``, ``moment`` and ``frame`` (the video-level
+    branch, :class:`SequenceEncoder`).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
+    branches = ("moment", "video")
+    legacy_keys = {
+        **legacy_encoder_keys("query", layers="query_encoder", pool="query_pool"),
+        **legacy_encoder_keys("moment", layers="moment_encoder"),
+        **legacy_encoder_keys("frame", layers="frame_encoder", pool="video_pool"),
+    }
 
     def __init__(
         self,
@@ -72,85 +77,32 @@ class ICEBase(RetrievalModel):
         video_weight: float = 0.3,
     ) -> None:
         super().__init__()
-        check_backbone_sizes(
+        sizes = BackboneSizes(
             video_dim=video_dim,
             query_dim=query_dim,
             hidden_size=hidden_size,
             num_heads=num_heads,
             dropout=dropout,
             attention_dropout=attention_dropout,
+            max_frames=max_frames,
+            max_query_len=max_query_len,
         )
         ffn = resolve_ffn_size(ffn_size, hidden_size)
         check_positive_int(num_layers, "num_layers")
-        self.max_frames = check_positive_int(max_frames, "max_frames")
-        self.max_query_len = check_positive_int(max_query_len, "max_query_len")
         self.score_weights = check_score_weights({"moment": moment_weight, "video": video_weight})
-        self.hidden_size = hidden_size
+        self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
-        def encoder() -> nn.ModuleList:
-            return nn.ModuleList(
-                TransformerLayer(
-                    hidden_size=hidden_size,
-                    num_heads=num_heads,
-                    dropout=dropout,
-                    attention_dropout=attention_dropout,
-                    ffn_size=ffn,
-                )
-                for _ in range(num_layers)
-            )
+        def layer() -> TransformerLayer:
+            return TransformerLayer(**sizes.layer_args, ffn_size=ffn)
 
-        self.query_proj = InputProjection(in_dim=query_dim, out_dim=hidden_size, dropout=dropout)
-        self.query_pos = PositionalEmbedding(max_len=max_query_len, hidden_size=hidden_size, dropout=dropout)
-        self.query_encoder = encoder()
-        self.query_pool = AdditiveAttentionPooling(hidden_size=hidden_size)
+        def pool() -> AdditiveAttentionPooling:
+            return AdditiveAttentionPooling(hidden_size=hidden_size)
 
-        self.moment_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.moment_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.moment_encoder = encoder()
-
-        self.frame_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.frame_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.frame_encoder = encoder()
-        self.video_pool = AdditiveAttentionPooling(hidden_size=hidden_size)
-
+        self.query = sizes.query_encoder(layer, num_layers=num_layers, pool=pool)
+        self.moment = sizes.video_encoder(layer, num_layers=num_layers)
+        self.frame = sizes.video_encoder(layer, num_layers=num_layers, pool=pool)
         init_normal_(self)
 
-    def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
-        """(B, T_m, Dv) moments (the clips), (B, Lf, Dv) frames, (B, Lf) mask -> moments (B, T_m, D), video (B, D)."""
-        B, Lm, _ = clips.shape
-        moment_packing = Packing.full(B, Lm, clips.device)
-        m = self.moment_pos.forward_packed(self.moment_proj(moment_packing.pack(clips)), moment_packing)  # (B*Lm, D)
-        for layer in self.moment_encoder:
-            m = layer.forward_packed(m, moment_packing)  # (B*Lm, D)
-
-        frame_packing = Packing.from_mask(frame_mask, B, frames.shape[1], frames.device)
-        f = self.frame_pos.forward_packed(self.frame_proj(frame_packing.pack(frames)), frame_packing)  # (Nf, D)
-        for layer in self.frame_encoder:
-            f = layer.forward_packed(f, frame_packing)  # (Nf, D)
-        video = self.video_pool.forward_packed(f, frame_packing)  # (B, D)
-        extra = {}
-        if self.exposes(FRAME_TOKENS):  # the video branch is pooled: per-frame embeddings only on request
-            extra = {"frame_tokens": frame_packing.unpack(f), "frame_mask": frame_packing.mask}  # (B, Lf, D), (B, Lf)
-        return VideoEmbedding(clip=moment_packing.unpack(m), frame=video, extra=extra)
-
-    def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
-        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) sentence vector shared by both branches."""
-        packing = Packing.from_mask(query_mask, queries.shape[0], queries.shape[1], queries.device)
-        t = self.query_pos.forward_packed(self.query_proj(packing.pack(queries)), packing)  # (Nt, D)
-        for layer in self.query_encoder:
-            t = layer.forward_packed(t, packing)  # (Nt, D)
-        vector = self.query_pool.forward_packed(t, packing)  # (Nq, D)
-        return QueryEmbedding(
-            vectors={"moment": vector, "video": vector}, tokens=packing.unpack(t), token_mask=packing.mask
-        )
-
-    def score(
-        self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
-    ) -> dict[str, BranchScores]:
-        """Moment: max over moments of cosine (logits: of the raw dot); video: cosine (logits: raw dot)."""
-        if video.clip is None or video.frame is None or video.frame.dim() != 2:
-            raise ValueError("ICEBase.score needs VideoEmbedding.clip (moments) and .frame (one vector per video)")
-        return {
-            "moment": max_scores(query.vectors["moment"], video.clip, with_logits=with_logits),  # (Nq, Nv)
-            "video": vector_scores(query.vectors["video"], video.frame, with_logits=with_logits),  # (Nq, Nv)
-        }
+    def encode_clips(self, clips: Tensor) -> Tensor:
+        """(B, T_m, Dv) moments (the clips) -> (B, T_m, D)."""
+        return self.moment(clips)

@@ -40,18 +40,18 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from prvrlab.checks import check_positive_int
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
-    InputProjection,
+    BackboneSizes,
     Packing,
-    PositionalEmbedding,
-    check_backbone_sizes,
-    check_positive_int,
+    check_score_weights,
     init_normal_,
+    legacy_encoder_keys,
+    resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.gmmformer import check_score_weights
 from prvrlab.registry import BACKBONES
 
 # Upper bound on the elements of the per-chunk tensors of MSSL.score.
@@ -121,15 +121,21 @@ class MSSL(RetrievalModel):
     """MS-SL with a multi-scale proposal clip branch and a key-clip guided frame branch.
 
     ``max_window``: the longest sliding window in clips (32: all 528
-    proposals of 32 clips); ``ffn_size``: feed-forward width after every
-    attention layer (0: none, as the reference's BERT attention layers);
-    ``dropout``: input, positional and residual dropout;
-    ``attention_dropout``: on attention probabilities; ``clip_weight`` /
-    ``frame_weight``: the branches' weights in the retrieval score (0.7 / 0.3;
-    0.5 / 0.5 on Charades, REFERENCE.md section 1).
+    proposals of 32 clips); ``ffn_size``: width of the feed-forward sublayer
+    after every attention layer (0: none, as the reference's BERT attention
+    layers; None: 4 * hidden_size); ``dropout``: input, positional and
+    residual dropout; ``attention_dropout``: on attention probabilities;
+    ``clip_weight`` / ``frame_weight``: the branches' weights in the retrieval
+    score (0.7 / 0.3; 0.5 / 0.5 on Charades, REFERENCE.md section 1).
+    Encoders: ``query``, ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # per-frame values and proposals are always per item
+    legacy_keys = {
+        **legacy_encoder_keys("query", layers="query_encoder", single_layer=True, pool="query_pool"),
+        **legacy_encoder_keys("clip", layers="clip_encoder", single_layer=True),
+        **legacy_encoder_keys("frame", layers="frame_encoder", single_layer=True),
+    }
 
     def __init__(
         self,
@@ -140,7 +146,7 @@ class MSSL(RetrievalModel):
         num_heads: int = 4,
         dropout: float = 0.1,
         attention_dropout: float = 0.0,
-        ffn_size: int = 0,
+        ffn_size: int | None = 0,
         max_window: int = 32,
         max_frames: int = 128,
         max_query_len: int = 30,
@@ -148,58 +154,35 @@ class MSSL(RetrievalModel):
         frame_weight: float = 0.3,
     ) -> None:
         super().__init__()
-        check_backbone_sizes(
+        sizes = BackboneSizes(
             video_dim=video_dim,
             query_dim=query_dim,
             hidden_size=hidden_size,
             num_heads=num_heads,
             dropout=dropout,
             attention_dropout=attention_dropout,
+            max_frames=max_frames,
+            max_query_len=max_query_len,
         )
-        if isinstance(ffn_size, bool) or not isinstance(ffn_size, int) or ffn_size < 0:
-            raise ValueError(f"ffn_size must be an integer >= 0 (0: no feed-forward sublayer), got {ffn_size!r}")
+        ffn = resolve_ffn_size(ffn_size, hidden_size)
         self.max_window = check_positive_int(max_window, "max_window")
-        self.max_frames = check_positive_int(max_frames, "max_frames")
-        self.max_query_len = check_positive_int(max_query_len, "max_query_len")
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
-        self.hidden_size = hidden_size
+        self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
-        def encoder() -> TransformerLayer:
-            return TransformerLayer(
-                hidden_size=hidden_size,
-                num_heads=num_heads,
-                dropout=dropout,
-                attention_dropout=attention_dropout,
-                ffn_size=ffn_size,
-            )
+        def layer() -> TransformerLayer:
+            return TransformerLayer(**sizes.layer_args, ffn_size=ffn)
 
-        self.query_proj = InputProjection(in_dim=query_dim, out_dim=hidden_size, dropout=dropout)
-        self.query_pos = PositionalEmbedding(max_len=max_query_len, hidden_size=hidden_size, dropout=dropout)
-        self.query_encoder = encoder()
-        self.query_pool = ModularPooling(hidden_size=hidden_size, num_vectors=2)  # [clip, frame]
-
-        self.clip_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.clip_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.clip_encoder = encoder()
-
-        self.frame_proj = InputProjection(in_dim=video_dim, out_dim=hidden_size, dropout=dropout)
-        self.frame_pos = PositionalEmbedding(max_len=max_frames, hidden_size=hidden_size, dropout=dropout)
-        self.frame_encoder = encoder()
+        # the query head pools one vector per branch: [clip, frame]
+        self.query = sizes.query_encoder(layer, pool=lambda: ModularPooling(hidden_size=hidden_size, num_vectors=2))
+        self.clip = sizes.video_encoder(layer)
+        self.frame = sizes.video_encoder(layer)
         self.frame_key_value = nn.Linear(hidden_size, 2 * hidden_size, bias=False)  # [key | value]
-
         init_normal_(self)
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
         """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> proposals (B, P, D), frame values/keys (B, Lf, D)."""
-        B, Lc, _ = clips.shape
-        clip_packing = Packing.full(B, Lc, clips.device)
-        c = self.clip_pos.forward_packed(self.clip_proj(clip_packing.pack(clips)), clip_packing)  # (B*Lc, D)
-        c = self.clip_encoder.forward_packed(c, clip_packing)  # (B*Lc, D)
-        proposals = sliding_window_proposals(clip_packing.unpack(c), self.max_window)  # (B, P, D)
-
-        frame_packing = Packing.from_mask(frame_mask, B, frames.shape[1], frames.device)
-        f = self.frame_pos.forward_packed(self.frame_proj(frame_packing.pack(frames)), frame_packing)  # (Nf, D)
-        f = self.frame_encoder.forward_packed(f, frame_packing)  # (Nf, D)
+        proposals = sliding_window_proposals(self.clip(clips), self.max_window)  # (B, P, D)
+        f, frame_packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
         key, value = self.frame_key_value(f).chunk(2, dim=-1)  # (Nf, D) each
         return VideoEmbedding(
             clip=proposals,
@@ -210,15 +193,7 @@ class MSSL(RetrievalModel):
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> clip and frame query vectors (Nq, D) each."""
-        packing = Packing.from_mask(query_mask, queries.shape[0], queries.shape[1], queries.device)
-        t = self.query_pos.forward_packed(self.query_proj(packing.pack(queries)), packing)  # (Nt, D)
-        t = self.query_encoder.forward_packed(t, packing)  # (Nt, D)
-        modular = self.query_pool.forward_packed(t, packing)  # (Nq, 2, D)
-        return QueryEmbedding(
-            vectors={"clip": modular[:, 0], "frame": modular[:, 1]},
-            tokens=packing.unpack(t),
-            token_mask=packing.mask,
-        )
+        return self.query.embed(queries, query_mask, branches=("clip", "frame"))
 
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False

@@ -191,7 +191,7 @@ def test_gmmformer_sigmas_accept_inf_spellings():
     for sigmas in (from_yaml, [0.5, 1, 5, "inf"], (0.5, math.inf)):
         model = build("gmmformer", sigmas=sigmas)
         assert math.isinf(model.sigmas[-1])
-        assert model.clip_blocks[0].sigmas == model.sigmas
+        assert model.clip.layers[0].sigmas == model.sigmas
 
 
 @pytest.mark.parametrize(
@@ -245,10 +245,10 @@ def test_gmmformer_scores_match_their_definition():
 
 def test_gmmformer_init_is_normal_002():
     model = build("gmmformer", hidden_size=64, num_heads=4)
-    w = model.clip_blocks[0].attention.qkv.weight
+    w = model.clip.layers[0].attention.qkv.weight
     assert abs(w.std().item() - 0.02) < 0.002
-    assert torch.count_nonzero(model.clip_blocks[0].attention.qkv.bias) == 0
-    assert abs(model.frame_blocks[0].attention.out.weight.std().item() - 0.02) < 0.002
+    assert torch.count_nonzero(model.clip.layers[0].attention.qkv.bias) == 0
+    assert abs(model.frame.layers[0].attention.out.weight.std().item() - 0.02) < 0.002
 
 
 def test_gmmformer_too_many_frames_is_a_clear_error():
@@ -272,8 +272,38 @@ def test_bf16_autocast_scores_track_fp32(name):
 
 def test_gmmformer_with_feed_forward_sublayers():
     model = build("gmmformer", ffn_size=24).train()
-    assert model.clip_blocks[0].ffn is not None and model.query_encoder.ffn is not None
+    assert model.clip.layers[0].ffn is not None and model.query.layers[0].ffn is not None
     out = model(standard_batch())
     model.fuse(out.scores).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    assert build("gmmformer").clip_blocks[0].ffn is None  # the reference has none
+    assert build("gmmformer").clip.layers[0].ffn is None  # the reference has none
+
+
+def ffn_widths(model: RetrievalModel) -> list[int]:
+    """The feed-forward width of every attention layer of ``model`` (0: the layer has none)."""
+    from prvrlab.models.gmm import GMMBlock
+    from prvrlab.models.gmmformer_v2 import TCGMMBlock
+
+    widths = []
+    for module in model.modules():
+        if isinstance(module, GMMBlock):  # TransformerLayer included
+            widths.append(0 if module.ffn is None else module.ffn[0].out_features)
+        elif isinstance(module, TCGMMBlock):
+            widths.append(module.ffn_in.weight.shape[1])  # (K, F, D)
+    return widths
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ffn_size_means_the_same_in_every_backbone(name):
+    hidden = TINY["hidden_size"]
+    counts = {len(ffn_widths(build(name, ffn_size=size))) for size in (None, 24)}
+    assert len(counts) == 1 and counts.pop() >= 3  # query, clip and frame encoders
+    assert set(ffn_widths(build(name, ffn_size=None))) == {4 * hidden}
+    assert set(ffn_widths(build(name, ffn_size=24))) == {24}
+    if name == "gmmformer_v2":  # a TC-GMMBlock always has its feed-forward sublayer
+        with pytest.raises(ValueError, match="ffn_size"):
+            build(name, ffn_size=0)
+    else:
+        assert set(ffn_widths(build(name, ffn_size=0))) == {0}
+    with pytest.raises(ValueError, match="ffn_size"):
+        build(name, ffn_size=-1)

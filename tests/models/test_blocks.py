@@ -164,10 +164,14 @@ def test_transformer_layer_is_plain_attention_with_ffn():
     layer = TransformerLayer(hidden_size=8, num_heads=2, dropout=0.0)
     assert layer.sigmas == (math.inf,)
     assert layer.attention.plain
-    assert layer.ffn is not None and layer.ffn[0].out_features == 8
+    assert layer.ffn is not None and layer.ffn[0].out_features == 4 * 8  # None: 4 * hidden_size
+    assert TransformerLayer(hidden_size=8, num_heads=2, ffn_size=12).ffn[0].out_features == 12
     assert TransformerLayer(hidden_size=8, num_heads=2, ffn_size=0).ffn is None
-    with pytest.raises(ValueError, match="ffn_size"):
-        GMMBlock(hidden_size=8, ffn_size=-1)
+    assert GMMBlock(hidden_size=8, num_heads=2).ffn is None  # GMMBlock: none by default, as the reference
+    assert GMMBlock(hidden_size=8, num_heads=2, ffn_size=None).ffn[2].in_features == 4 * 8
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="ffn_size"):
+            GMMBlock(hidden_size=8, ffn_size=bad)
 
 
 def test_attention_pooling_one_token_returns_it():

@@ -31,7 +31,7 @@ def test_every_aggregation_trains(aggregation):
     (model.fuse(out.scores).sum() + out.scores["clip"].logits.sum()).backward()
     for name, param in model.named_parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
-    assert model.clip_blocks[0].aggregation == aggregation
+    assert model.clip.layers[0].aggregation == aggregation
 
 
 def test_average_is_the_mean_of_the_branches():
@@ -100,11 +100,11 @@ def test_learned_query_attention_equals_naive_cross_attention():
 def test_sigmas_are_configurable():
     default = build("gmmformer_v2")
     assert default.sigmas == (0.1, 0.5, 1.0, 3.0, 5.0, 8.0, 10.0, math.inf)
-    assert default.clip_blocks[0].attention.num_branches == 8
+    assert default.clip.layers[0].attention.num_branches == 8
     model = build("gmmformer_v2", sigmas=[1.0, "inf"], aggregation="learned")
-    assert model.frame_blocks[0].sigmas == (1.0, math.inf)
-    assert model.frame_blocks[0].branch_logits.shape == (2,)
-    assert model.frame_blocks[0].ffn_in.weight.shape[0] == 2
+    assert model.frame.layers[0].sigmas == (1.0, math.inf)
+    assert model.frame.layers[0].branch_logits.shape == (2,)
+    assert model.frame.layers[0].ffn_in.weight.shape[0] == 2
     single = build("gmmformer_v2", sigmas=[5.0])  # Fig. 5(b): one Gaussian block
     out = single.eval()(standard_batch())
     assert torch.isfinite(out.scores["clip"].sim).all()

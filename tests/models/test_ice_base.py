@@ -58,7 +58,7 @@ def test_additive_attention_pooling_matches_hand_computation():
 
 def test_several_layers_and_one_query():
     model = build("ice_base", num_layers=2).eval()
-    assert len(model.frame_encoder) == 2
+    assert len(model.frame.layers) == 2
     out = model(make_batch([2], [1], [0]))
     assert out.scores["moment"].sim.shape == (1, 1)
 
@@ -70,7 +70,7 @@ def test_several_layers_and_one_query():
         ({"video_weight": -1.0}, "video_weight"),
         ({"moment_weight": 0.0, "video_weight": 0.0}, "score weights"),
         ({"num_layers": 0}, "num_layers"),
-        ({"ffn_size": 0}, "ffn_size"),
+        ({"ffn_size": -1}, "ffn_size"),
     ],
 )
 def test_rejects_bad_hyperparameters(kwargs, param):

@@ -90,7 +90,7 @@ def test_frame_branch_gets_gradients_through_the_key_clip():
     model = build("mssl").train()
     out = model(make_batch([3, 2], [2, 2], [0, 1]))
     out.scores["frame"].sim.sum().backward()
-    assert model.clip_encoder.attention.qkv.weight.grad.abs().sum() > 0  # via the gathered key clip
+    assert model.clip.layers[0].attention.qkv.weight.grad.abs().sum() > 0  # via the gathered key clip
     assert model.frame_key_value.weight.grad.abs().sum() > 0
 
 

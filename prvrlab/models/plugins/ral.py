@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prvrlab.checks import check_positive_int
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.models.blocks import check_positive_int, init_normal_
+from prvrlab.models.blocks import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
 from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS

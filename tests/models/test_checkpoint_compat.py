@@ -1,0 +1,87 @@
+"""Checkpoints written before the backbones' encoders became SequenceEncoders keep loading.
+
+``legacy_state_dict_keys.json`` holds the state-dict keys and shapes, in
+state-dict order, of ``test_backbones.build(name, **overrides)`` as recorded
+from the code before the change (the module attributes ``query_proj``,
+``clip_blocks``, ``frame_pool``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from test_backbones import build, standard_batch
+
+from prvrlab.models.base import rename_legacy_keys
+from prvrlab.models.plugins.base import PluggedModel
+from prvrlab.registry import PLUGINS
+
+LEGACY = json.loads((Path(__file__).with_name("legacy_state_dict_keys.json")).read_text())
+
+
+def legacy_state_dict(model: torch.nn.Module, name: str) -> OrderedDict:
+    """``model``'s tensors under the recorded legacy keys (matched by position: the module order is unchanged)."""
+    recorded = LEGACY[name]["keys"]
+    current = list(model.state_dict().values())
+    assert [shape for _, shape in recorded] == [list(t.shape) for t in current]
+    return OrderedDict((key, t) for (key, _), t in zip(recorded, current))
+
+
+def scores(model, batch):
+    model.eval()
+    with torch.no_grad():
+        out = model.score(
+            model.encode_queries(batch.queries, batch.query_mask),
+            model.encode_videos(batch.clips, batch.frames, batch.frame_mask),
+            with_logits=True,
+        )
+    return {branch: (s.sim, s.logits) for branch, s in out.items()}
+
+
+@pytest.mark.parametrize("name", sorted(LEGACY))
+def test_legacy_keys_rename_onto_the_current_keys_and_shapes(name):
+    model = build(name, **LEGACY[name]["overrides"])
+    renamed = {key: shape for key, shape in LEGACY[name]["keys"]}
+    rename_legacy_keys(renamed, "", model.legacy_keys)
+    assert renamed == {key: list(t.shape) for key, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", sorted(LEGACY))
+def test_legacy_checkpoint_loads_strictly_and_scores_the_same(name):
+    overrides = LEGACY[name]["overrides"]
+    torch.manual_seed(0)
+    saved = build(name, **overrides)
+    torch.manual_seed(1)
+    fresh = build(name, **overrides)
+    fresh.load_state_dict(legacy_state_dict(saved, name))  # strict
+    for (key, a), b in zip(saved.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), key
+    batch = standard_batch()
+    torch.testing.assert_close(scores(fresh, batch), scores(saved, batch), rtol=0, atol=0)
+
+
+def test_legacy_backbone_keys_load_inside_a_plugged_model():
+    def plugged(seed: int) -> PluggedModel:
+        torch.manual_seed(seed)
+        backbone = build("gmmformer_v2", **LEGACY["gmmformer_v2"]["overrides"])
+        return PluggedModel(backbone=backbone, plugins={"ral": PLUGINS.build("ral", hidden_size=16)})
+
+    saved, fresh = plugged(0), plugged(1)
+    blob = OrderedDict((f"backbone.{k}", t) for k, t in legacy_state_dict(saved.backbone, "gmmformer_v2").items())
+    blob.update((k, t) for k, t in saved.state_dict().items() if not k.startswith("backbone."))
+    fresh.load_state_dict(blob)  # strict
+    for (key, a), b in zip(saved.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), key
+
+
+def test_a_key_already_in_the_new_layout_is_not_overwritten():
+    model = build("mssl")
+    state = model.state_dict()
+    legacy = legacy_state_dict(model, "mssl")
+    legacy["clip.pos.norm.weight"] = state["clip.pos.norm.weight"]  # both layouts: ambiguous
+    with pytest.raises(RuntimeError, match="Unexpected key.*clip_pos.norm.weight"):
+        build("mssl").load_state_dict(legacy)
