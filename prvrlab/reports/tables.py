@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-METRIC_KEYS: tuple[str, ...] = ("r1", "r5", "r10", "r100", "sumr")
-METRIC_NAMES: dict[str, str] = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "r100": "R@100", "sumr": "SumR"}
+from prvrlab.evaluation.metrics import METRIC_KEYS
+
+METRIC_NAMES: dict[str, str] = {m: f"R@{m[1:]}" if m != "sumr" else "SumR" for m in METRIC_KEYS}
 CHECK, CROSS = "✓", "–"
 DASH = "—"
 NOT_SIGNIFICANT = "†"

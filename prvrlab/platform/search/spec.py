@@ -25,6 +25,9 @@ from typing import Any
 
 import yaml
 
+from prvrlab.checks import is_number
+from prvrlab.conditions import CONDITION_OPS, condition_holds
+from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.platform.config import (
     DATA_DERIVED,
     PLUGIN_DERIVED,
@@ -39,7 +42,6 @@ from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, did_you_mean
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
 SCHEDULERS = ("none", "asha")
 SAMPLERS = ("tpe", "random", "grid")
-EVAL_METRICS = ("r1", "r5", "r10", "r100", "sumr")
 
 SEARCH_KEYS = (
     "name", "base_config", "overrides", "metric", "mode", "budget", "concurrency",
@@ -56,7 +58,7 @@ class StudyError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Param:
+class SearchParam:
     """One searched config key: a distribution and an optional condition."""
 
     key: str
@@ -120,7 +122,7 @@ class SearchSpec(StudySpec):
     reduction_factor: float = 2.0
     sampler: str = "tpe"
     seed: int = 0
-    space: tuple[Param, ...] = ()
+    space: tuple[SearchParam, ...] = ()
 
     def grid(self) -> dict[str, list[Any]]:
         """The full grid (grid sampler): key -> values."""
@@ -134,7 +136,7 @@ class SearchSpec(StudySpec):
 class DefineByRun:
     """Picklable define-by-run space (Tune saves the searcher with the experiment)."""
 
-    def __init__(self, params: tuple[Param, ...], base_flat: dict[str, Any]) -> None:
+    def __init__(self, params: tuple[SearchParam, ...], base_flat: dict[str, Any]) -> None:
         self.params, self.base_flat = params, base_flat
 
     def __call__(self, trial: Any) -> None:
@@ -143,28 +145,6 @@ class DefineByRun:
         for p in self.params:
             if all(condition_holds(chosen.get(k, self.base_flat.get(k)), v) for k, v in p.when.items()):
                 chosen[p.key] = p.suggest(trial)
-
-
-CONDITION_OPS = {
-    "==": lambda a, b: a == b,
-    "!=": lambda a, b: a != b,
-    ">": lambda a, b: a is not None and a > b,
-    ">=": lambda a, b: a is not None and a >= b,
-    "<": lambda a, b: a is not None and a < b,
-    "<=": lambda a, b: a is not None and a <= b,
-    "in": lambda a, b: a in b,
-    "not_in": lambda a, b: a not in b,
-}
-
-
-def condition_holds(actual: Any, expected: Any) -> bool:
-    """A ``when`` condition: a value (equality), a list (membership) or {op: value}."""
-    if isinstance(expected, dict):
-        ((op, value),) = expected.items()
-        return bool(CONDITION_OPS[op](actual, value))
-    if isinstance(expected, list):
-        return actual in expected
-    return actual == expected
 
 
 def _check_condition(expected: Any, where: str) -> None:
@@ -224,7 +204,7 @@ def reported_metrics(cfg: ExperimentConfig) -> list[str]:
 
     from prvrlab.models.factory import build_system, declared_metrics
 
-    out = [f"val/{m}" for m in EVAL_METRICS] + ["train/loss", "best/sumr"]
+    out = [f"val/{m}" for m in METRIC_KEYS] + ["train/loss", "best/sumr"]
     out += [f"train/{term}" for term, spec in cfg.losses.items() if spec["weight"] > 0]
     with torch.device("meta"):
         system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8)
@@ -264,10 +244,7 @@ def _number(value: Any, where: str, *, integer: bool = False, minimum: float | N
             value = float(value)  # YAML reads '1e-3' as a string
         except ValueError:
             pass
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if integer:
-        ok = ok and float(value).is_integer()
-    if not ok:
+    if not is_number(value) or (integer and not float(value).is_integer()):
         raise ConfigError(f"{where}: expected {'an integer' if integer else 'a number'}, got {value!r}")
     if minimum is not None and (value <= minimum if strict else value < minimum):
         raise ConfigError(f"{where}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
@@ -353,7 +330,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     }
 
 
-def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str]) -> Param:
+def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str]) -> SearchParam:
     where = f"{path}: space.{key}"
     if key not in keys:
         raise ConfigError(f"{path}: space: unknown config key '{key}'{did_you_mean(key, keys)}")
@@ -385,7 +362,7 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
         if cond_key == key or (cond_key not in keys):
             raise ConfigError(f"{where}.when: unknown config key '{cond_key}'{did_you_mean(str(cond_key), keys)}")
         _check_condition(expected, f"{where}.when.{cond_key}")
-    param = Param(key=key, kind=kind, args=args, when=dict(when))
+    param = SearchParam(key=key, kind=kind, args=args, when=dict(when))
     for value in param.probe_values():
         validate_with(base_raw, {key: value}, f"{where} = {value!r}")
     return param
@@ -402,7 +379,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     space_raw = _mapping(raw.get("space"), f"{path}: space")
     if not space_raw:
         raise ConfigError(f"{path}: space: expected at least one searched key")
-    params: list[Param] = []
+    params: list[SearchParam] = []
     for key, value in space_raw.items():
         param = _param(path, str(key), value, common["base_raw"], keys)
         for cond_key in param.when:
