@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from prvrlab.checks import check_positive_int
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
 
@@ -268,8 +269,7 @@ def compute_ranks(
 
     Returns an int64 array of shape (Nq,), values in [1, Nv].
     """
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    check_positive_int(chunk, "chunk")
     num_queries = _num_rows(query_emb)
     num_videos = _num_rows(video_emb)
     if isinstance(query_video, Tensor):
