@@ -3,7 +3,7 @@
 The pipeline is split into small pieces that work on plain iterables of
 batches and on embeddings, so each can be tested without the data layer:
 
-    encode_split   video / query batches -> VideoEmbedding, QueryEmbedding
+    encode_videos / encode_queries   video / query batches -> VideoEmbedding / QueryEmbedding
     compute_ranks  embeddings -> 1-based rank of each query's video (chunked)
     evaluate       encoding, ranking and the metrics of :mod:`prvrlab.evaluation.metrics`
                    on one split of a data-layer Collection
@@ -36,7 +36,6 @@ __all__ = [
     "EvalResult",
     "compute_ranks",
     "encode_queries",
-    "encode_split",
     "encode_videos",
     "evaluate",
     "evaluate_batches",
@@ -208,28 +207,6 @@ def encode_queries(
         raise ValueError("no query batch was yielded; cannot evaluate an empty split")
     _check_unique(ids, "query")
     return QueryEmbedding.cat(parts), ids
-
-
-def encode_split(
-    model: RetrievalModel,
-    video_batches_iter: Iterable[VideoBatch],
-    query_batches_iter: Iterable[QueryBatch],
-    *,
-    device: torch.device | str,
-    amp_dtype: torch.dtype | str | None = None,
-) -> tuple[VideoEmbedding, QueryEmbedding]:
-    """Encode all videos (each once) and all queries of a split, in yield order.
-
-    The model is put in eval mode (its previous mode is restored on return)
-    and everything runs under ``torch.inference_mode()``.  With ``amp_dtype``
-    (e.g. ``torch.bfloat16`` or ``"bf16"``) the encoders run under autocast;
-    the embeddings are cast back to float32 so scoring and metrics stay fp32.
-    Use ``encode_videos`` / ``encode_queries`` to also get the yielded ids.
-    """
-    with _eval_mode(model):
-        video, _ = encode_videos(model, video_batches_iter, device=device, amp_dtype=amp_dtype)
-        query, _ = encode_queries(model, query_batches_iter, device=device, amp_dtype=amp_dtype)
-    return video, query
 
 
 # ---------------------------------------------------------------- ranking
