@@ -249,17 +249,12 @@ def ratio_section(doc: Doc, entries: list[tuple[str, list[TrialRun]]], split: st
     doc.add(f"Groups by moment/video duration ratio r: {ranges}; mean over seeds.")
 
 
-def component_keys(runs: Sequence[TrialRun]) -> list[str]:
-    """Sorted ``<component>.<name>`` of every component metric any of ``runs`` logged."""
-    return sorted({k for r in runs for k in r.component_metrics})
-
-
 def component_section(
     doc: Doc, study: Study, entries: list[tuple[str, list[TrialRun]]], what: str, curves: Sequence[TrialRun] = ()
 ) -> None:
     """Last-epoch value of each ``train/<component>.<name>`` metric per variant (mean ± std over its runs) or
     per trial, and a learning-curve figure per metric over ``curves``; nothing when no child run logged one."""
-    keys = component_keys(study.runs)
+    keys = sorted({k for r in study.runs for k in r.component_metrics})
     if not keys:
         return
     rows = []
