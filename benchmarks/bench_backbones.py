@@ -34,9 +34,11 @@ from bench_model_step import synthetic_batch
 from torch.utils.flop_counter import FlopCounterMode
 
 from prvrlab.data.batch import Batch
+from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.models.base import RetrievalModel, VideoEmbedding
 from prvrlab.registry import BACKBONES
+from prvrlab.reports.profile import DEFAULT_GALLERIES
 
 
 def _base_losses(first: str, second: str, margin: float, nce: tuple[float, float]) -> dict:
@@ -89,7 +91,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed training steps per precision")
     p.add_argument("--amp", choices=["none", "bf16", "both"], default="both")
     p.add_argument("--skip-train", action="store_true")
-    p.add_argument("--galleries", type=int, nargs="+", default=[500, 1000, 1500, 2000, 2500])
+    p.add_argument("--galleries", type=int, nargs="+", default=list(DEFAULT_GALLERIES))
     p.add_argument("--encode-videos", type=int, default=256,
                    help="distinct videos encoded for the gallery (tiled up to the largest: cost is content-free)")
     p.add_argument("--latency-queries", type=int, default=20, help="single queries timed per gallery size")
@@ -104,9 +106,8 @@ def sync(device: torch.device) -> None:
 
 
 def autocast(device: torch.device, amp: str):
-    if amp == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    dtype = resolve_amp_dtype(amp)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def build(name: str, args: argparse.Namespace) -> RetrievalModel:

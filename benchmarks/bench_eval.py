@@ -48,9 +48,8 @@ def main() -> None:
     print(f"open + check collection: {time.perf_counter() - t0:.1f} s")
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     for amp in args.amp:
-        dtype = torch.bfloat16 if amp == "bf16" else None
         for split in args.splits:
-            res = evaluate(model, collection, split, cfg.eval, device=torch.device("cpu"), amp_dtype=dtype)
+            res = evaluate(model, collection, split, cfg.eval, device=torch.device("cpu"), amp_dtype=amp)
             t = res.timings
             print(
                 f"[{amp:>4}] {split:<4} {res.num_queries:>6} queries x {res.num_videos:>5} videos: "

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from prvrlab.data.batch import Batch
+from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.registry import BACKBONES
 
@@ -107,7 +108,8 @@ class Runner:
         self.times: dict[str, list[float]] = {"forward": [], "losses": [], "backward": [], "AdamW": [], "step": []}
 
     def step(self, batch: Batch, record: bool) -> None:
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.amp == "bf16" else contextlib.nullcontext()
+        dtype = resolve_amp_dtype(self.amp)
+        ctx = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
         t0 = time.perf_counter()
         with ctx:
             out = self.model(batch)

@@ -21,6 +21,7 @@ import torch
 from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
+from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.platform.train.optim import build_optimizer
 from prvrlab.models.factory import build_model
@@ -46,7 +47,7 @@ def step_seconds(cfg, collection, steps: int, amp: str) -> float:
     loader, _ = train_loader(collection, "train", batch_size_per_rank=cfg.train.batch_size, rank=0,
                              world_size=1, seed=0, num_workers=0)
     opt, _ = build_optimizer(model, lr=1e-4, weight_decay=0.01, total_steps=100, warmup_proportion=0.0)
-    dtype = torch.bfloat16 if amp == "bf16" else None
+    dtype = resolve_amp_dtype(amp)
     batches = iter(loader)
     times = []
     for i in range(steps + 1):

@@ -26,6 +26,7 @@ import torch
 from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
+from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.platform.train.optim import build_optimizer
 from prvrlab.models.factory import build_model
@@ -61,7 +62,7 @@ def main() -> None:
         )
         opt, sched = build_optimizer(model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                      total_steps=1000, warmup_proportion=0.01)
-        dtype = torch.bfloat16 if amp == "bf16" else None
+        dtype = resolve_amp_dtype(amp)
         data_s, step_s, videos, queries = [], [], 0, 0
         it = iter(loader)
         for step in range(args.steps + 1):

@@ -52,3 +52,17 @@ def check_identifier(value: object, name: str, example: str) -> str:
     if not isinstance(value, str) or not value.isidentifier():
         raise ValueError(f"{name} must be a name such as {example}, got {value!r}")
     return value
+
+
+def check_bool(value: object, name: str) -> bool:
+    """``value`` as a bool (``true`` / ``false`` in YAML; 0 and 1 are not accepted)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_choice(value: object, name: str, options: tuple[str, ...]) -> str:
+    """``value`` as one of ``options``."""
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
+    return value  # type: ignore[return-value]

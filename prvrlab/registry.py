@@ -45,7 +45,7 @@ def did_you_mean(name: str, candidates: typing.Iterable[str]) -> str:
 
 
 @dataclass(frozen=True)
-class Param:
+class ConstructorParam:
     """One keyword-only constructor parameter of a registered component."""
 
     name: str
@@ -102,7 +102,7 @@ class Registry(Generic[T]):
                 f"registered: {', '.join(sorted(self._items))}"
             ) from None
 
-    def params(self, name: str) -> dict[str, Param]:
+    def params(self, name: str) -> dict[str, ConstructorParam]:
         """The keyword-only constructor parameters of ``name``."""
         return constructor_params(self.get(name))
 
@@ -128,17 +128,17 @@ def _check_keyword_only(cls: Callable[..., Any], what: str) -> None:
             raise TypeError(f"{what}: parameter '{p.name}' must be keyword-only")
 
 
-def constructor_params(cls: Callable[..., Any]) -> dict[str, Param]:
+def constructor_params(cls: Callable[..., Any]) -> dict[str, ConstructorParam]:
     """Keyword-only parameters of a constructor with resolved type hints."""
     init = cls.__init__ if inspect.isclass(cls) else cls
     try:
         hints = typing.get_type_hints(init)
     except Exception:  # pragma: no cover - unresolvable annotations
         hints = {}
-    out: dict[str, Param] = {}
+    out: dict[str, ConstructorParam] = {}
     for p in inspect.signature(cls).parameters.values():
         required = p.default is inspect.Parameter.empty
-        out[p.name] = Param(
+        out[p.name] = ConstructorParam(
             name=p.name,
             annotation=hints.get(p.name, Any),
             default=None if required else p.default,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prvrlab.checks import check_int, check_positive_int
+
 
 @dataclass
 class DataConfig:
@@ -30,8 +32,5 @@ class DataConfig:
     def check(self) -> None:
         """A ValueError naming the ``data.<key>`` that is out of range."""
         for name in ("max_frames", "num_clips", "max_query_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"data.{name} must be an integer > 0, got {value!r}")
-        if self.loader_workers < 0:
-            raise ValueError("data.loader_workers must be >= 0")
+            check_positive_int(getattr(self, name), f"data.{name}")
+        check_int(self.loader_workers, "data.loader_workers", minimum=0)

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from prvrlab.data.collection import SplitIndex, configured_splits, open_collection
+from prvrlab.evaluation.metrics import GROUPS, ratio_groups
 
 if TYPE_CHECKING:
     from prvrlab.data.config import DataConfig
-
-RATIO_GROUPS = (("short", 0.0, 0.2), ("medium", 0.2, 0.4), ("long", 0.4, 1.0))  # (name, low, high]
 
 
 @dataclass
@@ -107,8 +106,8 @@ def split_stats(index: SplitIndex, *, max_frames: int, max_query_len: int) -> Sp
     """Summary statistics of one split index."""
     groups = None
     if index.ratios is not None:
-        r = index.ratios
-        groups = {name: int(((r > lo) & (r <= hi)).sum()) for name, lo, hi in RATIO_GROUPS}
+        labels = ratio_groups(index.ratios)
+        groups = {name: int((labels == name).sum()) for name in GROUPS}
     return SplitStats(
         name=index.name,
         caption_file=index.caption_file,

@@ -62,13 +62,6 @@ def read_captions(path: str | Path) -> list[tuple[str, str]]:
     return out
 
 
-def write_captions(path: str | Path, captions: Iterable[tuple[str, str]]) -> None:
-    """Write ``(cap_id, text)`` pairs as a caption file."""
-    with Path(path).open("w", encoding="utf-8") as f:
-        for cap_id, text in captions:
-            f.write(f"{cap_id} {text}\n")
-
-
 class QueryFeatures:
     """Query token features: an HDF5 file with one (n_tokens, Dq) dataset per cap_id.
 

@@ -1,4 +1,4 @@
 """Retrieval evaluation: metrics and rank tables (``metrics``), encoding and ranking a split (``retrieval``).
 
-Both the training platform and the reports import from here; it imports nothing from either.
+The training platform, the reports and the data summary import from here; it imports nothing from the platform or the reports.
 """

@@ -2,7 +2,7 @@
 
     recall_at        ranks -> {"r1", "r5", "r10", "r100", "sumr"} in percent
     chance_recall    what random scoring gets
-    ratio_groups / recall_by_group   the moment/video-ratio breakdown (short/medium/long)
+    ratio_groups / recall_by_group   the moment/video-ratio breakdown (short/medium/long, group_bounds)
     rank_table / save_ranks / load_ranks   per-query ranks as Parquet
 
 The trainer and the reports both read these; nothing here imports torch or a model.
@@ -18,10 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 DEFAULT_KS: tuple[int, ...] = (1, 5, 10, 100)
+METRIC_KEYS: tuple[str, ...] = (*(f"r{k}" for k in DEFAULT_KS), "sumr")  # what recall_at returns
 
 # Moment/video duration ratio groups (REFERENCE §1): upper bounds, inclusive.
 GROUPS: tuple[str, ...] = ("short", "medium", "long")
-_GROUP_UPPER: tuple[float, ...] = (0.2, 0.4, 1.0)
+GROUP_UPPER: tuple[float, ...] = (0.2, 0.4, 1.0)
 UNGROUPED = ""  # label of ratios outside (0, inf) or NaN
 
 
@@ -70,12 +71,17 @@ def ratio_groups(ratios: np.ndarray | Sequence[float]) -> np.ndarray:
     labels = np.full(r.shape, UNGROUPED, dtype=object)
     lower = r.dtype.type(0.0)
     valid = r > lower  # False for NaN
-    for name, upper in zip(GROUPS, _GROUP_UPPER):
+    for name, upper in zip(GROUPS, GROUP_UPPER):
         up = r.dtype.type(upper)
         hit = valid & (r <= up) if name != GROUPS[-1] else valid
         labels[hit] = name
         valid = valid & ~hit
     return labels
+
+
+def group_bounds() -> tuple[tuple[str, float, float], ...]:
+    """``(name, low, high)`` per group: ratios in (low, high] (the last group also takes ratios above 1)."""
+    return tuple(zip(GROUPS, (0.0, *GROUP_UPPER[:-1]), GROUP_UPPER))
 
 
 def recall_by_group(

@@ -3,7 +3,7 @@
 The pipeline is split into small pieces that work on plain iterables of
 batches and on embeddings, so each can be tested without the data layer:
 
-    encode_split   video / query batches -> VideoEmbedding, QueryEmbedding
+    encode_videos / encode_queries   video / query batches -> VideoEmbedding / QueryEmbedding
     compute_ranks  embeddings -> 1-based rank of each query's video (chunked)
     evaluate       encoding, ranking and the metrics of :mod:`prvrlab.evaluation.metrics`
                    on one split of a data-layer Collection
@@ -28,6 +28,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from prvrlab.checks import check_positive_int
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
 
@@ -35,7 +36,6 @@ __all__ = [
     "EvalResult",
     "compute_ranks",
     "encode_queries",
-    "encode_split",
     "encode_videos",
     "evaluate",
     "evaluate_batches",
@@ -209,28 +209,6 @@ def encode_queries(
     return QueryEmbedding.cat(parts), ids
 
 
-def encode_split(
-    model: RetrievalModel,
-    video_batches_iter: Iterable[VideoBatch],
-    query_batches_iter: Iterable[QueryBatch],
-    *,
-    device: torch.device | str,
-    amp_dtype: torch.dtype | str | None = None,
-) -> tuple[VideoEmbedding, QueryEmbedding]:
-    """Encode all videos (each once) and all queries of a split, in yield order.
-
-    The model is put in eval mode (its previous mode is restored on return)
-    and everything runs under ``torch.inference_mode()``.  With ``amp_dtype``
-    (e.g. ``torch.bfloat16`` or ``"bf16"``) the encoders run under autocast;
-    the embeddings are cast back to float32 so scoring and metrics stay fp32.
-    Use ``encode_videos`` / ``encode_queries`` to also get the yielded ids.
-    """
-    with _eval_mode(model):
-        video, _ = encode_videos(model, video_batches_iter, device=device, amp_dtype=amp_dtype)
-        query, _ = encode_queries(model, query_batches_iter, device=device, amp_dtype=amp_dtype)
-    return video, query
-
-
 # ---------------------------------------------------------------- ranking
 
 
@@ -268,8 +246,7 @@ def compute_ranks(
 
     Returns an int64 array of shape (Nq,), values in [1, Nv].
     """
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    check_positive_int(chunk, "chunk")
     num_queries = _num_rows(query_emb)
     num_videos = _num_rows(video_emb)
     if isinstance(query_video, Tensor):

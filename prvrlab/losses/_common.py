@@ -2,37 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from prvrlab.checks import check_identifier
 from prvrlab.models.base import BranchScores, ModelOutput
 
 
 def check_branch(branch: object) -> str:
-    """A branch name must be a non-empty identifier such as 'clip' or 'frame'."""
-    if not isinstance(branch, str) or not branch.isidentifier():
-        raise ValueError(f"branch must be a branch name such as 'clip' or 'frame', got {branch!r}")
-    return branch
-
-
-def check_number(value: object, name: str, *, minimum: float | None = None, strict: bool = False) -> float:
-    """``value`` as a finite float (>= or > ``minimum``), else a ValueError naming ``name``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and minimum is not None:
-        ok = value > minimum if strict else value >= minimum
-    if not ok:
-        bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum:g}"
-        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
-    return float(value)
-
-
-def check_int(value: object, name: str, *, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    """A branch name: a non-empty identifier such as 'clip' or 'frame'."""
+    return check_identifier(branch, "branch", "'clip' or 'frame'")
 
 
 def branch_scores(out: ModelOutput, branch: str, loss: str) -> BranchScores:

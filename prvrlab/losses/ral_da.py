@@ -19,7 +19,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from prvrlab.data.batch import Batch
-from prvrlab.losses._common import check_number, plugin_aux
+from prvrlab.checks import check_number
+from prvrlab.losses._common import plugin_aux
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.registry import LOSSES

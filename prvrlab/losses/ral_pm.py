@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prvrlab.data.batch import Batch
-from prvrlab.losses._common import check_number, plugin_aux
+from prvrlab.checks import check_bool, check_number
+from prvrlab.losses._common import plugin_aux
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.registry import LOSSES
@@ -54,9 +55,7 @@ class RALProxyMatchingLoss(Loss):
     def __init__(self, *, tau: float = 0.07, bidirectional: bool = False, plugin: str = "ral") -> None:
         super().__init__()
         self.tau = check_number(tau, "tau", minimum=0.0, strict=True)
-        if not isinstance(bidirectional, bool):
-            raise ValueError(f"bidirectional must be true or false, got {bidirectional!r}")
-        self.bidirectional = bidirectional
+        self.bidirectional = check_bool(bidirectional, "bidirectional")
         if not isinstance(plugin, str) or not plugin:
             raise ValueError(f"plugin must be a plug-in name, got {plugin!r}")
         self.plugin = plugin

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from prvrlab.data.batch import Batch
-from prvrlab.losses._common import branch_scores, check_branch, check_int, check_number, positive_mask
+from prvrlab.checks import check_int, check_number
+from prvrlab.losses._common import branch_scores, check_branch, positive_mask
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.registry import LOSSES

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from prvrlab.checks import check_number
 from prvrlab.data.batch import Batch
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
@@ -51,9 +52,7 @@ class WeightedLoss(nn.Module):
         for term, weight in weights.items():
             if not term or "." in term:
                 raise ValueError(f"loss term name {term!r} must be non-empty and contain no '.'")
-            ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
-            if not ok or weight < 0:
-                raise ValueError(f"weight of loss term '{term}' must be a finite number >= 0, got {weight!r}")
+            check_number(weight, f"weight of loss term '{term}'", minimum=0.0)
         if all(weight == 0 for weight in weights.values()):
             raise ValueError("every loss weight is 0; nothing would be trained")
         self.losses = nn.ModuleDict(dict(losses))

@@ -108,14 +108,55 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
+    """(tracking URI, experiment, study name) of the study a search / ablation spec file describes."""
+    import yaml
+
+    from prvrlab.platform.config import ConfigError
+    from prvrlab.platform.runtime import resolve_config_paths
+    from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
+    from prvrlab.platform.tracking.store import resolve_tracking_uri
+
+    if not path.is_file():
+        raise ConfigError(f"unknown spec '{path}': file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+        loader = load_ablation_spec if isinstance(raw, dict) and "variants" in raw else load_search_spec
+        spec = loader(path)
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise ConfigError(f"spec '{path}' cannot be read: {exc}") from None
+    base = resolve_config_paths(spec.base)
+    uri = resolve_tracking_uri(tracking_uri) if tracking_uri else base.tracking.uri
+    return uri, base.tracking.experiment, spec.name
+
+
+def _report_parent(args: argparse.Namespace) -> tuple[str, str]:
+    """(tracking URI, parent run id) of the study named by --run-id, --experiment or --spec."""
+    from prvrlab.platform.tracking.store import resolve_tracking_uri
+    from prvrlab.reports.errors import ReportError
+    from prvrlab.reports.source import find_parent
+
+    if args.spec is None:
+        uri = resolve_tracking_uri(args.tracking_uri)
+        return uri, find_parent(tracking_uri=uri, run_id=args.run_id, experiment=args.experiment)
+    path = Path(args.spec)
+    uri, experiment, name = _spec_study(path, args.tracking_uri)
+    try:
+        return uri, find_parent(tracking_uri=uri, experiment=experiment, study=name)
+    except ReportError as exc:
+        raise ReportError(f"spec '{path}': {exc}") from None
+
+
 def cmd_report(args: argparse.Namespace) -> int:
+    from prvrlab.platform.config import validate
     from prvrlab.reports.report import Options, report
 
-    options = Options(split=args.split, n_boot=args.bootstrap, seed=args.seed, profile=args.profile, galleries=tuple(args.gallery))
-    path, parent = report(
-        run_id=args.run_id, experiment=args.experiment, spec=args.spec, tracking_uri=args.tracking_uri,
-        out=args.out, options=options, log_artifact=not args.no_log,
+    uri, parent = _report_parent(args)
+    options = Options(
+        split=args.split, n_boot=args.bootstrap, seed=args.seed, profile=args.profile,
+        galleries=tuple(args.gallery) if args.gallery else None, read_config=validate,
     )
+    path = report(tracking_uri=uri, parent_id=parent, out=args.out, options=options, log_artifact=not args.no_log)
     print(f"wrote {path} (and its figures); " + ("not logged" if args.no_log else f"logged as artifact report/ of run {parent}"))
     return 0
 
@@ -123,11 +164,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import load_config
     from prvrlab.platform.runtime import resolve_config_paths
-    from prvrlab.reports.profile import profile_config, profile_table
+    from prvrlab.reports.profile import DEFAULT_GALLERIES, profile_config, profile_table
 
     cfg = resolve_config_paths(load_config(args.config, _overrides(args.set)))
     result = profile_config(
-        cfg, galleries=args.gallery, queries=args.queries, video_dim=args.video_dim, query_dim=args.query_dim, device=args.device
+        cfg, galleries=args.gallery or DEFAULT_GALLERIES, queries=args.queries, video_dim=args.video_dim,
+        query_dim=args.query_dim, device=args.device,
     )
     print(profile_table([result]), end="")
     return 0
@@ -211,14 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the resampling and importances (default 0)")
     p.add_argument("--profile", action="store_true", help="add an efficiency table (prvrlab profile of each variant's config)")
-    p.add_argument("--gallery", type=int, nargs="+", default=[500, 1000, 1500, 2000, 2500], help="gallery sizes for --profile")
+    p.add_argument("--gallery", type=int, nargs="+", default=None, help="gallery sizes for --profile (default 500 to 2500 by 500)")
     p.add_argument("--no-log", action="store_true", help="do not log the report as an artifact of the parent run")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("profile", help="parameters, FLOPs, ms per query at several gallery sizes and memory of a config's model")
     p.add_argument("config", help="experiment YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
-    p.add_argument("--gallery", type=int, nargs="+", default=[500, 1000, 1500, 2000, 2500], help="gallery sizes (videos)")
+    p.add_argument("--gallery", type=int, nargs="+", default=None, help="gallery sizes in videos (default 500 to 2500 by 500)")
     p.add_argument("--queries", type=int, default=20, help="single-query runs timed per gallery size (median)")
     p.add_argument("--video-dim", type=int, default=None, help="video feature size (default: read from the data)")
     p.add_argument("--query-dim", type=int, default=None, help="query token feature size (default: read from the data)")
@@ -262,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prvrlab.platform.search.spec import StudyError
     from prvrlab.platform.train.driver import TrainingError
     from prvrlab.registry import RegistryError
+    from prvrlab.reports.errors import ReportError
 
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
@@ -273,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingError as exc:
         print(f"prvrlab: training failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except StudyError as exc:
+    except (StudyError, ReportError) as exc:
         print(f"prvrlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

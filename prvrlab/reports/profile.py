@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from prvrlab.reports.errors import ReportError
 from prvrlab.reports.tables import fmt, md_table
 
 DEFAULT_GALLERIES: tuple[int, ...] = (500, 1000, 1500, 2000, 2500)
@@ -149,7 +150,10 @@ def profile_model(
 
 
 def model_dims(cfg) -> tuple[int, int]:
-    """(video_dim, query_dim) of a config's data: read from the collection when it exists, else known defaults."""
+    """(video_dim, query_dim) of a config's data: read from the collection when it exists, else known defaults.
+
+    ``cfg``: a validated experiment config (only ``cfg.data`` is read); a ReportError when neither works.
+    """
     from prvrlab.data.collection import open_collection
     from prvrlab.data.errors import DataError
 
@@ -160,9 +164,7 @@ def model_dims(cfg) -> tuple[int, int]:
         pass
     if cfg.data.collection in KNOWN_DIMS:
         return KNOWN_DIMS[cfg.data.collection]
-    from prvrlab.platform.config import ConfigError
-
-    raise ConfigError(
+    raise ReportError(
         f"cannot tell the feature sizes of collection '{cfg.data.collection}': its data root {cfg.data.root} "
         "is not readable; pass --video-dim and --query-dim"
     )
@@ -178,7 +180,12 @@ def profile_config(
     device: str | None = None,
     name: str | None = None,
 ) -> ProfileResult:
-    """Build the config's model (random weights) and profile it."""
+    """Build the config's model (random weights) and profile it.
+
+    ``cfg`` is an already validated experiment config, built by the caller (the
+    CLI validates it): ``.model``, ``.plugins`` and ``.data`` are read, plus
+    ``.train.use_gpu`` when ``device`` is None and ``.name`` when ``name`` is.
+    """
     from prvrlab.models.factory import build_model
 
     if video_dim is None or query_dim is None:

@@ -14,16 +14,18 @@ import ast
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import yaml
 
+from prvrlab.conditions import condition_holds
+from prvrlab.evaluation.metrics import GROUPS, METRIC_KEYS, group_bounds
 from prvrlab.reports import plots, stats
-from prvrlab.reports.source import ReportError, Study, TrialRun, find_parent, load_study
+from prvrlab.reports.errors import ReportError
+from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, load_study
 from prvrlab.reports.tables import (
     DASH,
-    METRIC_KEYS,
     METRIC_NAMES,
     NOT_SIGNIFICANT,
     VariantRow,
@@ -33,33 +35,39 @@ from prvrlab.reports.tables import (
     fmt,
     fmt_p,
     fmt_param,
+    fmt_sig,
     kv_table,
     md_table,
+    mean_std,
     metric_table,
+    variant_label,
 )
 
-GROUPS = ("short", "medium", "long")
 TOP_TRIALS = 10
 CURVES = 3
 CI_TRIALS = 5
+CI_METRICS = ("sumr", *(m for m in METRIC_KEYS if m != "sumr"))  # column order of the confidence tables
 
 
 @dataclass
 class Options:
+    """How to write a report; ``read_config`` turns a run's logged ``config.yaml`` into a validated config
+    (for ``profile``; the CLI passes the platform's validator)."""
+
     split: str | None = None  # None: test when the runs have it, else val
     n_boot: int = 1000
     seed: int = 0
     profile: bool = False
-    galleries: Sequence[int] = (500, 1000, 1500, 2000, 2500)
+    galleries: Sequence[int] | None = None  # None: prvrlab.reports.profile.DEFAULT_GALLERIES
+    read_config: Callable[[dict[str, Any]], Any] | None = None
 
 
 @dataclass
 class Doc:
-    """The report being written: markdown parts and figure files."""
+    """The report being written: its markdown parts (figures are written into ``out``)."""
 
     out: Path
     parts: list[str] = field(default_factory=list)
-    figures: list[str] = field(default_factory=list)
 
     def add(self, text: str) -> None:
         self.parts.append(text.rstrip("\n") + "\n")
@@ -68,7 +76,6 @@ class Doc:
         self.add(f"## {title}")
 
     def figure(self, name: str, caption: str) -> None:
-        self.figures.append(name)
         self.add(f"![{caption}]({name})")
 
     def text(self) -> str:
@@ -83,14 +90,6 @@ def _parse(value: Any) -> Any:
             return parser(value)
         except Exception:
             continue
-    return value
-
-
-def _num(text: str | None) -> Any:
-    """A param string as a number when it is one."""
-    if text is None:
-        return None
-    value = _parse(text)
     return value
 
 
@@ -185,6 +184,10 @@ def _ci_cell(iv: stats.Interval) -> str:
     return f"{fmt(iv.value)} [{fmt(iv.low)}, {fmt(iv.high)}]"
 
 
+def _ci_headers() -> list[str]:
+    return [f"{METRIC_NAMES[m]} [95% CI]" for m in CI_METRICS]
+
+
 def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, baseline: str, split: str, opt: Options) -> dict[str, bool]:
     """Bootstrap CIs per variant and paired tests vs the baseline; returns variant -> significant."""
     ok_runs = {r.name: [chosen[r.name][s] for s in r.seeds_ok] for r in rows}
@@ -194,11 +197,11 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
     for r in rows:
         h = _seed_hits(study, ok_runs[r.name], split)
         if h is None:
-            table_rows.append([escape(r.name), *([DASH] * 5), DASH, DASH, DASH, DASH, DASH])
+            table_rows.append([escape(r.name), *([DASH] * len(CI_METRICS)), DASH, DASH, DASH, DASH, DASH])
             continue
         ids, mat = h
         ci = stats.bootstrap_ci(hit_matrix=mat, n_boot=opt.n_boot, seed=opt.seed)
-        cells = [_ci_cell(ci[m]) for m in ("sumr", "r1", "r5", "r10", "r100")]
+        cells = [_ci_cell(ci[m]) for m in CI_METRICS]
         delta = p_q = p_s = p_t = DASH
         sig = DASH
         if r.name != baseline and base_hits is not None:
@@ -215,10 +218,8 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
                 st = stats.seed_test(v_s, b_s)
                 p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)})" if st.n else "")
                 p_t = fmt_p(st.p_ttest)
-        label = f"{escape(r.name)} (baseline)" if r.name == baseline else escape(r.name)
-        table_rows.append([label, *cells, delta, p_q, p_s, p_t, sig])
-    header = ["Variant", "SumR [95% CI]", "R@1 [95% CI]", "R@5 [95% CI]", "R@10 [95% CI]", "R@100 [95% CI]",
-              "ΔSumR [95% CI]", "p (queries)", "p (seeds, exact)", "p (seeds, t-test)", "Significant"]
+        table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, p_s, p_t, sig])
+    header = ["Variant", *_ci_headers(), "ΔSumR [95% CI]", "p (queries)", "p (seeds, exact)", "p (seeds, t-test)", "Significant"]
     doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
     doc.add(md_table(header, table_rows))
     doc.add(
@@ -243,7 +244,38 @@ def ratio_section(doc: Doc, entries: list[tuple[str, list[TrialRun]]], split: st
             rows.append(([escape(name), g, DASH if count is None else str(count)], values))
     doc.section(f"Moment/video-ratio breakdown ({split})")
     doc.add(metric_table([what, "Group", "Queries"], rows, bold=False, lead_align=["l", "l", "r"]))
-    doc.add("Groups by moment/video duration ratio r: short r ∈ (0, 0.2], medium (0.2, 0.4], long (0.4, 1]; mean over seeds.")
+    bounds = group_bounds()
+    ranges = ", ".join(f"{name}{' r ∈' if i == 0 else ''} ({low:g}, {high:g}]" for i, (name, low, high) in enumerate(bounds))
+    doc.add(f"Groups by moment/video duration ratio r: {ranges}; mean over seeds.")
+
+
+def component_section(
+    doc: Doc, study: Study, entries: list[tuple[str, list[TrialRun]]], what: str, curves: Sequence[TrialRun] = ()
+) -> None:
+    """Last-epoch value of each ``train/<component>.<name>`` metric per variant (mean ± std over its runs) or
+    per trial, and a learning-curve figure per metric over ``curves``; nothing when no child run logged one."""
+    keys = sorted({k for r in study.runs for k in r.component_metrics})
+    if not keys:
+        return
+    rows = []
+    for label, runs in entries:
+        cells = []
+        for key in keys:
+            values = [r.component_metrics[key] for r in runs if key in r.component_metrics]
+            mean, std = mean_std(values) if values else (None, 0.0)
+            cells.append(f"{fmt_sig(mean)} ± {fmt_sig(std, 2)}" if len(values) > 1 else fmt_sig(mean))
+        rows.append([label, *cells])
+    doc.section("Component metrics (last epoch)")
+    doc.add(md_table([what, *(f"`{escape(k)}`" for k in keys)], rows))
+    several = any(len(runs) > 1 for _, runs in entries)
+    doc.add(f"What the losses and plug-ins report every epoch (MLflow `{TRAIN_PREFIX}<component>.<name>`): the value "
+            f"of the last epoch{', mean ± std over the finished seeds' if several else ''}; — = not logged.")
+    for key in keys:
+        points = [(r.trial_id, study.history(r, TRAIN_PREFIX + key)) for r in curves if key in r.component_metrics]
+        if points:
+            name = f"component_{plots.safe_name(key)}.png"
+            plots.learning_curves(points, doc.out / name, ylabel=key)
+            doc.figure(name, f"{key} per epoch of {len(points)} of the best trials")
 
 
 def _ablation_sweeps(study: Study, rows: list[VariantRow], chosen) -> dict[str, list[tuple[Any, TrialRun]]]:
@@ -256,13 +288,13 @@ def _ablation_sweeps(study: Study, rows: list[VariantRow], chosen) -> dict[str, 
         for r in rows:
             for s in r.seeds_ok:
                 run = chosen[r.name][s]
-                points.append((_num(run.params.get(key)), run))
+                points.append((_parse(run.params.get(key)), run))
         if len({str(v) for v, _ in points}) >= 3:
             out[key] = points
     return out
 
 
-def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]], space: dict[str, Any], split: str, value_of) -> None:
+def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]], space: dict[str, Any], split: str) -> None:
     """One table (+ figure) per swept key: rows per value, or bins for continuous keys."""
     if not sweeps:
         return
@@ -298,7 +330,7 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
             rows.append(([label, str(len(members))], vals))
         doc.add(f"**{escape(key)}**" + (" (binned, log scale)" if continuous and log else " (binned)" if continuous else ""))
         doc.add(metric_table([escape(key), "Runs"], rows, lead_align=["l", "r"]))
-        fig_points = [(v, value_of(r)) for v, r in points if value_of(r) is not None]
+        fig_points = [(v, r.final(split, "sumr")) for v, r in points if r.final(split, "sumr") is not None]
         if fig_points:
             name = f"sensitivity_{plots.safe_name(key)}.png"
             plots.sensitivity_plot(key, fig_points, doc.out / name, log=log, categorical=not continuous and not _numeric(distinct))
@@ -371,8 +403,10 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     doc.parts.extend(conf.parts)
     if _has_groups([chosen[r.name][s] for r in rows for s in r.seeds_ok], split):
         ratio_section(doc, [(r.name, [chosen[r.name][s] for s in r.seeds_ok]) for r in rows], split)
+    entries = [(variant_label(r.name, baseline), [chosen[r.name][s] for s in r.seeds_ok]) for r in rows]
+    component_section(doc, study, entries, "Variant")
     sweeps = _ablation_sweeps(study, rows, chosen)
-    sensitivity_section(doc, sweeps, {}, split, lambda r: r.final(split, "sumr"))
+    sensitivity_section(doc, sweeps, {}, split)
     if opt.profile:
         _profile_section(doc, study, [(r.name, chosen[r.name][r.seeds_ok[0]] if r.seeds_ok else next(iter(chosen[r.name].values()), None)) for r in rows], opt)
     problems_section(doc, study.runs, missing)
@@ -399,14 +433,12 @@ def _space(study: Study) -> dict[str, dict[str, Any]]:
 
 def _active(space: dict[str, Any], run: TrialRun) -> dict[str, Any]:
     """The searched values of a trial (conditional keys only when their condition held)."""
-    from prvrlab.platform.search.spec import condition_holds
-
     chosen: dict[str, Any] = {}
     for key, dist in space.items():
         when = (dist or {}).get("when") or {}
-        if all(condition_holds(chosen.get(k, _num(run.params.get(k))), v) for k, v in when.items()):
+        if all(condition_holds(chosen.get(k, _parse(run.params.get(k))), v) for k, v in when.items()):
             if key in run.params:
-                chosen[key] = _num(run.params[key])
+                chosen[key] = _parse(run.params[key])
     return chosen
 
 
@@ -538,11 +570,13 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
             doc.section("Learning curves")
             plots.learning_curves(curves, doc.out / "learning_curves.png", ylabel=study.metric)
             doc.figure("learning_curves.png", f"{study.metric} per epoch of the best {len(curves)} trials")
+        top = [r for r, _ in ranked[:TOP_TRIALS]]
+        component_section(doc, study, [(f"`{r.trial_id}`", [r]) for r in top], "Trial", curves=top[:CURVES])
         _search_confidence(doc, study, ranked[:CI_TRIALS], split, opt)
         if _has_groups([ranked[0][0]], split):
             ratio_section(doc, [(f"{ranked[0][0].trial_id} (best)", [ranked[0][0]])], split, "Trial")
     sweeps = {k: [(_active(space, r).get(k), r) for r, _ in ranked] for k in keys}
-    sensitivity_section(doc, sweeps, space, split, lambda r: r.final(split, "sumr"))
+    sensitivity_section(doc, sweeps, space, split)
     if opt.profile and ranked:
         _profile_section(doc, study, [(f"best ({ranked[0][0].trial_id})", ranked[0][0])], opt)
     problems_section(doc, [r for r in study.runs if r.status != "early_stopped"], [])
@@ -558,7 +592,7 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
     for r, x in loaded:
         h = stats.hits(x["rank"])
         ci = stats.bootstrap_ci(hit_matrix=h, n_boot=opt.n_boot, seed=opt.seed)
-        cells = [_ci_cell(ci[m]) for m in ("sumr", "r1", "r5", "r10", "r100")]
+        cells = [_ci_cell(ci[m]) for m in CI_METRICS]
         delta = p = sig = DASH
         if r is not best_run:
             a, b = stats.align(x["query_id"], h, best["query_id"], stats.hits(best["rank"]))
@@ -567,8 +601,7 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
             p, sig = fmt_p(pr.p_value), ("yes" if pr.significant else f"no {NOT_SIGNIFICANT}")
         rows.append([f"`{r.trial_id}`" + (" (best)" if r is best_run else ""), *cells, delta, p, sig])
     doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
-    doc.add(md_table(["Trial", "SumR [95% CI]", "R@1 [95% CI]", "R@5 [95% CI]", "R@10 [95% CI]", "R@100 [95% CI]",
-                      "ΔSumR vs best [95% CI]", "p (queries)", "Significant"], rows))
+    doc.add(md_table(["Trial", *_ci_headers(), "ΔSumR vs best [95% CI]", "p (queries)", "Significant"], rows))
     doc.add(f"Percentile bootstrap over queries ({opt.n_boot} resamples, seed {opt.seed}); each trial against the best "
             f"one with a two-sided paired sign-flip test on per-query SumR; {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA}.")
 
@@ -590,9 +623,10 @@ def _counts_text(counts: dict[str, int]) -> str:
 
 
 def _profile_section(doc: Doc, study: Study, entries: list[tuple[str, TrialRun | None]], opt: Options) -> None:
-    from prvrlab.platform.config import validate
-    from prvrlab.reports.profile import profile_config, profile_table
+    from prvrlab.reports.profile import DEFAULT_GALLERIES, profile_config, profile_table
 
+    if opt.read_config is None:
+        raise ReportError("an efficiency profile needs Options.read_config (logged config -> validated config)")
     results = []
     for name, run in entries:
         if run is None:
@@ -602,8 +636,8 @@ def _profile_section(doc: Doc, study: Study, entries: list[tuple[str, TrialRun |
             local = study.client.download_artifacts(run.run_id, "config.yaml", str(dst))
         except Exception:
             continue
-        cfg = validate(yaml.safe_load(Path(local).read_text()))
-        results.append(profile_config(cfg, galleries=opt.galleries, name=name, device="cpu"))
+        cfg = opt.read_config(yaml.safe_load(Path(local).read_text()))
+        results.append(profile_config(cfg, galleries=opt.galleries or DEFAULT_GALLERIES, name=name, device="cpu"))
     if results:
         doc.section("Efficiency")
         doc.add(profile_table(results))
@@ -629,22 +663,20 @@ def write_report(study: Study, out: str | Path, opt: Options | None = None) -> P
 
 def report(
     *,
-    run_id: str | None = None,
-    experiment: str | None = None,
-    spec: str | Path | None = None,
-    tracking_uri: str | None = None,
+    tracking_uri: str,
+    parent_id: str,
     out: str | Path | None = None,
     options: Options | None = None,
     log_artifact: bool = True,
-) -> tuple[Path, str]:
-    """Find the study, write its report, log the folder as artifact ``report/`` of the parent run."""
-    uri, parent = find_parent(run_id=run_id, experiment=experiment, spec=spec, tracking_uri=tracking_uri)
-    study = load_study(uri, parent)
+) -> Path:
+    """Write the report of the study ``parent_id`` (see ``source.find_parent``) and log the folder as
+    artifact ``report/`` of the parent run; returns the markdown path."""
+    study = load_study(tracking_uri, parent_id)
     out = Path(out) if out is not None else Path("results") / "reports" / plots.safe_name(study.name)
     path = write_report(study, out, options)
     if log_artifact:
-        study.client.log_artifacts(parent, str(out), "report")
-    return path, parent
+        study.client.log_artifacts(parent_id, str(out), "report")
+    return path
 
 
 __all__ = ["Options", "ReportError", "report", "write_report"]

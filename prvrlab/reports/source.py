@@ -5,10 +5,12 @@ with one child run per trial (``mlflow.parentRunId``).  Nothing here needs Ray
 or the study folder: the tracking store is the only source, so a report can
 be written on any machine that reaches it.
 
-Three ways to name a study: the parent run id, an experiment name (its latest
-parent run), or the spec file (its ``name`` -> the latest parent run of that
-study in the spec's experiment).  An unknown id / experiment / spec raises
-:class:`ReportError` naming it (the CLI turns it into exit code 2).
+Two ways to name a study: the parent run id (or a trial's run id), or an
+experiment name (its latest parent run, or the latest one of a given study
+name; the CLI reads both from a spec file).  An unknown id / experiment / study
+raises :class:`ReportError` naming it (the CLI turns it into exit code 2).
+The tracking URI is always given, already resolved: nothing here reads a
+config or a spec.
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ from typing import Any
 import numpy as np
 import yaml
 
-from prvrlab.platform.search.spec import StudyError
+from prvrlab.reports.errors import ReportError
 
 STUDY_KINDS = ("search", "ablation")
 OK_STATUSES = ("finished", "early_stopped")  # prvrlab.status of a trial with usable metrics
-
-
-class ReportError(StudyError):
-    """A study that cannot be found or read (unknown run id, experiment, spec)."""
+TRAIN_PREFIX = "train/"  # per-epoch training metrics: train/<loss term>, train/<component>.<name>
 
 
 @dataclass
@@ -84,6 +83,17 @@ class TrialRun:
         """``final/<split>/<metric>`` when logged and finite."""
         value = self.metrics.get(f"final/{split}/{metric}")
         return value if value is not None and math.isfinite(value) else None
+
+    @property
+    def component_metrics(self) -> dict[str, float]:
+        """``<component>.<name>`` -> last-epoch value of every finite ``train/<component>.<name>`` metric
+        (what losses and plug-ins report; plain loss terms ``train/<term>`` have no dot)."""
+        out = {}
+        for key, value in self.metrics.items():
+            name = key[len(TRAIN_PREFIX) :]
+            if key.startswith(TRAIN_PREFIX) and "." in name and math.isfinite(value):
+                out[name] = value
+        return out
 
 
 @dataclass
@@ -171,71 +181,42 @@ def _latest_parent(client, experiment_ids: list[str], extra_filter: str = "") ->
 
 def find_parent(
     *,
+    tracking_uri: str,
     run_id: str | None = None,
     experiment: str | None = None,
-    spec: str | Path | None = None,
-    tracking_uri: str | None = None,
-) -> tuple[str, str]:
-    """(tracking URI, parent run id) of the study named by exactly one of run_id / experiment / spec."""
-    from prvrlab.platform.tracking.store import resolve_tracking_uri
-
-    given = [x for x in (run_id, experiment, spec) if x is not None]
-    if len(given) != 1:
-        raise ReportError("name the study with exactly one of --run-id, --experiment or --spec")
-    if spec is not None:
-        return _parent_from_spec(Path(spec), tracking_uri)
-    uri = resolve_tracking_uri(tracking_uri)
-    client = _client(uri)
+    study: str | None = None,
+) -> str:
+    """The parent run id of the study named by ``run_id`` or by ``experiment`` (and ``study``, its name there)."""
+    if (run_id is None) == (experiment is None) or (study is not None and experiment is None):
+        raise ReportError("name the study with exactly one of a run id or an experiment (and optionally a study name)")
+    client = _client(tracking_uri)
     if run_id is not None:
         from mlflow.exceptions import MlflowException
 
         try:
             run = client.get_run(run_id)
         except MlflowException:
-            raise ReportError(f"unknown run id '{run_id}': no such run in the tracking store {uri}") from None
+            raise ReportError(f"unknown run id '{run_id}': no such run in the tracking store {tracking_uri}") from None
         kind = run.data.tags.get("prvrlab.kind")
         if kind == "trial" and run.data.tags.get("mlflow.parentRunId"):
-            return uri, run.data.tags["mlflow.parentRunId"]
+            return run.data.tags["mlflow.parentRunId"]
         if kind not in STUDY_KINDS:
             raise ReportError(f"run '{run_id}' is not a search or ablation parent run (prvrlab.kind={kind!r})")
-        return uri, run_id
+        return run_id
     exp = client.get_experiment_by_name(experiment)
+    if study is not None:
+        run = _latest_parent(client, [exp.experiment_id], f"tags.`prvrlab.study` = '{study}'") if exp else None
+        if run is None:
+            raise ReportError(
+                f"no search or ablation named '{study}' in experiment '{experiment}' of the tracking store {tracking_uri}"
+            )
+        return run.info.run_id
     if exp is None:
-        raise ReportError(f"unknown experiment '{experiment}' in the tracking store {uri}")
+        raise ReportError(f"unknown experiment '{experiment}' in the tracking store {tracking_uri}")
     run = _latest_parent(client, [exp.experiment_id])
     if run is None:
-        raise ReportError(f"experiment '{experiment}' has no search or ablation parent run ({uri})")
-    return uri, run.info.run_id
-
-
-def _parent_from_spec(path: Path, tracking_uri: str | None) -> tuple[str, str]:
-    """The latest parent run of the study a spec file describes (its experiment and tracking URI)."""
-    from prvrlab.platform.config import ConfigError
-    from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
-    from prvrlab.platform.tracking.store import resolve_tracking_uri
-    from prvrlab.platform.runtime import resolve_config_paths
-
-    if not path.is_file():
-        raise ReportError(f"unknown spec '{path}': file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-        loader = load_ablation_spec if isinstance(raw, dict) and "variants" in raw else load_search_spec
-        spec = loader(path)
-    except (ConfigError, yaml.YAMLError) as exc:
-        raise ReportError(f"spec '{path}' cannot be read: {exc}") from None
-    base = resolve_config_paths(spec.base)
-    uri = resolve_tracking_uri(tracking_uri) if tracking_uri else base.tracking.uri
-    client = _client(uri)
-    exp = client.get_experiment_by_name(base.tracking.experiment)
-    run = None
-    if exp is not None:
-        run = _latest_parent(client, [exp.experiment_id], f"tags.`prvrlab.study` = '{spec.name}'")
-    if run is None:
-        raise ReportError(
-            f"spec '{path}': no search or ablation named '{spec.name}' in experiment "
-            f"'{base.tracking.experiment}' of the tracking store {uri}"
-        )
-    return uri, run.info.run_id
+        raise ReportError(f"experiment '{experiment}' has no search or ablation parent run ({tracking_uri})")
+    return run.info.run_id
 
 
 # ---------------------------------------------------------------- loading

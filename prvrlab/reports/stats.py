@@ -30,13 +30,13 @@ from typing import Sequence
 
 import numpy as np
 
-KS: tuple[int, ...] = (1, 5, 10, 100)
-METRICS: tuple[str, ...] = ("r1", "r5", "r10", "r100", "sumr")
+from prvrlab.evaluation.metrics import DEFAULT_KS, METRIC_KEYS
+
 ALPHA = 0.05
 _TOL = 1e-9  # ties of resampled statistics with the observed one count as "as extreme"
 
 
-def hits(ranks: Sequence[int] | np.ndarray, ks: Sequence[int] = KS) -> np.ndarray:
+def hits(ranks: Sequence[int] | np.ndarray, ks: Sequence[int] = DEFAULT_KS) -> np.ndarray:
     """(n, len(ks)) per-query hit matrix in percent: ``100 * [rank <= K]``."""
     r = np.asarray(ranks, dtype=np.int64).reshape(-1)
     if r.size == 0:
@@ -85,7 +85,7 @@ def bootstrap_ci(
     tail = (1.0 - level) / 2.0 * 100.0
     low = np.percentile(stats, tail, axis=0)
     high = np.percentile(stats, 100.0 - tail, axis=0)
-    return {m: Interval(float(point[i]), float(low[i]), float(high[i])) for i, m in enumerate(METRICS)}
+    return {m: Interval(float(point[i]), float(low[i]), float(high[i])) for i, m in enumerate(METRIC_KEYS)}
 
 
 @dataclass(frozen=True)

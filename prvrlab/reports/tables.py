@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-METRIC_KEYS: tuple[str, ...] = ("r1", "r5", "r10", "r100", "sumr")
-METRIC_NAMES: dict[str, str] = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "r100": "R@100", "sumr": "SumR"}
+from prvrlab.evaluation.metrics import METRIC_KEYS
+
+METRIC_NAMES: dict[str, str] = {m: f"R@{m[1:]}" if m != "sumr" else "SumR" for m in METRIC_KEYS}
 CHECK, CROSS = "✓", "–"
 DASH = "—"
 NOT_SIGNIFICANT = "†"
@@ -32,6 +33,14 @@ def fmt(value: float | None, digits: int = 1, signed: bool = False) -> str:
     if text.lstrip("+-") == zero:
         return zero
     return text
+
+
+def fmt_sig(value: float | None, digits: int = 4) -> str:
+    """``digits`` significant digits (for values of any scale), no negative zero; None / non-finite -> ``—``."""
+    if value is None or not math.isfinite(value):
+        return DASH
+    text = f"{value:.{digits}g}"
+    return "0" if text == "-0" else text
 
 
 def fmt_p(p: float | None) -> str:
@@ -118,6 +127,11 @@ class VariantRow:
         return "failed"
 
 
+def variant_label(name: str, baseline: str) -> str:
+    """A variant's name in a table cell, marked when it is the baseline."""
+    return f"{escape(name)} (baseline)" if name == baseline else escape(name)
+
+
 def component_label(token: str) -> str:
     """'loss:query_diverse' -> 'query_diverse'; 'backbone:gmmformer' -> 'gmmformer'."""
     return token.split(":", 1)[1] if ":" in token else token
@@ -185,7 +199,7 @@ def ablation_table(rows: Sequence[VariantRow], baseline: str, *, several_seeds: 
 
     out_rows = []
     for i, r in enumerate(rows):
-        name = f"{escape(r.name)} (baseline)" if r.name == baseline else escape(r.name)
+        name = variant_label(r.name, baseline)
         marks = ["?" if r.components is None else (CHECK if c in r.components else CROSS) for c in comps]
         out_rows.append([name, *marks, *(col[i] for col in columns), delta_cells[i], _seed_cell(r)])
     return md_table(header, out_rows, align)
@@ -198,14 +212,12 @@ def metric_table(
     first: Sequence[str],
     rows: Sequence[tuple[Sequence[str], dict[str, list[float]]]],
     *,
-    extra: Sequence[str] = (),
-    extra_cells: Sequence[Sequence[str]] | None = None,
     bold: bool = True,
     lead_align: Sequence[str] | None = None,
 ) -> str:
     """Rows of leading cells + mean R@K / SumR over the given values (one decimal)."""
-    header = [*first, *(METRIC_NAMES[m] for m in METRIC_KEYS), *extra]
-    align = list(lead_align or ["l"] * len(first)) + ["r"] * (len(METRIC_KEYS) + len(extra))
+    header = [*first, *(METRIC_NAMES[m] for m in METRIC_KEYS)]
+    align = list(lead_align or ["l"] * len(first)) + ["r"] * len(METRIC_KEYS)
     columns = []
     for m in METRIC_KEYS:
         values = [mean_std(v[m])[0] if v.get(m) else None for _, v in rows]
@@ -213,7 +225,7 @@ def metric_table(
         columns.append(bold_best(cells, values) if bold else cells)
     out = []
     for i, (lead, _) in enumerate(rows):
-        out.append([*lead, *(col[i] for col in columns), *((extra_cells or [[]] * len(rows))[i])])
+        out.append([*lead, *(col[i] for col in columns)])
     return md_table(header, out, align)
 
 

@@ -254,17 +254,18 @@ def make_query_batches(token_lengths, per_batch=3, seed=1):
     return batches
 
 
-def test_encode_split_each_video_once_and_padding():
+def test_encode_each_video_once_and_padding():
     model = VectorModel(DIM)
     model.train()
     vbatches = make_video_batches([3, 5, 2])
     qbatches = make_query_batches([4, 2])
-    video, query = ev.encode_split(model, iter(vbatches), iter(qbatches), device="cpu")
+    video, video_ids = ev.encode_videos(model, iter(vbatches), device="cpu")
+    query, query_ids = ev.encode_queries(model, iter(qbatches), device="cpu")
 
     assert model.video_calls == 3
     assert sorted(model.videos_seen) == [float(i) for i in range(6)]  # each video exactly once
+    assert video_ids == [v for ids, *_ in vbatches for v in ids] and query_ids == [q for ids, *_ in qbatches for q in ids]
     assert all(not training and inference for training, inference in model.observed)
-    assert model.training  # previous mode restored
 
     assert video.clip.shape == (6, 3, DIM)
     assert video.frame.shape == (6, 5, DIM) and video.frame_mask.shape == (6, 5)
@@ -280,11 +281,10 @@ def test_encode_split_each_video_once_and_padding():
     assert query.tokens.shape == (6, 4, DIM) and not query.token_mask[3:, 2:].any()
 
 
-def test_encode_split_bf16_autocast_returns_float32():
+def test_encode_bf16_autocast_returns_float32():
     model = VectorModel(DIM)
-    video, query = ev.encode_split(
-        model, make_video_batches([3, 4]), make_query_batches([2]), device="cpu", amp_dtype=torch.bfloat16
-    )
+    video, _ = ev.encode_videos(model, make_video_batches([3, 4]), device="cpu", amp_dtype=torch.bfloat16)
+    query, _ = ev.encode_queries(model, make_query_batches([2]), device="cpu", amp_dtype="bf16")
     assert model.clip_dtype == torch.bfloat16  # autocast was really on inside the encoder
     assert video.clip.dtype == torch.float32 and video.frame_mask.dtype == torch.bool
     assert query.vectors["clip"].dtype == torch.float32
@@ -298,9 +298,9 @@ def test_encode_rejects_duplicate_and_empty():
     batches = make_video_batches([3, 3])
     dup = [batches[0], batches[0]]
     with pytest.raises(ValueError, match="more than once"):
-        ev.encode_split(model, dup, make_query_batches([2]), device="cpu")
+        ev.encode_videos(model, dup, device="cpu")
     with pytest.raises(ValueError, match="no video batch"):
-        ev.encode_split(model, [], make_query_batches([2]), device="cpu")
+        ev.encode_videos(model, [], device="cpu")
 
 
 # ---------------------------------------------------------------- end to end
@@ -333,10 +333,13 @@ def test_evaluate_batches_out_of_order_yield():
     qorder = list(reversed(range(len(query_ids))))
     qbatches = [([query_ids[i] for i in qorder], queries[qorder], torch.ones(len(qorder), 2, dtype=torch.bool))]
 
+    model = VectorModel(5)
+    model.train()
     result = ev.evaluate_batches(
-        VectorModel(5), vbatches, qbatches, video_ids=video_ids, query_ids=query_ids,
+        model, vbatches, qbatches, video_ids=video_ids, query_ids=query_ids,
         query_video=query_video, ratios=ratios, chunk=3, device="cpu",
     )
+    assert model.training  # previous mode restored
     assert result.num_videos == 5 and result.num_queries == 10
     table = result.table.to_pydict()
     assert table["query_id"] == [query_ids[i] for i in qorder]

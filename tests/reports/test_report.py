@@ -13,22 +13,11 @@ from prvrlab.platform.cli import main
 from prvrlab.reports.report import Options, write_report
 from prvrlab.reports.source import load_study
 
+from report_helpers import md_rows
+
 pytestmark = pytest.mark.slow
 OPT = Options(n_boot=200, seed=0)
 METRICS = ("r1", "r5", "r10", "r100", "sumr")
-
-
-def _table(md: str, heading: str) -> list[list[str]]:
-    """Rows (cells stripped of bold) of the first table after a heading starting with ``heading``."""
-    lines = md.splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(heading))
-    rows = []
-    for ln in lines[start + 1 :]:
-        if ln.startswith("|"):
-            rows.append([c.strip().replace("**", "") for c in ln.strip("|").split("|")])
-        elif rows:
-            break
-    return rows
 
 
 def _children(uri: str, parent: str):
@@ -39,7 +28,7 @@ def _children(uri: str, parent: str):
 
 def test_ablation_table_equals_mlflow(studies, tmp_path):
     md = write_report(load_study(studies["uri"], studies["ablation"]), tmp_path, OPT).read_text()
-    rows = _table(md, "## Ablation (val)")
+    rows = md_rows(md, "## Ablation (val)")
     header, body = rows[0], rows[2:]
     assert header == ["Variant", "query_diverse", "R@1", "R@5", "R@10", "R@100", "SumR", "ΔSumR", "Seeds"]
     assert [r[0] for r in body] == ["full (baseline)", "no_query_diverse"]
@@ -60,7 +49,7 @@ def test_ablation_table_equals_mlflow(studies, tmp_path):
     assert body[1][7].split()[0] == (f"{delta:+.1f}" if f"{abs(delta):.1f}" != "0.0" else "0.0")
     assert body[0][7] == "—"
     # confidence section: CI around the same SumR, a p-value for the variant
-    conf = _table(md, "## Confidence (val")
+    conf = md_rows(md, "## Confidence (val")
     assert conf[2][1].startswith(f"{statistics.fmean(values['full']['sumr']):.1f} [")
     assert conf[3][7] not in ("—", "") and "(n=2, min 0.500)" in conf[3][8]
     assert "## Moment/video-ratio breakdown (val)" in md
@@ -107,7 +96,7 @@ def test_failed_cell_is_shown(studies, tmp_path):
     run = tracker.start_run("abl/broken/seed0", tags=tags, parent_run_id=studies["ablation"])
     tracker.end_run(run, "FAILED")
     md = write_report(load_study(uri, studies["ablation"]), tmp_path / "r", OPT).read_text()
-    rows = _table(md, "## Ablation (val)")
+    rows = md_rows(md, "## Ablation (val)")
     body = {r[0]: r for r in rows[2:]}
     sumr = rows[0].index("SumR")
     assert body["broken"][sumr] == "*failed*" and "1 error" in body["broken"][-1]
@@ -121,13 +110,13 @@ def test_search_summary(studies, tmp_path):
     _, children = _children(studies["uri"], studies["search"])
     assert len(children) == 3
     best = max(children, key=lambda c: (c.data.metrics["final/val/sumr"], c.data.tags["prvrlab.trial_id"]))
-    summary = {r[0]: r[1] for r in _table(md, "## Best trial")[2:]}
+    summary = {r[0]: r[1] for r in md_rows(md, "## Best trial")[2:]}
     assert summary["Trial"] == f"`{best.data.tags['prvrlab.trial_id']}`"
     assert summary["val SumR"] == f"{best.data.metrics['final/val/sumr']:.1f}"
     assert summary["`train.lr`"] == f"{float(best.data.params['train.lr']):.4g}"
-    top = _table(md, "## Top trials")[2:]
+    top = md_rows(md, "## Top trials")[2:]
     assert len(top) == 3 and [r[8] for r in top] == sorted([r[8] for r in top], key=float, reverse=True)
-    imp = _table(md, "## Parameter importances")
+    imp = md_rows(md, "## Parameter importances")
     assert imp[2][0] == "`train.lr`" and imp[2][1] == "1.000"
     assert (out / "learning_curves.png").is_file() and (out / "sensitivity_train.lr.png").is_file()
     assert "## Sensitivity (val)" in md and "## Stopped early" in md

@@ -33,14 +33,13 @@ CSA (training and retrieval)
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prvrlab.checks import check_positive_int
+from prvrlab.checks import check_bool, check_choice, check_identifier, check_int, check_number, check_positive_int
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import init_normal_
@@ -50,18 +49,6 @@ from prvrlab.registry import PLUGINS
 
 _MAX_CHUNK_ELEMENTS = 1 << 26  # bound on the (Nq, Lq, chunk, Lf) similarity tensor
 _EPS = 1e-6
-
-
-def _choice(value: object, name: str, options: tuple[str, ...]) -> str:
-    if value not in options:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
-    return value  # type: ignore[return-value]
-
-
-def _bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-    return value
 
 
 def masked_softmax(logits: Tensor, mask: Tensor) -> Tensor:
@@ -203,23 +190,19 @@ class RAL(Plugin):
     ) -> None:
         super().__init__()
         check_positive_int(hidden_size, "hidden_size")
-        self.msra = _bool(msra, "msra")
-        self.csa = _bool(csa, "csa")
+        self.msra = check_bool(msra, "msra")
+        self.csa = check_bool(csa, "csa")
         self.num_proxies = check_positive_int(num_proxies, "num_proxies")
-        self.sampling = _bool(sampling, "sampling")
-        self.support = _choice(support, "support", ("set", "single"))
-        self.aggregation = _choice(aggregation, "aggregation", ("both", "local", "global"))
-        self.csa_weighting = _choice(csa_weighting, "csa_weighting", ("learned", "average"))
-        for value, name in ((logvar_min, "logvar_min"), (logvar_max, "logvar_max")):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        self.sampling = check_bool(sampling, "sampling")
+        self.support = check_choice(support, "support", ("set", "single"))
+        self.aggregation = check_choice(aggregation, "aggregation", ("both", "local", "global"))
+        self.csa_weighting = check_choice(csa_weighting, "csa_weighting", ("learned", "average"))
+        check_number(logvar_min, "logvar_min")
+        check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
             raise ValueError(f"logvar_min ({logvar_min!r}) must be < logvar_max ({logvar_max!r})")
-        if isinstance(csa_hidden, bool) or not isinstance(csa_hidden, int) or csa_hidden < 0:
-            raise ValueError(f"csa_hidden must be an integer >= 0 (0: hidden_size), got {csa_hidden!r}")
-        if not isinstance(branch, str) or not branch.isidentifier():
-            raise ValueError(f"branch must be a branch name such as 'frame', got {branch!r}")
-        self.branch = branch
+        check_int(csa_hidden, "csa_hidden", minimum=0)  # 0: hidden_size
+        self.branch = check_identifier(branch, "branch", "'frame'")
         if self.msra:
             kw = dict(hidden_size=hidden_size, aggregation=self.aggregation, logvar_min=float(logvar_min), logvar_max=float(logvar_max))
             self.text_gaussian = GaussianEncoder(**kw)

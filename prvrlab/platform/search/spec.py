@@ -26,6 +26,9 @@ from typing import Any
 
 import yaml
 
+from prvrlab.checks import is_number
+from prvrlab.conditions import CONDITION_OPS, condition_holds
+from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.platform.config import (
     DATA_DERIVED,
     PLUGIN_DERIVED,
@@ -40,7 +43,6 @@ from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, did_you_mean
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
 SCHEDULERS = ("none", "asha")
 SAMPLERS = ("tpe", "random", "grid")
-EVAL_METRICS = ("r1", "r5", "r10", "r100", "sumr")
 
 SEARCH_KEYS = (
     "name", "base_config", "overrides", "metric", "mode", "budget", "concurrency",
@@ -146,28 +148,6 @@ class DefineByRun:
                 chosen[p.key] = p.suggest(trial)
 
 
-CONDITION_OPS = {
-    "==": lambda a, b: a == b,
-    "!=": lambda a, b: a != b,
-    ">": lambda a, b: a is not None and a > b,
-    ">=": lambda a, b: a is not None and a >= b,
-    "<": lambda a, b: a is not None and a < b,
-    "<=": lambda a, b: a is not None and a <= b,
-    "in": lambda a, b: a in b,
-    "not_in": lambda a, b: a not in b,
-}
-
-
-def condition_holds(actual: Any, expected: Any) -> bool:
-    """A ``when`` condition: a value (equality), a list (membership) or {op: value}."""
-    if isinstance(expected, dict):
-        ((op, value),) = expected.items()
-        return bool(CONDITION_OPS[op](actual, value))
-    if isinstance(expected, list):
-        return actual in expected
-    return actual == expected
-
-
 def _check_condition(expected: Any, where: str) -> None:
     if isinstance(expected, dict):
         if len(expected) != 1 or next(iter(expected)) not in CONDITION_OPS:
@@ -225,7 +205,7 @@ def reported_metrics(cfg: ExperimentConfig) -> list[str]:
 
     from prvrlab.models.factory import build_system, declared_metrics
 
-    out = [f"val/{m}" for m in EVAL_METRICS] + ["train/loss", "best/sumr"]
+    out = [f"val/{m}" for m in METRIC_KEYS] + ["train/loss", "best/sumr"]
     out += [f"train/{term}" for term, spec in cfg.losses.items() if spec["weight"] > 0]
     with torch.device("meta"):
         system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8)
@@ -265,10 +245,7 @@ def _number(value: Any, where: str, *, integer: bool = False, minimum: float | N
             value = float(value)  # YAML reads '1e-3' as a string
         except ValueError:
             pass
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if integer:
-        ok = ok and float(value).is_integer()
-    if not ok:
+    if not is_number(value) or (integer and not float(value).is_integer()):
         raise ConfigError(f"{where}: expected {'an integer' if integer else 'a number'}, got {value!r}")
     if minimum is not None and (value <= minimum if strict else value < minimum):
         raise ConfigError(f"{where}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")

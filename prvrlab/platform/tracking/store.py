@@ -7,12 +7,13 @@ are sent in batches, and a run always ends FINISHED, FAILED or KILLED.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable
+
+from prvrlab.checks import is_number
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
@@ -68,9 +69,7 @@ def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The finite numeric entries of a metrics dict (bools and strings dropped)."""
     out = {}
     for k, v in metrics.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        if math.isfinite(float(v)):
+        if is_number(v):
             out[k] = float(v)
     return out
 

@@ -36,7 +36,7 @@ def evaluate_checkpoint(
     """Evaluate the model in ``path`` on ``split``; optionally write per-query ranks."""
     from prvrlab.data.collection import open_collection
     from prvrlab.evaluation.metrics import save_ranks
-    from prvrlab.evaluation.retrieval import evaluate
+    from prvrlab.evaluation.retrieval import evaluate, resolve_amp_dtype
     from prvrlab.models.factory import build_model
 
     blob = load_checkpoint(path)
@@ -54,9 +54,7 @@ def evaluate_checkpoint(
     except RuntimeError as exc:
         raise DataError(f"{path}: weights do not fit the configured model: {exc}") from None
     device = torch.device("cpu")
-    result = evaluate(
-        model, collection, split, cfg.eval, device=device, amp_dtype=torch.bfloat16 if amp == "bf16" else None
-    )
+    result = evaluate(model, collection, split, cfg.eval, device=device, amp_dtype=resolve_amp_dtype(amp))
     if ranks_out:
         save_ranks(Path(ranks_out), result.table)
     return result
