@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prvrlab.data.batch import Batch
-from prvrlab.losses._common import check_branch, check_number
+from prvrlab.checks import check_number
+from prvrlab.losses._common import check_branch
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.models.component import FRAME_TOKENS, QUERY_GROUPS

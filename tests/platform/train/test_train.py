@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
