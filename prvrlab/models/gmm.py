@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,8 @@ class GMMBlock(PackedLayer):
     probabilities (off by default: on CPU it costs several passes over the
     (B, K, H, L, L) attention tensor).
     """
+
+    norm_parameters: ClassVar[tuple[str, ...]] = ("norm_weight", "norm_bias")  # LayerNorm affines: no weight decay
 
     def __init__(
         self,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +142,8 @@ class TCGMMBlock(PackedLayer):
     ``max_len`` bounds the sequence length (the temporal consolidation has one
     output per time step).
     """
+
+    norm_parameters: ClassVar[tuple[str, ...]] = ("norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")
 
     def __init__(
         self,
