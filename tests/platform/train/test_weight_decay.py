@@ -10,7 +10,6 @@ import re
 import pytest
 from torch import nn
 
-import prvrlab.models  # noqa: F401 - registers the backbones
 from prvrlab.models.factory import build_model, build_system
 from prvrlab.platform.train.optim import param_groups
 from prvrlab.registry import BACKBONES
