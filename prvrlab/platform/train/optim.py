@@ -70,7 +70,7 @@ class BertAdam(torch.optim.Optimizer):
                 exp_sq.append(state["exp_avg_sq"])
             if not params:
                 continue
-            max_norm = group.get("max_grad_norm", 0.0)  # absent from checkpoints written before the switch
+            max_norm = group.get("max_grad_norm", self.defaults["max_grad_norm"])  # absent from older checkpoints
             if max_norm > 0:
                 norms = torch._foreach_norm(grads)  # one 0-dim norm per tensor
                 scales = [(max_norm / (n + 1e-6)).clamp_(max=1.0) for n in norms]
