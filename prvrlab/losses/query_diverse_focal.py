@@ -11,6 +11,10 @@ Reductions (``reduction``):
   every ordered pair counted, divided by the number of queries in the batch;
 * ``"pair"`` (the paper's Eq. 5 read as a mean): per video, the mean of
   l over its ordered pairs, then the mean over the videos with >= 2 queries.
+  Eq. 5 as printed, ``2 / (M (M - 1)) * sum_{(i,j) in P_v} l(i, j)`` for a
+  video of M queries, sums the M (M - 1) *ordered* pairs, so it is exactly
+  2x this reduction (2x the per-pair mean); the factor folds into the
+  loss weight.
 
 ``gamma = 0`` is the *uniform-push* version: every pair pushed with the
 same softplus, ``sum_P softplus(alpha (c_ij + delta)) / N_q``.  It equals

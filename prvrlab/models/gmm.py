@@ -1,13 +1,22 @@
 """Gaussian-constrained attention (GMMFormer) and the plain transformer layer.
 
 A Gaussian branch with width sigma multiplies the scaled attention logits by a
-window over relative position: with positions ``p_t = t / (n - 1)`` of a
-sequence of ``n`` real tokens (normalised to [0, 1] per sequence, so padding
-never changes the window) and ``w = sigma / 9``::
+window over normalised relative position: with ``w = sigma / 9``::
 
-    G(i, j) = exp(-(p_j - p_i)^2 / (2 w^2))        (1 on the diagonal)
+    G(i, j) = exp(-d(i, j)^2 / (2 w^2))
 
-``sigma = inf`` gives the all-ones window, i.e. plain attention.
+over a span of ``n`` positions, where ``window`` picks the offset
+
+* ``official`` (the reference code): ``d = j / (n - 1) - i / n``; rows
+  sit at ``i / n``, columns at ``j / (n - 1)``, so rows past the middle peak
+  at column ``i - 1``;
+* ``centred``: ``d = (j - i) / (n - 1)``, 1 on the diagonal;
+
+and ``window_length`` picks the span ``n``: ``padded``, the input's padded
+length (the reference; a backbone passes a fixed int, ``max_frames``, for
+frames so the window never depends on the batch), an int, that fixed span,
+or ``real``, each sequence's real length (padding never changes the
+window).  ``sigma = inf`` gives the all-ones window, i.e. plain attention.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +34,17 @@ from prvrlab.checks import check_positive_int
 from prvrlab.models.blocks import BranchLinear, Dropout, PackedLayer, Packing, dropout_mask, resolve_ffn_size
 
 DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
+Window = Literal["official", "centred"]
+WINDOWS: tuple[str, ...] = ("official", "centred")
+WindowLength = Literal["real", "padded"] | int
+
+
+def check_window(window: str, window_length: WindowLength) -> None:
+    """Raise ValueError on an unknown ``window`` or a ``window_length`` not real / padded / a positive int."""
+    if window not in WINDOWS:
+        raise ValueError(f"window must be one of {', '.join(WINDOWS)}, got {window!r}")
+    if window_length not in ("real", "padded"):
+        check_positive_int(window_length, "window_length")
 
 
 def parse_sigmas(values: Sequence[float | str], name: str = "sigmas") -> tuple[float, ...]:
@@ -54,36 +75,60 @@ def _window_from_offsets(offsets: Tensor, sigma: float) -> Tensor:
     return torch.exp(-(offsets * offsets) / (2.0 * width * width))
 
 
+def window_offsets(length: int, span: Tensor, window: Window) -> Tensor:
+    """Offsets d(i, j) of the first ``length`` positions of spans ``span`` (...,) -> (..., length, length)."""
+    steps = torch.arange(length, device=span.device, dtype=torch.float32)
+    n = span.to(torch.float32)[..., None, None]  # (..., 1, 1)
+    cols = steps[None, :] / (n - 1).clamp(min=1)  # (..., 1, L)
+    if window == "official":
+        return cols - steps[:, None] / n.clamp(min=1)  # (..., L, L)
+    return cols - steps[:, None] / (n - 1).clamp(min=1)  # (..., L, L)
+
+
 @functools.lru_cache(maxsize=512)
-def _cached_window(length: int, sigma: float, device: torch.device) -> Tensor:
+def _cached_window(length: int, span: int, sigma: float, window: Window, device: torch.device) -> Tensor:
     with torch.inference_mode(False), torch.no_grad():
-        steps = torch.arange(length, device=device, dtype=torch.float32)
-        offsets = (steps[None, :] - steps[:, None]) / max(length - 1, 1)  # (L, L)
+        offsets = window_offsets(length, torch.tensor(span, device=device), window)  # (L, L)
         return _window_from_offsets(offsets, sigma)
 
 
-def gaussian_window(length: int, sigma: float, *, device: torch.device | str | None = None) -> Tensor:
-    """The (length, length) window of a sequence of ``length`` real tokens (cached; do not modify)."""
+def gaussian_window(
+    length: int,
+    sigma: float,
+    *,
+    window: Window = "official",
+    span: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The (length, length) window of the first ``length`` positions of a span (default: ``length``)
+    (cached; do not modify)."""
     check_positive_int(length, "length")
+    span = length if span is None else check_positive_int(span, "span")
+    if span < length:
+        raise ValueError(f"span={span} is shorter than length={length}")
+    check_window(window, "real")
     (sigma,) = parse_sigmas([sigma], "sigma")
-    return _cached_window(length, sigma, torch.device(device or "cpu"))
+    return _cached_window(length, span, sigma, window, torch.device(device or "cpu"))
 
 
 @functools.lru_cache(maxsize=512)
 def _cached_stack(
-    length: int, sigmas: tuple[float, ...], scale: float, dtype: torch.dtype, device: torch.device
+    length: int,
+    span: int,
+    sigmas: tuple[float, ...],
+    window: Window,
+    scale: float,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> Tensor:
     with torch.inference_mode(False), torch.no_grad():
-        stack = torch.stack([_cached_window(length, s, device) for s in sigmas])  # (K, L, L)
+        stack = torch.stack([_cached_window(length, span, s, window, device) for s in sigmas])  # (K, L, L)
         return (stack * scale).to(dtype)[None, :, None]  # (1, K, 1, L, L)
 
 
-def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float]) -> Tensor:
-    """(B, K, L, L) windows of sequences with real ``lengths`` (B,) padded to ``length``."""
-    steps = torch.arange(length, device=lengths.device, dtype=torch.float32)
-    offsets = steps[None, :] - steps[:, None]  # (L, L)
-    inv = 1.0 / (lengths.clamp(min=2) - 1).to(torch.float32)  # (B,)
-    offsets = offsets[None] * inv[:, None, None]  # (B, L, L)
+def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float], window: Window = "official") -> Tensor:
+    """(B, K, L, L) windows of sequences spanning their real ``lengths`` (B,), padded to ``length``."""
+    offsets = window_offsets(length, lengths.clamp(min=1), window)  # (B, L, L)
     return torch.stack([_window_from_offsets(offsets, s) for s in sigmas], dim=1)  # (B, K, L, L)
 
 
@@ -96,8 +141,9 @@ class GaussianAttention(nn.Module):
     Linear(D, 3*K*D) whose output features are laid out ``[Q | K | V]``, each
     as (K branches, H heads, d_h); the output projections are one
     :class:`BranchLinear` (one batched GEMM).  ``dropout`` applies to the
-    attention probabilities.  Logits and softmax run in the projections' dtype
-    (bf16 under autocast; the softmax kernel accumulates in fp32).
+    attention probabilities.  ``window`` / ``window_length``: the Gaussian
+    windows (module docstring).  Logits and softmax run in the projections'
+    dtype (bf16 under autocast; the softmax kernel accumulates in fp32).
     """
 
     def __init__(
@@ -107,9 +153,12 @@ class GaussianAttention(nn.Module):
         num_heads: int = 4,
         sigmas: Sequence[float | str] = DEFAULT_SIGMAS,
         dropout: float = 0.0,
+        window: Window = "official",
+        window_length: WindowLength = "padded",
     ) -> None:
         super().__init__()
         check_positive_int(hidden_size, "hidden_size")
+        check_window(window, window_length)
         check_positive_int(num_heads, "num_heads")
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
@@ -119,6 +168,7 @@ class GaussianAttention(nn.Module):
         self.sigmas = parse_sigmas(sigmas)
         self.num_branches = len(self.sigmas)
         self.plain = all(math.isinf(s) for s in self.sigmas)
+        self.window, self.window_length = window, window_length
         self.qkv = nn.Linear(hidden_size, 3 * self.num_branches * hidden_size)
         self.out = BranchLinear(num_branches=self.num_branches, in_dim=hidden_size, out_dim=hidden_size)
         self.attn_dropout = Dropout(dropout, name="attention_dropout")
@@ -134,10 +184,14 @@ class GaussianAttention(nn.Module):
         scale = 1.0 / math.sqrt(self.head_dim)
         if self.plain:
             return scale
-        if packing.is_full:
-            return _cached_stack(packing.length, self.sigmas, scale, dtype, packing.lengths.device)
-        windows = batched_windows(packing.lengths, packing.length, self.sigmas)  # (B, K, L, L)
-        return windows.mul_(scale).to(dtype).unsqueeze(2)  # (B, K, 1, L, L)
+        L, device = packing.length, packing.lengths.device
+        if self.window_length == "real" and not packing.is_full:
+            windows = batched_windows(packing.lengths, L, self.sigmas, self.window)  # (B, K, L, L)
+            return windows.mul_(scale).to(dtype).unsqueeze(2)  # (B, K, 1, L, L)
+        span = L if self.window_length in ("real", "padded") else self.window_length
+        if L > span:
+            raise ValueError(f"sequence length {L} exceeds the Gaussian windows' window_length={span}")
+        return _cached_stack(L, span, self.sigmas, self.window, scale, dtype, device)  # (1, K, 1, L, L)
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, D) packed tokens -> (K, N, D), one output per branch."""
@@ -177,8 +231,11 @@ class GMMBlock(PackedLayer):
     :func:`~prvrlab.models.blocks.resolve_ffn_size`).  ``dropout`` applies to
     the residual branches, ``attention_dropout`` to the attention
     probabilities (off by default: on CPU it costs several passes over the
-    (B, K, H, L, L) attention tensor).
+    (B, K, H, L, L) attention tensor).  ``window`` / ``window_length``: the
+    Gaussian windows (module docstring).
     """
+
+    norm_parameters: ClassVar[tuple[str, ...]] = ("norm_weight", "norm_bias")  # LayerNorm affines: no weight decay
 
     def __init__(
         self,
@@ -189,11 +246,18 @@ class GMMBlock(PackedLayer):
         dropout: float = 0.1,
         attention_dropout: float = 0.0,
         ffn_size: int | None = 0,
+        window: Window = "official",
+        window_length: WindowLength = "padded",
     ) -> None:
         super().__init__()
         ffn_size = resolve_ffn_size(ffn_size, hidden_size)
         self.attention = GaussianAttention(
-            hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            sigmas=sigmas,
+            dropout=attention_dropout,
+            window=window,
+            window_length=window_length,
         )
         K = self.attention.num_branches
         self.dropout = Dropout(dropout)

@@ -10,12 +10,17 @@ branch: frames -> InputProjection -> positional embedding -> GMMBlocks
 Differences from the reference code: dropout on the attention probabilities
 is off by default (``attention_dropout=0``; the reference uses the hidden
 dropout rate there) because on CPU it costs several passes over the largest
-tensor of the model; Gaussian windows use each video's real length (the
-reference uses the padded length, so its scores depend on the batch);
-``ffn_size > 0`` adds feed-forward sublayers the reference does not have.
+tensor of the model; ``ffn_size > 0`` adds feed-forward sublayers the
+reference does not have.  The Gaussian windows follow the reference by
+default (``window: official`` over the padded span: the clip count for clips,
+``max_frames`` for frames, so scores never depend on the batch's padding);
+``window: centred`` with ``window_length: real`` centres each row on its
+diagonal and spans each video's real length (:mod:`prvrlab.models.gmm`).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from torch import Tensor
 
@@ -30,7 +35,7 @@ from prvrlab.models.blocks import (
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
-from prvrlab.models.gmm import GMMBlock, TransformerLayer, parse_sigmas
+from prvrlab.models.gmm import GMMBlock, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
 from prvrlab.registry import BACKBONES
 
 
@@ -44,8 +49,11 @@ class GMMFormer(PooledFrameBackbone):
     on attention probabilities; ``ffn_size``: width of the feed-forward
     sublayer after every attention layer, the query encoder's included (0:
     none, as the reference; None: 4 * hidden_size); ``clip_weight`` /
-    ``frame_weight``: the branches' weights in the retrieval score.
-    Encoders: ``query``, ``clip`` and ``frame`` (:class:`SequenceEncoder`).
+    ``frame_weight``: the branches' weights in the retrieval score;
+    ``window`` / ``window_length``: the Gaussian windows (``official`` /
+    ``padded``: the reference's; ``centred`` / ``real``: centred on the
+    diagonal over each video's real length).  Encoders: ``query``,
+    ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
@@ -71,6 +79,8 @@ class GMMFormer(PooledFrameBackbone):
         max_query_len: int = 30,
         clip_weight: float = 0.7,
         frame_weight: float = 0.3,
+        window: Window = "official",
+        window_length: Literal["padded", "real"] = "padded",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -89,15 +99,19 @@ class GMMFormer(PooledFrameBackbone):
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
-        def block() -> GMMBlock:
-            return GMMBlock(**sizes.layer_args, sigmas=self.sigmas, ffn_size=ffn)
+        check_window(window, window_length)
+        self.window, self.window_length = window, window_length
+
+        def block(span: WindowLength) -> GMMBlock:
+            return GMMBlock(**sizes.layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
 
         def pool() -> AttentionPooling:
             return AttentionPooling(hidden_size=hidden_size)
 
         self.query = sizes.query_encoder(lambda: TransformerLayer(**sizes.layer_args, ffn_size=ffn), pool=pool)
-        self.clip = sizes.video_encoder(block, num_layers=num_gmm_blocks)
-        self.frame = sizes.video_encoder(block, num_layers=num_gmm_blocks, pool=pool)
+        clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
+        self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_gmm_blocks)  # clips: never padded
+        self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_gmm_blocks, pool=pool)
         init_normal_(self)
 
     def encode_clips(self, clips: Tensor) -> Tensor:

@@ -30,20 +30,22 @@ projecting any key: ``q . W_k x = (W_k^T q) . x`` per head, and the values are
 projected after pooling (``sum_j a_j W_v x_j = W_v sum_j a_j x_j``), which
 makes its cost negligible next to the branches.
 
-Differences from the reference code, all deliberate: the Gaussian windows
-use each sequence's real length (the reference uses the padded length, 128
-for frames, so a video's embedding depends on the padding); the branches'
+Differences from the reference code, all deliberate: the branches'
 self-attention has an output projection (the reference has none); no dropout
 inside the FFN and, by default, none on attention probabilities (both cost
 full passes over the largest tensors on CPU); the paper's appendix writes
 the Gaussian blocks pre-norm, the reference code (followed here) post-norm.
+The Gaussian windows follow the reference by default (``window: official``
+over the padded span, ``max_frames`` for frames); ``window: centred`` with
+``window_length: real`` centres each row on its diagonal and spans each
+video's real length.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +69,7 @@ from prvrlab.models.blocks import (
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
-from prvrlab.models.gmm import GaussianAttention, TransformerLayer, parse_sigmas
+from prvrlab.models.gmm import GaussianAttention, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
 from prvrlab.models.scoring import max_scores
 from prvrlab.registry import BACKBONES
 
@@ -140,8 +142,11 @@ class TCGMMBlock(PackedLayer):
     and run their output projections and FFNs as batched GEMMs
     (:class:`BranchLinear`); token-wise work runs on packed real tokens.
     ``max_len`` bounds the sequence length (the temporal consolidation has one
-    output per time step).
+    output per time step); ``window`` / ``window_length``: the Gaussian
+    windows (:mod:`prvrlab.models.gmm`).
     """
+
+    norm_parameters: ClassVar[tuple[str, ...]] = ("norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")
 
     def __init__(
         self,
@@ -155,12 +160,15 @@ class TCGMMBlock(PackedLayer):
         aggregation: Aggregation = "temporal",
         tau: float = 0.6,
         max_len: int = 128,
+        window: Window = "official",
+        window_length: WindowLength = "padded",
     ) -> None:
         super().__init__()
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+        window_args = {"window": window, "window_length": window_length}
         self.attention = GaussianAttention(
-            hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout
+            hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout, **window_args
         )
         K = self.attention.num_branches
         F_ = check_tcgmm_ffn_size(ffn_size, hidden_size)
@@ -247,7 +255,12 @@ class GMMFormerV2(RetrievalModel):
     feed-forward sublayer of every branch and of the query encoder (None: 4 *
     hidden_size, as the reference; 0, no feed-forward sublayer, is refused:
     a TC-GMMBlock always has one); ``clip_weight`` / ``frame_weight``: the
-    branches' weights in the retrieval score.  Encoders: ``query``, ``clip``
+    branches' weights in the retrieval score; ``window``: the Gaussian
+    window's offsets (``official``: ``j/(L-1) - i/L`` as the reference,
+    ``centred``: ``(j-i)/(L-1)``); ``window_length``: its span L
+    (``padded``: the clip count for clips and ``max_frames`` for frames, as
+    the reference; ``real``: each video's real length), see
+    :mod:`prvrlab.models.gmm`.  Encoders: ``query``, ``clip``
     and ``frame`` (:class:`SequenceEncoder`).
     """
 
@@ -276,6 +289,8 @@ class GMMFormerV2(RetrievalModel):
         max_query_len: int = 30,
         clip_weight: float = 0.7,
         frame_weight: float = 0.3,
+        window: Window = "official",
+        window_length: Literal["padded", "real"] = "padded",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -298,7 +313,10 @@ class GMMFormerV2(RetrievalModel):
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
-        def block() -> TCGMMBlock:
+        check_window(window, window_length)
+        self.window, self.window_length = window, window_length
+
+        def block(span: WindowLength) -> TCGMMBlock:
             return TCGMMBlock(
                 **sizes.layer_args,
                 sigmas=self.sigmas,
@@ -306,14 +324,17 @@ class GMMFormerV2(RetrievalModel):
                 aggregation=aggregation,
                 tau=tau,
                 max_len=max_frames,
+                window=window,
+                window_length=span,
             )
 
         self.query = sizes.query_encoder(
             lambda: TransformerLayer(**sizes.layer_args, ffn_size=ffn),
             pool=lambda: AttentionPooling(hidden_size=hidden_size),
         )
-        self.clip = sizes.video_encoder(block, num_layers=num_blocks)
-        self.frame = sizes.video_encoder(block, num_layers=num_blocks)
+        clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
+        self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_blocks)  # clips are never padded
+        self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_blocks)
         init_normal_(self)  # Linear/Embedding/BranchLinear only: phi keeps its N(0, 1) draw
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:

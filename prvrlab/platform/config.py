@@ -44,7 +44,9 @@ class TrainConfig:
     lr: float = 2.5e-4
     weight_decay: float = 0.01
     warmup_proportion: float = 0.01
-    grad_clip: float = 1.0
+    warmup: Literal["official", "shifted"] = "official"  # warm-up multiplier s/W (reference) or (s+1)/W
+    grad_clip: float = 1.0  # 0: no clipping
+    clip_grad: Literal["per_tensor", "global"] = "per_tensor"  # each tensor's norm (reference) or the global norm
     early_stop_patience: int = 10
     num_workers: int = 1
     use_gpu: bool = False

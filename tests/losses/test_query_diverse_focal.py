@@ -46,6 +46,35 @@ def test_matches_loop(gamma, reduction):
     assert torch.all(vectors.grad[3] == 0)  # video 1 has a single query
 
 
+def eq5_as_printed(vectors, query_video, alpha, delta, gamma):
+    """GMMFormer v2's Eq. 5 literally: per video 2 / (M (M - 1)) times the sum over ordered pairs i != j,
+    averaged over the videos with M >= 2 queries."""
+    per_video = []
+    for v in sorted(set(query_video)):
+        members = [i for i, video in enumerate(query_video) if video == v]
+        M = len(members)
+        if M < 2:
+            continue
+        total = 0.0
+        for i in members:
+            for j in members:
+                if i != j:
+                    c = cos(vectors[i], vectors[j])
+                    total += (1 + c) ** gamma * math.log(1 + math.exp(alpha * (c + delta)))
+        per_video.append(2.0 / (M * (M - 1)) * total)
+    return sum(per_video) / len(per_video)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0])
+def test_eq5_as_printed_is_twice_the_pair_reduction(gamma):
+    torch.manual_seed(1)
+    query_video = [0, 0, 0, 1, 2, 2, 3, 3, 3, 3]
+    vectors = torch.randn(10, 5)
+    loss_fn = QueryDiverseFocalLoss(alpha=8.0, delta=0.15, gamma=gamma, reduction="pair")
+    got = loss_fn(make_output(vectors=vectors), make_batch(query_video, 4), epoch=0)
+    assert 2 * got.item() == pytest.approx(eq5_as_printed(vectors.tolist(), query_video, 8.0, 0.15, gamma), rel=1e-5)
+
+
 def test_worked_example():
     # q0, q1 of video 0 at 60 degrees (cos 0.5): l = (1.5)^1 * log(1 + e^{32 * 0.7}) per ordered pair;
     # 2 ordered pairs / 2 queries

@@ -26,7 +26,7 @@ def hand_window(n: int, sigma: float) -> list[list[float]]:
 
 @pytest.mark.parametrize("n, sigma", [(5, 1.0), (7, 0.5), (4, 5.0), (1, 1.0)])
 def test_gaussian_window_matches_hand_computation(n, sigma):
-    got = gaussian_window(n, sigma)
+    got = gaussian_window(n, sigma, window="centred")
     assert got.shape == (n, n)
     torch.testing.assert_close(got, torch.tensor(hand_window(n, sigma)), atol=1e-6, rtol=1e-5)
     assert torch.all(torch.diagonal(got) == 1)
@@ -34,7 +34,7 @@ def test_gaussian_window_matches_hand_computation(n, sigma):
 
 def test_gaussian_window_values_spot_check():
     # n = 3, sigma = 1: offsets 0, 0.5, 1 with width 1/9 -> exp(-0.25 * 81 / 2), exp(-81 / 2)
-    w = gaussian_window(3, 1.0)
+    w = gaussian_window(3, 1.0, window="centred")
     assert math.isclose(w[0, 1].item(), math.exp(-10.125), rel_tol=1e-5)
     assert math.isclose(w[0, 2].item(), math.exp(-40.5), rel_tol=1e-4)
 
@@ -45,11 +45,11 @@ def test_gaussian_window_infinite_is_all_ones_and_cached():
 
 
 def test_batched_windows_use_each_sequence_real_length():
-    windows = batched_windows(torch.tensor([5, 3, 6]), 6, (1.0, math.inf))  # (B, K, L, L)
+    windows = batched_windows(torch.tensor([5, 3, 6]), 6, (1.0, math.inf), "centred")  # (B, K, L, L)
     assert windows.shape == (3, 2, 6, 6)
-    torch.testing.assert_close(windows[0, 0, :5, :5], gaussian_window(5, 1.0))
-    torch.testing.assert_close(windows[1, 0, :3, :3], gaussian_window(3, 1.0))
-    torch.testing.assert_close(windows[2, 0], gaussian_window(6, 1.0))
+    torch.testing.assert_close(windows[0, 0, :5, :5], gaussian_window(5, 1.0, window="centred"))
+    torch.testing.assert_close(windows[1, 0, :3, :3], gaussian_window(3, 1.0, window="centred"))
+    torch.testing.assert_close(windows[2, 0], gaussian_window(6, 1.0, window="centred"))
     assert torch.equal(windows[:, 1], torch.ones(3, 6, 6))
 
 
@@ -108,7 +108,7 @@ def randomise(module: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize("sigmas", [(0.5, math.inf, 2.0), (math.inf,), (1.0,)])
 def test_fused_branches_equal_naive_loop(sigmas):
-    attn = GaussianAttention(hidden_size=8, num_heads=2, sigmas=sigmas).eval()
+    attn = GaussianAttention(hidden_size=8, num_heads=2, sigmas=sigmas, window="centred", window_length="real").eval()
     randomise(attn)
     lengths = [5, 3, 0, 1]
     x = torch.randn(4, 5, 8)
@@ -120,7 +120,8 @@ def test_fused_branches_equal_naive_loop(sigmas):
 
 @pytest.mark.parametrize("lengths", [[5, 3, 0, 1], [5, 5]])
 def test_gmm_block_and_gradients_equal_naive_loop(lengths):
-    block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(0.5, math.inf, 2.0)).eval()
+    block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(0.5, math.inf, 2.0), window="centred", window_length="real")
+    block.eval()
     randomise(block)
     x = torch.randn(len(lengths), 5, 8, requires_grad=True)
     mask = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
@@ -150,7 +151,9 @@ def test_gmm_block_fully_padded_row_is_finite_and_zero():
 
 
 def test_gmm_block_ignores_padding():
-    block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(0.5, 1.0, math.inf), dropout=0.0).eval()
+    block = GMMBlock(
+        hidden_size=8, num_heads=2, sigmas=(0.5, 1.0, math.inf), dropout=0.0, window="centred", window_length="real"
+    ).eval()
     x = torch.randn(2, 6, 8)
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2], dtype=torch.bool)
     y = block(x, mask)

@@ -198,6 +198,8 @@ class TrainingLoop:
             weight_decay=cfg.train.weight_decay,
             total_steps=len(self.sampler) * cfg.train.epochs,
             warmup_proportion=cfg.train.warmup_proportion,
+            warmup=cfg.train.warmup,
+            max_grad_norm=cfg.train.grad_clip if cfg.train.clip_grad == "per_tensor" else 0.0,
         )
         self.amp_dtype = resolve_amp_dtype(cfg.train.amp)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype is torch.float16)
@@ -297,7 +299,7 @@ class TrainingLoop:
             return failure or "non-finite loss on another worker"
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(result.total).backward()
-        if self.cfg.train.grad_clip > 0:
+        if self.cfg.train.grad_clip > 0 and self.cfg.train.clip_grad == "global":  # per_tensor: in optimizer.step
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.system.parameters(), self.cfg.train.grad_clip)
         self.scaler.step(self.optimizer)

@@ -2,20 +2,32 @@
 
 Adam-style updates without bias correction, weight decay decoupled from the
 gradient (added to the update, not to the gradient) and not applied to biases
-or LayerNorm weights, linear warm-up over the first steps then linear decay to
-zero.  Gradient clipping is done by the trainer.
+or LayerNorm gains, linear warm-up over the first steps then linear decay to
+zero.  Gradient clipping: each parameter tensor to ``max_grad_norm`` inside
+:meth:`BertAdam.step` (the reference, ``train.clip_grad: per_tensor``) or the
+global norm by the trainer (``global``).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
+
+Warmup = Literal["official", "shifted"]
+WARMUPS: tuple[str, ...] = ("official", "shifted")
+NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
 
 class BertAdam(torch.optim.Optimizer):
     """Adam without bias correction and with decoupled weight decay.
 
     update = m / (sqrt(v) + eps) + weight_decay * p;  p -= lr * update
+
+    ``max_grad_norm > 0`` first rescales each parameter's gradient to at most
+    that L2 norm, tensor by tensor (as the reference BertAdam); 0: no clipping.
+    Under a GradScaler the gradients reaching :meth:`step` are already unscaled.
     """
 
     def __init__(
@@ -26,12 +38,16 @@ class BertAdam(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
     ) -> None:
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -54,6 +70,11 @@ class BertAdam(torch.optim.Optimizer):
                 exp_sq.append(state["exp_avg_sq"])
             if not params:
                 continue
+            max_norm = group.get("max_grad_norm", self.defaults["max_grad_norm"])  # absent from older checkpoints
+            if max_norm > 0:
+                norms = torch._foreach_norm(grads)  # one 0-dim norm per tensor
+                scales = [(max_norm / (n + 1e-6)).clamp_(max=1.0) for n in norms]
+                grads = torch._foreach_mul(grads, scales)
             b1, b2 = group["betas"]
             torch._foreach_mul_(exp_avg, b1)
             torch._foreach_add_(exp_avg, grads, alpha=1 - b1)
@@ -68,41 +89,69 @@ class BertAdam(torch.optim.Optimizer):
         return loss
 
 
+def no_decay(module: nn.Module, name: str, p: Tensor) -> bool:
+    """Whether ``module``'s own parameter ``name`` is exempt from weight decay.
+
+    Exempt (the BERT convention the reference follows, plus scalars): every
+    parameter of a norm module (LayerNorm, GroupNorm, BatchNorm); a name
+    ending in ``bias``; a name listed in the module's ``norm_parameters``
+    (the gains and biases of LayerNorms kept as plain parameters, e.g. the
+    per-branch affines of GMMBlock); a 0-dim parameter (a learnable loss
+    temperature or scale: decay would pull it towards 0, i.e. temperature 1
+    for a log-temperature, which is no regularisation of the weights).
+    """
+    if isinstance(module, NORM_MODULES) or name.endswith("bias") or p.dim() == 0:
+        return True
+    return name in getattr(module, "norm_parameters", ())
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed weights, and biases / norm weights without decay."""
-    decay, no_decay = [], []
-    for module_name, module in model.named_modules():
+    """Two groups: decayed weights, and the parameters :func:`no_decay` exempts (no decay)."""
+    decay, exempt = [], []
+    for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
-            is_norm = isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d))
-            if name.endswith("bias") or is_norm:
-                no_decay.append(p)
-            else:
-                decay.append(p)
+            if p.requires_grad:
+                (exempt if no_decay(module, name, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    if exempt:
+        groups.append({"params": exempt, "weight_decay": 0.0})
     return groups
 
 
-def warmup_linear(total_steps: int, warmup_proportion: float):
-    """LR multiplier: linear warm-up over the first steps, then linear decay to 0."""
+def warmup_linear(total_steps: int, warmup_proportion: float, warmup: Warmup = "official"):
+    """LR multiplier of step s (0-based): linear warm-up over W = proportion * total steps, then
+    linear decay (T - s) / (T - W) to 0.
+
+    Warm-up ``official`` (the reference): s / W, so the first step has lr 0;
+    ``shifted``: (s + 1) / W, so no step is wasted and step W - 1 reaches the full lr.
+    """
+    if warmup not in WARMUPS:
+        raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, got {warmup!r}")
     total_steps = max(1, total_steps)
-    warmup = warmup_proportion * total_steps
+    length = warmup_proportion * total_steps
+    shift = 1 if warmup == "shifted" else 0
 
     def factor(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        if total_steps <= warmup:
+        if length > 0 and step < length:
+            return (step + shift) / length
+        if total_steps <= length:
             return 1.0
-        return max(0.0, (total_steps - step) / (total_steps - warmup))
+        return max(0.0, (total_steps - step) / (total_steps - length))
 
     return factor
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, total_steps: int, warmup_proportion: float):
-    """The optimiser and its LambdaLR schedule."""
-    opt = BertAdam(param_groups(model, weight_decay), lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(total_steps, warmup_proportion))
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    total_steps: int,
+    warmup_proportion: float,
+    warmup: Warmup = "official",
+    max_grad_norm: float = 0.0,
+):
+    """The optimiser (per-tensor clipping at ``max_grad_norm``, 0: none) and its LambdaLR schedule."""
+    opt = BertAdam(param_groups(model, weight_decay), lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(total_steps, warmup_proportion, warmup))
     return opt, sched

@@ -35,13 +35,91 @@ def test_no_weight_decay_on_bias_and_layernorm():
     assert groups[1]["weight_decay"] == 0.0 and len(groups[1]["params"]) == 3
 
 
-def test_warmup_then_linear_decay_to_zero():
-    f = warmup_linear(100, 0.1)
+def test_shifted_warmup_then_linear_decay_to_zero():
+    f = warmup_linear(100, 0.1, "shifted")
     assert f(0) == pytest.approx(0.1)
     assert f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0)
     assert f(55) == pytest.approx(0.5)
     assert f(100) == 0.0
+
+
+@pytest.mark.parametrize("warmup", ["official", "shifted"])
+def test_warmup_multipliers_per_step_drive_the_learning_rate(warmup):
+    total, proportion, base = 20, 0.25, 2.0
+    W = proportion * total  # 5 warm-up steps
+    shift = 1 if warmup == "shifted" else 0
+    expected = [base * ((s + shift) / W if s < W else (total - s) / (total - W)) for s in range(total)]
+    p = nn.Parameter(torch.tensor([1.0]))
+    opt, sched = build_optimizer(
+        nn.ParameterList([p]), lr=base, weight_decay=0.0, total_steps=total, warmup_proportion=proportion, warmup=warmup
+    )
+    lrs = []
+    for _ in range(total):
+        lrs.append(opt.param_groups[0]["lr"])
+        p.grad = torch.ones(1)
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx(expected)
+    assert (lrs[0] == 0.0) == (warmup == "official")  # the reference's first step does not move the weights
+
+
+def test_official_warmup_is_the_default():
+    assert warmup_linear(100, 0.1)(0) == 0.0
+    assert warmup_linear(100, 0.1)(5) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="warmup"):
+        warmup_linear(100, 0.1, "late")
+
+
+def _two_tensors() -> tuple[nn.Parameter, nn.Parameter, torch.Tensor, torch.Tensor]:
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    return a, b, torch.tensor([3.0, 4.0]), torch.tensor([1.0, 0.0])  # gradient norms 5 and 1
+
+
+def _first_moment(opt: BertAdam, p: nn.Parameter) -> list[float]:
+    return (opt.state[p]["exp_avg"] / 0.1).tolist()  # beta1 = 0.9: exp_avg = 0.1 * gradient used
+
+
+def test_per_tensor_clipping_rescales_each_tensor_on_its_own():
+    a, b, ga, gb = _two_tensors()
+    opt = BertAdam([a, b], lr=0.1, max_grad_norm=2.0)
+    a.grad, b.grad = ga.clone(), gb.clone()
+    opt.step()
+    assert _first_moment(opt, a) == pytest.approx([3.0 * 2 / 5, 4.0 * 2 / 5], rel=1e-5)  # norm 5 -> 2
+    assert _first_moment(opt, b) == pytest.approx([1.0, 0.0], rel=1e-5)  # norm 1 <= 2: untouched
+
+
+def test_global_clipping_rescales_all_tensors_by_the_total_norm():
+    a, b, ga, gb = _two_tensors()
+    opt = BertAdam([a, b], lr=0.1)  # the trainer clips (train.clip_grad: global)
+    a.grad, b.grad = ga.clone(), gb.clone()
+    torch.nn.utils.clip_grad_norm_([a, b], 2.0)
+    opt.step()
+    scale = 2.0 / math.sqrt(25 + 1)
+    assert _first_moment(opt, a) == pytest.approx([3.0 * scale, 4.0 * scale], rel=1e-5)
+    assert _first_moment(opt, b) == pytest.approx([1.0 * scale, 0.0], rel=1e-5)
+
+
+def test_zero_grad_clip_means_no_clipping():
+    a, b, ga, gb = _two_tensors()
+    opt = BertAdam([a, b], lr=0.1, max_grad_norm=0.0)
+    a.grad, b.grad = ga.clone(), gb.clone()
+    opt.step()
+    assert _first_moment(opt, a) == pytest.approx([3.0, 4.0], rel=1e-5)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        BertAdam([a], lr=0.1, max_grad_norm=-1.0)
+
+
+def test_per_tensor_clipping_sees_unscaled_gradients_under_a_grad_scaler():
+    a, b, ga, gb = _two_tensors()
+    opt = BertAdam([a, b], lr=0.1, max_grad_norm=2.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    loss = (a * ga).sum() + (b * gb).sum()  # gradients ga, gb
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert _first_moment(opt, a) == pytest.approx([1.2, 1.6], rel=1e-5)
+    assert _first_moment(opt, b) == pytest.approx([1.0, 0.0], rel=1e-5)
 
 
 def test_scheduler_drives_the_learning_rate():
