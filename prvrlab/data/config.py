@@ -7,6 +7,9 @@ the platform; :mod:`prvrlab.platform.config` validates it with the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from prvrlab.data.preprocess import LAST_BIN_CHOICES
 
 
 @dataclass
@@ -23,6 +26,7 @@ class DataConfig:
     max_frames: int = 128
     num_clips: int = 32
     max_query_len: int = 30
+    last_bin: Literal["official", "inclusive"] = "official"  # official drops the final frame of a multi-frame last bin
     synthesize: str | None = None  # synthetic preset written to `root` when it is missing
     synth_seed: int = 0
     loader_workers: int = 0
@@ -33,5 +37,7 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name} must be an integer > 0, got {value!r}")
+        if self.last_bin not in LAST_BIN_CHOICES:
+            raise ValueError(f"data.last_bin must be one of {LAST_BIN_CHOICES}, got {self.last_bin!r}")
         if self.loader_workers < 0:
             raise ValueError("data.loader_workers must be >= 0")
