@@ -321,3 +321,17 @@ def test_no_nan_with_one_video_and_one_query(backbone):
     total.backward()
     assert torch.isfinite(total)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_unit_mean_normalises_the_means_before_sampling():
+    b = batch()
+    torch.manual_seed(3)
+    unit = plugged(num_proxies=2)(b)
+    torch.manual_seed(3)
+    raw = plugged(num_proxies=2, unit_mean=False)(b)
+    for side in ("text", "video"):
+        norms = unit.aux[f"ral.{side}_mu"].norm(dim=-1)
+        torch.testing.assert_close(norms, torch.ones_like(norms))  # official: unit-length means
+        expected = torch.nn.functional.normalize(raw.aux[f"ral.{side}_mu"], dim=-1)
+        torch.testing.assert_close(unit.aux[f"ral.{side}_mu"], expected)  # the same head, normalised
+        assert not torch.allclose(raw.aux[f"ral.{side}_mu"].norm(dim=-1), torch.ones_like(norms))

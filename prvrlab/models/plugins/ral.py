@@ -191,7 +191,8 @@ class RAL(Plugin):
     """MSRA (``msra``) and CSA (``csa``) on the backbone's ``branch`` (default ``frame``).
 
     ``num_proxies`` K samples per Gaussian; ``mean_proxy``: the mean as an
-    extra first proxy; ``sampling=False``: the mean only; ``support``: "set"
+    extra first proxy; ``unit_mean``: L2-normalise each mean before sampling
+    (the official code does; its raw-dot-product L_PM relies on it); ``sampling=False``: the mean only; ``support``: "set"
     (all of a video's queries) or "single";
     ``aggregation``: "both" | "local" | "global"; ``logvar_min/max``: the clamp
     of log sigma^2; ``csa_weighting``: "learned" | "average"; ``csa_hidden``:
@@ -212,6 +213,7 @@ class RAL(Plugin):
         num_proxies: int = 6,
         sampling: bool = True,
         mean_proxy: bool = False,
+        unit_mean: bool = True,
         support: Literal["set", "single"] = "set",
         aggregation: Literal["both", "local", "global"] = "both",
         logvar_min: float = -10.0,
@@ -228,6 +230,7 @@ class RAL(Plugin):
         self.num_proxies = check_positive_int(num_proxies, "num_proxies")
         self.sampling = _bool(sampling, "sampling")
         self.mean_proxy = _bool(mean_proxy, "mean_proxy")
+        self.unit_mean = _bool(unit_mean, "unit_mean")
         self.support = _choice(support, "support", ("set", "single"))
         self.aggregation = _choice(aggregation, "aggregation", ("both", "local", "global"))
         self.csa_weighting = _choice(csa_weighting, "csa_weighting", ("learned", "average"))
@@ -339,6 +342,8 @@ class RAL(Plugin):
         text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
         real, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
         video_mu, video_logvar = self.video_gaussian(real, member_v)  # (B, D) each
+        if self.unit_mean:
+            text_mu, video_mu = F.normalize(text_mu, dim=-1), F.normalize(video_mu, dim=-1)
         aux = {
             "text_mu": text_mu,
             "text_logvar": text_logvar,
