@@ -22,6 +22,7 @@ import numpy as np
 
 from prvrlab.data.errors import DataError
 from prvrlab.data.features import VisualFeatures, open_visual_features
+from prvrlab.data.preprocess import LastBin
 from prvrlab.data.text import (
     QueryFeatures,
     caption_path,
@@ -90,6 +91,7 @@ class Collection:
         max_frames: int = 128,
         num_clips: int = 32,
         max_query_len: int = 30,
+        last_bin: LastBin = "official",
     ) -> None:
         self.name = name
         self.root = root
@@ -97,6 +99,7 @@ class Collection:
         self.max_frames = max_frames
         self.num_clips = num_clips
         self.max_query_len = max_query_len
+        self.last_bin: LastBin = last_bin
         self.visual: VisualFeatures = open_visual_features(visual_path)
         self.queries = QueryFeatures(query_path)
         self._splits: dict[str, SplitIndex] = {}
@@ -224,6 +227,7 @@ def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_sy
         max_frames=cfg.max_frames,
         num_clips=cfg.num_clips,
         max_query_len=cfg.max_query_len,
+        last_bin=cfg.last_bin,
     )
     if validate_splits:
         for name in configured_splits(cfg):

@@ -7,8 +7,10 @@ the platform; :mod:`prvrlab.platform.config` validates it with the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from prvrlab.checks import check_int, check_positive_int
+from prvrlab.checks import check_choice, check_int, check_positive_int
+from prvrlab.data.preprocess import LAST_BIN_CHOICES
 
 
 @dataclass
@@ -25,6 +27,7 @@ class DataConfig:
     max_frames: int = 128
     num_clips: int = 32
     max_query_len: int = 30
+    last_bin: Literal["official", "inclusive"] = "official"  # official drops the final frame of a multi-frame last bin
     synthesize: str | None = None  # synthetic preset written to `root` when it is missing
     synth_seed: int = 0
     loader_workers: int = 0
@@ -33,4 +36,5 @@ class DataConfig:
         """A ValueError naming the ``data.<key>`` that is out of range."""
         for name in ("max_frames", "num_clips", "max_query_len"):
             check_positive_int(getattr(self, name), f"data.{name}")
+        check_choice(self.last_bin, "data.last_bin", LAST_BIN_CHOICES)
         check_int(self.loader_workers, "data.loader_workers", minimum=0)

@@ -49,7 +49,10 @@ class VideoDataset(Dataset):
         """Preprocessed ``(frames (Lf, Dv), clips (Lc, Dv))`` of video ``i``."""
         c = self.collection
         raw = c.visual.frames(self.index.video_ids[i])  # (n, Dv)
-        return preprocess_frames(raw, c.max_frames), preprocess_clips(raw, c.num_clips)
+        return (
+            preprocess_frames(raw, c.max_frames, last_bin=c.last_bin),
+            preprocess_clips(raw, c.num_clips, last_bin=c.last_bin),
+        )
 
     def query(self, j: int) -> np.ndarray:
         """Preprocessed tokens (Lq, Dq) of query ``j`` of the split."""

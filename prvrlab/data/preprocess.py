@@ -6,16 +6,23 @@
   video has fewer than ``num_clips`` frames).
 - Binning of ``n`` frames into ``B`` bins: edges ``e_i = round(i * n / B)``
   (numpy rounding, half to even), bin ``i`` averages frames ``[e_i, e_{i+1})``;
-  an empty bin takes frame ``min(e_i, n - 1)``.  The reference code also clamps
-  the last edge to ``n - 1`` and so leaves the final frame out of the last bin;
-  we keep it in (edges run to ``n``).
+  an empty bin takes frame ``min(e_i, n - 1)``.
+- ``last_bin="official"`` (the reference code's ``average_to_fixed_length`` /
+  ``uniform_feature_sampling``) clamps every edge to ``n - 1``, so the last bin
+  ends one frame early and the final frame is dropped whenever that bin spans
+  several frames; ``last_bin="inclusive"`` keeps it (edges run to ``n``).
 - Every frame / clip row and every query token is L2-normalised after pooling;
   all-zero rows stay zero.  Queries are truncated to ``max_query_len`` tokens.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
+
+LastBin = Literal["official", "inclusive"]
+LAST_BIN_CHOICES: tuple[str, ...] = ("official", "inclusive")
 
 
 def bin_edges(n: int, num_bins: int) -> np.ndarray:
@@ -30,19 +37,26 @@ def bin_edges(n: int, num_bins: int) -> np.ndarray:
     return q + ((2 * r > num_bins) | ((2 * r == num_bins) & (q % 2 == 1)))  # round half to even
 
 
-def mean_pool_bins(x: np.ndarray, num_bins: int) -> np.ndarray:
+def mean_pool_bins(x: np.ndarray, num_bins: int, *, last_bin: LastBin = "official") -> np.ndarray:
     """Mean of each bin of rows of ``x`` (n, D) -> (num_bins, D), float32.
 
-    Non-empty bins tile ``[0, n)`` in order, so one ``np.add.reduceat`` over
-    their starts sums them all; empty bins copy the frame at their start.
+    Non-empty bins tile ``[0, n)`` (``[0, n - 1)`` with ``last_bin="official"``)
+    in order, so one ``np.add.reduceat`` over their starts sums them all; empty
+    bins copy the frame at their start.
     """
+    if last_bin not in LAST_BIN_CHOICES:
+        raise ValueError(f"last_bin must be one of {LAST_BIN_CHOICES}, got {last_bin!r}")
     n = x.shape[0]
     edges = bin_edges(n, num_bins)  # (B + 1,)
+    if last_bin == "official":
+        edges = np.minimum(edges, n - 1)  # the last bin stops before frame n - 1
+    covered = x[: edges[-1]]  # (n or n - 1, D) the frames non-empty bins tile
     starts, counts = edges[:-1], np.diff(edges)  # (B,), (B,)
     full = counts > 0  # (B,)
     out = np.empty((num_bins, x.shape[1]), dtype=np.float32)  # (B, D)
-    sums = np.add.reduceat(x, starts[full], axis=0, dtype=np.float32)  # (B_full, D)
-    out[full] = sums / counts[full, None]
+    if full.any():
+        sums = np.add.reduceat(covered, starts[full], axis=0, dtype=np.float32)  # (B_full, D)
+        out[full] = sums / counts[full, None]
     if not full.all():
         out[~full] = x[np.minimum(starts[~full], n - 1)]
     return out
@@ -55,18 +69,18 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.where(norms > 0, norms, 1.0).astype(np.float32)
 
 
-def preprocess_frames(frames: np.ndarray, max_frames: int) -> np.ndarray:
+def preprocess_frames(frames: np.ndarray, max_frames: int, *, last_bin: LastBin = "official") -> np.ndarray:
     """Frame features (n, D) -> (min(n, max_frames), D), mean-pooled if n > max_frames, L2-normalised."""
     _check_frames(frames)
     if frames.shape[0] > max_frames:
-        frames = mean_pool_bins(frames, max_frames)  # (max_frames, D)
+        frames = mean_pool_bins(frames, max_frames, last_bin=last_bin)  # (max_frames, D)
     return l2_normalize(frames)
 
 
-def preprocess_clips(frames: np.ndarray, num_clips: int) -> np.ndarray:
+def preprocess_clips(frames: np.ndarray, num_clips: int, *, last_bin: LastBin = "official") -> np.ndarray:
     """Frame features (n, D) -> (num_clips, D) clip features, L2-normalised."""
     _check_frames(frames)
-    return l2_normalize(mean_pool_bins(frames, num_clips))  # (num_clips, D)
+    return l2_normalize(mean_pool_bins(frames, num_clips, last_bin=last_bin))  # (num_clips, D)
 
 
 def preprocess_query(tokens: np.ndarray, max_query_len: int) -> np.ndarray:

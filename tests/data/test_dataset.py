@@ -95,3 +95,17 @@ def test_eval_iterators_follow_split_order(toy_cfg):
     assert qb[0][1].shape == (3, 30, 4) and qb[1][1].shape == (2, 4, 4)
     assert qb[1][2].sum(1).tolist() == [4, 1]
     np.testing.assert_allclose(qb[1][1][0].numpy(), ds.query(3))
+
+
+def test_last_bin_setting_reaches_the_dataset(toy_cfg):
+    toy_cfg.last_bin = "inclusive"
+    inclusive = VideoDataset(open_collection(toy_cfg), "val")
+    toy_cfg.last_bin = "official"
+    official = VideoDataset(open_collection(toy_cfg), "val")
+    raw = official.collection.visual.frames(official.index.video_ids[0])  # (140, Dv)
+    # 140 frames into 128 bins: the last bin is [round(127 * 140 / 128), 140) = [139, 140), one frame,
+    # so frames agree; 32 clips: the last bin [round(31 * 140 / 32), 140) = [136, 140) loses frame 139.
+    np.testing.assert_array_equal(official[0].frames, inclusive[0].frames)
+    np.testing.assert_array_equal(official[0].clips[:-1], inclusive[0].clips[:-1])
+    np.testing.assert_allclose(official[0].clips[-1], _unit(raw[136:139].mean(0)), rtol=1e-5)
+    np.testing.assert_allclose(inclusive[0].clips[-1], _unit(raw[136:140].mean(0)), rtol=1e-5)

@@ -15,10 +15,12 @@ from prvrlab.data.preprocess import (
 )
 
 
-def _bins_by_loop(x: np.ndarray, num_bins: int) -> np.ndarray:
+def _bins_by_loop(x: np.ndarray, num_bins: int, last_bin: str = "inclusive") -> np.ndarray:
     """Reference: the binning rule written out with Python round-half-even and a loop."""
     n = len(x)
     edges = [round(i * n / num_bins) for i in range(num_bins + 1)]
+    if last_bin == "official":
+        edges = [min(e, n - 1) for e in edges]
     out = []
     for i in range(num_bins):
         s, e = edges[i], edges[i + 1]
@@ -28,7 +30,7 @@ def _bins_by_loop(x: np.ndarray, num_bins: int) -> np.ndarray:
 
 def test_five_frames_to_32_clips_repeat_pattern():
     x = np.arange(5, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)  # frame i = [i, i]
-    clips = mean_pool_bins(x, 32)
+    clips = mean_pool_bins(x, 32, last_bin="inclusive")
     # Edges round(i * 5 / 32) by hand: 0 for i <= 3, 1 for 4..9, 2 for 10..16 (16 * 5 / 32 = 2.5
     # rounds half to even), 3 for 17..22, 4 for 23..28, 5 for 29..32 (start clamped to frame 4).
     expected = [0] * 4 + [1] * 6 + [2] * 7 + [3] * 6 + [4] * 9
@@ -46,20 +48,22 @@ def test_one_frame_fills_every_clip():
 def test_300_frames_to_128_bins_matches_explicit_loop():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((300, 7)).astype(np.float32)
-    pooled = mean_pool_bins(x, 128)
+    pooled = mean_pool_bins(x, 128, last_bin="inclusive")
     edges = [round(i * 300 / 128) for i in range(129)]
     assert edges[-1] == 300  # the last frame belongs to the last bin
     for i in range(128):
         np.testing.assert_allclose(pooled[i], x[edges[i] : edges[i + 1]].mean(axis=0), rtol=1e-5, atol=1e-6)
-    frames = preprocess_frames(x, 128)
+    frames = preprocess_frames(x, 128, last_bin="inclusive")
     np.testing.assert_allclose(frames, pooled / np.linalg.norm(pooled, axis=1, keepdims=True), rtol=1e-5)
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 31, 32, 33, 64, 100, 127, 128, 129, 255, 1000])
 @pytest.mark.parametrize("num_bins", [3, 32, 128])
-def test_binning_matches_loop_for_many_lengths(n, num_bins):
+@pytest.mark.parametrize("last_bin", ["official", "inclusive"])
+def test_binning_matches_loop_for_many_lengths(n, num_bins, last_bin):
     x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
-    np.testing.assert_allclose(mean_pool_bins(x, num_bins), _bins_by_loop(x, num_bins), rtol=1e-5, atol=1e-6)
+    got = mean_pool_bins(x, num_bins, last_bin=last_bin)
+    np.testing.assert_allclose(got, _bins_by_loop(x, num_bins, last_bin), rtol=1e-5, atol=1e-6)
 
 
 def test_frames_kept_up_to_max_frames():
@@ -95,3 +99,67 @@ def test_bad_shapes_rejected():
         preprocess_clips(np.zeros((0, 3), np.float32), 32)
     with pytest.raises(ValueError, match="n >= 1"):
         preprocess_query(np.zeros((0, 3), np.float32), 30)
+
+
+def _frame_index(n: int) -> np.ndarray:
+    """(n, 1) features whose value is the frame index, so a bin's mean reads as a number."""
+    return np.arange(n, dtype=np.float32)[:, None]
+
+
+# Hand-computed bins (value = mean frame index) for L = 32 clips.
+# n = 64: edges 2i, bins [2i, 2i + 2); official clamps the last edge 64 -> 63, so bin 31 = [62, 63).
+# n = 70: edges round(i * 70 / 32) for i = 30, 31, 32 are 66 (65.6), 68 (67.8), 70; bin 30 = [66, 68)
+#   = 66.5, the last bin [68, 70) = 68.5, official [68, 69) keeps 68 only.
+# n = 32: every bin is one frame; the official clamp only turns [31, 32) into the empty bin at 31.
+# n = 5 (< L): the last edges are 5 (clamped to 4 officially); bins from 29 on are empty either way.
+@pytest.mark.parametrize(
+    ("n", "tail_official", "tail_inclusive"),
+    [
+        (64, [60.5, 62.0], [60.5, 62.5]),
+        (70, [66.5, 68.0], [66.5, 68.5]),
+        (32, [30.0, 31.0], [30.0, 31.0]),
+        (5, [4.0, 4.0], [4.0, 4.0]),
+        (1, [0.0, 0.0], [0.0, 0.0]),
+    ],
+)
+def test_last_clip_bin_by_hand(n, tail_official, tail_inclusive):
+    x = _frame_index(n)
+    official = mean_pool_bins(x, 32, last_bin="official")[:, 0]
+    inclusive = mean_pool_bins(x, 32, last_bin="inclusive")[:, 0]
+    assert official[-2:].tolist() == tail_official
+    assert inclusive[-2:].tolist() == tail_inclusive
+    np.testing.assert_array_equal(official[:-1], inclusive[:-1])  # only the last bin differs
+
+
+def test_bins_not_divisible_by_hand():
+    # n = 10 into L = 4: edges round(0, 2.5, 5, 7.5, 10) = 0, 2, 5, 8, 10 (half to even).
+    x = _frame_index(10)
+    assert bin_edges(10, 4).tolist() == [0, 2, 5, 8, 10]
+    assert mean_pool_bins(x, 4, last_bin="inclusive")[:, 0].tolist() == [0.5, 3.0, 6.0, 8.5]
+    assert mean_pool_bins(x, 4, last_bin="official")[:, 0].tolist() == [0.5, 3.0, 6.0, 8.0]
+    # n = 3 into L = 4: edges round(0, .75, 1.5, 2.25, 3) = 0, 1, 2, 2, 3; bin 2 is empty (takes frame 2).
+    x = _frame_index(3)
+    assert mean_pool_bins(x, 4, last_bin="inclusive")[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0]
+    assert mean_pool_bins(x, 4, last_bin="official")[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("last_bin", ["official", "inclusive"])
+def test_frames_pool_only_above_128(last_bin):
+    # n <= 128 is kept untouched whatever the last-bin rule.
+    x = _frame_index(128) + 1.0
+    np.testing.assert_array_equal(preprocess_frames(x, 128, last_bin=last_bin), np.ones((128, 1), np.float32))
+    # n = 129: edges round(i * 129 / 128); the last bin is [128, 129), one frame, so both rules agree.
+    x = _frame_index(129)
+    assert mean_pool_bins(x, 128, last_bin=last_bin)[-1, 0] == 128.0
+    # n = 256: bins [2i, 2i + 2); the last is [254, 256) = 254.5, official [254, 255) = 254.
+    pooled = mean_pool_bins(_frame_index(256), 128, last_bin=last_bin)[:, 0]
+    assert pooled[:-1].tolist() == [2 * i + 0.5 for i in range(127)]
+    assert pooled[-1] == (254.0 if last_bin == "official" else 254.5)
+
+
+def test_official_is_the_default_and_bad_choice_rejected():
+    x = _frame_index(64)
+    np.testing.assert_array_equal(mean_pool_bins(x, 32), mean_pool_bins(x, 32, last_bin="official"))
+    np.testing.assert_array_equal(preprocess_clips(x + 1, 32), preprocess_clips(x + 1, 32, last_bin="official"))
+    with pytest.raises(ValueError, match="last_bin"):
+        mean_pool_bins(x, 32, last_bin="closed")

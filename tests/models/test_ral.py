@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -35,6 +37,10 @@ def test_registered_and_validates_params():
         RAL(hidden_size=8, num_proxies=0)
     with pytest.raises(ValueError, match="support"):
         RAL(hidden_size=8, support="all")
+    with pytest.raises(ValueError, match="csa_input"):
+        RAL(hidden_size=8, csa_input="unit")
+    with pytest.raises(ValueError, match="mean_proxy"):
+        RAL(hidden_size=8, mean_proxy="yes")
     assert list(RAL(hidden_size=8, msra=False, csa=False).parameters()) == []  # a no-op (ablation baseline)
 
 
@@ -92,6 +98,48 @@ def test_confidence_scores_match_a_hand_loop():
             assert out.logits[q, v].item() == pytest.approx(logit, abs=1e-4)
 
 
+def test_csa_input_normalized_differs_from_raw_and_sums_to_one():
+    torch.manual_seed(0)
+    normalized = RAL(hidden_size=8, msra=False)
+    assert normalized.csa_input == "normalized"  # the official default
+    raw = RAL(hidden_size=8, msra=False, csa_input="raw")
+    raw.load_state_dict(normalized.state_dict())
+    tokens = 3.0 * torch.randn(3, 5, 8)
+    mask = torch.arange(5)[None] < torch.tensor([5, 2, 3])[:, None]
+    g_norm, g_raw = normalized.word_weights(tokens, mask), raw.word_weights(tokens, mask)
+    for g in (g_norm, g_raw):
+        assert torch.allclose(g.sum(1), torch.ones(3)) and (g[~mask] == 0).all()
+    assert not torch.allclose(g_norm, g_raw, atol=1e-4)
+    # by hand: softmax over valid words of MLP(q_i / |q_i|) vs MLP(q_i)
+    for q in range(3):
+        n = int(mask[q].sum())
+        for g, scale in ((g_norm, tokens[q, :n].norm(dim=-1, keepdim=True)), (g_raw, torch.ones(n, 1))):
+            with torch.no_grad():
+                logits = [float(normalized.confidence(tokens[q, i] / scale[i])) for i in range(n)]
+            peak = max(logits)
+            expected = [math.exp(x - peak) / sum(math.exp(y - peak) for y in logits) for x in logits]
+            assert g[q, :n].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_csa_normalized_scores_with_normalized_weights_and_logits_with_raw_ones():
+    """Official: the cosine score weights words by MLP(normalised q), the raw-dot logits by MLP(q)."""
+    b = batch()
+    for csa_input in ("normalized", "raw"):
+        model = plugged(msra=False, csa_input=csa_input)
+        model.eval()
+        ral = model.plugins["ral"]
+        with torch.no_grad():
+            out = model(b)
+            q, v = model.encode_queries(b.queries, b.query_mask), model.encode_videos(b.clips, b.frames, b.frame_mask)
+            frames, fmask = v.frame_tokens()
+            g_sim = ral.word_weights(q.tokens, q.token_mask, normalize=csa_input == "normalized")
+            g_logit = ral.word_weights(q.tokens, q.token_mask, normalize=False)
+            sim = confidence_scores(q.tokens, g_sim, frames, fmask).sim
+            logits = confidence_scores(q.tokens, g_logit, frames, fmask, with_logits=True).logits
+        assert torch.allclose(out.scores["frame"].sim, sim, atol=1e-6)
+        assert torch.allclose(out.scores["frame"].logits, logits, atol=1e-5)
+
+
 def test_confidence_scores_chunked_equals_unchunked(monkeypatch):
     import prvrlab.models.plugins.ral as ral
 
@@ -107,13 +155,25 @@ def test_confidence_scores_chunked_equals_unchunked(monkeypatch):
 def test_proxies_have_the_right_statistics():
     torch.manual_seed(0)
     mu, logvar = torch.tensor([[1.0, -2.0, 0.5]]), torch.tensor([[0.0, -2.0, 1.0]])
-    p = sample_proxies(mu.expand(20000, 3), logvar.expand(20000, 3), 4, True)  # (N, 5, 3)
-    assert p.shape == (20000, 5, 3)
-    assert torch.equal(p[:, 0], mu.expand(20000, 3))  # the mean comes first
-    samples = p[:, 1:].reshape(-1, 3)
+    p = sample_proxies(mu.expand(20000, 3), logvar.expand(20000, 3), 4, True)  # (N, 4, 3)
+    assert p.shape == (20000, 4, 3)  # exactly K samples (Eq. 9, the official code)
+    samples = p.reshape(-1, 3)
     assert torch.allclose(samples.mean(0), mu[0], atol=0.02)
     assert torch.allclose(samples.var(0), logvar[0].exp(), rtol=0.03)
     assert torch.equal(sample_proxies(mu, logvar, 4, False), mu[:, None])  # "w/o sampling": the mean only
+    assert torch.equal(sample_proxies(mu, logvar, 4, False, mean_proxy=True), mu[:, None])
+
+
+def test_mean_proxy_switch_puts_the_mean_first():
+    torch.manual_seed(0)
+    mu, logvar = torch.randn(5, 3), torch.randn(5, 3)
+    p = sample_proxies(mu, logvar, 4, True, mean_proxy=True)  # (5, 5, 3)
+    assert p.shape == (5, 5, 3)
+    assert torch.equal(p[:, 0], mu)
+    torch.manual_seed(1)
+    with_mean = sample_proxies(mu, logvar, 4, True, mean_proxy=True)
+    torch.manual_seed(1)
+    assert torch.equal(with_mean[:, 1:], sample_proxies(mu, logvar, 4, True))  # the same K samples follow
 
 
 def test_csa_off_leaves_the_backbone_scores_and_msra_off_adds_nothing():
@@ -172,8 +232,14 @@ def test_msra_aux_support_set_and_single_query():
     model = plugged(num_proxies=3)
     out = model(b)
     assert out.aux["ral.text_mu"].shape == (3, HIDDEN)  # one support set per video
-    assert out.aux["ral.text_proxies"].shape == (3, 4, HIDDEN)
-    assert out.aux["ral.video_proxies"].shape == (3, 4, HIDDEN)
+    assert out.aux["ral.text_proxies"].shape == (3, 3, HIDDEN)  # K samples, no mean proxy
+    assert out.aux["ral.video_proxies"].shape == (3, 3, HIDDEN)
+    assert torch.allclose(out.aux["ral.text_sample_mean"], out.aux["ral.text_proxies"].mean(1))
+    assert torch.allclose(out.aux["ral.video_sample_mean"], out.aux["ral.video_proxies"].mean(1))
+    with_mean = plugged(num_proxies=3, mean_proxy=True)(b)
+    assert with_mean.aux["ral.text_proxies"].shape == (3, 4, HIDDEN)
+    assert torch.equal(with_mean.aux["ral.text_proxies"][:, 0], with_mean.aux["ral.text_mu"])
+    assert torch.allclose(with_mean.aux["ral.video_sample_mean"], with_mean.aux["ral.video_proxies"][:, 1:].mean(1))
     assert out.aux["ral.text_video"].tolist() == [0, 1, 2]
     metrics = model.plugins["ral"].pop_step_metrics()
     assert set(metrics) == {"sigma_query", "sigma_video"} and metrics["sigma_video"] > 0
@@ -182,6 +248,7 @@ def test_msra_aux_support_set_and_single_query():
     assert single.aux["ral.text_mu"].shape == (5, HIDDEN)
     assert single.aux["ral.text_video"].tolist() == [0, 0, 1, 2, 2]
     assert single.aux["ral.text_proxies"].shape == (5, 1, HIDDEN)
+    assert torch.equal(single.aux["ral.text_sample_mean"], single.aux["ral.text_mu"])  # no sampling: mu
 
 
 def test_support_set_is_the_concatenation_of_the_videos_queries():
@@ -254,3 +321,17 @@ def test_no_nan_with_one_video_and_one_query(backbone):
     total.backward()
     assert torch.isfinite(total)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_unit_mean_normalises_the_means_before_sampling():
+    b = batch()
+    torch.manual_seed(3)
+    unit = plugged(num_proxies=2)(b)
+    torch.manual_seed(3)
+    raw = plugged(num_proxies=2, unit_mean=False)(b)
+    for side in ("text", "video"):
+        norms = unit.aux[f"ral.{side}_mu"].norm(dim=-1)
+        torch.testing.assert_close(norms, torch.ones_like(norms))  # official: unit-length means
+        expected = torch.nn.functional.normalize(raw.aux[f"ral.{side}_mu"], dim=-1)
+        torch.testing.assert_close(unit.aux[f"ral.{side}_mu"], expected)  # the same head, normalised
+        assert not torch.allclose(raw.aux[f"ral.{side}_mu"].norm(dim=-1), torch.ones_like(norms))

@@ -12,9 +12,12 @@ MSRA (training only)
         g   = LayerNorm(x_g + x_l)                   ("local"/"global": one term only)
 
     then ``mu = h_mu(g)``, ``logvar = clamp(h_logvar(g), logvar_min, logvar_max)``
-    (variances in log space; sigma = exp(logvar / 2)).  Proxies (Eq. 9): the
-    mean followed by ``num_proxies`` samples mu + sigma * eps, eps ~ N(0, I),
-    i.e. (n, K + 1, D); ``sampling=False`` uses the mean alone (n, 1, D).
+    (variances in log space; sigma = exp(logvar / 2)).  Proxies (Eq. 9, as the
+    official code): ``num_proxies`` samples mu + sigma * eps, eps ~ N(0, I),
+    i.e. (n, K, D); ``mean_proxy=True`` puts mu in front of them (n, K + 1, D);
+    ``sampling=False`` uses the mean alone (n, 1, D).  The aux output also
+    holds each unit's sample mean (mu without sampling), which the official
+    L_DA uses in place of mu.
     Modules are separate per modality.  The aux outputs (``ral.*``) feed the
     ``ral_da`` and ``ral_pm`` losses; MSRA changes no score — its losses shape
     the backbone's frame and word tokens (the "robust Q and V_f" of appendix A).
@@ -27,6 +30,9 @@ CSA (training and retrieval)
     uses 1 / #words instead (Fig. 8c).  The branch score becomes (Eqs. 11-12)
     ``S(q, v) = sum_i g_i * max_j cos(q_i, v_j)`` over v's real frames (padding
     never wins); its logits use the raw dot products q_i . v_j the same way.
+    ``csa_input="normalized"`` (the official code) feeds the MLP the
+    L2-normalised words for the score and the raw words for the logits;
+    ``csa_input="raw"`` feeds it the raw words for both.
     q_i are the backbone's word tokens (``QueryEmbedding.tokens``), v_j its
     per-frame tokens, both in the backbone's hidden space.
 """
@@ -102,13 +108,15 @@ class GaussianEncoder(nn.Module):
         return self.mean(g), self.logvar(g).clamp(self.logvar_min, self.logvar_max)
 
 
-def sample_proxies(mu: Tensor, logvar: Tensor, num_proxies: int, sampling: bool) -> Tensor:
-    """(G, D) Gaussians -> (G, K + 1, D) [mu, mu + sigma * eps_1..K], or (G, 1, D) [mu] without sampling."""
+def sample_proxies(mu: Tensor, logvar: Tensor, num_proxies: int, sampling: bool, *, mean_proxy: bool = False) -> Tensor:
+    """(G, D) Gaussians -> (G, K, D) samples mu + sigma * eps_1..K, with ``mean_proxy`` (G, K + 1, D)
+    [mu, samples]; (G, 1, D) [mu] without sampling."""
     if not sampling:
         return mu[:, None]
     std = torch.exp(0.5 * logvar)  # (G, D)
     eps = torch.randn(mu.shape[0], num_proxies, mu.shape[1], device=mu.device, dtype=mu.dtype)  # (G, K, D)
-    return torch.cat([mu[:, None], mu[:, None] + std[:, None] * eps], dim=1)
+    samples = mu[:, None] + std[:, None] * eps  # (G, K, D)
+    return torch.cat([mu[:, None], samples], dim=1) if mean_proxy else samples
 
 
 def _groups(tokens: Tensor, mask: Tensor, row_group: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
@@ -121,12 +129,19 @@ def _groups(tokens: Tensor, mask: Tensor, row_group: Tensor, num_groups: int) ->
 
 
 def confidence_scores(
-    words: Tensor, weights: Tensor, frames: Tensor, frame_mask: Tensor, *, with_logits: bool = False
+    words: Tensor,
+    weights: Tensor,
+    frames: Tensor,
+    frame_mask: Tensor,
+    *,
+    with_logits: bool = False,
+    logit_weights: Tensor | None = None,
 ) -> BranchScores:
     """S(q, v) = sum_i weights[q, i] * max over v's real frames j of cos(words[q, i], frames[v, j]).
 
     ``words`` (Nq, Lq, D), ``weights`` (Nq, Lq) (0 on padding), ``frames``
-    (Nv, Lf, D), ``frame_mask`` (Nv, Lf) -> (Nq, Nv); logits use raw dots.
+    (Nv, Lf, D), ``frame_mask`` (Nv, Lf) -> (Nq, Nv); logits use raw dots,
+    weighted by ``logit_weights`` (Nq, Lq) when given, else by ``weights``.
     A video without real frames scores -1 (sim) and 0 (logits).  fp32, chunked
     over videos.
     """
@@ -141,6 +156,7 @@ def confidence_scores(
         q = words.float().reshape(nq * lq, dim)  # (Nq*Lq, D)
         qn = F.normalize(q, dim=-1, eps=_EPS)
         w = weights.float()  # (Nq, Lq)
+        wl = w if logit_weights is None else logit_weights.float()  # (Nq, Lq)
         for start in range(0, nv, chunk):
             v = frames[start : start + chunk].float()  # (C, Lf, D)
             c = v.shape[0]
@@ -152,7 +168,7 @@ def confidence_scores(
                 dots = (q @ v.reshape(c * lf, dim).t()).view(nq, lq, c, lf)  # (Nq, Lq, C, Lf)
                 best = dots.masked_fill(pad[None, None], torch.finfo(torch.float32).min).max(dim=-1).values
                 best = torch.where(pad.all(dim=1)[None, None, :], torch.zeros_like(best), best)  # (Nq, Lq, C)
-                logits.append((best * w[:, :, None]).sum(dim=1))  # (Nq, C)
+                logits.append((best * wl[:, :, None]).sum(dim=1))  # (Nq, C)
         sim = torch.cat(sims, dim=1)  # (Nq, Nv)
         return BranchScores(sim=sim, logits=torch.cat(logits, dim=1) if with_logits else None)
 
@@ -161,11 +177,14 @@ def confidence_scores(
 class RAL(Plugin):
     """MSRA (``msra``) and CSA (``csa``) on the backbone's ``branch`` (default ``frame``).
 
-    ``num_proxies`` K samples per Gaussian (plus the mean); ``sampling=False``:
-    the mean only; ``support``: "set" (all of a video's queries) or "single";
+    ``num_proxies`` K samples per Gaussian; ``mean_proxy``: the mean as an
+    extra first proxy; ``unit_mean``: L2-normalise each mean before sampling
+    (the official code does; its raw-dot-product L_PM relies on it); ``sampling=False``: the mean only; ``support``: "set"
+    (all of a video's queries) or "single";
     ``aggregation``: "both" | "local" | "global"; ``logvar_min/max``: the clamp
     of log sigma^2; ``csa_weighting``: "learned" | "average"; ``csa_hidden``:
-    width of the confidence MLP (0: the backbone's hidden size).  With
+    width of the confidence MLP (0: the backbone's hidden size);
+    ``csa_input``: "normalized" (official) or "raw" words into that MLP.  With
     ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
     score (the baseline cell of an ablation: the bare backbone's results).
     """
@@ -180,12 +199,15 @@ class RAL(Plugin):
         csa: bool = True,
         num_proxies: int = 6,
         sampling: bool = True,
+        mean_proxy: bool = False,
+        unit_mean: bool = True,
         support: Literal["set", "single"] = "set",
         aggregation: Literal["both", "local", "global"] = "both",
         logvar_min: float = -10.0,
         logvar_max: float = 10.0,
         csa_weighting: Literal["learned", "average"] = "learned",
         csa_hidden: int = 0,
+        csa_input: Literal["normalized", "raw"] = "normalized",
         branch: str = "frame",
     ) -> None:
         super().__init__()
@@ -194,9 +216,12 @@ class RAL(Plugin):
         self.csa = check_bool(csa, "csa")
         self.num_proxies = check_positive_int(num_proxies, "num_proxies")
         self.sampling = check_bool(sampling, "sampling")
+        self.mean_proxy = check_bool(mean_proxy, "mean_proxy")
+        self.unit_mean = check_bool(unit_mean, "unit_mean")
         self.support = check_choice(support, "support", ("set", "single"))
         self.aggregation = check_choice(aggregation, "aggregation", ("both", "local", "global"))
         self.csa_weighting = check_choice(csa_weighting, "csa_weighting", ("learned", "average"))
+        self.csa_input = check_choice(csa_input, "csa_input", ("normalized", "raw"))
         check_number(logvar_min, "logvar_min")
         check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
@@ -233,15 +258,33 @@ class RAL(Plugin):
     def aux_keys(self) -> tuple[str, ...]:
         if not self.msra:
             return ()
-        return ("text_mu", "text_logvar", "video_mu", "video_logvar", "text_video", "text_proxies", "video_proxies")
+        return (
+            "text_mu",
+            "text_logvar",
+            "video_mu",
+            "video_logvar",
+            "text_video",
+            "text_proxies",
+            "video_proxies",
+            "text_sample_mean",
+            "video_sample_mean",
+        )
 
     # ------------------------------------------------------------ CSA
 
-    def word_weights(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        """(Nq, Lq) confidences g: softmax over each query's valid words (zero on padding)."""
+    def word_weights(self, tokens: Tensor, mask: Tensor, *, normalize: bool | None = None) -> Tensor:
+        """(Nq, Lq) confidences g: softmax over each query's valid words (zero on padding).
+
+        ``normalize`` (default: ``csa_input == "normalized"``) L2-normalises the
+        words before the MLP.
+        """
         mask = mask.to(torch.bool)
         if self.csa_weighting == "average":
             return mask.float() / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        if normalize is None:
+            normalize = self.csa_input == "normalized"
+        if normalize:
+            tokens = F.normalize(tokens, dim=-1, eps=_EPS)  # (Nq, Lq, D)
         return masked_softmax(self.confidence(tokens).squeeze(-1), mask)
 
     def adjust_scores(
@@ -252,8 +295,13 @@ class RAL(Plugin):
         words, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
         frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         weights = self.word_weights(words, word_mask)  # (Nq, Lq)
+        logit_weights = None
+        if with_logits and self.csa_input == "normalized":
+            logit_weights = self.word_weights(words, word_mask, normalize=False)  # (Nq, Lq) official: raw words
         out = dict(scores)
-        out[self.branch] = confidence_scores(words, weights, frames, frame_mask, with_logits=with_logits)
+        out[self.branch] = confidence_scores(
+            words, weights, frames, frame_mask, with_logits=with_logits, logit_weights=logit_weights
+        )
         return out
 
     # ------------------------------------------------------------ MSRA
@@ -277,15 +325,20 @@ class RAL(Plugin):
         text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
         real, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
         video_mu, video_logvar = self.video_gaussian(real, member_v)  # (B, D) each
+        if self.unit_mean:
+            text_mu, video_mu = F.normalize(text_mu, dim=-1), F.normalize(video_mu, dim=-1)
         aux = {
             "text_mu": text_mu,
             "text_logvar": text_logvar,
             "video_mu": video_mu,
             "video_logvar": video_logvar,
             "text_video": text_video,
-            "text_proxies": sample_proxies(text_mu, text_logvar, self.num_proxies, self.sampling),
-            "video_proxies": sample_proxies(video_mu, video_logvar, self.num_proxies, self.sampling),
         }
+        for side, mu, logvar in (("text", text_mu, text_logvar), ("video", video_mu, video_logvar)):
+            proxies = sample_proxies(mu, logvar, self.num_proxies, self.sampling, mean_proxy=self.mean_proxy)
+            aux[f"{side}_proxies"] = proxies  # (G, P, D)
+            samples = proxies[:, 1:] if self.sampling and self.mean_proxy else proxies  # (G, K or 1, D)
+            aux[f"{side}_sample_mean"] = samples.mean(dim=1)  # (G, D)
         # geometric mean of sigma = exp(mean(log sigma)) over units and dimensions (Fig. 10)
         self.log_metric("sigma_query", torch.exp(0.5 * text_logvar.detach().float().mean()))
         self.log_metric("sigma_video", torch.exp(0.5 * video_logvar.detach().float().mean()))
