@@ -48,6 +48,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping
     clip_grad: Literal["per_tensor", "global"] = "per_tensor"  # each tensor's norm (reference) or the global norm
     early_stop_patience: int = 10
+    # stop once more than `patience` epochs passed without a better val SumR (reference: es_cnt > max_es_cnt),
+    # or as soon as `patience` such epochs passed ("at_patience", one epoch earlier)
+    early_stop: Literal["official", "at_patience"] = "official"
     num_workers: int = 1
     use_gpu: bool = False
     cpus_per_worker: float | None = None  # None: derived from the cluster's CPUs

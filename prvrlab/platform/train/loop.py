@@ -40,6 +40,8 @@ import torch.distributed as dist
 from prvrlab.platform.config import ExperimentConfig, validate
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
+# best_model.pt layout: 2 = resolved config (every default written) + loss-term state.
+CHECKPOINT_FORMAT = 2
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
 
@@ -339,7 +341,8 @@ class TrainingLoop:
             sumr = result.metrics["sumr"]
             if sumr > state.best_sumr:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
-                _atomic_save(self._weights() | {"config": self.cfg.to_dict(), "epoch": epoch}, self.best_path)
+                blob = {"config": self.cfg.to_dict(), "epoch": epoch, "format": CHECKPOINT_FORMAT}
+                _atomic_save(self._weights() | blob, self.best_path)
             else:
                 state.bad_epochs += 1
         self.progress = Progress(**_broadcast(asdict(state)))
@@ -400,11 +403,16 @@ class TrainingLoop:
             metrics.update(self.validate(epoch))
             self.report(epoch, metrics, t0, train_time)
             _maybe_inject_fault(epoch, self.rank, self.fault)
-            if self.progress.bad_epochs >= self.cfg.train.early_stop_patience:
+            if self.should_stop():
                 break
         self.final_evaluation()
 
     # ------------------------------------------------------------ helpers
+
+    def should_stop(self) -> bool:
+        """Early stopping: more than ``patience`` epochs without improvement (reference), or ``patience`` of them."""
+        bad, patience = self.progress.bad_epochs, self.cfg.train.early_stop_patience
+        return bad > patience if self.cfg.train.early_stop == "official" else bad >= patience
 
     def _device(self) -> torch.device:
         if self.cfg.train.use_gpu:

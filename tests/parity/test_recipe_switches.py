@@ -1,0 +1,73 @@
+"""Early stopping as the official loop counts it, and checkpoints written before the parity switches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prvrlab.data.collection import open_collection
+from prvrlab.models.factory import build_model
+from prvrlab.platform.config import validate
+from prvrlab.platform.train.checkpoint_eval import PRE_PARITY_BEHAVIOUR, evaluate_checkpoint, upgrade_stored_config
+from prvrlab.platform.train.loop import Progress, TrainingLoop
+from prvrlab.platform.train.session import LocalSession
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+from train_helpers import small_raw  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory) -> Path:
+    from prvrlab.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("synth_tiny")
+    synthesize(root, preset="tiny", seed=0, progress=False)
+    return root
+
+
+@pytest.mark.parametrize("rule, stops_after", [("official", 4), ("at_patience", 3)])
+def test_early_stopping_counts_like_the_reference(tiny_root, tmp_path, rule, stops_after):
+    """The reference stops when es_cnt > max_es_cnt: with patience 3, at the 4th epoch without improvement."""
+    cfg = validate(small_raw(tiny_root, tmp_path, early_stop_patience=3, early_stop=rule))
+    loop = TrainingLoop(cfg, session=LocalSession(tmp_path / "s"), run_dir=tmp_path / "run")
+    stopped_at = None
+    for bad in range(1, 8):
+        loop.progress = Progress(epoch=bad, best_sumr=1.0, best_epoch=0, bad_epochs=bad)
+        if loop.should_stop():
+            stopped_at = bad
+            break
+    assert stopped_at == stops_after
+
+
+def test_a_pre_parity_stored_config_keeps_the_behaviour_it_was_trained_with(tiny_root, tmp_path):
+    raw = small_raw(tiny_root, tmp_path)
+    raw["plugins"] = {"ral": {"msra": False}}
+    upgraded = validate(upgrade_stored_config(raw))
+    assert upgraded.model["window"] == "centred" and upgraded.model["window_length"] == "real"
+    assert upgraded.data.last_bin == "inclusive" and upgraded.train.warmup == "shifted"
+    assert upgraded.train.clip_grad == "global" and upgraded.train.early_stop == "at_patience"
+    assert {k: upgraded.plugins["ral"][k] for k in PRE_PARITY_BEHAVIOUR["plugins.ral"]} == PRE_PARITY_BEHAVIOUR["plugins.ral"]
+    explicit = dict(raw, model={**raw["model"], "window": "official"})
+    assert validate(upgrade_stored_config(explicit)).model["window"] == "official"  # a stored value wins
+    fresh = validate(raw)  # the same YAML today: the official behaviour
+    assert fresh.model["window"] == "official" and fresh.data.last_bin == "official"
+
+
+def test_old_checkpoints_evaluate_with_their_old_window(tiny_root, tmp_path):
+    raw = small_raw(tiny_root, tmp_path)
+    old_cfg = validate(upgrade_stored_config(raw))
+    collection = open_collection(old_cfg.data)
+    torch.manual_seed(0)
+    model = build_model(old_cfg.model, old_cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    old = tmp_path / "old.pt"
+    torch.save({"model": model.state_dict(), "config": raw, "epoch": 0}, old)  # pre-format-2: keys absent
+    new = tmp_path / "new.pt"
+    torch.save({"model": model.state_dict(), "config": validate(raw).to_dict(), "epoch": 0, "format": 2}, new)
+    from prvrlab.evaluation.retrieval import evaluate
+
+    expected = evaluate(model, collection, "val", old_cfg.eval, device=torch.device("cpu")).ranks
+    assert (evaluate_checkpoint(old, split="val").ranks == expected).all()
+    assert not (evaluate_checkpoint(new, split="val").ranks == expected).all()  # official window: other scores
