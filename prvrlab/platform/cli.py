@@ -27,7 +27,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import load_config
     from prvrlab.platform.train.driver import train
 
-    cfg = load_config(args.config, _overrides(args.set))
+    cfg = load_config(args.config, _overrides(args.set), preset=args.preset)
     if args.check:
         print(cfg.to_yaml(), end="")
         return 0
@@ -222,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="experiment YAML (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     p.add_argument("--check", action="store_true", help="validate and print the resolved config, train nothing")
+    p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="apply a named set of behaviour switches before --set, e.g. 'corrected': prvrlab's corrections "
+        "of the official recipe (docs/parity.md)",
+    )
     p.add_argument("--no-ray", action="store_true", help="train in this process without Ray (one worker)")
     p.set_defaults(func=cmd_train)
 

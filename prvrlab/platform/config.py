@@ -509,9 +509,17 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Load, override and validate a config file."""
-    raw = apply_overrides(load_raw(path), overrides or {})
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, preset: str | None = None) -> ExperimentConfig:
+    """Load a config file, apply a named preset (:mod:`prvrlab.platform.presets`), then the overrides; validate."""
+    raw = load_raw(path)
+    if preset is not None:
+        from prvrlab.platform.presets import apply_preset
+
+        try:
+            raw = apply_preset(raw, preset)
+        except ValueError as exc:
+            raise ConfigError(f"--preset: {exc}") from None
+    raw = apply_overrides(raw, overrides or {})
     try:
         return validate(raw)
     except ConfigError as exc:

@@ -11,7 +11,8 @@ import torch
 from prvrlab.data.collection import open_collection
 from prvrlab.models.factory import build_model
 from prvrlab.platform.config import validate
-from prvrlab.platform.train.checkpoint_eval import PRE_PARITY_BEHAVIOUR, evaluate_checkpoint, upgrade_stored_config
+from prvrlab.platform.presets import PRE_PARITY, apply_preset, apply_switches
+from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 from prvrlab.platform.train.loop import Progress, TrainingLoop
 from prvrlab.platform.train.session import LocalSession
 
@@ -45,20 +46,20 @@ def test_early_stopping_counts_like_the_reference(tiny_root, tmp_path, rule, sto
 def test_a_pre_parity_stored_config_keeps_the_behaviour_it_was_trained_with(tiny_root, tmp_path):
     raw = small_raw(tiny_root, tmp_path)
     raw["plugins"] = {"ral": {"msra": False}}
-    upgraded = validate(upgrade_stored_config(raw))
+    upgraded = validate(apply_switches(raw, PRE_PARITY, keep_given=True))
     assert upgraded.model["window"] == "centred" and upgraded.model["window_length"] == "real"
     assert upgraded.data.last_bin == "inclusive" and upgraded.train.warmup == "shifted"
     assert upgraded.train.clip_grad == "global" and upgraded.train.early_stop == "at_patience"
-    assert {k: upgraded.plugins["ral"][k] for k in PRE_PARITY_BEHAVIOUR["plugins.ral"]} == PRE_PARITY_BEHAVIOUR["plugins.ral"]
+    assert {k: upgraded.plugins["ral"][k] for k in PRE_PARITY["plugins.ral"]} == PRE_PARITY["plugins.ral"]
     explicit = dict(raw, model={**raw["model"], "window": "official"})
-    assert validate(upgrade_stored_config(explicit)).model["window"] == "official"  # a stored value wins
+    assert validate(apply_switches(explicit, PRE_PARITY, keep_given=True)).model["window"] == "official"  # a stored value wins
     fresh = validate(raw)  # the same YAML today: the official behaviour
     assert fresh.model["window"] == "official" and fresh.data.last_bin == "official"
 
 
 def test_old_checkpoints_evaluate_with_their_old_window(tiny_root, tmp_path):
     raw = small_raw(tiny_root, tmp_path)
-    old_cfg = validate(upgrade_stored_config(raw))
+    old_cfg = validate(apply_switches(raw, PRE_PARITY, keep_given=True))
     collection = open_collection(old_cfg.data)
     torch.manual_seed(0)
     model = build_model(old_cfg.model, old_cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
@@ -71,3 +72,18 @@ def test_old_checkpoints_evaluate_with_their_old_window(tiny_root, tmp_path):
     expected = evaluate(model, collection, "val", old_cfg.eval, device=torch.device("cpu")).ranks
     assert (evaluate_checkpoint(old, split="val").ranks == expected).all()
     assert not (evaluate_checkpoint(new, split="val").ranks == expected).all()  # official window: other scores
+
+
+def test_the_corrected_preset_switches_only_what_exists(tiny_root, tmp_path):
+    raw = small_raw(tiny_root, tmp_path)
+    raw["model"]["window"] = "official"
+    corrected = validate(apply_preset(raw, "corrected"))
+    assert corrected.model["window"] == "centred" and corrected.model["window_length"] == "real"  # a preset wins
+    assert corrected.data.last_bin == "inclusive" and corrected.train.clip_grad == "global"
+    mssl = dict(raw, model={"name": "mssl", "hidden_size": 32, "num_heads": 2}, losses={
+        "clip_triplet": {"loss": "triplet", "branch": "clip"}, "pm": {"loss": "ral_pm", "weight": 0.0}})
+    out = apply_preset(mssl, "corrected")
+    assert "window" not in out["model"]  # MS-SL has no Gaussian window
+    assert out["losses"]["pm"]["formulation"] == "paper" and "formulation" not in out["losses"]["clip_triplet"]
+    with pytest.raises(ValueError, match="did you mean 'corrected'"):
+        apply_preset(raw, "corected")

@@ -70,6 +70,20 @@ def test_check_prints_resolved_config(tiny_root, tmp_path, capsys):
     assert yaml.safe_load(capsys.readouterr().out)["train"]["lr"] == 0.01
 
 
+
+def test_preset_applies_before_set_and_bad_names_exit_2(tiny_root, tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", small_raw(tiny_root, tmp_path))
+    assert main(["train", str(cfg), "--check"]) == 0
+    official = yaml.safe_load(capsys.readouterr().out)
+    assert (official["model"]["window"], official["train"]["warmup"]) == ("official", "official")
+    assert main(["train", str(cfg), "--check", "--preset", "corrected", "--set", "train.warmup=official"]) == 0
+    corrected = yaml.safe_load(capsys.readouterr().out)
+    assert (corrected["model"]["window"], corrected["data"]["last_bin"]) == ("centred", "inclusive")
+    assert corrected["train"]["warmup"] == "official"  # --set comes after the preset
+    assert main(["train", str(cfg), "--check", "--preset", "correctd"]) == EXIT_BAD_INPUT
+    assert "did you mean 'corrected'" in capsys.readouterr().err
+
+
 def test_train_then_eval_checkpoint(tiny_root, tmp_path, capsys):
     raw = small_raw(tiny_root, tmp_path, epochs=2)
     cfg = write_config(tmp_path / "c.yaml", raw)

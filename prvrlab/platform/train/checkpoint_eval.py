@@ -9,46 +9,7 @@ import torch
 
 from prvrlab.data.errors import DataError
 from prvrlab.platform.config import ConfigError, validate
-
-# What a config meant before the reference-parity switches existed (their defaults are now the
-# official code's behaviour).  A checkpoint written before then (no "format" key) stored a config
-# without these keys; it is evaluated with the behaviour it was trained with.
-PRE_PARITY_BEHAVIOUR: dict[str, dict[str, object]] = {
-    "model": {"window": "centred", "window_length": "real"},
-    "data": {"last_bin": "inclusive"},
-    "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
-    "plugins.ral": {"mean_proxy": True, "csa_input": "raw", "unit_mean": False},
-    "loss:ral_pm": {"formulation": "paper"},
-    "loss:ral_da": {"formulation": "paper"},
-}
-
-
-def upgrade_stored_config(raw: dict) -> dict:
-    """A pre-format-2 stored config with every parity switch it lacks set to the old behaviour
-    (only for components that have the switch: a backbone without ``window`` gets none)."""
-    from prvrlab.registry import BACKBONES, LOSSES
-
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    model = out.get("model") or {}
-    known = BACKBONES.params(model["name"]) if "name" in model else {}
-    for key, value in PRE_PARITY_BEHAVIOUR["model"].items():
-        if key in known:
-            model.setdefault(key, value)
-    for section in ("data", "train"):
-        target = out.setdefault(section, {}) or {}
-        out[section] = {**PRE_PARITY_BEHAVIOUR[section], **target}
-    plugins = {name: dict(params or {}) for name, params in (out.get("plugins") or {}).items()}
-    if "ral" in plugins:
-        plugins["ral"] = {**PRE_PARITY_BEHAVIOUR["plugins.ral"], **plugins["ral"]}
-    out["plugins"] = plugins
-    losses = {}
-    for term, spec in (out.get("losses") or {}).items():
-        spec = dict(spec)
-        old = PRE_PARITY_BEHAVIOUR.get(f"loss:{spec.get('loss', term)}", {})
-        losses[term] = {**{k: v for k, v in old.items() if k in LOSSES.params(spec.get("loss", term))}, **spec}
-    out["losses"] = losses
-    return out
-
+from prvrlab.platform.presets import PRE_PARITY, apply_switches
 
 def load_checkpoint(path: str | Path) -> dict:
     """Read a model file written by training; a clear error when it is not one."""
@@ -79,7 +40,9 @@ def evaluate_checkpoint(
     from prvrlab.models.factory import build_model
 
     blob = load_checkpoint(path)
-    stored = blob["config"] if blob.get("format", 1) >= 2 else upgrade_stored_config(blob["config"])
+    stored = blob["config"]
+    if blob.get("format", 1) < 2:  # written before the parity switches: evaluate as it was trained
+        stored = apply_switches(stored, PRE_PARITY, keep_given=True)
     try:
         cfg = validate(stored)
     except ConfigError as exc:

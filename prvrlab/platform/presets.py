@@ -1,0 +1,76 @@
+"""Named sets of behaviour switches applied on top of a config.
+
+``corrected`` holds prvrlab's corrected choices wherever its behaviour and the
+official code's differ (docs/parity.md); the shipped dataset configs keep the
+official behaviour, so ``prvrlab train configs/gmmformer_tvr.yaml --preset
+corrected`` trains the same recipe with the corrections.  ``PRE_PARITY`` is the
+behaviour a config meant before these switches existed (used to evaluate old
+checkpoints as they were trained).
+
+A switch applies only where it exists: ``model`` keys when the backbone has
+the parameter, ``plugins.<name>`` keys when that plug-in is enabled,
+``loss:<registered loss>`` keys on every term using that loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from prvrlab.registry import BACKBONES, LOSSES, did_you_mean
+
+Switches = dict[str, dict[str, Any]]
+
+PRESETS: dict[str, Switches] = {
+    "corrected": {
+        "model": {"window": "centred", "window_length": "real"},
+        "data": {"last_bin": "inclusive"},
+        "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
+        "loss:ral_pm": {"formulation": "paper"},
+        "loss:ral_da": {"formulation": "paper"},
+    },
+}
+
+PRE_PARITY: Switches = {
+    "model": {"window": "centred", "window_length": "real"},
+    "data": {"last_bin": "inclusive"},
+    "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
+    "plugins.ral": {"mean_proxy": True, "csa_input": "raw", "unit_mean": False},
+    "loss:ral_pm": {"formulation": "paper"},
+    "loss:ral_da": {"formulation": "paper"},
+}
+
+
+def apply_switches(raw: dict[str, Any], switches: Switches, *, keep_given: bool) -> dict[str, Any]:
+    """A copy of the raw config with ``switches`` set where they exist (``keep_given``: only where
+    the config does not set the key itself)."""
+    out = copy.deepcopy(raw)
+
+    def put(section: dict[str, Any], values: dict[str, Any], allowed) -> None:
+        for key, value in values.items():
+            if key in allowed and not (keep_given and key in section):
+                section[key] = value
+
+    model = out.get("model") or {}
+    if "name" in model:
+        put(model, switches.get("model", {}), BACKBONES.params(model["name"]))
+    for name in ("data", "train"):
+        if switches.get(name):
+            out[name] = out.get(name) or {}
+            put(out[name], switches[name], switches[name])
+    for plugin, params in (out.get("plugins") or {}).items():
+        if f"plugins.{plugin}" in switches:
+            out["plugins"][plugin] = params = dict(params or {})
+            put(params, switches[f"plugins.{plugin}"], switches[f"plugins.{plugin}"])
+    for term, spec in (out.get("losses") or {}).items():
+        loss = spec.get("loss", term) if isinstance(spec, dict) else None
+        if isinstance(spec, dict) and f"loss:{loss}" in switches:
+            put(spec, switches[f"loss:{loss}"], LOSSES.params(loss))
+    return out
+
+
+def apply_preset(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """``raw`` with the preset ``name`` applied; a ValueError names the closest preset."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset '{name}'{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
+    return apply_switches(raw, PRESETS[name], keep_given=False)
