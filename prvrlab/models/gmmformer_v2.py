@@ -260,7 +260,10 @@ class GMMFormerV2(RetrievalModel):
     ``centred``: ``(j-i)/(L-1)``); ``window_length``: its span L
     (``padded``: the clip count for clips and ``max_frames`` for frames, as
     the reference; ``real``: each video's real length), see
-    :mod:`prvrlab.models.gmm`.  Encoders: ``query``, ``clip``
+    :mod:`prvrlab.models.gmm`; ``frame_padding``: ``official`` scores the
+    frame branch as the reference, a max over all ``max_frames`` positions
+    where padding scores 0 (so padding wins whenever every real frame scores
+    below 0), ``masked``: a max over real frames only.  Encoders: ``query``, ``clip``
     and ``frame`` (:class:`SequenceEncoder`).
     """
 
@@ -291,6 +294,7 @@ class GMMFormerV2(RetrievalModel):
         frame_weight: float = 0.3,
         window: Window = "official",
         window_length: Literal["padded", "real"] = "padded",
+        frame_padding: Literal["official", "masked"] = "official",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -315,6 +319,9 @@ class GMMFormerV2(RetrievalModel):
 
         check_window(window, window_length)
         self.window, self.window_length = window, window_length
+        if frame_padding not in ("official", "masked"):
+            raise ValueError(f"frame_padding must be 'official' or 'masked', got {frame_padding!r}")
+        self.frame_padding = frame_padding
 
         def block(span: WindowLength) -> TCGMMBlock:
             return TCGMMBlock(
@@ -357,9 +364,14 @@ class GMMFormerV2(RetrievalModel):
         """Clip: max over clips; frame: max over real frames (cosine; logits: the raw dot products)."""
         if video.clip is None or video.frame is None or video.frame.dim() != 3:
             raise ValueError("GMMFormerV2.score needs VideoEmbedding.clip and per-frame VideoEmbedding.frame")
+        frame = max_scores(query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits)  # (Nq, Nv)
+        if self.frame_padding == "official":  # padded positions (up to max_frames) score 0 in the max
+            padded = (video.frame_mask.sum(dim=1) < self.max_frames)[None, :]  # (1, Nv)
+            frame = BranchScores(
+                sim=torch.where(padded, frame.sim.clamp(min=0.0), frame.sim),
+                logits=None if frame.logits is None else torch.where(padded, frame.logits.clamp(min=0.0), frame.logits),
+            )
         return {
             "clip": max_scores(query.vectors["clip"], video.clip, with_logits=with_logits),  # (Nq, Nv)
-            "frame": max_scores(
-                query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits
-            ),  # (Nq, Nv)
+            "frame": frame,  # (Nq, Nv)
         }

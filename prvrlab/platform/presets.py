@@ -23,7 +23,7 @@ Switches = dict[str, dict[str, Any]]
 
 PRESETS: dict[str, Switches] = {
     "corrected": {
-        "model": {"window": "centred", "window_length": "real"},
+        "model": {"window": "centred", "window_length": "real", "frame_padding": "masked"},
         "data": {"last_bin": "inclusive"},
         "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
         "loss:ral_pm": {"formulation": "paper"},
@@ -32,7 +32,7 @@ PRESETS: dict[str, Switches] = {
 }
 
 PRE_PARITY: Switches = {
-    "model": {"window": "centred", "window_length": "real"},
+    "model": {"window": "centred", "window_length": "real", "frame_padding": "masked"},
     "data": {"last_bin": "inclusive"},
     "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
     "plugins.ral": {"mean_proxy": True, "csa_input": "raw", "unit_mean": False},

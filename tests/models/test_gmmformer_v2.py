@@ -110,8 +110,10 @@ def test_sigmas_are_configurable():
     assert torch.isfinite(out.scores["clip"].sim).all()
 
 
-def test_frame_max_ignores_padding_when_every_real_frame_scores_below_zero():
-    model = build("gmmformer_v2").eval()
+@pytest.mark.parametrize("frame_padding", ["masked", "official"])
+def test_frame_max_ignores_padding_when_every_real_frame_scores_below_zero(frame_padding):
+    """``masked``: padding never wins the max; ``official``: padded positions score 0, as the reference."""
+    model = build("gmmformer_v2", frame_padding=frame_padding).eval()
     q = torch.tensor([[1.0] + [0.0] * 15])
     frames = torch.zeros(1, 4, 16)
     frames[0, 0, 0], frames[0, 0, 1] = -1.0, 0.5  # cos < 0
@@ -121,8 +123,15 @@ def test_frame_max_ignores_padding_when_every_real_frame_scores_below_zero():
     query = QueryEmbedding(vectors={"clip": q, "frame": q})
     scores = model.score(query, video, with_logits=True)
     best = -0.2 / math.sqrt(0.04 + 1.0)
-    assert scores["frame"].sim.item() == pytest.approx(best, abs=1e-6)
-    assert scores["frame"].logits.item() == pytest.approx(-0.2, abs=1e-6)
+    if frame_padding == "official":  # 2 real frames < max_frames: the padded positions' 0 wins
+        best_sim, best_logit = 0.0, 0.0
+    else:
+        best_sim, best_logit = best, -0.2
+    assert scores["frame"].sim.item() == pytest.approx(best_sim, abs=1e-6)
+    assert scores["frame"].logits.item() == pytest.approx(best_logit, abs=1e-6)
+    full = VideoEmbedding(clip=torch.randn(1, 3, 16), frame=frames[:, :2], frame_mask=mask[:, :2])
+    model.max_frames = 2  # a video filling max_frames has no padding: the real max, whatever the setting
+    assert model.score(query, full)["frame"].sim.item() == pytest.approx(best, abs=1e-6)
 
 
 def test_frame_embeddings_are_per_frame_and_zero_on_padding():
