@@ -57,6 +57,7 @@ def test_300_frames_to_128_bins_matches_explicit_loop():
     np.testing.assert_allclose(frames, pooled / np.linalg.norm(pooled, axis=1, keepdims=True), rtol=1e-5)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("n", [1, 2, 15, 31, 32, 33, 64, 100, 127, 128, 129, 255, 1000])
 @pytest.mark.parametrize("num_bins", [3, 32, 128])
 @pytest.mark.parametrize("last_bin", ["official", "inclusive"])
@@ -122,6 +123,7 @@ def _frame_index(n: int) -> np.ndarray:
         (1, [0.0, 0.0], [0.0, 0.0]),
     ],
 )
+@pytest.mark.parity
 def test_last_clip_bin_by_hand(n, tail_official, tail_inclusive):
     x = _frame_index(n)
     official = mean_pool_bins(x, 32, last_bin="official")[:, 0]
@@ -131,6 +133,7 @@ def test_last_clip_bin_by_hand(n, tail_official, tail_inclusive):
     np.testing.assert_array_equal(official[:-1], inclusive[:-1])  # only the last bin differs
 
 
+@pytest.mark.parity
 def test_bins_not_divisible_by_hand():
     # n = 10 into L = 4: edges round(0, 2.5, 5, 7.5, 10) = 0, 2, 5, 8, 10 (half to even).
     x = _frame_index(10)
@@ -143,6 +146,7 @@ def test_bins_not_divisible_by_hand():
     assert mean_pool_bins(x, 4, last_bin="official")[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("last_bin", ["official", "inclusive"])
 def test_frames_pool_only_above_128(last_bin):
     # n <= 128 is kept untouched whatever the last-bin rule.
@@ -157,6 +161,7 @@ def test_frames_pool_only_above_128(last_bin):
     assert pooled[-1] == (254.0 if last_bin == "official" else 254.5)
 
 
+@pytest.mark.parity
 def test_official_is_the_default_and_bad_choice_rejected():
     x = _frame_index(64)
     np.testing.assert_array_equal(mean_pool_bins(x, 32), mean_pool_bins(x, 32, last_bin="official"))

@@ -65,6 +65,7 @@ def eq5_as_printed(vectors, query_video, alpha, delta, gamma):
     return sum(per_video) / len(per_video)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("gamma", [0.0, 1.0])
 def test_eq5_as_printed_is_twice_the_pair_reduction(gamma):
     torch.manual_seed(1)

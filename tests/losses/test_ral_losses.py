@@ -51,6 +51,7 @@ def test_ral_da_is_zero_for_identical_standard_gaussians():
         assert loss == pytest.approx(0.0, abs=1e-7)
 
 
+@pytest.mark.parity
 def test_ral_da_official_matches_a_loop():
     """Official KLdivergence: sample means, log sigma = lv / 2 passed as a log-variance in the prior terms."""
     g = torch.Generator().manual_seed(2)
@@ -147,6 +148,7 @@ def pm_official_loop(text, video, text_video):
     return (t2v + v2t) / 2
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("text_video", [[0, 1, 2], [0, 0, 2, 2]])
 def test_ral_pm_official_matches_a_loop(text_video):
     g = torch.Generator().manual_seed(3)
@@ -158,6 +160,7 @@ def test_ral_pm_official_matches_a_loop(text_video):
     assert RALProxyMatchingLoss(tau=0.01)(out, None, epoch=0).item() == pytest.approx(got, rel=1e-6)
 
 
+@pytest.mark.parity
 def test_ral_pm_official_by_hand():
     """One proxy per unit, D = 1: s = [[1, 1], [2, 2]] (text x video); text t matches video t."""
     out = output(

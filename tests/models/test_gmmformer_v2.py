@@ -110,6 +110,7 @@ def test_sigmas_are_configurable():
     assert torch.isfinite(out.scores["clip"].sim).all()
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("frame_padding", ["masked", "official"])
 def test_frame_max_ignores_padding_when_every_real_frame_scores_below_zero(frame_padding):
     """``masked``: padding never wins the max; ``official``: padded positions score 0, as the reference."""

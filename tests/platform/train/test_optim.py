@@ -35,6 +35,7 @@ def test_no_weight_decay_on_bias_and_layernorm():
     assert groups[1]["weight_decay"] == 0.0 and len(groups[1]["params"]) == 3
 
 
+@pytest.mark.parity
 def test_shifted_warmup_then_linear_decay_to_zero():
     f = warmup_linear(100, 0.1, "shifted")
     assert f(0) == pytest.approx(0.1)
@@ -44,6 +45,7 @@ def test_shifted_warmup_then_linear_decay_to_zero():
     assert f(100) == 0.0
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("warmup", ["official", "shifted"])
 def test_warmup_multipliers_per_step_drive_the_learning_rate(warmup):
     total, proportion, base = 20, 0.25, 2.0
@@ -64,6 +66,7 @@ def test_warmup_multipliers_per_step_drive_the_learning_rate(warmup):
     assert (lrs[0] == 0.0) == (warmup == "official")  # the reference's first step does not move the weights
 
 
+@pytest.mark.parity
 def test_official_warmup_is_the_default():
     assert warmup_linear(100, 0.1)(0) == 0.0
     assert warmup_linear(100, 0.1)(5) == pytest.approx(0.5)
@@ -80,6 +83,7 @@ def _first_moment(opt: BertAdam, p: nn.Parameter) -> list[float]:
     return (opt.state[p]["exp_avg"] / 0.1).tolist()  # beta1 = 0.9: exp_avg = 0.1 * gradient used
 
 
+@pytest.mark.parity
 def test_per_tensor_clipping_rescales_each_tensor_on_its_own():
     a, b, ga, gb = _two_tensors()
     opt = BertAdam([a, b], lr=0.1, max_grad_norm=2.0)
@@ -89,6 +93,7 @@ def test_per_tensor_clipping_rescales_each_tensor_on_its_own():
     assert _first_moment(opt, b) == pytest.approx([1.0, 0.0], rel=1e-5)  # norm 1 <= 2: untouched
 
 
+@pytest.mark.parity
 def test_global_clipping_rescales_all_tensors_by_the_total_norm():
     a, b, ga, gb = _two_tensors()
     opt = BertAdam([a, b], lr=0.1)  # the trainer clips (train.clip_grad: global)
@@ -100,6 +105,7 @@ def test_global_clipping_rescales_all_tensors_by_the_total_norm():
     assert _first_moment(opt, b) == pytest.approx([1.0 * scale, 0.0], rel=1e-5)
 
 
+@pytest.mark.parity
 def test_zero_grad_clip_means_no_clipping():
     a, b, ga, gb = _two_tensors()
     opt = BertAdam([a, b], lr=0.1, max_grad_norm=0.0)
@@ -110,6 +116,7 @@ def test_zero_grad_clip_means_no_clipping():
         BertAdam([a], lr=0.1, max_grad_norm=-1.0)
 
 
+@pytest.mark.parity
 def test_per_tensor_clipping_sees_unscaled_gradients_under_a_grad_scaler():
     a, b, ga, gb = _two_tensors()
     opt = BertAdam([a, b], lr=0.1, max_grad_norm=2.0)
