@@ -373,8 +373,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
             raise ConfigError(f"{where}: expected a mapping with 'loss' and 'weight'")
         loss_name = spec.get("loss", term)
         weight = coerce(spec.get("weight", 1.0), float, f"{where}.weight")
-        if weight < 0:
-            raise ConfigError(f"{where}.weight must be >= 0, got {weight}")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ConfigError(f"{where}.weight must be >= 0 and finite, got {weight}")
         params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
         checked = _check_component(LOSSES, loss_name, params, f"{where}.loss", ("loss", "weight"))
         losses[str(term)] = {"loss": loss_name, "weight": weight, **checked}
