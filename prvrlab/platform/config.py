@@ -356,6 +356,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError("name: expected a non-empty string")
 
     sections = {key: _build_section(cls, raw.get(key), key) for key, cls in SECTIONS.items()}
+    if isinstance(raw.get("eval"), dict) and "final_splits" in raw["eval"]:
+        _check_final_splits(sections["eval"].final_splits, sections["data"])
 
     model_raw = raw.get("model")
     if not isinstance(model_raw, dict) or "name" not in model_raw:
@@ -400,6 +402,18 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     cfg = ExperimentConfig(name=name, model=model, losses=losses, plugins=plugins, **sections)
     _instantiate_check(cfg)
     return cfg
+
+
+def _check_final_splits(splits: list[str], data: DataConfig) -> None:
+    """Every split given in ``eval.final_splits`` is one of the data section's splits."""
+    known = [s for s in (data.train_split, data.val_split, data.test_split) if s is not None]
+    for i, split in enumerate(splits):
+        if split not in known:
+            raise ConfigError(
+                f"eval.final_splits[{i}]: {split!r} is not a split of the data section"
+                f"{did_you_mean(split, known)}; splits: {', '.join(known)} "
+                "(data.train_split, data.val_split, data.test_split)"
+            )
 
 
 def _instantiate_check(cfg: ExperimentConfig) -> None:
