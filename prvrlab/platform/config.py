@@ -509,15 +509,52 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     return out
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key repeated in one mapping (plain YAML keeps the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first.setdefault(key, key_node.start_mark.line)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if line != key_node.start_mark.line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {line + 1})", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: ``line L, column C: problem``."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).replace("\n", " ")
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse user YAML with :class:`UniqueKeyLoader`; a one-line ConfigError naming ``source``."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {yaml_problem(exc)}") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """Read and parse a user's YAML file (config or spec)."""
+    return parse_yaml(path.read_text(), str(path))
+
+
 def load_raw(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file; a clear error naming the file when it is bad."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return raw

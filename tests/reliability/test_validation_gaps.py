@@ -57,7 +57,7 @@ def test_duplicate_key_in_config_names_file_key_and_line(tiny_root, tmp_path):
 def test_duplicate_nested_key_is_rejected(tmp_path):
     cfg = tmp_path / "dup.yaml"
     cfg.write_text("name: a\ntrain:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n")
-    with pytest.raises(ConfigError, match=r"duplicate key 'lr'.*line 5"):
+    with pytest.raises(ConfigError, match=r"line 5, column 3: duplicate key 'lr' \(first at line 3\)"):
         load_raw(cfg)
 
 

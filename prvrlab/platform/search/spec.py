@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from prvrlab.checks import is_number
 from prvrlab.conditions import CONDITION_OPS, condition_holds
@@ -36,6 +35,7 @@ from prvrlab.platform.config import (
     ExperimentConfig,
     apply_overrides,
     load_raw,
+    read_yaml,
     validate,
 )
 from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, did_you_mean
@@ -272,10 +272,7 @@ def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"spec file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return path, raw
