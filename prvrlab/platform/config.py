@@ -545,8 +545,17 @@ def parse_yaml(text: str, source: str) -> Any:
 
 
 def read_yaml(path: Path) -> Any:
-    """Read and parse a user's YAML file (config or spec)."""
-    return parse_yaml(path.read_text(), str(path))
+    """Read and parse a user's YAML file (config or spec); ConfigError naming the file and line."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+    return parse_yaml(text, str(path))
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
