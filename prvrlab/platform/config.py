@@ -487,7 +487,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"--set expects key=value, got {text!r}")
-    return key, yaml.safe_load(value) if value.strip() else None
+    return key, parse_yaml(value, f"--set {key}") if value.strip() else None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -519,13 +519,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 continue
             key = self.construct_object(key_node, deep=True)
             try:
-                line = first.setdefault(key, key_node.start_mark.line)
+                line = first.setdefault(key, -1)
             except TypeError:
                 continue  # an unhashable key: the base class reports it
-            if line != key_node.start_mark.line:
+            if line >= 0:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (first at line {line + 1})", key_node.start_mark
                 )
+            first[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
 
