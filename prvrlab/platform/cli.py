@@ -110,9 +110,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
     """(tracking URI, experiment, study name) of the study a search / ablation spec file describes."""
-    import yaml
-
-    from prvrlab.platform.config import ConfigError
+    from prvrlab.platform.config import ConfigError, read_yaml
     from prvrlab.platform.runtime import resolve_config_paths
     from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
     from prvrlab.platform.tracking.store import resolve_tracking_uri
@@ -120,10 +118,10 @@ def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
     if not path.is_file():
         raise ConfigError(f"unknown spec '{path}': file not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path) or {}
         loader = load_ablation_spec if isinstance(raw, dict) and "variants" in raw else load_search_spec
         spec = loader(path)
-    except (ConfigError, yaml.YAMLError) as exc:
+    except ConfigError as exc:
         raise ConfigError(f"spec '{path}' cannot be read: {exc}") from None
     base = resolve_config_paths(spec.base)
     uri = resolve_tracking_uri(tracking_uri) if tracking_uri else base.tracking.uri

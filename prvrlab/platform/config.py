@@ -356,6 +356,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError("name: expected a non-empty string")
 
     sections = {key: _build_section(cls, raw.get(key), key) for key, cls in SECTIONS.items()}
+    if isinstance(raw.get("eval"), dict) and "final_splits" in raw["eval"]:
+        _check_final_splits(sections["eval"].final_splits, sections["data"])
 
     model_raw = raw.get("model")
     if not isinstance(model_raw, dict) or "name" not in model_raw:
@@ -373,8 +375,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
             raise ConfigError(f"{where}: expected a mapping with 'loss' and 'weight'")
         loss_name = spec.get("loss", term)
         weight = coerce(spec.get("weight", 1.0), float, f"{where}.weight")
-        if weight < 0:
-            raise ConfigError(f"{where}.weight must be >= 0, got {weight}")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ConfigError(f"{where}.weight must be >= 0 and finite, got {weight}")
         params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
         checked = _check_component(LOSSES, loss_name, params, f"{where}.loss", ("loss", "weight"))
         losses[str(term)] = {"loss": loss_name, "weight": weight, **checked}
@@ -400,6 +402,18 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     cfg = ExperimentConfig(name=name, model=model, losses=losses, plugins=plugins, **sections)
     _instantiate_check(cfg)
     return cfg
+
+
+def _check_final_splits(splits: list[str], data: DataConfig) -> None:
+    """Every split given in ``eval.final_splits`` is one of the data section's splits."""
+    known = [s for s in (data.train_split, data.val_split, data.test_split) if s is not None]
+    for i, split in enumerate(splits):
+        if split not in known:
+            raise ConfigError(
+                f"eval.final_splits[{i}]: {split!r} is not a split of the data section"
+                f"{did_you_mean(split, known)}; splits: {', '.join(known)} "
+                "(data.train_split, data.val_split, data.test_split)"
+            )
 
 
 def _instantiate_check(cfg: ExperimentConfig) -> None:
@@ -473,7 +487,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"--set expects key=value, got {text!r}")
-    return key, yaml.safe_load(value) if value.strip() else None
+    return key, parse_yaml(value, f"--set {key}") if value.strip() else None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -495,15 +509,62 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     return out
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key repeated in one mapping (plain YAML keeps the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first.setdefault(key, -1)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if line >= 0:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {line + 1})", key_node.start_mark
+                )
+            first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: ``line L, column C: problem``."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).replace("\n", " ")
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse user YAML with :class:`UniqueKeyLoader`; a one-line ConfigError naming ``source``."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {yaml_problem(exc)}") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """Read and parse a user's YAML file (config or spec); ConfigError naming the file and line."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+    return parse_yaml(text, str(path))
+
+
 def load_raw(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file; a clear error naming the file when it is bad."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return raw

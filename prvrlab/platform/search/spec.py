@@ -20,11 +20,10 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from prvrlab.checks import is_number
 from prvrlab.conditions import CONDITION_OPS, condition_holds
@@ -36,12 +35,14 @@ from prvrlab.platform.config import (
     ExperimentConfig,
     apply_overrides,
     load_raw,
+    read_yaml,
     validate,
 )
 from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, did_you_mean
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
 SCHEDULERS = ("none", "asha")
+SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a study name is a folder under results/search/
 SAMPLERS = ("tpe", "random", "grid")
 
 SEARCH_KEYS = (
@@ -272,10 +273,7 @@ def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"spec file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return path, raw
@@ -284,8 +282,11 @@ def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
 def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | None) -> dict[str, Any]:
     """Fields every spec has; ``extra_overrides`` (--set) are applied after the spec's own."""
     name = raw.get("name", path.stem)
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ConfigError(f"{path}: name: expected a non-empty string without '/', got {name!r}")
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(
+            f"{path}: name: {name!r} is not a plain folder name; use letters, digits, '_', '.' and '-' "
+            "(not '.' or '..')"
+        )
     base_path = _resolve_base(path, raw.get("base_config"))
     base_raw = load_raw(base_path)
     overrides = {**_mapping(raw.get("overrides"), f"{path}: overrides"), **(extra_overrides or {})}

@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
-from prvrlab.platform.config import ExperimentConfig, apply_overrides, plugin_tokens, validate
+from prvrlab.platform.config import ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
 from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.spec import StudyError, StudySpec
@@ -311,7 +309,7 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
             "prvrlab.study_dir": str(study_dir),
         }
         run_id = tracker.start_run(f"{spec.name}-{study_dir.name}", tags=tags)
-        spec_raw = yaml.safe_load(spec.path.read_text())
+        spec_raw = read_yaml(spec.path)
         params = {"spec.metric": spec.metric, "spec.mode": spec.mode, "spec.base_config": str(spec.base_config)}
         params.update({f"spec.{k}": v for k, v in spec_raw.items() if k not in ("space", "variants", "name", "base_config")})
         for key, value in (spec_raw.get("space") or {}).items():

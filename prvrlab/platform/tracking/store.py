@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from prvrlab.checks import is_number
+from prvrlab.platform.config import ConfigError
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
@@ -74,16 +76,36 @@ def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+@contextmanager
+def store_errors(uri: str) -> Iterator[None]:
+    """Turn a store that cannot be reached or written (bad scheme, read-only, missing folder)
+    into one ConfigError naming the URI."""
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except (MlflowException, SQLAlchemyError, OSError) as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        reason = lines[0] if lines else type(exc).__name__
+        raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {reason}") from None
+
+
 class Tracker:
-    """A thin MLflow writer bound to one tracking URI and experiment."""
+    """A thin MLflow writer bound to one tracking URI and experiment.
+
+    Opening it creates or finds the experiment; a store that cannot be used
+    raises ConfigError naming the URI.
+    """
 
     def __init__(self, uri: str, experiment: str) -> None:
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        with store_errors(uri):
+            self.client = MlflowClient(tracking_uri=uri)
+            exp = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
 
     def start_run(self, name: str, *, tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> str:
         """Create a RUNNING run and return its id."""

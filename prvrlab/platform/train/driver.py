@@ -13,15 +13,16 @@ import json
 import os
 import queue as stdlib_queue
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from prvrlab.platform.config import ExperimentConfig
+from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
-from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri
+from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
 
 
@@ -175,6 +176,17 @@ def _short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: " + "\n".join(tail)
 
 
+def check_storage(storage_path: str) -> None:
+    """Create the results folder and check a file can be written there; ConfigError otherwise."""
+    path = Path(storage_path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"tracking.storage_path {path}: not a writable folder ({exc.strerror or exc})") from None
+
+
 def train(
     cfg: ExperimentConfig,
     *,
@@ -186,18 +198,19 @@ def train(
     cfg = resolve_config_paths(cfg)
     prepare_data(cfg, progress=echo is not None)
     name = run_name_for(cfg)
-    run_dir = Path(cfg.tracking.storage_path) / name / "files"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-
     tracker = Tracker(cfg.tracking.uri or resolve_tracking_uri(None), cfg.tracking.experiment)
-    run_id = tracker.start_run(name, tags=run_tags(cfg), parent_run_id=parent_run_id)
-    tracker.log_params(run_id, cfg.flat())
+    check_storage(cfg.tracking.storage_path)
+    with store_errors(tracker.uri):
+        run_id = tracker.start_run(name, tags=run_tags(cfg), parent_run_id=parent_run_id)
+    run_dir = Path(cfg.tracking.storage_path) / name / "files"
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:
         echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
     status = "FAILED"
     try:
+        tracker.log_params(run_id, cfg.flat())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if use_ray:
             fit_with_ray(cfg, run_dir, name, recorder)
         else:

@@ -1,0 +1,102 @@
+"""Issue 11, item 7: bad inputs end with one line on stderr, exit 2, and nothing recorded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prvrlab.platform.cli import EXIT_BAD_INPUT, main
+from prvrlab.platform.tracking.store import Tracker
+
+from train_helpers import small_raw
+
+
+def _config(tiny_root: Path, tmp: Path, **tracking) -> Path:
+    raw = small_raw(tiny_root, tmp, epochs=1)
+    raw["tracking"].update(tracking)
+    path = tmp / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip() and " INFO mlflow." not in ln]  # MLflow creating a new db
+    assert len(lines) == 1 and lines[0].startswith("prvrlab: error: "), err
+    return lines[0]
+
+
+def _no_run_folder(tmp: Path) -> None:
+    results = tmp / "results"
+    assert not results.exists() or not any(results.iterdir())
+
+
+def test_non_utf8_config(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"name: caf\xe9\n")
+    assert main(["train", str(cfg)]) == EXIT_BAD_INPUT
+    line = _one_line(capsys)
+    assert str(cfg) in line and "UTF-8" in line
+
+
+@pytest.mark.parametrize("value", ["[1", "!!python/name:os.system", "{a: 1, a: 2}"])
+def test_bad_yaml_in_set(tiny_root, tmp_path, capsys, value):
+    cfg = _config(tiny_root, tmp_path)
+    assert main(["train", str(cfg), "--set", f"train.lr={value}", "--no-ray"]) == EXIT_BAD_INPUT
+    assert "--set train.lr" in _one_line(capsys)
+    _no_run_folder(tmp_path)
+
+
+def _unwritable_dir(tmp: Path) -> Path:
+    """A folder nothing can be created in, as root too: a path under a regular file."""
+    blocker = tmp / "blocker"
+    blocker.write_text("a file, not a folder")
+    return blocker / "store"
+
+
+def test_unwritable_sqlite_store(tiny_root, tmp_path, capsys):
+    uri = f"sqlite:///{_unwritable_dir(tmp_path) / 'mlflow.db'}"
+    cfg = _config(tiny_root, tmp_path, uri=uri)
+    assert main(["train", str(cfg), "--no-ray"]) == EXIT_BAD_INPUT
+    assert uri in _one_line(capsys)
+    _no_run_folder(tmp_path)
+
+
+def test_read_only_sqlite_store_with_the_experiment(tiny_root, tmp_path, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes to a read-only file; the path-under-a-file case covers root")
+    db = tmp_path / "ro" / "mlflow.db"
+    db.parent.mkdir()
+    uri = f"sqlite:///{db}"
+    Tracker(uri, "tests")
+    db.chmod(0o444)
+    db.parent.chmod(0o555)
+    try:
+        cfg = _config(tiny_root, tmp_path, uri=uri)
+        assert main(["train", str(cfg), "--no-ray"]) == EXIT_BAD_INPUT
+        assert uri in _one_line(capsys)
+        _no_run_folder(tmp_path)
+        assert Tracker(uri, "tests").client.search_runs([Tracker(uri, "tests").experiment_id]) == []
+    finally:
+        db.parent.chmod(0o755)
+
+
+def test_unwritable_results_folder(tiny_root, tmp_path, capsys):
+    storage = _unwritable_dir(tmp_path)
+    cfg = _config(tiny_root, tmp_path, storage_path=str(storage))
+    assert main(["train", str(cfg), "--no-ray"]) == EXIT_BAD_INPUT
+    line = _one_line(capsys)
+    assert "tracking.storage_path" in line and str(storage) in line
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "tests")
+    assert tracker.client.search_runs([tracker.experiment_id]) == []
+
+
+def test_unknown_tracking_scheme(tiny_root, tmp_path, capsys):
+    cfg = _config(tiny_root, tmp_path, uri="foo://bar")
+    assert main(["train", str(cfg), "--no-ray"]) == EXIT_BAD_INPUT
+    assert "foo://bar" in _one_line(capsys)
+    _no_run_folder(tmp_path)
