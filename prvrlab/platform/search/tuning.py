@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ray.tune.search.optuna import OptunaSearch
 
-from prvrlab.platform.search.outcome import RunMap, format_params, trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.spec import SearchSpec
 from prvrlab.platform.search.study import (
     StudyContext,
@@ -32,7 +32,7 @@ def best_trial(trials, study: StudyContext) -> dict[str, Any] | None:
     better = (lambda a, b: a > b) if study.mode == "max" else (lambda a, b: a < b)
     best = None
     for t in trials:
-        if t.status != "TERMINATED" or trial_outcome(t.last_result) == "nonfinite":
+        if t.status != "TERMINATED" or trial_outcome(t.last_result) in FAILED_OUTCOMES:
             continue
         value = t.metric_analysis.get(study.metric, {}).get(study.mode)
         if value is None or not math.isfinite(value):
