@@ -496,11 +496,14 @@ def _trials(tuner) -> list[Any]:
     return list(getattr(analysis, "trials", []) or [])
 
 
-def count_outcomes(trials) -> dict[str, int]:
-    """finished / early_stopped / failed / unfinished counts over Tune trials."""
+def count_outcomes(trials, killed: set[str] = frozenset()) -> dict[str, int]:
+    """finished / early_stopped / failed / unfinished counts over Tune trials (``killed``: trials
+    whose run the driver closed KILLED, i.e. ended by an interrupt, count as unfinished)."""
     counts = {"finished": 0, "early_stopped": 0, "failed": 0, "unfinished": 0}
     for t in trials:
-        if t.status == "TERMINATED":
+        if t.trial_id in killed:
+            counts["unfinished"] += 1
+        elif t.status == "TERMINATED":
             outcome = trial_outcome(t.last_result)
             counts["failed" if outcome in FAILED_OUTCOMES else outcome] += 1
         elif t.status == "ERROR":
@@ -546,6 +549,11 @@ def make_study(
     for cell in cells or {}:  # an ablation's configs are all known: resolve them once, here
         study.experiment_config({"cell": cell})
     return study
+
+
+def killed_trials(study_dir: Path) -> set[str]:
+    """Trials whose child run was closed KILLED (ended by an interrupt)."""
+    return {t for t, status in RunMap(study_dir).closed.items() if status == "KILLED"}
 
 
 def runs_for(study_dir: Path) -> dict[str, str]:
