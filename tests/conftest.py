@@ -1,7 +1,23 @@
-"""Suite-wide fixtures: single-threaded, seeded tests (the CI machine has 2 cores)."""
+"""Suite-wide fixtures: single-threaded, seeded tests (the CI machine has 2 cores), the tiny synthetic
+collection, and the config helpers of tests/platform (train_helpers, search_helpers) on the path."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "platform"))
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """The ``tiny`` synthetic collection, written once per test session."""
+    from prvrlab.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("synth_tiny")
+    synthesize(root, preset="tiny", seed=0, progress=False)
+    return root
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,17 +14,7 @@ from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 from prvrlab.platform.train.loop import Progress, TrainingLoop
 from prvrlab.platform.train.session import LocalSession
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
-from train_helpers import small_raw  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory) -> Path:
-    from prvrlab.data.synth import synthesize
-
-    root = tmp_path_factory.mktemp("synth_tiny")
-    synthesize(root, preset="tiny", seed=0, progress=False)
-    return root
+from train_helpers import small_raw  # noqa: E402  (tests/platform is on the path: tests/conftest.py)
 
 
 @pytest.mark.parametrize("rule, stops_after", [("official", 4), ("at_patience", 3)])

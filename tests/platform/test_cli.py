@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 import yaml
 
 from prvrlab.platform.cli import EXIT_BAD_INPUT, main

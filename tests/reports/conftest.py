@@ -2,22 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # search_helpers
-
-
-@pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory) -> Path:
-    from prvrlab.data.synth import synthesize
-
-    root = tmp_path_factory.mktemp("synth_tiny_reports")
-    synthesize(root, preset="tiny", seed=0, progress=False)
-    return root
-
 
 @pytest.fixture(scope="session")
 def studies(tiny_root, tmp_path_factory):

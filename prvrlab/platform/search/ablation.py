@@ -2,8 +2,9 @@
 
 Each cell is a trial (no searcher).  Child runs carry ``prvrlab.variant``,
 ``prvrlab.seed``, ``components`` and ``config_hash``; resubmitting the spec
-reuses the study's parent run and skips every cell whose config hash already
-has a FINISHED child run of this study in the experiment.
+reuses the study's parent run, closes child runs a killed driver left RUNNING
+as KILLED, and skips every cell whose config hash already has a FINISHED child
+run of this study in the experiment.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ def finished_hashes(tracker, name: str) -> dict[str, str]:
         for r in runs
         if r.data.tags.get("prvrlab.status") == "finished" and "config_hash" in r.data.tags
     }
+
+
+def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
+    """Close as KILLED this ablation's child runs left RUNNING by a driver that died (every RUNNING
+    child run the current study does not own); their cells then count as not finished and run again."""
+    found = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'RUNNING'",
+        max_results=5000,
+    )
+    own = set(runs.trials.values())
+    orphans = [r.info.run_id for r in found if r.info.run_id not in own]
+    for run_id in orphans:
+        tracker.set_tags(run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": "orphaned: its driver died"})
+        tracker.end_run(run_id, "KILLED")
+    return orphans
 
 
 def summarise(tracker, name: str, metric: str, cells: dict[str, dict[str, Any]], spec: AblationSpec) -> dict[str, tuple[float, float, int]]:
@@ -78,6 +95,9 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     tracker = Tracker(base.tracking.uri, base.tracking.experiment)
     runs = RunMap(study_dir)
     all_cells = spec.cells()
+    orphans = close_orphans(tracker, spec.name, runs)
+    if orphans:
+        echo(f"closed {len(orphans)} child run(s) left RUNNING by a driver that died, as KILLED; their cells run again")
     done = finished_hashes(tracker, spec.name)
     plain = StudyContext(
         kind="ablation", name=spec.name, study_dir=str(study_dir), base_raw=base.to_dict(), metric=spec.metric,

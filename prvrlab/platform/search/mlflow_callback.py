@@ -9,6 +9,7 @@ FAILED or KILLED:
 - stopped by the scheduler (ASHA) or the time limit: FINISHED with
   ``prvrlab.early_stopped=true`` and ``prvrlab.status=early_stopped``;
 - non-finite loss: FAILED, ``prvrlab.status=nonfinite`` and the error tag;
+- a sampled config that does not validate: FAILED, ``prvrlab.status=error`` and the error tag;
 - crashed beyond its retries: FAILED, ``prvrlab.status=error`` and the error tag;
 - still running when the driver is interrupted: KILLED (reopened on ``--resume``).
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.tune import Callback
 
+from prvrlab.platform.config import ConfigError
 from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_outcome, watch_interrupts
 
 if TYPE_CHECKING:
@@ -75,11 +77,16 @@ class MlflowStudyCallback(Callback):
 
         if self._commit is None:
             self._commit = git_commit()
-        cfg = self.study.experiment_config(trial.config)
-        tags = self.study.trial_tags(trial.config, cfg, commit=self._commit)
+        try:
+            cfg = self.study.experiment_config(trial.config)
+        except ConfigError as exc:  # the trial reports it and ends FAILED
+            cfg, tags = None, self.study.invalid_tags(trial.config, str(exc))
+        else:
+            tags = self.study.trial_tags(trial.config, cfg, commit=self._commit)
         tags["prvrlab.trial_id"] = trial_id
         run_id = self.tracker.start_run(self.study.run_name(trial_id, trial.config), tags=tags, parent_run_id=self.runs.parent)
-        self.tracker.log_params(run_id, cfg.flat())
+        if cfg is not None:
+            self.tracker.log_params(run_id, cfg.flat())
         self.runs.trials[trial_id] = run_id
         self.runs.save()
         self._open.add(trial_id)
@@ -130,6 +137,8 @@ class MlflowStudyCallback(Callback):
         outcome = trial_outcome(trial.last_result)
         if outcome == "early_stopped" and INTERRUPTED.is_set():
             self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"})
+        elif outcome == "invalid":
+            self.close(trial, "FAILED", {"prvrlab.status": "error", "error": str(trial.last_result.get("error", "invalid config"))})
         elif outcome == "nonfinite":
             error = str(trial.last_result.get("error", "non-finite loss"))
             self.close(trial, "FAILED", {"prvrlab.status": "nonfinite", "error": error})

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 STUDY_FILE = "study.json"
+FAILED_OUTCOMES = ("nonfinite", "invalid")  # trials that ended without an error but count as failed
 INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
 
 
@@ -57,12 +58,13 @@ class RunMap:
 
 
 def trial_outcome(last_result: dict[str, Any] | None) -> str:
-    """'finished', 'nonfinite' or 'early_stopped' for a trial that ended without an error."""
+    """'finished', 'nonfinite', 'invalid' (config rejected) or 'early_stopped' for a trial that ended
+    without an error."""
     kind = (last_result or {}).get("kind")
     if kind == "final":
         return "finished"
-    if kind == "nonfinite":
-        return "nonfinite"
+    if kind in FAILED_OUTCOMES:
+        return kind
     return "early_stopped"
 
 

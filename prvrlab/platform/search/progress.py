@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ray.tune import Callback
 
-from prvrlab.platform.search.outcome import trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, trial_outcome
 
 
 class ProgressCallback(Callback):
@@ -41,7 +41,7 @@ class ProgressCallback(Callback):
         for t in trials:
             status = ("ERROR" if error else "TERMINATED") if t is ended else t.status
             if status == "TERMINATED":
-                if trial_outcome(t.last_result) == "nonfinite":
+                if trial_outcome(t.last_result) in FAILED_OUTCOMES:
                     failed += 1
                 else:
                     done += 1
@@ -86,7 +86,7 @@ class ProgressCallback(Callback):
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         """The trial's outcome and the new counts."""
         outcome = trial_outcome(trial.last_result)
-        extra = f": {trial.last_result.get('error')}" if outcome == "nonfinite" else ""
+        extra = f": {trial.last_result.get('error')}" if outcome in FAILED_OUTCOMES else ""
         self._echo(f"{outcome:<13} {trial.trial_id}{extra} | {self._counts(trials, ended=trial)}")
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:

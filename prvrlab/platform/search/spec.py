@@ -21,6 +21,8 @@ import functools
 import itertools
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.platform.config import (
     DATA_DERIVED,
     PLUGIN_DERIVED,
+    SECTIONS,
     ConfigError,
     ExperimentConfig,
     apply_overrides,
@@ -38,12 +41,14 @@ from prvrlab.platform.config import (
     read_yaml,
     validate,
 )
-from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, did_you_mean
+from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
 SCHEDULERS = ("none", "asha")
 SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a study name is a folder under results/search/
 SAMPLERS = ("tpe", "random", "grid")
+INT_PROBE_LIMIT = 64  # an int range this small has every value validated up front
+ORDER_OPS = (">", ">=", "<", "<=")
 
 SEARCH_KEYS = (
     "name", "base_config", "overrides", "metric", "mode", "budget", "concurrency",
@@ -79,7 +84,10 @@ class SearchParam:
         return trial.suggest_categorical(self.key, list(self.args))
 
     def probe_values(self) -> list[Any]:
-        """Values whose configs are validated up front (range ends, every choice)."""
+        """Values whose configs are validated up front (every value of a small int range or a
+        choice, the ends of other ranges)."""
+        if self.kind == "int" and self.args[1] - self.args[0] < INT_PROBE_LIMIT:
+            return list(range(self.args[0], self.args[1] + 1))
         return list(self.args)
 
 
@@ -149,12 +157,57 @@ class DefineByRun:
                 chosen[p.key] = p.suggest(trial)
 
 
-def _check_condition(expected: Any, where: str) -> None:
+def _check_condition(expected: Any, where: str, key_type: Any) -> None:
     if isinstance(expected, dict):
         if len(expected) != 1 or next(iter(expected)) not in CONDITION_OPS:
             raise ConfigError(
                 f"{where}: a condition mapping takes exactly one of {', '.join(CONDITION_OPS)}, got {expected!r}"
             )
+        ((op, value),) = expected.items()
+        if op in ORDER_OPS and not is_number(value):
+            raise ConfigError(f"{where}: '{op}' needs a number, got {value!r}")
+        if op in ORDER_OPS and _base_types(key_type) - {int, float}:
+            raise ConfigError(f"{where}: '{op}' compares numbers but the key is {key_type!r}")
+        if op in ("in", "not_in") and not isinstance(value, list):
+            raise ConfigError(f"{where}: '{op}' needs a list of values, got {value!r}")
+
+
+def _base_types(annotation: Any) -> set[Any]:
+    """The non-None types an annotation allows (``{Any}`` when unknown or not a plain type)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        out: set[Any] = set()
+        for arg in typing.get_args(annotation):
+            if arg is not type(None):
+                out |= _base_types(arg)
+        return out
+    return {annotation} if annotation in (int, float, bool, str) else {Any}
+
+
+def key_annotation(cfg: ExperimentConfig, key: str) -> Any:
+    """The declared type of a dotted config key: a section field or a registered constructor
+    parameter (``Any`` when unknown)."""
+    parts = key.split(".")
+    try:
+        if len(parts) == 2 and parts[0] in SECTIONS:
+            return typing.get_type_hints(SECTIONS[parts[0]]).get(parts[1], Any)
+        if len(parts) == 2 and parts[0] == "model":
+            param = BACKBONES.params(cfg.backbone).get(parts[1])
+        elif len(parts) == 3 and parts[0] == "plugins":
+            param = PLUGINS.params(parts[1]).get(parts[2])
+        elif len(parts) == 3 and parts[0] == "losses":
+            if parts[2] == "weight":
+                return float
+            param = LOSSES.params(cfg.losses[parts[1]]["loss"]).get(parts[2])
+        else:
+            return Any
+    except (RegistryError, KeyError):
+        return Any
+    return param.annotation if param is not None else Any
+
+
+def is_integer_key(cfg: ExperimentConfig, key: str) -> bool:
+    """Whether ``key`` only takes integers (``int`` or ``int | None``)."""
+    return _base_types(key_annotation(cfg, key)) == {int}
 
 
 @dataclass(frozen=True)
@@ -332,7 +385,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     }
 
 
-def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str]) -> SearchParam:
+def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str], base: ExperimentConfig) -> SearchParam:
     where = f"{path}: space.{key}"
     if key not in keys:
         raise ConfigError(f"{path}: space: unknown config key '{key}'{did_you_mean(key, keys)}")
@@ -346,6 +399,8 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
         raise ConfigError(f"{where}: expected exactly one of {', '.join(DISTRIBUTIONS)} (plus optional 'when'), got {kinds}{hint}")
     kind = kinds[0]
     args = raw[kind]
+    if kind in ("uniform", "loguniform") and is_integer_key(base, key):
+        raise ConfigError(f"{where}.{kind}: '{key}' is an integer key; sample it with {{int: [low, high]}} or a choice")
     if kind in ("choice", "grid"):
         if not isinstance(args, list) or not args:
             raise ConfigError(f"{where}.{kind}: expected a non-empty list of values, got {args!r}")
@@ -363,7 +418,7 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
     for cond_key, expected in when.items():
         if cond_key == key or (cond_key not in keys):
             raise ConfigError(f"{where}.when: unknown config key '{cond_key}'{did_you_mean(str(cond_key), keys)}")
-        _check_condition(expected, f"{where}.when.{cond_key}")
+        _check_condition(expected, f"{where}.when.{cond_key}", key_annotation(base, cond_key))
     param = SearchParam(key=key, kind=kind, args=args, when=dict(when))
     for value in param.probe_values():
         validate_with(base_raw, {key: value}, f"{where} = {value!r}")
@@ -383,7 +438,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
         raise ConfigError(f"{path}: space: expected at least one searched key")
     params: list[SearchParam] = []
     for key, value in space_raw.items():
-        param = _param(path, str(key), value, common["base_raw"], keys)
+        param = _param(path, str(key), value, common["base_raw"], keys, base)
         for cond_key in param.when:
             if cond_key in space_raw and cond_key not in [p.key for p in params]:
                 raise ConfigError(f"{path}: space.{key}.when: '{cond_key}' must be listed before '{key}'")

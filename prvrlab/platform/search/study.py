@@ -19,23 +19,27 @@ map (``study.json``) and, for a search, ``best_config.yaml``.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
 import re
 import signal
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from prvrlab.platform.config import ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
+from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
-from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, format_params, trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, INTERRUPTED, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.spec import StudyError, StudySpec
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
+STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the driver after each run
 
 
 def _components(cfg: ExperimentConfig) -> str:
@@ -126,6 +130,15 @@ class StudyContext:
             tags["prvrlab.sampled"] = format_params(config)
         return tags
 
+    def invalid_tags(self, config: dict[str, Any], error: str) -> dict[str, str]:
+        """Tags of the child run of a trial whose sampled config does not validate."""
+        tags = {"prvrlab.kind": "trial", "prvrlab.study": self.name, "prvrlab.study_kind": self.kind, "error": error}
+        if self.cells is not None:
+            tags["prvrlab.cell"] = str(config["cell"])
+        else:
+            tags["prvrlab.sampled"] = format_params(config)
+        return tags
+
 
 # ---------------------------------------------------------------- the trial
 
@@ -175,7 +188,11 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
     from prvrlab.platform.train.loop import train_worker
 
     trial_id = tune.get_context().get_trial_id()
-    cfg = study.experiment_config(config)
+    try:
+        cfg = study.experiment_config(config)
+    except ConfigError as exc:  # an invalid sample: one failed trial, not a retried crash
+        tune.report({"kind": "invalid", "error": str(exc)})
+        return
     run_dir = study.trial_dir(trial_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -232,6 +249,67 @@ def latest_study_dir(root: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def spec_hash(spec: StudySpec) -> str:
+    """Hash of a spec's resolved content (base config with overrides, space or variants, budget...)."""
+    fields = dataclasses.asdict(spec)
+    fields.pop("path")
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def state_sums(study_dir: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``<study>/tune`` (what a restore may unpickle)."""
+    tune_dir = study_dir / "tune"
+    files = sorted(p for p in tune_dir.rglob("*") if p.is_file() and not p.is_symlink()) if tune_dir.is_dir() else []
+    return {str(p.relative_to(study_dir)): _sha256(p) for p in files}
+
+
+def record_state(study_dir: Path) -> None:
+    """Write ``state.sha256`` (``<sha256>  <path>`` lines) for the current Tune state."""
+    lines = [f"{digest}  {rel}\n" for rel, digest in state_sums(study_dir).items()]
+    tmp = study_dir / (STATE_SUMS + ".tmp")
+    tmp.write_text("".join(lines))
+    os.replace(tmp, study_dir / STATE_SUMS)
+
+
+def _check_owner(path: Path) -> None:
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise StudyError(f"refusing to resume: {path} is a symbolic link")
+    if info.st_uid != os.getuid():
+        raise StudyError(f"refusing to resume: {path} is not owned by the current user")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StudyError(f"refusing to resume: {path} is writable by group or others")
+
+
+def verify_state(study_dir: Path) -> None:
+    """Refuse a study folder whose Tune state could have been planted: not ours, group/other
+    writable, or not matching the checksums the driver recorded (checked before anything is unpickled)."""
+    tune_dir = study_dir / "tune"
+    for path in [study_dir, *([tune_dir, *tune_dir.rglob("*")] if tune_dir.is_dir() else [])]:
+        _check_owner(path)
+    sums_file = study_dir / STATE_SUMS
+    if not sums_file.is_file():
+        raise StudyError(f"refusing to resume: {sums_file} is missing (the driver did not record its state); submit again without --resume")
+    _check_owner(sums_file)
+    recorded = {}
+    for line in sums_file.read_text().splitlines():
+        digest, _, rel = line.partition("  ")
+        recorded[rel] = digest
+    current = state_sums(study_dir)
+    for rel in sorted(set(recorded) | set(current)):
+        if recorded.get(rel) != current.get(rel):
+            change = "added" if rel not in recorded else "missing" if rel not in current else "modified"
+            raise StudyError(f"refusing to resume: {study_dir / rel} was {change} since the driver recorded {sums_file}")
+
+
 def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -> tuple[float, float]:
     """(CPUs, GPUs) per Train worker for ``spec`` on this cluster."""
     res = spec.resources
@@ -284,6 +362,13 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
         study_dir = latest_study_dir(root)
         if study_dir is None:
             raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {root}")
+        verify_state(study_dir)
+        recorded = RunMap(study_dir).meta.get("spec_hash")
+        if recorded is not None and recorded != spec_hash(spec):
+            raise StudyError(
+                f"refusing to resume: {study_dir} was run with a different '{spec.name}' spec; "
+                "submit it again without --resume to start a fresh study"
+            )
         echo(f"resuming {kind} '{spec.name}' from {study_dir}")
         return base, study_dir, True
     study_dir = root / _stamp()
@@ -319,7 +404,7 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
         tracker.log_params(run_id, params)
         tracker.log_artifacts(run_id, [spec.path], "spec")
     runs.parent = run_id
-    runs.meta.update({"kind": kind, "name": spec.name, "spec": str(spec.path)})
+    runs.meta.update({"kind": kind, "name": spec.name, "spec": str(spec.path), "spec_hash": spec_hash(spec)})
     runs.save()
     return run_id
 
@@ -379,6 +464,7 @@ def run_study(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    record_state(Path(study.study_dir))
     trials = _trials(tuner)
     if INTERRUPTED.is_set() or any(t.status in ("PENDING", "RUNNING", "PAUSED") for t in trials):
         interrupted = True
@@ -408,13 +494,16 @@ def _trials(tuner) -> list[Any]:
     return list(getattr(analysis, "trials", []) or [])
 
 
-def count_outcomes(trials) -> dict[str, int]:
-    """finished / early_stopped / failed / unfinished counts over Tune trials."""
+def count_outcomes(trials, killed: set[str] = frozenset()) -> dict[str, int]:
+    """finished / early_stopped / failed / unfinished counts over Tune trials (``killed``: trials
+    whose run the driver closed KILLED, i.e. ended by an interrupt, count as unfinished)."""
     counts = {"finished": 0, "early_stopped": 0, "failed": 0, "unfinished": 0}
     for t in trials:
-        if t.status == "TERMINATED":
+        if t.trial_id in killed:
+            counts["unfinished"] += 1
+        elif t.status == "TERMINATED":
             outcome = trial_outcome(t.last_result)
-            counts["failed" if outcome == "nonfinite" else outcome] += 1
+            counts["failed" if outcome in FAILED_OUTCOMES else outcome] += 1
         elif t.status == "ERROR":
             counts["failed"] += 1
         else:
@@ -458,6 +547,11 @@ def make_study(
     for cell in cells or {}:  # an ablation's configs are all known: resolve them once, here
         study.experiment_config({"cell": cell})
     return study
+
+
+def killed_trials(study_dir: Path) -> set[str]:
+    """Trials whose child run was closed KILLED (ended by an interrupt)."""
+    return {t for t, status in RunMap(study_dir).closed.items() if status == "KILLED"}
 
 
 def runs_for(study_dir: Path) -> dict[str, str]:

@@ -9,12 +9,13 @@ from typing import Any, Callable
 
 from ray.tune.search.optuna import OptunaSearch
 
-from prvrlab.platform.search.outcome import RunMap, format_params, trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.spec import SearchSpec
 from prvrlab.platform.search.study import (
     StudyContext,
     StudyResult,
     count_outcomes,
+    killed_trials,
     make_study,
     open_parent,
     prepare_environment,
@@ -27,12 +28,13 @@ from prvrlab.platform.search.study import (
 # ---------------------------------------------------------------- search
 
 
-def best_trial(trials, study: StudyContext) -> dict[str, Any] | None:
-    """The trial with the best value of the metric over all its reports (failed ones excluded)."""
+def best_trial(trials, study: StudyContext, killed: set[str] = frozenset()) -> dict[str, Any] | None:
+    """The trial with the best value of the metric over all its reports (failed ones and those
+    ended by an interrupt, ``killed``, excluded)."""
     better = (lambda a, b: a > b) if study.mode == "max" else (lambda a, b: a < b)
     best = None
     for t in trials:
-        if t.status != "TERMINATED" or trial_outcome(t.last_result) == "nonfinite":
+        if t.status != "TERMINATED" or t.trial_id in killed or trial_outcome(t.last_result) in FAILED_OUTCOMES:
             continue
         value = t.metric_analysis.get(study.metric, {}).get(study.mode)
         if value is None or not math.isfinite(value):
@@ -135,8 +137,9 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
             progress=progress,
         )
         trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
-        counts = count_outcomes(trials)
-        best = best_trial(trials, study)
+        killed = killed_trials(study_dir)
+        counts = count_outcomes(trials, killed)
+        best = best_trial(trials, study, killed)
         summary = {f"trials/{k}": v for k, v in counts.items()}
         if best is not None:
             path = write_best_config(study, best, spec)

@@ -1,6 +1,5 @@
 """MLflow helpers: absolute URIs, run lifecycle."""
 
-from pathlib import Path
 
 import pytest
 

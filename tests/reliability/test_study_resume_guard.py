@@ -1,0 +1,76 @@
+"""``--resume`` refuses planted or foreign Tune state and another spec's study (issue 11, items 8 and 9)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from prvrlab.platform.cli import main
+from prvrlab.platform.search.outcome import RunMap
+from prvrlab.platform.search.spec import load_search_spec
+from prvrlab.platform.search.study import record_state, spec_hash, study_root, verify_state
+
+from search_helpers import tiny_spec
+
+
+class Planted:
+    """A pickle that creates a marker file when loaded."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _study(tmp_path, tiny_root, **fields):
+    """A spec and a fake earlier submission folder with recorded Tune state."""
+    path = tiny_spec(tmp_path, tiny_root, name="guard", **fields)
+    spec = load_search_spec(path)
+    study_dir = study_root(tmp_path / "results", "search", "guard") / "20250101-000000"
+    (study_dir / "tune").mkdir(parents=True)
+    (study_dir / "tune" / "experiment_state-1.json").write_text("{}")
+    runs = RunMap(study_dir)
+    runs.meta["spec_hash"] = spec_hash(spec)
+    runs.save()
+    record_state(study_dir)
+    verify_state(study_dir)
+    return path, study_dir
+
+
+def test_planted_pickle_is_refused_before_unpickling(tmp_path, tiny_root, capsys):
+    path, study_dir = _study(tmp_path, tiny_root)
+    marker = tmp_path / "pwned"
+    (study_dir / "tune" / "tuner.pkl").write_bytes(pickle.dumps(Planted(str(marker))))
+    assert main(["search", str(path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "tuner.pkl" in err and "refusing to resume" in err
+    assert not marker.exists()
+
+
+def test_modified_state_or_missing_checksums_are_refused(tmp_path, tiny_root, capsys):
+    path, study_dir = _study(tmp_path, tiny_root)
+    (study_dir / "tune" / "experiment_state-1.json").write_text('{"x": 1}')
+    assert main(["search", str(path), "--resume"]) == 2
+    assert "experiment_state-1.json was modified" in capsys.readouterr().err
+    (study_dir / "state.sha256").unlink()
+    assert main(["search", str(path), "--resume"]) == 2
+    assert "state.sha256 is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["", "tune", "tune/experiment_state-1.json"])
+def test_world_writable_study_is_refused(tmp_path, tiny_root, capsys, where):
+    path, study_dir = _study(tmp_path, tiny_root)
+    target = study_dir / where
+    os.chmod(target, target.stat().st_mode | 0o002)
+    assert main(["search", str(path), "--resume"]) == 2
+    assert "writable by group or others" in capsys.readouterr().err
+
+
+def test_resume_with_another_spec_of_the_same_name_is_refused(tmp_path, tiny_root, capsys):
+    path, _ = _study(tmp_path, tiny_root)
+    tiny_spec(tmp_path, tiny_root, name="guard", space={"train.lr": {"loguniform": [1e-4, 1e-3]}})
+    assert main(["search", str(path), "--resume"]) == 2
+    assert "different 'guard' spec" in capsys.readouterr().err
