@@ -57,8 +57,38 @@ def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
     return collection
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def ray_bind_address() -> str:
+    """Where a locally started cluster listens: ``$PRVRLAB_RAY_BIND``, loopback by default.
+
+    ``0.0.0.0`` keeps Ray's own choice (every interface, for nodes joining from
+    other machines); another address is used as the node's IP.
+    """
+    return os.environ.get("PRVRLAB_RAY_BIND") or "127.0.0.1"
+
+
+def _local_node_ip(bind: str) -> str | None:
+    """The ``_node_ip_address`` for ``ray.init``; for loopback, make Ray keep it.
+
+    Ray replaces a loopback node IP with the machine's address unless single-node
+    mode is on (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when ray is imported),
+    and its servers bind to every interface unless the node IP is 127.0.0.1.
+    """
+    if bind == "0.0.0.0":
+        return None
+    if bind in LOOPBACK:
+        from ray._private import ray_constants
+
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        return "127.0.0.1"
+    return bind
+
+
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster at $RAY_ADDRESS, or start a quiet local one."""
+    """Join the cluster at $RAY_ADDRESS, or start a quiet local one bound to :func:`ray_bind_address`."""
     import ray
 
     if ray.is_initialized():
@@ -74,4 +104,5 @@ def ensure_ray(num_cpus: int | None = None) -> None:
             log_to_driver=False,
             logging_level="ERROR",
             configure_logging=True,
+            _node_ip_address=_local_node_ip(ray_bind_address()),
         )
