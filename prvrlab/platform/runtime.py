@@ -5,8 +5,11 @@ Shared by training, searches and ablations (the driver side only).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 from pathlib import Path
 
 from prvrlab.platform.config import ExperimentConfig
@@ -93,6 +96,30 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
+    with _keep_sigterm_handler():
+        _init_ray(num_cpus)
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """Put back the caller's SIGTERM handler, which ``ray.init`` replaces with its own.
+
+    Ray's handler exits from inside the signal handler (the process then aborts
+    and open MLflow runs stay RUNNING); the CLI's raises KeyboardInterrupt, so
+    runs close as KILLED and Ray shuts down at exit.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        yield
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(num_cpus: int | None) -> None:
+    import ray
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if os.environ.get("RAY_ADDRESS"):
