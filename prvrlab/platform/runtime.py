@@ -5,8 +5,11 @@ Shared by training, searches and ablations (the driver side only).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 from pathlib import Path
 
 from prvrlab.platform.config import ExperimentConfig
@@ -57,12 +60,66 @@ def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
     return collection
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def ray_bind_address() -> str:
+    """Where a locally started cluster listens: ``$PRVRLAB_RAY_BIND``, loopback by default.
+
+    ``0.0.0.0`` keeps Ray's own choice (every interface, for nodes joining from
+    other machines); another address is used as the node's IP.
+    """
+    return os.environ.get("PRVRLAB_RAY_BIND") or "127.0.0.1"
+
+
+def _local_node_ip(bind: str) -> str | None:
+    """The ``_node_ip_address`` for ``ray.init``; for loopback, make Ray keep it.
+
+    Ray replaces a loopback node IP with the machine's address unless single-node
+    mode is on (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when ray is imported),
+    and its servers bind to every interface unless the node IP is 127.0.0.1.
+    """
+    if bind == "0.0.0.0":
+        return None
+    if bind in LOOPBACK:
+        from ray._private import ray_constants
+
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        return "127.0.0.1"
+    return bind
+
+
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster at $RAY_ADDRESS, or start a quiet local one."""
+    """Join the cluster at $RAY_ADDRESS, or start a quiet local one bound to :func:`ray_bind_address`."""
     import ray
 
     if ray.is_initialized():
         return
+    with _keep_sigterm_handler():
+        _init_ray(num_cpus)
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """Put back the caller's SIGTERM handler, which ``ray.init`` replaces with its own.
+
+    Ray's handler exits from inside the signal handler (the process then aborts
+    and open MLflow runs stay RUNNING); the CLI's raises KeyboardInterrupt, so
+    runs close as KILLED and Ray shuts down at exit.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        yield
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(num_cpus: int | None) -> None:
+    import ray
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if os.environ.get("RAY_ADDRESS"):
@@ -74,4 +131,5 @@ def ensure_ray(num_cpus: int | None = None) -> None:
             log_to_driver=False,
             logging_level="ERROR",
             configure_logging=True,
+            _node_ip_address=_local_node_ip(ray_bind_address()),
         )

@@ -61,6 +61,24 @@ def cpus_per_worker(cfg: ExperimentConfig, cluster_cpus: float, reserved: float 
     return float(int(share)) if share >= 1 else round(share, 3)
 
 
+def check_resources(cfg: ExperimentConfig, cluster: dict[str, float]) -> None:
+    """Raise ConfigError naming the key when ``cfg`` asks for more than ``cluster`` has."""
+    workers = cfg.train.num_workers
+    cpus = float(cluster.get("CPU", 0))
+    gpus = float(cluster.get("GPU", 0))
+    if cfg.train.use_gpu and gpus < workers:
+        raise ConfigError(
+            f"train.use_gpu=true needs {workers} GPU(s) (1 per worker, train.num_workers={workers}); "
+            f"the cluster has {gpus:g} GPUs"
+        )
+    per_worker = cfg.train.cpus_per_worker
+    if per_worker is not None and per_worker * workers > cpus:
+        raise ConfigError(
+            f"train.cpus_per_worker={per_worker:g} x train.num_workers={workers} needs {per_worker * workers:g} CPUs; "
+            f"the cluster has {cpus:g} CPUs"
+        )
+
+
 def format_epoch_line(m: dict[str, Any], epochs: int) -> str:
     """One concise line per epoch."""
     terms = " ".join(
@@ -119,6 +137,7 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
     from prvrlab.platform.train.loop import fault_hook_from_env, train_worker
 
     ensure_ray()
+    check_resources(cfg, ray.cluster_resources())
     cpus = cpus_per_worker(cfg, float(ray.cluster_resources().get("CPU", os.cpu_count() or 1)))
     reports = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
@@ -197,6 +216,11 @@ def train(
     """Train ``cfg`` and record it as one MLflow run; raises TrainingError on failure."""
     cfg = resolve_config_paths(cfg)
     prepare_data(cfg, progress=echo is not None)
+    if use_ray:
+        import ray
+
+        ensure_ray()
+        check_resources(cfg, ray.cluster_resources())
     name = run_name_for(cfg)
     tracker = Tracker(cfg.tracking.uri or resolve_tracking_uri(None), cfg.tracking.experiment)
     check_storage(cfg.tracking.storage_path)
