@@ -9,7 +9,7 @@ import pytest
 
 from prvrlab.platform.cli import main
 from prvrlab.platform.search.outcome import RunMap
-from prvrlab.platform.search.spec import load_search_spec
+from prvrlab.platform.search.spec import StudyError, load_search_spec
 from prvrlab.platform.search.study import record_state, spec_hash, study_root, verify_state
 
 from search_helpers import tiny_spec
@@ -52,12 +52,17 @@ def test_planted_pickle_is_refused_before_unpickling(tmp_path, tiny_root, capsys
 
 def test_modified_state_or_missing_checksums_are_refused(tmp_path, tiny_root, capsys):
     path, study_dir = _study(tmp_path, tiny_root)
+    original = (study_dir / "tune" / "experiment_state-1.json").read_text()
     (study_dir / "tune" / "experiment_state-1.json").write_text('{"x": 1}')
     assert main(["search", str(path), "--resume"]) == 2
     assert "experiment_state-1.json was modified" in capsys.readouterr().err
-    (study_dir / "state.sha256").unlink()
-    assert main(["search", str(path), "--resume"]) == 2
-    assert "state.sha256 is missing" in capsys.readouterr().err
+    (study_dir / "tune" / "experiment_state-1.json").write_text(original)
+    assert verify_state(study_dir) is None  # back to what the driver recorded
+    (study_dir / "state.sha256").unlink()  # a hard-killed driver records nothing: permissions only, with a warning
+    assert "state.sha256 is missing" in verify_state(study_dir)
+    os.chmod(study_dir / "tune", 0o777)
+    with pytest.raises(StudyError, match="writable by group or others"):
+        verify_state(study_dir)
 
 
 @pytest.mark.parametrize("where", ["", "tune", "tune/experiment_state-1.json"])

@@ -289,15 +289,22 @@ def _check_owner(path: Path) -> None:
         raise StudyError(f"refusing to resume: {path} is writable by group or others")
 
 
-def verify_state(study_dir: Path) -> None:
+def verify_state(study_dir: Path) -> str | None:
     """Refuse a study folder whose Tune state could have been planted: not ours, group/other
-    writable, or not matching the checksums the driver recorded (checked before anything is unpickled)."""
+    writable, or not matching the checksums the driver recorded (checked before anything is unpickled).
+
+    A driver that was killed hard (SIGKILL, node loss) could not record its last state: then only
+    ownership and permissions are checked, and the returned warning says so (None otherwise).
+    """
     tune_dir = study_dir / "tune"
     for path in [study_dir, *([tune_dir, *tune_dir.rglob("*")] if tune_dir.is_dir() else [])]:
         _check_owner(path)
     sums_file = study_dir / STATE_SUMS
     if not sums_file.is_file():
-        raise StudyError(f"refusing to resume: {sums_file} is missing (the driver did not record its state); submit again without --resume")
+        return (
+            f"warning: {sums_file} is missing (the previous driver was killed before it could record its state); "
+            "resuming on ownership and permission checks only"
+        )
     _check_owner(sums_file)
     recorded = {}
     for line in sums_file.read_text().splitlines():
@@ -308,6 +315,7 @@ def verify_state(study_dir: Path) -> None:
         if recorded.get(rel) != current.get(rel):
             change = "added" if rel not in recorded else "missing" if rel not in current else "modified"
             raise StudyError(f"refusing to resume: {study_dir / rel} was {change} since the driver recorded {sums_file}")
+    return None
 
 
 def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -> tuple[float, float]:
@@ -362,7 +370,9 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
         study_dir = latest_study_dir(root)
         if study_dir is None:
             raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {root}")
-        verify_state(study_dir)
+        warning = verify_state(study_dir)
+        if warning:
+            echo(warning)
         recorded = RunMap(study_dir).meta.get("spec_hash")
         if recorded is not None and recorded != spec_hash(spec):
             raise StudyError(
@@ -455,6 +465,7 @@ def run_study(
         )
     interrupted = False
     INTERRUPTED.clear()
+    (Path(study.study_dir) / STATE_SUMS).unlink(missing_ok=True)  # stale once Tune writes again; re-recorded at the end
     previous = _sigterm_as_sigint()
     try:
         results = tuner.fit()
