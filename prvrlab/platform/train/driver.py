@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
+from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
 
@@ -225,7 +226,10 @@ def train(
     tracker = Tracker(cfg.tracking.uri or resolve_tracking_uri(None), cfg.tracking.experiment)
     check_storage(cfg.tracking.storage_path)
     with store_errors(tracker.uri):
-        run_id = tracker.start_run(name, tags=run_tags(cfg), parent_run_id=parent_run_id)
+        for orphan in close_dead_runs(tracker):
+            if echo:
+                echo(f"closed run {orphan} as KILLED: its driver died without closing it")
+        run_id = tracker.start_run(name, tags={**run_tags(cfg), **driver_tags()}, parent_run_id=parent_run_id)
     run_dir = Path(cfg.tracking.storage_path) / name / "files"
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:

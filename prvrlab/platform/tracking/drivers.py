@@ -1,0 +1,63 @@
+"""Runs whose driver died without closing them (SIGKILL, OOM killer, power loss).
+
+Every training run records which process drives it (host, pid and the
+process's start time, so a reused pid is not mistaken for the driver).  The
+next ``prvrlab train`` against the same experiment closes runs left RUNNING
+by drivers of this host that no longer exist, as KILLED with the reason.
+Drivers on other hosts are left alone (nothing here can tell whether they live).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+HOST_TAG, PID_TAG, START_TAG = "prvrlab.driver_host", "prvrlab.driver_pid", "prvrlab.driver_start"
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), '' where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[19]  # field 22 of stat(5), counted after the command name
+    except (OSError, IndexError):
+        return ""
+
+
+def driver_tags() -> dict[str, str]:
+    """Tags naming this process as a run's driver."""
+    pid = os.getpid()
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), START_TAG: _start_time(pid)}
+
+
+def driver_alive(tags: dict[str, str]) -> bool | None:
+    """Whether the driver named by ``tags`` still runs (None: another host, or no driver tags)."""
+    if tags.get(HOST_TAG) != socket.gethostname() or not tags.get(PID_TAG, "").isdigit():
+        return None
+    pid = int(tags[PID_TAG])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    recorded = tags.get(START_TAG, "")
+    return not recorded or _start_time(pid) in ("", recorded)
+
+
+def close_dead_runs(tracker, kind: str = "train") -> list[str]:
+    """Close this experiment's RUNNING ``kind`` runs whose driver on this host is gone; their ids."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=f"attributes.status = 'RUNNING' and tags.`prvrlab.kind` = '{kind}'",
+        max_results=1000,
+    )
+    closed = []
+    for run in runs:
+        if driver_alive(run.data.tags) is False:
+            reason = f"its driver (pid {run.data.tags[PID_TAG]} on {run.data.tags[HOST_TAG]}) died without closing it"
+            tracker.set_tags(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": reason})
+            tracker.end_run(run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    return closed
