@@ -79,15 +79,14 @@ def _local_node_ip(bind: str) -> str | None:
     mode is on (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when ray is imported),
     and its servers bind to every interface unless the node IP is 127.0.0.1.
     """
+    from ray._private import ray_constants
+
+    single_node = bind in LOOPBACK  # set both ways: an earlier loopback cluster of this process may have set it
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0" if single_node else "1"
+    ray_constants.ENABLE_RAY_CLUSTER = not single_node
     if bind == "0.0.0.0":
         return None
-    if bind in LOOPBACK:
-        from ray._private import ray_constants
-
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        ray_constants.ENABLE_RAY_CLUSTER = False
-        return "127.0.0.1"
-    return bind
+    return "127.0.0.1" if single_node else bind
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
