@@ -172,6 +172,12 @@ class BigFile:
         rows = self._rows[self._offsets[i] : self._offsets[i + 1]]  # (n,)
         return np.asarray(self._memmap()[rows], dtype=np.float32)  # (n, D)
 
+    def videos_of_row(self, row: int) -> list[str]:
+        """The video ids whose frames include row ``row`` of ``feature.bin``."""
+        positions = np.flatnonzero(self._rows == row)
+        owners = np.searchsorted(self._offsets, positions, side="right") - 1
+        return [self._video_ids[int(i)] for i in dict.fromkeys(owners.tolist())]
+
     def close(self) -> None:
         """Drop the memory map (it is reopened on the next read)."""
         self._mm = None

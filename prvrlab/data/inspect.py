@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from prvrlab.data.collection import SplitIndex, configured_splits, open_collection
+from prvrlab.data.integrity import check_visual_features
 from prvrlab.evaluation.metrics import GROUPS, ratio_groups
 
 if TYPE_CHECKING:
@@ -128,11 +129,13 @@ def inspect_collection(cfg: "DataConfig", splits: Sequence[str] | None = None) -
     Checks ``splits`` (default: the configured train/val/test splits) fully:
     feature.bin size against shape.txt, id.txt and video2frames.txt
     consistency, a caption whose video has no features, a query id missing
-    from the query HDF5, dimension mismatches, empty videos or queries.  The
+    from the query HDF5, dimension mismatches, empty videos or queries,
+    zero-frame videos and NaN/inf features anywhere in the store.  The
     first problem raises :class:`DataError` naming the file and the id.
     Never generates synthetic data.
     """
     collection = open_collection(cfg, validate_splits=False, allow_synthesize=False)
+    check_visual_features(collection.visual)
     names = list(splits) if splits is not None else configured_splits(cfg)
     indexes = [collection.split(n) for n in names]
     collection.close()

@@ -45,9 +45,11 @@ def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
     """Write the synthetic collection if asked and missing; open and check the data.
 
     Returns the opened collection (so the caller knows the dimensions).
-    Raises DataError naming the file when the data is missing or corrupt.
+    Raises DataError naming the file when the data is missing or corrupt,
+    a video has no frame or a feature is NaN/inf.
     """
     from prvrlab.data.collection import open_collection
+    from prvrlab.data.integrity import check_visual_features
 
     root = Path(cfg.data.root)
     if cfg.data.synthesize and not (root / "TextData").is_dir():
@@ -55,6 +57,7 @@ def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
 
         synthesize(root, preset=cfg.data.synthesize, seed=cfg.data.synth_seed, progress=progress)
     collection = open_collection(cfg.data)
+    check_visual_features(collection.visual, progress=None if progress else False)
     for split in {cfg.data.train_split, cfg.data.val_split}:
         collection.split(split)
     return collection

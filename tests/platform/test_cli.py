@@ -127,3 +127,19 @@ def test_sigterm_closes_the_run_as_killed(tiny_root, tmp_path):
     tracker = Tracker(raw["tracking"]["uri"], raw["tracking"]["experiment"])
     (run,) = tracker.client.search_runs([tracker.experiment_id])
     assert run.info.status == "KILLED"
+
+
+def test_nan_features_refuse_training_before_a_run_is_recorded(tiny_root, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PRVRLAB_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "copy"
+    shutil.copytree(tiny_root, root)
+    feature_bin = next(root.glob("FeatureData/*/feature.bin"))
+    data = bytearray(feature_bin.read_bytes())
+    data[8:12] = b"\x00\x00\xc0\x7f"  # NaN in row 0
+    feature_bin.write_bytes(bytes(data))
+    raw = small_raw(root, tmp_path)
+    cfg = write_config(tmp_path / "c.yaml", raw)
+    assert main(["train", str(cfg), "--no-ray"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "feature.bin: non-finite value" in err and "row 0" in err and len(err.strip().splitlines()) == 1
+    assert run_count(raw) == 0

@@ -1,0 +1,113 @@
+"""Whole-store checks of visual features: zero-frame videos and non-finite values.
+
+:func:`check_visual_features` scans every frame once, in chunks of the memory
+map (BigFile) or per video (HDF5), and raises :class:`DataError` naming the
+file, the video id and the row.  A clean result is remembered in a small JSON
+cache keyed by the file's size and mtime, so an unchanged store is not
+rescanned; a cache whose size or mtime differ is ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from prvrlab.data.errors import DataError
+from prvrlab.data.features import VisualFeatures
+
+CHUNK_BYTES = 64 << 20
+
+
+def cache_dir() -> Path:
+    """Where scan results are cached: ``$PRVRLAB_CACHE_DIR`` or ``~/.cache/prvrlab``."""
+    return Path(os.environ.get("PRVRLAB_CACHE_DIR") or Path.home() / ".cache" / "prvrlab") / "feature-checks"
+
+
+def _data_file(visual: VisualFeatures) -> Path:
+    return visual.path / "feature.bin" if visual.format == "bigfile" else visual.path
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _cache_file(path: Path) -> Path:
+    return cache_dir() / (hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16] + ".json")
+
+
+def _cached_clean(path: Path) -> bool:
+    try:
+        return json.loads(_cache_file(path).read_text()) == {**_stamp(path), "finite": True}
+    except (OSError, ValueError):
+        return False
+
+
+def _remember_clean(path: Path) -> None:
+    try:
+        target = _cache_file(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({**_stamp(path), "finite": True}))
+    except OSError:
+        pass
+
+
+def zero_frame_videos(visual: VisualFeatures) -> list[str]:
+    """Video ids listed with no frame, in store order."""
+    return [v for v, n in visual.frame_counts().items() if n == 0]
+
+
+def check_visual_features(visual: VisualFeatures, *, progress: bool | None = None, use_cache: bool = True) -> None:
+    """Raise DataError for a zero-frame video or a NaN/inf value anywhere in ``visual``.
+
+    ``progress`` (default: stderr is a TTY) prints one updating progress line.
+    """
+    empty = zero_frame_videos(visual)
+    if empty:
+        where = visual.path / "video2frames.txt" if visual.format == "bigfile" else visual.path
+        raise DataError(f"{where}: video {empty[0]!r} has no frame ({len(empty)} zero-frame videos in total)")
+    path = _data_file(visual)
+    if use_cache and _cached_clean(path):
+        return
+    show = sys.stderr.isatty() if progress is None else progress
+    if visual.format == "bigfile":
+        _scan_bigfile(visual, path, show)
+    else:
+        _scan_videos(visual, show)
+    if show:
+        print(file=sys.stderr)
+    _remember_clean(path)
+
+
+def _progress(show: bool, path: Path, done: int, total: int) -> None:
+    if show:
+        print(f"\rchecking {path.name} for NaN/inf: {100 * done // max(total, 1)}%", end="", file=sys.stderr, flush=True)
+
+
+def _scan_bigfile(visual, path: Path, show: bool) -> None:
+    mm = np.memmap(path, dtype="<f4", mode="r", shape=(visual.num_rows, visual.dim))
+    step = max(1, CHUNK_BYTES // (4 * visual.dim))
+    for start in range(0, visual.num_rows, step):
+        bad = np.flatnonzero(~np.isfinite(mm[start : start + step]).all(axis=1))
+        if bad.size:
+            row = start + int(bad[0])
+            videos = visual.videos_of_row(row)
+            owner = repr(videos[0]) if videos else "(no video)"
+            raise DataError(f"{path}: non-finite value (NaN/inf) in row {row}, a frame of video {owner}")
+        _progress(show, path, start + step, visual.num_rows)
+
+
+def _scan_videos(visual: VisualFeatures, show: bool) -> None:
+    ids = visual.video_ids()
+    for i, vid in enumerate(ids):
+        bad = np.flatnonzero(~np.isfinite(visual.frames(vid)).all(axis=1))
+        if bad.size:
+            raise DataError(f"{visual.path}: non-finite value (NaN/inf) in video {vid!r}, row {int(bad[0])}")
+        if i % 256 == 0:
+            _progress(show, visual.path, i, len(ids))
+    visual.close()
