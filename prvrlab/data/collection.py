@@ -26,6 +26,7 @@ from prvrlab.data.preprocess import LastBin
 from prvrlab.data.text import (
     QueryFeatures,
     caption_path,
+    missing_split_message,
     moment_ratios,
     read_captions,
     read_timestamps,
@@ -135,6 +136,8 @@ class Collection:
 
     def _build_split(self, name: str) -> SplitIndex:
         path = self.caption_file(name)
+        if not path.is_file():
+            raise DataError(missing_split_message(self.text_dir, self.name, name))
         captions = read_captions(path)
         if not captions:
             raise DataError(f"{path}: no caption")

@@ -14,6 +14,7 @@ Files of a collection ``<c>`` under ``TextData/``:
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Iterable
@@ -32,6 +33,24 @@ def video_id_of(cap_id: str) -> str:
 def caption_path(text_dir: str | Path, collection: str, split: str) -> Path:
     """``TextData/<collection><split>.caption.txt``."""
     return Path(text_dir) / f"{collection}{split}.caption.txt"
+
+
+def caption_splits(text_dir: str | Path, collection: str) -> list[str]:
+    """The splits of ``collection`` that have a caption file: train, val, test first, then the rest."""
+    suffix = ".caption.txt"
+    names = {p.name[len(collection) : -len(suffix)] for p in Path(text_dir).glob(f"{collection}*{suffix}")}
+    usual = [n for n in ("train", "val", "test") if n in names]
+    return usual + sorted(names - set(usual))
+
+
+def missing_split_message(text_dir: str | Path, collection: str, split: str) -> str:
+    """Why split ``split`` cannot be read: the splits that exist, and the closest one."""
+    known = caption_splits(text_dir, collection)
+    if not known:
+        return f"split {split!r} not found: no caption file {collection}<split>.caption.txt in {text_dir}"
+    close = difflib.get_close_matches(split, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"split {split!r} not found in {text_dir}; splits with captions: {', '.join(known)}{hint}"
 
 
 def timestamps_path(text_dir: str | Path, collection: str, split: str) -> Path:

@@ -16,6 +16,20 @@ from typing import Any, Sequence
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
+DESCRIPTION = (
+    "prvrlab: train, tune, ablate and evaluate Partially Relevant Video Retrieval models "
+    "(PyTorch, Ray, MLflow), and check the video/query feature collections they read."
+)
+EPILOG = """examples:
+  prvrlab data synth --preset tiny --out data/synth         write a small synthetic collection
+  prvrlab data inspect --root data/tvr --collection tvr     check and summarise a released collection
+  prvrlab train configs/x.yaml --set train.lr=1e-4          train one config (tracked in MLflow)
+  prvrlab search search_spaces/x.yaml                       run a hyperparameter search on Ray Tune
+  prvrlab eval results/<run>/best_model.pt --split test     evaluate a saved model on a split
+  prvrlab report --spec search_spaces/x.yaml                write the report of the latest study
+
+Bad input (missing or corrupt files, invalid configs) ends with one line and exit status 2."""
+
 
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
     from prvrlab.platform.config import parse_override
@@ -192,6 +206,7 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from prvrlab.data.inspect import inspect_collection
     from prvrlab.data.config import DataConfig
+    from prvrlab.data.text import caption_splits
     from prvrlab.platform.config import load_config
 
     splits = None
@@ -204,16 +219,16 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             visual_feature=args.visual_feature,
             text_feature=args.text_feature,
         )
-        suffix = ".caption.txt"
-        found = Path(args.root, "TextData").glob(f"{args.collection}*{suffix}")
-        splits = sorted(p.name[len(args.collection) : -len(suffix)] for p in found) or None
+        splits = caption_splits(Path(args.root, "TextData"), args.collection) or None
     report = inspect_collection(data, splits=splits)
     print(report.format())
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prvrlab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="prvrlab", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train one config with Ray Train (DDP) and log it to MLflow")
@@ -239,10 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved model (best_model.pt) on a split")
     p.add_argument("checkpoint", help="best_model.pt written by a training run")
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="split to evaluate, e.g. val or test (default test)")
     p.add_argument("--data-root", default=None, help="use features from here instead of the run's data.root")
     p.add_argument("--ranks", default=None, help="write per-query ranks to this Parquet file")
-    p.add_argument("--amp", choices=["none", "bf16"], default="none")
+    p.add_argument("--amp", choices=["none", "bf16"], default="none", help="autocast precision of the forward pass (default none)")
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     p.set_defaults(func=cmd_eval)
 
@@ -273,25 +288,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="synthetic data, conversion and checks").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("synth", help="write a synthetic PRVR collection in the public release layout")
-    p.add_argument("--out", default="data/synth")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--out", default="data/synth", help="output folder (default data/synth)")
+    p.add_argument("--preset", default="small", help="size preset, e.g. tiny or small (default small)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_data_synth)
 
     p = data.add_parser("convert", help="convert a BigFile feature folder to one HDF5 file")
     p.add_argument("src", help="BigFile folder (feature.bin, shape.txt, id.txt, video2frames.txt)")
     p.add_argument("dst", help="output .hdf5 file (one dataset per video)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_data_convert)
 
     p = data.add_parser("inspect", help="summarise and check a collection")
     p.add_argument("--config", default=None, help="take the data section of this experiment config")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--root", default="data/synth")
-    p.add_argument("--collection", default="synth")
-    p.add_argument("--visual-feature", default="synth_feat")
-    p.add_argument("--text-feature", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override of --config, repeatable")
+    p.add_argument("--root", default="data/synth", help="folder holding FeatureData/ and TextData/ (default data/synth)")
+    p.add_argument("--collection", default="synth", help="collection name, the caption file prefix (default synth)")
+    p.add_argument("--visual-feature", default="synth_feat", help="FeatureData/ BigFile folder or .hdf5 file")
+    p.add_argument("--text-feature", default=None, help="query feature file (default TextData/roberta_<collection>_query_feat.hdf5)")
     p.set_defaults(func=cmd_data_inspect)
     return parser
 

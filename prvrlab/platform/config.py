@@ -500,7 +500,7 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             child = node.get(part)
             if child is None:
                 if i == 0 and part not in TOP_LEVEL:
-                    raise ConfigError(f"unknown key '{dotted}'{did_you_mean(part, TOP_LEVEL)}")
+                    raise ConfigError(f"--set {dotted}: unknown key{did_you_mean(part, TOP_LEVEL)}")
                 child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(f"cannot set '{dotted}': '{'.'.join(parts[: i + 1])}' is not a mapping")
@@ -580,8 +580,24 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, pr
             raw = apply_preset(raw, preset)
         except ValueError as exc:
             raise ConfigError(f"--preset: {exc}") from None
-    raw = apply_overrides(raw, overrides or {})
+    overrides = overrides or {}
+    check_override_keys(overrides)
+    raw = apply_overrides(raw, overrides)
     try:
         return validate(raw)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        culprit = next((k for k in overrides if f"'{k}'" in str(exc) or str(exc).startswith(f"{k}:")), None)
+        raise ConfigError(f"--set {culprit}: {exc}" if culprit else f"{path}: {exc}") from None
+
+
+def check_override_keys(overrides: dict[str, Any]) -> None:
+    """A ConfigError naming ``--set`` and the full dotted key for an unknown section key."""
+    for dotted in overrides:
+        section, _, key = dotted.partition(".")
+        if section in SECTIONS and key:
+            names = [f"{section}.{f.name}" for f in dataclasses.fields(SECTIONS[section])]
+            if dotted not in names:
+                raise ConfigError(
+                    f"--set {dotted}: unknown key{did_you_mean(dotted, names)}; valid keys in {section}: "
+                    + ", ".join(n.partition(".")[2] for n in names)
+                )

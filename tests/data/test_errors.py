@@ -64,7 +64,7 @@ def _missing_visual(cfg):
 
 def _missing_caption(cfg):
     (_text(cfg) / "toyval.caption.txt").unlink()
-    return r"caption file not found: .*toyval\.caption\.txt"
+    return r"split 'val' not found in .*TextData; splits with captions: train$"
 
 
 def _missing_query_file(cfg):
@@ -108,7 +108,7 @@ def _empty_video(cfg):
     v2f = ast.literal_eval(path.read_text())
     v2f["vC"] = []
     path.write_text(repr(v2f))
-    return r"feat: video 'vC' has no frame"
+    return r"feat(/video2frames\.txt)?: video 'vC' has no frame"
 
 
 CORRUPTIONS = [

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 from prvrlab.platform.cli import EXIT_BAD_INPUT, main
@@ -36,7 +37,38 @@ def test_unknown_key_names_key_and_suggestion(tiny_root, tmp_path, capsys):
     cfg = write_config(tmp_path / "c.yaml", small_raw(tiny_root, tmp_path))
     assert main(["train", str(cfg), "--set", "train.epoch=3"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
-    assert "'train.epoch'" in err and "did you mean 'epochs'?" in err
+    assert err.startswith("prvrlab: error: --set train.epoch: unknown key") and "did you mean 'train.epochs'?" in err
+    assert "c.yaml" not in err
+
+
+def test_unknown_split_lists_the_splits_with_captions(tiny_root):
+    from prvrlab.data.collection import open_collection
+    from prvrlab.data.config import DataConfig
+    from prvrlab.data.errors import DataError
+
+    collection = open_collection(DataConfig(root=str(tiny_root)), validate_splits=False)
+    with pytest.raises(DataError) as exc:
+        collection.split("tst")
+    assert str(exc.value) == f"split 'tst' not found in {tiny_root / 'TextData'}; splits with captions: train, val, test (did you mean 'test'?)"
+
+
+def test_help_has_description_examples_and_help_for_every_argument(capsys):
+    import argparse
+
+    from prvrlab.platform.cli import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert "command line." not in text and "Partially Relevant Video Retrieval" in text
+    assert 4 <= text.count("\n  prvrlab ") <= 6
+    stack = [("prvrlab", parser)]
+    while stack:
+        name, p = stack.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += [(f"{name} {n}", sub) for n, sub in action.choices.items()]
+            elif not isinstance(action, argparse._HelpAction):
+                assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
 
 
 def test_missing_data_is_named_and_nothing_is_recorded(tmp_path, capsys):
