@@ -2,12 +2,15 @@
 
 :func:`open_collection` resolves the paths of a :class:`DataConfig`::
 
-    <root>/FeatureData/<visual_feature>         BigFile folder or HDF5 file (absolute path: as is)
+    <root>/FeatureData/<visual_feature>         BigFile folder or HDF5 file (absolute path: as is;
+                                                not given: the only store under FeatureData/)
     <root>/TextData/<text_feature>              default roberta_<collection>_query_feat.hdf5
     <root>/TextData/<collection><split>.caption.txt
     <root>/TextData/<collection><split>.timestamps.json   optional, analysis only
 
-and checks them: a missing file, a caption whose video has no visual features,
+where ``<root>`` is ``data.root``, or ``data.root/<collection>`` when the
+collection sits in its own folder as in the public releases, and checks
+them: a missing file, a caption whose video has no visual features,
 a query without features, a dimension mismatch, an empty video or query all
 raise :class:`DataError` naming the file and the id.
 """
@@ -104,6 +107,7 @@ class Collection:
         self.visual: VisualFeatures = open_visual_features(visual_path)
         self.queries = QueryFeatures(query_path)
         self._splits: dict[str, SplitIndex] = {}
+        self.notes: list[str] = []  # how the paths were resolved, for the user
 
     @property
     def video_dim(self) -> int:
@@ -186,10 +190,47 @@ class Collection:
         )
 
 
+def collection_root(cfg: "DataConfig") -> Path:
+    """``data.root``, or ``<root>/<collection>`` when that folder holds the collection (release layout)."""
+    root = Path(cfg.root).expanduser()
+    nested = root / cfg.collection
+    if not (root / "TextData").is_dir() and (nested / "TextData").is_dir():
+        return nested
+    return root
+
+
+def feature_candidates(feature_dir: Path) -> list[str]:
+    """The visual feature stores under ``FeatureData/``: BigFile folders and HDF5 files, sorted."""
+    if not feature_dir.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in feature_dir.iterdir()
+        if (p.is_dir() and (p / "feature.bin").is_file()) or (p.is_file() and p.suffix in (".hdf5", ".h5"))
+    )
+
+
+def visual_feature_of(cfg: "DataConfig", root: Path) -> tuple[str, str | None]:
+    """``(visual_feature, note)``: the configured one, or the only store under ``FeatureData/``.
+
+    ``note`` says which store was picked when ``cfg.visual_feature`` is None;
+    none or several stores raise DataError listing them.
+    """
+    if cfg.visual_feature is not None:
+        return cfg.visual_feature, None
+    feature_dir = root / "FeatureData"
+    found = feature_candidates(feature_dir)
+    if len(found) == 1:
+        return found[0], f"data.visual_feature not given: using the only feature store {feature_dir / found[0]}"
+    if not found:
+        raise DataError(f"no visual feature store (BigFile folder or .hdf5 file) in {feature_dir}; set data.visual_feature")
+    raise DataError(f"several visual feature stores in {feature_dir}: {', '.join(found)}; set data.visual_feature to one")
+
+
 def data_paths(cfg: "DataConfig") -> dict[str, Path]:
     """The file paths a DataConfig points to: root, visual, query, text_dir."""
-    root = Path(cfg.root).expanduser()
-    visual = Path(cfg.visual_feature).expanduser()
+    root = collection_root(cfg)
+    visual = Path(visual_feature_of(cfg, root)[0]).expanduser()
     if not visual.is_absolute():
         visual = root / "FeatureData" / visual
     text_dir = root / "TextData"
@@ -214,13 +255,14 @@ def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_sy
     ``validate_splits`` the configured splits are indexed and checked now, so
     a bad file fails before training starts.
     """
-    paths = data_paths(cfg)
-    if allow_synthesize and cfg.synthesize and not paths["root"].exists():
+    root = collection_root(cfg)
+    if allow_synthesize and cfg.synthesize and not root.exists():
         from prvrlab.data.synth import synthesize_if_missing
 
-        synthesize_if_missing(paths["root"], preset=cfg.synthesize, seed=cfg.synth_seed)
-    if not paths["root"].is_dir():
-        raise DataError(f"data root not found: {paths['root']} (set data.root, or data.synthesize to generate one)")
+        synthesize_if_missing(root, preset=cfg.synthesize, seed=cfg.synth_seed)
+    if not root.is_dir():
+        raise DataError(f"data root not found: {root} (set data.root, or data.synthesize to generate one)")
+    paths = data_paths(cfg)
     collection = Collection(
         name=cfg.collection,
         root=paths["root"],
@@ -232,6 +274,7 @@ def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_sy
         max_query_len=cfg.max_query_len,
         last_bin=cfg.last_bin,
     )
+    collection.notes = [n for n in [visual_feature_of(cfg, root)[1]] if n]
     if validate_splits:
         for name in configured_splits(cfg):
             collection.split(name)

@@ -17,9 +17,9 @@ from prvrlab.data.preprocess import LAST_BIN_CHOICES
 class DataConfig:
     """Where the features are and how they are preprocessed."""
 
-    root: str = "data/synth"  # folder holding FeatureData/ and TextData/
+    root: str = "data/synth"  # folder holding FeatureData/ and TextData/, or its parent holding <collection>/
     collection: str = "synth"  # tvr | activitynet | charades | synth (file name prefix)
-    visual_feature: str = "synth_feat"  # FeatureData/<name> BigFile folder, or an .hdf5 file
+    visual_feature: str | None = None  # FeatureData/<name> BigFile folder or .hdf5 file; None: the only one there
     text_feature: str | None = None  # default: TextData/roberta_<collection>_query_feat.hdf5
     train_split: str = "train"
     val_split: str = "val"

@@ -49,6 +49,7 @@ class InspectReport:
     max_query_len: int
     splits: list[SplitStats]
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         """A readable multi-line summary with one table row per split."""
@@ -56,8 +57,8 @@ class InspectReport:
             f"collection {self.collection!r} at {self.root}",
             f"  visual  {self.visual_path} ({self.visual_format}): {self.feature_videos} videos, dim {self.video_dim}",
             f"  queries {self.query_path}: {self.query_features} queries, dim {self.query_dim}",
-            "",
         ]
+        lines += [f"  note: {n}" for n in self.notes] + [""]
         header = (
             "split",
             "videos",
@@ -163,4 +164,5 @@ def inspect_collection(cfg: "DataConfig", splits: Sequence[str] | None = None) -
         max_query_len=collection.max_query_len,
         splits=[split_stats(i, max_frames=collection.max_frames, max_query_len=collection.max_query_len) for i in indexes],
         warnings=warnings,
+        notes=collection.notes,
     )

@@ -22,7 +22,7 @@ DESCRIPTION = (
 )
 EPILOG = """examples:
   prvrlab data synth --preset tiny --out data/synth         write a small synthetic collection
-  prvrlab data inspect --root data/tvr --collection tvr     check and summarise a released collection
+  prvrlab data inspect --root data --collection tvr         check data/tvr/ as released (FeatureData/, TextData/)
   prvrlab train configs/x.yaml --set train.lr=1e-4          train one config (tracked in MLflow)
   prvrlab search search_spaces/x.yaml                       run a hyperparameter search on Ray Tune
   prvrlab eval results/<run>/best_model.pt --split test     evaluate a saved model on a split
@@ -206,6 +206,7 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from prvrlab.data.inspect import inspect_collection
     from prvrlab.data.config import DataConfig
+    from prvrlab.data.collection import collection_root
     from prvrlab.data.text import caption_splits
     from prvrlab.platform.config import load_config
 
@@ -219,7 +220,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             visual_feature=args.visual_feature,
             text_feature=args.text_feature,
         )
-        splits = caption_splits(Path(args.root, "TextData"), args.collection) or None
+        splits = caption_splits(collection_root(data) / "TextData", args.collection) or None
     report = inspect_collection(data, splits=splits)
     print(report.format())
     return 0
@@ -303,9 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = data.add_parser("inspect", help="summarise and check a collection")
     p.add_argument("--config", default=None, help="take the data section of this experiment config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override of --config, repeatable")
-    p.add_argument("--root", default="data/synth", help="folder holding FeatureData/ and TextData/ (default data/synth)")
+    p.add_argument("--root", default="data/synth", help="folder holding FeatureData/ and TextData/, or its parent (default data/synth)")
     p.add_argument("--collection", default="synth", help="collection name, the caption file prefix (default synth)")
-    p.add_argument("--visual-feature", default="synth_feat", help="FeatureData/ BigFile folder or .hdf5 file")
+    p.add_argument(
+        "--visual-feature", default=None, help="FeatureData/ BigFile folder or .hdf5 file (default: the only one there)"
+    )
     p.add_argument("--text-feature", default=None, help="query feature file (default TextData/roberta_<collection>_query_feat.hdf5)")
     p.set_defaults(func=cmd_data_inspect)
     return parser

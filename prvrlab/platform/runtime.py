@@ -30,9 +30,8 @@ def resolve_config_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> Expe
     """
     base = (cwd or project_home()).resolve()
     data = dataclasses.replace(cfg.data, root=str((base / cfg.data.root).resolve()))
-    visual = Path(cfg.data.visual_feature)
-    if visual.is_absolute():
-        data = dataclasses.replace(data, visual_feature=str(visual))
+    if cfg.data.visual_feature is not None and Path(cfg.data.visual_feature).is_absolute():
+        data = dataclasses.replace(data, visual_feature=str(Path(cfg.data.visual_feature)))
     tracking = dataclasses.replace(
         cfg.tracking,
         storage_path=str((base / cfg.tracking.storage_path).resolve()),
@@ -48,15 +47,18 @@ def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
     Raises DataError naming the file when the data is missing or corrupt,
     a video has no frame or a feature is NaN/inf.
     """
-    from prvrlab.data.collection import open_collection
+    from prvrlab.data.collection import collection_root, open_collection
     from prvrlab.data.integrity import check_visual_features
 
-    root = Path(cfg.data.root)
+    root = collection_root(cfg.data)
     if cfg.data.synthesize and not (root / "TextData").is_dir():
         from prvrlab.data.synth import synthesize
 
         synthesize(root, preset=cfg.data.synthesize, seed=cfg.data.synth_seed, progress=progress)
     collection = open_collection(cfg.data)
+    if progress:
+        for note in collection.notes:
+            print(note)
     check_visual_features(collection.visual, progress=None if progress else False)
     for split in {cfg.data.train_split, cfg.data.val_split}:
         collection.split(split)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from prvrlab.data.collection import configured_splits, open_collection
+from prvrlab.data.errors import DataError
 
 
 @pytest.mark.parametrize("fmt", ["bigfile", "hdf5"])
@@ -57,3 +58,19 @@ def test_configured_splits_and_pickle(toy_cfg):
     clone = pickle.loads(pickle.dumps(col))
     np.testing.assert_array_equal(clone.visual.frames("vA"), col.visual.frames("vA"))
     assert clone.split("train").query_ids == col.split("train").query_ids
+
+
+def test_release_layout_parent_root_and_only_feature_store(tmp_path, files):
+    cfg = files.make_collection(tmp_path / "tvr", files.toy_videos, files.toy_captions, name="tvr")
+    cfg = dataclasses.replace(cfg, root=str(tmp_path), visual_feature=None)
+    collection = open_collection(cfg)
+    assert collection.root == tmp_path / "tvr"
+    assert collection.visual.path == tmp_path / "tvr" / "FeatureData" / "feat"
+    assert collection.notes == [f"data.visual_feature not given: using the only feature store {collection.visual.path}"]
+
+
+def test_several_feature_stores_are_listed(tmp_path, files):
+    cfg = files.make_collection(tmp_path / "c", files.toy_videos, files.toy_captions)
+    files.write_h5(tmp_path / "c" / "FeatureData" / "clip.hdf5", {"vA": np.zeros((2, 6), np.float32)})
+    with pytest.raises(DataError, match=r"several visual feature stores in .*FeatureData: clip\.hdf5, feat; set data"):
+        open_collection(dataclasses.replace(cfg, visual_feature=None))

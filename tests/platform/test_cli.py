@@ -175,3 +175,11 @@ def test_nan_features_refuse_training_before_a_run_is_recorded(tiny_root, tmp_pa
     err = capsys.readouterr().err
     assert "feature.bin: non-finite value" in err and "row 0" in err and len(err.strip().splitlines()) == 1
     assert run_count(raw) == 0
+
+
+def test_inspect_accepts_the_parent_of_a_released_collection(tmp_path, capsys):
+    assert main(["data", "synth", "--preset", "tiny", "--out", str(tmp_path / "synth"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["data", "inspect", "--root", str(tmp_path), "--collection", "synth"]) == 0
+    out = capsys.readouterr().out
+    assert f"at {tmp_path / 'synth'}" in out and "note: data.visual_feature not given: using the only feature store" in out
