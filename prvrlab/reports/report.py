@@ -396,7 +396,7 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     doc.section(f"Ablation ({split})")
     doc.add(ablation_table(rows, baseline, several_seeds=several))
     legend = [f"{'Mean ± std over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
-              f"ΔSumR against the baseline; best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
+              f"ΔSumR against the baseline; a unique best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
     if significance:
         legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries).")
     doc.add(" ".join(legend))
