@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -661,6 +662,17 @@ def write_report(study: Study, out: str | Path, opt: Options | None = None) -> P
     return path
 
 
+def figures_of(path: str | Path) -> list[str]:
+    """The figure files a written ``report.md`` links, in order."""
+    return re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", Path(path).read_text(encoding="utf-8"))
+
+
+def written_text(path: str | Path) -> str:
+    """What a report run wrote: 'report.md and 3 figures', '... and 1 figure', '... and no figure'."""
+    n = len(figures_of(path))
+    return f"{path} and " + ("no figure" if n == 0 else "1 figure" if n == 1 else f"{n} figures")
+
+
 def report(
     *,
     tracking_uri: str,
@@ -679,4 +691,4 @@ def report(
     return path
 
 
-__all__ = ["Options", "ReportError", "report", "write_report"]
+__all__ = ["Options", "ReportError", "figures_of", "report", "write_report", "written_text"]

@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from prvrlab.platform.cli import main
-from prvrlab.reports.report import Options, write_report
+from prvrlab.reports.report import Options, figures_of, write_report
 from prvrlab.reports.source import load_study
 
 from report_helpers import md_rows
@@ -68,6 +68,9 @@ def test_cli_report_by_spec_logs_the_artifact(studies, tmp_path, capsys):
     out = tmp_path / "rep"
     code = main(["report", "--spec", str(studies["ablation_spec"]), "--out", str(out), "--bootstrap", "100"])
     assert code == 0 and (out / "report.md").is_file()
+    n = len(list(out.glob("*.png")))
+    assert f"wrote {out / 'report.md'} and " in capsys.readouterr().out
+    assert n == len(figures_of(out / "report.md"))
     client = MlflowClient(tracking_uri=studies["uri"])
     names = {f.path for f in client.list_artifacts(studies["ablation"], "report")}
     assert "report/report.md" in names

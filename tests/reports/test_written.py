@@ -1,0 +1,14 @@
+"""What ``prvrlab report`` says it wrote."""
+
+from prvrlab.reports.report import figures_of, written_text
+
+
+def test_written_text_counts_the_linked_figures(tmp_path):
+    md = tmp_path / "report.md"
+    md.write_text("# x\n\nno figures here\n")
+    assert written_text(md) == f"{md} and no figure"
+    md.write_text("![SumR against lr](sensitivity_lr.png)\n")
+    assert written_text(md) == f"{md} and 1 figure"
+    md.write_text("![a](learning_curves.png)\n\ntext\n\n![b](sensitivity_x.png)\n![c](component_y.png)\n")
+    assert figures_of(md) == ["learning_curves.png", "sensitivity_x.png", "component_y.png"]
+    assert written_text(md) == f"{md} and 3 figures"
