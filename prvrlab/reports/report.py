@@ -47,6 +47,7 @@ from prvrlab.reports.tables import (
 TOP_TRIALS = 10
 CURVES = 3
 CI_TRIALS = 5
+FEW_TRIALS = 10  # fewer completed trials than this: the importances carry a caveat
 CI_METRICS = ("sumr", *(m for m in METRIC_KEYS if m != "sumr"))  # column order of the confidence tables
 
 
@@ -502,6 +503,13 @@ def importances(space: dict[str, Any], trials: list[tuple[dict[str, Any], float]
     return dict(result)
 
 
+def importance_caveat(n_trials: int) -> str:
+    """A warning appended to the importances when they rest on few trials ('' otherwise)."""
+    if n_trials >= FEW_TRIALS:
+        return ""
+    return f" **Based on {n_trials} trial{'' if n_trials == 1 else 's'} only; treat as indicative.**"
+
+
 def search_report(doc: Doc, study: Study, opt: Options) -> None:
     split = pick_split(study, opt.split)
     space = _space(study)
@@ -564,7 +572,8 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
     else:
         rows = [[f"`{escape(k)}`", fmt(v, 3)] for k, v in sorted(imp.items(), key=lambda kv: (-round(kv[1], 6), kv[0]))]
         doc.add(md_table(["Hyperparameter", "Importance"], rows))
-        doc.add(f"fANOVA (Optuna, seed {opt.seed}) on {len(complete)} trials rebuilt from MLflow; importances sum to 1.")
+        doc.add(f"fANOVA (Optuna, seed {opt.seed}) on {len(complete)} trials rebuilt from MLflow; importances sum to 1."
+                + importance_caveat(len(complete)))
     if ranked:
         curves = [(f"{r.trial_id} ({fmt(v, 1)})", study.history(r, study.metric)) for r, v in ranked[:CURVES]]
         if any(points for _, points in curves):

@@ -121,6 +121,7 @@ def test_search_summary(studies, tmp_path):
     assert len(top) == 3 and [r[8] for r in top] == sorted([r[8] for r in top], key=float, reverse=True)
     imp = md_rows(md, "## Parameter importances")
     assert imp[2][0] == "`train.lr`" and imp[2][1] == "1.000"
+    assert "Based on 3 trials only; treat as indicative." in md
     assert (out / "learning_curves.png").is_file() and (out / "sensitivity_train.lr.png").is_file()
     assert "## Sensitivity (val)" in md and "## Stopped early" in md
 

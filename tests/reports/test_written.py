@@ -1,4 +1,4 @@
-"""What ``prvrlab report`` says it wrote."""
+"""What ``prvrlab report`` says about what it wrote and how far to trust it."""
 
 from prvrlab.reports.report import figures_of, written_text
 
@@ -12,3 +12,11 @@ def test_written_text_counts_the_linked_figures(tmp_path):
     md.write_text("![a](learning_curves.png)\n\ntext\n\n![b](sensitivity_x.png)\n![c](component_y.png)\n")
     assert figures_of(md) == ["learning_curves.png", "sensitivity_x.png", "component_y.png"]
     assert written_text(md) == f"{md} and 3 figures"
+
+
+def test_importances_from_few_trials_carry_a_caveat():
+    from prvrlab.reports.report import FEW_TRIALS, importance_caveat
+
+    assert importance_caveat(3) == " **Based on 3 trials only; treat as indicative.**"
+    assert "1 trial only" in importance_caveat(1)
+    assert importance_caveat(FEW_TRIALS) == ""
