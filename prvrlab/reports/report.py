@@ -276,7 +276,7 @@ def component_section(
         points = [(r.trial_id, study.history(r, TRAIN_PREFIX + key)) for r in curves if key in r.component_metrics]
         if points:
             name = f"component_{plots.safe_name(key)}.png"
-            plots.learning_curves(points, doc.out / name, ylabel=key)
+            plots.learning_curves(points, doc.out / name, ylabel=key, title=f"{key} per epoch (best trials)")
             doc.figure(name, f"{key} per epoch of {len(points)} of the best trials")
 
 
@@ -310,7 +310,7 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
         distinct = sorted({v for v, _ in points}, key=_sort_value)
         continuous = kind in ("loguniform", "uniform") or (kind == "int" and len(distinct) > 8)
         log = kind == "loguniform"
-        groups: list[tuple[str, list[TrialRun]]] = []
+        groups: list[tuple[str, Any, list[TrialRun]]] = []  # (table label, x of the figure's mean, runs)
         if continuous and len(distinct) > 1:
             lo, hi = (float(x) for x in dist[kind]) if kind in dist else (float(distinct[0]), float(distinct[-1]))
             n_bins = min(4, len(distinct))
@@ -322,20 +322,28 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
                            or (i == 0 and float(v) < edges[0])]
                 if members:
                     close = "]" if i == n_bins - 1 else ")"
-                    groups.append((f"[{fmt_param(edges[i])}, {fmt_param(edges[i + 1])}{close}", members))
+                    centre = math.sqrt(edges[i] * edges[i + 1]) if log else (edges[i] + edges[i + 1]) / 2
+                    groups.append((f"[{fmt_param(edges[i])}, {fmt_param(edges[i + 1])}{close}", centre, members))
         else:
             for d in distinct:
-                groups.append((fmt_param(d), [r for v, r in points if v == d]))
+                groups.append((fmt_param(d), d, [r for v, r in points if v == d]))
         rows = []
-        for label, members in groups:
+        for label, _, members in groups:
             vals = {m: [x for x in (r.final(split, m) for r in members) if x is not None] for m in METRIC_KEYS}
             rows.append(([label, str(len(members))], vals))
         doc.add(f"**{escape(key)}**" + (" (binned, log scale)" if continuous and log else " (binned)" if continuous else ""))
         doc.add(metric_table([escape(key), "Runs"], rows, lead_align=["l", "r"]))
         fig_points = [(v, r.final(split, "sumr")) for v, r in points if r.final(split, "sumr") is not None]
+        means = []
+        for _, x, members in groups:
+            ys = [y for y in (r.final(split, "sumr") for r in members) if y is not None]
+            if ys:
+                means.append((x, mean_std(ys)[0]))
         if fig_points:
             name = f"sensitivity_{plots.safe_name(key)}.png"
-            plots.sensitivity_plot(key, fig_points, doc.out / name, log=log, categorical=not continuous and not _numeric(distinct))
+            plots.sensitivity_plot(key, fig_points, doc.out / name, means=means, binned=continuous and len(distinct) > 1, log=log,
+                                   categorical=not continuous and not _numeric(distinct),
+                                   title=f"{split} SumR against {key}")
             doc.figure(name, f"SumR against {key}")
 
 
@@ -578,7 +586,8 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
         curves = [(f"{r.trial_id} ({fmt(v, 1)})", study.history(r, study.metric)) for r, v in ranked[:CURVES]]
         if any(points for _, points in curves):
             doc.section("Learning curves")
-            plots.learning_curves(curves, doc.out / "learning_curves.png", ylabel=study.metric)
+            plots.learning_curves(curves, doc.out / "learning_curves.png", ylabel=study.metric,
+                                  title=f"{study.metric} per epoch of the best trials (searched value in brackets)")
             doc.figure("learning_curves.png", f"{study.metric} per epoch of the best {len(curves)} trials")
         top = [r for r, _ in ranked[:TOP_TRIALS]]
         component_section(doc, study, [(f"`{r.trial_id}`", [r]) for r in top], "Trial", curves=top[:CURVES])
