@@ -409,7 +409,8 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
               f"ΔSumR against the baseline; a unique best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
     if significance:
         legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries).")
-    doc.add(" ".join(legend))
+    legend.append(saturation_note([v for r in rows for v in r.values.get("r100") or []]))
+    doc.add(" ".join(x for x in legend if x))
     doc.parts.extend(conf.parts)
     if _has_groups([chosen[r.name][s] for r in rows for s in r.seeds_ok], split):
         ratio_section(doc, [(r.name, [chosen[r.name][s] for s in r.seeds_ok]) for r in rows], split)
@@ -511,6 +512,15 @@ def importances(space: dict[str, Any], trials: list[tuple[dict[str, Any], float]
     return dict(result)
 
 
+def saturation_note(r100: Sequence[float | None]) -> str:
+    """A note when every printed R@100 is 100.0 (the gallery has at most ~100 videos); '' otherwise."""
+    shown = [fmt(v) for v in r100 if v is not None and math.isfinite(v)]
+    if not shown or any(x != "100.0" for x in shown):
+        return ""
+    return ("R@100 is 100.0 in every row: it is saturated on this gallery size (≤ 100 videos) "
+            "and does not tell the rows apart; SumR then differs by R@1/5/10 only.")
+
+
 def importance_caveat(n_trials: int) -> str:
     """A warning appended to the importances when they rest on few trials ('' otherwise)."""
     if n_trials >= FEW_TRIALS:
@@ -563,7 +573,8 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
                          *(c[i] for c in cols), obj[i]])
         doc.add(md_table(header, rows, ["r", "l", "l", *("r" for _ in keys), *("r" for _ in METRIC_KEYS), "r"]))
         doc.add(f"R@K and SumR: the trial's best model on {split} (— when the trial was stopped early); "
-                f"{study.metric}: the searched value (best over epochs for early-stopped trials).")
+                f"{study.metric}: the searched value (best over epochs for early-stopped trials)."
+                + (" " + saturation_note([r.final(split, "r100") for r, _ in top])).rstrip())
     early = [(r, v) for r, v in scored if r.status == "early_stopped"]
     doc.section("Stopped early")
     if early:

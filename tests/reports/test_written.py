@@ -20,3 +20,10 @@ def test_importances_from_few_trials_carry_a_caveat():
     assert importance_caveat(3) == " **Based on 3 trials only; treat as indicative.**"
     assert "1 trial only" in importance_caveat(1)
     assert importance_caveat(FEW_TRIALS) == ""
+
+
+def test_saturated_r100_gets_a_note():
+    from prvrlab.reports.report import saturation_note
+
+    assert "saturated on this gallery size" in saturation_note([100.0, 99.96, None])
+    assert saturation_note([100.0, 98.0]) == "" and saturation_note([None]) == ""
