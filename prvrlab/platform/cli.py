@@ -161,7 +161,7 @@ def _report_parent(args: argparse.Namespace) -> tuple[str, str]:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import validate
-    from prvrlab.reports.report import Options, report
+    from prvrlab.reports.report import Options, report, written_text
 
     uri, parent = _report_parent(args)
     options = Options(
@@ -169,7 +169,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         galleries=tuple(args.gallery) if args.gallery else None, read_config=validate,
     )
     path = report(tracking_uri=uri, parent_id=parent, out=args.out, options=options, log_artifact=not args.no_log)
-    print(f"wrote {path} (and its figures); " + ("not logged" if args.no_log else f"logged as artifact report/ of run {parent}"))
+    print(f"wrote {written_text(path)}; " + ("not logged" if args.no_log else f"logged as artifact report/ of run {parent}"))
     return 0
 
 

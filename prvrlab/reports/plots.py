@@ -1,8 +1,11 @@
 """Figures beside the report (matplotlib, Agg backend, deterministic file names).
 
+Every figure has a title, axis labels and a legend naming each line and marker.
+
 - ``sensitivity_<key>.png``: SumR against the value of one swept hyperparameter
-  (every trial / seed as a dot, the per-value mean as a line);
-- ``learning_curves.png``: a per-epoch metric of the best trials.
+  (every trial / seed as a dot, the mean per value or per bin of the report's
+  table as a line);
+- ``learning_curves.png``: a per-epoch metric of the best trials (integer epochs).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 _META = {"Software": None}  # no version string in the PNG
 
@@ -30,31 +34,40 @@ def sensitivity_plot(
     points: Sequence[tuple[Any, float]],
     path: Path,
     *,
+    means: Sequence[tuple[Any, float]] | None = None,
+    binned: bool = False,
     log: bool = False,
     categorical: bool = False,
     ylabel: str = "SumR",
+    title: str | None = None,
 ) -> Path:
-    """Dots per (value, SumR) point and the mean per distinct value as a line."""
-    fig, ax = plt.subplots(figsize=(4.2, 3.0), dpi=120)
+    """Dots per (value, SumR) point and a line through ``means`` (x, mean): the per-value or per-bin means
+    of the report's table (default: the mean per distinct value of ``points``)."""
+    if means is None:
+        by_value: dict[Any, list[float]] = {}
+        for v, y in points:
+            by_value.setdefault(str(v) if categorical else float(v), []).append(float(y))
+        means = [(v, sum(ys) / len(ys)) for v, ys in by_value.items()]
+    fig, ax = plt.subplots(figsize=(4.6, 3.4), dpi=120)
     if categorical:
-        labels = sorted({str(v) for v, _ in points}, key=_natural)
+        labels = sorted({str(v) for v, _ in points} | {str(v) for v, _ in means}, key=_natural)
         pos = {lab: i for i, lab in enumerate(labels)}
         xs = [pos[str(v)] for v, _ in points]
+        line = sorted((pos[str(v)], y) for v, y in means)
         ax.set_xticks(range(len(labels)), labels)
     else:
         xs = [float(v) for v, _ in points]
-    ys = [float(y) for _, y in points]
-    ax.scatter(xs, ys, s=18, alpha=0.7, color="tab:blue", zorder=3)
-    means: dict[float, list[float]] = {}
-    for x, y in zip(xs, ys):
-        means.setdefault(x, []).append(y)
-    mx = sorted(means)
-    ax.plot(mx, [sum(means[x]) / len(means[x]) for x in mx], color="tab:orange", marker="o", ms=3, lw=1.2, zorder=2)
+        line = sorted((float(v), float(y)) for v, y in means)
+    ax.scatter(xs, [float(y) for _, y in points], s=18, alpha=0.7, color="tab:blue", zorder=3, label="one run")
+    ax.plot([x for x, _ in line], [y for _, y in line], color="tab:orange", marker="o", ms=4, lw=1.2, zorder=2,
+            label="mean per bin (table)" if binned else "mean per value (table)")
     if log and not categorical:
         ax.set_xscale("log")
-    ax.set_xlabel(key)
+    ax.set_xlabel(key + (" (bin centre for the mean)" if binned else ""))
     ax.set_ylabel(ylabel)
+    ax.set_title(title or f"{ylabel} against {key}", fontsize=9)
     ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata=_META)
@@ -62,17 +75,25 @@ def sensitivity_plot(
     return path
 
 
-def learning_curves(curves: Sequence[tuple[str, Sequence[tuple[int, float]]]], path: Path, *, ylabel: str = "val SumR") -> Path:
-    """One line per (label, [(epoch, value), ...]); epochs shown 1-based."""
-    fig, ax = plt.subplots(figsize=(4.8, 3.2), dpi=120)
+def learning_curves(
+    curves: Sequence[tuple[str, Sequence[tuple[int, float]]]],
+    path: Path,
+    *,
+    ylabel: str = "val SumR",
+    title: str | None = None,
+) -> Path:
+    """One line per (label, [(epoch, value), ...]); epochs shown 1-based on integer ticks."""
+    fig, ax = plt.subplots(figsize=(4.8, 3.4), dpi=120)
     for label, points in curves:
         if points:
             ax.plot([s + 1 for s, _ in points], [v for _, v in points], marker="o", ms=3, lw=1.2, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel(ylabel)
+    ax.set_title(title or f"{ylabel} per epoch", fontsize=9)
     ax.grid(True, alpha=0.3)
-    if curves:
-        ax.legend(fontsize=7)
+    if any(points for _, points in curves):
+        ax.legend(fontsize=7, title="trial", title_fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata=_META)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -46,6 +47,7 @@ from prvrlab.reports.tables import (
 TOP_TRIALS = 10
 CURVES = 3
 CI_TRIALS = 5
+FEW_TRIALS = 10  # fewer completed trials than this: the importances carry a caveat
 CI_METRICS = ("sumr", *(m for m in METRIC_KEYS if m != "sumr"))  # column order of the confidence tables
 
 
@@ -274,7 +276,7 @@ def component_section(
         points = [(r.trial_id, study.history(r, TRAIN_PREFIX + key)) for r in curves if key in r.component_metrics]
         if points:
             name = f"component_{plots.safe_name(key)}.png"
-            plots.learning_curves(points, doc.out / name, ylabel=key)
+            plots.learning_curves(points, doc.out / name, ylabel=key, title=f"{key} per epoch (best trials)")
             doc.figure(name, f"{key} per epoch of {len(points)} of the best trials")
 
 
@@ -308,7 +310,7 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
         distinct = sorted({v for v, _ in points}, key=_sort_value)
         continuous = kind in ("loguniform", "uniform") or (kind == "int" and len(distinct) > 8)
         log = kind == "loguniform"
-        groups: list[tuple[str, list[TrialRun]]] = []
+        groups: list[tuple[str, Any, list[TrialRun]]] = []  # (table label, x of the figure's mean, runs)
         if continuous and len(distinct) > 1:
             lo, hi = (float(x) for x in dist[kind]) if kind in dist else (float(distinct[0]), float(distinct[-1]))
             n_bins = min(4, len(distinct))
@@ -320,20 +322,28 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
                            or (i == 0 and float(v) < edges[0])]
                 if members:
                     close = "]" if i == n_bins - 1 else ")"
-                    groups.append((f"[{fmt_param(edges[i])}, {fmt_param(edges[i + 1])}{close}", members))
+                    centre = math.sqrt(edges[i] * edges[i + 1]) if log else (edges[i] + edges[i + 1]) / 2
+                    groups.append((f"[{fmt_param(edges[i])}, {fmt_param(edges[i + 1])}{close}", centre, members))
         else:
             for d in distinct:
-                groups.append((fmt_param(d), [r for v, r in points if v == d]))
+                groups.append((fmt_param(d), d, [r for v, r in points if v == d]))
         rows = []
-        for label, members in groups:
+        for label, _, members in groups:
             vals = {m: [x for x in (r.final(split, m) for r in members) if x is not None] for m in METRIC_KEYS}
             rows.append(([label, str(len(members))], vals))
         doc.add(f"**{escape(key)}**" + (" (binned, log scale)" if continuous and log else " (binned)" if continuous else ""))
         doc.add(metric_table([escape(key), "Runs"], rows, lead_align=["l", "r"]))
         fig_points = [(v, r.final(split, "sumr")) for v, r in points if r.final(split, "sumr") is not None]
+        means = []
+        for _, x, members in groups:
+            ys = [y for y in (r.final(split, "sumr") for r in members) if y is not None]
+            if ys:
+                means.append((x, mean_std(ys)[0]))
         if fig_points:
             name = f"sensitivity_{plots.safe_name(key)}.png"
-            plots.sensitivity_plot(key, fig_points, doc.out / name, log=log, categorical=not continuous and not _numeric(distinct))
+            plots.sensitivity_plot(key, fig_points, doc.out / name, means=means, binned=continuous and len(distinct) > 1, log=log,
+                                   categorical=not continuous and not _numeric(distinct),
+                                   title=f"{split} SumR against {key}")
             doc.figure(name, f"SumR against {key}")
 
 
@@ -396,10 +406,11 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     doc.section(f"Ablation ({split})")
     doc.add(ablation_table(rows, baseline, several_seeds=several))
     legend = [f"{'Mean ± std over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
-              f"ΔSumR against the baseline; best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
+              f"ΔSumR against the baseline; a unique best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
     if significance:
         legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries).")
-    doc.add(" ".join(legend))
+    legend.append(saturation_note([v for r in rows for v in r.values.get("r100") or []]))
+    doc.add(" ".join(x for x in legend if x))
     doc.parts.extend(conf.parts)
     if _has_groups([chosen[r.name][s] for r in rows for s in r.seeds_ok], split):
         ratio_section(doc, [(r.name, [chosen[r.name][s] for s in r.seeds_ok]) for r in rows], split)
@@ -501,6 +512,22 @@ def importances(space: dict[str, Any], trials: list[tuple[dict[str, Any], float]
     return dict(result)
 
 
+def saturation_note(r100: Sequence[float | None]) -> str:
+    """A note when every printed R@100 is 100.0 (the gallery has at most ~100 videos); '' otherwise."""
+    shown = [fmt(v) for v in r100 if v is not None and math.isfinite(v)]
+    if not shown or any(x != "100.0" for x in shown):
+        return ""
+    return ("R@100 is 100.0 in every row: it is saturated on this gallery size (≤ 100 videos) "
+            "and does not tell the rows apart; SumR then differs by R@1/5/10 only.")
+
+
+def importance_caveat(n_trials: int) -> str:
+    """A warning appended to the importances when they rest on few trials ('' otherwise)."""
+    if n_trials >= FEW_TRIALS:
+        return ""
+    return f" **Based on {n_trials} trial{'' if n_trials == 1 else 's'} only; treat as indicative.**"
+
+
 def search_report(doc: Doc, study: Study, opt: Options) -> None:
     split = pick_split(study, opt.split)
     space = _space(study)
@@ -546,7 +573,8 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
                          *(c[i] for c in cols), obj[i]])
         doc.add(md_table(header, rows, ["r", "l", "l", *("r" for _ in keys), *("r" for _ in METRIC_KEYS), "r"]))
         doc.add(f"R@K and SumR: the trial's best model on {split} (— when the trial was stopped early); "
-                f"{study.metric}: the searched value (best over epochs for early-stopped trials).")
+                f"{study.metric}: the searched value (best over epochs for early-stopped trials)."
+                + (" " + saturation_note([r.final(split, "r100") for r, _ in top])).rstrip())
     early = [(r, v) for r, v in scored if r.status == "early_stopped"]
     doc.section("Stopped early")
     if early:
@@ -563,12 +591,14 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
     else:
         rows = [[f"`{escape(k)}`", fmt(v, 3)] for k, v in sorted(imp.items(), key=lambda kv: (-round(kv[1], 6), kv[0]))]
         doc.add(md_table(["Hyperparameter", "Importance"], rows))
-        doc.add(f"fANOVA (Optuna, seed {opt.seed}) on {len(complete)} trials rebuilt from MLflow; importances sum to 1.")
+        doc.add(f"fANOVA (Optuna, seed {opt.seed}) on {len(complete)} trials rebuilt from MLflow; importances sum to 1."
+                + importance_caveat(len(complete)))
     if ranked:
         curves = [(f"{r.trial_id} ({fmt(v, 1)})", study.history(r, study.metric)) for r, v in ranked[:CURVES]]
         if any(points for _, points in curves):
             doc.section("Learning curves")
-            plots.learning_curves(curves, doc.out / "learning_curves.png", ylabel=study.metric)
+            plots.learning_curves(curves, doc.out / "learning_curves.png", ylabel=study.metric,
+                                  title=f"{study.metric} per epoch of the best trials (searched value in brackets)")
             doc.figure("learning_curves.png", f"{study.metric} per epoch of the best {len(curves)} trials")
         top = [r for r, _ in ranked[:TOP_TRIALS]]
         component_section(doc, study, [(f"`{r.trial_id}`", [r]) for r in top], "Trial", curves=top[:CURVES])
@@ -661,6 +691,17 @@ def write_report(study: Study, out: str | Path, opt: Options | None = None) -> P
     return path
 
 
+def figures_of(path: str | Path) -> list[str]:
+    """The figure files a written ``report.md`` links, in order."""
+    return re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", Path(path).read_text(encoding="utf-8"))
+
+
+def written_text(path: str | Path) -> str:
+    """What a report run wrote: 'report.md and 3 figures', '... and 1 figure', '... and no figure'."""
+    n = len(figures_of(path))
+    return f"{path} and " + ("no figure" if n == 0 else "1 figure" if n == 1 else f"{n} figures")
+
+
 def report(
     *,
     tracking_uri: str,
@@ -679,4 +720,4 @@ def report(
     return path
 
 
-__all__ = ["Options", "ReportError", "report", "write_report"]
+__all__ = ["Options", "ReportError", "figures_of", "report", "write_report", "written_text"]

@@ -4,7 +4,7 @@ Plain functions over plain data: no MLflow here.  Numbers use one decimal for
 R@K and SumR (as the PRVR papers do), a signed one-decimal ΔSumR, p-values
 with three decimals; a missing value is ``—`` and a cell without any finished
 run says ``failed`` or ``missing``.  The best value of each metric column is
-bold (every row that ties with it at the printed precision).
+bold when it is unique at the printed precision and the column has more than one value.
 """
 
 from __future__ import annotations
@@ -77,11 +77,13 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequen
 
 
 def bold_best(cells: list[str], values: list[float | None], mode: str = "max", digits: int = 1) -> list[str]:
-    """Bold the cells whose value equals the best at the printed precision."""
+    """Bold the one cell whose value is the best at the printed precision; nothing on a tie or a single value."""
     shown = [round(v, digits) for v in values if v is not None and math.isfinite(v)]
-    if not shown:
+    if len(shown) < 2:
         return cells
     best = max(shown) if mode == "max" else min(shown)
+    if shown.count(best) > 1:
+        return cells
     return [
         f"**{c}**" if v is not None and math.isfinite(v) and round(v, digits) == best else c
         for c, v in zip(cells, values)

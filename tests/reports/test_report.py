@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from prvrlab.platform.cli import main
-from prvrlab.reports.report import Options, write_report
+from prvrlab.reports.report import Options, figures_of, write_report
 from prvrlab.reports.source import load_study
 
 from report_helpers import md_rows
@@ -68,6 +68,9 @@ def test_cli_report_by_spec_logs_the_artifact(studies, tmp_path, capsys):
     out = tmp_path / "rep"
     code = main(["report", "--spec", str(studies["ablation_spec"]), "--out", str(out), "--bootstrap", "100"])
     assert code == 0 and (out / "report.md").is_file()
+    n = len(list(out.glob("*.png")))
+    assert f"wrote {out / 'report.md'} and " in capsys.readouterr().out
+    assert n == len(figures_of(out / "report.md"))
     client = MlflowClient(tracking_uri=studies["uri"])
     names = {f.path for f in client.list_artifacts(studies["ablation"], "report")}
     assert "report/report.md" in names
@@ -118,6 +121,7 @@ def test_search_summary(studies, tmp_path):
     assert len(top) == 3 and [r[8] for r in top] == sorted([r[8] for r in top], key=float, reverse=True)
     imp = md_rows(md, "## Parameter importances")
     assert imp[2][0] == "`train.lr`" and imp[2][1] == "1.000"
+    assert "Based on 3 trials only; treat as indicative." in md
     assert (out / "learning_curves.png").is_file() and (out / "sensitivity_train.lr.png").is_file()
     assert "## Sensitivity (val)" in md and "## Stopped early" in md
 

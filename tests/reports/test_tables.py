@@ -5,8 +5,20 @@ from prvrlab.reports.tables import VariantRow, ablation_table, bold_best, fmt, m
 
 def test_fmt_and_bold():
     assert fmt(-0.04) == "0.0" and fmt(1.25, signed=True) == "+1.2" and fmt(None) == "—" and fmt(float("nan")) == "—"
-    assert bold_best(["1.0", "2.0", "2.0"], [1.0, 2.04, 1.96]) == ["1.0", "**2.0**", "**2.0**"]
+    assert bold_best(["1.0", "2.0", "3.0"], [1.0, 2.0, 3.0]) == ["1.0", "2.0", "**3.0**"]
     assert md_table(["a", "b"], [["x", "1"]]).splitlines()[1] == "|:--|--:|"
+
+
+def test_bold_only_a_unique_best_of_several_values():
+    assert bold_best(["1.0", "2.0", "2.0"], [1.0, 2.04, 1.96]) == ["1.0", "2.0", "2.0"]
+    assert bold_best(["—", "+1.0"], [None, 1.0]) == ["—", "+1.0"]
+    assert bold_best(["1.0", "0.5"], [1.0, 0.5], mode="min") == ["1.0", "**0.5**"]
+    rows = [
+        VariantRow("base", ("loss:a",), (0,), {"sumr": [10.0]}, (0,)),
+        VariantRow("other", ("loss:a",), (0,), {"sumr": [12.0]}, (0,)),
+    ]
+    text = ablation_table(rows, "base", several_seeds=False)
+    assert "| **12.0** | +2.0 | 1/1 |" in text
 
 
 def test_failed_and_missing_cells_are_shown():
