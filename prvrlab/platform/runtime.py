@@ -137,7 +137,6 @@ def _init_ray(num_cpus: int | None) -> None:
                 log_to_driver=False,
                 logging_level="ERROR",
                 configure_logging=True,
-                _node_ip_address=_join_node_ip(address),
             )
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"RAY_ADDRESS={address}: cannot join the Ray cluster ({_first_line(exc)})") from None
@@ -151,12 +150,6 @@ def _init_ray(num_cpus: int | None) -> None:
             configure_logging=True,
             _node_ip_address=_local_node_ip(ray_bind_address()),
         )
-
-
-def _join_node_ip(address: str) -> str | None:
-    """127.0.0.1 (in single-node mode) to join a head on loopback, else Ray's choice."""
-    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
-    return _local_node_ip(host) if host in LOOPBACK else None
 
 
 def _first_line(exc: BaseException) -> str:
