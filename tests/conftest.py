@@ -27,3 +27,23 @@ def _single_thread_seeded():
     torch.manual_seed(0)
     yield
     torch.set_num_threads(threads)
+
+
+REPO = Path(__file__).resolve().parents[1]
+DEBRIS = ("mlruns", "results", "mlflow.db")
+
+
+@pytest.fixture(autouse=True)
+def _stores_in_tmp(tmp_path, monkeypatch):
+    """Default MLflow store and results of every test in its tmp folder, never in the repository."""
+    monkeypatch.setenv("PRVRLAB_HOME", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_debris_in_repository():
+    """Fail the session when it created mlruns/, results/ or mlflow.db in the repository."""
+    before = {name for name in DEBRIS if (REPO / name).exists()}
+    yield
+    created = sorted(name for name in DEBRIS if (REPO / name).exists() and name not in before)
+    assert not created, f"tests wrote into the repository: {created}"

@@ -9,10 +9,11 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
-from prvrlab.platform.config import ExperimentConfig
+from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.tracking.store import resolve_tracking_uri
 
 
@@ -95,7 +96,13 @@ def _local_node_ip(bind: str) -> str | None:
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster at $RAY_ADDRESS, or start a quiet local one bound to :func:`ray_bind_address`."""
+    """Join the cluster at ``$RAY_ADDRESS``, else start a private local one bound to :func:`ray_bind_address`.
+
+    A cluster already running on the machine is joined only through ``$RAY_ADDRESS``;
+    without it the command starts its own (``address="local"``), so Ray never
+    auto-connects to a cluster found in its temp folder. Raises ConfigError when
+    the cluster at ``$RAY_ADDRESS`` cannot be joined.
+    """
     import ray
 
     if ray.is_initialized():
@@ -126,10 +133,21 @@ def _init_ray(num_cpus: int | None) -> None:
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        print(f"joining the Ray cluster at {address}", file=sys.stderr, flush=True)
+        try:
+            ray.init(
+                address=address,
+                log_to_driver=False,
+                logging_level="ERROR",
+                configure_logging=True,
+            )
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"RAY_ADDRESS={address}: cannot join the Ray cluster ({_first_line(exc)})") from None
     else:
         ray.init(
+            address="local",
             num_cpus=num_cpus or os.cpu_count(),
             include_dashboard=False,
             log_to_driver=False,
@@ -137,3 +155,8 @@ def _init_ray(num_cpus: int | None) -> None:
             configure_logging=True,
             _node_ip_address=_local_node_ip(ray_bind_address()),
         )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

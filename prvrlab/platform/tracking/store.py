@@ -21,6 +21,14 @@ DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
 
 
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """``mlruns/<experiment>`` beside an SQLite store; MLflow's default is ``./mlruns`` of the working directory."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
+    return (Path(uri[len("sqlite:///") :]).parent / "mlruns" / safe).as_uri()
+
+
 def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None) -> str:
     """An absolute tracking URI.
 
@@ -105,7 +113,9 @@ class Tracker:
         with store_errors(uri):
             self.client = MlflowClient(tracking_uri=uri)
             exp = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
+                experiment, artifact_location=artifact_location(uri, experiment)
+            )
 
     def start_run(self, name: str, *, tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> str:
         """Create a RUNNING run and return its id."""

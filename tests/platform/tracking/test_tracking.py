@@ -41,3 +41,11 @@ def test_run_lifecycle_and_parent_link(tmp_path):
     assert tracker.client.get_run(parent).info.status == "KILLED"
     with pytest.raises(ValueError):
         tracker.end_run(child, "RUNNING")
+
+
+def test_artifacts_go_beside_the_sqlite_store_not_into_the_working_dir(tmp_path):
+    from prvrlab.platform.tracking.store import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}", "a/b")
+    location = tracker.client.get_experiment(tracker.experiment_id).artifact_location
+    assert location == (tmp_path / "store" / "mlruns" / "a_b").as_uri()
