@@ -559,11 +559,11 @@ def read_yaml(path: Path) -> Any:
     return parse_yaml(text, str(path))
 
 
-def load_raw(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file; a clear error naming the file when it is bad."""
+def load_raw(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """Read a YAML mapping (a config, or a spec with ``what="spec file"``); one error naming the file when it is bad."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{what} not found: {path}")
     raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
@@ -581,7 +581,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, pr
         except ValueError as exc:
             raise ConfigError(f"--preset: {exc}") from None
     overrides = overrides or {}
-    check_override_keys(overrides)
+    _check_set_section_keys(overrides)
     raw = apply_overrides(raw, overrides)
     try:
         return validate(raw)
@@ -590,7 +590,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, pr
         raise ConfigError(f"--set {culprit}: {exc}" if culprit else f"{path}: {exc}") from None
 
 
-def check_override_keys(overrides: dict[str, Any]) -> None:
+def _check_set_section_keys(overrides: dict[str, Any]) -> None:
     """A ConfigError naming ``--set`` and the full dotted key for an unknown section key."""
     for dotted in overrides:
         section, _, key = dotted.partition(".")

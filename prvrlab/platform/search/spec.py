@@ -38,7 +38,6 @@ from prvrlab.platform.config import (
     ExperimentConfig,
     apply_overrides,
     load_raw,
-    read_yaml,
     validate,
 )
 from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean
@@ -324,12 +323,7 @@ def _resolve_base(spec_path: Path, value: Any) -> Path:
 
 def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"spec file not found: {path}")
-    raw = read_yaml(path)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    return path, raw
+    return path, load_raw(path, what="spec file")
 
 
 def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | None) -> dict[str, Any]:
