@@ -65,7 +65,7 @@ class MlflowStudyCallback(Callback):
         trial_id = trial.trial_id
         run_id = self.runs.trials.get(trial_id)
         if run_id is not None:
-            if trial_id not in self._open:
+            if trial_id not in self._open and not INTERRUPTED.is_set():  # a stopping study reopens nothing
                 self.tracker.client.update_run(run_id, status="RUNNING")
                 if self.runs.closed.pop(trial_id, None) == "KILLED":
                     self.tracker.client.delete_tag(run_id, "prvrlab.stop_reason")
@@ -112,6 +112,19 @@ class MlflowStudyCallback(Callback):
         self._open.discard(trial_id)
         self.runs.closed[trial_id] = status
         self.runs.save()
+
+    def close_open_runs(self, reason: str) -> None:
+        """Close every open child run and the parent as KILLED now, logging nothing else.
+
+        For a driver about to be killed: a later graceful close (or ``--resume``)
+        overwrites these statuses with the real outcome.
+        """
+        killed = {"prvrlab.status": "killed", "prvrlab.stop_reason": reason}
+        for trial_id in sorted(self._open):
+            self.close_id(trial_id, "KILLED", killed)
+        if self.runs.parent:
+            self.tracker.set_tags(self.runs.parent, {"prvrlab.stop_reason": reason})
+            self.tracker.end_run(self.runs.parent, "KILLED")
 
     def close_all(self, trials, interrupted: bool = False) -> None:
         """Close every still-open child run according to its trial's state."""

@@ -27,6 +27,7 @@ import os
 import re
 import signal
 import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -466,7 +467,7 @@ def run_study(
     interrupted = False
     INTERRUPTED.clear()
     (Path(study.study_dir) / STATE_SUMS).unlink(missing_ok=True)  # stale once Tune writes again; re-recorded at the end
-    previous = _sigterm_as_sigint()
+    previous = _sigterm_as_sigint(mlflow_cb.close_open_runs)
     try:
         results = tuner.fit()
     except KeyboardInterrupt:
@@ -483,13 +484,25 @@ def run_study(
     return results, mlflow_cb, interrupted
 
 
-def _sigterm_as_sigint():
-    """Make SIGTERM stop Tune like Ctrl-C (state saved, trials stopped); returns the old handler."""
+def _sigterm_as_sigint(close_runs: Callable[[str], None]):
+    """Make SIGTERM stop Tune like Ctrl-C (state saved, trials stopped); returns the old handler.
+
+    The study's open MLflow runs are closed KILLED first, at once: ``ray job
+    stop`` follows its SIGTERM with a SIGKILL after ``RAY_JOB_STOP_WAIT_TIME_S``
+    (3 s by default), often before Tune has wound down.  The graceful path then
+    closes them again with their final state.
+    """
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def forward(signum, frame) -> None:
+        first = not INTERRUPTED.is_set()
         INTERRUPTED.set()
+        if first:
+            try:
+                close_runs("stopped by SIGTERM")
+            except Exception as exc:  # the store may be unreachable: Tune's shutdown still runs
+                print(f"prvrlab: could not close the study's runs at once: {exc}", file=sys.stderr)
         os.kill(os.getpid(), signal.SIGINT)
 
     return signal.signal(signal.SIGTERM, forward)
