@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prvrlab.platform.config import ConfigError, ExperimentConfig
+from prvrlab.platform.failures import ERROR_FILE, Failure, explain_exception, failure_text, record_failure
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
 from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
@@ -128,8 +129,42 @@ def _queue_callback(q):
     return ForwardReports()
 
 
-def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
-    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``."""
+def fit_with_ray(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    run_name: str,
+    on_report: Callable[[dict], None],
+    on_retry: Callable[[Failure, int], None] | None = None,
+) -> None:
+    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``.
+
+    Retries are the driver's, not Ray's: a failure :func:`explain_exception` calls
+    retryable (an OOM kill, a dead worker, a lost node; these can also kill Ray
+    Train's controller, which Ray's own ``FailureConfig`` cannot recover) fits the
+    same run again, which resumes from its recovery checkpoint, up to
+    ``train.max_failures`` times; an error in the training code is not retried.
+    Every failure's full text is appended to ``<run_dir>/error.txt``; the raised
+    TrainingError carries the one-line summary.
+    """
+    failures = 0
+    while True:
+        try:
+            _fit_once(cfg, run_dir, run_name, on_report)
+            return
+        except (ConfigError, TrainingError):
+            raise
+        except Exception as exc:
+            failure = explain_exception(exc)
+            record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=failures + 1)
+            if not failure.retryable or failures >= cfg.train.max_failures:
+                raise TrainingError(failure.summary) from exc
+            failures += 1
+            if on_retry is not None:
+                on_retry(failure, failures)
+
+
+def _fit_once(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
+    """One ``TorchTrainer.fit()`` (Ray retries nothing); Ray's exception is re-raised as is."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -158,7 +193,7 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
         run_config=RunConfig(
             name=run_name,
             storage_path=cfg.tracking.storage_path,
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            failure_config=FailureConfig(max_failures=0),  # retried by fit_with_ray
             checkpoint_config=CheckpointConfig(num_to_keep=1),
             callbacks=[_queue_callback(reports)],
         ),
@@ -186,14 +221,7 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
         except Exception:
             pass
     if "error" in outcome:
-        raise TrainingError(_short_error(outcome["error"])) from outcome["error"]
-
-
-def _short_error(exc: BaseException) -> str:
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    tail = lines[-8:] if len(lines) > 8 else lines
-    return f"{type(exc).__name__}: " + "\n".join(tail)
+        raise outcome["error"]
 
 
 def check_storage(storage_path: str) -> None:
@@ -234,13 +262,19 @@ def train(
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:
         echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
+
+    def on_retry(failure: Failure, retry: int) -> None:
+        tracker.set_tags(run_id, {"prvrlab.retries": str(retry), "prvrlab.last_failure": failure.summary})
+        if echo:
+            echo(f"{failure.summary}\n  retrying from the last checkpoint ({retry} of train.max_failures={cfg.train.max_failures})")
+
     status = "FAILED"
     try:
         tracker.log_params(run_id, cfg.flat())
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if use_ray:
-            fit_with_ray(cfg, run_dir, name, recorder)
+            fit_with_ray(cfg, run_dir, name, recorder, on_retry)
         else:
             from prvrlab.platform.train.loop import run_local
 
@@ -262,9 +296,15 @@ def train(
         tracker.set_tags(run_id, {"error": str(exc)})
         raise
     except Exception as exc:
-        tracker.set_tags(run_id, {"error": _short_error(exc)})
-        raise TrainingError(_short_error(exc)) from exc
+        failure = explain_exception(exc)
+        record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
+        tracker.set_tags(run_id, {"error": failure.summary})
+        raise TrainingError(failure.summary) from exc
     finally:
+        if (run_dir / ERROR_FILE).is_file():  # every failure's full text, retried ones included
+            tracker.log_artifacts(run_id, [run_dir / ERROR_FILE])
+            if status != "FINISHED" and echo:
+                echo(f"full error text: {run_dir / ERROR_FILE} (artifact {ERROR_FILE} of MLflow run {run_id})")
         tracker.end_run(run_id, status)
     return TrainResult(
         run_id=run_id,

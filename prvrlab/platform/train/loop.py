@@ -44,6 +44,7 @@ from prvrlab.platform.train.session import LocalSession, RaySession, Session, sc
 CHECKPOINT_FORMAT = 2
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
+FAULT_KIND_ENV = "PRVRLAB_FAULT_KIND"  # "exit" (the process dies, default) or "raise" (an error in the code)
 
 
 def seed_everything(seed: int) -> None:
@@ -98,14 +99,16 @@ def fault_hook_from_env() -> dict[str, Any] | None:
     epoch, marker = os.environ.get(FAULT_EPOCH_ENV), os.environ.get(FAULT_MARKER_ENV)
     if epoch is None or marker is None:
         return None
-    return {"epoch": int(epoch), "marker": marker}
+    return {"epoch": int(epoch), "marker": marker, "kind": os.environ.get(FAULT_KIND_ENV, "exit")}
 
 
 def _maybe_inject_fault(epoch: int, rank: int, hook: dict[str, Any] | None) -> None:
-    """Kill this worker process once after ``hook['epoch']`` on rank 0 (tests)."""
+    """Kill this worker process (or raise, ``kind="raise"``) once after ``hook['epoch']`` on rank 0 (tests)."""
     if hook is None or rank != 0 or hook["epoch"] != epoch or Path(hook["marker"]).exists():
         return
     Path(hook["marker"]).write_text(f"crashed after epoch {epoch}\n")
+    if hook.get("kind") == "raise":
+        raise RuntimeError(f"injected fault after epoch {epoch}")
     time.sleep(hook.get("delay_s", 3.0))  # let the controller register the checkpoint
     os._exit(17)
 

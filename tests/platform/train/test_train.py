@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -12,6 +13,8 @@ from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.platform.config import validate
 from prvrlab.evaluation.retrieval import evaluate
+from prvrlab.platform.failures import ERROR_FILE
+from prvrlab.platform.train import driver
 from prvrlab.platform.train.driver import TrainingError, train
 from prvrlab.platform.tracking.store import Tracker
 from prvrlab.models.factory import build_model
@@ -94,13 +97,88 @@ def test_worker_failure_resumes_from_last_checkpoint(tiny_root, tmp_path, monkey
     monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "1")
     monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(marker))
     raw = small_raw(tiny_root, tmp_path, num_workers=2, epochs=4, max_failures=1)
-    result = train(validate(raw), echo=None)
+    lines: list[str] = []
+    result = train(validate(raw), echo=lines.append)
     assert marker.exists(), "the injected crash did not happen"
     epochs = [h["epoch"] for h in result.history]
     assert epochs.count(0) == 1 and epochs[-1] == 3, epochs  # resumed, not started over
     assert epochs == [0, 1, 2, 3], epochs  # resumed right after the last checkpoint
     (run,) = runs(raw)
     assert run.info.status == "FINISHED"
+    # said plainly on the console and on the run; Ray's full text kept as the error.txt artifact
+    retry = next(line for line in lines if line.startswith("worker died: worker rank 0"))
+    assert "retrying from the last checkpoint (1 of train.max_failures=1)" in retry
+    assert run.data.tags["prvrlab.retries"] == "1"
+    assert run.data.tags["prvrlab.last_failure"] == retry.splitlines()[0]
+    error_txt = Path(Tracker(raw["tracking"]["uri"], "tests").client.download_artifacts(run.info.run_id, ERROR_FILE, str(tmp_path)))
+    text = error_txt.read_text()
+    assert text.startswith("=== attempt 1: worker died") and "WorkerGroupError" in text and "exit type" in text.lower()
+
+
+@pytest.mark.slow
+def test_error_in_the_training_code_under_ray_is_not_retried(tiny_root, tmp_path, monkeypatch):
+    marker = tmp_path / "raised"
+    monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "0")
+    monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(marker))
+    monkeypatch.setenv("PRVRLAB_FAULT_KIND", "raise")  # raises once: a retry would finish the run
+    raw = small_raw(tiny_root, tmp_path, epochs=2, max_failures=2)
+    with pytest.raises(TrainingError) as info:
+        train(validate(raw), echo=None)
+    assert str(info.value) == "error in the training code (worker rank 0): RuntimeError: injected fault after epoch 0"
+    (run,) = runs(raw)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == str(info.value)
+    assert "prvrlab.retries" not in run.data.tags
+    error_txt = Path(Tracker(raw["tracking"]["uri"], "tests").client.download_artifacts(run.info.run_id, ERROR_FILE, str(tmp_path)))
+    assert error_txt.read_text().count("=== attempt ") == 1 and "Traceback" in error_txt.read_text()
+
+
+def _oom() -> Exception:
+    from ray.exceptions import OutOfMemoryError
+
+    return OutOfMemoryError((Path(__file__).parent / "ray_messages" / "oom_memory_monitor.txt").read_text())
+
+
+def test_the_driver_retries_a_retryable_failure_up_to_max_failures(tiny_root, tmp_path, monkeypatch):
+    raw = small_raw(tiny_root, tmp_path, max_failures=2)
+    calls: list[int] = []
+
+    def always_oom(*args):
+        calls.append(1)
+        raise _oom()
+
+    monkeypatch.setattr(driver, "_fit_once", always_oom)
+    retries: list[tuple[str, int]] = []
+    run_dir = tmp_path / "files"
+    with pytest.raises(TrainingError, match=r"^2 workers killed: out of memory, 2.4 of 23.5 GiB in use; lower train.batch_size"):
+        driver.fit_with_ray(validate(raw), run_dir, "r", lambda m: None, lambda f, n: retries.append((f.kind, n)))
+    assert len(calls) == 3  # the first attempt + train.max_failures retries
+    assert retries == [("out_of_memory", 1), ("out_of_memory", 2)]
+    assert (run_dir / ERROR_FILE).read_text().count("=== attempt ") == 3
+
+
+def test_the_driver_resumes_after_a_retryable_failure_and_stops_at_a_code_error(tiny_root, tmp_path, monkeypatch):
+    raw = small_raw(tiny_root, tmp_path, max_failures=2)
+    outcomes = iter([_oom(), None])
+
+    def flaky(*args):
+        error = next(outcomes)
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(driver, "_fit_once", flaky)
+    driver.fit_with_ray(validate(raw), tmp_path / "a", "r", lambda m: None)
+    assert next(outcomes, "done") == "done"  # fitted twice, then returned
+
+    calls: list[int] = []
+
+    def buggy(*args):
+        calls.append(1)
+        raise ValueError("shapes (4, 8) and (9, 8) do not match")
+
+    monkeypatch.setattr(driver, "_fit_once", buggy)
+    with pytest.raises(TrainingError, match="^error in the training code: ValueError: shapes"):
+        driver.fit_with_ray(validate(raw), tmp_path / "b", "r", lambda m: None)
+    assert calls == [1]
 
 
 def test_in_process_training_with_the_ral_plugin_logs_sigma(tiny_root, tmp_path):
