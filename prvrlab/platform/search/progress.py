@@ -79,7 +79,7 @@ class ProgressCallback(Callback):
         value = result.get(self.metric)
         shown = f"{value:.2f}" if isinstance(value, (int, float)) else "-"
         self._echo(
-            f"{self._counts(trials)} | {trial.trial_id} epoch {int(result['epoch']) + 1} "
+            f"{self._counts(trials)} | {trial.trial_id} epoch {int(result['epoch'])} "
             f"{self.metric} {shown}  {self.labels(trial.config)}"
         )
 

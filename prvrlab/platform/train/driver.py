@@ -82,15 +82,15 @@ def check_resources(cfg: ExperimentConfig, cluster: dict[str, float]) -> None:
 
 
 def format_epoch_line(m: dict[str, Any], epochs: int) -> str:
-    """One concise line per epoch."""
+    """One concise line per epoch (``epoch`` and ``best/epoch`` count from 1, as reported)."""
     terms = " ".join(
         f"{k[len('train/'):]}={m[k]:.4f}" for k in sorted(m) if k.startswith("train/") and k != "train/loss"
     )
     return (
-        f"epoch {m['epoch'] + 1:>3}/{epochs}  loss {m.get('train/loss', float('nan')):.4f} ({terms})  "
+        f"epoch {m['epoch']:>3}/{epochs}  loss {m.get('train/loss', float('nan')):.4f} ({terms})  "
         f"val SumR {m.get('val/sumr', float('nan')):6.1f} [R@1 {m.get('val/r1', 0):.1f} R@5 {m.get('val/r5', 0):.1f} "
         f"R@10 {m.get('val/r10', 0):.1f} R@100 {m.get('val/r100', 0):.1f}]  "
-        f"best {m['best/sumr']:.1f}@{m['best/epoch'] + 1}  {m['time/epoch_s']:.1f}s"
+        f"best {m['best/sumr']:.1f}@{m['best/epoch']}  {m['time/epoch_s']:.1f}s"
     )
 
 

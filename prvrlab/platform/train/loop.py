@@ -14,7 +14,8 @@ per-query ranks) to the run folder and never touches MLflow: the driver is the
 one process that writes to the tracking store.
 
 Reported rounds (every rank reports the same number of times):
-- one per epoch: ``kind="epoch"`` with train losses, component metrics
+- one per epoch: ``kind="epoch"`` (``epoch`` and ``best/epoch`` count from 1, as users
+  read "epoch 1 of 10"; the loop and the components' hooks count from 0) with train losses, component metrics
   (``train/<component>.<name>``), validation R@K/SumR, best-so-far, timings,
   and a checkpoint for failure recovery;
 - one at the end: ``kind="final"`` with the best model's metrics on
@@ -40,8 +41,9 @@ import torch.distributed as dist
 from prvrlab.platform.config import ExperimentConfig, validate
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
-# best_model.pt layout: 2 = resolved config (every default written) + loss-term state.
-CHECKPOINT_FORMAT = 2
+# best_model.pt layout: 2 = resolved config (every default written) + loss-term state;
+# 3 = its "epoch" counts from 1 (as every report does; format 2 counted from 0).
+CHECKPOINT_FORMAT = 3
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
 FAULT_KIND_ENV = "PRVRLAB_FAULT_KIND"  # "exit" (the process dies, default) or "raise" (an error in the code)
@@ -344,7 +346,7 @@ class TrainingLoop:
             sumr = result.metrics["sumr"]
             if sumr > state.best_sumr:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
-                blob = {"config": self.cfg.to_dict(), "epoch": epoch, "format": CHECKPOINT_FORMAT}
+                blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "format": CHECKPOINT_FORMAT}
                 _atomic_save(self._weights() | blob, self.best_path)
             else:
                 state.bad_epochs += 1
@@ -357,10 +359,10 @@ class TrainingLoop:
         metrics.update(
             {
                 "kind": "epoch",
-                "epoch": epoch,
+                "epoch": epoch + 1,
                 "lr": self.scheduler.get_last_lr()[0],
                 "best/sumr": self.progress.best_sumr,
-                "best/epoch": self.progress.best_epoch,
+                "best/epoch": self.progress.best_epoch + 1,
                 "time/train_s": train_time,
                 "time/epoch_s": time.perf_counter() - t0,
             }
@@ -381,7 +383,7 @@ class TrainingLoop:
 
     def final_evaluation(self) -> None:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""
-        final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch}
+        final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch + 1}
         if self.rank == 0:
             final.update(self._evaluate_best())
         self.session.report(final, None)
@@ -398,7 +400,7 @@ class TrainingLoop:
             metrics: dict[str, Any] = self.epoch_start(epoch)
             train_metrics, failure = self.train_epoch(epoch, train_model)
             if failure:
-                self.session.report({"kind": "nonfinite", "epoch": epoch, "error": f"epoch {epoch}: {failure}"})
+                self.session.report({"kind": "nonfinite", "epoch": epoch + 1, "error": f"epoch {epoch + 1}: {failure}"})
                 return
             metrics.update(train_metrics)
             metrics.update(self.epoch_end(epoch))

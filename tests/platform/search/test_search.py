@@ -47,7 +47,7 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys):
         assert child.data.tags["prvrlab.status"] == "finished"
         assert child.data.params["train.num_workers"] == "2"
         assert "final/val/sumr" in child.data.metrics and "train/clip_triplet" in child.data.metrics
-        assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [0, 1]
+        assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [1, 2]  # epochs count from 1
     best = load_config(result.best["path"])
     assert best.train.lr == pytest.approx(result.best["config"]["train.lr"])
     assert best.train.epochs == 2
@@ -77,7 +77,7 @@ def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_pa
     (retried,) = [c for c in children if "prvrlab.retries" in c.data.tags]
     assert retried.info.status == "FINISHED"
     steps = [m.step for m in metric_history(tmp_path, retried.info.run_id, "val/sumr")]
-    assert steps == [0, 1, 2], steps  # resumed after epoch 0's checkpoint, not restarted
+    assert steps == [1, 2, 3], steps  # resumed after epoch 1's checkpoint, not restarted
 
 
 def _closed_trials(study_root):
@@ -119,4 +119,4 @@ def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
     for child in children:
         if child.data.tags["prvrlab.trial_id"] in finished_before:
             steps = [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")]
-            assert steps == list(range(12)), steps
+            assert steps == list(range(1, 13)), steps

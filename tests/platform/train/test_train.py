@@ -45,7 +45,7 @@ def test_in_process_training_learns_and_is_recorded(tiny_root, tmp_path):
     before = untrained_val_sumr(raw)
     result = train(validate(raw), use_ray=False, echo=None)
     assert result.best_sumr > before + 20, (before, result.best_sumr)
-    assert [h["epoch"] for h in result.history] == list(range(len(result.history)))
+    assert [h["epoch"] for h in result.history] == list(range(1, len(result.history) + 1))
     (run,) = runs(raw)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == "0.001"
@@ -101,8 +101,8 @@ def test_worker_failure_resumes_from_last_checkpoint(tiny_root, tmp_path, monkey
     result = train(validate(raw), echo=lines.append)
     assert marker.exists(), "the injected crash did not happen"
     epochs = [h["epoch"] for h in result.history]
-    assert epochs.count(0) == 1 and epochs[-1] == 3, epochs  # resumed, not started over
-    assert epochs == [0, 1, 2, 3], epochs  # resumed right after the last checkpoint
+    assert epochs.count(1) == 1 and epochs[-1] == 4, epochs  # resumed, not started over
+    assert epochs == [1, 2, 3, 4], epochs  # resumed right after the last checkpoint (epoch 2; the hook counts from 0)
     (run,) = runs(raw)
     assert run.info.status == "FINISHED"
     # said plainly on the console and on the run; Ray's full text kept as the error.txt artifact
