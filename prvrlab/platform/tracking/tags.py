@@ -9,8 +9,14 @@ from prvrlab.platform.tracking.store import git_commit
 EPOCH_BASE_TAG = "prvrlab.epoch_base"
 
 
-def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
-    """Tags every training run carries."""
+def provenance_tags(commit: str) -> dict[str, str]:
+    """``git_commit`` and ``prvrlab.git_dirty`` (true | false | unknown) for a :func:`git_commit` value."""
+    dirty = "unknown" if commit == "unknown" else str(commit.endswith("-dirty")).lower()
+    return {"git_commit": commit, "prvrlab.git_dirty": dirty}
+
+
+def run_tags(cfg: ExperimentConfig, commit: str | None = None) -> dict[str, str]:
+    """Tags every training run carries (``commit``: a :func:`git_commit` value already known)."""
     return {
         "prvrlab.kind": "train",
         "backbone": cfg.backbone,
@@ -18,7 +24,7 @@ def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
         "losses": ",".join(t for t, s in cfg.losses.items() if s["weight"] > 0),
         "dataset": cfg.data.collection,
         "seed": str(cfg.train.seed),
-        "git_commit": git_commit(),
+        **provenance_tags(git_commit() if commit is None else commit),
         "config_hash": cfg.fingerprint(),
         EPOCH_BASE_TAG: "1",
     }
