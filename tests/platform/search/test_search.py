@@ -53,7 +53,7 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys):
     assert best.train.epochs == 2
 
 
-def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_path, monkeypatch):
+def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_path, monkeypatch, capsys):
     marker = tmp_path / "crashed"
     monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "0")
     monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(marker))
@@ -78,6 +78,33 @@ def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_pa
     assert retried.info.status == "FINISHED"
     steps = [m.step for m in metric_history(tmp_path, retried.info.run_id, "val/sumr")]
     assert steps == [1, 2, 3], steps  # resumed after epoch 1's checkpoint, not restarted
+    # the crash said plainly (console, tag) and kept in full (error.txt artifact)
+    trial_id = retried.data.tags["prvrlab.trial_id"]
+    assert f"retry  {trial_id} from its last checkpoint: worker died: " in capsys.readouterr().out
+    assert retried.data.tags["prvrlab.last_failure"].startswith("worker died: ")
+    assert "error.txt" in {a.path for a in _client(tmp_path).list_artifacts(retried.info.run_id)}
+
+
+def _client(tmp_path):
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def test_error_in_the_training_code_fails_the_trial_without_retry(tiny_root, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "0")
+    monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(tmp_path / "raised"))
+    monkeypatch.setenv("PRVRLAB_FAULT_KIND", "raise")  # raises once: a retry would finish the trial
+    path = tiny_spec(tmp_path, tiny_root, name="bug", budget={"trials": 1}, max_retries=2)
+    result = search(load_search_spec(path), echo=print)
+    assert result.counts["failed"] == 1, result.counts
+    (child,) = study_runs(tmp_path)[1]
+    summary = "error in the training code: RuntimeError: injected fault after epoch 0"
+    assert child.info.status == "FAILED" and child.data.tags["prvrlab.status"] == "error"
+    assert child.data.tags["error"] == summary and "prvrlab.retries" not in child.data.tags
+    assert f"{child.data.tags['prvrlab.trial_id']}: {summary}" in capsys.readouterr().out
+    local = _client(tmp_path).download_artifacts(child.info.run_id, "error.txt", str(tmp_path))
+    assert "Traceback" in open(local).read()
 
 
 def _closed_trials(study_root):

@@ -114,3 +114,17 @@ def test_record_failure_appends_every_attempt_with_the_full_text(tmp_path):
 @pytest.mark.parametrize("name", ["oom_memory_monitor.txt", "worker_process_died.txt", "user_exception.txt"])
 def test_every_summary_is_one_line(name):
     assert "\n" not in explain_failure(message(name)).summary
+
+
+def test_a_trials_last_failure_is_read_from_its_tune_error_file(tmp_path):
+    from types import SimpleNamespace
+
+    from prvrlab.platform.search.outcome import trial_error
+
+    died, raised = message("worker_process_died.txt"), message("user_exception.txt")
+    error_file = tmp_path / "error.txt"  # as Tune appends it: "Failure # n (occurred at ...)" then the error
+    error_file.write_text(f"Failure # 1 (occurred at 2026-11-23_18-23-04)\n{died}\nFailure # 2 (occurred at 2026-11-23_18-24-10)\n{raised}\n")
+    text, failure = trial_error(SimpleNamespace(error_file=str(error_file), get_error=lambda: None))
+    assert text.strip() == raised.strip()
+    assert failure.kind == "error" and failure.summary.endswith("ValueError: batch of 0 videos: train.batch_size must be >= 1")
+    assert trial_error(SimpleNamespace(error_file=None, get_error=lambda: None))[1].summary == "trial failed (no error text recorded)"
