@@ -57,10 +57,11 @@ class Failure:
     retryable: bool
 
 
-def explain_failure(text: str, *, hint: str = TRAIN_HINT) -> Failure:
+def explain_failure(text: str, *, hint: str = TRAIN_HINT, origin: str = "the training code") -> Failure:
     """Classify the text of a failure (Ray's message, a traceback) and say it plainly.
 
-    ``hint`` is the advice for an out-of-memory kill (which keys lower the memory use).
+    ``hint`` is the advice for an out-of-memory kill (which keys lower the memory use);
+    ``origin`` names where a plain exception was raised ("error in <origin>: ...").
     """
     if _OOM.search(text):
         return Failure("out_of_memory", _oom_summary(text, hint), True)
@@ -70,12 +71,12 @@ def explain_failure(text: str, *, hint: str = TRAIN_HINT) -> Failure:
         return Failure("node_lost", "node lost: a Ray node running the workers died or was preempted", True)
     if _WORKER_DIED.search(text):
         return Failure("worker_died", _worker_died_summary(text), True)
-    return Failure("error", _error_summary(text), False)
+    return Failure("error", _error_summary(text, origin), False)
 
 
-def explain_exception(exc: BaseException, *, hint: str = TRAIN_HINT) -> Failure:
+def explain_exception(exc: BaseException, *, hint: str = TRAIN_HINT, origin: str = "the training code") -> Failure:
     """:func:`explain_failure` on :func:`failure_text` of ``exc``."""
-    return explain_failure(failure_text(exc), hint=hint)
+    return explain_failure(failure_text(exc), hint=hint, origin=origin)
 
 
 def failure_text(exc: BaseException) -> str:
@@ -115,11 +116,11 @@ def _worker_died_summary(text: str) -> str:
     return f"worker died: {who} exited unexpectedly{because}: killed by a signal, the kernel's OOM killer or a crash"
 
 
-def _error_summary(text: str) -> str:
+def _error_summary(text: str, origin: str) -> str:
     errors = _PY_ERROR.findall(text)
     for name, message in reversed(errors):  # the innermost exception is the last one raised
         if not name.startswith(("ray.", "Ray")) and name not in ("WorkerGroupError", "TrainingFailedError"):
             where = f" (worker rank {_RANK.search(text)[1]})" if _RANK.search(text) else ""
-            return f"error in the training code{where}: {name.rsplit('.', 1)[-1]}: {message.strip()}"
+            return f"error in {origin}{where}: {name.rsplit('.', 1)[-1]}: {message.strip()}"
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("Traceback")]
     return lines[0] if lines else "unknown error"

@@ -296,7 +296,7 @@ def train(
         tracker.set_tags(run_id, {"error": str(exc)})
         raise
     except Exception as exc:
-        failure = explain_exception(exc)
+        failure = explain_exception(exc, origin="the driver")
         record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
         tracker.set_tags(run_id, {"error": failure.summary})
         raise TrainingError(failure.summary) from exc

@@ -128,3 +128,9 @@ def test_a_trials_last_failure_is_read_from_its_tune_error_file(tmp_path):
     assert text.strip() == raised.strip()
     assert failure.kind == "error" and failure.summary.endswith("ValueError: batch of 0 videos: train.batch_size must be >= 1")
     assert trial_error(SimpleNamespace(error_file=None, get_error=lambda: None))[1].summary == "trial failed (no error text recorded)"
+
+
+def test_the_origin_of_a_plain_error_is_named():
+    text = "Traceback (most recent call last):\n  File \"driver.py\", line 3, in train\nOSError: [Errno 28] No space left on device"
+    failure = explain_failure(text, origin="the driver")
+    assert failure.summary == "error in the driver: OSError: [Errno 28] No space left on device" and not failure.retryable
