@@ -32,8 +32,7 @@ STUDY_HINT = "lower train.batch_size, resources.workers_per_trial or concurrency
 
 _OOM = re.compile(r"running low on memory|NODE_OUT_OF_MEMORY|\bOutOfMemoryError: \d+ worker")
 _OOM_USAGE = re.compile(r"was ([\d.]+)\s*GB(?: used)?\s*/\s*([\d.]+)\s*GB")
-_OOM_COUNT = re.compile(r"(\d+) worker\(s\) were killed")
-_KILLED_TRAIN_WORKER = re.compile(r"Selected to kill:.*task name=RayTrainWorker", re.MULTILINE)
+_KILLED = re.compile(r"^Selected to kill:.*?task name=([\w.:]+)", re.MULTILINE)
 _GPU_OOM = re.compile(r"CUDA out of memory|torch\.OutOfMemoryError|HIP out of memory")
 _NODE_LOST = re.compile(
     r"its node has died|NodeDiedError|local raylet died|interrupted by node preemption|node (?:\S+ )?(?:is )?dead"
@@ -95,14 +94,26 @@ def record_failure(path: Path, text: str, failure: Failure, *, attempt: int) -> 
 def _oom_summary(text: str, hint: str) -> str:
     usage = _OOM_USAGE.search(text)
     in_use = f", {float(usage[1]):.1f} of {float(usage[2]):.1f} GiB in use" if usage else ""
-    count = _OOM_COUNT.search(text)
-    workers = len(_KILLED_TRAIN_WORKER.findall(text))
-    who = "worker killed"
-    if workers > 1:
-        who = f"{workers} workers killed"
-    elif count and int(count[1]) > 1 and workers == 0:
-        who = f"{count[1]} Ray processes killed"
-    return f"{who}: out of memory{in_use}; {hint}"
+    return f"{_killed(text)}: out of memory{in_use}; {hint}"
+
+
+def _killed(text: str) -> str:
+    """Who Ray's memory monitor killed, from its "Selected to kill: ... task name=<Class.method>" lines."""
+    names = [name.split(".")[0].split(":")[0] for name in _KILLED.findall(text)]
+    if not names:
+        return "worker killed"
+    workers = sum(n == "RayTrainWorker" for n in names) + sum(n == "ImplicitFunc" for n in names)
+    parts = [f"{workers} training worker{'s' if workers > 1 else ''}"] if workers else []
+    if "TrainController" in names:
+        parts.append("Ray Train's controller")
+    others = [n for n in names if n not in ("RayTrainWorker", "ImplicitFunc", "TrainController")]
+    if len(others) == 1:
+        parts.append(f"a Ray helper ({others[0]})")
+    elif others:
+        parts.append(f"{len(others)} Ray helpers")
+    if parts == ["1 training worker"]:
+        return "worker killed"
+    return (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]) + " killed"
 
 
 def _worker_died_summary(text: str) -> str:

@@ -5,7 +5,9 @@
   killed the controller and both workers of a 2-worker run;
 - worker_process_died.txt: ``str()`` of the ``WorkerGroupError`` after rank 0 called ``os._exit``
   (the same text as after ``kill -9``);
-- user_exception.txt: ``str()`` of the ``WorkerGroupError`` after rank 1 raised a ValueError.
+- user_exception.txt: ``str()`` of the ``WorkerGroupError`` after rank 1 raised a ValueError;
+- oom_train_queue_actor.txt: the traceback ``prvrlab train`` (2 workers) got when the memory monitor
+  (``RAY_memory_usage_threshold`` just above the machine's use) killed the driver's report queue actor.
 """
 
 from __future__ import annotations
@@ -34,16 +36,31 @@ def message(name: str) -> str:
 def test_memory_monitor_kill_is_said_plainly_with_the_usage_from_its_first_line():
     text = message("oom_memory_monitor.txt")
     used, limit = re.search(r"was ([\d.]+)GB used / ([\d.]+)GB limit", text).groups()
-    killed_workers = sum("task name=RayTrainWorker" in ln for ln in text.splitlines() if ln.startswith("Selected to kill"))
+    killed = [ln.split("task name=")[1].split(".")[0].split(":")[0] for ln in text.splitlines() if ln.startswith("Selected to kill")]
+    assert sorted(killed) == sorted(["RayTrainWorker", "RayTrainWorker", "TrainController", "AutoscalingCoordinator",
+                                     "SynchronizationActor", "PlacementGroupCleaner"])
     failure = explain_failure(text)
     assert failure.kind == "out_of_memory" and failure.retryable
     assert failure.summary == (
-        f"{killed_workers} workers killed: out of memory, {float(used):.1f} of {float(limit):.1f} GiB in use; {TRAIN_HINT}"
+        "2 training workers, Ray Train's controller and 3 Ray helpers killed: "
+        f"out of memory, {float(used):.1f} of {float(limit):.1f} GiB in use; {TRAIN_HINT}"
     )
-    assert failure.summary.startswith("2 workers killed: out of memory, 2.4 of 23.5 GiB in use")
+    assert ", 2.4 of 23.5 GiB in use" in failure.summary
     # what the old driver kept (the last 8 lines) says neither what was killed nor the usage
     tail = "\n".join([ln for ln in text.splitlines() if ln.strip()][-8:])
     assert "GB used" not in tail and "were killed" not in tail
+
+
+def test_one_killed_worker_reads_as_the_issue_asks():
+    lines = message("oom_memory_monitor.txt").splitlines()
+    worker = next(i for i, ln in enumerate(lines) if ln.startswith("Selected to kill") and "RayTrainWorker" in ln)
+    one = [ln for i, ln in enumerate(lines) if not ln.startswith("Selected to kill") or i == worker]
+    assert explain_failure("\n".join(one)).summary == f"worker killed: out of memory, 2.4 of 23.5 GiB in use; {TRAIN_HINT}"
+
+
+def test_a_killed_helper_is_named_and_retried():
+    failure = explain_failure(message("oom_train_queue_actor.txt"))
+    assert failure.retryable and failure.summary.startswith("a Ray helper (_QueueActor) killed: out of memory, 12.6 of 23.5 GiB")
 
 
 def test_the_hint_names_the_keys_of_the_caller():
@@ -108,7 +125,7 @@ def test_record_failure_appends_every_attempt_with_the_full_text(tmp_path):
     written = path.read_text()
     assert written.count("=== attempt ") == 2
     assert oom.strip() in written and died.strip() in written
-    assert written.index("=== attempt 1: 2 workers killed") < written.index("=== attempt 2: worker died")
+    assert written.index("=== attempt 1: 2 training workers") < written.index("=== attempt 2: worker died")
 
 
 @pytest.mark.parametrize("name", ["oom_memory_monitor.txt", "worker_process_died.txt", "user_exception.txt"])

@@ -149,7 +149,7 @@ def test_the_driver_retries_a_retryable_failure_up_to_max_failures(tiny_root, tm
     monkeypatch.setattr(driver, "_fit_once", always_oom)
     retries: list[tuple[str, int]] = []
     run_dir = tmp_path / "files"
-    with pytest.raises(TrainingError, match=r"^2 workers killed: out of memory, 2.4 of 23.5 GiB in use; lower train.batch_size"):
+    with pytest.raises(TrainingError, match=r"^2 training workers, Ray Train's controller and 3 Ray helpers killed: out of memory, 2.4 of 23.5 GiB in use; lower train.batch_size"):
         driver.fit_with_ray(validate(raw), run_dir, "r", lambda m: None, lambda f, n: retries.append((f.kind, n)))
     assert len(calls) == 3  # the first attempt + train.max_failures retries
     assert retries == [("out_of_memory", 1), ("out_of_memory", 2)]
