@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     result = train(cfg, use_ray=not args.no_ray)
     metrics = {k: v for k, v in result.final_metrics.items() if k != "kind"}
-    print(f"best val SumR {result.best_sumr:.1f} at epoch {result.best_epoch + 1}; run {result.run_id}")
+    print(f"best val SumR {result.best_sumr:.1f} at epoch {result.best_epoch}; run {result.run_id}")
     for split in ("val", "test"):
         if f"{split}/sumr" in metrics:
             print(

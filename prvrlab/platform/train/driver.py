@@ -209,11 +209,7 @@ def _fit_once(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Ca
     thread = threading.Thread(target=target, name="prvrlab-fit", daemon=True)
     thread.start()
     try:
-        while thread.is_alive() or not reports.empty():
-            try:
-                on_report(reports.get(timeout=0.5))
-            except (stdlib_queue.Empty, ray.util.queue.Empty):
-                continue
+        queue_error = _forward_reports(thread, reports, on_report)
     finally:
         thread.join(timeout=5)
         try:
@@ -222,6 +218,31 @@ def _fit_once(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Ca
             pass
     if "error" in outcome:
         raise outcome["error"]
+    if queue_error is not None:
+        raise queue_error
+
+
+def _forward_reports(thread: threading.Thread, reports, on_report: Callable[[dict], None]) -> BaseException | None:
+    """Hand every report to ``on_report`` until the fit in ``thread`` has ended and the queue is drained.
+
+    If the queue's actor dies (Ray's memory monitor may pick it), the fit is
+    waited for — a retry must not start beside a still-running controller — and
+    the actor's error is returned.
+    """
+    import ray
+
+    try:
+        while True:
+            alive = thread.is_alive()
+            try:
+                on_report(reports.get(timeout=0.5))
+            except (stdlib_queue.Empty, ray.util.queue.Empty):
+                if not alive:
+                    return None
+    except ray.exceptions.RayError as exc:
+        while thread.is_alive():
+            thread.join(timeout=1)
+        return exc
 
 
 def check_storage(storage_path: str) -> None:
@@ -280,7 +301,7 @@ def train(
 
             run_local(cfg, run_dir, on_report=recorder)
         if recorder.error:
-            raise TrainingError(f"non-finite loss: {recorder.error}")
+            raise TrainingError(recorder.error)
         if not recorder.final:
             raise TrainingError("training ended without its final report")
         tracker.log_metrics(run_id, {"best/sumr": recorder.final["best/sumr"], "best/epoch": recorder.final["best/epoch"]})

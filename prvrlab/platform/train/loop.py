@@ -303,7 +303,7 @@ class TrainingLoop:
             except NonFiniteLossError as exc:
                 failure, bad = str(exc), 1.0
         if all_reduce(torch.tensor([bad], device=self.device)).item() > 0:  # every rank stops at the same step
-            return failure or "non-finite loss on another worker"
+            return failure or f"non-finite loss at epoch {epoch + 1} on another worker"
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(result.total).backward()
         if self.cfg.train.grad_clip > 0 and self.cfg.train.clip_grad == "global":  # per_tensor: in optimizer.step
@@ -400,7 +400,7 @@ class TrainingLoop:
             metrics: dict[str, Any] = self.epoch_start(epoch)
             train_metrics, failure = self.train_epoch(epoch, train_model)
             if failure:
-                self.session.report({"kind": "nonfinite", "epoch": epoch + 1, "error": f"epoch {epoch + 1}: {failure}"})
+                self.session.report({"kind": "nonfinite", "epoch": epoch + 1, "error": failure})
                 return
             metrics.update(train_metrics)
             metrics.update(self.epoch_end(epoch))
