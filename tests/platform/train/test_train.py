@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,6 +16,7 @@ from prvrlab.platform.config import validate
 from prvrlab.evaluation.retrieval import evaluate
 from prvrlab.platform.failures import ERROR_FILE
 from prvrlab.platform.train import driver
+from prvrlab.platform.train.checkpoint_eval import checkpoint_epoch
 from prvrlab.platform.train.driver import TrainingError, train
 from prvrlab.platform.tracking.store import Tracker
 from prvrlab.models.factory import build_model
@@ -43,9 +45,9 @@ def runs(raw: dict):
 def test_in_process_training_learns_and_is_recorded(tiny_root, tmp_path):
     raw = small_raw(tiny_root, tmp_path)
     before = untrained_val_sumr(raw)
-    result = train(validate(raw), use_ray=False, echo=None)
+    lines: list[str] = []
+    result = train(validate(raw), use_ray=False, echo=lines.append)
     assert result.best_sumr > before + 20, (before, result.best_sumr)
-    assert [h["epoch"] for h in result.history] == list(range(1, len(result.history) + 1))
     (run,) = runs(raw)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == "0.001"
@@ -54,6 +56,24 @@ def test_in_process_training_learns_and_is_recorded(tiny_root, tmp_path):
     assert "train/clip_triplet" in run.data.metrics and "val/r100" in run.data.metrics
     ranks = pq.read_table(result.run_dir / "ranks_test.parquet")
     assert set(ranks.column_names) >= {"query_id", "video_id", "rank"}
+    assert_epochs_count_from_one(result, run, lines, raw)
+
+
+def assert_epochs_count_from_one(result, run, lines: list[str], raw: dict) -> None:
+    """Console, MLflow steps and best/epoch, and the model file all count epochs from 1."""
+    n, epochs = len(result.history), raw["train"]["epochs"]  # n < epochs after an early stop
+    assert [h["epoch"] for h in result.history] == list(range(1, n + 1))
+    sumrs = [h["val/sumr"] for h in result.history]
+    best = 1 + max(range(n), key=lambda i: (sumrs[i], -i))  # the first epoch reaching the best value
+    assert result.best_epoch == best and run.data.metrics["best/epoch"] == best
+    epoch_lines = [ln for ln in lines if ln.startswith("epoch ")]
+    assert [int(re.match(rf"epoch +(\d+)/{epochs} ", ln).group(1)) for ln in epoch_lines] == list(range(1, n + 1))
+    assert re.search(r"best [\d.]+@(\d+)", epoch_lines[-1]).group(1) == str(best)
+    client = Tracker(raw["tracking"]["uri"], raw["tracking"]["experiment"]).client
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/sumr")] == list(range(1, n + 1))
+    assert run.data.tags["prvrlab.epoch_base"] == "1"
+    blob = torch.load(result.run_dir / "best_model.pt", map_location="cpu", weights_only=True)
+    assert blob["format"] == 3 and blob["epoch"] == best == checkpoint_epoch(blob)
 
 
 @LOSSES.register("test_nan")
