@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from prvrlab.platform.tracking.store import git_commit
+
 from search_helpers import REPO, study_runs
 
 pytestmark = pytest.mark.slow
@@ -84,9 +86,10 @@ def test_ray_job_submit_runs_the_tiny_search(tiny_root, tmp_path):
     url = f"http://127.0.0.1:{dash}"
     try:
         wait_for_dashboard(url, head)
+        commit = git_commit(REPO)  # captured where the job is submitted: Ray's copy has no .git
         runtime_env = {
             "excludes": ["data/", ".venv/", "mlflow.db", "results/", "mlruns/", "*.pt"],
-            "env_vars": {"PRVRLAB_HOME": str(tmp_path)},
+            "env_vars": {"PRVRLAB_HOME": str(tmp_path), "PRVRLAB_GIT_COMMIT": commit},
         }
         submit = [
             str(bin_dir / "ray"), "job", "submit", "--address", url, "--working-dir", ".",
@@ -115,4 +118,9 @@ def test_ray_job_submit_runs_the_tiny_search(tiny_root, tmp_path):
     assert len(children) == 3
     assert all(c.info.status == "FINISHED" for c in children), [c.info.status for c in children]
     assert all(c.data.params["train.num_workers"] == "2" for c in children)
+    # provenance: the submitted commit and project-relative paths, not Ray's temporary copy
+    assert commit != "unknown"
+    assert {r.data.tags["git_commit"] for r in [parent, *children]} == {commit}
+    assert parent.data.params["spec.base_config"] == "configs/gmmformer_synth.yaml"
+    assert parent.data.tags["prvrlab.spec"] == "search_spaces/gmmformer_synth_tiny.yaml"
     assert list((tmp_path / "results" / "search" / "gmmformer_synth_tiny").glob("*/best_config.yaml"))
