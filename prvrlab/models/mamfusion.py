@@ -46,7 +46,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from prvrlab.checks import check_bool, check_choice, check_positive_int
+from prvrlab.checks import check_bool, check_choice, check_positive_int, check_probability
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, QueryEmbedding, VideoEmbedding
 from prvrlab.models.blocks import (
@@ -115,6 +115,9 @@ class MamFusion(PooledFrameBackbone):
     """MamFusion: GMMFormer's branches with Mamba blocks, plus text-video fusion (module docstring).
 
     GMMFormer's parameters (:class:`~prvrlab.models.gmmformer.GMMFormer`), and:
+    ``input_dropout`` (the input projections' and positional embeddings'
+    dropout, None: ``dropout``, which then covers the residual branches only;
+    the reference's input_drop / drop),
     ``mamba`` (Mamba after every GMMBlock), ``d_state`` / ``d_conv`` /
     ``expand`` (its sizes), ``mask_padding``, ``scan_chunk`` (the chunk
     length of the selective scan); ``t2v`` / ``v2t`` (the two fusions),
@@ -134,6 +137,7 @@ class MamFusion(PooledFrameBackbone):
         num_heads: int = 4,
         dropout: float = 0.1,
         attention_dropout: float = 0.0,
+        input_dropout: float | None = None,
         ffn_size: int | None = 0,
         sigmas: list[float | str] = [0.5, 1.0, 5.0, "inf"],  # noqa: B006 - never mutated
         num_gmm_blocks: int = 2,
@@ -162,7 +166,7 @@ class MamFusion(PooledFrameBackbone):
             query_dim=query_dim,
             hidden_size=hidden_size,
             num_heads=num_heads,
-            dropout=dropout,
+            dropout=dropout if input_dropout is None else input_dropout,  # the encoders' input dropout
             attention_dropout=attention_dropout,
             max_frames=max_frames,
             max_query_len=max_query_len,
@@ -186,10 +190,10 @@ class MamFusion(PooledFrameBackbone):
             raise ValueError("fused_weight must be > 0 with fusion_at_retrieval: true")
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
         self.window, self.window_length = window, window_length
-        self.t2v_enabled, self.v2t_enabled = t2v, v2t
+        layer_args = {**sizes.layer_args, "dropout": check_probability(dropout, "dropout")}
 
         def block(span: WindowLength) -> GMMMambaBlock:
-            gmm = GMMBlock(**sizes.layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
+            gmm = GMMBlock(**layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
             args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "scan_chunk": scan_chunk}
             return GMMMambaBlock(
                 gmm=gmm, mamba=MambaLayer(hidden_size=hidden_size, mask_padding=mask_padding, **args) if mamba else None
@@ -198,7 +202,7 @@ class MamFusion(PooledFrameBackbone):
         def pool() -> AttentionPooling:
             return AttentionPooling(hidden_size=hidden_size)
 
-        self.query = sizes.query_encoder(lambda: TransformerLayer(**sizes.layer_args, ffn_size=ffn), pool=pool)
+        self.query = sizes.query_encoder(lambda: TransformerLayer(**layer_args, ffn_size=ffn), pool=pool)
         clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
         self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_gmm_blocks)
         self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_gmm_blocks, pool=pool)
