@@ -101,7 +101,7 @@ def selective_scan_chunked(
     h = inputs[0]
     local = [h]
     for j in range(1, size):  # inside every chunk, from a zero state
-        h = decay[j] * h + inputs[j]
+        h = torch.addcmul(inputs[j], decay[j], h)
         local.append(h)
     within = torch.exp(torch.cumsum(ds, dim=1)[..., None] * A)  # (B, C, K, E, N) decay from the chunk start to j
     ends, totals = h.unbind(1), within[:, -1].unbind(1)  # K x (B, E, N) each
@@ -109,8 +109,8 @@ def selective_scan_chunked(
     carried = []
     for k in range(num_chunks):  # across chunks: the state entering chunk k
         carried.append(carry)
-        carry = totals[k] * carry + ends[k]
-    states = torch.stack(local, dim=1) + within * torch.stack(carried, dim=1)[:, None]  # (B, C, K, E, N)
+        carry = torch.addcmul(ends[k], totals[k], carry)
+    states = torch.addcmul(torch.stack(local, dim=1), within, torch.stack(carried, dim=1)[:, None])  # (B, C, K, E, N)
     y = torch.einsum("bcken,bckn->bcke", states, cs)  # (B, C, K, E)
     y = y.transpose(1, 2).reshape(batch, num_chunks * size, channels)[:, :length]  # (B, L, E)
     return _skip(y, x, D)
