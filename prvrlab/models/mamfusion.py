@@ -218,14 +218,9 @@ class MamFusion(PooledFrameBackbone):
         """(B, Lc, Dv) -> (B, Lc, D)."""
         return self.clip(clips)
 
-    def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
-        """As GMMFormer; the temporal fusion keeps the per-frame tokens (``extra``) in every mode."""
-        clip = self.encode_clips(clips)  # (B, Lc, D)
-        f, packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
-        extra = {}
-        if self.temporal or self.exposes(FRAME_TOKENS):
-            extra = {"frame_tokens": packing.unpack(f), "frame_mask": packing.mask}  # (B, Lf, D), (B, Lf)
-        return VideoEmbedding(clip=clip, frame=self.frame.pooled(f, packing), extra=extra)  # frame (B, D)
+    def keeps_frame_tokens(self) -> bool:
+        """The temporal fusion reads the per-frame tokens in every mode."""
+        return self.temporal or super().keeps_frame_tokens()
 
     # ------------------------------------------------------------ fusion
 
