@@ -115,9 +115,9 @@ class MamFusion(PooledFrameBackbone):
     """MamFusion: GMMFormer's branches with Mamba blocks, plus text-video fusion (module docstring).
 
     GMMFormer's parameters (:class:`~prvrlab.models.gmmformer.GMMFormer`), and:
-    ``input_dropout`` (the input projections' and positional embeddings'
-    dropout, None: ``dropout``, which then covers the residual branches only;
-    the reference's input_drop / drop),
+    ``input_dropout`` (of the input projections and positional embeddings;
+    None: ``dropout``, which always covers the residual branches: the
+    reference's input_drop / drop),
     ``mamba`` (Mamba after every GMMBlock), ``d_state`` / ``d_conv`` /
     ``expand`` (its sizes), ``mask_padding``, ``scan_chunk`` (the chunk
     length of the selective scan); ``t2v`` / ``v2t`` (the two fusions),
