@@ -7,7 +7,8 @@ attention layer, and MamFusion's query-conditioned retrieval against its factori
    a dense attention layer of the same width (prvrlab's TransformerLayer with
    no feed-forward sublayer, E wide, on the same B x L tokens).  Prints
    seconds and the ratios reference / chunked (goal >= 20) and chunked /
-   attention (goal <= 3).
+   attention (goal <= 3); also the blocked, checkpointed scan the Mamba block
+   runs on CPU (memory bounded to 32 M state elements per block).
 2. Retrieval ms per query of MamFusion (TVR dims, hidden 384) against a
    gallery of encoded videos: ``fusion: batch`` (factorised scores, the
    reference's) and ``fusion: temporal`` with ``fusion_at_retrieval: true``
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.mamba import selective_scan_chunked, selective_scan_reference
+from prvrlab.models.mamba import selective_scan_blocked, selective_scan_chunked, selective_scan_reference
 from prvrlab.registry import BACKBONES
 
 
@@ -86,6 +87,8 @@ def bench_scan(args: argparse.Namespace) -> None:
         chunked[chunk] = timed(forward_backward(lambda *a: selective_scan_chunked(*a, chunk=chunk), inputs), args.repeats)
         print(f"  chunked scan, chunk {chunk:3d}: {chunked[chunk]:8.3f} s")
     best = min(chunked, key=chunked.get)
+    blocked = timed(forward_backward(lambda *a: selective_scan_blocked(*a, chunk=best), inputs), args.repeats)
+    print(f"  blocked + checkpointed (what Mamba runs on CPU), chunk {best}: {blocked:8.3f} s")
     tokens = torch.randn(args.batch, args.length, args.channels, requires_grad=True)
     layer = TransformerLayer(hidden_size=args.channels, num_heads=args.heads, dropout=0.0, ffn_size=0)
     attention = timed(forward_backward(layer, [tokens]), args.repeats)

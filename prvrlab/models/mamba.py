@@ -20,6 +20,8 @@ with ``x``, ``delta`` (B, L, E), ``A`` (E, N) (negative), input-dependent
   every product of decays is <= 1 (stable in fp32), and autograd gives the
   gradient.  A length that is not a multiple of C is padded at the end with
   ``delta = 0`` (decay 1, no input), which cannot reach earlier steps.
+  Its memory is O(B L E N); :func:`selective_scan_blocked` runs it on blocks
+  of batch rows and channels, checkpointed, to bound that.
 * :func:`selective_scan` picks ``mamba_ssm``'s CUDA kernel
   (``selective_scan_fn``) when that package is importable and the tensors are
   on CUDA, else the chunked scan.
@@ -31,14 +33,17 @@ on padded steps: the state then passes through them unchanged.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from prvrlab.checks import check_positive_int
 from prvrlab.models.blocks import PackedLayer, Packing
 
 DEFAULT_SCAN_CHUNK = 16
+DEFAULT_BLOCK_ELEMENTS = 1 << 25  # 32 M state elements (128 MiB in fp32) per block of the CPU scan
 
 
 def _masked(x: Tensor, delta: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -116,6 +121,51 @@ def selective_scan_chunked(
     return _skip(y, x, D)
 
 
+def selective_scan_blocked(
+    x: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    *,
+    mask: Tensor | None = None,
+    chunk: int = DEFAULT_SCAN_CHUNK,
+    max_elements: int = DEFAULT_BLOCK_ELEMENTS,
+) -> Tensor:
+    """:func:`selective_scan_chunked` over blocks of batch rows and channels (the channels are
+    independent) with at most ``max_elements`` state elements (rows x L x channels x N) each; with
+    gradients on, every block is checkpointed, so memory stays bounded by one block's intermediates
+    plus the inputs (the backward recomputes the block's forward)."""
+    check_positive_int(max_elements, "max_elements")
+    x, delta = _masked(x, delta, mask)
+    batch, length, channels = x.shape
+    state = A.shape[1]
+    per_row = max(1, length * state)
+    rows = batch if batch * channels * per_row <= max_elements else max(1, max_elements // (per_row * channels))
+    width = min(channels, max(1, max_elements // (rows * per_row)))
+    if rows >= batch and width >= channels:
+        return selective_scan_chunked(x, delta, A, B, C, D, chunk=chunk)
+    checkpointed = torch.is_grad_enabled() and any(t.requires_grad for t in (x, delta, A, B, C))
+
+    def block(*args: Tensor) -> Tensor:
+        return selective_scan_chunked(*args, chunk=chunk)
+
+    out_rows = []
+    for r in range(0, batch, rows):
+        parts = []
+        for c in range(0, channels, width):
+            cs = slice(c, c + width)
+            args = (x[r : r + rows, :, cs], delta[r : r + rows, :, cs], A[cs], B[r : r + rows], C[r : r + rows])
+            args = args + (() if D is None else (D[cs],))
+            if checkpointed:
+                parts.append(torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False))
+            else:
+                parts.append(block(*args))
+        out_rows.append(torch.cat(parts, dim=-1))  # (rows, L, E)
+    return torch.cat(out_rows, dim=0)  # (B, L, E)
+
+
 def _cuda_kernel():
     """``mamba_ssm``'s ``selective_scan_fn``, or None when the package is not importable."""
     try:
@@ -135,10 +185,11 @@ def selective_scan(
     *,
     mask: Tensor | None = None,
     chunk: int = DEFAULT_SCAN_CHUNK,
+    max_elements: int = DEFAULT_BLOCK_ELEMENTS,
     kernel: str = "auto",
 ) -> Tensor:
     """The selective scan in fp32 (autocast off): ``mamba_ssm``'s CUDA kernel when ``kernel`` is ``auto``
-    and it is importable on a CUDA tensor, else :func:`selective_scan_chunked` (``kernel='torch'``)."""
+    and it is importable on a CUDA tensor, else :func:`selective_scan_blocked` (``kernel='torch'``)."""
     if kernel not in ("auto", "torch"):
         raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
     with torch.autocast(device_type=x.device.type, enabled=False):
@@ -146,7 +197,7 @@ def selective_scan(
         D = None if D is None else D.float()
         fn = _cuda_kernel() if kernel == "auto" and x.is_cuda else None
         if fn is None:
-            return selective_scan_chunked(x, delta, A, B, C, D, mask=mask, chunk=chunk)
+            return selective_scan_blocked(x, delta, A, B, C, D, mask=mask, chunk=chunk, max_elements=max_elements)
         x, delta = _masked(x, delta, mask)
         y = fn(
             x.transpose(1, 2).contiguous(),  # (B, E, L)

@@ -14,6 +14,7 @@ from prvrlab.models.mamba import (
     MambaLayer,
     _cuda_kernel,
     selective_scan,
+    selective_scan_blocked,
     selective_scan_chunked,
     selective_scan_reference,
 )
@@ -173,3 +174,18 @@ def test_mamba_layer_residual_norm_and_padding_switch():
     expected = x + layer.norm(packing.pack(layer.mamba(packing.unpack(x))))
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(masked.forward_packed(x, packing), out)  # causal: the switch keeps real tokens
+
+
+@pytest.mark.parametrize("max_elements", [1, 40, 100, 10**9])
+def test_blocked_scan_equals_the_whole_scan_with_the_same_gradients(max_elements):
+    """Blocks of batch rows and channels (checkpointed) give the same outputs and gradients."""
+    args = [a.requires_grad_() for a in scan_inputs(batch=3, length=9, channels=5, state=4, seed=11)]
+    mask = torch.tensor([[True] * 9, [True] * 4 + [False] * 5, [True] * 7 + [False] * 2])
+    weights = torch.randn(3, 9, 5, dtype=torch.float64)
+    blocked = selective_scan_blocked(*args, mask=mask, chunk=4, max_elements=max_elements)
+    whole = selective_scan_chunked(*args, mask=mask, chunk=4)
+    torch.testing.assert_close(blocked, whole)
+    for a, b in zip(torch.autograd.grad((blocked * weights).sum(), args), torch.autograd.grad((whole * weights).sum(), args)):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(selective_scan_blocked(*args, mask=mask, chunk=4, max_elements=max_elements), whole)
