@@ -189,6 +189,7 @@ class MamFusion(PooledFrameBackbone):
         if fusion_at_retrieval and self.score_weights["fused"] == 0:
             raise ValueError("fused_weight must be > 0 with fusion_at_retrieval: true")
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
+        self.num_heads = num_heads
         self.window, self.window_length = window, window_length
         layer_args = {**sizes.layer_args, "dropout": check_probability(dropout, "dropout")}
 
@@ -258,7 +259,7 @@ class MamFusion(PooledFrameBackbone):
         """Queries and videos per chunk so that no pairwise tensor exceeds ``fusion_chunk`` elements."""
         lq, lf = query.word_tokens()[0].shape[1], video.frame_tokens()[0].shape[1]
         d = self.hidden_size
-        per_pair = max(lf * d, lq * d, self.t2v.num_heads * lf * lq if self.t2v is not None else 1)
+        per_pair = max(2 * lf * d, 2 * lq * d, self.num_heads * lf * lq)  # key-value pairs, attention logits
         pairs = max(1, self.fusion_chunk // per_pair)
         nq = max(1, query.vectors["clip"].shape[0])
         per_query = min(nq, pairs)
