@@ -233,7 +233,9 @@ class MamFusion(PooledFrameBackbone):
             query = self.v2t(query[None], video[None])[0]  # (Nq, D)
         return query
 
-    def _fuse(self, words: Tensor, word_mask: Tensor, frames: Tensor, frame_mask: Tensor, plain: Tensor):
+    def _fuse(
+        self, words: Tensor, word_mask: Tensor, frames: Tensor, frame_mask: Tensor, plain: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Temporal fusion of (..., Lq, D) word tokens with (..., Lf, D) frame tokens, their masks and the
         unfused (..., D) query vectors, leading dims broadcasting to S -> fused query and video (S, D)."""
         fused_frames = frames if self.t2v is None else self.t2v(frames, words, word_mask)  # (S, Lf, D)
@@ -268,6 +270,9 @@ class MamFusion(PooledFrameBackbone):
     def _pair_scores(self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool) -> BranchScores:
         """(Nq, Nv) cosines (and dots) of the fused pairs, in memory-bounded chunks."""
         nq, nv = query.vectors["clip"].shape[0], video.frame.shape[0]
+        if nq == 0 or nv == 0:
+            empty = query.vectors["clip"].new_zeros(nq, nv, dtype=torch.float32)
+            return BranchScores(sim=empty, logits=empty if with_logits else None)
         per_query, per_video = self._pair_chunks(query, video)
         sims, dots = [], []
         for i in range(0, nq, per_query):
@@ -283,9 +288,6 @@ class MamFusion(PooledFrameBackbone):
                 row_dots.append(dot)
             sims.append(torch.cat(row_sims, dim=1))
             dots.append(torch.cat(row_dots, dim=1))
-        if nq == 0:
-            empty = query.vectors["clip"].new_zeros(0, nv, dtype=torch.float32)
-            return BranchScores(sim=empty, logits=empty if with_logits else None)
         return BranchScores(sim=torch.cat(sims), logits=torch.cat(dots) if with_logits else None)
 
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:

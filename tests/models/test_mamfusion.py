@@ -232,3 +232,11 @@ def test_trains_through_the_platform_and_the_checkpoint_round_trips(tiny_root, t
     model.load_state_dict(saved["model"])
     after = evaluate(model, collection, "val", cfg.eval, device=torch.device("cpu"))
     assert after.metrics["sumr"] == pytest.approx(result.best_sumr)
+
+
+def test_temporal_scoring_of_an_empty_gallery_or_query_set():
+    model = temporal(fusion_at_retrieval=True)
+    with torch.no_grad():
+        query, video = encode(model, standard_batch())
+        assert model.score(query, video.index(slice(0, 0)))["fused"].sim.shape == (7, 0)
+        assert model.score(query.index(slice(0, 0)), video)["fused"].sim.shape == (0, 4)
