@@ -240,3 +240,18 @@ def test_temporal_scoring_of_an_empty_gallery_or_query_set():
         query, video = encode(model, standard_batch())
         assert model.score(query, video.index(slice(0, 0)))["fused"].sim.shape == (7, 0)
         assert model.score(query.index(slice(0, 0)), video)["fused"].sim.shape == (0, 4)
+
+
+def test_a_plugged_model_adds_the_backbones_batch_vectors():
+    """The batch_vectors hook is called by PluggedModel.forward too (here with the RAL plug-in)."""
+    from prvrlab.models.plugins.base import PluggedModel
+    from prvrlab.registry import PLUGINS
+
+    torch.manual_seed(0)
+    backbone = build("mamfusion", dropout=0.0).eval()
+    plugin = PLUGINS.build("ral", hidden_size=16)
+    wrapped = PluggedModel(backbone=backbone, plugins={"ral": plugin}).eval()
+    wrapped.request(training=plugin.needs(training=True), retrieval=plugin.needs(training=False))
+    batch = standard_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(batch).query.vectors["fused"], backbone(batch).query.vectors["fused"])
