@@ -52,7 +52,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prvrlab.checks import check_positive_int
-from prvrlab.models.blocks import BranchLinear, Dropout, PackedLayer, Packing, dropout_mask, resolve_ffn_size
+from prvrlab.models.blocks import (
+    BranchLinear,
+    Dropout,
+    PackedLayer,
+    Packing,
+    dropout_mask,
+    native_low_precision,
+    resolve_ffn_size,
+)
 
 DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
 Window = Literal["official", "centred"]
@@ -145,15 +153,6 @@ def _cached_stack(
     with torch.inference_mode(False), torch.no_grad():
         stack = torch.stack([_cached_window(length, span, s, window, device) for s in sigmas])  # (K, L, L)
         return (stack * scale).to(dtype)[None, :, None]  # (1, K, 1, L, L)
-
-
-@functools.lru_cache(maxsize=8)
-def native_low_precision(device_type: str) -> bool:
-    """Whether bf16 matrix products run on native units on ``device_type`` (a CUDA GPU; a CPU with AMX or AVX512-BF16)."""
-    if device_type != "cpu":
-        return True
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float], window: Window = "official") -> Tensor:
