@@ -148,7 +148,8 @@ def encode_videos(
     *,
     device: torch.device | str,
     amp_dtype: torch.dtype | str | None = None,
-) -> tuple[VideoEmbedding, list[str]]:
+    allow_empty: bool = False,
+) -> tuple[VideoEmbedding | None, list[str]]:
     """Encode every video once; returns the concatenated embedding and the ids.
 
     ``batches`` yields ``(video_ids, clips (B,Lc,Dv), frames (B,Lf,Dv),
@@ -156,6 +157,8 @@ def encode_videos(
     zero/False-pads it).  Runs under ``torch.inference_mode()`` with the model
     in eval mode; ``amp_dtype`` enables autocast for the encoders only and the
     result is cast back to float32.  The caller restores the model's mode.
+    No batch at all is an error, or ``(None, [])`` with ``allow_empty`` (a
+    DDP rank without a share).
     """
     device = torch.device(device)
     amp_dtype = resolve_amp_dtype(amp_dtype)
@@ -174,6 +177,8 @@ def encode_videos(
             parts.append(_float32(emb))
             ids.extend(str(v) for v in video_ids)
     if not parts:
+        if allow_empty:
+            return None, []
         raise ValueError("no video batch was yielded; cannot evaluate an empty split")
     _check_unique(ids, "video")
     return VideoEmbedding.cat(parts), ids
@@ -185,11 +190,13 @@ def encode_queries(
     *,
     device: torch.device | str,
     amp_dtype: torch.dtype | str | None = None,
-) -> tuple[QueryEmbedding, list[str]]:
+    allow_empty: bool = False,
+) -> tuple[QueryEmbedding | None, list[str]]:
     """Encode every query; ``batches`` yields ``(query_ids, queries (N,Lq,Dq), query_mask (N,Lq))``.
 
     Same rules as ``encode_videos`` (inference mode, eval mode, optional
-    autocast, float32 result, padded concatenation, ids checked unique).
+    autocast, float32 result, padded concatenation, ids checked unique,
+    ``allow_empty``).
     """
     device = torch.device(device)
     amp_dtype = resolve_amp_dtype(amp_dtype)
@@ -207,6 +214,8 @@ def encode_queries(
             parts.append(_float32(emb))
             ids.extend(str(q) for q in query_ids)
     if not parts:
+        if allow_empty:
+            return None, []
         raise ValueError("no query batch was yielded; cannot evaluate an empty split")
     _check_unique(ids, "query")
     return QueryEmbedding.cat(parts), ids
@@ -407,17 +416,25 @@ def evaluate_batches(
     t_start = time.perf_counter()
     with _eval_mode(model):
         t0 = time.perf_counter()
-        video_emb, yielded_videos = encode_videos(model, video_batches_iter, device=device, amp_dtype=amp_dtype)
-        if world_size > 1:  # every rank scores against all videos
-            shares = _all_gather((_to_cpu(video_emb), yielded_videos), world_size)
-            video_emb = VideoEmbedding.cat([emb for emb, _ in shares]).to(device)
+        sharded = world_size > 1  # a rank may have no share
+        video_emb, yielded_videos = encode_videos(
+            model, video_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
+        )
+        if sharded:  # every rank scores against all videos
+            shares = _all_gather((None if video_emb is None else _to_cpu(video_emb), yielded_videos), world_size)
+            parts = [emb for emb, _ in shares if emb is not None]
+            if not parts:
+                raise ValueError("no video batch was yielded on any rank; cannot evaluate an empty split")
+            video_emb = VideoEmbedding.cat(parts).to(device)
             yielded_videos = [v for _, ids in shares for v in ids]
             _check_unique(yielded_videos, "video")
         _sync(device)
         timings["encode_videos"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        query_emb, yielded_queries = encode_queries(model, query_batches_iter, device=device, amp_dtype=amp_dtype)
+        query_emb, yielded_queries = encode_queries(
+            model, query_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
+        )
         _sync(device)
         timings["encode_queries"] = time.perf_counter() - t0
 
@@ -430,16 +447,20 @@ def evaluate_batches(
         qv_rows = row_of_split_video[query_video[query_pos]]
 
         t0 = time.perf_counter()
-        ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=chunk)
+        ranks = np.empty(0, dtype=np.int64)
+        if query_emb is not None:
+            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=chunk)
         _sync(device)
         timings["score"] = time.perf_counter() - t0
 
-    if world_size > 1:  # rank 0 collects every rank's queries and ranks
+    if sharded:  # rank 0 collects every rank's queries and ranks
         shares = _all_gather((yielded_queries, ranks), world_size)
         if rank != 0:
             return None
         yielded_queries = [q for ids, _ in shares for q in ids]
         ranks = np.concatenate([r for _, r in shares])
+    if not yielded_queries:
+        raise ValueError("no query batch was yielded; cannot evaluate an empty split")
     _check_unique(yielded_queries, "query")
     query_perm = _permutation(yielded_queries, query_ids, "query")  # every query exactly once
     if query_perm is None:

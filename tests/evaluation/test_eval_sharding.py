@@ -82,17 +82,21 @@ def test_bf16_falls_back_to_float32_without_native_units(tiny_root, tmp_path, mo
     np.testing.assert_array_equal(bf16.ranks, plain_evaluation(model, collection, cfg).ranks)
 
 
+SHARDINGS = {"both ranks": {}, "rank 1 has no share": {"video_batch_size": 1000, "query_batch_size": 1000}}
+
+
 def _sharded_rank(rank: int, world: int, init_file: str, tiny_root: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        cfg, collection, model = setup(Path(tiny_root), Path(out_dir))
-        result = ev.evaluate(model, collection, "val", cfg.eval, device="cpu", rank=rank, world_size=world)
-        if rank == 0:
-            out = {"ranks": result.ranks.tolist(), "metrics": result.metrics,
-                   "ids": result.table.column("query_id").to_pylist(), "videos": result.num_videos}
-        else:
-            out = {"result": result}
+        out = {}
+        for name, eval_cfg in SHARDINGS.items():
+            cfg, collection, model = setup(Path(tiny_root), Path(out_dir), **eval_cfg)
+            result = ev.evaluate(model, collection, "val", cfg.eval, device="cpu", rank=rank, world_size=world)
+            out[name] = None if result is None else {
+                "ranks": result.ranks.tolist(), "metrics": result.metrics,
+                "ids": result.table.column("query_id").to_pylist(), "videos": result.num_videos,
+            }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -102,10 +106,13 @@ def _sharded_rank(rank: int, world: int, init_file: str, tiny_root: str, out_dir
 def test_two_gloo_ranks_equal_one_process(tiny_root, tmp_path):
     mp.spawn(_sharded_rank, args=(2, str(tmp_path / "init"), str(tiny_root), str(tmp_path)), nprocs=2, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    assert json.loads((tmp_path / "rank1.json").read_text()) == {"result": None}
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {name: None for name in SHARDINGS}
     cfg, collection, model = setup(tiny_root, tmp_path)
     plain = plain_evaluation(model, collection, cfg)
-    assert rank0["ids"] == collection.split("val").query_ids
-    np.testing.assert_array_equal(np.array(rank0["ranks"]), plain.ranks)
-    assert rank0["metrics"] == pytest.approx(plain.metrics, abs=1e-9)
-    assert rank0["videos"] == collection.split("val").num_videos
+    index = collection.split("val")
+    for name in SHARDINGS:
+        got = rank0[name]
+        assert got["ids"] == index.query_ids, name
+        np.testing.assert_array_equal(np.array(got["ranks"]), plain.ranks, err_msg=name)
+        assert got["metrics"] == pytest.approx(plain.metrics, abs=1e-9), name
+        assert got["videos"] == index.num_videos, name
