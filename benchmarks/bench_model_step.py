@@ -187,7 +187,7 @@ def main() -> None:
         print(
             f"{runner.name:>18}: step min {min(t['step']):6.2f} s, "
             f"median {statistics.median(t['step']):6.2f} s ({parts}) = {args.videos / min(t['step']):.1f} videos/s, "
-            f"{gflop / min(t["step"]):.1f} GFLOP/s effective ({gflop / min(t['step']) / roofs[runner.amp]:.0%} "
+            f"{gflop / min(t['step']):.1f} GFLOP/s effective ({gflop / min(t['step']) / roofs[runner.amp]:.0%} "
             f"of the {'fp32' if runner.amp == 'none' else 'bf16'} GEMM roof)"
         )
     print(f"({args.steps} timed steps per runner after {args.warmup} warm-up; min = least disturbed by other load)")
