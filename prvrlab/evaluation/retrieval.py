@@ -6,7 +6,8 @@ batches and on embeddings, so each can be tested without the data layer:
     encode_videos / encode_queries   video / query batches -> VideoEmbedding / QueryEmbedding
     compute_ranks  embeddings -> 1-based rank of each query's video (chunked)
     evaluate       encoding, ranking and the metrics of :mod:`prvrlab.evaluation.metrics`
-                   on one split of a data-layer Collection
+                   on one split of a data-layer Collection (sharded over DDP ranks
+                   when given ``rank`` / ``world_size``)
 
 Tie handling (see ``compute_ranks``): a video scoring exactly as high as the
 ground truth is ranked *before* it, so ties never help.  A model whose scores
@@ -95,20 +96,21 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _float32(emb):
-    """A copy of an embedding dataclass with every floating tensor in float32."""
-
-    def cast(t: Tensor) -> Tensor:
-        return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
-
+def _map_tensors(emb, fn):
+    """A copy of an embedding dataclass with ``fn`` applied to every tensor (also those in dict fields)."""
     changes: dict[str, Any] = {}
     for f in dataclasses.fields(emb):
         v = getattr(emb, f.name)
         if isinstance(v, Tensor):
-            changes[f.name] = cast(v)
+            changes[f.name] = fn(v)
         elif isinstance(v, dict):
-            changes[f.name] = {k: cast(t) if isinstance(t, Tensor) else t for k, t in v.items()}
+            changes[f.name] = {k: fn(t) if isinstance(t, Tensor) else t for k, t in v.items()}
     return dataclasses.replace(emb, **changes)
+
+
+def _float32(emb):
+    """A copy of an embedding dataclass with every floating tensor in float32."""
+    return _map_tensors(emb, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
 
 
 def _num_rows(emb) -> int:
@@ -360,18 +362,6 @@ def _all_gather(obj: Any, world_size: int) -> list[Any]:
     return gathered
 
 
-def _to_cpu(emb):
-    """An embedding dataclass with every tensor on the CPU (to travel between ranks)."""
-    changes: dict[str, Any] = {}
-    for f in dataclasses.fields(emb):
-        v = getattr(emb, f.name)
-        if isinstance(v, Tensor):
-            changes[f.name] = v.cpu()
-        elif isinstance(v, dict):
-            changes[f.name] = {k: t.cpu() if isinstance(t, Tensor) else t for k, t in v.items()}
-    return dataclasses.replace(emb, **changes)
-
-
 def evaluate_batches(
     model: RetrievalModel,
     video_batches_iter: Iterable[VideoBatch],
@@ -421,7 +411,7 @@ def evaluate_batches(
             model, video_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
         )
         if sharded:  # every rank scores against all videos
-            shares = _all_gather((None if video_emb is None else _to_cpu(video_emb), yielded_videos), world_size)
+            shares = _all_gather((None if video_emb is None else _map_tensors(video_emb, Tensor.cpu), yielded_videos), world_size)
             parts = [emb for emb, _ in shares if emb is not None]
             if not parts:
                 raise ValueError("no video batch was yielded on any rank; cannot evaluate an empty split")
