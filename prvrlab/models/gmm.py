@@ -30,7 +30,10 @@ Hence:
 
 * branches with ``sigma = inf`` (``G = 1``) run on
   ``torch.nn.functional.scaled_dot_product_attention`` with the padding-key
-  bias as its additive ``attn_mask`` (exact);
+  bias as its additive ``attn_mask`` (exact): always when every branch is
+  plain (a TransformerLayer), and in low precision when plain and windowed
+  branches mix (in float32, measured on CPU, splitting the branches and
+  gathering their gradients cost more than the fused kernel saves);
 * finite-width branches keep the explicit product, softmax and product;
   under bf16/fp16 autocast on a CPU without native bf16 matrix units
   (AVX512-BF16 / AMX) their (L, L) products run in float32, where the
@@ -277,6 +280,8 @@ class GaussianAttention(nn.Module):
         plain = [i for i, s in enumerate(self.sigmas) if math.isinf(s)]
         windowed = [i for i, s in enumerate(self.sigmas) if not math.isinf(s)]
         if self.training and self.attn_dropout.p > 0:  # keep the plain path's dropout mask
+            plain, windowed = [], list(range(self.num_branches))
+        if plain and windowed and q.dtype == torch.float32:  # measured: the split costs more than SDPA saves
             plain, windowed = [], list(range(self.num_branches))
         parts, order = [], []
         if windowed:

@@ -109,16 +109,25 @@ def hand_attention(att: GaussianAttention, x: torch.Tensor, lengths: list[int]) 
     return out
 
 
-def test_fast_attention_matches_hand_loop_mixed_branch_order():
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_fast_attention_matches_hand_loop_mixed_branch_order(amp):
+    """fp32: one explicit pass over all branches; bf16: plain branches on SDPA, windowed ones apart,
+    put back in branch order."""
     torch.manual_seed(0)
     att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=["inf", 0.5, "inf", 1.0])
+    with torch.no_grad():  # outputs of order 1, so that the bf16 tolerance is tight
+        for weight in (att.qkv.weight, att.out.weight):
+            weight.normal_(0.0, 0.5)
     lengths = [5, 2, 7]
     x = torch.randn(3, 7, 8)
     mask = torch.arange(7)[None] < torch.tensor(lengths)[:, None]
-    expected = hand_attention(att, x, lengths)
     with torch.no_grad():
-        got = att(x, mask)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        expected = hand_attention(att, x, lengths)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        got = att(x, mask).float()
+    assert_close_scaled(got, expected, BF16_TOL if amp else FP32_TOL, "attention")
+    swapped = expected[[2, 1, 0, 3]]  # branches 0 and 2 (both plain) swapped: far outside the tolerance
+    assert float((swapped - expected).abs().max()) > 10 * BF16_TOL * max(1.0, float(expected.abs().max()))
 
 
 def test_windowed_products_run_in_float32_without_native_bf16(monkeypatch):
