@@ -1,4 +1,4 @@
-"""Time one GMMFormer training step on a synthetic TVR-shaped batch.
+"""Time one training step of a GMMFormer-family backbone on a synthetic TVR-shaped batch.
 
 A step is forward + losses (triplet, InfoNCE on both branches, query-diverse)
 + backward + AdamW, data excluded; the reference figure for the official
@@ -6,6 +6,13 @@ GMMFormer on this kind of 2-core machine is 12.8 s (fp32, frames padded to 128).
 
     .venv/bin/python benchmarks/bench_model_step.py                 # fp32 and bf16, all 128 frames real
     .venv/bin/python benchmarks/bench_model_step.py --min-frames 32 # variable lengths (padding skipped)
+    .venv/bin/python benchmarks/bench_model_step.py --backbone gmmformer_v2 --paths plain fast
+                                                                    # attention paths side by side
+
+``--paths``: ``fast`` is GaussianAttention's fast paths (SDPA for plain
+branches, float32 windowed products where bf16 is emulated), ``plain`` the
+plain path; both run alternately in the same process, so their ratio holds
+under any machine load.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from prvrlab.data.batch import Batch
 from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
+from prvrlab.models.gmm import GaussianAttention, native_low_precision
 from prvrlab.registry import BACKBONES
 
 LOSSES = {
@@ -34,6 +42,9 @@ LOSSES = {
     "frame_nce": {"loss": "infonce", "weight": 0.04, "branch": "frame"},
     "div": {"loss": "query_diverse", "weight": 8e-5, "branch": "clip", "alpha": 32.0, "delta": 0.2},
 }
+
+
+OFFICIAL_STEP_S = {"gmmformer": 12.8, "gmmformer_v2": 43.4}  # REFERENCE.md section 8, batch 128, fp32
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per precision")
     p.add_argument("--amp", choices=["none", "bf16", "both"], default="both")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backbone", default="gmmformer", help="a registered backbone (gmmformer, gmmformer_v2, ...)")
+    p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
+                   help="attention paths to time side by side")
     return p.parse_args()
 
 
@@ -80,9 +94,13 @@ def synthetic_batch(args: argparse.Namespace, g: torch.Generator) -> Batch:
     )
 
 
-def gemm_roof(dtype: torch.dtype, repeats: int = 5) -> float:
-    """GFLOP/s of a (16384 x 384) @ (384 x 4608) matmul, the shape of a GMMBlock's Q/K/V projection."""
-    a = torch.randn(16384, 384, dtype=dtype)
+def gemm_roof(dtype: torch.dtype, repeats: int = 3) -> float:
+    """GFLOP/s of an (M x 384) @ (384 x 4608) matmul, the shape of a GMMBlock's Q/K/V projection.
+
+    M = 16384 (a batch's frames), or 1024 where the dtype is emulated (bf16 without native units runs at
+    well under 1 GFLOP/s; the big product would take minutes)."""
+    rows = 16384 if dtype == torch.float32 or native_low_precision("cpu") else 1024
+    a = torch.randn(rows, 384, dtype=dtype)
     b = torch.randn(384, 4608, dtype=dtype)
     a @ b
     best = math.inf
@@ -90,18 +108,21 @@ def gemm_roof(dtype: torch.dtype, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    return 2 * 16384 * 384 * 4608 / best / 1e9
+    return 2 * rows * 384 * 4608 / best / 1e9
 
 
 class Runner:
     """A model, its losses and AdamW, trained on one batch under one precision."""
 
-    def __init__(self, args: argparse.Namespace, amp: str) -> None:
+    def __init__(self, args: argparse.Namespace, amp: str, path: str = "fast") -> None:
         torch.manual_seed(args.seed)
-        self.amp = amp
+        self.amp, self.path = amp, path
+        self.name = f"{'fp32' if amp == 'none' else 'bf16 autocast'} {path}"
+        sizes = {"hidden_size": args.hidden, "max_frames": max(args.frames, args.clips), "max_query_len": args.query_len}
+        params = BACKBONES.params(args.backbone)
         self.model = BACKBONES.build(
-            "gmmformer", video_dim=args.video_dim, query_dim=args.query_dim, hidden_size=args.hidden,
-            max_frames=max(args.frames, args.clips), max_query_len=args.query_len,
+            args.backbone, video_dim=args.video_dim, query_dim=args.query_dim,
+            **{k: v for k, v in sizes.items() if k in params},
         ).train()
         self.criterion = WeightedLoss.from_config(LOSSES)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.01)
@@ -110,6 +131,7 @@ class Runner:
     def step(self, batch: Batch, record: bool) -> None:
         dtype = resolve_amp_dtype(self.amp)
         ctx = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+        GaussianAttention.fast = self.path == "fast"
         t0 = time.perf_counter()
         with ctx:
             out = self.model(batch)
@@ -118,6 +140,7 @@ class Runner:
         t2 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         result.total.backward()
+        GaussianAttention.fast = True
         t3 = time.perf_counter()
         self.optimizer.step()
         t4 = time.perf_counter()
@@ -139,9 +162,10 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     roofs = {"none": gemm_roof(torch.float32), "bf16": gemm_roof(torch.bfloat16)}
-    print(f"GEMM roof now: fp32 {roofs['none']:.0f} GFLOP/s, bf16 {roofs['bf16']:.0f} GFLOP/s")
+    print(f"GEMM roof now: fp32 {roofs['none']:.1f} GFLOP/s, bf16 {roofs['bf16']:.1f} GFLOP/s")
+    print(f"native bf16 matrix units on this CPU: {native_low_precision('cpu')}")
     amps = ["none", "bf16"] if args.amp == "both" else [args.amp]
-    runners = [Runner(args, amp) for amp in amps]
+    runners = [Runner(args, amp, path) for amp in amps for path in args.paths]
     counter = FlopCounterMode(display=False)
     with counter:  # one untimed step, counting the FLOPs of forward + losses + backward
         runners[0].step(batch, record=False)
@@ -152,31 +176,39 @@ def main() -> None:
                                 query_mask=torch.ones_like(batch.query_mask)), record=False)
     padded_gflop = counter.get_total_flops() / 1e9
     print(f"work per step: {gflop:.0f} GFLOP of matrix products ({padded_gflop:.0f} GFLOP if padding were computed)")
-    for step in range(args.warmup + args.steps):  # precisions interleaved: both see the same machine load
+    for step in range(args.warmup + args.steps):  # runners interleaved: all see the same machine load
         for runner in runners:
             runner.step(batch, record=step >= args.warmup)
     best = {}
     for runner in runners:
         t = runner.times
-        best[runner.amp] = min(t["step"])
+        best[(runner.amp, runner.path)] = min(t["step"])
         parts = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in t.items() if k != "step")
         print(
-            f"{'fp32' if runner.amp == 'none' else 'bf16 autocast':>13}: step min {min(t['step']):6.2f} s, "
+            f"{runner.name:>18}: step min {min(t['step']):6.2f} s, "
             f"median {statistics.median(t['step']):6.2f} s ({parts}) = {args.videos / min(t['step']):.1f} videos/s, "
-            f"{gflop / min(t['step']):.0f} GFLOP/s effective ({gflop / min(t['step']) / roofs[runner.amp]:.0%} of roof)"
+            f"{gflop / min(t['step']):.1f} GFLOP/s effective ({gflop / min(t['step']) / roofs[runner.amp]:.0%} "
+            f"of the {'fp32' if runner.amp == 'none' else 'bf16'} GEMM roof)"
         )
-    print(f"({args.steps} timed steps per precision after {args.warmup} warm-up; min = least disturbed by other load)")
-    if len(best) == 2:
-        print(f"bf16 speed-up over fp32: {best['none'] / best['bf16']:.2f}x")
-    for amp, value in best.items():
-        name = "fp32" if amp == "none" else "bf16"
-        print(f"{name}: {12.8 / value:.2f}x the official GMMFormer's 12.8 s/step (REFERENCE.md section 8)")
+    print(f"({args.steps} timed steps per runner after {args.warmup} warm-up; min = least disturbed by other load)")
+    for path in args.paths:
+        if ("none", path) in best and ("bf16", path) in best:
+            print(f"bf16 speed-up over fp32 ({path}): {best[('none', path)] / best[('bf16', path)]:.2f}x")
+    if "plain" in args.paths and "fast" in args.paths:
+        for amp in amps:
+            print(f"fast over plain attention ({'fp32' if amp == 'none' else 'bf16'}): "
+                  f"{best[(amp, 'plain')] / best[(amp, 'fast')]:.2f}x")
+    official = OFFICIAL_STEP_S.get(args.backbone)
+    if official is not None and args.videos == 128:
+        for key, value in best.items():
+            print(f"{key[0]} {key[1]}: {official / value:.2f}x the official {args.backbone}'s {official} s/step "
+                  "(REFERENCE.md section 8)")
     # The machine's speed varies (shared cores): compare with the fastest any fp32 implementation computing
     # padding (as the reference does) could be right now, i.e. that work at the fp32 GEMM roof.
     floor = padded_gflop / roofs["none"]
-    for amp, value in best.items():
-        name = "fp32" if amp == "none" else "bf16"
-        print(f"{name}: {floor / value:.2f}x an ideal fp32 step computing padding at today's roof ({floor:.2f} s)")
+    for key, value in best.items():
+        print(f"{key[0]} {key[1]}: {floor / value:.2f}x an ideal fp32 step computing padding at today's roof "
+              f"({floor:.2f} s)")
     print(f"peak resident memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 

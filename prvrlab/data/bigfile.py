@@ -134,6 +134,10 @@ class BigFile:
                 f"{v2f_path}: frame id {flat[first]!r} of video {vid!r} is not in {self.path / 'id.txt'} "
                 f"({missing.size} unknown frame ids in total)"
             )
+        step_ok = np.concatenate([[0], np.cumsum(np.diff(self._rows) == 1)])  # (F,) consecutive row pairs so far
+        lasts = np.maximum(self._offsets[1:] - 1, self._offsets[:-1])  # (V,) last frame position (first if none)
+        # a video's rows are one ascending run of feature.bin: read as one slice
+        self._contiguous = step_ok[lasts] - step_ok[self._offsets[:-1]] == lasts - self._offsets[:-1]  # (V,)
         self._mm: np.memmap | None = None
 
     @property
@@ -170,6 +174,8 @@ class BigFile:
         """The frames of ``video_id`` in ``video2frames.txt`` order, (n, D) float32."""
         i = self._position(video_id)
         rows = self._rows[self._offsets[i] : self._offsets[i + 1]]  # (n,)
+        if self._contiguous[i] and rows.size:  # one sequential read instead of a gather
+            return np.array(self._memmap()[rows[0] : rows[0] + rows.size], dtype=np.float32)  # (n, D)
         return np.asarray(self._memmap()[rows], dtype=np.float32)  # (n, D)
 
     def videos_of_row(self, row: int) -> list[str]:

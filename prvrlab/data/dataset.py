@@ -223,32 +223,48 @@ def train_loader(
 
 
 class _EvalBatches(Dataset):
-    """Item ``k`` is the ``k``-th batch of videos or queries of a split, in split order."""
+    """Item ``k`` is the ``k``-th batch of videos or queries of a split on this rank.
 
-    def __init__(self, dataset: VideoDataset, kind: str, batch_size: int) -> None:
+    Videos or queries are taken in split order, or (``by_length``, videos
+    only) from the fewest to the most frames, so a batch pads little; the
+    batches of that sequence are dealt round-robin over ``world_size`` ranks
+    (batch ``j`` goes to rank ``j % world_size``, which balances the lengths).
+    """
+
+    def __init__(
+        self, dataset: VideoDataset, kind: str, batch_size: int, *, by_length: bool = False,
+        rank: int = 0, world_size: int = 1,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
         self.dataset = dataset
         self.kind = kind
         self.batch_size = batch_size
-        total = dataset.index.num_videos if kind == "videos" else dataset.index.num_queries
-        self.starts = list(range(0, total, batch_size))
-        self.total = total
+        index = dataset.index
+        total = index.num_videos if kind == "videos" else index.num_queries
+        order = np.arange(total, dtype=np.int64)
+        if by_length and kind == "videos":
+            visual = dataset.collection.visual
+            counts = np.fromiter((visual.num_frames(v) for v in index.video_ids), dtype=np.int64, count=total)
+            order = np.argsort(counts, kind="stable")
+        batches = [order[lo : lo + batch_size] for lo in range(0, total, batch_size)]
+        self.batches = batches[rank::world_size]
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.batches)
 
     def __getitem__(self, k: int) -> tuple:
-        lo = self.starts[k]
-        hi = min(lo + self.batch_size, self.total)
+        items = self.batches[k].tolist()
         index = self.dataset.index
         if self.kind == "videos":
-            loaded = [self.dataset.video(i) for i in range(lo, hi)]
+            loaded = [self.dataset.video(i) for i in items]
             frames, frame_mask = pad_sequences([f for f, _ in loaded])  # (B, Lf, Dv), (B, Lf)
             clips = torch.from_numpy(np.stack([c for _, c in loaded]))  # (B, Lc, Dv)
-            return index.video_ids[lo:hi], clips, frames, frame_mask
-        queries, query_mask = pad_sequences([self.dataset.query(j) for j in range(lo, hi)])  # (N, Lq, Dq), (N, Lq)
-        return index.query_ids[lo:hi], queries, query_mask
+            return [index.video_ids[i] for i in items], clips, frames, frame_mask
+        queries, query_mask = pad_sequences([self.dataset.query(j) for j in items])  # (N, Lq, Dq), (N, Lq)
+        return [index.query_ids[j] for j in items], queries, query_mask
 
 
 def _iterate(batches: _EvalBatches, num_workers: int) -> Iterator[tuple]:
@@ -260,21 +276,29 @@ def _iterate(batches: _EvalBatches, num_workers: int) -> Iterator[tuple]:
 
 
 def video_batches(
-    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0
+    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0, by_length: bool = False,
+    rank: int = 0, world_size: int = 1,
 ) -> Iterator[tuple[list[str], Tensor, Tensor, Tensor]]:
     """Yield ``(video_ids, clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` in split order.
 
-    Frames are padded to the longest video of each batch.
+    Frames are padded to the longest video of each batch.  ``by_length``:
+    videos from the fewest to the most frames instead (little padding);
+    ``rank`` / ``world_size``: only this rank's batches, dealt round-robin.
     """
-    return _iterate(_EvalBatches(VideoDataset(collection, split), "videos", batch_size), num_workers)
+    batches = _EvalBatches(
+        VideoDataset(collection, split), "videos", batch_size, by_length=by_length, rank=rank, world_size=world_size
+    )
+    return _iterate(batches, num_workers)
 
 
 def query_batches(
-    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0
+    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0, rank: int = 0, world_size: int = 1
 ) -> Iterator[tuple[list[str], Tensor, Tensor]]:
     """Yield ``(query_ids, queries (N, Lq, Dq), query_mask (N, Lq))`` in split order.
 
     Split order groups queries by video (see :class:`SplitIndex`); tokens are
-    padded to the longest query of each batch.
+    padded to the longest query of each batch.  ``rank`` / ``world_size``:
+    only this rank's batches, dealt round-robin.
     """
-    return _iterate(_EvalBatches(VideoDataset(collection, split), "queries", batch_size), num_workers)
+    batches = _EvalBatches(VideoDataset(collection, split), "queries", batch_size, rank=rank, world_size=world_size)
+    return _iterate(batches, num_workers)

@@ -6,7 +6,8 @@ batches and on embeddings, so each can be tested without the data layer:
     encode_videos / encode_queries   video / query batches -> VideoEmbedding / QueryEmbedding
     compute_ranks  embeddings -> 1-based rank of each query's video (chunked)
     evaluate       encoding, ranking and the metrics of :mod:`prvrlab.evaluation.metrics`
-                   on one split of a data-layer Collection
+                   on one split of a data-layer Collection (sharded over DDP ranks
+                   when given ``rank`` / ``world_size``)
 
 Tie handling (see ``compute_ranks``): a video scoring exactly as high as the
 ground truth is ranked *before* it, so ties never help.  A model whose scores
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,7 @@ from torch import Tensor
 from prvrlab.checks import check_positive_int
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.blocks import native_low_precision
 
 __all__ = [
     "EvalResult",
@@ -92,20 +96,21 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _float32(emb):
-    """A copy of an embedding dataclass with every floating tensor in float32."""
-
-    def cast(t: Tensor) -> Tensor:
-        return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
-
+def _map_tensors(emb, fn):
+    """A copy of an embedding dataclass with ``fn`` applied to every tensor (also those in dict fields)."""
     changes: dict[str, Any] = {}
     for f in dataclasses.fields(emb):
         v = getattr(emb, f.name)
         if isinstance(v, Tensor):
-            changes[f.name] = cast(v)
+            changes[f.name] = fn(v)
         elif isinstance(v, dict):
-            changes[f.name] = {k: cast(t) if isinstance(t, Tensor) else t for k, t in v.items()}
+            changes[f.name] = {k: fn(t) if isinstance(t, Tensor) else t for k, t in v.items()}
     return dataclasses.replace(emb, **changes)
+
+
+def _float32(emb):
+    """A copy of an embedding dataclass with every floating tensor in float32."""
+    return _map_tensors(emb, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
 
 
 def _num_rows(emb) -> int:
@@ -145,7 +150,8 @@ def encode_videos(
     *,
     device: torch.device | str,
     amp_dtype: torch.dtype | str | None = None,
-) -> tuple[VideoEmbedding, list[str]]:
+    allow_empty: bool = False,
+) -> tuple[VideoEmbedding | None, list[str]]:
     """Encode every video once; returns the concatenated embedding and the ids.
 
     ``batches`` yields ``(video_ids, clips (B,Lc,Dv), frames (B,Lf,Dv),
@@ -153,6 +159,8 @@ def encode_videos(
     zero/False-pads it).  Runs under ``torch.inference_mode()`` with the model
     in eval mode; ``amp_dtype`` enables autocast for the encoders only and the
     result is cast back to float32.  The caller restores the model's mode.
+    No batch at all is an error, or ``(None, [])`` with ``allow_empty`` (a
+    DDP rank without a share).
     """
     device = torch.device(device)
     amp_dtype = resolve_amp_dtype(amp_dtype)
@@ -171,6 +179,8 @@ def encode_videos(
             parts.append(_float32(emb))
             ids.extend(str(v) for v in video_ids)
     if not parts:
+        if allow_empty:
+            return None, []
         raise ValueError("no video batch was yielded; cannot evaluate an empty split")
     _check_unique(ids, "video")
     return VideoEmbedding.cat(parts), ids
@@ -182,11 +192,13 @@ def encode_queries(
     *,
     device: torch.device | str,
     amp_dtype: torch.dtype | str | None = None,
-) -> tuple[QueryEmbedding, list[str]]:
+    allow_empty: bool = False,
+) -> tuple[QueryEmbedding | None, list[str]]:
     """Encode every query; ``batches`` yields ``(query_ids, queries (N,Lq,Dq), query_mask (N,Lq))``.
 
     Same rules as ``encode_videos`` (inference mode, eval mode, optional
-    autocast, float32 result, padded concatenation, ids checked unique).
+    autocast, float32 result, padded concatenation, ids checked unique,
+    ``allow_empty``).
     """
     device = torch.device(device)
     amp_dtype = resolve_amp_dtype(amp_dtype)
@@ -204,6 +216,8 @@ def encode_queries(
             parts.append(_float32(emb))
             ids.extend(str(q) for q in query_ids)
     if not parts:
+        if allow_empty:
+            return None, []
         raise ValueError("no query batch was yielded; cannot evaluate an empty split")
     _check_unique(ids, "query")
     return QueryEmbedding.cat(parts), ids
@@ -326,6 +340,28 @@ def _permutation(yielded: list[str], expected: Sequence[str], what: str) -> np.n
     return np.fromiter((position[y] for y in yielded), dtype=np.int64, count=len(yielded))
 
 
+def _positions(yielded: list[str], expected: Sequence[str], what: str) -> np.ndarray:
+    """Index into ``expected`` of every yielded id (raises on an id not in ``expected``)."""
+    position = {str(e): i for i, e in enumerate(expected)}
+    missing = [y for y in yielded if y not in position]
+    if missing:
+        raise ValueError(f"the {what} batches yielded {missing[0]!r}, which is not in the split")
+    return np.fromiter((position[y] for y in yielded), dtype=np.int64, count=len(yielded))
+
+
+def _all_gather(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` in a single process)."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        raise ValueError(f"world_size={world_size} needs an initialised process group of that size")
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def evaluate_batches(
     model: RetrievalModel,
     video_batches_iter: Iterable[VideoBatch],
@@ -339,14 +375,29 @@ def evaluate_batches(
     device: torch.device | str = "cpu",
     amp_dtype: torch.dtype | str | None = None,
     ks: Sequence[int] = DEFAULT_KS,
-) -> EvalResult:
+    rank: int = 0,
+    world_size: int = 1,
+    split_order: bool = False,
+) -> EvalResult | None:
     """``evaluate`` without the data layer: batches plus the split's index.
 
     ``video_ids`` / ``query_ids`` / ``query_video`` / ``ratios`` describe the
     split (``query_video[i]`` indexes ``video_ids``).  The batches may yield
     videos and queries in any order, but each exactly once; results (ranks,
-    table rows) follow the order in which queries were yielded.
+    table rows) follow the order in which queries were yielded, or the split's
+    order with ``split_order``.
+
+    Sharded over DDP ranks (``world_size`` > 1, a process group initialised):
+    every rank passes its own share of the batches, each video and query on
+    exactly one rank.  The video embeddings are gathered on every rank, each
+    rank scores its own queries against all videos, and rank 0 gathers the
+    ranks and returns the result (in the order of the ranks' yields, rank by
+    rank, unless ``split_order``); the other ranks return None.  Every rank
+    must call this.
     """
+    check_positive_int(world_size, "world_size")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
     device = torch.device(device)
     query_video = np.asarray(query_video, dtype=np.int64)
     if query_video.shape != (len(query_ids),):
@@ -355,38 +406,61 @@ def evaluate_batches(
     t_start = time.perf_counter()
     with _eval_mode(model):
         t0 = time.perf_counter()
-        video_emb, yielded_videos = encode_videos(model, video_batches_iter, device=device, amp_dtype=amp_dtype)
+        sharded = world_size > 1  # a rank may have no share
+        video_emb, yielded_videos = encode_videos(
+            model, video_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
+        )
+        if sharded:  # every rank scores against all videos
+            shares = _all_gather((None if video_emb is None else _map_tensors(video_emb, Tensor.cpu), yielded_videos), world_size)
+            parts = [emb for emb, _ in shares if emb is not None]
+            if not parts:
+                raise ValueError("no video batch was yielded on any rank; cannot evaluate an empty split")
+            video_emb = VideoEmbedding.cat(parts).to(device)
+            yielded_videos = [v for _, ids in shares for v in ids]
+            _check_unique(yielded_videos, "video")
         _sync(device)
         timings["encode_videos"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        query_emb, yielded_queries = encode_queries(model, query_batches_iter, device=device, amp_dtype=amp_dtype)
+        query_emb, yielded_queries = encode_queries(
+            model, query_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
+        )
         _sync(device)
         timings["encode_queries"] = time.perf_counter() - t0
 
         # Align the split's index with the order in which things were encoded.
         video_perm = _permutation(yielded_videos, video_ids, "video")  # yielded row -> split index
-        query_perm = _permutation(yielded_queries, query_ids, "query")
-        qv_split = query_video if query_perm is None else query_video[query_perm]  # split video index
-        if video_perm is None:
-            qv_rows = qv_split
-        else:
-            row_of_split_video = np.empty(len(video_ids), dtype=np.int64)
+        query_pos = _positions(yielded_queries, query_ids, "query")  # this rank's queries -> split index
+        row_of_split_video = np.arange(len(video_ids), dtype=np.int64)
+        if video_perm is not None:
             row_of_split_video[video_perm] = np.arange(len(video_perm), dtype=np.int64)
-            qv_rows = row_of_split_video[qv_split]
-        query_ratios = None
-        if ratios is not None:
-            query_ratios = np.asarray(ratios, dtype=np.float64)
-            if query_perm is not None:
-                query_ratios = query_ratios[query_perm]
+        qv_rows = row_of_split_video[query_video[query_pos]]
 
         t0 = time.perf_counter()
-        ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=chunk)
+        ranks = np.empty(0, dtype=np.int64)
+        if query_emb is not None:
+            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=chunk)
         _sync(device)
         timings["score"] = time.perf_counter() - t0
 
+    if sharded:  # rank 0 collects every rank's queries and ranks
+        shares = _all_gather((yielded_queries, ranks), world_size)
+        if rank != 0:
+            return None
+        yielded_queries = [q for ids, _ in shares for q in ids]
+        ranks = np.concatenate([r for _, r in shares])
+    if not yielded_queries:
+        raise ValueError("no query batch was yielded; cannot evaluate an empty split")
+    _check_unique(yielded_queries, "query")
+    query_perm = _permutation(yielded_queries, query_ids, "query")  # every query exactly once
+    if query_perm is None:
+        query_perm = np.arange(len(query_ids), dtype=np.int64)
+    if split_order:
+        order = np.argsort(query_perm)
+        yielded_queries, ranks, query_perm = [yielded_queries[i] for i in order], ranks[order], query_perm[order]
+    query_ratios = None if ratios is None else np.asarray(ratios, dtype=np.float64)[query_perm]
     split_video_ids = [str(v) for v in video_ids]
-    table = rank_table(yielded_queries, [split_video_ids[i] for i in qv_split], ranks, query_ratios)
+    table = rank_table(yielded_queries, [split_video_ids[i] for i in query_video[query_perm]], ranks, query_ratios)
     seconds = time.perf_counter() - t_start
     timings["total"] = seconds
     return EvalResult(
@@ -409,29 +483,55 @@ def evaluate(
     *,
     device: torch.device | str,
     amp_dtype: torch.dtype | str | None = None,
-) -> EvalResult:
-    """Evaluate ``model`` on ``split`` of a data-layer ``Collection``.
+    rank: int = 0,
+    world_size: int = 1,
+) -> EvalResult | None:
+    """Evaluate ``model`` on ``split`` of a data-layer ``Collection``; rows in the split's query order.
 
-    Videos are encoded ``eval_cfg.video_batch_size`` at a time, queries
-    ``eval_cfg.query_batch_size`` at a time, and ``eval_cfg.score_chunk``
-    queries are scored against all videos at once (see ``compute_ranks`` for
-    the tie rule).  ``amp_dtype`` (``"bf16"``, ``torch.bfloat16``, ...)
-    enables autocast for encoding only; scores and metrics are float32.  The
-    model's train/eval mode is restored afterwards.
+    Videos are encoded ``eval_cfg.video_batch_size`` at a time, from the
+    fewest to the most frames (little padding; a backbone's scores never
+    depend on a batch's padding), queries ``eval_cfg.query_batch_size`` at a
+    time, and ``eval_cfg.score_chunk`` queries are scored against all videos
+    at once (see ``compute_ranks`` for the tie rule).  ``amp_dtype``
+    (``"bf16"``, ``torch.bfloat16``, ...) enables autocast for encoding only;
+    scores and metrics are float32.  On a CPU without native bf16 matrix units
+    (where bf16 products are emulated and tens of times slower) bf16 falls
+    back to float32, with one warning.  ``rank`` / ``world_size``: encoding
+    and scoring sharded over DDP ranks (see ``evaluate_batches``; rank 0
+    returns the result, the others None).  The model's train/eval mode is
+    restored afterwards.
     """
     from prvrlab.data.dataset import query_batches, video_batches
 
+    dev = torch.device(device)
+    amp = resolve_amp_dtype(amp_dtype)
+    if amp is not None and not native_low_precision(dev.type):
+        _warn_emulated(amp)
+        amp = None
     index = collection.split(split)
     ratios = getattr(index, "ratios", None)
+    shard = {"rank": rank, "world_size": world_size}
     return evaluate_batches(
         model,
-        video_batches(collection, split, eval_cfg.video_batch_size),
-        query_batches(collection, split, eval_cfg.query_batch_size),
+        video_batches(collection, split, eval_cfg.video_batch_size, by_length=True, **shard),
+        query_batches(collection, split, eval_cfg.query_batch_size, **shard),
         video_ids=index.video_ids,
         query_ids=index.query_ids,
         query_video=index.query_video,
         ratios=ratios,
         chunk=int(eval_cfg.score_chunk),
-        device=device,
-        amp_dtype=amp_dtype,
+        device=dev,
+        amp_dtype=amp,
+        split_order=True,
+        **shard,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_emulated(amp: torch.dtype) -> None:
+    warnings.warn(
+        f"evaluation: {amp} autocast requested, but this CPU has no native bf16 matrix units "
+        "(AMX / AVX512-BF16); evaluating in float32, which is faster here",
+        RuntimeWarning,
+        stacklevel=3,
     )

@@ -16,6 +16,7 @@ pooled frame branch), :func:`resolve_ffn_size` (what ``ffn_size`` means) and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -69,6 +70,15 @@ class Dropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+@functools.lru_cache(maxsize=8)
+def native_low_precision(device_type: str) -> bool:
+    """Whether bf16 matrix products run on native units on ``device_type`` (a CUDA GPU; a CPU with AMX or AVX512-BF16)."""
+    if device_type != "cpu":
+        return True
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def autocast_input(x: Tensor) -> Tensor:

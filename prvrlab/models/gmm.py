@@ -17,6 +17,30 @@ length (the reference; a backbone passes a fixed int, ``max_frames``, for
 frames so the window never depends on the batch), an int, that fixed span,
 or ``real``, each sequence's real length (padding never changes the
 window).  ``sigma = inf`` gives the all-ones window, i.e. plain attention.
+
+Fast paths (``GaussianAttention.fast``, on by default; the plain path is kept
+for the exactness tests).  The window multiplies the *logits*:
+``softmax(G * S)`` with ``S = Q K^T / sqrt(d_h)``.  An additive bias
+``log G`` (what ``scaled_dot_product_attention``'s ``attn_mask`` adds) gives
+``softmax(S + log G) = G * exp(S) / sum(G * exp(S))``, which re-weights the
+*probabilities* instead: a different function (equal only where ``G = 1``).
+``G * S`` is not a product ``Q' K'^T`` either (``G`` is not of low rank for
+finite widths), so no fused kernel computes a finite-width branch exactly.
+Hence:
+
+* branches with ``sigma = inf`` (``G = 1``) run on
+  ``torch.nn.functional.scaled_dot_product_attention`` with the padding-key
+  bias as its additive ``attn_mask`` (exact): always when every branch is
+  plain (a TransformerLayer), and in low precision when plain and windowed
+  branches mix (in float32, measured on CPU, splitting the branches and
+  gathering their gradients cost more than the fused kernel saves);
+* finite-width branches keep the explicit product, softmax and product;
+  under bf16/fp16 autocast on a CPU without native bf16 matrix units
+  (AVX512-BF16 / AMX) their (L, L) products run in float32, where the
+  emulated bf16 batched GEMM is tens of times slower than float32.
+
+Both exceptions fall back to the plain path when attention dropout is active
+in training (its random mask must stay the plain path's).
 """
 
 from __future__ import annotations
@@ -31,7 +55,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prvrlab.checks import check_positive_int
-from prvrlab.models.blocks import BranchLinear, Dropout, PackedLayer, Packing, dropout_mask, resolve_ffn_size
+from prvrlab.models.blocks import (
+    BranchLinear,
+    Dropout,
+    PackedLayer,
+    Packing,
+    dropout_mask,
+    native_low_precision,
+    resolve_ffn_size,
+)
 
 DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
 Window = Literal["official", "centred"]
@@ -132,6 +164,14 @@ def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float], windo
     return torch.stack([_window_from_offsets(offsets, s) for s in sigmas], dim=1)  # (B, K, L, L)
 
 
+def _branches(tensors: Sequence[Tensor], index: list[int]) -> list[Tensor]:
+    """The branches ``index`` (dim 1) of each tensor: a view when they are a contiguous range."""
+    if index == list(range(index[0], index[-1] + 1)):
+        return [t[:, index[0] : index[-1] + 1] for t in tensors]
+    idx = torch.tensor(index, device=tensors[0].device)
+    return [t.index_select(1, idx) for t in tensors]
+
+
 class GaussianAttention(nn.Module):
     """K parallel multi-head self-attention branches, one Gaussian window each.
 
@@ -143,8 +183,13 @@ class GaussianAttention(nn.Module):
     :class:`BranchLinear` (one batched GEMM).  ``dropout`` applies to the
     attention probabilities.  ``window`` / ``window_length``: the Gaussian
     windows (module docstring).  Logits and softmax run in the projections'
-    dtype (bf16 under autocast; the softmax kernel accumulates in fp32).
+    dtype (bf16 under autocast; the softmax kernel accumulates in fp32),
+    except the float32 fallback of the module docstring.
+    ``fast``: the fast paths of the module docstring (a class switch; the
+    exactness tests turn it off to get the plain path).
     """
+
+    fast: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -179,19 +224,77 @@ class GaussianAttention(nn.Module):
         out = self.forward_packed(packing.pack(x), packing)  # (K, N, D)
         return torch.stack([packing.unpack(branch) for branch in out])  # (K, B, L, D)
 
-    def _logit_scale(self, packing: Packing, dtype: torch.dtype) -> Tensor | float:
-        """1/sqrt(d_h) times the windows: a float, (1, K, 1, L, L) or (B, K, 1, L, L)."""
+    def _logit_scale(self, packing: Packing, dtype: torch.dtype, sigmas: tuple[float, ...]) -> Tensor | float:
+        """1/sqrt(d_h) times the windows of ``sigmas`` (k of them): a float, (1, k, 1, L, L) or (B, k, 1, L, L)."""
         scale = 1.0 / math.sqrt(self.head_dim)
-        if self.plain:
+        if all(math.isinf(s) for s in sigmas):
             return scale
         L, device = packing.length, packing.lengths.device
         if self.window_length == "real" and not packing.is_full:
-            windows = batched_windows(packing.lengths, L, self.sigmas, self.window)  # (B, K, L, L)
-            return windows.mul_(scale).to(dtype).unsqueeze(2)  # (B, K, 1, L, L)
+            windows = batched_windows(packing.lengths, L, sigmas, self.window)  # (B, k, L, L)
+            return windows.mul_(scale).to(dtype).unsqueeze(2)  # (B, k, 1, L, L)
         span = L if self.window_length in ("real", "padded") else self.window_length
         if L > span:
             raise ValueError(f"sequence length {L} exceeds the Gaussian windows' window_length={span}")
-        return _cached_stack(L, span, self.sigmas, self.window, scale, dtype, device)  # (1, K, 1, L, L)
+        return _cached_stack(L, span, sigmas, self.window, scale, dtype, device)  # (1, k, 1, L, L)
+
+    @staticmethod
+    def _key_bias(packing: Packing, dtype: torch.dtype) -> Tensor:
+        """(B, L): 0 on real keys, a huge negative on padding keys."""
+        key_bias = torch.zeros(packing.mask.shape, dtype=dtype, device=packing.mask.device)
+        return key_bias.masked_fill_(~packing.mask, torch.finfo(dtype).min / 2)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...]) -> Tensor:
+        """The plain path, ``softmax(G * Q K^T / sqrt(d_h) + key bias) V``: (B, k, H, L, Dh) each -> (B, k, H, L, Dh)."""
+        logits = torch.matmul(q, k.transpose(-1, -2))  # (B, k, H, L, L)
+        scale = self._logit_scale(packing, logits.dtype, sigmas)
+        if packing.is_full:
+            logits = logits.mul_(scale)
+        else:  # one pass: window * logits + key bias
+            key_bias = self._key_bias(packing, logits.dtype)[:, None, None, None, :]  # (B, 1, 1, 1, L)
+            if isinstance(scale, Tensor):
+                logits = torch.addcmul(key_bias, logits, scale)
+            else:
+                logits = key_bias.add(logits, alpha=scale)
+        probs = self.attn_dropout(torch.softmax(logits, dim=-1))  # (B, k, H, L, L)
+        return torch.matmul(probs, v)  # (B, k, H, L, Dh)
+
+    def _attend_windowed(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...]) -> Tensor:
+        """:meth:`_attend`, in float32 where the low-precision batched GEMM is emulated (module docstring)."""
+        device = q.device.type
+        if q.dtype not in (torch.bfloat16, torch.float16) or native_low_precision(device):
+            return self._attend(q, k, v, packing, sigmas)
+        with torch.autocast(device, enabled=False):
+            return self._attend(q.float(), k.float(), v.float(), packing, sigmas)  # (B, k, H, L, Dh)
+
+    def _attend_sdpa(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing) -> Tensor:
+        """Plain (sigma = inf) branches on the fused kernel: (B, k, H, L, Dh) each -> (B, k, H, L, Dh)."""
+        B, nk, H, L, Dh = q.shape
+        q, k, v = (t.reshape(B, nk * H, L, Dh) for t in (q, k, v))  # (B, k*H, L, Dh)
+        mask = None if packing.is_full else self._key_bias(packing, q.dtype)[:, None, None, :]  # (B, 1, 1, L)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, k*H, L, Dh)
+        return out.view(B, nk, H, L, Dh)
+
+    def _attend_fast(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing) -> Tensor:
+        """The fast paths (module docstring), branch order kept: (B, K, H, L, Dh) each -> (B, K, H, L, Dh)."""
+        plain = [i for i, s in enumerate(self.sigmas) if math.isinf(s)]
+        windowed = [i for i, s in enumerate(self.sigmas) if not math.isinf(s)]
+        if self.training and self.attn_dropout.p > 0:  # keep the plain path's dropout mask
+            plain, windowed = [], list(range(self.num_branches))
+        if plain and windowed and q.dtype == torch.float32:  # measured: the split costs more than SDPA saves
+            plain, windowed = [], list(range(self.num_branches))
+        parts, order = [], []
+        if windowed:
+            sigmas = tuple(self.sigmas[i] for i in windowed)
+            parts.append(self._attend_windowed(*_branches((q, k, v), windowed), packing, sigmas))
+            order += windowed
+        if plain:
+            parts.append(self._attend_sdpa(*_branches((q, k, v), plain), packing))
+            order += plain
+        ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, K, H, L, Dh), branches in `order`
+        if order != sorted(order):
+            ctx = ctx.index_select(1, torch.tensor(order, device=ctx.device).argsort())
+        return ctx
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, D) packed tokens -> (K, N, D), one output per branch."""
@@ -200,20 +303,10 @@ class GaussianAttention(nn.Module):
         qkv = packing.unpack(self.qkv(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
         # unbind before permuting: the backward then stacks the three gradients straight into this layout
         q, k, v = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, K, H, L, Dh) each
-        logits = torch.matmul(q, k.transpose(-1, -2))  # (B, K, H, L, L)
-        scale = self._logit_scale(packing, logits.dtype)
-        if packing.is_full:
-            logits = logits.mul_(scale)
-        else:  # one pass: window * logits + key bias (a huge negative on padding keys)
-            key_bias = torch.zeros(packing.mask.shape, dtype=logits.dtype, device=logits.device)
-            key_bias.masked_fill_(~packing.mask, torch.finfo(logits.dtype).min / 2)
-            key_bias = key_bias[:, None, None, None, :]  # (B, 1, 1, 1, L)
-            if isinstance(scale, Tensor):
-                logits = torch.addcmul(key_bias, logits, scale)
-            else:
-                logits = key_bias.add(logits, alpha=scale)
-        probs = self.attn_dropout(torch.softmax(logits, dim=-1))  # (B, K, H, L, L)
-        ctx = torch.matmul(probs, v)  # (B, K, H, L, Dh)
+        if self.fast:
+            ctx = self._attend_fast(q, k, v, packing)
+        else:
+            ctx = self._attend(q, k, v, packing, self.sigmas)  # (B, K, H, L, Dh)
         ctx = ctx.permute(1, 0, 3, 2, 4).reshape(K, B * L, H * Dh)  # (K, B*L, D)
         if packing.index is not None:
             ctx = ctx.index_select(1, packing.index)  # (K, N, D)

@@ -39,6 +39,21 @@ def test_bigfile_reads_exact_rows_in_video2frames_order(bigfile_dir):
     assert isinstance(bf, VisualFeatures)
 
 
+def test_bigfile_contiguous_runs_read_as_slices(tmp_path, files):
+    """Videos whose rows are one ascending run (read as a slice) and videos that are not (gathered):
+    both give the rows of video2frames.txt, also a one-frame video, a run at the file's end and a
+    descending pair."""
+    ids = [f"f{r}" for r in range(8)]
+    matrix = np.arange(8 * 2, dtype=np.float32).reshape(8, 2)
+    v2f = {"run": ["f1", "f2", "f3"], "back": ["f5", "f4"], "one": ["f0"], "gap": ["f0", "f2"], "tail": ["f6", "f7"]}
+    bf = BigFile(files.write_bigfile(tmp_path / "bf", ids, matrix, v2f))
+    assert bf._contiguous.tolist() == [True, False, True, False, True]
+    for video, rows in {"run": [1, 2, 3], "back": [5, 4], "one": [0], "gap": [0, 2], "tail": [6, 7]}.items():
+        got = bf.frames(video)
+        np.testing.assert_array_equal(got, matrix[rows])
+        assert got.dtype == np.float32 and not np.shares_memory(got, bf._memmap())  # a copy, not a view of the map
+
+
 def test_bigfile_unknown_video_names_file(bigfile_dir):
     bf = BigFile(bigfile_dir[0])
     with pytest.raises(DataError, match="video2frames.txt.*'nope'"):

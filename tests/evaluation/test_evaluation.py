@@ -374,12 +374,12 @@ def test_evaluate_with_fake_data_layer(monkeypatch):
             return types.SimpleNamespace(video_ids=video_ids, query_ids=query_ids,
                                          query_video=query_video, ratios=ratios)
 
-    def video_batches(collection, split, batch_size):
+    def video_batches(collection, split, batch_size, **shard):
         calls["video_batch_size"] = batch_size
         for s in range(0, len(video_ids), batch_size):
             yield video_ids[s:s + batch_size], clips[s:s + batch_size], frames[s:s + batch_size], mask[s:s + batch_size]
 
-    def query_batches(collection, split, batch_size):
+    def query_batches(collection, split, batch_size, **shard):
         calls["query_batch_size"] = batch_size
         for s in range(0, len(query_ids), batch_size):
             yield query_ids[s:s + batch_size], queries[s:s + batch_size], torch.ones(len(query_ids[s:s + batch_size]), 2, dtype=torch.bool)

@@ -344,13 +344,16 @@ class TrainingLoop:
         return {f"train/{name}": value for name, value in sums.means().items()}, ""
 
     def validate(self, epoch: int) -> dict[str, float]:
-        """Rank 0 evaluates on the validation split and keeps the best model; state is shared."""
+        """Every rank encodes its share of the validation split; rank 0 scores, keeps the best model; state is shared."""
         from prvrlab.evaluation.retrieval import evaluate
 
         metrics: dict[str, float] = {}
         state = self.progress
+        result = evaluate(
+            self.model, self.collection, self.cfg.data.val_split, self.cfg.eval, device=self.device,
+            amp_dtype=self.amp_dtype, rank=self.rank, world_size=self.world,
+        )
         if self.rank == 0:
-            result = evaluate(self.model, self.collection, self.cfg.data.val_split, self.cfg.eval, device=self.device, amp_dtype=self.amp_dtype)
             metrics = {f"val/{k}": v for k, v in result.metrics.items()}
             sumr = result.metrics["sumr"]
             if sumr > state.best_sumr:
@@ -393,8 +396,7 @@ class TrainingLoop:
     def final_evaluation(self) -> None:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""
         final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch + 1}
-        if self.rank == 0:
-            final.update(self._evaluate_best())
+        final.update(self._evaluate_best())
         self.session.report(final, None)
 
     # ------------------------------------------------------------ the whole run
@@ -442,21 +444,29 @@ class TrainingLoop:
         return {"model": self.model.state_dict(), "losses": self.system.losses.state_dict()}
 
     def _evaluate_best(self) -> dict[str, Any]:
-        """Evaluate the best model on ``eval.final_splits``; write per-query ranks."""
+        """Every rank evaluates its share with the best model (rank 0's checkpoint, broadcast) on
+        ``eval.final_splits``; rank 0 returns the metrics and writes per-query ranks (others: {})."""
         from prvrlab.evaluation.metrics import save_ranks
         from prvrlab.evaluation.retrieval import evaluate
 
         cfg = self.cfg
-        if self.best_path.exists():
+        if self.rank == 0 and self.best_path.exists():
             self.model.load_state_dict(torch.load(self.best_path, map_location=self.device, weights_only=True)["model"])
+        if _distributed():
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=0)
         out: dict[str, Any] = {}
         available = {cfg.data.train_split, cfg.data.val_split, cfg.data.test_split}
         for split in cfg.eval.final_splits:
             if split not in available or split is None:
                 continue
-            result = evaluate(self.model, self.collection, split, cfg.eval, device=self.device, amp_dtype=self.amp_dtype)
-            out.update(result.flat(f"{split}/"))
-            save_ranks(self.run_dir / f"ranks_{split}.parquet", result.table)
+            result = evaluate(
+                self.model, self.collection, split, cfg.eval, device=self.device, amp_dtype=self.amp_dtype,
+                rank=self.rank, world_size=self.world,
+            )
+            if result is not None:
+                out.update(result.flat(f"{split}/"))
+                save_ranks(self.run_dir / f"ranks_{split}.parquet", result.table)
         return out
 
 

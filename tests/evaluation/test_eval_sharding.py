@@ -1,0 +1,118 @@
+"""The optimised evaluation equals the plain one: videos encoded by length instead of split order,
+and encoding + scoring sharded over 2 gloo DDP processes, give the single-process, split-order ranks."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import prvrlab.evaluation.retrieval as ev
+from prvrlab.data.collection import open_collection
+from prvrlab.data.dataset import query_batches, video_batches
+from prvrlab.models.factory import build_model
+from prvrlab.platform.config import validate
+from train_helpers import small_raw
+
+
+def setup(tiny_root: Path, tmp: Path, **eval_cfg):
+    raw = small_raw(tiny_root, tmp)
+    raw["eval"] = {"video_batch_size": 7, "query_batch_size": 11, "score_chunk": 13, **eval_cfg}
+    cfg = validate(raw)
+    collection = open_collection(cfg.data)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    return cfg, collection, model
+
+
+def plain_evaluation(model, collection, cfg, split: str = "val"):
+    """Split order, one process: the evaluation before the optimisations."""
+    index = collection.split(split)
+    return ev.evaluate_batches(
+        model,
+        video_batches(collection, split, cfg.eval.video_batch_size),
+        query_batches(collection, split, cfg.eval.query_batch_size),
+        video_ids=index.video_ids, query_ids=index.query_ids, query_video=index.query_video,
+        ratios=getattr(index, "ratios", None), chunk=cfg.eval.score_chunk,
+    )
+
+
+def test_video_batches_by_length_and_sharded_cover_the_split_once(tiny_root, tmp_path):
+    cfg, collection, _ = setup(tiny_root, tmp_path)
+    index = collection.split("val")
+    counts = [collection.visual.num_frames(v) for v in index.video_ids]
+    shares = [list(video_batches(collection, "val", 5, by_length=True, rank=r, world_size=3)) for r in range(3)]
+    assert [len(s) for s in shares] == [len(range(r, -(-index.num_videos // 5), 3)) for r in range(3)]
+    ids = [v for share in shares for batch in share for v in batch[0]]
+    assert sorted(ids) == sorted(index.video_ids)  # every video exactly once
+    sequence = [b for j in range(len(shares[0])) for b in (s[j] for s in shares if j < len(s))]  # dealt order
+    lengths = [counts[index.video_ids.index(v)] for batch in sequence for v in batch[0]]
+    assert lengths == sorted(counts)  # the batches, re-dealt, run from the fewest to the most frames
+    for batch in sequence:
+        real = batch[3].sum(dim=1)  # (B,)
+        assert batch[2].shape[1] == int(real.max())  # padded to the batch's longest only
+    queries = [q for r in range(2) for batch in query_batches(collection, "val", 4, rank=r, world_size=2) for q in batch[0]]
+    assert sorted(queries) == sorted(index.query_ids)
+
+
+def test_evaluate_equals_plain_split_order(tiny_root, tmp_path):
+    cfg, collection, model = setup(tiny_root, tmp_path)
+    plain = plain_evaluation(model, collection, cfg)
+    fast = ev.evaluate(model, collection, "val", cfg.eval, device="cpu")
+    np.testing.assert_array_equal(fast.ranks, plain.ranks)
+    assert fast.table.column("query_id").to_pylist() == collection.split("val").query_ids
+    assert fast.metrics == plain.metrics and fast.by_group == plain.by_group
+
+
+def test_bf16_falls_back_to_float32_without_native_units(tiny_root, tmp_path, monkeypatch):
+    cfg, collection, model = setup(tiny_root, tmp_path)
+    monkeypatch.setattr(ev, "native_low_precision", lambda device_type: False)
+    ev._warn_emulated.cache_clear()
+    with pytest.warns(RuntimeWarning, match="no native bf16"):
+        bf16 = ev.evaluate(model, collection, "val", cfg.eval, device="cpu", amp_dtype="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per dtype and process
+        ev.evaluate(model, collection, "val", cfg.eval, device="cpu", amp_dtype="bf16")
+    np.testing.assert_array_equal(bf16.ranks, plain_evaluation(model, collection, cfg).ranks)
+
+
+SHARDINGS = {"both ranks": {}, "rank 1 has no share": {"video_batch_size": 1000, "query_batch_size": 1000}}
+
+
+def _sharded_rank(rank: int, world: int, init_file: str, tiny_root: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for name, eval_cfg in SHARDINGS.items():
+            cfg, collection, model = setup(Path(tiny_root), Path(out_dir), **eval_cfg)
+            result = ev.evaluate(model, collection, "val", cfg.eval, device="cpu", rank=rank, world_size=world)
+            out[name] = None if result is None else {
+                "ranks": result.ranks.tolist(), "metrics": result.metrics,
+                "ids": result.table.column("query_id").to_pylist(), "videos": result.num_videos,
+            }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_one_process(tiny_root, tmp_path):
+    mp.spawn(_sharded_rank, args=(2, str(tmp_path / "init"), str(tiny_root), str(tmp_path)), nprocs=2, join=True)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {name: None for name in SHARDINGS}
+    cfg, collection, model = setup(tiny_root, tmp_path)
+    plain = plain_evaluation(model, collection, cfg)
+    index = collection.split("val")
+    for name in SHARDINGS:
+        got = rank0[name]
+        assert got["ids"] == index.query_ids, name
+        np.testing.assert_array_equal(np.array(got["ranks"]), plain.ranks, err_msg=name)
+        assert got["metrics"] == pytest.approx(plain.metrics, abs=1e-9), name
+        assert got["videos"] == index.num_videos, name

@@ -1,0 +1,148 @@
+"""The fast attention paths (SDPA for plain branches, float32 windowed products under emulated bf16)
+give the plain path's results: per backbone, fp32 to 1e-5 (outputs and gradients), bf16 autocast to a
+documented tolerance; and GaussianAttention against a hand loop over branches and heads."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import prvrlab.models.gmm as gmm
+from prvrlab.models.blocks import Packing
+from prvrlab.models.gmm import GaussianAttention, gaussian_window
+from test_backbones import build, standard_batch
+
+BACKBONES = ["gmmformer", "gmmformer_v2", "mssl", "ice_base"]
+FP32_TOL = 1e-5
+# bf16 autocast: both paths round to bf16 (8 significant bits, eps 2^-8 ~ 0.004) at different places
+# (the fast paths keep the (L, L) products in float32 or inside the fused kernel); a few bf16 ulps
+# after the layers: 2e-2 of the tensor's scale (measured: <= 0.01 against the bf16 plain path and
+# <= 0.008 against the fp32 one).
+BF16_TOL = 2e-2
+
+
+def assert_close_scaled(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    """max |got - want| <= tol * max(1, max |want|): the tolerance relative to the tensor's scale."""
+    scale = max(1.0, float(want.abs().max()))
+    error = float((got - want).abs().max())
+    assert error <= tol * scale, f"{what}: max error {error:.3g} > {tol} x scale {scale:.3g}"
+
+
+def floating_tensors(value, name: str):
+    """(name, float32 tensor) of every floating tensor inside dataclasses and dicts."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield name, value.float()
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from floating_tensors(item, f"{name}.{key}")
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from floating_tensors(getattr(value, f.name), f"{name}.{f.name}")
+
+
+def outputs(model, batch, fast: bool, amp: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every tensor of the model's output and the gradient of their sum w.r.t. every parameter."""
+    GaussianAttention.fast = fast
+    try:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = model(batch)
+        tensors = dict(floating_tensors(out, "out"))
+        sum(t.sum() for t in tensors.values()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return {k: v.detach() for k, v in tensors.items()}, grads
+    finally:
+        GaussianAttention.fast = True
+
+
+@pytest.mark.parametrize("name", BACKBONES)
+def test_fast_equals_plain_fp32(name):
+    torch.manual_seed(0)
+    model = build(name).train()
+    batch = standard_batch()  # variable lengths: padding keys masked
+    torch.manual_seed(1)
+    plain, plain_grads = outputs(model, batch, fast=False)
+    torch.manual_seed(1)
+    fast, fast_grads = outputs(model, batch, fast=True)
+    assert plain.keys() == fast.keys() and plain
+    for key in plain:
+        assert_close_scaled(fast[key], plain[key], FP32_TOL, key)
+    assert plain_grads.keys() == fast_grads.keys()
+    for key in plain_grads:
+        assert_close_scaled(fast_grads[key], plain_grads[key], FP32_TOL, f"grad of {key}")
+
+
+@pytest.mark.parametrize("name", BACKBONES)
+def test_fast_bf16_within_tolerance(name):
+    torch.manual_seed(0)
+    model = build(name).eval()
+    batch = standard_batch()
+    plain, _ = outputs(model, batch, fast=False, amp=True)
+    fast, _ = outputs(model, batch, fast=True, amp=True)
+    exact, _ = outputs(model, batch, fast=False)
+    for key in plain:
+        assert_close_scaled(fast[key], plain[key], BF16_TOL, key)
+        assert_close_scaled(fast[key], exact[key], BF16_TOL, key)
+
+
+def hand_attention(att: GaussianAttention, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Branch by branch, head by head, sequence by sequence on its real tokens: (K, B, L, D), zeros on padding."""
+    K, H, Dh, D = att.num_branches, att.num_heads, att.head_dim, att.hidden_size
+    B, L, _ = x.shape
+    out = torch.zeros(K, B, L, D)
+    qkv = x @ att.qkv.weight.T + att.qkv.bias  # (B, L, 3*K*D)
+    for b, n in enumerate(lengths):
+        for k, sigma in enumerate(att.sigmas):
+            window = gaussian_window(L, sigma, window=att.window) if math.isfinite(sigma) else torch.ones(L, L)
+            heads = []
+            for h in range(H):
+                cols = [(part * K + k) * D + h * Dh + i for part in range(3) for i in range(Dh)]
+                q, kk, v = qkv[b, :n, cols].split(Dh, dim=-1)  # (n, Dh) each
+                logits = window[:n, :n] * (q @ kk.T) / math.sqrt(Dh)
+                heads.append(torch.softmax(logits, dim=-1) @ v)  # (n, Dh)
+            ctx = torch.cat(heads, dim=-1)  # (n, D)
+            out[k, b, :n] = ctx @ att.out.weight[k].T + att.out.bias[k]
+    return out
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_fast_attention_matches_hand_loop_mixed_branch_order(amp):
+    """fp32: one explicit pass over all branches; bf16: plain branches on SDPA, windowed ones apart,
+    put back in branch order."""
+    torch.manual_seed(0)
+    att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=["inf", 0.5, "inf", 1.0])
+    with torch.no_grad():  # outputs of order 1, so that the bf16 tolerance is tight
+        for weight in (att.qkv.weight, att.out.weight):
+            weight.normal_(0.0, 0.5)
+    lengths = [5, 2, 7]
+    x = torch.randn(3, 7, 8)
+    mask = torch.arange(7)[None] < torch.tensor(lengths)[:, None]
+    with torch.no_grad():
+        expected = hand_attention(att, x, lengths)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        got = att(x, mask).float()
+    assert_close_scaled(got, expected, BF16_TOL if amp else FP32_TOL, "attention")
+    swapped = expected[[2, 1, 0, 3]]  # branches 0 and 2 (both plain) swapped: far outside the tolerance
+    assert float((swapped - expected).abs().max()) > 10 * BF16_TOL * max(1.0, float(expected.abs().max()))
+
+
+def test_windowed_products_run_in_float32_without_native_bf16(monkeypatch):
+    """On a CPU without native bf16 the windowed (L, L) products are float32: the result equals the
+    float32 computation of the same bf16 inputs, not the bf16 one."""
+    monkeypatch.setattr(gmm, "native_low_precision", lambda device_type: False)
+    torch.manual_seed(0)
+    att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=[0.5, 1.0])
+    B, L = 2, 6
+    packing = Packing.full(B, L, "cpu")
+    q, k, v = (torch.randn(B, 2, 2, L, 4).bfloat16() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = att._attend_windowed(q, k, v, packing, att.sigmas)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, att._attend(q.float(), k.float(), v.float(), packing, att.sigmas))
+    monkeypatch.setattr(gmm, "native_low_precision", lambda device_type: True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert att._attend_windowed(q, k, v, packing, att.sigmas).dtype == torch.bfloat16
