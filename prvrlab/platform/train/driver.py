@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
+from prvrlab.platform.train.live import LiveLine
 from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
@@ -128,13 +129,21 @@ def _queue_callback(q):
     return ForwardReports()
 
 
-def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
-    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``."""
+def fit_with_ray(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    run_name: str,
+    on_report: Callable[[dict], None],
+    on_progress: Callable[[dict[str, Any] | None], None] | None = None,
+) -> None:
+    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``, the polled
+    in-epoch progress file (``progress.json``) to ``on_progress``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
+    from prvrlab.platform.train.live import PROGRESS_FILE, read_progress
     from prvrlab.platform.train.loop import fault_hook_from_env, train_worker
 
     ensure_ray()
@@ -178,7 +187,8 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
             try:
                 on_report(reports.get(timeout=0.5))
             except (stdlib_queue.Empty, ray.util.queue.Empty):
-                continue
+                if on_progress is not None:
+                    on_progress(read_progress(run_dir / PROGRESS_FILE))
     finally:
         thread.join(timeout=5)
         try:
@@ -194,6 +204,16 @@ def _short_error(exc: BaseException) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     tail = lines[-8:] if len(lines) > 8 else lines
     return f"{type(exc).__name__}: " + "\n".join(tail)
+
+
+def _clearing(live: LiveLine, echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` that first erases the live progress line."""
+
+    def say(text: str) -> None:
+        live.clear()
+        echo(text)
+
+    return say
 
 
 def check_storage(storage_path: str) -> None:
@@ -215,8 +235,11 @@ def train(
     parent_run_id: str | None = None,
 ) -> TrainResult:
     """Train ``cfg`` and record it as one MLflow run; raises TrainingError on failure."""
+    from prvrlab.data.collection import configured_splits
+    from prvrlab.platform.tracking.datasets import collection_dataset
+
     cfg = resolve_config_paths(cfg)
-    prepare_data(cfg, progress=echo is not None)
+    collection = prepare_data(cfg, progress=echo is not None)
     if use_ray:
         import ray
 
@@ -231,20 +254,25 @@ def train(
                 echo(f"closed run {orphan} as KILLED: its driver died without closing it")
         run_id = tracker.start_run(name, tags={**run_tags(cfg), **driver_tags()}, parent_run_id=parent_run_id)
     run_dir = Path(cfg.tracking.storage_path) / name / "files"
+    live = LiveLine() if echo is not None else None
+    if live is not None:
+        echo = _clearing(live, echo)
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:
         echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
     status = "FAILED"
     try:
         tracker.log_params(run_id, cfg.flat())
+        tracker.log_dataset(run_id, collection_dataset(collection, configured_splits(cfg.data)))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        on_progress = live.update if live is not None else None
         if use_ray:
-            fit_with_ray(cfg, run_dir, name, recorder)
+            fit_with_ray(cfg, run_dir, name, recorder, on_progress)
         else:
             from prvrlab.platform.train.loop import run_local
 
-            run_local(cfg, run_dir, on_report=recorder)
+            run_local(cfg, run_dir, on_report=recorder, on_progress=on_progress)
         if recorder.error:
             raise TrainingError(f"non-finite loss: {recorder.error}")
         if not recorder.final:
@@ -265,6 +293,8 @@ def train(
         tracker.set_tags(run_id, {"error": _short_error(exc)})
         raise TrainingError(_short_error(exc)) from exc
     finally:
+        if live is not None:
+            live.clear()
         tracker.end_run(run_id, status)
     return TrainResult(
         run_id=run_id,
