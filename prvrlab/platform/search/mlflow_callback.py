@@ -84,8 +84,9 @@ class MlflowStudyCallback(Callback):
             cfg, tags = None, self.study.invalid_tags(trial.config, str(exc))
         else:
             tags = self.study.trial_tags(trial.config, cfg, commit=self._commit)
-        tags["prvrlab.trial_id"] = trial_id
-        run_id = self.tracker.start_run(self.study.run_name(trial_id, trial.config), tags=tags, parent_run_id=self.runs.parent)
+        number = len(self.runs.trials) + 1  # start order, kept across --resume by the run map
+        tags.update({"prvrlab.trial_id": trial_id, "prvrlab.trial_number": str(number)})
+        run_id = self.tracker.start_run(self.study.run_name(number, trial.config), tags=tags, parent_run_id=self.runs.parent)
         if cfg is not None:
             self.tracker.log_params(run_id, cfg.flat())
             self.tracker.log_dataset(run_id, self._dataset(cfg))

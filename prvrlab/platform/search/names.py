@@ -1,7 +1,8 @@
 """Short, distinctive MLflow names for the child runs of a study.
 
 - search: ``trial 3 · lr=3e-4 clip_nce.weight=0.05`` — the trial number
-  (Tune's trial index + 1) and the sampled values, each key without its
+  (1, 2, ... in the order the trials started; Tune's ids of searcher-made
+  trials carry no number) and the sampled values, each key without its
   config section (kept where two keys of the space would read the same);
 - ablation: ``<variant> · seed 1``.
 """
@@ -42,18 +43,10 @@ def compact(value: Any) -> str:
     return str(value)
 
 
-def trial_number(trial_id: str) -> int | None:
-    """1-based trial number from a Tune trial id (``<experiment>_<index:05d>``), None if it has no index."""
-    tail = trial_id.rsplit("_", 1)[-1]
-    return int(tail) + 1 if tail.isdigit() else None
-
-
-def search_run_name(trial_id: str, config: dict[str, Any], shortened: dict[str, str]) -> str:
+def search_run_name(number: int, config: dict[str, Any], shortened: dict[str, str]) -> str:
     """``trial 3 · lr=3e-4 K=5`` (keys not in ``shortened`` are shown in full)."""
-    number = trial_number(trial_id)
-    head = f"trial {number}" if number is not None else f"trial {trial_id}"
     values = " ".join(f"{shortened.get(k, k)}={compact(v)}" for k, v in config.items())
-    return head + (SEP + values if values else "")
+    return f"trial {number}" + (SEP + values if values else "")
 
 
 def ablation_run_name(variant: str, seed: int) -> str:

@@ -108,13 +108,14 @@ class StudyContext:
         variant, seed = str(config["cell"]).rsplit("/seed", 1)
         return variant, int(seed)
 
-    def run_name(self, trial_id: str, config: dict[str, Any]) -> str:
-        """The MLflow name of a trial's child run: ``trial 3 · lr=3e-4 ...`` or ``<variant> · seed 1``."""
+    def run_name(self, number: int, config: dict[str, Any]) -> str:
+        """The MLflow name of a trial's child run: ``trial 3 · lr=3e-4 ...`` (``number``: the trial's
+        1-based start order) or ``<variant> · seed 1``."""
         from prvrlab.platform.search.names import ablation_run_name, search_run_name
 
         if self.cells is not None:
             return ablation_run_name(*self.cell(config))
-        return search_run_name(trial_id, config, self.short_keys)
+        return search_run_name(number, config, self.short_keys)
 
     def trial_tags(self, config: dict[str, Any], cfg: ExperimentConfig, commit: str) -> dict[str, str]:
         """Tags of a trial's child run."""

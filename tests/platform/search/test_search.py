@@ -45,8 +45,8 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys, monkeypa
     assert parent.data.metrics["trials/finished"] == 3
     assert parent.data.metrics["best/val/sumr"] == pytest.approx(result.best["value"])
     assert len(children) == 3
-    names = {c.info.run_name for c in children}
-    assert {n.split(" · ")[0] for n in names} == {"trial 1", "trial 2", "trial 3"}
+    numbered = {c.data.tags["prvrlab.trial_number"]: c.info.run_name.split(" · ")[0] for c in children}
+    assert numbered == {"1": "trial 1", "2": "trial 2", "3": "trial 3"}
     for child in children:
         assert child.info.run_name.endswith(f" · lr={compact(float(child.data.params['train.lr']))}")
         (data,) = child.inputs.dataset_inputs

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from prvrlab.platform.search.names import ablation_run_name, compact, search_run_name, short_keys, trial_number
+from prvrlab.platform.search.names import ablation_run_name, compact, search_run_name, short_keys
 from prvrlab.platform.tracking.store import EXPERIMENT_KIND_TAG, TRAINING_KIND, Tracker
 
 
@@ -67,9 +67,8 @@ def test_short_keys_drop_the_section_unless_two_keys_would_read_the_same():
 def test_search_and_ablation_run_names():
     short = short_keys(["train.lr", "losses.clip_nce.weight", "model.num_gmm_blocks"])
     config = {"train.lr": 3e-4, "losses.clip_nce.weight": 0.05, "model.num_gmm_blocks": 5}
-    assert search_run_name("5e2a1_00002", config, short) == "trial 3 · lr=3e-4 clip_nce.weight=0.05 num_gmm_blocks=5"
-    assert search_run_name("noindex", {}, short) == "trial noindex"
-    assert trial_number("abc_00000") == 1 and trial_number("abc") is None
+    assert search_run_name(3, config, short) == "trial 3 · lr=3e-4 clip_nce.weight=0.05 num_gmm_blocks=5"
+    assert search_run_name(1, {}, short) == "trial 1"
     assert ablation_run_name("no_query_diverse", 1) == "no_query_diverse · seed 1"
 
 
@@ -79,9 +78,9 @@ def test_study_context_names_its_child_runs(tmp_path):
     common = dict(name="s", study_dir=str(tmp_path), base_raw={}, metric="val/sumr", mode="max", workers=1,
                   cpus_per_worker=1.0, gpus_per_worker=0.0, tracking_uri="", experiment="e")
     search = StudyContext(kind="search", short_keys={"train.lr": "lr"}, **common)
-    assert search.run_name("x_00000", {"train.lr": 1e-3}) == "trial 1 · lr=1e-3"
+    assert search.run_name(1, {"train.lr": 1e-3}) == "trial 1 · lr=1e-3"
     ablation = StudyContext(kind="ablation", cells={"full/seed2": {}}, **common)
-    assert ablation.run_name("x_00004", {"cell": "full/seed2"}) == "full · seed 2"
+    assert ablation.run_name(5, {"cell": "full/seed2"}) == "full · seed 2"
 
 
 def test_dataset_input_describes_the_collection(tiny_root, tmp_path):
