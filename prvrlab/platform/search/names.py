@@ -28,16 +28,18 @@ def short_keys(keys: Iterable[str]) -> dict[str, str]:
 
 
 def compact(value: Any) -> str:
-    """A value in few characters: ``3e-4``, ``1.5e-3``, ``0.05``, ``128``, ``true``."""
+    """A value in few characters, floats to 2 significant digits (the MLflow runs table shows
+    about 20 characters of a name; the run's params keep the exact value):
+    ``3e-4``, ``7.3e-4``, ``0.062``, ``128``, ``true``."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
         if value == 0 or not math.isfinite(value):
             return f"{value:g}"
         if abs(value) < 1e-2 or abs(value) >= 1e5:
-            mantissa, exponent = f"{value:.2e}".split("e")
+            mantissa, exponent = f"{value:.1e}".split("e")
             return f"{float(mantissa):g}e{int(exponent)}"
-        return f"{value:.3g}"
+        return f"{round(value)}" if abs(value) >= 10 else f"{value:.2g}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(compact(v) for v in value) + "]"
     return str(value)
