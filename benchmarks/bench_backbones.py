@@ -1,6 +1,6 @@
 """Compare the backbones: training step time, retrieval latency per query, parameters and FLOPs.
 
-For each backbone (MS-SL, GMMFormer, GMMFormer v2, the ICE base model) with
+For each backbone (MS-SL, GMMFormer, GMMFormer v2, the ICE base model, MamFusion) with
 TVR's dimensions (3,072-d frames, 768-d query tokens, hidden 384):
 
 * training step (forward + the backbone's paper losses + backward + AdamW,
@@ -69,6 +69,13 @@ SETUPS: dict[str, tuple[dict, dict]] = {
         },
     ),
     "ice_base": ({}, _base_losses("moment", "video", 0.1, (0.04, 0.02))),
+    "mamfusion": (  # the reference's batch fusion: the fused sentence vector feeds the query-diverse loss
+        {},
+        {
+            **_base_losses("clip", "frame", 0.2, (0.027, 0.045)),
+            "div": {"loss": "query_diverse", "weight": 0.015, "branch": "fused", "alpha": 32.0, "delta": 0.2},
+        },
+    ),
 }
 
 

@@ -282,6 +282,11 @@ class RetrievalModel(nn.Module):
         """Per-branch (Nq, Nv) scores of every query against every video."""
         raise NotImplementedError
 
+    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+        """Training-only (Nq, D) query vectors computed from the whole batch (e.g. queries fused with
+        the batch's videos), added to ``query.vectors`` before scoring; none by default."""
+        return {}
+
     def fuse(self, scores: dict[str, BranchScores]) -> Tensor:
         """Final (Nq, Nv) retrieval score: weighted sum of branch similarities."""
         total = None
@@ -295,9 +300,11 @@ class RetrievalModel(nn.Module):
         return total
 
     def forward(self, batch: Batch) -> ModelOutput:
-        """The training path: encode with the training-time capabilities, score with logits."""
+        """The training path: encode with the training-time capabilities, add the batch vectors, score
+        with logits."""
         with self.training_exposure():
             video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
             query = self.encode_queries(batch.queries, batch.query_mask)
+            query.vectors.update(self.batch_vectors(batch, query, video))
         scores = self.score(query, video, with_logits=True)
         return ModelOutput(scores=scores, query=query, video=video)

@@ -474,12 +474,17 @@ class PooledFrameBackbone(RetrievalModel):
         """(B, Lc, Dv) clip features -> (B, Lc, D) clip-level embeddings."""
         raise NotImplementedError
 
+    def keeps_frame_tokens(self) -> bool:
+        """Whether :meth:`encode_videos` keeps the per-frame embeddings in ``extra`` (by default: when
+        the ``frame_tokens`` capability is requested for the current mode)."""
+        return self.exposes(FRAME_TOKENS)
+
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
         """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> clip (B, Lc, D), frame (B, D)."""
         clip = self.encode_clips(clips)  # (B, Lc, D)
         f, packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
         extra = {}
-        if self.exposes(FRAME_TOKENS):  # the frame branch is pooled: per-frame embeddings only on request
+        if self.keeps_frame_tokens():  # the frame branch is pooled: per-frame embeddings only on request
             extra = {"frame_tokens": packing.unpack(f), "frame_mask": packing.mask}  # (B, Lf, D), (B, Lf)
         return VideoEmbedding(clip=clip, frame=self.frame.pooled(f, packing), extra=extra)  # frame (B, D)
 

@@ -22,6 +22,22 @@ def project_home() -> Path:
     return Path(os.environ.get("PRVRLAB_HOME") or Path.cwd())
 
 
+def project_relative(path: str | Path) -> str:
+    """``path`` relative to the working dir, else to ``$PRVRLAB_HOME``, when inside one; else absolute.
+
+    Under ``ray job submit`` the working dir is Ray's temporary copy of the
+    submitted project, so a spec read from it is recorded as
+    ``search_spaces/x.yaml`` instead of a path under ``runtime_resources/``.
+    """
+    resolved = Path(path).resolve()
+    for base in (Path.cwd(), project_home()):
+        try:
+            return resolved.relative_to(base.resolve()).as_posix()
+        except ValueError:
+            continue
+    return str(resolved)
+
+
 def resolve_config_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> ExperimentConfig:
     """A copy whose data root and storage path are absolute (workers chdir).
 
@@ -56,6 +72,11 @@ def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
         from prvrlab.data.synth import synthesize
 
         synthesize(root, preset=cfg.data.synthesize, seed=cfg.data.synth_seed, progress=progress)
+    elif cfg.data.synthesize:
+        from prvrlab.data.synth import refresh_if_outdated
+
+        if refresh_if_outdated(root) and progress:
+            print(f"updated the synthetic collection at {root} to the current generator (same features)")
     collection = open_collection(cfg.data)
     if progress:
         for note in collection.notes:

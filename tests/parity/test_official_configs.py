@@ -169,12 +169,67 @@ RAL_GMMFORMER_V2 = {
     "losses.ral_da.weight": (2.5e-4, 2.5e-4, None, "src/Losses/loss.py vib_loss = 2.5e-4 * ..."),
 }
 
+# github.com/Vision-Multimodal-Lab-HZCU/MamFusion (GMMFormer + Mamba; src/Configs/{ds}.yaml + builder.py)
+MAMFUSION_COMMIT = "efa33f91e6f291c57b059a28f4ba47402adee674"
+MAMFUSION = {
+    "data.max_query_len": (30, 30, 30, "src/Configs/{ds}.yaml max_desc_l"),
+    "data.max_frames": (512, 256, 1024, "src/Configs/{ds}.yaml max_ctx_l (uniform_feature_sampling)"),
+    "data.num_clips": (32, 32, 32, "src/Configs/builder.py map_size"),
+    "model.max_frames": (512, 256, 1024, "src/Models/model_mamba.py clip/frame_pos_embed(max_ctx_l)"),
+    "model.max_query_len": (30, 30, 30, "src/Models/model_mamba.py query_pos_embed(max_desc_l)"),
+    "model.hidden_size": (384, 384, 384, "src/Configs/{ds}.yaml hidden_size"),
+    "model.num_heads": (8, 8, 4, "src/Configs/{ds}.yaml n_heads"),
+    "model.input_dropout": (0.2, 0.2, 0.15, "src/Configs/{ds}.yaml input_drop"),
+    "model.dropout": (0.45, 0.18, 0.3, "src/Configs/{ds}.yaml drop -> hidden_dropout_prob"),
+    "model.attention_dropout": (0.45, 0.18, 0.3, "src/Configs/{ds}.yaml drop -> attention_probs_dropout_prob"),
+    "model.sigmas": ({0.5, 1.0, 5.0, INF},) * 3 + ("src/Models/model_components.py GMMBlock wid",),
+    "model.num_gmm_blocks": (2, 2, 2, "src/Models/model_mamba.py clip_encoder(_2), frame_encoder_1/_2"),
+    "model.ffn_size": (0, 0, 0, "src/Models/model_components.py BertAttention (no FFN)"),
+    "model.clip_weight": (0.7, 0.7, 0.7, "src/Configs/builder.py clip_scale_w"),
+    "model.frame_weight": (0.3, 0.3, 0.3, "src/Configs/builder.py frame_scale_w"),
+    "model.mamba": (True, True, True, "src/Models/model_mamba.py *_mamba after every GMMBlock"),
+    "model.d_state": (16, 16, 16, "src/Models/model_mamba.py Mamba(d_state=16)"),
+    "model.d_conv": (4, 4, 4, "src/Models/model_mamba.py Mamba(d_conv=4)"),
+    "model.expand": (2, 2, 2, "src/Models/model_mamba.py Mamba(expand=2)"),
+    "model.mask_padding": (False, False, False, "src/Models/model_mamba.py Mamba(x) without the video mask"),
+    "model.fusion": ("batch",) * 3 + ("src/Models/model_mamba.py VisionLanguageFusionModule over the batch",),
+    "model.t2v": (True, True, True, "src/Models/model_mamba.py v2t_fusion(tgt=videos, memory=queries)"),
+    "model.v2t": (True, True, True, "src/Models/model_mamba.py t2v_fusion(tgt=queries, memory=videos)"),
+    "model.fusion_at_retrieval": (False, False, False, "src/Models/model_mamba.py scores use unfused queries"),
+    "losses.clip_triplet.weight": (1.0, 1.0, 1.0, "src/Losses/loss.py (triplet unweighted)"),
+    "losses.frame_triplet.weight": (1.0, 1.0, 1.0, "src/Losses/loss.py (triplet unweighted)"),
+    "losses.clip_triplet.margin": (0.2, 0.2, 0.2, "src/Configs/{ds}.yaml margin"),
+    "losses.frame_triplet.margin": (0.2, 0.2, 0.2, "src/Configs/{ds}.yaml margin"),
+    "losses.clip_triplet.hard_negative_start_epoch": (20, 20, 100, "src/Configs/{ds}.yaml hard_negative_start_epoch"),
+    "losses.frame_triplet.hard_negative_start_epoch": (20, 20, 100, "src/Configs/{ds}.yaml hard_negative_start_epoch"),
+    "losses.clip_triplet.hard_pool_size": (20, 20, 20, "src/Configs/{ds}.yaml hard_pool_size"),
+    "losses.frame_triplet.hard_pool_size": (20, 20, 20, "src/Configs/{ds}.yaml hard_pool_size"),
+    "losses.clip_triplet.v2t_hard_pool_size": (1, 1, 1, "src/Losses/loss.py v2t: neg_pair_scores[0]"),
+    "losses.frame_triplet.v2t_hard_pool_size": (1, 1, 1, "src/Losses/loss.py v2t: neg_pair_scores[0]"),
+    "losses.clip_nce.weight": (0.027, 0.027, 0.008, "src/Configs/{ds}.yaml loss_factor[0] (clip NCE)"),
+    "losses.frame_nce.weight": (0.045, 0.045, 0.01, "src/Configs/{ds}.yaml loss_factor[1] (frame NCE)"),
+    "losses.query_diverse.loss": ("query_diverse",) * 3 + ("src/Losses/loss.py query_diverse_loss",),
+    "losses.query_diverse.branch": ("fused",) * 3 + ("src/Losses/loss.py qdl(input_list[-1]: the fused query)",),
+    "losses.query_diverse.weight": (0.015, 0.015, 0.005, "src/Configs/{ds}.yaml loss_factor[2] (query-diverse)"),
+    "losses.query_diverse.delta": (0.2, 0.2, 0.15, "src/Configs/{ds}.yaml neg_factor[0]"),
+    "losses.query_diverse.alpha": (32.0, 32.0, 32.0, "src/Configs/{ds}.yaml neg_factor[1]"),
+    "train.epochs": (200, 200, 400, "src/Configs/{ds}.yaml n_epoch"),
+    "train.batch_size": (256, 64, 64, "src/Configs/{ds}.yaml batchsize"),
+    "train.lr": (4.5e-4, 4.5e-4, 3.8e-4, "src/Configs/{ds}.yaml lr"),
+    "train.weight_decay": (0.01, 0.01, 0.01, "src/Configs/{ds}.yaml wd; src/Opts/builder.py"),
+    "train.warmup_proportion": (0.01, 0.01, 0.01, "src/Configs/{ds}.yaml lr_warmup_proportion"),
+    "train.grad_clip": (1.0, 1.0, 1.0, "src/Opts/optimization.py BertAdam max_grad_norm"),
+    "train.early_stop_patience": (200, 200, 10, "src/Configs/{ds}.yaml max_es_cnt"),
+    "train.seed": (9527, 9527, 9527, "src/Configs/builder.py seed"),
+}
+
 METHODS = {
     # config prefix: (repository, commit, table)
     "gmmformer": ("huangmozhi9527/GMMFormer", GMMFORMER_COMMIT, GMMFORMER),
     "gmmformer_v2": ("huangmozhi9527/GMMFormer_v2", GMMFORMER_V2_COMMIT, GMMFORMER_V2),
     "mssl": ("HuiGuanLab/ms-sl", MSSL_COMMIT, MSSL),
     "gmmformer_v2_ral": ("zhanglong-ustc/RAL-PRVR", RAL_COMMIT, RAL_GMMFORMER_V2),
+    "mamfusion": ("Vision-Multimodal-Lab-HZCU/MamFusion", MAMFUSION_COMMIT, MAMFUSION),
 }
 
 CASES = [

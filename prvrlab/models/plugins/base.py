@@ -151,6 +151,7 @@ class PluggedModel(RetrievalModel):
         with self.backbone.training_exposure():
             video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
             query = self.encode_queries(batch.queries, batch.query_mask)
+            query.vectors.update(self.backbone.batch_vectors(batch, query, video))
         scores = self.score(query, video, with_logits=True)
         aux: dict[str, Any] = {}
         for name, plugin in self.plugins.items():

@@ -38,7 +38,7 @@ def every_s_from_env() -> float:
 
 
 class EpochTicker:
-    """Rank 0's view of one epoch: batches done, mean loss so far, batches per second, ETA.
+    """Rank 0's view of one epoch (``epoch`` counted from 1): batches done, mean loss so far, batches per second, ETA.
 
     ``clock`` is injectable for tests; ``emit`` receives a plain dict per step.
     """
@@ -79,12 +79,12 @@ def _duration(seconds: float | None) -> str:
 
 
 def format_progress(state: dict[str, Any]) -> str:
-    """``epoch 2/12  batch 37/120  31%  loss 0.8421  1.9 batch/s  ETA 44s`` (epochs counted from 1)."""
+    """``epoch 2/12  batch 37/120  31%  loss 0.8421  1.9 batch/s  ETA 44s`` (``epoch`` counts from 1, as in reports)."""
     done, total = int(state["batch"]), int(state["batches"])
     pct = 100.0 * done / total if total else 0.0
     rate = float(state.get("rate") or 0.0)
     return (
-        f"epoch {int(state['epoch']) + 1}/{state['epochs']}  batch {done}/{total}  {pct:3.0f}%  "
+        f"epoch {int(state['epoch'])}/{state['epochs']}  batch {done}/{total}  {pct:3.0f}%  "
         f"loss {float(state['loss']):.4f}  {rate:.2f} batch/s  ETA {_duration(state.get('eta_s'))}"
     )
 
@@ -93,7 +93,7 @@ def short_progress(state: dict[str, Any]) -> str:
     """``epoch 2/12 31%`` for the search/ablation view."""
     total = int(state["batches"])
     pct = 100.0 * int(state["batch"]) / total if total else 0.0
-    return f"epoch {int(state['epoch']) + 1}/{state['epochs']} {pct:.0f}% (ETA {_duration(state.get('eta_s'))})"
+    return f"epoch {int(state['epoch'])}/{state['epochs']} {pct:.0f}% (ETA {_duration(state.get('eta_s'))})"
 
 
 def write_progress(path: Path, state: dict[str, Any]) -> None:

@@ -21,8 +21,8 @@ def trial(trial_id: str, status: str, lr: float):
 
 def test_running_line_lists_running_trials_with_progress_every_n_seconds(capsys):
     states = {
-        "t_00000": {"epoch": 1, "epochs": 4, "batch": 9, "batches": 20, "eta_s": 12.0},
-        "t_00002": {"epoch": 0, "epochs": 4, "batch": 20, "batches": 20, "eta_s": 0.0},
+        "t_00000": {"epoch": 2, "epochs": 4, "batch": 9, "batches": 20, "eta_s": 12.0},
+        "t_00002": {"epoch": 1, "epochs": 4, "batch": 20, "batches": 20, "eta_s": 0.0},
     }
     clock = FakeClock()
     view = ProgressCallback("val/sumr", "max", 3, lambda c: f"lr={c['train.lr']:g}", progress_of=lambda t: states.get(t.trial_id), every_s=10.0, clock=clock)

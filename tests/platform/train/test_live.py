@@ -20,7 +20,7 @@ class FakeClock:
         return self.t
 
 
-def state(epoch=0, batch=1, batches=4, loss=1.0, rate=2.0, eta=1.5, epochs=3):
+def state(epoch=1, batch=1, batches=4, loss=1.0, rate=2.0, eta=1.5, epochs=3):
     return {"epoch": epoch, "epochs": epochs, "batch": batch, "batches": batches, "loss": loss, "rate": rate, "eta_s": eta}
 
 
@@ -38,11 +38,11 @@ def test_ticker_measures_rate_and_eta_from_its_clock():
 
 
 def test_progress_line_format():
-    line = format_progress(state(epoch=1, batch=37, batches=120, loss=0.84213, rate=1.94, eta=44.4, epochs=12))
+    line = format_progress(state(epoch=2, batch=37, batches=120, loss=0.84213, rate=1.94, eta=44.4, epochs=12))
     assert line == "epoch 2/12  batch 37/120   31%  loss 0.8421  1.94 batch/s  ETA 44s"
     assert format_progress(state(eta=3725)).endswith("ETA 1h02m")
     assert format_progress(state(eta=None)).endswith("ETA ?")
-    assert short_progress(state(epoch=0, batch=3, batches=4, eta=75)) == "epoch 1/3 75% (ETA 1m15s)"
+    assert short_progress(state(epoch=1, batch=3, batches=4, eta=75)) == "epoch 1/3 75% (ETA 1m15s)"
 
 
 def test_plain_lines_every_n_seconds_without_carriage_returns():
@@ -62,12 +62,12 @@ def test_plain_lines_every_n_seconds_without_carriage_returns():
 def test_a_new_epoch_restarts_the_plain_line_clock():
     clock, out = FakeClock(), io.StringIO()
     live = LiveLine(out, tty=False, every_s=10.0, clock=clock)
-    live.update(state(epoch=0, batch=1))
+    live.update(state(epoch=1, batch=1))
     clock.t += 11
-    live.update(state(epoch=1, batch=1))  # new epoch: its first state only starts the clock
+    live.update(state(epoch=2, batch=1))  # new epoch: its first state only starts the clock
     assert out.getvalue() == ""
     clock.t += 10
-    live.update(state(epoch=1, batch=2))
+    live.update(state(epoch=2, batch=2))
     assert out.getvalue().startswith("  epoch 2/3  batch 2/4")
 
 

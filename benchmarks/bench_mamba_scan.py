@@ -1,0 +1,142 @@
+"""The selective scan (prvrlab/models/mamba.py) against the step-by-step recurrence and a dense
+attention layer, and MamFusion's query-conditioned retrieval against its factorised one.
+
+1. Scan forward + backward at B x L x E with an N-dimensional state (default
+   128 x 128 x 768, N = 16): the chunked scan (one line per chunk length), the
+   step-by-step recurrence (``selective_scan_reference``) and, as a yardstick,
+   a dense attention layer of the same width (prvrlab's TransformerLayer with
+   no feed-forward sublayer, E wide, on the same B x L tokens).  Prints
+   seconds and the ratios reference / chunked (goal >= 20) and chunked /
+   attention (goal <= 3); also the blocked, checkpointed scan the Mamba block
+   runs on CPU (memory bounded to 32 M state elements per block).
+2. Retrieval ms per query of MamFusion (TVR dims, hidden 384) against a
+   gallery of encoded videos: ``fusion: batch`` (factorised scores, the
+   reference's) and ``fusion: temporal`` with ``fusion_at_retrieval: true``
+   (every query x video pair fused), same weights.
+
+    .venv/bin/python benchmarks/bench_mamba_scan.py
+    .venv/bin/python benchmarks/bench_mamba_scan.py --batch 32 --repeats 1 --gallery 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from prvrlab.models.gmm import TransformerLayer
+from prvrlab.models.mamba import selective_scan_blocked, selective_scan_chunked, selective_scan_reference
+from prvrlab.registry import BACKBONES
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--channels", type=int, default=768)
+    p.add_argument("--state", type=int, default=16)
+    p.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--heads", type=int, default=8, help="heads of the attention yardstick")
+    p.add_argument("--repeats", type=int, default=2, help="timed repetitions (after one warm-up)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--gallery", type=int, default=200, help="videos in the retrieval gallery (0: skip part 2)")
+    p.add_argument("--queries", type=int, default=20, help="queries scored in part 2")
+    p.add_argument("--frames", type=int, default=128)
+    return p.parse_args()
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def scan_inputs(args: argparse.Namespace) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    B, L, E, N = args.batch, args.length, args.channels, args.state
+    x = torch.randn(B, L, E, generator=g)
+    delta = F.softplus(torch.randn(B, L, E, generator=g))  # MamFusion's initial delta is softplus(0) = 0.69
+    A = -torch.arange(1, N + 1, dtype=torch.float32).repeat(E, 1)  # S4D-real
+    Bm, Cm = torch.randn(B, L, N, generator=g), torch.randn(B, L, N, generator=g)
+    D = torch.ones(E)
+    return [t.requires_grad_() for t in (x, delta, A, Bm, Cm, D)]
+
+
+def forward_backward(fn, inputs):
+    def run():
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).sum().backward()
+
+    return run
+
+
+def bench_scan(args: argparse.Namespace) -> None:
+    inputs = scan_inputs(args)
+    print(f"scan forward+backward, B={args.batch} L={args.length} E={args.channels} N={args.state}")
+    chunked = {}
+    for chunk in args.chunks:
+        chunked[chunk] = timed(forward_backward(lambda *a: selective_scan_chunked(*a, chunk=chunk), inputs), args.repeats)
+        print(f"  chunked scan, chunk {chunk:3d}: {chunked[chunk]:8.3f} s")
+    best = min(chunked, key=chunked.get)
+    blocked = timed(forward_backward(lambda *a: selective_scan_blocked(*a, chunk=best), inputs), args.repeats)
+    print(f"  blocked + checkpointed (what Mamba runs on CPU), chunk {best}: {blocked:8.3f} s")
+    tokens = torch.randn(args.batch, args.length, args.channels, requires_grad=True)
+    layer = TransformerLayer(hidden_size=args.channels, num_heads=args.heads, dropout=0.0, ffn_size=0)
+    attention = timed(forward_backward(layer, [tokens]), args.repeats)
+    print(f"  dense attention layer ({args.heads} heads, width {args.channels}): {attention:8.3f} s")
+    print(f"  chunked (chunk {best}) / attention: {chunked[best] / attention:6.2f}x (goal <= 3)")
+    if not args.skip_reference:
+        reference = timed(forward_backward(selective_scan_reference, inputs), max(1, args.repeats // 2))
+        print(f"  step-by-step recurrence: {reference:8.3f} s")
+        print(f"  recurrence / chunked (chunk {best}): {reference / chunked[best]:6.2f}x (goal >= 20)")
+
+
+def bench_retrieval(args: argparse.Namespace) -> None:
+    g = torch.Generator().manual_seed(0)
+    dims = {"video_dim": 3072, "query_dim": 768, "hidden_size": 384, "max_frames": args.frames}
+    torch.manual_seed(0)
+    factorised = BACKBONES.build("mamfusion", **dims).eval()
+    torch.manual_seed(0)
+    conditioned = BACKBONES.build("mamfusion", fusion="temporal", fusion_at_retrieval=True, **dims).eval()
+    conditioned.load_state_dict(factorised.state_dict())
+    n, f = args.gallery, args.frames
+    clips, frames = torch.randn(n, 32, 3072, generator=g), torch.randn(n, f, 3072, generator=g)
+    mask = torch.ones(n, f, dtype=torch.bool)
+    queries, qmask = torch.randn(args.queries, 30, 768, generator=g), torch.ones(args.queries, 30, dtype=torch.bool)
+    print(f"\nretrieval, {args.queries} queries x {n} videos ({f} frames), hidden 384")
+    results = {}
+    with torch.inference_mode():
+        for name, model in (("fusion: batch (factorised)", factorised), ("temporal at retrieval", conditioned)):
+            t0 = time.perf_counter()
+            video = model.encode_videos(clips, frames, mask)
+            encode = time.perf_counter() - t0
+
+            def score(model=model, video=video):
+                return model.fuse(model.score(model.encode_queries(queries, qmask), video))
+
+            seconds = timed(score, 1)
+            results[name] = seconds
+            print(f"  {name:28s}: encode gallery {encode:6.2f} s, {1000 * seconds / args.queries:9.2f} ms/query")
+    ratio = results["temporal at retrieval"] / results["fusion: batch (factorised)"]
+    print(f"  query-conditioned / factorised: {ratio:.1f}x per query")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    bench_scan(args)
+    if args.gallery:
+        bench_retrieval(args)
+
+
+if __name__ == "__main__":
+    main()

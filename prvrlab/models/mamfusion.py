@@ -1,0 +1,315 @@
+"""MamFusion (Ying et al., 2025): GMMFormer with Mamba blocks and text-video fusion for PRVR.
+
+Encoders as GMMFormer (:mod:`prvrlab.models.gmmformer`), with ``x + LN(Mamba(x))``
+(:class:`~prvrlab.models.mamba.MambaLayer`; d_state 16, d_conv 4, expand 2)
+after every GMMBlock of the clip and the frame branch (``mamba: false``: plain
+GMMFormer blocks, the paper's "w/o Multi-Mamba").
+
+Fusion, named by the direction information flows (the paper's Eq. 4 and 3,
+applied in this order; the reference code calls them the other way round):
+
+* ``t2v`` (text to video): video tokens attend to the text, ``V' = V * Attn(V -> text)``;
+* ``v2t`` (video to text): text tokens attend to the fused video, ``Q' = Q * Attn(Q -> V')``.
+
+Both are multi-head cross-attentions whose output multiplies their input
+element-wise (the reference code's combination; the paper writes the bare
+attention).  ``fusion`` picks what attends to what:
+
+* ``batch`` (the reference code): the pooled video vectors of the batch attend
+  to the batch's sentence vectors, then the sentence vectors to the fused
+  videos.  The fused sentence vector depends on the whole batch, so it is a
+  training-only query vector ``query.vectors["fused"]``
+  (:meth:`~prvrlab.models.base.RetrievalModel.batch_vectors`) that the
+  losses naming ``branch: fused`` read (the reference: only the query-diverse
+  loss); retrieval never uses it.
+* ``temporal`` (the paper's text): for every (query, video) pair, the video's
+  per-frame tokens attend to the query's word tokens, then the word tokens to
+  the fused frames; each side is pooled with its branch's pooling head and the
+  pair scores ``cos(q'_qv, v'_qv)``.  The training-only fused vector is each
+  query's with its own video.
+
+Branch ``fused`` scores the fused query: against the pooled frame vectors
+(``batch``, and whenever the query carries no fused vector: retrieval then
+scores the unfused query there), or per pair (``temporal``).  Its weight is 0
+unless ``fusion_at_retrieval`` (``temporal`` only): then it is ``fused_weight``
+and retrieval is query-conditioned, cost Nq x Nv pairs, computed in chunks of
+at most ``fusion_chunk`` elements per intermediate tensor.  ``mask_padding``:
+see :class:`~prvrlab.models.mamba.MambaLayer` (the scan is causal, so real
+tokens are the same either way).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from prvrlab.checks import check_bool, check_choice, check_positive_int, check_probability
+from prvrlab.data.batch import Batch
+from prvrlab.models.base import BranchScores, QueryEmbedding, VideoEmbedding
+from prvrlab.models.blocks import (
+    AttentionPooling,
+    BackboneSizes,
+    PackedLayer,
+    Packing,
+    PooledFrameBackbone,
+    check_score_weights,
+    init_normal_,
+    resolve_ffn_size,
+)
+from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
+from prvrlab.models.gmm import GMMBlock, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
+from prvrlab.models.mamba import DEFAULT_SCAN_CHUNK, MambaLayer
+from prvrlab.models.scoring import vector_scores
+from prvrlab.registry import BACKBONES
+
+FUSIONS: tuple[str, ...] = ("batch", "temporal")
+
+
+class GMMMambaBlock(PackedLayer):
+    """A GMMBlock followed, when given, by a :class:`MambaLayer`."""
+
+    def __init__(self, *, gmm: GMMBlock, mamba: MambaLayer | None) -> None:
+        super().__init__()
+        self.gmm, self.mamba = gmm, mamba
+
+    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
+        """(N, D) packed tokens -> (N, D)."""
+        x = self.gmm.forward_packed(x, packing)
+        return x if self.mamba is None else self.mamba.forward_packed(x, packing)
+
+
+class MultiplicativeCrossAttention(nn.Module):
+    """``x * W_o MultiHead(x W_q, m W_k, m W_v)``: ``x`` attends to the memory ``m``, padding keys masked.
+
+    Leading dimensions broadcast (a (1, Nv, L, D) ``x`` against (Nq, 1, M, D)
+    memory gives every pair), so the projections run once per item.
+    """
+
+    def __init__(self, *, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.query = nn.Linear(hidden_size, hidden_size)
+        self.key_value = nn.Linear(hidden_size, 2 * hidden_size)
+        self.out = nn.Linear(hidden_size, hidden_size)
+
+    def _heads(self, t: Tensor) -> Tensor:
+        return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-2, -3)  # (..., H, L, Dh)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None = None) -> Tensor:
+        """(..., L, D) with (..., M, D) memory and (..., M) mask -> (..., L, D) (leading dims broadcast)."""
+        q = self._heads(self.query(x))  # (..., H, L, Dh)
+        k, v = (self._heads(t) for t in self.key_value(memory).chunk(2, dim=-1))  # (..., H, M, Dh)
+        logits = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # (..., H, L, M)
+        if memory_mask is not None:
+            pad = ~memory_mask.to(torch.bool)[..., None, None, :]  # (..., 1, 1, M)
+            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        context = torch.matmul(torch.softmax(logits, dim=-1), v)  # (..., H, L, Dh)
+        return x * self.out(context.transpose(-2, -3).flatten(-2))  # (..., L, D)
+
+
+@BACKBONES.register("mamfusion")
+class MamFusion(PooledFrameBackbone):
+    """MamFusion: GMMFormer's branches with Mamba blocks, plus text-video fusion (module docstring).
+
+    GMMFormer's parameters (:class:`~prvrlab.models.gmmformer.GMMFormer`), and:
+    ``input_dropout`` (of the input projections and positional embeddings;
+    None: ``dropout``, which always covers the residual branches: the
+    reference's input_drop / drop),
+    ``mamba`` (Mamba after every GMMBlock), ``d_state`` / ``d_conv`` /
+    ``expand`` (its sizes), ``mask_padding``, ``scan_chunk`` (the chunk
+    length of the selective scan); ``t2v`` / ``v2t`` (the two fusions),
+    ``fusion`` (``batch`` | ``temporal``), ``fusion_at_retrieval`` and
+    ``fused_weight`` (the fused branch in the retrieval score), ``fusion_chunk``
+    (max elements of one intermediate tensor of the pairwise fusion).
+    """
+
+    provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
+
+    def __init__(
+        self,
+        *,
+        video_dim: int,
+        query_dim: int,
+        hidden_size: int = 384,
+        num_heads: int = 4,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        input_dropout: float | None = None,
+        ffn_size: int | None = 0,
+        sigmas: list[float | str] = [0.5, 1.0, 5.0, "inf"],  # noqa: B006 - never mutated
+        num_gmm_blocks: int = 2,
+        max_frames: int = 128,
+        max_query_len: int = 30,
+        clip_weight: float = 0.7,
+        frame_weight: float = 0.3,
+        window: Window = "official",
+        window_length: Literal["padded", "real"] = "padded",
+        mamba: bool = True,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        mask_padding: bool = False,
+        scan_chunk: int = DEFAULT_SCAN_CHUNK,
+        t2v: bool = True,
+        v2t: bool = True,
+        fusion: Literal["batch", "temporal"] = "batch",
+        fusion_at_retrieval: bool = False,
+        fused_weight: float = 0.3,
+        fusion_chunk: int = 1 << 24,
+    ) -> None:
+        super().__init__()
+        sizes = BackboneSizes(
+            video_dim=video_dim,
+            query_dim=query_dim,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            dropout=dropout if input_dropout is None else input_dropout,  # the encoders' input dropout
+            attention_dropout=attention_dropout,
+            max_frames=max_frames,
+            max_query_len=max_query_len,
+        )
+        self.sigmas = parse_sigmas(sigmas)
+        ffn = resolve_ffn_size(ffn_size, hidden_size)
+        check_positive_int(num_gmm_blocks, "num_gmm_blocks")
+        check_window(window, window_length)
+        for name, flag in (("mamba", mamba), ("mask_padding", mask_padding), ("t2v", t2v), ("v2t", v2t)):
+            check_bool(flag, name)
+        self.fusion = check_choice(fusion, "fusion", FUSIONS)
+        if check_bool(fusion_at_retrieval, "fusion_at_retrieval") and fusion != "temporal":
+            raise ValueError(
+                "fusion_at_retrieval: true needs fusion: temporal (the batch fusion depends on the whole "
+                "training batch, so it cannot score one query against one video)"
+            )
+        self.fusion_chunk = check_positive_int(fusion_chunk, "fusion_chunk")
+        weights = {"clip": clip_weight, "frame": frame_weight, "fused": fused_weight}
+        self.score_weights = check_score_weights(weights if fusion_at_retrieval else {**weights, "fused": 0.0})
+        if fusion_at_retrieval and self.score_weights["fused"] == 0:
+            raise ValueError("fused_weight must be > 0 with fusion_at_retrieval: true")
+        self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
+        self.num_heads = num_heads
+        self.window, self.window_length = window, window_length
+        layer_args = {**sizes.layer_args, "dropout": check_probability(dropout, "dropout")}
+
+        def block(span: WindowLength) -> GMMMambaBlock:
+            gmm = GMMBlock(**layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
+            args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "scan_chunk": scan_chunk}
+            return GMMMambaBlock(
+                gmm=gmm, mamba=MambaLayer(hidden_size=hidden_size, mask_padding=mask_padding, **args) if mamba else None
+            )
+
+        def pool() -> AttentionPooling:
+            return AttentionPooling(hidden_size=hidden_size)
+
+        self.query = sizes.query_encoder(lambda: TransformerLayer(**layer_args, ffn_size=ffn), pool=pool)
+        clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
+        self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_gmm_blocks)
+        self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_gmm_blocks, pool=pool)
+        self.t2v = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if t2v else None
+        self.v2t = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if v2t else None
+        init_normal_(self)
+
+    @property
+    def temporal(self) -> bool:
+        return self.fusion == "temporal" and (self.t2v is not None or self.v2t is not None)
+
+    def encode_clips(self, clips: Tensor) -> Tensor:
+        """(B, Lc, Dv) -> (B, Lc, D)."""
+        return self.clip(clips)
+
+    def keeps_frame_tokens(self) -> bool:
+        """The temporal fusion reads the per-frame tokens in every mode."""
+        return self.temporal or super().keeps_frame_tokens()
+
+    # ------------------------------------------------------------ fusion
+
+    def _batch_fusion(self, query: Tensor, video: Tensor) -> Tensor:
+        """(Nq, D) sentence vectors, (Nv, D) pooled videos of one batch -> (Nq, D) fused sentence vectors."""
+        if self.t2v is not None:
+            video = self.t2v(video[None], query[None])[0]  # (Nv, D): every video attends to the batch's queries
+        if self.v2t is not None:
+            query = self.v2t(query[None], video[None])[0]  # (Nq, D)
+        return query
+
+    def _fuse(
+        self, words: Tensor, word_mask: Tensor, frames: Tensor, frame_mask: Tensor, plain: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Temporal fusion of (..., Lq, D) word tokens with (..., Lf, D) frame tokens, their masks and the
+        unfused (..., D) query vectors, leading dims broadcasting to S -> fused query and video (S, D)."""
+        fused_frames = frames if self.t2v is None else self.t2v(frames, words, word_mask)  # (S, Lf, D)
+        shape = torch.broadcast_shapes(words.shape[:-2], frames.shape[:-2], fused_frames.shape[:-2])  # S
+        fused_frames = fused_frames.expand(*shape, *frames.shape[-2:])
+        frame_mask = frame_mask.expand(*shape, frame_mask.shape[-1])  # (S, Lf)
+        v = self.frame.pool(fused_frames.reshape(-1, *frames.shape[-2:]), frame_mask.reshape(-1, frame_mask.shape[-1]))
+        if self.v2t is None:
+            return plain.expand(*shape, plain.shape[-1]), v.view(*shape, -1)
+        fused_words = self.v2t(words, fused_frames, frame_mask)  # (S, Lq, D)
+        word_mask = word_mask.expand(*shape, word_mask.shape[-1]).reshape(-1, word_mask.shape[-1])  # (P, Lq)
+        q = self.query.pool(fused_words.reshape(-1, *words.shape[-2:]), word_mask)  # (P, D)
+        return q.view(*shape, -1), v.view(*shape, -1)
+
+    def _pair_fusion(self, query: QueryEmbedding, video: VideoEmbedding) -> tuple[Tensor, Tensor]:
+        """Fused (Nq, Nv, D) query and video vectors of every (query, video) pair."""
+        words, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
+        frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
+        plain = query.vectors["clip"][:, None]  # (Nq, 1, D)
+        return self._fuse(words[:, None], word_mask[:, None], frames[None], frame_mask[None], plain)
+
+    def _pair_chunks(self, query: QueryEmbedding, video: VideoEmbedding) -> tuple[int, int]:
+        """Queries and videos per chunk so that no pairwise tensor exceeds ``fusion_chunk`` elements."""
+        lq, lf = query.word_tokens()[0].shape[1], video.frame_tokens()[0].shape[1]
+        d = self.hidden_size
+        per_pair = max(2 * lf * d, 2 * lq * d, self.num_heads * lf * lq)  # key-value pairs, attention logits
+        pairs = max(1, self.fusion_chunk // per_pair)
+        nq = max(1, query.vectors["clip"].shape[0])
+        per_query = min(nq, pairs)
+        return per_query, max(1, pairs // per_query)
+
+    def _pair_scores(self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool) -> BranchScores:
+        """(Nq, Nv) cosines (and dots) of the fused pairs, in memory-bounded chunks."""
+        nq, nv = query.vectors["clip"].shape[0], video.frame.shape[0]
+        if nq == 0 or nv == 0:
+            empty = query.vectors["clip"].new_zeros(nq, nv, dtype=torch.float32)
+            return BranchScores(sim=empty, logits=empty if with_logits else None)
+        per_query, per_video = self._pair_chunks(query, video)
+        sims, dots = [], []
+        for i in range(0, nq, per_query):
+            q_part = query.index(slice(i, i + per_query))
+            row_sims, row_dots = [], []
+            for j in range(0, nv, per_video):
+                q, v = self._pair_fusion(q_part, video.index(slice(j, j + per_video)))  # (Nq', Nv', D) each
+                with torch.autocast(device_type=q.device.type, enabled=False):
+                    q, v = q.float(), v.float()
+                    dot = (q * v).sum(-1)  # (Nq', Nv')
+                    norms = q.norm(dim=-1).clamp(min=1e-6) * v.norm(dim=-1).clamp(min=1e-6)
+                row_sims.append(dot / norms)
+                row_dots.append(dot)
+            sims.append(torch.cat(row_sims, dim=1))
+            dots.append(torch.cat(row_dots, dim=1))
+        return BranchScores(sim=torch.cat(sims), logits=torch.cat(dots) if with_logits else None)
+
+    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+        """The training-only fused sentence vector ``fused`` (Nq, D) (module docstring)."""
+        if self.fusion == "batch":
+            return {"fused": self._batch_fusion(query.vectors["clip"], video.frame)}
+        if not self.temporal:
+            return {"fused": query.vectors["clip"]}
+        own = batch.query_video.to(video.frame.device)  # (Nq,)
+        words, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
+        frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
+        fused, _ = self._fuse(words, word_mask, frames[own], frame_mask[own], query.vectors["clip"])  # (Nq, D)
+        return {"fused": fused}  # each query fused with its own video
+
+    def score(
+        self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
+    ) -> dict[str, BranchScores]:
+        """GMMFormer's clip and frame branches plus ``fused`` (module docstring)."""
+        scores = super().score(query, video, with_logits=with_logits)
+        if self.temporal and (self.training or self.score_weights["fused"] > 0):
+            scores["fused"] = self._pair_scores(query, video, with_logits=with_logits)
+        else:
+            fused = query.vectors.get("fused", query.vectors["clip"])
+            scores["fused"] = vector_scores(fused, video.frame, with_logits=with_logits)  # (Nq, Nv)
+        return scores

@@ -1,0 +1,257 @@
+"""MamFusion: GMMFormer + Mamba layers, the batch (reference) and temporal fusions, the switches,
+training through the platform and the checkpoint round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_backbones import build, make_batch, standard_batch, with_padding
+
+from prvrlab.models.mamba import MambaLayer
+from prvrlab.models.mamfusion import MultiplicativeCrossAttention
+from prvrlab.registry import BACKBONES
+
+
+def encode(model, batch):
+    return model.encode_queries(batch.queries, batch.query_mask), model.encode_videos(
+        batch.clips, batch.frames, batch.frame_mask
+    )
+
+
+def attend_by_hand(m: MultiplicativeCrossAttention, x, memory, mask=None):
+    """x (L, D) attends to memory (M, D), head by head and row by row with Python loops."""
+    H, Dh = m.num_heads, m.head_dim
+    q, kv = m.query(x), m.key_value(memory)
+    k, v = kv[:, : H * Dh], kv[:, H * Dh :]
+    rows = []
+    for i in range(x.shape[0]):
+        heads = []
+        for h in range(H):
+            sl = slice(h * Dh, (h + 1) * Dh)
+            logits = [float(q[i, sl] @ k[j, sl]) / math.sqrt(Dh) for j in range(memory.shape[0])]
+            keep = [j for j in range(memory.shape[0]) if mask is None or bool(mask[j])]
+            top = max(logits[j] for j in keep)
+            w = {j: math.exp(logits[j] - top) for j in keep}
+            total = sum(w.values())
+            heads.append(sum(w[j] / total * v[j, sl] for j in keep))
+        rows.append(torch.cat(heads))
+    return x * m.out(torch.stack(rows))
+
+
+def test_registered_with_a_fused_branch_of_weight_zero_by_default():
+    model = build("mamfusion")
+    assert "mamfusion" in BACKBONES.names()
+    assert model.score_weights == {"clip": 0.7, "frame": 0.3, "fused": 0.0}
+    at_retrieval = build("mamfusion", fusion="temporal", fusion_at_retrieval=True, fused_weight=0.5)
+    assert at_retrieval.score_weights == {"clip": 0.7, "frame": 0.3, "fused": 0.5}
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"fusion": "both"}, "fusion"),
+        ({"fusion_at_retrieval": True}, "fusion_at_retrieval"),  # batch fusion cannot score one pair
+        ({"fusion": "temporal", "fusion_at_retrieval": True, "fused_weight": 0.0}, "fused_weight"),
+        ({"mamba": 1}, "mamba"),
+        ({"t2v": "yes"}, "t2v"),
+        ({"d_state": 0}, "d_state"),
+        ({"fusion_chunk": 0}, "fusion_chunk"),
+        ({"input_dropout": 1.5}, "dropout"),
+        ({"dropout": -0.1}, "dropout"),
+    ],
+)
+def test_rejects_bad_hyperparameters(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        build("mamfusion", **kwargs)
+
+
+def test_a_mamba_layer_follows_every_gmm_block_of_both_video_branches():
+    model = build("mamfusion", num_gmm_blocks=2)
+    assert sum(isinstance(m, MambaLayer) for m in model.clip.modules()) == 2
+    assert sum(isinstance(m, MambaLayer) for m in model.frame.modules()) == 2
+    assert not any(isinstance(m, MambaLayer) for m in model.query.modules())
+    assert not any(isinstance(m, MambaLayer) for m in build("mamfusion", mamba=False).modules())
+
+
+def test_without_mamba_the_clip_and_frame_branches_are_gmmformer():
+    torch.manual_seed(0)
+    ours = build("mamfusion", mamba=False, dropout=0.0).eval()
+    reference = build("gmmformer", dropout=0.0).eval()
+    state = {}
+    for key, value in reference.state_dict().items():
+        for branch in ("clip.layers.", "frame.layers."):
+            if key.startswith(branch):
+                index, rest = key[len(branch) :].split(".", 1)
+                key = f"{branch}{index}.gmm.{rest}"
+        state[key] = value
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith(("t2v.", "v2t.")) for k in missing)
+    batch = standard_batch()
+    with torch.no_grad():
+        a, b = ours.score(*encode(ours, batch)), reference.score(*encode(reference, batch))
+    for branch in ("clip", "frame"):
+        torch.testing.assert_close(a[branch].sim, b[branch].sim)
+
+
+def test_mamba_changes_the_video_branches_but_not_the_query():
+    torch.manual_seed(0)
+    model = build("mamfusion").eval()
+    plain = build("mamfusion", mamba=False).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    batch = standard_batch()
+    with torch.no_grad():
+        (q, v), (pq, pv) = encode(model, batch), encode(plain, batch)
+    torch.testing.assert_close(q.vectors["clip"], pq.vectors["clip"])
+    assert not torch.allclose(v.clip, pv.clip) and not torch.allclose(v.frame, pv.frame)
+
+
+def test_batch_fusion_matches_a_hand_computation_and_feeds_only_the_fused_branch():
+    torch.manual_seed(0)
+    model = build("mamfusion", dropout=0.0).eval()
+    batch = standard_batch()
+    with torch.no_grad():
+        out = model(batch)  # the training path (dropout off in eval mode)
+        q, v = out.query.vectors["clip"], out.video.frame  # (Nq, D), (Nv, D)
+        fused_videos = attend_by_hand(model.t2v, v, q)  # every video attends to the batch's sentences
+        expected = attend_by_hand(model.v2t, q, fused_videos)
+        torch.testing.assert_close(out.query.vectors["fused"], expected, rtol=1e-5, atol=1e-6)
+        cos = torch.nn.functional.cosine_similarity(expected[:, None], v[None], dim=-1)
+        torch.testing.assert_close(out.scores["fused"].sim, cos, rtol=1e-5, atol=1e-6)
+        # retrieval: no batch, so no fused vector; the fused branch then scores the unfused query
+        retrieval = model.score(*encode(model, batch))
+        torch.testing.assert_close(retrieval["fused"].sim, retrieval["frame"].sim)
+        assert "fused" not in encode(model, batch)[0].vectors
+
+
+@pytest.mark.parametrize("t2v, v2t", [(False, True), (True, False), (False, False)])
+def test_batch_fusion_switches(t2v, v2t):
+    torch.manual_seed(0)
+    model = build("mamfusion", t2v=t2v, v2t=v2t, dropout=0.0).eval()
+    assert (model.t2v is not None, model.v2t is not None) == (t2v, v2t)
+    with torch.no_grad():
+        out = model(standard_batch())
+        q, v = out.query.vectors["clip"], out.video.frame
+        expected = q if not v2t else attend_by_hand(model.v2t, q, v)  # without t2v: the unfused videos
+    torch.testing.assert_close(out.query.vectors["fused"], expected, rtol=1e-5, atol=1e-6)
+
+
+def temporal(**kwargs):
+    torch.manual_seed(0)
+    return build("mamfusion", fusion="temporal", dropout=0.0, **kwargs).eval()
+
+
+def test_temporal_pair_fusion_matches_a_hand_computation():
+    model = temporal(fusion_at_retrieval=True)
+    batch = standard_batch()
+    with torch.no_grad():
+        query, video = encode(model, batch)
+        scores = model.score(query, video)["fused"].sim  # (Nq, Nv)
+        words, word_mask = query.word_tokens()
+        frames, frame_mask = video.frame_tokens()
+        for i in (0, 3, 6):
+            for j in range(batch.num_videos):
+                w, f = words[i][word_mask[i]], frames[j][frame_mask[j]]  # real tokens only
+                fused_frames = attend_by_hand(model.t2v, f, w)
+                fused_words = attend_by_hand(model.v2t, w, fused_frames)
+                q = model.query.pool(fused_words[None])[0]
+                v = model.frame.pool(fused_frames[None])[0]
+                expected = torch.nn.functional.cosine_similarity(q, v, dim=0)
+                assert float(scores[i, j]) == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_temporal_fusion_at_retrieval_is_chunked_padding_free_and_consistent():
+    model = temporal(fusion_at_retrieval=True)
+    tiny_chunks = temporal(fusion_at_retrieval=True, fusion_chunk=1)  # one pair at a time
+    tiny_chunks.load_state_dict(model.state_dict())
+    batch = standard_batch()
+    with torch.no_grad():
+        full = model.score(*encode(model, batch), with_logits=True)["fused"]
+        chunked = tiny_chunks.score(*encode(tiny_chunks, batch), with_logits=True)["fused"]
+        padded = model.score(*encode(model, with_padding(batch, frame_pad=5, query_pad=2)))["fused"]
+    torch.testing.assert_close(chunked.sim, full.sim)
+    torch.testing.assert_close(chunked.logits, full.logits)
+    torch.testing.assert_close(padded.sim, full.sim, rtol=1e-5, atol=1e-5)
+    fused = model.fuse(model.score(*encode(model, batch)))
+    with torch.no_grad():
+        s = model.score(*encode(model, batch))
+    torch.testing.assert_close(fused, 0.7 * s["clip"].sim + 0.3 * s["frame"].sim + 0.3 * s["fused"].sim)
+
+
+def test_temporal_training_vector_is_each_query_fused_with_its_own_video():
+    model = temporal()
+    batch = standard_batch()
+    with torch.no_grad():
+        out = model(batch)
+        pair_q, _ = model._pair_fusion(out.query, out.video)  # (Nq, Nv, D)
+    own = batch.query_video
+    torch.testing.assert_close(out.query.vectors["fused"], pair_q[torch.arange(len(own)), own], rtol=1e-5, atol=1e-6)
+    # fusion only shapes training: without fusion_at_retrieval, retrieval's fused branch is the unfused one
+    with torch.no_grad():
+        retrieval = model.score(*encode(model, batch))
+    torch.testing.assert_close(retrieval["fused"].sim, retrieval["frame"].sim)
+
+
+def test_temporal_fusion_trains_its_parameters():
+    model = build("mamfusion", fusion="temporal").train()
+    out = model(make_batch([4, 2, 3], [3, 2, 4, 1], [0, 0, 1, 2]))
+    (out.scores["fused"].logits.sum() + out.query.vectors["fused"].sum()).backward()
+    for name in ("t2v.query.weight", "v2t.key_value.weight", "v2t.out.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+@pytest.mark.slow
+def test_trains_through_the_platform_and_the_checkpoint_round_trips(tiny_root, tmp_path):
+    from prvrlab.data.collection import open_collection
+    from prvrlab.evaluation.retrieval import evaluate
+    from prvrlab.models.factory import build_model
+    from prvrlab.platform.config import load_raw, validate
+    from prvrlab.platform.train.driver import train
+    from prvrlab.platform.train.loop import seed_everything
+
+    raw = load_raw("configs/mamfusion_synth.yaml")
+    raw["data"] = {"root": str(tiny_root), "collection": "synth", "visual_feature": "synth_feat"}
+    raw["model"].update(hidden_size=32, num_heads=2, dropout=0.0, num_gmm_blocks=1)
+    raw["train"] = {"epochs": 4, "batch_size": 16, "lr": 1e-3, "num_workers": 1, "seed": 0}
+    raw["eval"] = {"final_splits": ["val"]}
+    raw["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "tests", "storage_path": str(tmp_path / "r")}
+    cfg = validate(raw)
+    seed_everything(0)
+    collection = open_collection(cfg.data)
+    dims = {"video_dim": collection.video_dim, "query_dim": collection.query_dim}
+    before = evaluate(build_model(cfg.model, cfg.plugins, **dims), collection, "val", cfg.eval, device=torch.device("cpu"))
+    result = train(cfg, use_ray=False, echo=None)
+    losses = [h["train/loss"] for h in result.history]
+    assert losses[-1] < losses[0], losses
+    assert "train/query_diverse" in result.history[0]
+    assert result.best_sumr > before.metrics["sumr"] + 10, (before.metrics["sumr"], result.best_sumr)
+    saved = torch.load(result.run_dir / "best_model.pt", map_location="cpu", weights_only=True)
+    model = build_model(cfg.model, cfg.plugins, **dims)
+    model.load_state_dict(saved["model"])
+    after = evaluate(model, collection, "val", cfg.eval, device=torch.device("cpu"))
+    assert after.metrics["sumr"] == pytest.approx(result.best_sumr)
+
+
+def test_temporal_scoring_of_an_empty_gallery_or_query_set():
+    model = temporal(fusion_at_retrieval=True)
+    with torch.no_grad():
+        query, video = encode(model, standard_batch())
+        assert model.score(query, video.index(slice(0, 0)))["fused"].sim.shape == (7, 0)
+        assert model.score(query.index(slice(0, 0)), video)["fused"].sim.shape == (0, 4)
+
+
+def test_a_plugged_model_adds_the_backbones_batch_vectors():
+    """The batch_vectors hook is called by PluggedModel.forward too (here with the RAL plug-in)."""
+    from prvrlab.models.plugins.base import PluggedModel
+    from prvrlab.registry import PLUGINS
+
+    torch.manual_seed(0)
+    backbone = build("mamfusion", dropout=0.0).eval()
+    plugin = PLUGINS.build("ral", hidden_size=16)
+    wrapped = PluggedModel(backbone=backbone, plugins={"ral": plugin}).eval()
+    wrapped.request(training=plugin.needs(training=True), retrieval=plugin.needs(training=False))
+    batch = standard_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(batch).query.vectors["fused"], backbone(batch).query.vectors["fused"])
