@@ -25,6 +25,7 @@ quickstart: setup
 	$(BIN)/prvrlab train configs/gmmformer_synth.yaml
 	$(BIN)/prvrlab eval "$$(ls -td results/gmmformer_synth-*/files | head -1)/best_model.pt" --split test
 	@echo "open the MLflow UI with: $(BIN)/mlflow ui --backend-store-uri sqlite:///$$(pwd)/mlflow.db"
+	@echo "then http://127.0.0.1:5000, switch 'Model training' (top left), experiment prvrlab-synth (README: Browsing results in MLflow)"
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -99,7 +99,7 @@ def _scan_bigfile(visual, path: Path, show: bool) -> None:
             videos = visual.videos_of_row(row)
             owner = repr(videos[0]) if videos else "(no video)"
             raise DataError(f"{path}: non-finite value (NaN/inf) in row {row}, a frame of video {owner}")
-        _progress(show, path, start + step, visual.num_rows)
+        _progress(show, path, min(start + step, visual.num_rows), visual.num_rows)
 
 
 def _scan_videos(visual: VisualFeatures, show: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -62,3 +63,13 @@ def test_clean_result_is_cached_by_size_and_mtime(toy_cfg, monkeypatch):
     os.utime(visual.path / "feature.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.raises(DataError, match="row 0, a frame of video 'vA'"):
         check_visual_features(visual, progress=False)
+
+
+def test_scan_progress_counts_rows_up_to_100_percent(toy_cfg, monkeypatch, capsys):
+    visual = open_visual_features(os.path.join(toy_cfg.root, "FeatureData", "feat"))
+    rows = visual.num_rows
+    step = rows // 2 + 1  # two chunks, the second one short
+    monkeypatch.setattr("prvrlab.data.integrity.CHUNK_BYTES", step * 6 * 4)  # rows of 6 float32
+    check_visual_features(visual, progress=True, use_cache=False)
+    shown = [int(p) for p in re.findall(r"NaN/inf: (\d+)%", capsys.readouterr().err)]
+    assert shown == [100 * step // rows, 100]

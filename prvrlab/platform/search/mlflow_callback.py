@@ -41,9 +41,10 @@ class MlflowStudyCallback(Callback):
         self._map: RunMap | None = None
         self._open: set[str] = set()
         self._commit: str | None = None
+        self._datasets: dict[str, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None}
+        return {"study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None, "_datasets": {}}
 
     # ------------------------------------------------------------ helpers
 
@@ -86,14 +87,27 @@ class MlflowStudyCallback(Callback):
             cfg, tags = None, self.study.invalid_tags(trial.config, str(exc))
         else:
             tags = self.study.trial_tags(trial.config, cfg, commit=self._commit)
-        tags["prvrlab.trial_id"] = trial_id
-        run_id = self.tracker.start_run(self.study.run_name(trial_id, trial.config), tags=tags, parent_run_id=self.runs.parent)
+        number = len(self.runs.trials) + 1  # start order, kept across --resume by the run map
+        tags.update({"prvrlab.trial_id": trial_id, "prvrlab.trial_number": str(number)})
+        run_id = self.tracker.start_run(self.study.run_name(number, trial.config), tags=tags, parent_run_id=self.runs.parent)
         if cfg is not None:
             self.tracker.log_params(run_id, cfg.flat())
+            self.tracker.log_dataset(run_id, self._dataset(cfg))
         self.runs.trials[trial_id] = run_id
         self.runs.save()
         self._open.add(trial_id)
         return run_id
+
+    def _dataset(self, cfg):
+        """The MLflow dataset of a trial's data (built once per distinct ``data`` section)."""
+        import json
+
+        from prvrlab.platform.tracking.datasets import dataset_of
+
+        key = json.dumps(cfg.to_dict()["data"], sort_keys=True, default=str)
+        if key not in self._datasets:
+            self._datasets[key] = dataset_of(cfg.data)
+        return self._datasets[key]
 
     def close(self, trial, status: str, tags: dict[str, Any]) -> None:
         """Log the trial's files, tag and end its run (idempotent)."""

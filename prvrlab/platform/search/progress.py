@@ -2,7 +2,11 @@
 
 Replaces Ray's raw log stream: each trial report prints the study's counts
 (done / running / failed), the best metric so far and the trial's own
-parameters and current metric.  Ray's full logs stay in its session folder.
+parameters and current metric; every ``$PRVRLAB_PROGRESS_S`` seconds
+(default 10) one ``running:`` line gives each running trial's epoch and
+in-epoch progress, read from the ``progress.json`` its rank 0 keeps in the
+trial folder (:mod:`prvrlab.platform.train.live`).  Ray's full logs stay in
+its session folder.
 """
 
 from __future__ import annotations
@@ -15,18 +19,55 @@ from typing import Any, Callable
 from ray.tune import Callback
 
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, trial_error, trial_outcome
+from prvrlab.platform.train.live import short_progress
 
 
 class ProgressCallback(Callback):
     """Prints one line per trial start, epoch, completion and failure."""
 
-    def __init__(self, metric: str, mode: str, total: int, labels: Callable[[dict[str, Any]], str]) -> None:
+    def __init__(
+        self,
+        metric: str,
+        mode: str,
+        total: int,
+        labels: Callable[[dict[str, Any]], str],
+        progress_of: Callable[[Any], dict[str, Any] | None] | None = None,
+        every_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        from prvrlab.platform.train.live import every_s_from_env
+
         self.metric, self.mode, self.total, self.labels = metric, mode, total, labels
+        self.progress_of = progress_of
+        self.every_s = every_s_from_env() if every_s is None else every_s
+        self.clock = clock
+        self.last_running = clock()
         self.best: dict[str, float] = {}
         self.t0 = time.time()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "best": {}, "t0": 0.0}
+
+    def running_line(self, trials) -> str | None:
+        """``running: <trial> epoch 2/4 45% (ETA 12s) <params>; ...`` from the trials' progress, or None."""
+        parts = []
+        for t in trials:
+            if t.status != "RUNNING" or self.progress_of is None:
+                continue
+            state = self.progress_of(t)
+            if state is not None:
+                parts.append(f"{t.trial_id} {short_progress(state)}  {self.labels(t.config)}")
+        return "running: " + "; ".join(parts) if parts else None
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        """Every ``every_s`` seconds: the running trials' in-epoch progress (one line)."""
+        now = self.clock()
+        if now - self.last_running < max(self.every_s, 1.0):
+            return
+        self.last_running = now
+        line = self.running_line(trials)
+        if line:
+            self._echo(line)
 
     def _echo(self, text: str) -> None:
         if not self.t0:

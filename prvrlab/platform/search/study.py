@@ -72,6 +72,7 @@ class StudyContext:
     experiment: str
     cells: dict[str, dict[str, Any]] | None = None  # ablation: cell -> overrides
     fault: dict[str, Any] | None = None  # test hook forwarded to the workers
+    short_keys: dict[str, str] = field(default_factory=dict)  # search: space key -> its short form in run names
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
 
     def overrides(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -95,17 +96,31 @@ class StudyContext:
         """Where a trial writes its run files."""
         return Path(self.study_dir) / "trials" / trial_id / "files"
 
+    def trial_progress(self, trial) -> dict[str, Any] | None:
+        """The in-epoch progress rank 0 of ``trial`` last wrote, or None."""
+        from prvrlab.platform.train.live import PROGRESS_FILE, read_progress
+
+        return read_progress(self.trial_dir(trial.trial_id) / PROGRESS_FILE)
+
     def label(self, config: dict[str, Any]) -> str:
         """A short description of a trial for the progress view."""
         if self.cells is not None:
             return str(config["cell"])
         return format_params(config)
 
-    def run_name(self, trial_id: str, config: dict[str, Any]) -> str:
-        """The MLflow name of a trial's child run."""
+    def cell(self, config: dict[str, Any]) -> tuple[str, int]:
+        """An ablation trial's (variant, seed)."""
+        variant, seed = str(config["cell"]).rsplit("/seed", 1)
+        return variant, int(seed)
+
+    def run_name(self, number: int, config: dict[str, Any]) -> str:
+        """The MLflow name of a trial's child run: ``trial 3 · lr=3e-4 ...`` (``number``: the trial's
+        1-based start order) or ``<variant> · seed 1``."""
+        from prvrlab.platform.search.names import ablation_run_name, search_run_name
+
         if self.cells is not None:
-            return f"{self.name}/{config['cell']}"
-        return f"{self.name}/{trial_id}"
+            return ablation_run_name(*self.cell(config))
+        return search_run_name(number, config, self.short_keys)
 
     def trial_tags(self, config: dict[str, Any], cfg: ExperimentConfig, commit: str) -> dict[str, str]:
         """Tags of a trial's child run."""
@@ -128,7 +143,7 @@ class StudyContext:
             }
         )
         if self.cells is not None:
-            tags["prvrlab.variant"] = str(config["cell"]).rsplit("/seed", 1)[0]
+            tags["prvrlab.variant"] = self.cell(config)[0]
             tags["prvrlab.cell"] = str(config["cell"])
         else:
             tags["prvrlab.sampled"] = format_params(config)
@@ -463,7 +478,7 @@ def run_study(
     mlflow_cb = MlflowStudyCallback(study)
     callbacks: list[Any] = [mlflow_cb]
     if progress:
-        callbacks.append(ProgressCallback(spec.metric, spec.mode, total, study.label))
+        callbacks.append(ProgressCallback(spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress))
     if resume and tune_dir.is_dir() and tune.Tuner.can_restore(str(tune_dir)):
         tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
         tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
@@ -566,6 +581,7 @@ def make_study(
     (``resolved``: configs the driver already validated, keyed as ``StudyContext.resolved``)."""
     import ray
 
+    from prvrlab.platform.search.names import short_keys
     from prvrlab.platform.train.loop import fault_hook_from_env
 
     cluster = ray.cluster_resources()
@@ -585,6 +601,7 @@ def make_study(
         experiment=base.tracking.experiment,
         cells=cells,
         fault=fault_hook_from_env(),
+        short_keys=short_keys(p.key for p in getattr(spec, "space", ())),
     )
     study.resolved.update(resolved or {})
     for cell in cells or {}:  # an ablation's configs are all known: resolve them once, here

@@ -19,6 +19,10 @@ from prvrlab.platform.config import ConfigError
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
+# MLflow 3's experiment kind: its UI shows a "custom_model_development" experiment as model training
+# (runs table, metrics) rather than GenAI (traces); the value is one of the UI's ExperimentKind names.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
 
 
 def artifact_location(uri: str, experiment: str) -> str | None:
@@ -112,7 +116,9 @@ def store_errors(uri: str) -> Iterator[None]:
 class Tracker:
     """A thin MLflow writer bound to one tracking URI and experiment.
 
-    Opening it creates or finds the experiment; a store that cannot be used
+    Opening it creates or finds the experiment, marked as a model-training
+    experiment (``mlflow.experimentKind``; an experiment that has no kind yet
+    gets it, one a user set is left alone); a store that cannot be used
     raises ConfigError naming the URI.
     """
 
@@ -123,9 +129,16 @@ class Tracker:
         with store_errors(uri):
             self.client = MlflowClient(tracking_uri=uri)
             exp = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
-                experiment, artifact_location=artifact_location(uri, experiment)
-            )
+            if exp is None:
+                self.experiment_id = self.client.create_experiment(
+                    experiment,
+                    artifact_location=artifact_location(uri, experiment),
+                    tags={EXPERIMENT_KIND_TAG: TRAINING_KIND},
+                )
+            else:
+                self.experiment_id = exp.experiment_id
+                if EXPERIMENT_KIND_TAG not in exp.tags:
+                    self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
 
     def start_run(self, name: str, *, tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> str:
         """Create a RUNNING run and return its id."""
@@ -154,6 +167,14 @@ class Tracker:
         from mlflow.entities import RunTag
 
         self.client.log_batch(run_id, tags=[RunTag(k, _clean_value(v)) for k, v in tags.items()])
+
+    def log_dataset(self, run_id: str, dataset, context: str = "training") -> None:
+        """Record an MLflow dataset (``mlflow.data.Dataset``) as an input of the run, as ``mlflow.log_input`` does."""
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)]
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags)])
 
     def log_artifacts(self, run_id: str, paths: Iterable[Path], artifact_path: str | None = None) -> None:
         for path in paths:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.failures import ERROR_FILE, Failure, explain_exception, failure_text, record_failure
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
+from prvrlab.platform.train.live import LiveLine
 from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
@@ -135,8 +136,10 @@ def fit_with_ray(
     run_name: str,
     on_report: Callable[[dict], None],
     on_retry: Callable[[Failure, int], None] | None = None,
+    on_progress: Callable[[dict[str, Any] | None], None] | None = None,
 ) -> None:
-    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``.
+    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``, the polled
+    in-epoch progress file (``progress.json``) to ``on_progress``.
 
     Retries are the driver's, not Ray's: a failure :func:`explain_exception` calls
     retryable (an OOM kill, a dead worker, a lost node; these can also kill Ray
@@ -149,7 +152,7 @@ def fit_with_ray(
     failures = 0
     while True:
         try:
-            _fit_once(cfg, run_dir, run_name, on_report)
+            _fit_once(cfg, run_dir, run_name, on_report, on_progress)
             return
         except (ConfigError, TrainingError):
             raise
@@ -163,13 +166,20 @@ def fit_with_ray(
                 on_retry(failure, failures)
 
 
-def _fit_once(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
+def _fit_once(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    run_name: str,
+    on_report: Callable[[dict], None],
+    on_progress: Callable[[dict[str, Any] | None], None] | None = None,
+) -> None:
     """One ``TorchTrainer.fit()`` (Ray retries nothing); Ray's exception is re-raised as is."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
+    from prvrlab.platform.train.live import PROGRESS_FILE, read_progress
     from prvrlab.platform.train.loop import fault_hook_from_env, train_worker
 
     ensure_ray()
@@ -209,7 +219,8 @@ def _fit_once(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Ca
     thread = threading.Thread(target=target, name="prvrlab-fit", daemon=True)
     thread.start()
     try:
-        queue_error = _forward_reports(thread, reports, on_report)
+        poll = (lambda: on_progress(read_progress(run_dir / PROGRESS_FILE))) if on_progress is not None else None
+        queue_error = _forward_reports(thread, reports, on_report, poll)
     finally:
         thread.join(timeout=5)
         try:
@@ -222,8 +233,11 @@ def _fit_once(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Ca
         raise queue_error
 
 
-def _forward_reports(thread: threading.Thread, reports, on_report: Callable[[dict], None]) -> BaseException | None:
-    """Hand every report to ``on_report`` until the fit in ``thread`` has ended and the queue is drained.
+def _forward_reports(
+    thread: threading.Thread, reports, on_report: Callable[[dict], None], idle: Callable[[], None] | None = None
+) -> BaseException | None:
+    """Hand every report to ``on_report`` until the fit in ``thread`` has ended and the queue is drained
+    (``idle`` is called whenever no report came for 0.5 s).
 
     If the queue's actor dies (Ray's memory monitor may pick it), the fit is
     waited for — a retry must not start beside a still-running controller — and
@@ -239,10 +253,22 @@ def _forward_reports(thread: threading.Thread, reports, on_report: Callable[[dic
             except (stdlib_queue.Empty, ray.util.queue.Empty):
                 if not alive:
                     return None
+                if idle is not None:
+                    idle()
     except ray.exceptions.RayError as exc:
         while thread.is_alive():
             thread.join(timeout=1)
         return exc
+
+
+def _clearing(live: LiveLine, echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` that first erases the live progress line."""
+
+    def say(text: str) -> None:
+        live.clear()
+        echo(text)
+
+    return say
 
 
 def check_storage(storage_path: str) -> None:
@@ -264,8 +290,11 @@ def train(
     parent_run_id: str | None = None,
 ) -> TrainResult:
     """Train ``cfg`` and record it as one MLflow run; raises TrainingError on failure."""
+    from prvrlab.data.collection import configured_splits
+    from prvrlab.platform.tracking.datasets import collection_dataset
+
     cfg = resolve_config_paths(cfg)
-    prepare_data(cfg, progress=echo is not None)
+    collection = prepare_data(cfg, progress=echo is not None)
     if use_ray:
         import ray
 
@@ -280,6 +309,9 @@ def train(
                 echo(f"closed run {orphan} as KILLED: its driver died without closing it")
         run_id = tracker.start_run(name, tags={**run_tags(cfg), **driver_tags()}, parent_run_id=parent_run_id)
     run_dir = Path(cfg.tracking.storage_path) / name / "files"
+    live = LiveLine() if echo is not None else None
+    if live is not None:
+        echo = _clearing(live, echo)
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:
         echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
@@ -292,14 +324,16 @@ def train(
     status = "FAILED"
     try:
         tracker.log_params(run_id, cfg.flat())
+        tracker.log_dataset(run_id, collection_dataset(collection, configured_splits(cfg.data)))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        on_progress = live.update if live is not None else None
         if use_ray:
-            fit_with_ray(cfg, run_dir, name, recorder, on_retry)
+            fit_with_ray(cfg, run_dir, name, recorder, on_retry, on_progress)
         else:
             from prvrlab.platform.train.loop import run_local
 
-            run_local(cfg, run_dir, on_report=recorder)
+            run_local(cfg, run_dir, on_report=recorder, on_progress=on_progress)
         if recorder.error:
             raise TrainingError(recorder.error)
         if not recorder.final:
@@ -322,6 +356,8 @@ def train(
         tracker.set_tags(run_id, {"error": failure.summary})
         raise TrainingError(failure.summary) from exc
     finally:
+        if live is not None:
+            live.clear()
         if (run_dir / ERROR_FILE).is_file():  # every failure's full text, retried ones included
             tracker.log_artifacts(run_id, [run_dir / ERROR_FILE])
             if status != "FINISHED" and echo:

@@ -136,6 +136,11 @@ class MetricSums:
         self.sums[name] = self.sums.get(name, 0.0) + value
         self.counts[name] = self.counts.get(name, 0) + 1
 
+    @property
+    def mean_loss(self) -> float:
+        """This rank's mean ``loss`` over the steps so far."""
+        return self.sums.get("loss", math.nan) / max(1, self.counts.get("loss", 0))
+
     def means(self) -> dict[str, float]:
         """Mean of every name over all steps of all ranks."""
         names = _union_of_names(list(self.sums))
@@ -337,11 +342,23 @@ class TrainingLoop:
         self.sampler.set_epoch(epoch)
         train_model.train()
         sums = MetricSums()
+        ticker = self._ticker(epoch)
         for step, batch in enumerate(self.loader):
             failure = self.step(train_model, batch, epoch, step, sums)
             if failure:
                 return {}, failure
+            if ticker is not None:
+                ticker.step(sums.mean_loss)
         return {f"train/{name}": value for name, value in sums.means().items()}, ""
+
+    def _ticker(self, epoch: int):
+        """Rank 0's in-epoch progress (batches, running loss, rate, ETA) to the session's sink; None elsewhere."""
+        from prvrlab.platform.train.live import EpochTicker
+
+        if self.rank != 0:
+            return None
+        emit = self.session.progress_sink(self.run_dir)
+        return EpochTicker(epoch=epoch + 1, epochs=self.cfg.train.epochs, total=len(self.loader), emit=emit)  # from 1, as reports
 
     def validate(self, epoch: int) -> dict[str, float]:
         """Every rank encodes its share of the validation split; rank 0 scores, keeps the best model; state is shared."""
@@ -485,9 +502,12 @@ def train_worker(loop_config: dict[str, Any], session: Session | None = None) ->
     ).run()
 
 
-def run_local(experiment: ExperimentConfig | dict[str, Any], run_dir: str | Path, on_report=None) -> LocalSession:
-    """Run the loop in this process without Ray (single rank); a dict is validated first."""
+def run_local(experiment: ExperimentConfig | dict[str, Any], run_dir: str | Path, on_report=None, on_progress=None) -> LocalSession:
+    """Run the loop in this process without Ray (single rank); a dict is validated first.
+
+    ``on_report`` gets every reported round, ``on_progress`` every step's in-epoch progress.
+    """
     cfg = experiment if isinstance(experiment, ExperimentConfig) else validate(experiment)
-    session = LocalSession(Path(run_dir) / "local_session", on_report=on_report)
+    session = LocalSession(Path(run_dir) / "local_session", on_report=on_report, on_progress=on_progress)
     train_worker({"experiment": cfg, "run_dir": str(run_dir)}, session)
     return session

@@ -30,14 +30,26 @@ class Session:
         """Report one round of metrics (all ranks, same number of times)."""
         raise NotImplementedError
 
+    def progress_sink(self, run_dir: Path) -> Callable[[dict[str, Any]], None]:
+        """Where rank 0 sends its in-epoch progress: ``<run_dir>/progress.json``, which the driver polls."""
+        from prvrlab.platform.train.live import PROGRESS_FILE, FileProgress
+
+        return FileProgress(Path(run_dir) / PROGRESS_FILE)
+
 
 class LocalSession(Session):
-    """In-process session: checkpoints copied to ``root``, reports to a callback."""
+    """In-process session: checkpoints copied to ``root``, reports (and progress) to callbacks."""
 
-    def __init__(self, root: str | Path, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        on_report: Callable[[dict[str, Any]], None] | None = None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.on_report = on_report
+        self.on_progress = on_progress
         self.reports: list[dict[str, Any]] = []
 
     @property
@@ -58,6 +70,10 @@ class LocalSession(Session):
         self.reports.append(dict(metrics))
         if self.on_report is not None:
             self.on_report(dict(metrics))
+
+    def progress_sink(self, run_dir: Path) -> Callable[[dict[str, Any]], None]:
+        """The ``on_progress`` callback (every step), else the progress file."""
+        return self.on_progress or super().progress_sink(run_dir)
 
 
 class RaySession(Session):

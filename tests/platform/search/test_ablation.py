@@ -47,6 +47,7 @@ def test_two_variants_two_seeds_then_resubmit_skips_everything(tiny_root, tmp_pa
         assert child.data.params["train.seed"] == tags["prvrlab.seed"]
         assert ("loss:query_diverse" in tags["components"]) == (tags["prvrlab.variant"] == "full")
         assert "backbone:gmmformer" in tags["components"] and len(tags["config_hash"]) == 16
+        assert child.info.run_name == f"{tags['prvrlab.variant']} · seed {tags['prvrlab.seed']}"
     hashes = {c.data.tags["config_hash"] for c in children}
     assert len(hashes) == 4
     assert "variant/full/mean" in parent.data.metrics

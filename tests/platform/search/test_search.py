@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from prvrlab.platform.config import load_config
+from prvrlab.platform.search.names import compact
 from prvrlab.platform.search.tuning import search
 from prvrlab.platform.search.spec import load_search_spec
 
@@ -28,12 +30,14 @@ def ray_shutdown():
     ray.shutdown()
 
 
-def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys):
+def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PRVRLAB_PROGRESS_S", "0")  # the running-trials line as often as it goes (every 1 s)
     spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 2}))
     result = search(spec, echo=print)
     out = capsys.readouterr().out
     assert result.counts == {"finished": 3, "early_stopped": 0, "failed": 0, "unfinished": 0}
     assert "best val/sumr" in out and "epoch 2" in out
+    assert re.search(r"running: \S+ epoch [12]/2 \d+% \(ETA", out), out  # rank 0's progress file, read by the driver
 
     parents, children = study_runs(tmp_path)
     (parent,) = parents
@@ -41,7 +45,12 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys):
     assert parent.data.metrics["trials/finished"] == 3
     assert parent.data.metrics["best/val/sumr"] == pytest.approx(result.best["value"])
     assert len(children) == 3
+    numbered = {c.data.tags["prvrlab.trial_number"]: c.info.run_name.split(" · ")[0] for c in children}
+    assert numbered == {"1": "trial 1", "2": "trial 2", "3": "trial 3"}
     for child in children:
+        assert child.info.run_name.endswith(f" · lr={compact(float(child.data.params['train.lr']))}")
+        (data,) = child.inputs.dataset_inputs
+        assert data.dataset.name == "synth"
         assert child.info.status == "FINISHED"
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.data.tags["prvrlab.status"] == "finished"

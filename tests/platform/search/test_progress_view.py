@@ -1,0 +1,38 @@
+"""The search/ablation console view: the running trials' in-epoch progress line (fake trials and clock)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prvrlab.platform.search.progress import ProgressCallback
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def trial(trial_id: str, status: str, lr: float):
+    return SimpleNamespace(trial_id=trial_id, status=status, config={"train.lr": lr}, last_result={})
+
+
+def test_running_line_lists_running_trials_with_progress_every_n_seconds(capsys):
+    states = {
+        "t_00000": {"epoch": 2, "epochs": 4, "batch": 9, "batches": 20, "eta_s": 12.0},
+        "t_00002": {"epoch": 1, "epochs": 4, "batch": 20, "batches": 20, "eta_s": 0.0},
+    }
+    clock = FakeClock()
+    view = ProgressCallback("val/sumr", "max", 3, lambda c: f"lr={c['train.lr']:g}", progress_of=lambda t: states.get(t.trial_id), every_s=10.0, clock=clock)
+    trials = [trial("t_00000", "RUNNING", 1e-3), trial("t_00001", "RUNNING", 2e-3), trial("t_00002", "RUNNING", 3e-3), trial("t_00003", "TERMINATED", 4e-3)]
+    assert view.running_line(trials) == (
+        "running: t_00000 epoch 2/4 45% (ETA 12s)  lr=0.001; t_00002 epoch 1/4 100% (ETA 0s)  lr=0.003"
+    )  # t_00001 has written no progress yet, t_00003 is done
+    for _ in range(25):  # Tune's loop steps every 1 s for 25 s
+        clock.t += 1.0
+        view.on_step_end(0, trials)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "running:" in ln]
+    assert len(lines) == 2  # at 10 s and 20 s
+    assert view.running_line([trial("t_00001", "RUNNING", 1e-3)]) is None
