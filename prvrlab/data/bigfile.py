@@ -134,7 +134,8 @@ class BigFile:
                 f"{v2f_path}: frame id {flat[first]!r} of video {vid!r} is not in {self.path / 'id.txt'} "
                 f"({missing.size} unknown frame ids in total)"
             )
-        step_ok = np.concatenate([[0], np.cumsum(np.diff(self._rows) == 1)])  # (F,) consecutive row pairs so far
+        # (F + 1,) consecutive row pairs so far; the extra entry serves a trailing video without frames
+        step_ok = np.concatenate([[0], np.cumsum(np.diff(self._rows) == 1), [0]])
         lasts = np.maximum(self._offsets[1:] - 1, self._offsets[:-1])  # (V,) last frame position (first if none)
         # a video's rows are one ascending run of feature.bin: read as one slice
         self._contiguous = step_ok[lasts] - step_ok[self._offsets[:-1]] == lasts - self._offsets[:-1]  # (V,)
