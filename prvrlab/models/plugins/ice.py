@@ -22,7 +22,11 @@ ICE (``ice``, Sec. 3.3; loss ``ice_corr``)
     ``train/ice.mined_total``; when the training split has a ground truth
     (synthetic data, ``StepContext.truth``) the share of mined pairs whose
     text truly describes the moment's video is ``train/ice.precision``
-    (pooled over the epoch).  The truth is only read for this diagnostic.
+    (pooled over the epoch; the truth is per video, so a pair counts as
+    right when its moment's video shows what the text names), and the same
+    share among all unpaired (text, video) pairs of the batches, what random
+    mining would reach, ``train/ice.precision_chance``.  The truth is only
+    read for these diagnostics.
 
 IRM (``irm``, Sec. 3.4, Eq. 5; loss ``ice_irm``)
     For query i of video v(i): the key moment m_k = the moment of v(i) with
@@ -63,6 +67,7 @@ from torch import Tensor, nn
 
 from prvrlab.checks import check_bool, check_choice, check_identifier, check_int, check_number, check_positive_int
 from prvrlab.data.batch import Batch
+from prvrlab.losses._common import positive_mask
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, EpochContext, StepContext
@@ -205,7 +210,7 @@ class ICE(Plugin):
         self._reset_counts()
 
     def _reset_counts(self) -> None:
-        self.__dict__["_counts"] = {"mined": 0.0, "correct": 0.0, "judged": 0.0}
+        self.__dict__["_counts"] = dict.fromkeys(("mined", "correct", "judged", "chance_hits", "chance_pairs"), 0.0)
 
     # ------------------------------------------------------------ contract
 
@@ -234,7 +239,8 @@ class ICE(Plugin):
         return frozenset(out)
 
     def metric_names(self) -> tuple[str, ...]:
-        return (("mined", "mined_total", "precision") if self.ice else ()) + (("tcp_accuracy",) if self.tcp else ())
+        ice = ("mined", "mined_total", "precision", "precision_chance")
+        return (ice if self.ice else ()) + (("tcp_accuracy",) if self.tcp else ())
 
     def aux_keys(self) -> tuple[str, ...]:
         keys: tuple[str, ...] = ()
@@ -350,20 +356,25 @@ class ICE(Plugin):
         videos, texts = ctx.output.aux["ice.pair_video"], ctx.output.aux["ice.pair_text"]  # (n_c,) each
         counts = self.__dict__["_counts"]
         counts["mined"] += float(videos.numel())
-        truth = getattr(ctx, "truth", None)
-        if truth is not None and videos.numel():
+        truth = ctx.truth
+        if truth is not None:
             relevant = truth.relevant(list(ctx.batch.query_ids), list(ctx.batch.video_ids))  # (Nq, Nv) bool
+            unpaired = ~positive_mask(ctx.batch.query_video.cpu(), relevant.shape[1])  # (Nq, Nv)
             counts["correct"] += float(relevant[texts.cpu(), videos.cpu()].sum())
             counts["judged"] += float(videos.numel())
+            counts["chance_hits"] += float((relevant & unpaired).sum())
+            counts["chance_pairs"] += float(unpaired.sum())
 
     def on_epoch_end(self, ctx: EpochContext) -> dict[str, float]:
         if not self.ice:
             return {}
         counts = self.__dict__["_counts"]
-        totals = ctx.all_reduce(torch.tensor([counts["mined"], counts["correct"], counts["judged"]], device=ctx.device))
-        mined, correct, judged = (float(t) for t in totals)
+        totals = ctx.all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64, device=ctx.device))
+        mined, correct, judged, chance_hits, chance_pairs = (float(t) for t in totals)
         out = {"mined_total": mined}
         if judged > 0:
             out["precision"] = correct / judged
+        if chance_pairs > 0:
+            out["precision_chance"] = chance_hits / chance_pairs
         self._reset_counts()
         return out
