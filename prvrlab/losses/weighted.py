@@ -22,14 +22,17 @@ from prvrlab.registry import LOSSES
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The total loss is NaN or infinite; ``terms`` names the offending term(s)."""
+    """The total loss is NaN or infinite; ``terms`` names the offending term(s).
+
+    ``epoch`` is the loop's (from 0); the message counts from 1, as every report does.
+    """
 
     def __init__(self, terms: list[str], values: dict[str, float], epoch: int) -> None:
         self.terms = terms
         self.values = values
         self.epoch = epoch
         shown = ", ".join(f"{t}={values[t]!r}" for t in terms)
-        super().__init__(f"non-finite loss at epoch {epoch}: term(s) {', '.join(terms)} ({shown})")
+        super().__init__(f"non-finite loss at epoch {epoch + 1}: term(s) {', '.join(terms)} ({shown})")
 
 
 @dataclass

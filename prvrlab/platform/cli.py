@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     result = train(cfg, use_ray=not args.no_ray)
     metrics = {k: v for k, v in result.final_metrics.items() if k != "kind"}
-    print(f"best val SumR {result.best_sumr:.1f} at epoch {result.best_epoch + 1}; run {result.run_id}")
+    print(f"best val SumR {result.best_sumr:.1f} at epoch {result.best_epoch}; run {result.run_id}")
     for split in ("val", "test"):
         if f"{split}/sumr" in metrics:
             print(
@@ -105,14 +105,16 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
+    from prvrlab.platform.train.checkpoint_eval import checkpoint_epoch, evaluate_checkpoint, load_checkpoint
 
     result = evaluate_checkpoint(
         args.checkpoint, split=args.split, data_root=args.data_root, ranks_out=args.ranks, amp=args.amp
     )
     m = result.metrics
+    epoch = checkpoint_epoch(load_checkpoint(args.checkpoint))
     print(
-        f"{args.split}: {result.num_queries} queries x {result.num_videos} videos  "
+        (f"model of epoch {epoch}  " if epoch is not None else "")
+        + f"{args.split}: {result.num_queries} queries x {result.num_videos} videos  "
         f"R@1 {m['r1']:.1f}  R@5 {m['r5']:.1f}  R@10 {m['r10']:.1f}  R@100 {m['r100']:.1f}  SumR {m['sumr']:.1f}"
     )
     for group, values in (result.by_group or {}).items():

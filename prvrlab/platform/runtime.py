@@ -22,6 +22,22 @@ def project_home() -> Path:
     return Path(os.environ.get("PRVRLAB_HOME") or Path.cwd())
 
 
+def project_relative(path: str | Path) -> str:
+    """``path`` relative to the working dir, else to ``$PRVRLAB_HOME``, when inside one; else absolute.
+
+    Under ``ray job submit`` the working dir is Ray's temporary copy of the
+    submitted project, so a spec read from it is recorded as
+    ``search_spaces/x.yaml`` instead of a path under ``runtime_resources/``.
+    """
+    resolved = Path(path).resolve()
+    for base in (Path.cwd(), project_home()):
+        try:
+            return resolved.relative_to(base.resolve()).as_posix()
+        except ValueError:
+            continue
+    return str(resolved)
+
+
 def resolve_config_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> ExperimentConfig:
     """A copy whose data root and storage path are absolute (workers chdir).
 

@@ -82,11 +82,11 @@ def learning_curves(
     ylabel: str = "val SumR",
     title: str | None = None,
 ) -> Path:
-    """One line per (label, [(epoch, value), ...]); epochs shown 1-based on integer ticks."""
+    """One line per (label, [(epoch, value), ...]); epochs count from 1, on integer ticks."""
     fig, ax = plt.subplots(figsize=(4.8, 3.4), dpi=120)
     for label, points in curves:
         if points:
-            ax.plot([s + 1 for s, _ in points], [v for _, v in points], marker="o", ms=3, lw=1.2, label=label)
+            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", ms=3, lw=1.2, label=label)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel(ylabel)

@@ -151,10 +151,14 @@ class Study:
         return out
 
     def history(self, run: TrialRun, key: str) -> list[tuple[int, float]]:
-        """(step, value) of a per-epoch metric, one value per step (the last logged), sorted by step."""
+        """(epoch counted from 1, value) of a per-epoch metric, one value per epoch (the last logged), sorted.
+
+        Runs logged before the ``prvrlab.epoch_base`` tag counted their steps from 0: shifted by one.
+        """
+        shift = 0 if run.tags.get("prvrlab.epoch_base") == "1" else 1
         points: dict[int, float] = {}
         for m in sorted(self.client.get_metric_history(run.run_id, key), key=lambda m: (m.step, m.timestamp)):
-            points[int(m.step)] = float(m.value)
+            points[int(m.step) + shift] = float(m.value)
         return sorted(points.items())
 
 

@@ -88,7 +88,7 @@ def test_non_finite_term_raises_with_its_name():
         weighted(out, batch, epoch=7)
     assert info.value.terms == ["broken"]
     assert "fine" not in str(info.value).split("term(s)")[1].split("(")[0]
-    assert "epoch 7" in str(info.value)
+    assert "epoch 8" in str(info.value)  # the loop's epoch 7 (from 0) is epoch 8 to users
 
 
 def test_invalid_construction():

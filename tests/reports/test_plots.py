@@ -16,13 +16,14 @@ def figures(monkeypatch):
 
 
 def test_learning_curves_have_title_legend_and_integer_epochs(tmp_path, figures):
-    plots.learning_curves([("t0 (1.0)", [(0, 1.0), (1, 2.0)]), ("t1 (0.5)", [(0, 0.5), (1, 0.7)])], tmp_path / "c.png",
+    plots.learning_curves([("t0 (1.0)", [(1, 1.0), (2, 2.0)]), ("t1 (0.5)", [(1, 0.5), (2, 0.7)])], tmp_path / "c.png",
                           ylabel="val/sumr")
     ax = figures[0].axes[0]
     assert ax.get_title() and ax.get_xlabel() == "epoch" and ax.get_ylabel() == "val/sumr"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["t0 (1.0)", "t1 (0.5)"]
     ticks = [t for t in ax.get_xticks() if 1 <= t <= 2]
     assert ticks and all(float(t).is_integer() for t in ticks)
+    assert list(ax.get_lines()[0].get_xdata()) == [1, 2]  # epochs count from 1, drawn as given
 
 
 def test_sensitivity_line_goes_through_the_given_bin_means(tmp_path, figures):

@@ -10,7 +10,9 @@ FAILED or KILLED:
   ``prvrlab.early_stopped=true`` and ``prvrlab.status=early_stopped``;
 - non-finite loss: FAILED, ``prvrlab.status=nonfinite`` and the error tag;
 - a sampled config that does not validate: FAILED, ``prvrlab.status=error`` and the error tag;
-- crashed beyond its retries: FAILED, ``prvrlab.status=error`` and the error tag;
+- an error in the training code (not retried) or crashed beyond its retries (an OOM kill,
+  a dead worker): FAILED, ``prvrlab.status=error`` and the error tag, one plain line
+  (:mod:`prvrlab.platform.failures`); the full text of every failure is the ``error.txt`` artifact;
 - still running when the driver is interrupted: KILLED (reopened on ``--resume``).
 
 The trial id -> run id map lives in ``<study dir>/study.json`` so that a
@@ -24,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from ray.tune import Callback
 
 from prvrlab.platform.config import ConfigError
-from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_outcome, watch_interrupts
+from prvrlab.platform.failures import ERROR_FILE, record_failure
+from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_error, trial_outcome, watch_interrupts
 
 if TYPE_CHECKING:
     from prvrlab.platform.search.study import StudyContext
@@ -65,7 +68,7 @@ class MlflowStudyCallback(Callback):
         trial_id = trial.trial_id
         run_id = self.runs.trials.get(trial_id)
         if run_id is not None:
-            if trial_id not in self._open:
+            if trial_id not in self._open and not INTERRUPTED.is_set():  # a stopping study reopens nothing
                 self.tracker.client.update_run(run_id, status="RUNNING")
                 if self.runs.closed.pop(trial_id, None) == "KILLED":
                     self.tracker.client.delete_tag(run_id, "prvrlab.stop_reason")
@@ -103,6 +106,7 @@ class MlflowStudyCallback(Callback):
             return
         tracker = self.tracker
         files = self.study.trial_dir(trial_id)
+        tracker.log_artifacts(run_id, [files / ERROR_FILE])
         if status != "KILLED":
             tracker.log_artifacts(run_id, [files / "config.yaml"])
             tracker.log_artifacts(run_id, sorted(files.glob("ranks_*.parquet")), "ranks")
@@ -112,6 +116,19 @@ class MlflowStudyCallback(Callback):
         self._open.discard(trial_id)
         self.runs.closed[trial_id] = status
         self.runs.save()
+
+    def close_open_runs(self, reason: str) -> None:
+        """Close every open child run and the parent as KILLED now, logging nothing else.
+
+        For a driver about to be killed: a later graceful close (or ``--resume``)
+        overwrites these statuses with the real outcome.
+        """
+        killed = {"prvrlab.status": "killed", "prvrlab.stop_reason": reason}
+        for trial_id in sorted(self._open):
+            self.close_id(trial_id, "KILLED", killed)
+        if self.runs.parent:
+            self.tracker.set_tags(self.runs.parent, {"prvrlab.stop_reason": reason})
+            self.tracker.end_run(self.runs.parent, "KILLED")
 
     def close_all(self, trials, interrupted: bool = False) -> None:
         """Close every still-open child run according to its trial's state."""
@@ -139,6 +156,8 @@ class MlflowStudyCallback(Callback):
             self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"})
         elif outcome == "invalid":
             self.close(trial, "FAILED", {"prvrlab.status": "error", "error": str(trial.last_result.get("error", "invalid config"))})
+        elif outcome == "error":
+            self.close(trial, "FAILED", {"prvrlab.status": "error", "error": str(trial.last_result.get("error", "trial failed"))})
         elif outcome == "nonfinite":
             error = str(trial.last_result.get("error", "non-finite loss"))
             self.close(trial, "FAILED", {"prvrlab.status": "nonfinite", "error": error})
@@ -148,14 +167,17 @@ class MlflowStudyCallback(Callback):
             self.close(trial, "FINISHED", {"prvrlab.status": "finished", "prvrlab.early_stopped": "false"})
 
     def _error(self, trial) -> None:
-        error = ""
-        try:
-            exc = trial.get_error()
-            error = str(exc) if exc is not None else ""
-        except Exception:  # the error file may be gone after a restore
-            error = ""
-        lines = [ln for ln in error.strip().splitlines() if ln.strip()]
-        self.close(trial, "FAILED", {"prvrlab.status": "error", "error": "\n".join(lines[-8:]) or "trial failed"})
+        if self.runs.closed.get(trial.trial_id) not in ("FINISHED", "FAILED"):
+            failure = self._record_error(trial)
+            self.close(trial, "FAILED", {"prvrlab.status": "error", "error": failure.summary})
+
+    def _record_error(self, trial):
+        """Append the trial's last error to its ``error.txt``; returns its plain explanation."""
+        text, failure = trial_error(trial)
+        if text:
+            attempt = int(getattr(getattr(trial, "run_metadata", None), "num_failures", 0) or 0)
+            record_failure(self.study.trial_dir(trial.trial_id) / ERROR_FILE, text, failure, attempt=max(attempt, 1))
+        return failure
 
     # ------------------------------------------------------------ Tune hooks
 
@@ -188,7 +210,8 @@ class MlflowStudyCallback(Callback):
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:
         """A crashed trial is retried from its checkpoint: count it on the run."""
         run_id = self._child_run(trial)
-        self.tracker.set_tags(run_id, {"prvrlab.retries": str(trial.run_metadata.num_failures)})
+        failure = self._record_error(trial)
+        self.tracker.set_tags(run_id, {"prvrlab.retries": str(trial.run_metadata.num_failures), "prvrlab.last_failure": failure.summary})
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         """Close the run FINISHED (full budget or early-stopped) or FAILED (non-finite)."""

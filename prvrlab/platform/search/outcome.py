@@ -13,8 +13,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from prvrlab.platform.failures import STUDY_HINT, Failure, explain_failure
+
 STUDY_FILE = "study.json"
-FAILED_OUTCOMES = ("nonfinite", "invalid")  # trials that ended without an error but count as failed
+FAILED_OUTCOMES = ("nonfinite", "invalid", "error")  # trials that ended without a Tune error but count as failed
 INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
 
 
@@ -58,14 +60,35 @@ class RunMap:
 
 
 def trial_outcome(last_result: dict[str, Any] | None) -> str:
-    """'finished', 'nonfinite', 'invalid' (config rejected) or 'early_stopped' for a trial that ended
-    without an error."""
+    """'finished', 'nonfinite', 'invalid' (config rejected), 'error' (an error in the training code,
+    not retried) or 'early_stopped' for a trial that ended without a Tune error."""
     kind = (last_result or {}).get("kind")
     if kind == "final":
         return "finished"
     if kind in FAILED_OUTCOMES:
         return kind
     return "early_stopped"
+
+
+def trial_error(trial) -> tuple[str, Failure]:
+    """The full text of a trial's last failure and its plain explanation (:mod:`prvrlab.platform.failures`).
+
+    Read from the trial's local error file, which Tune appends to (``Failure # n (occurred at ...)``
+    then the error) before it calls the callbacks; else from its storage copy (``get_error``).
+    """
+    text = ""
+    local = getattr(trial, "error_file", None)
+    try:
+        if local and os.path.isfile(local):
+            text = Path(local).read_text(errors="replace").rsplit("Failure # ", 1)[-1].partition("\n")[2]
+        else:
+            exc = trial.get_error()
+            text = str(exc) if exc is not None else ""
+    except Exception:  # the error file may be gone after a restore
+        text = ""
+    if not text.strip():
+        return "", Failure("error", "trial failed (no error text recorded)", False)
+    return text, explain_failure(text, hint=STUDY_HINT)
 
 
 def format_params(params: dict[str, Any]) -> str:

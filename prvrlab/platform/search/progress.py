@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ray.tune import Callback
 
-from prvrlab.platform.search.outcome import FAILED_OUTCOMES, trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, trial_error, trial_outcome
 
 
 class ProgressCallback(Callback):
@@ -79,7 +79,7 @@ class ProgressCallback(Callback):
         value = result.get(self.metric)
         shown = f"{value:.2f}" if isinstance(value, (int, float)) else "-"
         self._echo(
-            f"{self._counts(trials)} | {trial.trial_id} epoch {int(result['epoch']) + 1} "
+            f"{self._counts(trials)} | {trial.trial_id} epoch {int(result['epoch'])} "
             f"{self.metric} {shown}  {self.labels(trial.config)}"
         )
 
@@ -91,8 +91,8 @@ class ProgressCallback(Callback):
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:
         """A crashed trial is being retried."""
-        self._echo(f"retry  {trial.trial_id} from its last checkpoint | {self._counts(trials)}")
+        self._echo(f"retry  {trial.trial_id} from its last checkpoint: {trial_error(trial)[1].summary} | {self._counts(trials)}")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         """A trial failed for good."""
-        self._echo(f"failed {trial.trial_id} (error) | {self._counts(trials, ended=trial, error=True)}")
+        self._echo(f"failed {trial.trial_id}: {trial_error(trial)[1].summary} | {self._counts(trials, ended=trial, error=True)}")

@@ -13,8 +13,9 @@ trains one config:
 
 Only the driver writes to MLflow (:class:`MlflowStudyCallback`); the study
 folder ``<storage>/<kind>/<name>/<stamp>/`` holds Tune's state (``tune/``),
-Train runs (``train/``), per-trial files (``trials/<id>/files``), the run
-map (``study.json``) and, for a search, ``best_config.yaml``.
+Train runs (``train/``), per-trial files (``trials/<id>/files``, with
+``error.txt`` for a failed trial), the run map (``study.json``), Ray's and
+Tune's log lines (``study.log``) and, for a search, ``best_config.yaml``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import re
 import signal
 import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,12 +36,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
+from prvrlab.platform.ray_logs import ray_logs_to
+from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, explain_exception, failure_text, record_failure
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, INTERRUPTED, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.spec import StudyError, StudySpec
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
 STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the driver after each run
+STUDY_LOG = "study.log"  # Ray's and Tune's log lines and Python warnings of every submission
 
 
 def _components(cfg: ExperimentConfig) -> str:
@@ -106,7 +111,7 @@ class StudyContext:
         """Tags of a trial's child run."""
         from prvrlab.platform.tracking.tags import run_tags
 
-        tags = run_tags(cfg)
+        tags = run_tags(cfg, commit)
         tags.update(
             {
                 "prvrlab.kind": "trial",
@@ -116,7 +121,6 @@ class StudyContext:
                 "dataset": cfg.data.collection,
                 "seed": str(cfg.train.seed),
                 "prvrlab.seed": str(cfg.train.seed),
-                "git_commit": commit,
                 "config_hash": cfg.fingerprint(),
                 "components": _components(cfg),
                 "plugins": ",".join(plugin_tokens(cfg)) or "none",
@@ -184,9 +188,6 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
     """Tune function trainable: train one config (in-actor for 1 worker, TorchTrainer DDP otherwise)."""
     from ray import tune
 
-    from prvrlab.platform.train.session import TuneSession
-    from prvrlab.platform.train.loop import train_worker
-
     trial_id = tune.get_context().get_trial_id()
     try:
         cfg = study.experiment_config(config)
@@ -203,6 +204,21 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
         "fault": study.fault,
     }
     filler = MetricFiller(study.metric, study.mode)
+    try:
+        _train_trial(study, trial_id, loop_config, filler)
+    except Exception as exc:
+        failure = explain_exception(exc, hint=STUDY_HINT)
+        if failure.retryable:  # Tune retries the trial from its checkpoint (max_retries)
+            raise
+        record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
+        tune.report({"kind": "error", "error": failure.summary})  # the same error again: not retried
+
+
+def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any], filler: MetricFiller) -> None:
+    """In the trial actor for 1 worker, a TorchTrainer (DDP, resumed by its name) otherwise."""
+    from prvrlab.platform.train.session import TuneSession
+    from prvrlab.platform.train.loop import train_worker
+
     if study.workers == 1:
         train_worker(loop_config, TuneSession(filler))
         return
@@ -391,7 +407,9 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
 
 def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Path, parent_run_id: str | None = None) -> str:
     """Create the study's parent run, or reopen the one ``study.json`` (or the caller) names."""
+    from prvrlab.platform.runtime import project_relative
     from prvrlab.platform.tracking.store import git_commit
+    from prvrlab.platform.tracking.tags import provenance_tags
 
     run_id = runs.parent or parent_run_id
     if run_id is not None:
@@ -400,12 +418,13 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
         tags = {
             "prvrlab.kind": kind,
             "prvrlab.study": spec.name,
-            "git_commit": git_commit(),
+            **provenance_tags(git_commit()),
+            "prvrlab.spec": project_relative(spec.path),
             "prvrlab.study_dir": str(study_dir),
         }
         run_id = tracker.start_run(f"{spec.name}-{study_dir.name}", tags=tags)
         spec_raw = read_yaml(spec.path)
-        params = {"spec.metric": spec.metric, "spec.mode": spec.mode, "spec.base_config": str(spec.base_config)}
+        params = {"spec.metric": spec.metric, "spec.mode": spec.mode, "spec.base_config": project_relative(spec.base_config)}
         params.update({f"spec.{k}": v for k, v in spec_raw.items() if k not in ("space", "variants", "name", "base_config")})
         for key, value in (spec_raw.get("space") or {}).items():
             params[f"space.{key}"] = value
@@ -414,7 +433,7 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
         tracker.log_params(run_id, params)
         tracker.log_artifacts(run_id, [spec.path], "spec")
     runs.parent = run_id
-    runs.meta.update({"kind": kind, "name": spec.name, "spec": str(spec.path), "spec_hash": spec_hash(spec)})
+    runs.meta.update({"kind": kind, "name": spec.name, "spec": project_relative(spec.path), "spec_hash": spec_hash(spec)})
     runs.save()
     return run_id
 
@@ -466,9 +485,10 @@ def run_study(
     interrupted = False
     INTERRUPTED.clear()
     (Path(study.study_dir) / STATE_SUMS).unlink(missing_ok=True)  # stale once Tune writes again; re-recorded at the end
-    previous = _sigterm_as_sigint()
+    previous = _sigterm_as_sigint(mlflow_cb.close_open_runs)
     try:
-        results = tuner.fit()
+        with ray_logs_to(Path(study.study_dir) / STUDY_LOG):  # Ray's and Tune's warnings: not on the console
+            results = tuner.fit()
     except KeyboardInterrupt:
         interrupted = True
         results = None
@@ -483,13 +503,25 @@ def run_study(
     return results, mlflow_cb, interrupted
 
 
-def _sigterm_as_sigint():
-    """Make SIGTERM stop Tune like Ctrl-C (state saved, trials stopped); returns the old handler."""
+def _sigterm_as_sigint(close_runs: Callable[[str], None]):
+    """Make SIGTERM stop Tune like Ctrl-C (state saved, trials stopped); returns the old handler.
+
+    The study's open MLflow runs are closed KILLED first, at once: ``ray job
+    stop`` follows its SIGTERM with a SIGKILL after ``RAY_JOB_STOP_WAIT_TIME_S``
+    (3 s by default), often before Tune has wound down.  The graceful path then
+    closes them again with their final state.
+    """
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def forward(signum, frame) -> None:
+        first = not INTERRUPTED.is_set()
         INTERRUPTED.set()
+        if first:
+            try:
+                close_runs("stopped by SIGTERM")
+            except Exception as exc:  # the store may be unreachable: Tune's shutdown still runs
+                print(f"prvrlab: could not close the study's runs at once: {exc}", file=sys.stderr)
         os.kill(os.getpid(), signal.SIGINT)
 
     return signal.signal(signal.SIGTERM, forward)

@@ -52,8 +52,18 @@ def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None) 
     return uri
 
 
+GIT_COMMIT_ENV = "PRVRLAB_GIT_COMMIT"
+
+
 def git_commit(cwd: str | Path | None = None) -> str:
-    """The current git commit (suffixed '-dirty' with local changes), or 'unknown'."""
+    """The commit of the code that runs, suffixed '-dirty' with local changes to tracked files, or 'unknown'.
+
+    ``$PRVRLAB_GIT_COMMIT`` wins when set: the commit captured where the code was
+    submitted (``ray job submit`` runs a copy of the working dir without ``.git``).
+    """
+    given = os.environ.get(GIT_COMMIT_ENV, "").strip()
+    if given:
+        return given
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True

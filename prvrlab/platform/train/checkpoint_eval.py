@@ -25,6 +25,13 @@ def load_checkpoint(path: str | Path) -> dict:
     return blob
 
 
+def checkpoint_epoch(blob: dict) -> int | None:
+    """The epoch a model file was saved at, counted from 1 (files before format 3 counted from 0)."""
+    if "epoch" not in blob:
+        return None
+    return int(blob["epoch"]) + (1 if blob.get("format", 1) < 3 else 0)
+
+
 def evaluate_checkpoint(
     path: str | Path,
     *,

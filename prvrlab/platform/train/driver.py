@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prvrlab.platform.config import ConfigError, ExperimentConfig
+from prvrlab.platform.failures import ERROR_FILE, Failure, explain_exception, failure_text, record_failure
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
 from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
@@ -81,15 +82,15 @@ def check_resources(cfg: ExperimentConfig, cluster: dict[str, float]) -> None:
 
 
 def format_epoch_line(m: dict[str, Any], epochs: int) -> str:
-    """One concise line per epoch."""
+    """One concise line per epoch (``epoch`` and ``best/epoch`` count from 1, as reported)."""
     terms = " ".join(
         f"{k[len('train/'):]}={m[k]:.4f}" for k in sorted(m) if k.startswith("train/") and k != "train/loss"
     )
     return (
-        f"epoch {m['epoch'] + 1:>3}/{epochs}  loss {m.get('train/loss', float('nan')):.4f} ({terms})  "
+        f"epoch {m['epoch']:>3}/{epochs}  loss {m.get('train/loss', float('nan')):.4f} ({terms})  "
         f"val SumR {m.get('val/sumr', float('nan')):6.1f} [R@1 {m.get('val/r1', 0):.1f} R@5 {m.get('val/r5', 0):.1f} "
         f"R@10 {m.get('val/r10', 0):.1f} R@100 {m.get('val/r100', 0):.1f}]  "
-        f"best {m['best/sumr']:.1f}@{m['best/epoch'] + 1}  {m['time/epoch_s']:.1f}s"
+        f"best {m['best/sumr']:.1f}@{m['best/epoch']}  {m['time/epoch_s']:.1f}s"
     )
 
 
@@ -128,8 +129,42 @@ def _queue_callback(q):
     return ForwardReports()
 
 
-def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
-    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``."""
+def fit_with_ray(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    run_name: str,
+    on_report: Callable[[dict], None],
+    on_retry: Callable[[Failure, int], None] | None = None,
+) -> None:
+    """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``.
+
+    Retries are the driver's, not Ray's: a failure :func:`explain_exception` calls
+    retryable (an OOM kill, a dead worker, a lost node; these can also kill Ray
+    Train's controller, which Ray's own ``FailureConfig`` cannot recover) fits the
+    same run again, which resumes from its recovery checkpoint, up to
+    ``train.max_failures`` times; an error in the training code is not retried.
+    Every failure's full text is appended to ``<run_dir>/error.txt``; the raised
+    TrainingError carries the one-line summary.
+    """
+    failures = 0
+    while True:
+        try:
+            _fit_once(cfg, run_dir, run_name, on_report)
+            return
+        except (ConfigError, TrainingError):
+            raise
+        except Exception as exc:
+            failure = explain_exception(exc)
+            record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=failures + 1)
+            if not failure.retryable or failures >= cfg.train.max_failures:
+                raise TrainingError(failure.summary) from exc
+            failures += 1
+            if on_retry is not None:
+                on_retry(failure, failures)
+
+
+def _fit_once(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report: Callable[[dict], None]) -> None:
+    """One ``TorchTrainer.fit()`` (Ray retries nothing); Ray's exception is re-raised as is."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -158,7 +193,7 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
         run_config=RunConfig(
             name=run_name,
             storage_path=cfg.tracking.storage_path,
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            failure_config=FailureConfig(max_failures=0),  # retried by fit_with_ray
             checkpoint_config=CheckpointConfig(num_to_keep=1),
             callbacks=[_queue_callback(reports)],
         ),
@@ -174,11 +209,7 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
     thread = threading.Thread(target=target, name="prvrlab-fit", daemon=True)
     thread.start()
     try:
-        while thread.is_alive() or not reports.empty():
-            try:
-                on_report(reports.get(timeout=0.5))
-            except (stdlib_queue.Empty, ray.util.queue.Empty):
-                continue
+        queue_error = _forward_reports(thread, reports, on_report)
     finally:
         thread.join(timeout=5)
         try:
@@ -186,14 +217,32 @@ def fit_with_ray(cfg: ExperimentConfig, run_dir: Path, run_name: str, on_report:
         except Exception:
             pass
     if "error" in outcome:
-        raise TrainingError(_short_error(outcome["error"])) from outcome["error"]
+        raise outcome["error"]
+    if queue_error is not None:
+        raise queue_error
 
 
-def _short_error(exc: BaseException) -> str:
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    tail = lines[-8:] if len(lines) > 8 else lines
-    return f"{type(exc).__name__}: " + "\n".join(tail)
+def _forward_reports(thread: threading.Thread, reports, on_report: Callable[[dict], None]) -> BaseException | None:
+    """Hand every report to ``on_report`` until the fit in ``thread`` has ended and the queue is drained.
+
+    If the queue's actor dies (Ray's memory monitor may pick it), the fit is
+    waited for — a retry must not start beside a still-running controller — and
+    the actor's error is returned.
+    """
+    import ray
+
+    try:
+        while True:
+            alive = thread.is_alive()
+            try:
+                on_report(reports.get(timeout=0.5))
+            except (stdlib_queue.Empty, ray.util.queue.Empty):
+                if not alive:
+                    return None
+    except ray.exceptions.RayError as exc:
+        while thread.is_alive():
+            thread.join(timeout=1)
+        return exc
 
 
 def check_storage(storage_path: str) -> None:
@@ -234,19 +283,25 @@ def train(
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:
         echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
+
+    def on_retry(failure: Failure, retry: int) -> None:
+        tracker.set_tags(run_id, {"prvrlab.retries": str(retry), "prvrlab.last_failure": failure.summary})
+        if echo:
+            echo(f"{failure.summary}\n  retrying from the last checkpoint ({retry} of train.max_failures={cfg.train.max_failures})")
+
     status = "FAILED"
     try:
         tracker.log_params(run_id, cfg.flat())
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if use_ray:
-            fit_with_ray(cfg, run_dir, name, recorder)
+            fit_with_ray(cfg, run_dir, name, recorder, on_retry)
         else:
             from prvrlab.platform.train.loop import run_local
 
             run_local(cfg, run_dir, on_report=recorder)
         if recorder.error:
-            raise TrainingError(f"non-finite loss: {recorder.error}")
+            raise TrainingError(recorder.error)
         if not recorder.final:
             raise TrainingError("training ended without its final report")
         tracker.log_metrics(run_id, {"best/sumr": recorder.final["best/sumr"], "best/epoch": recorder.final["best/epoch"]})
@@ -262,9 +317,15 @@ def train(
         tracker.set_tags(run_id, {"error": str(exc)})
         raise
     except Exception as exc:
-        tracker.set_tags(run_id, {"error": _short_error(exc)})
-        raise TrainingError(_short_error(exc)) from exc
+        failure = explain_exception(exc, origin="the driver")
+        record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
+        tracker.set_tags(run_id, {"error": failure.summary})
+        raise TrainingError(failure.summary) from exc
     finally:
+        if (run_dir / ERROR_FILE).is_file():  # every failure's full text, retried ones included
+            tracker.log_artifacts(run_id, [run_dir / ERROR_FILE])
+            if status != "FINISHED" and echo:
+                echo(f"full error text: {run_dir / ERROR_FILE} (artifact {ERROR_FILE} of MLflow run {run_id})")
         tracker.end_run(run_id, status)
     return TrainResult(
         run_id=run_id,

@@ -14,7 +14,8 @@ per-query ranks) to the run folder and never touches MLflow: the driver is the
 one process that writes to the tracking store.
 
 Reported rounds (every rank reports the same number of times):
-- one per epoch: ``kind="epoch"`` with train losses, component metrics
+- one per epoch: ``kind="epoch"`` (``epoch`` and ``best/epoch`` count from 1, as users
+  read "epoch 1 of 10"; the loop and the components' hooks count from 0) with train losses, component metrics
   (``train/<component>.<name>``), validation R@K/SumR, best-so-far, timings,
   and a checkpoint for failure recovery;
 - one at the end: ``kind="final"`` with the best model's metrics on
@@ -40,10 +41,12 @@ import torch.distributed as dist
 from prvrlab.platform.config import ExperimentConfig, validate
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
-# best_model.pt layout: 2 = resolved config (every default written) + loss-term state.
-CHECKPOINT_FORMAT = 2
+# best_model.pt layout: 2 = resolved config (every default written) + loss-term state;
+# 3 = its "epoch" counts from 1 (as every report does; format 2 counted from 0).
+CHECKPOINT_FORMAT = 3
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
+FAULT_KIND_ENV = "PRVRLAB_FAULT_KIND"  # "exit" (the process dies, default) or "raise" (an error in the code)
 
 
 def seed_everything(seed: int) -> None:
@@ -98,14 +101,16 @@ def fault_hook_from_env() -> dict[str, Any] | None:
     epoch, marker = os.environ.get(FAULT_EPOCH_ENV), os.environ.get(FAULT_MARKER_ENV)
     if epoch is None or marker is None:
         return None
-    return {"epoch": int(epoch), "marker": marker}
+    return {"epoch": int(epoch), "marker": marker, "kind": os.environ.get(FAULT_KIND_ENV, "exit")}
 
 
 def _maybe_inject_fault(epoch: int, rank: int, hook: dict[str, Any] | None) -> None:
-    """Kill this worker process once after ``hook['epoch']`` on rank 0 (tests)."""
+    """Kill this worker process (or raise, ``kind="raise"``) once after ``hook['epoch']`` on rank 0 (tests)."""
     if hook is None or rank != 0 or hook["epoch"] != epoch or Path(hook["marker"]).exists():
         return
     Path(hook["marker"]).write_text(f"crashed after epoch {epoch}\n")
+    if hook.get("kind") == "raise":
+        raise RuntimeError(f"injected fault after epoch {epoch}")
     time.sleep(hook.get("delay_s", 3.0))  # let the controller register the checkpoint
     os._exit(17)
 
@@ -299,7 +304,7 @@ class TrainingLoop:
             except NonFiniteLossError as exc:
                 failure, bad = str(exc), 1.0
         if all_reduce(torch.tensor([bad], device=self.device)).item() > 0:  # every rank stops at the same step
-            return failure or "non-finite loss on another worker"
+            return failure or f"non-finite loss at epoch {epoch + 1} on another worker"
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(result.total).backward()
         if self.cfg.train.grad_clip > 0 and self.cfg.train.clip_grad == "global":  # per_tensor: in optimizer.step
@@ -350,7 +355,7 @@ class TrainingLoop:
             sumr = result.metrics["sumr"]
             if sumr > state.best_sumr:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
-                blob = {"config": self.cfg.to_dict(), "epoch": epoch, "format": CHECKPOINT_FORMAT}
+                blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "format": CHECKPOINT_FORMAT}
                 _atomic_save(self._weights() | blob, self.best_path)
             else:
                 state.bad_epochs += 1
@@ -363,10 +368,10 @@ class TrainingLoop:
         metrics.update(
             {
                 "kind": "epoch",
-                "epoch": epoch,
+                "epoch": epoch + 1,
                 "lr": self.scheduler.get_last_lr()[0],
                 "best/sumr": self.progress.best_sumr,
-                "best/epoch": self.progress.best_epoch,
+                "best/epoch": self.progress.best_epoch + 1,
                 "time/train_s": train_time,
                 "time/epoch_s": time.perf_counter() - t0,
             }
@@ -387,7 +392,7 @@ class TrainingLoop:
 
     def final_evaluation(self) -> None:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""
-        final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch}
+        final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch + 1}
         if self.rank == 0:
             final.update(self._evaluate_best())
         self.session.report(final, None)
@@ -404,7 +409,7 @@ class TrainingLoop:
             metrics: dict[str, Any] = self.epoch_start(epoch)
             train_metrics, failure = self.train_epoch(epoch, train_model)
             if failure:
-                self.session.report({"kind": "nonfinite", "epoch": epoch, "error": f"epoch {epoch}: {failure}"})
+                self.session.report({"kind": "nonfinite", "epoch": epoch + 1, "error": failure})
                 return
             metrics.update(train_metrics)
             metrics.update(self.epoch_end(epoch))

@@ -26,8 +26,14 @@ def test_two_variants_two_seeds_then_resubmit_skips_everything(tiny_root, tmp_pa
     spec = load_ablation_spec(path)
     result = ablate(spec, echo=print)
     assert result.counts == {"finished": 4, "failed": 0, "missing": 0}
-    out = capsys.readouterr().out
+    console = capsys.readouterr()
+    out = console.out
     assert "no_query_diverse" in out and "mean" in out
+    # Ray's and Tune's log lines go to the study's log, not to the console
+    (log,) = (tmp_path / "results" / "ablation" / "abl").glob("*/study.log")
+    assert "ray." in log.read_text(), log.read_text()[:2000]
+    noise = [ln for ln in (console.out + console.err).splitlines() if "snapshotting" in ln or " WARNING " in ln or "(raylet)" in ln]
+    assert not noise, noise
 
     parents, children = study_runs(tmp_path)
     (parent,) = parents

@@ -47,13 +47,13 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys):
         assert child.data.tags["prvrlab.status"] == "finished"
         assert child.data.params["train.num_workers"] == "2"
         assert "final/val/sumr" in child.data.metrics and "train/clip_triplet" in child.data.metrics
-        assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [0, 1]
+        assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [1, 2]  # epochs count from 1
     best = load_config(result.best["path"])
     assert best.train.lr == pytest.approx(result.best["config"]["train.lr"])
     assert best.train.epochs == 2
 
 
-def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_path, monkeypatch):
+def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_path, monkeypatch, capsys):
     marker = tmp_path / "crashed"
     monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "0")
     monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(marker))
@@ -77,7 +77,34 @@ def test_crashing_trial_is_retried_and_nan_trial_fails_cleanly(tiny_root, tmp_pa
     (retried,) = [c for c in children if "prvrlab.retries" in c.data.tags]
     assert retried.info.status == "FINISHED"
     steps = [m.step for m in metric_history(tmp_path, retried.info.run_id, "val/sumr")]
-    assert steps == [0, 1, 2], steps  # resumed after epoch 0's checkpoint, not restarted
+    assert steps == [1, 2, 3], steps  # resumed after epoch 1's checkpoint, not restarted
+    # the crash said plainly (console, tag) and kept in full (error.txt artifact)
+    trial_id = retried.data.tags["prvrlab.trial_id"]
+    assert f"retry  {trial_id} from its last checkpoint: worker died: " in capsys.readouterr().out
+    assert retried.data.tags["prvrlab.last_failure"].startswith("worker died: ")
+    assert "error.txt" in {a.path for a in _client(tmp_path).list_artifacts(retried.info.run_id)}
+
+
+def _client(tmp_path):
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def test_error_in_the_training_code_fails_the_trial_without_retry(tiny_root, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "0")
+    monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(tmp_path / "raised"))
+    monkeypatch.setenv("PRVRLAB_FAULT_KIND", "raise")  # raises once: a retry would finish the trial
+    path = tiny_spec(tmp_path, tiny_root, name="bug", budget={"trials": 1}, max_retries=2)
+    result = search(load_search_spec(path), echo=print)
+    assert result.counts["failed"] == 1, result.counts
+    (child,) = study_runs(tmp_path)[1]
+    summary = "error in the training code: RuntimeError: injected fault after epoch 0"
+    assert child.info.status == "FAILED" and child.data.tags["prvrlab.status"] == "error"
+    assert child.data.tags["error"] == summary and "prvrlab.retries" not in child.data.tags
+    assert f"{child.data.tags['prvrlab.trial_id']}: {summary}" in capsys.readouterr().out
+    local = _client(tmp_path).download_artifacts(child.info.run_id, "error.txt", str(tmp_path))
+    assert "Traceback" in open(local).read()
 
 
 def _closed_trials(study_root):
@@ -119,4 +146,4 @@ def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
     for child in children:
         if child.data.tags["prvrlab.trial_id"] in finished_before:
             steps = [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")]
-            assert steps == list(range(12)), steps
+            assert steps == list(range(1, 13)), steps

@@ -1,0 +1,111 @@
+"""Ray head nodes started by tests: on 127.0.0.1, free ports, own temp dir, stopped by process group.
+
+Only the cluster a test started is stopped (``ray stop`` would stop every Ray
+on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ray_bin() -> Path:
+    """The folder holding the ``ray`` and ``prvrlab`` scripts of this environment."""
+    venv = os.environ.get("VIRTUAL_ENV")
+    candidate = Path(venv) / "bin" if venv else REPO / ".venv" / "bin"
+    return candidate if (candidate / "ray").exists() else Path(shutil.which("ray")).parent
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def auth_env() -> dict[str, str]:
+    """The same RAY_AUTH_MODE for `ray start` and `ray job submit` (REFERENCE §6)."""
+    if (Path.home() / ".ray" / "auth_token").exists():
+        return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    return {}
+
+
+def wait_for_dashboard(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "ray start exited early"
+        try:
+            with urllib.request.urlopen(f"{url}/api/version", timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # answering (401 with token authentication on)
+        except OSError:
+            time.sleep(1)
+    raise AssertionError("the Ray dashboard did not come up")
+
+
+@dataclass
+class Head:
+    url: str  # the dashboard / job submission address
+    env: dict[str, str]  # environment for `ray` commands (PATH, auth, no RAY_ADDRESS)
+    bin: Path
+
+    def ray(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        """Run ``ray <args>`` against this head (text output captured)."""
+        return subprocess.run([str(self.bin / "ray"), *args], env=self.env, capture_output=True, text=True, **kwargs)
+
+    def submit(self, *args: str, attempts: int = 20, **kwargs) -> subprocess.CompletedProcess:
+        """``ray job submit <args>``, retried while the head's job agent is still starting (busy machines)."""
+        for _ in range(attempts):
+            done = self.ray("job", "submit", "--address", self.url, *args, **kwargs)
+            if done.returncode == 0 or "No available agent" not in done.stderr + done.stdout:
+                return done
+            time.sleep(3)
+        return done
+
+
+@contextmanager
+def head_node(num_cpus: int = 2) -> Iterator[Head]:
+    """A ``ray start --head --block`` child process bound to 127.0.0.1; stopped on exit."""
+    bin_dir = ray_bin()
+    port, dash, client, agent, agent_grpc, env_agent, metrics, node_mgr, obj_mgr = free_ports(9)
+    env = {**os.environ, **auth_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    temp_dir = Path("/tmp") / f"ray_prvrlab_{os.getpid()}_{port}"
+    cmd = [
+        str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1", "--disable-usage-stats", f"--port={port}",
+        f"--dashboard-port={dash}", f"--ray-client-server-port={client}", f"--num-cpus={num_cpus}",
+        f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
+        f"--metrics-export-port={metrics}", f"--node-manager-port={node_mgr}", f"--object-manager-port={obj_mgr}",
+    ]  # fmt: skip: every port free, so that another cluster on the machine cannot collide
+    head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        wait_for_dashboard(url, head)
+        yield Head(url=url, env=env, bin=bin_dir)
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
