@@ -1,5 +1,6 @@
 """Run the cells of an ablation spec one after the other in this process (no Ray), appending each
-cell's final metrics and per-epoch history to results.jsonl beside this file; table.py writes report.md.
+cell's final metrics and per-epoch history to docs/<spec name>/results.jsonl; table.py writes the
+Table 3 report.md from docs/ablation_ice_table3_synth/results.jsonl.
 
     .venv/bin/python docs/ablation_ice_table3_synth/run_in_process.py search_spaces/ablation_ice_table3_synth.yaml [cell,cell,...]
 
@@ -18,12 +19,14 @@ from prvrlab.platform.config import apply_overrides, validate
 from prvrlab.platform.search.spec import load_ablation_spec
 from prvrlab.platform.train.driver import train
 
-HERE = Path(__file__).resolve().parent
+DOCS = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
     spec = load_ablation_spec(sys.argv[1])
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    out = DOCS / spec.name / "results.jsonl"
+    out.parent.mkdir(exist_ok=True)
     data = spec.base_raw["data"]
     root = synthesize_if_missing(data["root"], preset=data["synthesize"], seed=0)
     for cell, overrides in spec.cells().items():
@@ -35,7 +38,7 @@ def main() -> None:
         start = time.time()
         result = train(validate(raw), use_ray=False, echo=None)
         record = {"cell": cell, "seconds": time.time() - start, "final": result.final_metrics, "history": result.history}
-        with (HERE / "results.jsonl").open("a") as f:
+        with out.open("a") as f:
             f.write(json.dumps(record, default=float) + "\n")
         print(cell, round(record["seconds"]), round(result.final_metrics["test/sumr"], 1), flush=True)
 
