@@ -1,0 +1,43 @@
+"""L_ice (papers/002, Sec. 3.3): align the ICE plug-in's mined pseudo-positive (moment, text) pairs.
+
+The n_c mutually-nearest pairs above the correlation threshold
+(``ice.pair_moment``, ``ice.pair_query``, (n_c, D)) form a mini-batch
+trained like the base model (Eq. 3)::
+
+    L_ice = L^trip + nce_weight * L^nce      over the n_c x n_c text-moment matrix, diagonal positive
+
+The paper does not give the balance inside L_ice; ``nce_weight`` defaults
+to 0.04, the base model's moment-level lambda_2 (the pairs are moment-text
+pairs).  The triplet part uses the hardest in-batch negative from epoch
+``hard_negative_start_epoch`` on (a uniform one before), as the base
+triplet loss.  No pair, or one: 0 (no negative), still attached to the graph.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from prvrlab.checks import check_number
+from prvrlab.data.batch import Batch
+from prvrlab.losses._common import plugin_aux
+from prvrlab.losses._ice import paired_contrastive, pair_triplet
+from prvrlab.losses.base import Loss
+from prvrlab.models.base import ModelOutput
+from prvrlab.registry import LOSSES
+
+
+@LOSSES.register("ice_corr")
+class ICECorrelationLoss(Loss):
+    """Triplet + ``nce_weight`` x InfoNCE over the mined pseudo-positive pairs (see the module docstring)."""
+
+    def __init__(self, *, margin: float = 0.1, nce_weight: float = 0.04, hard_negative_start_epoch: int = 20) -> None:
+        super().__init__()
+        self.nce_weight = check_number(nce_weight, "nce_weight", minimum=0.0)
+        self.triplet = pair_triplet(margin=margin, hard_negative_start_epoch=hard_negative_start_epoch)
+
+    def required_aux(self) -> tuple[str, ...]:
+        return ("ice.pair_query", "ice.pair_moment")
+
+    def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
+        texts, moments = plugin_aux(out, self.required_aux(), "ice_corr")  # (n_c, D) each
+        return paired_contrastive(texts, moments, self.triplet, self.nce_weight, epoch=epoch)
