@@ -26,6 +26,7 @@ import numpy as np
 from prvrlab.data.errors import DataError
 from prvrlab.data.features import VisualFeatures, open_visual_features
 from prvrlab.data.preprocess import LastBin
+from prvrlab.data.truth import RelevanceTruth, truth_file_name
 from prvrlab.data.text import (
     QueryFeatures,
     caption_path,
@@ -107,6 +108,7 @@ class Collection:
         self.visual: VisualFeatures = open_visual_features(visual_path)
         self.queries = QueryFeatures(query_path)
         self._splits: dict[str, SplitIndex] = {}
+        self._truth: dict[str, RelevanceTruth | None] = {}
         self.notes: list[str] = []  # how the paths were resolved, for the user
 
     @property
@@ -126,6 +128,13 @@ class Collection:
     def timestamps_file(self, split: str) -> Path:
         """Path of the (optional) timestamps file of ``split``."""
         return timestamps_path(self.text_dir, self.name, split)
+
+    def truth(self, split: str) -> RelevanceTruth | None:
+        """Ground-truth relevance of ``split`` (synthetic collections only; None elsewhere)."""
+        path = self.text_dir / truth_file_name(self.name, split)
+        if split not in self._truth:
+            self._truth[split] = RelevanceTruth.load(path) if path.is_file() else None
+        return self._truth[split]
 
     def split(self, name: str) -> SplitIndex:
         """The validated index of split ``name`` (built once, then cached)."""

@@ -6,6 +6,7 @@
     TextData/roberta_synth_query_feat.hdf5          one (n_tokens, Dq) dataset per cap_id
     TextData/synth{train,val,test}.caption.txt      "<cap_id> <caption text>" lines
     TextData/synth{train,val,test}.timestamps.json  {cap_id: [start_s, end_s, duration_s]}
+    TextData/synth{train,val,test}.truth.json       what each query names and each video shows
     synth.json                                      the preset and seed used
 
 so it is read by exactly the code that reads TVR / ActivityNet / Charades.
@@ -79,11 +80,12 @@ from tqdm import tqdm
 
 from prvrlab.data.errors import DataError
 from prvrlab.data.text import write_timestamps
+from prvrlab.data.truth import truth_file_name
 
 COLLECTION = "synth"
 VISUAL_FEATURE = "synth_feat"
 SPLITS = ("train", "val", "test")
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: adds the ground-truth files
 _RATIO_GROUPS = ((0.45, 0.03, 0.2), (0.30, 0.2, 0.4), (0.25, 0.4, 0.85))  # (probability, low, high)
 
 
@@ -262,8 +264,8 @@ def _video_latent(rng: np.random.Generator, p: SynthPreset, w: _World, t: int, m
     return z
 
 
-def _query(rng: np.random.Generator, p: SynthPreset, w: _World, m: _Moment) -> tuple[np.ndarray, str]:
-    """Token features (n, Dq) and caption text of the query describing moment ``m``."""
+def _query(rng: np.random.Generator, p: SynthPreset, w: _World, m: _Moment) -> tuple[np.ndarray, str, list[int | None]]:
+    """Token features (n, Dq), caption text and named ``[action, object]`` (None: not named) of the query of ``m``."""
     name_action, name_object = True, True
     if rng.random() < p.vague_prob:
         if rng.random() < 0.5:
@@ -289,7 +291,8 @@ def _query(rng: np.random.Generator, p: SynthPreset, w: _World, m: _Moment) -> t
     order = rng.permutation(len(tokens))
     noise = p.token_noise / np.sqrt(p.query_dim) * rng.standard_normal(tokens.shape, dtype=np.float32)
     tokens = tokens[order] + noise + w.offset  # (n, Dq)
-    return tokens.astype(np.float32), " ".join(words[i] for i in order)
+    named_concept = [m.action if name_action else None, m.obj if name_object else None]
+    return tokens.astype(np.float32), " ".join(words[i] for i in order), named_concept
 
 
 def _write(root: Path, p: SynthPreset, seed: int, progress: bool) -> None:
@@ -310,6 +313,7 @@ def _write(root: Path, p: SynthPreset, seed: int, progress: bool) -> None:
         sep = ""
         for split_no, (split, count) in enumerate(zip(SPLITS, p.videos)):
             stamps: dict[str, tuple[float, float, float]] = {}
+            truth: dict[str, dict] = {"queries": {}, "videos": {}}
             with open(text_dir / f"{COLLECTION}{split}.caption.txt", "w", encoding="utf-8") as fcap:
                 for lo in range(0, count, p.chunk_videos):
                     lines, latents, noises = [], [], []
@@ -325,9 +329,10 @@ def _write(root: Path, p: SynthPreset, seed: int, progress: bool) -> None:
                         fids.write(" ".join(frame_ids) + "\n")
                         fv2f.write(f"{sep}{vid!r}: {frame_ids!r}")
                         sep = ", "
+                        truth["videos"][vid] = [[m.action, m.obj] for m in moments]
                         for q, m in enumerate(moments):
                             cap_id = f"{vid}#{q}"
-                            tokens, text = _query(rng, p, world, m)
+                            tokens, text, truth["queries"][cap_id] = _query(rng, p, world, m)
                             fq.create_dataset(cap_id, data=tokens)
                             lines.append(f"{cap_id} {text}\n")
                             sec = p.seconds_per_frame
@@ -342,6 +347,7 @@ def _write(root: Path, p: SynthPreset, seed: int, progress: bool) -> None:
                     order = np.random.default_rng([seed, 2, split_no, lo]).permutation(len(lines))
                     fcap.writelines(lines[j] for j in order)
             write_timestamps(text_dir / f"{COLLECTION}{split}.timestamps.json", stamps)
+            (text_dir / truth_file_name(COLLECTION, split)).write_text(json.dumps(truth, separators=(",", ":")) + "\n")
         fv2f.write("}\n")
     bar.close()
     (feat_dir / "shape.txt").write_text(f"{total_rows} {p.video_dim}\n")
@@ -382,6 +388,26 @@ def synthesize(out_root: str | Path, *, preset: str | SynthPreset, seed: int = 0
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_root
+
+
+def refresh_if_outdated(root: str | Path) -> bool:
+    """Rewrite a collection written by an older generator version, with its own preset and seed.
+
+    The features and captions come out identical (the random streams did not
+    change); what is new is added (version 2: the ground-truth files).
+    Returns whether it rewrote anything.
+    """
+    root = Path(root)
+    try:
+        info = json.loads((root / "synth.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if int(info.get("generator_version", 1)) >= GENERATOR_VERSION:
+        return False
+    fields = {f.name for f in dataclasses.fields(SynthPreset)}
+    preset = SynthPreset(**{k: tuple(v) if isinstance(v, list) else v for k, v in info.items() if k in fields})
+    synthesize(root, preset=preset, seed=int(info["seed"]), progress=False)
+    return True
 
 
 def synthesize_if_missing(out_root: str | Path, *, preset: str | SynthPreset, seed: int = 0, progress: bool = False) -> Path:

@@ -82,6 +82,8 @@ class EpochContext:
     takes the maximum (``"max"``) of ``t`` over the DDP ranks, in place
     semantics not required (the result is returned); identity on one rank.
     ``process_group``: the DDP group (None on one rank) for anything else.
+    ``truth``: the training split's :class:`~prvrlab.data.truth.RelevanceTruth`
+    on synthetic collections (None on real data), for diagnostic metrics only.
     """
 
     epoch: int
@@ -94,6 +96,7 @@ class EpochContext:
     train_batches: Callable[[], Iterator[Any]]
     all_reduce: Callable[..., Tensor] = _identity_reduce
     process_group: Any = None
+    truth: Any = None
 
     def autocast(self):
         """The loop's autocast context for encoding (disabled without AMP)."""
@@ -119,6 +122,7 @@ class StepContext:
     batch: Any  # the Batch just trained on
     output: Any  # its ModelOutput
     terms: dict[str, Tensor]  # unweighted, detached loss terms
+    truth: Any = None  # the training split's RelevanceTruth (synthetic data only), for diagnostics
 
 
 # ---------------------------------------------------------------- the base class

@@ -56,6 +56,11 @@ def prepare_data(cfg: ExperimentConfig, *, progress: bool = True):
         from prvrlab.data.synth import synthesize
 
         synthesize(root, preset=cfg.data.synthesize, seed=cfg.data.synth_seed, progress=progress)
+    elif cfg.data.synthesize:
+        from prvrlab.data.synth import refresh_if_outdated
+
+        if refresh_if_outdated(root) and progress:
+            print(f"updated the synthetic collection at {root} to the current generator (same features)")
     collection = open_collection(cfg.data)
     if progress:
         for note in collection.notes:

@@ -22,3 +22,11 @@ def small_raw(root: Path, tmp: Path, **train) -> dict:
         "eval": {"final_splits": ["val", "test"]},
         "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests", "storage_path": str(tmp / "results")},
     }
+
+
+def truly_relevant_by_hand(truth: dict, query_id: str, video_id: str) -> bool:
+    """Reading of a ``*.truth.json`` by hand: a moment of the video shows everything the query names."""
+    action, obj = truth["queries"][query_id]
+    return any(
+        (action is None or action == a) and (obj is None or obj == o) for a, o in truth["videos"][video_id]
+    )

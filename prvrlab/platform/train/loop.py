@@ -259,6 +259,7 @@ class TrainingLoop:
             train_batches=train_batches,
             all_reduce=all_reduce,
             process_group=dist.group.WORLD if _distributed() else None,
+            truth=self.collection.truth(self.cfg.data.train_split),
         )
 
     def epoch_start(self, epoch: int) -> dict[str, float]:
@@ -310,7 +311,15 @@ class TrainingLoop:
         sums.add("loss", float(result.total.detach()))
         for term, value in result.terms.items():
             sums.add(term, float(value))
-        ctx = StepContext(epoch=epoch, step=step, global_step=self.global_step, batch=batch, output=out, terms=result.terms)
+        ctx = StepContext(
+            epoch=epoch,
+            step=step,
+            global_step=self.global_step,
+            batch=batch,
+            output=out,
+            terms=result.terms,
+            truth=self.collection.truth(self.cfg.data.train_split),
+        )
         for prefix, component in self.components.items():
             component.on_step_end(ctx)
             for name, value in component.pop_step_metrics().items():

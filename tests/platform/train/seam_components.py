@@ -55,26 +55,33 @@ class EpochProbe(Loss):
         return frozenset({FRAME_TOKENS, QUERY_GROUPS})
 
     def metric_names(self) -> tuple[str, ...]:
-        return ("videos", "frames", "frame_norm", "steps")
+        return ("videos", "frames", "frame_norm", "steps", "truly_relevant", "steps_with_truth")
 
     def on_epoch_start(self, ctx) -> dict[str, float]:
-        self.steps = 0
-        totals = torch.zeros(3, dtype=torch.float64)  # videos, real frames, sum of frame-token norms
+        self.steps = self.steps_with_truth = 0
+        totals = torch.zeros(4, dtype=torch.float64)  # videos, real frames, sum of frame-token norms, relevant pairs
         for batch in ctx.train_batches():
+            totals[3] += float(ctx.truth.relevant(batch.query_ids, batch.video_ids).sum())
             video, _ = ctx.encode(batch)
             self.seen_training_mode.append(ctx.model.training)
             tokens, mask = video.frame_tokens()  # (B, Lf, D), (B, Lf)
-            totals += torch.tensor(
+            totals[:3] += torch.tensor(
                 [tokens.shape[0], float(mask.sum()), float(tokens[mask].float().norm(dim=-1).sum())], dtype=torch.float64
             )
         totals = ctx.all_reduce(totals)
-        return {"videos": float(totals[0]), "frames": float(totals[1]), "frame_norm": float(totals[2] / totals[1])}
+        return {
+            "videos": float(totals[0]),
+            "frames": float(totals[1]),
+            "frame_norm": float(totals[2] / totals[1]),
+            "truly_relevant": float(totals[3]),
+        }
 
     def on_step_end(self, ctx) -> None:
         self.steps += 1
+        self.steps_with_truth += ctx.truth is not None
 
     def on_epoch_end(self, ctx) -> dict[str, float]:
-        return {"steps": float(self.steps)}
+        return {"steps": float(self.steps), "steps_with_truth": float(self.steps_with_truth)}
 
     def forward(self, out, batch, *, epoch: int) -> Tensor:
         return out.scores[self.branch].sim.sum() * 0.0

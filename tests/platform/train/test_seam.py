@@ -23,7 +23,7 @@ from prvrlab.platform.train.optim import build_optimizer
 from prvrlab.platform.train.session import LocalSession
 from prvrlab.registry import BACKBONES
 
-from train_helpers import small_raw
+from train_helpers import small_raw, truly_relevant_by_hand
 
 
 def seam_raw(root: Path, tmp: Path, **train) -> dict:
@@ -58,7 +58,15 @@ def test_loss_parameter_trains_hooks_run_and_metrics_are_logged(tiny_root, tmp_p
     index = collection.split("train")
     loader, sampler = train_loader(collection, "train", batch_size_per_rank=16)
     real_frames = sum(int(b.frame_mask.sum()) for b in loader)
+    truth = json.loads((tiny_root / "TextData" / "synthtrain.truth.json").read_text())
+    in_order, _ = train_loader(collection, "train", batch_size_per_rank=16, shuffle=False)  # as the hooks see it
+    relevant = sum(
+        truly_relevant_by_hand(truth, q, v) for b in in_order for q in b.query_ids for v in b.video_ids
+    )  # the ground truth reaches the hooks: pairs within each batch
+    assert relevant > sum(len(b.query_ids) for b in loader)  # some unpaired pairs are relevant too
     for e in epochs:
+        assert e["train/probe.truly_relevant"] == relevant
+        assert e["train/probe.steps_with_truth"] == len(sampler)
         assert e["train/probe.videos"] == index.num_videos
         assert e["train/probe.frames"] == real_frames
         assert e["train/probe.steps"] == len(sampler)  # on_step_end after every optimiser step
