@@ -456,7 +456,7 @@ class ARL(Plugin):
 
     def on_step_end(self, ctx: StepContext) -> None:
         counts = self.__dict__.get("_truth_counts")
-        truth = getattr(ctx, "truth", None)
+        truth = ctx.truth
         if counts is None or truth is None or "arl.video_sets0" not in ctx.output.aux:
             return
         detected = ctx.output.aux["arl.video_sets1" if self.cross_model else "arl.video_sets0"].detach()  # theta's sets
@@ -468,7 +468,7 @@ class ARL(Plugin):
 
     def on_epoch_end(self, ctx: EpochContext) -> dict[str, float]:
         counts = self.__dict__.get("_truth_counts")
-        if counts is None or getattr(ctx, "truth", None) is None:
+        if counts is None or ctx.truth is None:
             return {}
         tp, fp, fn = ctx.all_reduce(counts).tolist()
         out = {}
