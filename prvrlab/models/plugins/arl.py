@@ -205,35 +205,38 @@ def reduce_uncertainty(
 
     ``frame_slots``: per batch, (local video index, position) (Nf,) of every
     real frame of ``encoded[*].frames``; ``fixed``: (tau_s, tau_u), None where
-    the rule sets the threshold.  Sums in float64.
+    the rule sets the threshold.  Sums in float32 per batch, float64 across batches and ranks.
     """
     per_rank = _gather_ids(ctx, (query_ids, video_ids))
     keep_q_list, q_order = _owned(query_ids, [p[0] for p in per_rank], ctx.rank)
     keep_v_list, v_order = _owned(video_ids, [p[1] for p in per_rank], ctx.rank)
     device = ctx.device
-    keep_q = torch.tensor(keep_q_list, dtype=torch.bool, device=device)  # (nq_local,)
-    keep_v = torch.tensor(keep_v_list, dtype=torch.bool, device=device)  # (nv_local,)
     q_rows = {item: row for row, item in enumerate(q_order)}
     v_rows = {item: row for row, item in enumerate(v_order)}
+    keep_q = torch.tensor(keep_q_list, dtype=torch.bool, device=device)  # (nq_local,)
+    keep_v = torch.tensor(keep_v_list, dtype=torch.bool, device=device)  # (nv_local,)
     global_q = torch.tensor([q_rows[i] for i in query_ids], dtype=torch.long, device=device)  # (nq_local,)
     global_v = torch.tensor([v_rows[i] for i in video_ids], dtype=torch.long, device=device)  # (nv_local,)
-    video_of = torch.cat([v for v, _ in frame_slots])  # (Nf_local,) local video of every real frame
-    position = torch.cat([k for _, k in frame_slots])  # (Nf_local,)
-    keep_f = keep_v[video_of]  # (Nf_local,)
-    length = int(position.max()) + 1 if position.numel() else 1
+    # per batch: which queries / real frames this rank owns, and where they go in the tables
+    q_parts = torch.tensor([len(p) for p in encoded[0].queries]).cumsum(0).tolist()
+    q_slices = [slice(a, b) for a, b in zip([0] + q_parts[:-1], q_parts)]
+    frame_keep = [keep_v[video] for video, _ in frame_slots]  # per batch (Nf,)
+    frame_rows = [global_v[video] for video, _ in frame_slots]  # per batch (Nf,)
+    length = max([int(k.max()) + 1 for _, k in frame_slots if k.numel()] or [1])
     length = int(ctx.all_reduce(torch.tensor([length], device=device), op="max").item())
 
     tables = []
     for enc in encoded:
-        q = torch.cat(enc.queries)  # (nq_local, D)
-        f = torch.cat(enc.frames)  # (Nf_local, D)
-        dim = q.shape[1]
+        dim = enc.queries[0].shape[1]
         sums = torch.zeros(2 * dim + 3, dtype=torch.float64, device=device)
-        sums[:dim] = keep_q.double() @ q.double()  # sum of q^
-        sums[dim : 2 * dim] = keep_f.double() @ f.double()  # sum of v^ over real frames
-        sums[2 * dim :] = torch.stack(
-            [keep_q.sum().double(), keep_f.sum().double(), (torch.cat(enc.positive).double() * keep_q).sum()]
-        )
+        for part, q, positive in zip(q_slices, enc.queries, enc.positive):  # float32 per batch, float64 across
+            keep = keep_q[part].to(q.dtype)  # (Nq,)
+            sums[:dim] += (keep @ q).double()  # sum of q^
+            sums[2 * dim] += keep.sum().double()
+            sums[2 * dim + 2] += (keep * positive).sum().double()
+        for keep, f in zip(frame_keep, enc.frames):
+            sums[dim : 2 * dim] += (keep.to(f.dtype) @ f).double()  # sum of v^ over real frames
+            sums[2 * dim + 1] += keep.sum().double()
         sums = ctx.all_reduce(sums)
         mean_q = sums[:dim] / sums[2 * dim].clamp(min=1)  # (D,)
         mean_f = sums[dim : 2 * dim] / sums[2 * dim + 1].clamp(min=1)  # (D,)
@@ -241,9 +244,12 @@ def reduce_uncertainty(
         tau_u = float(mean_q @ mean_f) if fixed[1] is None else fixed[1]
 
         query_table = torch.zeros(len(q_order), dtype=torch.float64, device=device)  # (N_q,)
-        query_table[global_q[keep_q]] = (q @ mean_f.to(q.dtype)).double()[keep_q]
         frame_table = torch.zeros(len(v_order), length, dtype=torch.float64, device=device)  # (N_v, L)
-        frame_table[global_v[video_of[keep_f]], position[keep_f]] = (f @ mean_q.to(f.dtype)).double()[keep_f]
+        for part, q in zip(q_slices, enc.queries):
+            keep = keep_q[part]
+            query_table[global_q[part][keep]] = (q @ mean_f.to(q.dtype))[keep].double()  # U^q = q^ . m_f
+        for keep, rows, (_, position), f in zip(frame_keep, frame_rows, frame_slots, enc.frames):
+            frame_table[rows[keep], position[keep]] = (f @ mean_q.to(f.dtype))[keep].double()  # U^v = v^ . m_q
         query_table, frame_table = ctx.all_reduce(query_table), ctx.all_reduce(frame_table)
         tables.append(UncertaintyTables(q_rows, query_table.float(), v_rows, frame_table.float(), tau_s, tau_u))
     return tables
