@@ -11,8 +11,10 @@ maximum raw dot product (used only by losses that read logits).
 
 Where the paper is silent: the transformer layer is the platform's post-norm
 ``TransformerLayer`` with a feed-forward sublayer of width ``ffn_size``
-(None: 4 x hidden, a standard layer); the clip features of the batch are not
-used (the paper has no clip branch).  The ARL training objective lives in
+(None: 4 x hidden, a standard layer); the paper has no clip branch, so the
+batch's clip features are only encoded when a component asks for
+``moment_tokens``: the same frame encoder applied to the clip sequence
+(B, Lc, D), which scores nothing.  The ARL training objective lives in
 the ``arl`` plug-in and the ``arl`` loss, which also work on other backbones.
 """
 
@@ -23,7 +25,7 @@ from torch import Tensor
 from prvrlab.checks import check_positive_int
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import AttentionPooling, BackboneSizes, check_score_weights, init_normal_, resolve_ffn_size
-from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
+from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
 from prvrlab.models.scoring import max_scores
 from prvrlab.registry import BACKBONES
@@ -39,7 +41,7 @@ class ARLModel(RetrievalModel):
     the positional tables' lengths.  Encoders: ``query`` and ``frame``.
     """
 
-    provides = frozenset({FRAME_TOKENS, WORD_TOKENS})
+    provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
 
     def __init__(
         self,
@@ -82,9 +84,11 @@ class ARLModel(RetrievalModel):
         init_normal_(self)
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
-        """(B, Lf, Dv) frames with a (B, Lf) mask -> per-frame V_j (B, Lf, D) + mask (Eq. 1); clips unused."""
+        """(B, Lf, Dv) frames with a (B, Lf) mask -> per-frame V_j (B, Lf, D) + mask (Eq. 1); the
+        (B, Lc, Dv) clips through the frame encoder only when ``moment_tokens`` is requested."""
         f, packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
-        return VideoEmbedding(frame=packing.unpack(f), frame_mask=packing.mask)  # (B, Lf, D), (B, Lf)
+        clip = self.frame(clips) if self.exposes(MOMENT_TOKENS) else None  # (B, Lc, D)
+        return VideoEmbedding(clip=clip, frame=packing.unpack(f), frame_mask=packing.mask)  # (B, Lf, D), (B, Lf)
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> q_i (Nq, D) and the word tokens."""
