@@ -42,7 +42,9 @@ three agree).
 Switches: ``text_video`` (T-V ambiguity in L_video), ``text_frame`` (the
 text-frame objective L_frame with T-F ambiguity), ``cross_model`` (two
 identical encoders, each trained with the sets the *other* detects; the
-retrieval score of every branch is their average, Eq. 13).  With
+retrieval score of every branch is their average, Eq. 13; other loss terms
+of the config, e.g. a host backbone's clip-branch triplet, then train on
+that average, so both encoders).  With
 ``text_video`` and ``text_frame`` off nothing is detected and the ``arl``
 loss is the base NCE + triplet (Table 5 (a)); before ``warmup_epochs`` the
 loss is the base one too (warm-up, the paper's "few epochs"; the number is
