@@ -230,29 +230,32 @@ def reduce_uncertainty(
     tables = []
     for enc in encoded:
         dim = enc.queries[0].shape[1]
-        sums = torch.zeros(2 * dim + 3, dtype=torch.float64, device=device)
+        # 1. the queries (small): sum of q^, count, sum of positive-pair s -> m_q, tau_s
+        q_sums = torch.zeros(dim + 2, dtype=torch.float64, device=device)
         for part, q, positive in zip(q_slices, enc.queries, enc.positive):  # float32 per batch, float64 across
             keep = keep_q[part].to(q.dtype)  # (Nq,)
-            sums[:dim] += (keep @ q).double()  # sum of q^
-            sums[2 * dim] += keep.sum().double()
-            sums[2 * dim + 2] += (keep * positive).sum().double()
-        for keep, f in zip(frame_keep, enc.frames):
-            sums[dim : 2 * dim] += (keep.to(f.dtype) @ f).double()  # sum of v^ over real frames
-            sums[2 * dim + 1] += keep.sum().double()
-        sums = ctx.all_reduce(sums)
-        mean_q = sums[:dim] / sums[2 * dim].clamp(min=1)  # (D,)
-        mean_f = sums[dim : 2 * dim] / sums[2 * dim + 1].clamp(min=1)  # (D,)
-        tau_s = float(sums[2 * dim + 2] / sums[2 * dim].clamp(min=1)) if fixed[0] is None else fixed[0]
-        tau_u = float(mean_q @ mean_f) if fixed[1] is None else fixed[1]
-
-        query_table = torch.zeros(len(q_order), dtype=torch.float64, device=device)  # (N_q,)
+            q_sums[:dim] += (keep @ q).double()
+            q_sums[dim] += keep.sum().double()
+            q_sums[dim + 1] += (keep * positive).sum().double()
+        q_sums = ctx.all_reduce(q_sums)
+        mean_q = q_sums[:dim] / q_sums[dim].clamp(min=1)  # (D,)
+        # 2. one pass over the frames (each batch's read once, while in cache): U^v = v^ . m_q and sum of v^
         frame_table = torch.zeros(len(v_order), length, dtype=torch.float64, device=device)  # (N_v, L)
+        f_sums = torch.zeros(dim + 1, dtype=torch.float64, device=device)
+        for keep, rows, (_, position), f in zip(frame_keep, frame_rows, frame_slots, enc.frames):
+            frame_table[rows[keep], position[keep]] = (f @ mean_q.to(f.dtype))[keep].double()
+            f_sums[:dim] += (keep.to(f.dtype) @ f).double()
+            f_sums[dim] += keep.sum().double()
+        f_sums = ctx.all_reduce(f_sums)
+        mean_f = f_sums[:dim] / f_sums[dim].clamp(min=1)  # (D,)
+        # 3. U^q = q^ . m_f
+        query_table = torch.zeros(len(q_order), dtype=torch.float64, device=device)  # (N_q,)
         for part, q in zip(q_slices, enc.queries):
             keep = keep_q[part]
-            query_table[global_q[part][keep]] = (q @ mean_f.to(q.dtype))[keep].double()  # U^q = q^ . m_f
-        for keep, rows, (_, position), f in zip(frame_keep, frame_rows, frame_slots, enc.frames):
-            frame_table[rows[keep], position[keep]] = (f @ mean_q.to(f.dtype))[keep].double()  # U^v = v^ . m_q
+            query_table[global_q[part][keep]] = (q @ mean_f.to(q.dtype))[keep].double()
         query_table, frame_table = ctx.all_reduce(query_table), ctx.all_reduce(frame_table)
+        tau_s = float(q_sums[dim + 1] / q_sums[dim].clamp(min=1)) if fixed[0] is None else fixed[0]
+        tau_u = float(mean_q @ mean_f) if fixed[1] is None else fixed[1]
         tables.append(UncertaintyTables(q_rows, query_table.float(), v_rows, frame_table.float(), tau_s, tau_u))
     return tables
 
