@@ -113,10 +113,12 @@ def main() -> None:
     p.add_argument("--amp", default="bf16", choices=["none", "bf16"])
     p.add_argument("--naive-queries", type=int, default=256)
     p.add_argument("--skip-training", action="store_true", help="only the reduction at TVR scale")
+    p.add_argument("--skip-reduction", action="store_true", help="only the epoch-start pass and the steps")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {machine()}")
-    reduction_at_tvr_scale(128, args.naive_queries)
+    if not args.skip_reduction:
+        reduction_at_tvr_scale(128, args.naive_queries)
     if args.skip_training:
         return
 
