@@ -156,6 +156,12 @@ def build_system(
     query_dim: int,
 ) -> TrainingSystem:
     """Model and losses for training; losses whose needs the backbone lacks are refused here too."""
+    clash = sorted(set(losses_cfg) & set(plugins_cfg or {}))
+    if clash:  # components() keys both by name: the plug-in's hooks and metrics would be lost
+        raise ValueError(
+            f"losses.{clash[0]}: a loss term may not share its name with the plug-in '{clash[0]}' "
+            "(metrics and hooks are keyed by it); rename the term"
+        )
     model = build_model(model_cfg, plugins_cfg, video_dim=video_dim, query_dim=query_dim)
     losses = build_losses(losses_cfg)
     backbone = model.backbone if isinstance(model, PluggedModel) else model

@@ -1,0 +1,156 @@
+"""The cost of ARL (paper 001): the per-epoch dataset-wide uncertainty and the training step.
+
+1. The uncertainty reduction (Eq. 4) at TVR scale -- 87,175 queries, 17,435
+   videos of up to 128 frames, d = 384 -- on random unit vectors standing in
+   for the encoded training split: the exact mean-vector reduction
+   (``reduce_uncertainty``, one rank) against the naive N_q x N_v x L_v map,
+   timed on a slice of the queries and extrapolated.  The encoding pass is
+   not included here (2.).
+2. The epoch-start pass with encoding (``ARL.dataset_uncertainty``) of the
+   ``arl`` backbone on a TVR-shaped synthetic collection (--train-videos),
+   per video, extrapolated to TVR's 17,435 training videos.
+3. Seconds per training step (forward, losses, backward, optimiser; data
+   excluded) of configs/arl_tvr.yaml on that collection: the base model (every
+   ARL switch off), ARL with one encoder and ARL with cross-model detection,
+   each after an epoch-start pass so that detection is on.
+
+    .venv/bin/python benchmarks/bench_arl.py --train-videos 256 --batch-size 32 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from prvrlab.data.collection import open_collection
+from prvrlab.data.dataset import train_loader
+from prvrlab.evaluation.retrieval import resolve_amp_dtype
+from prvrlab.models.component import EpochContext
+from prvrlab.models.factory import build_system
+from prvrlab.models.plugins.arl import _Encoded, reduce_uncertainty
+from prvrlab.platform.train.loop import seed_everything
+from prvrlab.platform.train.optim import build_optimizer
+
+TVR_QUERIES, TVR_VIDEOS, TVR_FRAMES, DIM = 87_175, 17_435, 128, 384
+
+
+def context(model, device: torch.device, batches=lambda: iter(())) -> EpochContext:
+    return EpochContext(epoch=10, num_epochs=11, model=model, device=device, amp_dtype=None, rank=0, world_size=1,
+                        train_batches=batches)
+
+
+def reduction_at_tvr_scale(batch_videos: int, naive_queries: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(TVR_FRAMES // 4, TVR_FRAMES + 1, (TVR_VIDEOS,), generator=g)  # (N_v,)
+    per_video = torch.full((TVR_VIDEOS,), TVR_QUERIES // TVR_VIDEOS)
+    per_video[: TVR_QUERIES - int(per_video.sum())] += 1
+    enc = _Encoded([], [], [])
+    slots, query_ids, video_ids = [], [], []
+    for start in range(0, TVR_VIDEOS, batch_videos):
+        lens = lengths[start : start + batch_videos]
+        nq, nf = int(per_video[start : start + batch_videos].sum()), int(lens.sum())
+        enc.queries.append(F.normalize(torch.randn(nq, DIM, generator=g), dim=-1))
+        enc.frames.append(F.normalize(torch.randn(nf, DIM, generator=g), dim=-1))
+        enc.positive.append(torch.rand(nq, generator=g))
+        video = torch.repeat_interleave(torch.arange(len(lens)), lens) + len(video_ids)
+        slots.append((video, torch.cat([torch.arange(int(n)) for n in lens])))
+        query_ids += [f"q{len(query_ids) + i}" for i in range(nq)]
+        video_ids += [f"v{start + i}" for i in range(len(lens))]
+    total_frames = int(lengths.sum())
+    ctx = context(None, torch.device("cpu"))
+    times, cpu = [], []
+    for _ in range(3):
+        t0, c0 = time.perf_counter(), time.process_time()
+        (table,) = reduce_uncertainty(ctx, [enc], query_ids, video_ids, slots, (None, None))
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    fast = min(times)
+    queries = torch.cat(enc.queries)[:naive_queries]  # (n, D)
+    frames = torch.cat(enc.frames)  # (sum L, D)
+    t0 = time.perf_counter()
+    for start in range(0, naive_queries, 64):  # the map M, 64 query rows at a time
+        m = queries[start : start + 64] @ frames.t()  # (64, sum L)
+        m.mean(dim=1), m.sum(dim=0)
+    naive = (time.perf_counter() - t0) * TVR_QUERIES / naive_queries
+    print(f"uncertainty reduction at TVR scale ({TVR_QUERIES:,} queries, {TVR_VIDEOS:,} videos, "
+          f"{total_frames:,} frames, d={DIM}): {fast:.3f} s wall, {min(cpu):.3f} s CPU of this process "
+          f"(best of 3; goal < 1 s; CPU time is what a shared machine cannot inflate)")
+    print(f"  naive N_q x sum(L_v) map: {naive:,.0f} s extrapolated from {naive_queries} queries "
+          f"-> {naive / fast:,.0f}x the reduction;  tau_u {table.tau_u:+.4f}  peak RSS {peak_rss_gib():.2f} GiB")
+
+
+def step_seconds(system, collection, batch_size: int, steps: int, amp: str) -> float:
+    loader, _ = train_loader(collection, "train", batch_size_per_rank=batch_size, rank=0, world_size=1, seed=0)
+    opt, _ = build_optimizer(system, lr=1e-4, weight_decay=0.01, total_steps=100, warmup_proportion=0.0)
+    dtype = resolve_amp_dtype(amp)
+    batches, times = iter(loader), []
+    system.train()
+    for i in range(steps + 1):
+        batch = next(batches)
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            result, _ = system(batch, epoch=10)
+        opt.zero_grad(set_to_none=True)
+        result.total.backward()
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default="data/bench_tvr_arl")
+    p.add_argument("--train-videos", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--amp", default="bf16", choices=["none", "bf16"])
+    p.add_argument("--naive-queries", type=int, default=256)
+    p.add_argument("--skip-training", action="store_true", help="only the reduction at TVR scale")
+    p.add_argument("--skip-reduction", action="store_true", help="only the epoch-start pass and the steps")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"machine: {machine()}")
+    if not args.skip_reduction:
+        reduction_at_tvr_scale(128, args.naive_queries)
+    if args.skip_training:
+        return
+
+    root = tvr_bench_collection(Path(args.root), args.train_videos, 64, 64)
+    variants = {
+        "base (ARL off)": {"plugins.arl.text_video": False, "plugins.arl.text_frame": False, "plugins.arl.cross_model": False},
+        "ARL, one encoder": {"plugins.arl.cross_model": False},
+        "ARL, cross-model": {},
+    }
+    baseline = None
+    for name, extra in variants.items():
+        cfg = tvr_config(root, "arl_tvr.yaml", **{"plugins.arl.warmup_epochs": 0, **extra})
+        collection = open_collection(cfg.data)
+        seed_everything(0)
+        system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=collection.video_dim,
+                              query_dim=collection.query_dim)
+        plugin = system.model.plugins["arl"]
+
+        def batches():
+            loader, _ = train_loader(collection, "train", batch_size_per_rank=args.batch_size, shuffle=False)
+            return iter(loader)
+
+        t0 = time.perf_counter()
+        plugin.on_epoch_start(context(system.model, torch.device("cpu"), batches))
+        epoch_start = time.perf_counter() - t0
+        seconds = step_seconds(system, collection, args.batch_size, args.steps, args.amp)
+        baseline = baseline or seconds
+        per_video = epoch_start / collection.split("train").num_videos
+        print(f"{name:<18} step ({args.amp}, {args.batch_size} videos) {seconds:6.2f} s  x{seconds / baseline:4.2f}   "
+              f"epoch-start pass {epoch_start:6.2f} s = {per_video * 1e3:5.1f} ms/video "
+              f"(~{per_video * TVR_VIDEOS:,.0f} s for TVR's {TVR_VIDEOS:,})   peak RSS {peak_rss_gib():.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
