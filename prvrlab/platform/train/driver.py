@@ -282,6 +282,25 @@ def check_storage(storage_path: str) -> None:
         raise ConfigError(f"tracking.storage_path {path}: not a writable folder ({exc.strerror or exc})") from None
 
 
+def amp_note(cfg: ExperimentConfig, native: bool | None = None) -> str | None:
+    """A warning when ``train.amp: bf16`` runs on a CPU without native bf16 units (emulated: slower than fp32).
+
+    ``native``: whether this machine's CPU has them (default: probed here, on the driver).
+    """
+    if cfg.train.amp != "bf16" or cfg.train.use_gpu:
+        return None
+    if native is None:
+        from prvrlab.models.blocks import native_low_precision
+
+        native = native_low_precision("cpu")
+    if native:
+        return None
+    return (
+        "note: train.amp=bf16 on a CPU without AMX or AVX512-BF16: bf16 is emulated and "
+        "usually slower than fp32 here; set train.amp=none unless the workers run elsewhere"
+    )
+
+
 def train(
     cfg: ExperimentConfig,
     *,
@@ -295,6 +314,9 @@ def train(
 
     cfg = resolve_config_paths(cfg)
     collection = prepare_data(cfg, progress=echo is not None)
+    note = amp_note(cfg)
+    if note and echo:
+        echo(note)
     if use_ray:
         import ray
 
