@@ -190,6 +190,7 @@ class TrainingLoop:
         self.device = self._device()
         seed_everything(cfg.train.seed)
         self.collection = open_collection(cfg.data)
+        self.truth = self.collection.truth(cfg.data.train_split)  # synthetic ground truth, else None
         dims = {"video_dim": self.collection.video_dim, "query_dim": self.collection.query_dim}
         self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims).to(self.device)
         self.model = self.system.model
@@ -269,7 +270,7 @@ class TrainingLoop:
             train_batches=train_batches,
             all_reduce=all_reduce,
             process_group=dist.group.WORLD if _distributed() else None,
-            truth=self.collection.truth(self.cfg.data.train_split),
+            truth=self.truth,
         )
 
     def epoch_start(self, epoch: int) -> dict[str, float]:
@@ -328,7 +329,7 @@ class TrainingLoop:
             batch=batch,
             output=out,
             terms=result.terms,
-            truth=self.collection.truth(self.cfg.data.train_split),
+            truth=self.truth,
         )
         for prefix, component in self.components.items():
             component.on_step_end(ctx)
