@@ -27,7 +27,7 @@ from ray.tune import Callback
 
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import ERROR_FILE, record_failure
-from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_error, trial_outcome, watch_interrupts
+from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_error, trial_outcome, watch_interrupts, write_outcome
 
 if TYPE_CHECKING:
     from prvrlab.platform.search.study import StudyContext
@@ -69,6 +69,8 @@ class MlflowStudyCallback(Callback):
         trial_id = trial.trial_id
         run_id = self.runs.trials.get(trial_id)
         if run_id is not None:
+            if self.runs.closed.get(trial_id) in ("FINISHED", "FAILED"):  # ended: replayed, never reopened
+                return run_id
             if trial_id not in self._open and not INTERRUPTED.is_set():  # a stopping study reopens nothing
                 self.tracker.client.update_run(run_id, status="RUNNING")
                 if self.runs.closed.pop(trial_id, None) == "KILLED":
@@ -166,7 +168,10 @@ class MlflowStudyCallback(Callback):
 
     def _complete(self, trial) -> None:
         outcome = trial_outcome(trial.last_result)
-        if outcome == "early_stopped" and INTERRUPTED.is_set():
+        interrupted = outcome == "early_stopped" and INTERRUPTED.is_set()
+        if not interrupted:  # recorded before the run closes: a killed driver never loses an ended trial
+            write_outcome(self.study.trial_dir(trial.trial_id), trial.last_result)
+        if interrupted:
             self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"})
         elif outcome == "invalid":
             self.close(trial, "FAILED", {"prvrlab.status": "error", "error": str(trial.last_result.get("error", "invalid config"))})
@@ -210,6 +215,8 @@ class MlflowStudyCallback(Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         """Log one report: an epoch as a step, the final round as ``final/*``."""
         run_id = self._child_run(trial)
+        if self.runs.closed.get(trial.trial_id) in ("FINISHED", "FAILED"):
+            return  # a replayed outcome: already logged
         kind = result.get("kind")
         metrics = {k: v for k, v in result.items() if "/" in k or k in ("lr", "epoch")}
         if kind == "epoch":

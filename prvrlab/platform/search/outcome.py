@@ -16,6 +16,7 @@ from typing import Any
 from prvrlab.platform.failures import STUDY_HINT, Failure, explain_failure
 
 STUDY_FILE = "study.json"
+OUTCOME_FILE = "outcome.json"  # in a trial's files: the last result of a trial that ended (FINISHED or FAILED)
 FAILED_OUTCOMES = ("nonfinite", "invalid", "error")  # trials that ended without a Tune error but count as failed
 INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
 
@@ -89,6 +90,35 @@ def trial_error(trial) -> tuple[str, Failure]:
     if not text.strip():
         return "", Failure("error", "trial failed (no error text recorded)", False)
     return text, explain_failure(text, hint=STUDY_HINT)
+
+
+def write_outcome(files: str | Path, last_result: dict[str, Any] | None) -> None:
+    """Record the last result of an ended trial (its metrics, ``kind`` and ``error``; atomic write).
+
+    Tune saves its experiment state every few seconds, so a driver killed just after a
+    trial ended may restore that trial as unfinished; :func:`read_outcome` lets the trial
+    report its recorded result again instead of reloading and re-evaluating its model.
+    """
+    kept = {
+        k: v
+        for k, v in (last_result or {}).items()
+        if ("/" in k or k in ("kind", "error", "epoch", "lr")) and isinstance(v, (int, float, str, bool))
+    }
+    path = Path(files) / OUTCOME_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(kept, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_outcome(files: str | Path) -> dict[str, Any] | None:
+    """The recorded last result of an ended trial, or None (not ended, or an unreadable file)."""
+    path = Path(files) / OUTCOME_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("kind") else None
 
 
 def format_params(params: dict[str, Any]) -> str:

@@ -32,6 +32,7 @@ class ProgressCallback(Callback):
         total: int,
         labels: Callable[[dict[str, Any]], str],
         progress_of: Callable[[Any], dict[str, Any] | None] | None = None,
+        ended: Callable[[Any], bool] | None = None,
         every_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -39,6 +40,7 @@ class ProgressCallback(Callback):
 
         self.metric, self.mode, self.total, self.labels = metric, mode, total, labels
         self.progress_of = progress_of
+        self.ended = ended
         self.every_s = every_s_from_env() if every_s is None else every_s
         self.clock = clock
         self.last_running = clock()
@@ -109,7 +111,10 @@ class ProgressCallback(Callback):
                 self.best[trial.trial_id] = float(value)
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        """Announce a trial and its parameters."""
+        """Announce a trial and its parameters (or that an ended one only reports its recorded result)."""
+        if self.ended is not None and self.ended(trial):
+            self._echo(f"replay {trial.trial_id}  ended before the driver stopped: its recorded result is reused")
+            return
         self._echo(f"start  {trial.trial_id}  {self.labels(trial.config)}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:

@@ -39,7 +39,7 @@ from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrid
 from prvrlab.platform.ray_logs import ray_logs_to
 from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, explain_exception, failure_text, record_failure
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
-from prvrlab.platform.search.outcome import FAILED_OUTCOMES, INTERRUPTED, RunMap, format_params, trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, INTERRUPTED, RunMap, format_params, read_outcome, trial_outcome
 from prvrlab.platform.search.spec import StudyError, StudySpec
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
@@ -101,6 +101,10 @@ class StudyContext:
         from prvrlab.platform.train.live import PROGRESS_FILE, read_progress
 
         return read_progress(self.trial_dir(trial.trial_id) / PROGRESS_FILE)
+
+    def trial_ended(self, trial) -> bool:
+        """Whether ``trial`` ended (FINISHED or FAILED) in an earlier driver: its outcome is recorded."""
+        return read_outcome(self.trial_dir(trial.trial_id)) is not None
 
     def label(self, config: dict[str, Any]) -> str:
         """A short description of a trial for the progress view."""
@@ -210,6 +214,10 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
         tune.report({"kind": "invalid", "error": str(exc)})
         return
     run_dir = study.trial_dir(trial_id)
+    recorded = read_outcome(run_dir)
+    if recorded is not None:  # ended before the driver stopped, restored as unfinished by Tune
+        tune.report(recorded)
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     loop_config = {
@@ -478,7 +486,9 @@ def run_study(
     mlflow_cb = MlflowStudyCallback(study)
     callbacks: list[Any] = [mlflow_cb]
     if progress:
-        callbacks.append(ProgressCallback(spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress))
+        callbacks.append(
+            ProgressCallback(spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress, ended=study.trial_ended)
+        )
     if resume and tune_dir.is_dir() and tune.Tuner.can_restore(str(tune_dir)):
         tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
         tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks

@@ -36,3 +36,23 @@ def test_running_line_lists_running_trials_with_progress_every_n_seconds(capsys)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "running:" in ln]
     assert len(lines) == 2  # at 10 s and 20 s
     assert view.running_line([trial("t_00001", "RUNNING", 1e-3)]) is None
+
+
+def test_an_ended_trial_restored_by_tune_is_announced_as_a_replay(capsys, tmp_path):
+    from prvrlab.platform.search.outcome import read_outcome, write_outcome
+
+    ended = trial("t_00000", "RUNNING", 1e-3)
+    fresh = trial("t_00001", "RUNNING", 2e-3)
+    write_outcome(tmp_path / ended.trial_id, {"kind": "final", "val/sumr": 201.5, "config": {"x": 1}, "date": object()})
+    assert read_outcome(tmp_path / ended.trial_id) == {"kind": "final", "val/sumr": 201.5}  # metrics and kind only
+    assert read_outcome(tmp_path / fresh.trial_id) is None
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "outcome.json").write_text("{not json")
+    assert read_outcome(tmp_path / "broken") is None
+
+    view = ProgressCallback("val/sumr", "max", 2, lambda c: f"lr={c['train.lr']:g}", ended=lambda t: read_outcome(tmp_path / t.trial_id) is not None)
+    view.on_trial_start(0, [ended, fresh], ended)
+    view.on_trial_start(0, [ended, fresh], fresh)
+    out = capsys.readouterr().out
+    assert "replay t_00000" in out and "start  t_00000" not in out
+    assert "start  t_00001  lr=0.002" in out
