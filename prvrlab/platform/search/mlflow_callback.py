@@ -42,9 +42,10 @@ class MlflowStudyCallback(Callback):
         self._open: set[str] = set()
         self._commit: str | None = None
         self._datasets: dict[str, Any] = {}
+        self._lost_checked = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None, "_datasets": {}}
+        return {"study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None, "_datasets": {}, "_lost_checked": False}
 
     # ------------------------------------------------------------ helpers
 
@@ -146,6 +147,19 @@ class MlflowStudyCallback(Callback):
             self.tracker.set_tags(self.runs.parent, {"prvrlab.stop_reason": reason})
             self.tracker.end_run(self.runs.parent, "KILLED")
 
+    def close_lost(self, trials) -> None:
+        """Close KILLED the open child runs of trials that Tune's restored state does not hold.
+
+        Tune saves its state every few seconds; a trial started just before the driver was
+        killed is unknown after ``--resume`` (the searcher samples that slot again, as a new
+        trial), so its child run would otherwise stay RUNNING forever.
+        """
+        known = {t.trial_id for t in trials}
+        lost = {"prvrlab.status": "killed", "prvrlab.stop_reason": "lost: the driver was killed before Tune saved this trial; its slot was sampled again"}
+        for trial_id in list(self.runs.trials):
+            if trial_id not in known and self.runs.closed.get(trial_id) is None:
+                self.close_id(trial_id, "KILLED", lost)
+
     def close_all(self, trials, interrupted: bool = False) -> None:
         """Close every still-open child run according to its trial's state."""
         by_id = {t.trial_id: t for t in trials}
@@ -201,8 +215,12 @@ class MlflowStudyCallback(Callback):
     # ------------------------------------------------------------ Tune hooks
 
     def on_step_begin(self, iteration, trials, **info) -> None:
-        """Keep Ctrl-C observable (Tune installs its own SIGINT handler when the run starts)."""
+        """Keep Ctrl-C observable (Tune installs its own SIGINT handler when the run starts); at the
+        first step of a resumed study, close the runs of trials its saved state lost."""
         watch_interrupts()
+        if not self._lost_checked:
+            self._lost_checked = True
+            self.close_lost(trials)
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         """Create (or reattach to) the trial's child run."""

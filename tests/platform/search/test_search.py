@@ -149,6 +149,11 @@ def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
         assert f"start  {trial_id}" not in done.stdout, done.stdout
     parents, children = study_runs(tmp_path)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    # a trial started just before the kill may be missing from Tune's saved state: its run is closed
+    # KILLED ("lost") and its slot sampled again, so 3 trials end FINISHED and nothing stays RUNNING
+    lost = [c for c in children if c.data.tags.get("prvrlab.stop_reason", "").startswith("lost:")]
+    assert len(lost) <= 1 and all(c.info.status == "KILLED" for c in lost)
+    children = [c for c in children if c.info.run_id not in {r.info.run_id for r in lost}]
     assert len(children) == 3, [c.data.tags["prvrlab.trial_id"] for c in children]
     assert len({c.data.tags["prvrlab.trial_id"] for c in children}) == 3
     assert all(c.info.status == "FINISHED" for c in children), [c.info.status for c in children]

@@ -1,0 +1,61 @@
+"""After a driver kill, ``--resume`` leaves no child run RUNNING and never retrains an ended trial.
+
+Tune saves its experiment state every few seconds, so a killed driver's saved state can
+lag behind the MLflow runs: a trial that ended may be restored as unfinished (it replays
+its recorded outcome), and a trial that had just started may be missing (its run is
+closed KILLED as lost).  Both cases are built here directly, without racing a kill.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import mlflow
+
+from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
+from prvrlab.platform.search.outcome import STUDY_FILE, read_outcome
+from prvrlab.platform.tracking.store import Tracker
+
+
+def _study(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    study_dir = tmp_path / "study"
+    study = SimpleNamespace(study_dir=str(study_dir), tracking_uri=uri, experiment="lost", trial_dir=lambda t: study_dir / "trials" / t / "files")
+    tracker = Tracker(uri, "lost")
+    parent = tracker.start_run("search")
+    runs = {t: tracker.start_run(f"trial {t}", parent_run_id=parent) for t in ("known", "lost", "ended")}
+    study_dir.mkdir()
+    (study_dir / STUDY_FILE).write_text(json.dumps({"parent": parent, "trials": runs, "closed": {"ended": "FINISHED"}}))
+    tracker.end_run(runs["ended"], "FINISHED")
+    return study, runs, mlflow.MlflowClient(uri)
+
+
+def test_the_run_of_a_trial_missing_from_tunes_saved_state_is_closed_killed(tmp_path):
+    study, runs, client = _study(tmp_path)
+    callback = MlflowStudyCallback(study)
+    restored = [SimpleNamespace(trial_id="known"), SimpleNamespace(trial_id="ended")]
+    callback.on_step_begin(0, restored)
+    lost = client.get_run(runs["lost"])
+    assert lost.info.status == "KILLED" and lost.data.tags["prvrlab.stop_reason"].startswith("lost:")
+    assert client.get_run(runs["known"]).info.status == "RUNNING"  # Tune will continue it
+    assert client.get_run(runs["ended"]).info.status == "FINISHED"
+    assert json.loads((tmp_path / "study" / STUDY_FILE).read_text())["closed"] == {"ended": "FINISHED", "lost": "KILLED"}
+    callback.on_step_begin(1, restored[:1])  # checked once, at the first step only
+    assert client.get_run(runs["ended"]).info.status == "FINISHED"
+
+
+def test_an_ended_trial_records_its_outcome_before_its_run_closes_and_is_not_reopened(tmp_path):
+    study, runs, client = _study(tmp_path)
+    callback = MlflowStudyCallback(study)
+    final = {"kind": "final", "val/sumr": 210.0, "epoch": 3, "config": {"train.lr": 1e-3}}
+    trial = SimpleNamespace(trial_id="known", last_result=final, config={})
+    callback.on_trial_complete(0, [trial], trial)
+    assert read_outcome(study.trial_dir("known")) == {"kind": "final", "val/sumr": 210.0, "epoch": 3}
+    assert client.get_run(runs["known"]).info.status == "FINISHED"
+
+    replayed = SimpleNamespace(trial_id="ended", last_result=final, config={})
+    callback.on_trial_restore(0, [replayed], replayed)
+    callback.on_trial_result(0, [replayed], replayed, final)
+    run = client.get_run(runs["ended"])
+    assert run.info.status == "FINISHED" and "final/val/sumr" not in run.data.metrics  # not reopened, not relogged
