@@ -9,7 +9,9 @@ trains one config:
   is reused between trials), which skips a Train worker group's start;
 - several workers: the trial fits a Ray Train ``TorchTrainer`` (DDP) named
   after the trial id, so a retried trial resumes from its checkpoint; the
-  trial actor itself asks for 0.01 CPU.
+  trial actor itself asks for 0.01 CPU; with ``resources.reuse_workers`` the
+  trial actor (reused between trials) trains on its slot's long-lived DDP
+  ranks instead (:mod:`prvrlab.platform.search.workers`).
 
 Only the driver writes to MLflow (:class:`MlflowStudyCallback`); the study
 folder ``<storage>/<kind>/<name>/<stamp>/`` holds Tune's state (``tune/``),
@@ -74,6 +76,7 @@ class StudyContext:
     fault: dict[str, Any] | None = None  # test hook forwarded to the workers
     short_keys: dict[str, str] = field(default_factory=dict)  # search: space key -> its short form in run names
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
+    reuse_workers: bool = False  # multi-worker trials train on their slot's long-lived pool (search/workers.py)
 
     def overrides(self, config: dict[str, Any]) -> dict[str, Any]:
         """The dotted overrides a trial config stands for."""
@@ -244,6 +247,12 @@ def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
 
     if study.workers == 1:
         train_worker(loop_config, TuneSession(filler))
+        return
+
+    if study.reuse_workers:  # the slot's long-lived DDP ranks instead of a TorchTrainer per trial
+        from prvrlab.platform.search.workers import train_on_pool
+
+        train_on_pool(loop_config, workers=study.workers, cpus=study.cpus_per_worker, gpus=study.gpus_per_worker, enrich=filler)
         return
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -481,6 +490,11 @@ def run_study(
         resources = {"cpu": study.cpus_per_worker, "gpu": study.gpus_per_worker}
     else:
         resources = {"cpu": TRIAL_ACTOR_CPU}
+    if study.workers > 1 and study.reuse_workers:  # the trial actor's bundle + one per pooled rank
+        from prvrlab.platform.search.workers import pool_resources
+
+        resources = pool_resources(study.workers, study.cpus_per_worker, study.gpus_per_worker, TRIAL_ACTOR_CPU)
+    reuse_actors = study.workers == 1 or study.reuse_workers  # a reused trial actor keeps its slot's pool
     trainable = _trainable(study, resources)
     tune_dir = Path(study.study_dir) / "tune"
     mlflow_cb = MlflowStudyCallback(study)
@@ -496,7 +510,7 @@ def run_study(
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
-            tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, reuse_actors=study.workers == 1, **tune_config_kwargs),
+            tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, reuse_actors=reuse_actors, **tune_config_kwargs),
             run_config=tune.RunConfig(
                 name="tune",
                 storage_path=str(study.study_dir),
@@ -612,6 +626,7 @@ def make_study(
         cells=cells,
         fault=fault_hook_from_env(),
         short_keys=short_keys(p.key for p in getattr(spec, "space", ())),
+        reuse_workers=spec.resources.reuse_workers,
     )
     study.resolved.update(resolved or {})
     for cell in cells or {}:  # an ablation's configs are all known: resolve them once, here

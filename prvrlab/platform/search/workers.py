@@ -1,0 +1,232 @@
+"""DDP worker pools that live across a study's trials (``resources.reuse_workers: true``).
+
+A multi-worker trial normally fits its own Ray Train ``TorchTrainer``: a
+controller, a worker group and a process group started and torn down per
+trial (~20 s here).  With ``reuse_workers`` each Tune trial actor (one per
+concurrent trial slot, kept between trials by ``reuse_actors``) owns a
+:class:`WorkerPool`: one long-lived Ray actor per DDP rank, placed in the
+trial's placement-group bundles, with a gloo (CPU) or NCCL (GPU) process
+group set up once.  A trial sends ``train_worker(loop_config, session)`` to
+the pool's ranks; rank 0's reports come back through its actor and reach Tune
+from the trial actor (checkpoints included, so a retried trial resumes).  DDP
+is built per trial on the existing process group; the group stays up.
+
+Failures: any error or stop of a trial while it trains (a rank's actor died,
+an exception in the loop, Tune stopping the trial) kills the pool, so the next
+trial of the slot builds a fresh one; Tune retries a dead-actor trial from
+its checkpoint as with a TorchTrainer.  The pool's actors are owned by the
+trial actor, so they end with it (search end, interrupt, trial-actor loss).
+
+Choices where Ray offers no ready-made piece: one rank per actor sees only its
+own GPU (``local_rank`` 0), so ranks must not share a GPU (NCCL refuses it);
+the resume checkpoint is read from the study folder, which multi-node studies
+must put on shared storage anyway.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import socket
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from prvrlab.platform.train.session import Session
+
+POLL_S = 0.5  # how often the trial actor looks for rank 0's reports and for failed ranks
+PG_TIMEOUT = timedelta(minutes=30)  # collective timeout, Ray Train's default
+STAGE_DIR = "pool_reports"  # next to a trial's files: rank 0's checkpoints until Tune persists them
+
+
+def pool_resources(workers: int, cpus: float, gpus: float, trial_actor_cpu: float):
+    """The trial's placement group: the trial actor's bundle, then one bundle per rank."""
+    from ray import tune
+
+    rank = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+    return tune.PlacementGroupFactory([{"CPU": trial_actor_cpu}] + [dict(rank) for _ in range(workers)])
+
+
+class PoolSession(Session):
+    """One rank's session inside a pool actor: resumes from ``resume``, rank 0 posts reports to ``outbox``."""
+
+    def __init__(self, *, rank: int, world_size: int, resume: str | None, outbox: queue.Queue, stage: Path) -> None:
+        self.rank, self.world_size, self.local_rank = rank, world_size, 0
+        self.resume, self.outbox, self.stage = resume, outbox, stage
+        self.sent = 0
+
+    @contextmanager
+    def checkpoint_dir(self) -> Iterator[Path | None]:
+        yield Path(self.resume) if self.resume else None
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        """Rank 0: copy the checkpoint out of the loop's scratch folder, post (metrics, its folder)."""
+        if self.rank != 0:
+            return
+        staged = None
+        if checkpoint_dir is not None:
+            staged = self.stage / f"{self.sent:05d}"
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.copytree(checkpoint_dir, staged)
+        self.sent += 1
+        self.outbox.put(("report", dict(metrics), str(staged) if staged else None))
+
+
+class PoolWorker:
+    """One DDP rank that outlives trials (a threaded Ray actor: ``run`` and ``next_report`` overlap)."""
+
+    def __init__(self) -> None:
+        self.outbox: queue.Queue = queue.Queue()
+        self.rank, self.world_size = 0, 1
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port for the process group's rendezvous."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, *, rank: int, world_size: int, init_method: str, backend: str) -> int:
+        """Join the pool's process group (blocks until every rank joined); returns the pid."""
+        import os
+
+        import torch.distributed as dist
+
+        self.rank, self.world_size = rank, world_size
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
+        return os.getpid()
+
+    def run(self, loop_config: dict[str, Any], resume: str | None, stage: str) -> None:
+        """One trial on this rank; rank 0 posts ``("done",)`` when the loop returns or raises."""
+        from prvrlab.platform.train.loop import train_worker
+
+        session = PoolSession(rank=self.rank, world_size=self.world_size, resume=resume, outbox=self.outbox, stage=Path(stage))
+        try:
+            train_worker(loop_config, session)
+        finally:
+            if self.rank == 0:
+                self.outbox.put(("done",))
+
+    def next_report(self, timeout: float) -> tuple | None:
+        """Rank 0's next posted item, or None after ``timeout`` seconds."""
+        try:
+            return self.outbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class WorkerPool:
+    """``workers`` :class:`PoolWorker` actors joined in one process group, in the caller's placement group."""
+
+    def __init__(self, *, workers: int, cpus: float, gpus: float, name: str) -> None:
+        import ray
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.key = (workers, cpus, gpus)
+        group = get_current_placement_group()
+        remote = ray.remote(PoolWorker)
+        self.actors = []
+        for rank in range(workers):
+            options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_concurrency": 2, "name": f"{name}-rank{rank}"}
+            if group is not None:  # bundle 0 is the trial actor's
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank + 1)
+            self.actors.append(remote.options(**options).remote())
+        try:
+            host, port = ray.get(self.actors[0].address.remote())
+            backend = "nccl" if gpus > 0 else "gloo"
+            joins = [
+                a.join.remote(rank=r, world_size=workers, init_method=f"tcp://{host}:{port}", backend=backend)
+                for r, a in enumerate(self.actors)
+            ]
+            self.pids = ray.get(joins)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def train(self, loop_config: dict[str, Any], resume: str | None, stage: Path, report: Callable[[dict[str, Any], str | None], None]) -> None:
+        """Run one trial on every rank; ``report(metrics, checkpoint folder or None)`` for each of rank 0's
+        rounds, in order, from this thread.  Raises what a rank raised (a dead actor included)."""
+        import ray
+
+        stage.mkdir(parents=True, exist_ok=True)
+        runs = [a.run.remote(loop_config, resume, str(stage)) for a in self.actors]
+        while True:
+            item = ray.get(self.actors[0].next_report.remote(POLL_S))
+            if item is None:
+                done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+                ray.get(done)  # a rank that failed (or died) ends the trial now, not at rank 0's next collective
+                continue
+            if item[0] == "done":
+                ray.get(runs)
+                return
+            _, metrics, staged = item
+            report(metrics, staged)
+            if staged:
+                shutil.rmtree(staged, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Kill every rank's actor (the process group goes with them)."""
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+_POOL: WorkerPool | None = None  # the pool of this trial actor (one per concurrent trial slot)
+_BUILT = 0  # pools built in this process (names stay unique while a killed pool's names are released)
+
+
+def _acquire(workers: int, cpus: float, gpus: float) -> WorkerPool:
+    """This slot's pool, built on first use or after the last one was discarded."""
+    global _POOL, _BUILT
+    if _POOL is not None and _POOL.key != (workers, cpus, gpus):
+        discard()
+    if _POOL is None:
+        import ray
+
+        _BUILT += 1
+        slot = ray.get_runtime_context().get_actor_id() or "driver"
+        _POOL = WorkerPool(workers=workers, cpus=cpus, gpus=gpus, name=f"prvrlab-pool-{slot[:12]}-{_BUILT}")
+    return _POOL
+
+
+def discard() -> None:
+    """Kill this slot's pool (after a failed or stopped trial); the next trial builds a new one."""
+    global _POOL
+    pool, _POOL = _POOL, None
+    if pool is not None:
+        pool.shutdown()
+
+
+def train_on_pool(
+    loop_config: dict[str, Any], *, workers: int, cpus: float, gpus: float, enrich: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:
+    """Train one trial (inside its Tune trial actor) on this slot's pool; reports go to ``ray.tune.report``
+    after ``enrich``; the pool is discarded unless the trial ran to its end."""
+    from ray import tune
+
+    pool = _acquire(workers, cpus, gpus)
+    stage = Path(loop_config["run_dir"]).parent / STAGE_DIR
+
+    def report(metrics: dict[str, Any], staged: str | None) -> None:
+        checkpoint = tune.Checkpoint.from_directory(staged) if staged else None
+        tune.report(enrich(metrics), checkpoint=checkpoint)
+
+    ended = False
+    try:
+        checkpoint = tune.get_checkpoint()
+        if checkpoint is None:
+            pool.train(loop_config, None, stage, report)
+        else:
+            with checkpoint.as_directory() as resume:
+                pool.train(loop_config, str(resume), stage, report)
+        ended = True
+    finally:
+        if not ended:  # a failed, dead or stopped rank leaves the group unusable
+            discard()
+        shutil.rmtree(stage, ignore_errors=True)
