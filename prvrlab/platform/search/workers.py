@@ -25,9 +25,11 @@ must put on shared storage anyway.
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
 import socket
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +40,7 @@ from prvrlab.platform.train.session import Session
 POLL_S = 0.5  # how often the trial actor looks for rank 0's reports and for failed ranks
 PG_TIMEOUT = timedelta(minutes=30)  # collective timeout, Ray Train's default
 STAGE_DIR = "pool_reports"  # next to a trial's files: rank 0's checkpoints until Tune persists them
+POOL_LOG = "pool.jsonl"  # next to a trial's files: one line per attempt (pool name, rank pids, build time)
 
 
 def pool_resources(workers: int, cpus: float, gpus: float, trial_actor_cpu: float):
@@ -126,7 +129,8 @@ class WorkerPool:
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.key = (workers, cpus, gpus)
+        start = time.perf_counter()
+        self.key, self.name, self.trials = (workers, cpus, gpus), name, 0
         group = get_current_placement_group()
         remote = ray.remote(PoolWorker)
         self.actors = []
@@ -146,6 +150,7 @@ class WorkerPool:
         except BaseException:
             self.shutdown()
             raise
+        self.build_s = time.perf_counter() - start  # actors started + process group joined
 
     def train(self, loop_config: dict[str, Any], resume: str | None, stage: Path, report: Callable[[dict[str, Any], str | None], None]) -> None:
         """Run one trial on every rank; ``report(metrics, checkpoint folder or None)`` for each of rank 0's
@@ -211,7 +216,12 @@ def train_on_pool(
     from ray import tune
 
     pool = _acquire(workers, cpus, gpus)
-    stage = Path(loop_config["run_dir"]).parent / STAGE_DIR
+    trial_dir = Path(loop_config["run_dir"]).parent
+    stage = trial_dir / STAGE_DIR
+    record = {"pool": pool.name, "pids": pool.pids, "trials_before": pool.trials, "build_s": 0.0 if pool.trials else pool.build_s}
+    with (trial_dir / POOL_LOG).open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    pool.trials += 1
 
     def report(metrics: dict[str, Any], staged: str | None) -> None:
         checkpoint = tune.Checkpoint.from_directory(staged) if staged else None

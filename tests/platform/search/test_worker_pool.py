@@ -1,0 +1,142 @@
+"""Reused DDP worker pools (``resources.reuse_workers``): the spec switch, rank 0's report path, and
+searches whose 2-worker trials share a pool — same results as a TorchTrainer per trial, crash retry."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import time
+
+import pytest
+
+from prvrlab.platform.config import ConfigError
+from prvrlab.platform.search.spec import load_search_spec
+from prvrlab.platform.search.workers import POOL_LOG, PoolSession, pool_resources
+
+from search_helpers import metric_history, study_runs, tiny_spec
+
+
+# ---------------------------------------------------------------- fast
+
+
+def test_spec_switch_defaults_off_and_names_the_key(tiny_root, tmp_path):
+    assert load_search_spec(tiny_spec(tmp_path, tiny_root)).resources.reuse_workers is False
+    on = tiny_spec(tmp_path, tiny_root, name="on", resources={"workers_per_trial": 2, "reuse_workers": True})
+    assert load_search_spec(on).resources.reuse_workers is True
+    bad = tiny_spec(tmp_path, tiny_root, name="bad", resources={"workers_per_trial": 2, "reuse_workers": "yes"})
+    with pytest.raises(ConfigError, match=r"resources\.reuse_workers: expected true or false, got 'yes'"):
+        load_search_spec(bad)
+
+
+def test_trial_placement_group_has_the_trial_actor_then_one_bundle_per_rank():
+    cpu = pool_resources(3, 0.5, 0.0, 0.01)
+    assert cpu.bundles == [{"CPU": 0.01}] + [{"CPU": 0.5}] * 3
+    gpu = pool_resources(2, 1.0, 0.5, 0.01)
+    assert gpu.bundles == [{"CPU": 0.01}, {"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
+
+
+def test_rank0_posts_numbered_checkpoint_copies_and_other_ranks_post_nothing(tmp_path):
+    outbox: queue.Queue = queue.Queue()
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    rank0 = PoolSession(rank=0, world_size=2, resume=None, outbox=outbox, stage=stage)
+    rank1 = PoolSession(rank=1, world_size=2, resume=str(tmp_path), outbox=outbox, stage=stage)
+    with rank0.checkpoint_dir() as none, rank1.checkpoint_dir() as resume:
+        assert none is None and resume == tmp_path
+    for epoch in (1, 2):
+        scratch = tmp_path / f"scratch{epoch}"
+        scratch.mkdir()
+        (scratch / "state.pt").write_text(f"epoch {epoch}")
+        rank1.report({"epoch": epoch}, None)
+        rank0.report({"epoch": epoch}, scratch)
+        scratch.joinpath("state.pt").unlink()  # the loop's scratch folder goes away after report()
+    rank0.report({"kind": "final"}, None)
+    posted = [outbox.get_nowait() for _ in range(outbox.qsize())]
+    assert [p[1] for p in posted] == [{"epoch": 1}, {"epoch": 2}, {"kind": "final"}]
+    assert [p[2] for p in posted] == [str(stage / "00000"), str(stage / "00001"), None]
+    assert [(stage / f"0000{i}" / "state.pt").read_text() for i in (0, 1)] == ["epoch 1", "epoch 2"]
+
+
+# ---------------------------------------------------------------- searches on Ray
+
+
+@pytest.fixture(scope="module")
+def ray_shutdown():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def _pool_lines(study_dir, trial_id):
+    return [json.loads(line) for line in (study_dir / "trials" / trial_id / POOL_LOG).read_text().splitlines()]
+
+
+def _by_lr(children):
+    return {round(float(c.data.params["train.lr"]), 8): c for c in children}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_reused_pool_gives_the_per_trial_trainers_results(tiny_root, tmp_path, ray_shutdown):
+    from prvrlab.platform.search.tuning import search
+
+    grid = {"sampler": {"type": "grid", "seed": 0}, "budget": {"trials": 2}}
+    pooled_dir, plain_dir = tmp_path / "pooled", tmp_path / "plain"
+    pooled_dir.mkdir(), plain_dir.mkdir()
+    resources = {"workers_per_trial": 2, "reuse_workers": True}
+    pooled = search(load_search_spec(
+        tiny_spec(pooled_dir, tiny_root, name="pooled", resources=resources, space={"train.lr": {"grid": [1e-3, 2e-3]}}, **grid),
+        {"train.epochs": 1},
+    ), echo=None)
+    assert pooled.counts["finished"] == 2, pooled.counts
+    children = _by_lr(study_runs(pooled_dir)[1])
+    lines = {lr: _pool_lines(pooled.study_dir, c.data.tags["prvrlab.trial_id"]) for lr, c in children.items()}
+    assert all(len(attempts) == 1 and len(attempts[0]["pids"]) == 2 for attempts in lines.values())
+    (first, _), (second, _) = sorted(((lr, a[0]["trials_before"]) for lr, a in lines.items()), key=lambda x: x[1])
+    assert lines[second][0]["pids"] == lines[first][0]["pids"]  # the same two ranks trained both trials
+    assert [lines[lr][0]["trials_before"] for lr in (first, second)] == [0, 1]
+    assert lines[first][0]["build_s"] > 0 and lines[second][0]["build_s"] == 0
+
+    # the reference: the config that ran on the reused pool, alone on a TorchTrainer of its own
+    plain = search(load_search_spec(
+        tiny_spec(plain_dir, tiny_root, name="plain", resources={"workers_per_trial": 2}, space={"train.lr": {"grid": [second]}}, budget={"trials": 1}, sampler={"type": "grid", "seed": 0}),
+        {"train.epochs": 1},
+    ), echo=None)
+    assert plain.counts["finished"] == 1, plain.counts
+    (reference,) = study_runs(plain_dir)[1]
+    assert not (plain.study_dir / "trials" / reference.data.tags["prvrlab.trial_id"] / POOL_LOG).exists()
+    got, want = children[second].data.metrics, reference.data.metrics
+    compared = sorted(k for k in want if k.startswith(("train/", "val/", "final/")))
+    assert "train/loss" in compared and "final/val/sumr" in compared
+    assert {k: got[k] for k in compared} == pytest.approx({k: want[k] for k in compared}, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_dead_rank_retries_the_trial_on_a_new_pool_and_search_end_kills_it(tiny_root, tmp_path, monkeypatch, ray_shutdown):
+    from prvrlab.platform.search.tuning import search
+
+    marker = tmp_path / "crashed"
+    monkeypatch.setenv("PRVRLAB_FAULT_EPOCH", "0")  # rank 0's process exits after epoch 1's report
+    monkeypatch.setenv("PRVRLAB_FAULT_MARKER", str(marker))
+    path = tiny_spec(tmp_path, tiny_root, name="crash", budget={"trials": 1}, resources={"workers_per_trial": 2, "reuse_workers": True})
+    result = search(load_search_spec(path), echo=None)
+    assert marker.exists(), "the injected crash did not happen"
+    assert result.counts["finished"] == 1, result.counts
+    (child,) = study_runs(tmp_path)[1]
+    assert child.data.tags["prvrlab.last_failure"].startswith("worker died: ")
+    assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [1, 2]  # resumed, not restarted
+    crashed, retried = _pool_lines(result.study_dir, child.data.tags["prvrlab.trial_id"])
+    assert set(crashed["pids"]).isdisjoint(retried["pids"]) and retried["build_s"] > 0  # a fresh pool
+    deadline = time.time() + 30
+    while any(_alive(p) for p in retried["pids"]) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in retried["pids"]), "the pool's ranks outlived the search"
