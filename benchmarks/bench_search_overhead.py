@@ -1,22 +1,29 @@
 """The search platform's own overhead on this machine.
 
-For a small search (tiny synthetic data, 3 trials, 2 epochs, one trial at a
-time) with one worker per trial (trained inside the Tune trial actor) and
-with two (a Ray Train DDP worker group per trial), prints:
+For a small search (synthetic data of ``--preset``, 3 trials, 2 epochs, one
+trial at a time) with one worker per trial (trained inside the Tune trial
+actor), with two (a Ray Train DDP worker group per trial) and with two on a
+reused pool (``resources.reuse_workers: true``), prints:
 
 - time from a trial's start (its MLflow child run is created in the driver)
   to its first training step (first epoch report minus that epoch's time);
-- the share of the search's wall time spent outside training epochs.
+- the share of the search's wall time spent outside training epochs;
+- for the reused pool: its build time (rank actors + process group, paid by
+  the first trial) and the largest difference of any trial's final metrics
+  from the per-trial TorchTrainer row (same sampler seed, same configs).
+
+Ray is started by the first row; later rows find it running.
 
 With a GPU it also prints the aggregate trial throughput when packing 1, 2
 and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
 
-    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2]
+    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -32,7 +39,9 @@ from prvrlab.platform.tracking.store import Tracker
 REPO = Path(__file__).resolve().parents[1]
 
 
-def write_spec(tmp: Path, root: Path, name: str, trials: int, epochs: int, workers: int, gpus: float = 0.0, concurrency: int = 1) -> Path:
+def write_spec(
+    tmp: Path, root: Path, name: str, trials: int, epochs: int, workers: int, gpus: float = 0.0, concurrency: int = 1, reuse: bool = False
+) -> Path:
     spec = {
         "name": name,
         "base_config": str(REPO / "configs" / "gmmformer_synth.yaml"),
@@ -50,7 +59,7 @@ def write_spec(tmp: Path, root: Path, name: str, trials: int, epochs: int, worke
         },
         "budget": {"trials": trials},
         "concurrency": concurrency,
-        "resources": {"workers_per_trial": workers, "gpus_per_worker": gpus},
+        "resources": {"workers_per_trial": workers, "gpus_per_worker": gpus, "reuse_workers": reuse},
         "sampler": {"type": "random", "seed": 0},
         "space": {"train.lr": {"loguniform": [3e-4, 3e-3]}},
     }
@@ -68,8 +77,12 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
     children = tracker.client.search_runs(
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
     )
-    startups, train_s = [], 0.0
+    startups, train_s, finals, builds = [], 0.0, {}, []
     for child in children:
+        finals[child.data.params["train.lr"]] = {k: v for k, v in child.data.metrics.items() if k.startswith("final/")}
+        pool_log = result.study_dir / "trials" / child.data.tags["prvrlab.trial_id"] / "pool.jsonl"
+        if pool_log.exists():
+            builds += [json.loads(line)["build_s"] for line in pool_log.read_text().splitlines()]
         epochs = tracker.client.get_metric_history(child.info.run_id, "time/epoch_s")
         if not epochs:
             continue
@@ -82,22 +95,45 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "startup_s": statistics.fmean(startups) if startups else float("nan"),
         "train_s": train_s,
         "outside_share": 1 - train_s / wall,
+        "pool_build_s": sum(builds),
+        "finals": finals,
     }
+
+
+def max_difference(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> float:
+    """The largest |difference| of any final metric of the same config (inf when the configs differ)."""
+    if set(a) != set(b) or not a:
+        return float("inf")
+    return max((abs(a[lr][k] - b[lr].get(k, float("inf"))) for lr in a for k in a[lr]), default=float("inf"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--preset", default="small", help="synthetic preset: tiny | small")
+    parser.add_argument("--rows", default="1,2,2r", help="1: one worker; 2: a TorchTrainer per trial; 2r: 2 workers, reused pool")
     args = parser.parse_args()
+    rows = args.rows.split(",")
     with tempfile.TemporaryDirectory(prefix="prvrlab-bench-search-") as tmp_name:
         tmp = Path(tmp_name)
-        root = synthesize(tmp / "synth_tiny", preset="tiny", seed=0, progress=False)
-        print(f"search overhead: {args.trials} trials x {args.epochs} epochs, tiny synthetic data, 1 trial at a time")
-        print(f"{'workers/trial':>13} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
-        for workers in (1, 2):
-            m = measure(tmp, root, f"overhead_w{workers}", trials=args.trials, epochs=args.epochs, workers=workers)
-            print(f"{workers:>13} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
+        root = synthesize(tmp / f"synth_{args.preset}", preset=args.preset, seed=0, progress=False)
+        print(f"search overhead: {args.trials} trials x {args.epochs} epochs, {args.preset} synthetic data, 1 trial at a time")
+        print(f"{'workers/trial':>20} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
+        measured: dict[str, dict] = {}
+        for row in rows:
+            workers, reuse = int(row.rstrip("r")), row.endswith("r")
+            m = measured[row] = measure(
+                tmp, root, f"overhead_w{row}", trials=args.trials, epochs=args.epochs, workers=workers, reuse=reuse
+            )
+            label = f"{workers} (reused pool)" if reuse else f"{workers}"
+            print(f"{label:>20} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
+        for row in (r for r in rows if r.endswith("r")):
+            m = measured[row]
+            print(f"reused pool ({row}): built once in {m['pool_build_s']:.1f} s (rank actors + process group)")
+            if row[:-1] in measured:
+                same = max_difference(m["finals"], measured[row[:-1]]["finals"])
+                print(f"reused pool ({row}) vs a TorchTrainer per trial: largest final-metric difference {same:.2e}")
 
         import torch
 
