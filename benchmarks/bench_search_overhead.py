@@ -12,7 +12,8 @@ reused pool (``resources.reuse_workers: true``), prints:
   the first trial) and the largest difference of any trial's final metrics
   from the per-trial TorchTrainer row (same sampler seed, same configs).
 
-Ray is started by the first row; later rows find it running.
+Ray is started before the first row (its start time is printed apart), so
+every row finds it running.
 
 With a GPU it also prints the aggregate trial throughput when packing 1, 2
 and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
@@ -32,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from prvrlab.data.synth import synthesize
+from prvrlab.platform.runtime import ensure_ray
 from prvrlab.platform.search.tuning import search
 from prvrlab.platform.search.spec import load_search_spec
 from prvrlab.platform.tracking.store import Tracker
@@ -78,6 +80,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
     )
     startups, train_s, finals, builds = [], 0.0, {}, []
+    children = sorted(children, key=lambda c: c.info.start_time)
     for child in children:
         finals[child.data.params["train.lr"]] = {k: v for k, v in child.data.metrics.items() if k.startswith("final/")}
         pool_log = result.study_dir / "trials" / child.data.tags["prvrlab.trial_id"] / "pool.jsonl"
@@ -93,6 +96,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "wall_s": wall,
         "trials": len(children),
         "startup_s": statistics.fmean(startups) if startups else float("nan"),
+        "startups": startups,
         "train_s": train_s,
         "outside_share": 1 - train_s / wall,
         "pool_build_s": sum(builds),
@@ -119,6 +123,9 @@ def main() -> None:
         tmp = Path(tmp_name)
         root = synthesize(tmp / f"synth_{args.preset}", preset=args.preset, seed=0, progress=False)
         print(f"search overhead: {args.trials} trials x {args.epochs} epochs, {args.preset} synthetic data, 1 trial at a time")
+        t0 = time.time()
+        ensure_ray()
+        print(f"Ray started in {time.time() - t0:.1f} s (not counted in the rows)")
         print(f"{'workers/trial':>20} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
         measured: dict[str, dict] = {}
         for row in rows:
@@ -131,6 +138,7 @@ def main() -> None:
         for row in (r for r in rows if r.endswith("r")):
             m = measured[row]
             print(f"reused pool ({row}): built once in {m['pool_build_s']:.1f} s (rank actors + process group)")
+            print(f"reused pool ({row}): start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
             if row[:-1] in measured:
                 same = max_difference(m["finals"], measured[row[:-1]]["finals"])
                 print(f"reused pool ({row}) vs a TorchTrainer per trial: largest final-metric difference {same:.2e}")
