@@ -26,6 +26,7 @@ must put on shared storage anyway.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import shutil
 import socket
@@ -94,8 +95,6 @@ class PoolWorker:
 
     def join(self, *, rank: int, world_size: int, init_method: str, backend: str) -> int:
         """Join the pool's process group (blocks until every rank joined); returns the pid."""
-        import os
-
         import torch.distributed as dist
 
         self.rank, self.world_size = rank, world_size
