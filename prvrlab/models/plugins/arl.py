@@ -79,6 +79,7 @@ from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS
 
 _EPS = 1e-6
+DISTRIBUTION_BINS = 200  # of [-1, 1] for the logged similarity / uncertainty distributions
 
 
 # ---------------------------------------------------------------- similarity and detection
@@ -195,6 +196,15 @@ def _gather_ids(ctx: EpochContext, ids: tuple[list[str], list[str]]) -> list[tup
     return out
 
 
+def _ownership(ctx: EpochContext, query_ids: list[str], video_ids: list[str]) -> tuple[Tensor, list[str], Tensor, list[str]]:
+    """(owned (nq_local,), dataset-wide query order, owned (nv_local,), video order) of this rank's items."""
+    per_rank = _gather_ids(ctx, (query_ids, video_ids))
+    keep_q, q_order = _owned(query_ids, [p[0] for p in per_rank], ctx.rank)
+    keep_v, v_order = _owned(video_ids, [p[1] for p in per_rank], ctx.rank)
+    as_mask = lambda keep: torch.tensor(keep, dtype=torch.bool, device=ctx.device)  # noqa: E731
+    return as_mask(keep_q), q_order, as_mask(keep_v), v_order
+
+
 def reduce_uncertainty(
     ctx: EpochContext,
     encoded: Sequence[_Encoded],
@@ -207,16 +217,14 @@ def reduce_uncertainty(
 
     ``frame_slots``: per batch, (local video index, position) (Nf,) of every
     real frame of ``encoded[*].frames``; ``fixed``: (tau_s, tau_u), None where
-    the rule sets the threshold.  Sums in float32 per batch, float64 across batches and ranks.
+    the rule sets the threshold (tau_u by the rule is left NaN here: it needs
+    the pair uncertainties, :func:`pair_values`).  Sums in float32 per batch,
+    float64 across batches and ranks.
     """
-    per_rank = _gather_ids(ctx, (query_ids, video_ids))
-    keep_q_list, q_order = _owned(query_ids, [p[0] for p in per_rank], ctx.rank)
-    keep_v_list, v_order = _owned(video_ids, [p[1] for p in per_rank], ctx.rank)
+    keep_q, q_order, keep_v, v_order = _ownership(ctx, query_ids, video_ids)
     device = ctx.device
     q_rows = {item: row for row, item in enumerate(q_order)}
     v_rows = {item: row for row, item in enumerate(v_order)}
-    keep_q = torch.tensor(keep_q_list, dtype=torch.bool, device=device)  # (nq_local,)
-    keep_v = torch.tensor(keep_v_list, dtype=torch.bool, device=device)  # (nv_local,)
     global_q = torch.tensor([q_rows[i] for i in query_ids], dtype=torch.long, device=device)  # (nq_local,)
     global_v = torch.tensor([v_rows[i] for i in video_ids], dtype=torch.long, device=device)  # (nv_local,)
     # per batch: which queries / real frames this rank owns, and where they go in the tables
@@ -255,9 +263,33 @@ def reduce_uncertainty(
             query_table[global_q[part][keep]] = (q @ mean_f.to(q.dtype))[keep].double()
         query_table, frame_table = ctx.all_reduce(query_table), ctx.all_reduce(frame_table)
         tau_s = float(q_sums[dim + 1] / q_sums[dim].clamp(min=1)) if fixed[0] is None else fixed[0]
-        tau_u = float(mean_q @ mean_f) if fixed[1] is None else fixed[1]
+        tau_u = float("nan") if fixed[1] is None else fixed[1]  # the rule's: pair_uncertainty
         tables.append(UncertaintyTables(q_rows, query_table.float(), v_rows, frame_table.float(), tau_s, tau_u))
     return tables
+
+
+def pair_values(
+    query: Tensor,
+    frames: Tensor,
+    slots: tuple[Tensor, Tensor],
+    num_videos: int,
+    query_unc: Tensor,
+    frame_unc: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """s (Eq. 3) and u = (U^q_i + U^v_{j,k_hat}) / 2 (Eq. 5) of every text-video pair of a batch, (Nq, Nv) each.
+
+    ``query`` q^ (Nq, D); ``frames`` the real frames' v^ (Nf, D) at ``slots``
+    (video in the batch (Nf,), position (Nf,)); ``query_unc`` U^q (Nq,),
+    ``frame_unc`` U^v (Nv, L) with L > every position.
+    """
+    video, position = slots
+    mask = torch.zeros(num_videos, frame_unc.shape[1], dtype=torch.bool, device=query.device)  # (Nv, L)
+    mask[video, position] = True
+    sim = query.new_zeros(query.shape[0], *mask.shape)  # (Nq, Nv, L)
+    sim[:, video, position] = query @ frames.T  # (Nq, Nf)
+    s, k_hat = best_frame(sim, mask)  # (Nq, Nv)
+    u = 0.5 * (query_unc[:, None] + frame_unc[torch.arange(num_videos, device=query.device)[None], k_hat])  # (Nq, Nv)
+    return s, u
 
 
 # ---------------------------------------------------------------- the plug-in
@@ -396,11 +428,13 @@ class ARL(Plugin):
         query_ids: list[str] = []
         video_ids: list[str] = []
         frame_slots: list[tuple[Tensor, Tensor]] = []
+        layouts: list[tuple[int, int, int, Tensor]] = []  # per batch: first query, first video, videos, query_video
         for batch in ctx.train_batches():
             video, query = ctx.encode(batch)
             views = self.encoder_views(query, video)
             encoded = encoded or [_Encoded([], [], []) for _ in views]
             query_video = batch.query_video.to(ctx.device)
+            layouts.append((len(query_ids), len(video_ids), len(batch.video_ids), query_video))
             mask = views[0][2].to(torch.bool)  # (Nv, Lf)
             slots = mask.nonzero(as_tuple=True)  # (Nf,), (Nf,)
             frame_slots.append((slots[0] + len(video_ids), slots[1]))
@@ -417,7 +451,40 @@ class ARL(Plugin):
         if not encoded:
             raise PluginError("arl: the training split yielded no batch at epoch start")
         fixed = (self.tau_s if self.tau_s_mode == "fixed" else None, self.tau_u if self.tau_u_mode == "fixed" else None)
-        return reduce_uncertainty(ctx, encoded, query_ids, video_ids, frame_slots, fixed)
+        tables = reduce_uncertainty(ctx, encoded, query_ids, video_ids, frame_slots, fixed)
+        keep_q, _, keep_v, _ = _ownership(ctx, query_ids, video_ids)
+        for m, (enc, table) in enumerate(zip(encoded, tables)):
+            values: dict[str, list[Tensor]] = {"s+": [], "s-": [], "u+": [], "u-": []}
+            for q, f, (video, position), (q0, v0, nv, query_video) in zip(enc.queries, enc.frames, frame_slots, layouts):
+                nq = q.shape[0]
+                length = int(position.max()) + 1 if position.numel() else 1
+                query_unc, frame_unc = table.lookup(query_ids[q0 : q0 + nq], video_ids[v0 : v0 + nv], length)
+                s, u = pair_values(q, f, (video - v0, position), nv, query_unc.to(q.dtype), frame_unc.to(q.dtype))
+                owned = keep_q[q0 : q0 + nq, None] & keep_v[None, v0 : v0 + nv]  # (Nq, Nv): counted once
+                positive = positive_mask(query_video, nv)  # (Nq, Nv)
+                for key, sel in (("+", owned & positive), ("-", owned & ~positive)):
+                    values["s" + key].append(s[sel])
+                    values["u" + key].append(u[sel])
+            flat = {k: torch.cat(v) if v else torch.zeros(0, device=ctx.device) for k, v in values.items()}
+            if fixed[1] is None:
+                table.tau_u = self._rule_tau_u(ctx, flat["u+"], flat["u-"], len(table.video_rows))
+            if m == 0:  # the paper's Fig. 4 for theta
+                for quantity, key in (("similarity", "s"), ("uncertainty", "u")):
+                    series = {"positive": flat[key + "+"], "unpaired": flat[key + "-"]}
+                    self.log_distribution(quantity, series, low=-1.0, high=1.0, bins=DISTRIBUTION_BINS)
+        return tables
+
+    @staticmethod
+    def _rule_tau_u(ctx: EpochContext, positive: Tensor, unpaired: Tensor, num_videos: int) -> float:
+        """Mean of u over the training set's text-video pairs: 1 positive and N_v - 1 unpaired per query,
+        the unpaired mean estimated on the in-batch pairs."""
+        sums = ctx.all_reduce(torch.stack([positive.double().sum(), positive.new_tensor(positive.numel(), dtype=torch.float64),
+                                           unpaired.double().sum(), unpaired.new_tensor(unpaired.numel(), dtype=torch.float64)]))
+        mean_pos, n_pos, mean_unp, n_unp = float(sums[0]), float(sums[1]), float(sums[2]), float(sums[3])
+        mean_pos, mean_unp = mean_pos / max(n_pos, 1.0), mean_unp / max(n_unp, 1.0)
+        if n_unp == 0:
+            return mean_pos
+        return mean_pos / num_videos + mean_unp * (1.0 - 1.0 / num_videos)
 
     # ------------------------------------------------------------ every step: Eqs. 5-7
 
