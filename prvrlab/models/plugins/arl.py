@@ -448,9 +448,11 @@ class ARL(Plugin):
         return out
 
     def dataset_uncertainty(self, ctx: EpochContext) -> list[UncertaintyTables]:
-        """Encode this rank's share of the training split with the current model and reduce Eq. 4.
+        """Encode this rank's share of the training split with the current model and reduce Eq. 4; then,
+        from the kept vectors, s and u of every in-batch pair: tau_u by the rule and the Fig. 4 distributions.
 
-        Keeps q^ and the real frames' v^ of the share (4 (N_q + sum L_v) d bytes per encoder).
+        Keeps q^ and the real frames' v^ of the share (4 (N_q + sum L_v) d bytes per encoder); the pair
+        pass costs one similarity map per batch, as a training step's forward.
         """
         encoded: list[_Encoded] = []
         query_ids: list[str] = []
@@ -482,7 +484,7 @@ class ARL(Plugin):
         tables = reduce_uncertainty(ctx, encoded, query_ids, video_ids, frame_slots, fixed)
         keep_q, _, keep_v, _ = _ownership(ctx, query_ids, video_ids)
         for m, (enc, table) in enumerate(zip(encoded, tables)):
-            values: dict[str, list[Tensor]] = {"s+": [], "s-": [], "u+": [], "u-": []}
+            values: dict[str, list[Tensor]] = {"s+": [], "s-": [], "u+": [], "u-": []}  # s / u of positive / unpaired
             for q, f, (video, position), (q0, v0, nv, query_video) in zip(enc.queries, enc.frames, frame_slots, layouts):
                 nq = q.shape[0]
                 length = int(position.max()) + 1 if position.numel() else 1
