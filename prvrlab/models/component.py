@@ -22,7 +22,13 @@ Every loss and every plug-in is a :class:`Component`.  A component
   or returned by the epoch hooks).  They are logged per epoch as
   ``train/<component>.<name>`` (``<component>`` = the plug-in name or the
   loss term), usable as a search or ablation metric when listed in
-  :meth:`Component.metric_names`, and shown by the reports.
+  :meth:`Component.metric_names`, and shown by the reports;
+- reports **distributions** (:meth:`Component.log_distribution` from an
+  epoch hook: named series of one quantity, e.g. the similarity of positive
+  and of unpaired pairs).  The loop bins them (:func:`histogram_record`),
+  sums the bins over the ranks and writes the run artifact
+  ``distributions/<component>.<name>.json`` (the last epoch that logged the
+  name wins); the reports draw every such artifact they find.
 
 Nothing here imports the data layer's loaders or the platform: the training
 loop builds the contexts and hands them in.
@@ -158,3 +164,45 @@ class Component(nn.Module):
     def pop_step_metrics(self) -> dict[str, float]:
         """The metrics logged since the last call (the loop calls this once per step)."""
         return self.__dict__.pop("_step_metrics", {})
+
+    def log_distribution(self, name: str, series: dict[str, Tensor], *, low: float, high: float, bins: int = 50) -> None:
+        """Record the values of named series (1-D tensors) of one quantity from an epoch hook.
+
+        The loop histograms them over ``bins`` equal bins of [low, high] (values
+        outside count in the end bins) and writes ``distributions/<component>.<name>.json``
+        (:func:`histogram_record`).  Under DDP every rank must log the same names and series.
+        """
+        if not (high > low and bins >= 1):
+            raise ValueError(f"log_distribution {name!r}: needs low < high and bins >= 1, got {low}, {high}, {bins}")
+        pending = self.__dict__.setdefault("_distributions", {})
+        pending[name] = (dict(series), float(low), float(high), int(bins))
+
+    def pop_distributions(self) -> dict[str, tuple[dict[str, Tensor], float, float, int]]:
+        """The distributions logged since the last call (the loop calls this after every epoch hook)."""
+        return self.__dict__.pop("_distributions", {})
+
+
+DISTRIBUTIONS_DIR = "distributions"  # run artifact folder of the logged distributions (one JSON per name)
+
+
+def histogram_record(
+    series: dict[str, Tensor], *, low: float, high: float, bins: int, all_reduce: Callable[..., Tensor] = _identity_reduce
+) -> dict[str, Any]:
+    """The artifact of one distribution, summed over the ranks by ``all_reduce``::
+
+        {"edges": [bins + 1 floats], "series": {name: {"counts": [bins ints], "n": int, "mean": float, "std": float}}}
+
+    ``mean`` / ``std`` are of the values themselves (not of the bins); NaN when a series is empty.
+    """
+    edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)
+    out: dict[str, Any] = {"edges": edges.tolist(), "series": {}}
+    for key, values in series.items():
+        v = values.detach().reshape(-1).double()  # (N,)
+        counts = torch.histc(v.clamp(low, high), bins=bins, min=low, max=high)  # (bins,)
+        moments = torch.stack([v.new_tensor(float(v.numel())), v.sum(), (v * v).sum()])  # (3,)
+        total = all_reduce(torch.cat([counts, moments]))
+        counts, (n, first, second) = total[:bins], total[bins:].tolist()
+        mean = first / n if n else float("nan")
+        var = max(second / n - mean * mean, 0.0) if n else float("nan")
+        out["series"][key] = {"counts": [int(c) for c in counts.round().tolist()], "n": int(n), "mean": mean, "std": var**0.5}
+    return out

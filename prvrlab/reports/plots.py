@@ -5,7 +5,9 @@ Every figure has a title, axis labels and a legend naming each line and marker.
 - ``sensitivity_<key>.png``: SumR against the value of one swept hyperparameter
   (every trial / seed as a dot, the mean per value or per bin of the report's
   table as a line);
-- ``learning_curves.png``: a per-epoch metric of the best trials (integer epochs).
+- ``learning_curves.png``: a per-epoch metric of the best trials (integer epochs);
+- ``distribution_<component>.<name>.png``: a logged distribution's series as
+  density step lines, one panel per variant.
 """
 
 from __future__ import annotations
@@ -94,6 +96,38 @@ def learning_curves(
     ax.grid(True, alpha=0.3)
     if any(points for _, points in curves):
         ax.legend(fontsize=7, title="trial", title_fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata=_META)
+    plt.close(fig)
+    return path
+
+
+def distribution_plot(
+    panels: Sequence[tuple[str, Sequence[float], dict[str, Sequence[float]]]],
+    path: Path,
+    *,
+    xlabel: str,
+    title: str,
+) -> Path:
+    """One panel per (label, bin edges, {series: counts}), each series a density step line; the x range is
+    trimmed to the bins any panel fills."""
+    filled = [i for _, _, series in panels for counts in series.values() for i, c in enumerate(counts) if c > 0]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels) + 0.6, 2.8), dpi=120, sharex=True, squeeze=False)
+    for ax, (label, edges, series) in zip(axes[0], panels):
+        for name, counts in series.items():
+            total = sum(counts)
+            if total:
+                density = [c / total / (edges[i + 1] - edges[i]) for i, c in enumerate(counts)]
+                ax.stairs(density, edges, label=f"{name} (n={total:,})")
+        if filled:
+            ax.set_xlim(panels[0][1][min(filled)], panels[0][1][max(filled) + 1])
+        ax.set_title(label, fontsize=8)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("density")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata=_META)

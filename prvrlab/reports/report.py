@@ -280,6 +280,61 @@ def component_section(
             doc.figure(name, f"{key} per epoch of {len(points)} of the best trials")
 
 
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+def merged_distributions(study: Study, entries: list[tuple[str, list[TrialRun]]]) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """``<component>.<name>`` -> [(label, record)] with each entry's runs merged: bin counts and n summed,
+    means weighted by n (runs whose bin edges differ from the first run's are left out)."""
+    out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    per_run = {r.run_id: study.distributions(r) for _, runs in entries for r in runs}
+    keys = sorted({k for records in per_run.values() for k in records})
+    for key in keys:
+        for label, runs in entries:
+            records = [per_run[r.run_id][key] for r in runs if key in per_run[r.run_id]]
+            records = [rec for rec in records if records and rec["edges"] == records[0]["edges"]]
+            if not records:
+                continue
+            merged: dict[str, dict[str, Any]] = {}
+            for rec in records:
+                for name, ser in rec["series"].items():
+                    m = merged.setdefault(name, {"counts": [0] * len(ser["counts"]), "n": 0, "sum": 0.0})
+                    m["counts"] = [a + b for a, b in zip(m["counts"], ser["counts"])]
+                    m["n"] += ser["n"]
+                    m["sum"] += ser["mean"] * ser["n"] if ser["n"] else 0.0
+            epochs = sorted({int(rec.get("epoch", 0)) for rec in records})
+            out.setdefault(key, []).append((label, {"edges": records[0]["edges"], "series": merged, "epochs": epochs}))
+    return out
+
+
+def distribution_section(doc: Doc, study: Study, entries: list[tuple[str, list[TrialRun]]], what: str) -> None:
+    """Every ``distributions/<component>.<name>.json`` artifact of the runs: a table of n, mean and
+    quantiles per entry and series, and a figure with one panel per entry; nothing when no run has one."""
+    merged = merged_distributions(study, entries)
+    if not merged:
+        return
+    doc.section("Distributions")
+    doc.add("Distributions that losses and plug-ins log (run artifacts `distributions/<component>.<name>.json`), "
+            "the runs of an entry merged (bin counts summed over its seeds); mean over the values themselves, "
+            "quantiles interpolated within the bins; epoch = the training epoch whose hook logged it (counted from 1).")
+    for key, rows in merged.items():
+        table = []
+        for label, rec in rows:
+            for name, ser in rec["series"].items():
+                mean = ser["sum"] / ser["n"] if ser["n"] else None
+                quantiles = [stats.histogram_quantile(rec["edges"], ser["counts"], q) for q in QUANTILES]
+                table.append([label, escape(name), f"{ser['n']:,}", fmt_sig(mean),
+                              *(fmt_sig(x) for x in quantiles),
+                              ", ".join(str(e) for e in rec["epochs"])])
+        doc.add(f"### `{escape(key)}`")
+        doc.add(md_table([what, "Series", "n", "Mean", *(f"q{int(q * 100)}" for q in QUANTILES), "Epoch"], table,
+                         ["l", "l", "r", "r", "r", "r", "r", "r"]))
+        name = f"distribution_{plots.safe_name(key)}.png"
+        panels = [(label, rec["edges"], {n: ser["counts"] for n, ser in rec["series"].items()}) for label, rec in rows]
+        plots.distribution_plot(panels, doc.out / name, xlabel=key, title=f"{key}: density per series")
+        doc.figure(name, f"{key} per {what.lower()}")
+
+
 def _ablation_sweeps(study: Study, rows: list[VariantRow], chosen) -> dict[str, list[tuple[Any, TrialRun]]]:
     """Config keys that take at least 3 values across the variants -> [(value, run)]."""
     variants = study.spec.get("variants") or {}
@@ -416,6 +471,7 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
         ratio_section(doc, [(r.name, [chosen[r.name][s] for s in r.seeds_ok]) for r in rows], split)
     entries = [(variant_label(r.name, baseline), [chosen[r.name][s] for s in r.seeds_ok]) for r in rows]
     component_section(doc, study, entries, "Variant")
+    distribution_section(doc, study, entries, "Variant")
     sweeps = _ablation_sweeps(study, rows, chosen)
     sensitivity_section(doc, sweeps, {}, split)
     if opt.profile:

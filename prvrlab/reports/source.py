@@ -15,6 +15,7 @@ config or a spec.
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from prvrlab.reports.errors import ReportError
 STUDY_KINDS = ("search", "ablation")
 OK_STATUSES = ("finished", "early_stopped")  # prvrlab.status of a trial with usable metrics
 TRAIN_PREFIX = "train/"  # per-epoch training metrics: train/<loss term>, train/<component>.<name>
+DISTRIBUTIONS_DIR = "distributions"  # run artifacts <component>.<name>.json of binned series (docs/extending.md)
 
 
 @dataclass
@@ -148,6 +150,25 @@ class Study:
         out = {"query_id": qid[order].astype(str), "rank": np.asarray(table.column("rank").to_numpy(), dtype=np.int64)[order]}
         if "ratio" in table.column_names:
             out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
+        return out
+
+    def distributions(self, run: TrialRun) -> dict[str, dict[str, Any]]:
+        """``<component>.<name>`` -> the record of every ``distributions/*.json`` artifact of ``run``
+        (binned series a component logged, ``prvrlab.models.component.histogram_record``); {} when none."""
+        try:
+            names = sorted(f.path for f in self.client.list_artifacts(run.run_id, DISTRIBUTIONS_DIR) if f.path.endswith(".json"))
+        except Exception:
+            return {}
+        out = {}
+        for name in names:
+            dst = self.cache_dir() / run.run_id
+            local = dst / name
+            if not local.is_file():
+                dst.mkdir(parents=True, exist_ok=True)
+                local = Path(self.client.download_artifacts(run.run_id, name, str(dst)))
+            record = json.loads(local.read_text(encoding="utf-8"))
+            if isinstance(record, dict) and isinstance(record.get("series"), dict) and "edges" in record:
+                out[Path(name).stem] = record
         return out
 
     def history(self, run: TrialRun, key: str) -> list[tuple[int, float]]:

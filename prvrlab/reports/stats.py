@@ -199,3 +199,17 @@ def seed_test(variant: Sequence[float], baseline: Sequence[float]) -> SeedResult
     elif s >= 2 and observed <= _TOL:
         p_t = 1.0
     return SeedResult(tuple(float(x) for x in d), float(p_exact), p_t if not math.isnan(p_t) else float("nan"))
+
+
+def histogram_quantile(edges: Sequence[float], counts: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of binned values: linear within the bin where the cumulative count reaches q * n
+    (values assumed uniform inside a bin); NaN for an empty histogram."""
+    total = float(sum(counts))
+    if total <= 0:
+        return float("nan")
+    target, seen = q * total, 0.0
+    for i, c in enumerate(counts):
+        if c > 0 and seen + c >= target:
+            return float(edges[i] + (edges[i + 1] - edges[i]) * (target - seen) / c)
+        seen += c
+    return float(edges[-1])

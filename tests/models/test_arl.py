@@ -76,6 +76,33 @@ def encode_all(model, batches, encoder: int):
     return torch.cat(qs), frames, mask
 
 
+def in_batch_pairs(model, batches, encoder: int, naive_q, naive_v):
+    """(s, u, positive) of every in-batch text-video pair, each batch by a hand loop over its pairs."""
+    plugin = model.plugins["arl"]
+    q_start = v_start = 0
+    out = []
+    for batch in batches:
+        video, query = context(model, batches).encode(batch)
+        q, frames, mask = plugin.encoder_views(query, video)[encoder]
+        for i in range(q.shape[0]):
+            for j in range(frames.shape[0]):
+                cos = [float(F.cosine_similarity(q[i], frames[j, k], dim=0)) for k in range(frames.shape[1]) if mask[j, k]]
+                k_hat = max(range(len(cos)), key=cos.__getitem__)  # real frames come first
+                u = 0.5 * (float(naive_q[q_start + i]) + float(naive_v[v_start + j, k_hat]))
+                out.append((cos[k_hat], u, int(batch.query_video[i]) == j))
+        q_start, v_start = q_start + q.shape[0], v_start + frames.shape[0]
+    return out
+
+
+def rule_tau_u_by_hand(model, batches, encoder: int, naive_q, naive_v) -> float:
+    """Mean of u (Eq. 5) over the split's text-video pairs: per query 1 positive, N_v - 1 unpaired."""
+    pairs = in_batch_pairs(model, batches, encoder, naive_q, naive_v)
+    positive = [u for _, u, p in pairs if p]
+    unpaired = [u for _, u, p in pairs if not p]
+    num_videos = sum(b.num_videos for b in batches)
+    return sum(positive) / len(positive) / num_videos + sum(unpaired) / len(unpaired) * (1 - 1 / num_videos)
+
+
 # ------------------------------------------------------------------ Eq. 4
 
 
@@ -94,9 +121,8 @@ def test_fast_uncertainty_equals_the_naive_map(cross_model):
         got_q, got_v = table.lookup(query_ids, video_ids, frames.shape[1])
         torch.testing.assert_close(got_q.double(), naive_q, atol=1e-5, rtol=0)
         torch.testing.assert_close(got_v.double(), naive_v, atol=1e-5, rtol=0)
-        # the rule: tau_u = mean of M over every (query, real frame); tau_s = mean s of the positive pairs
-        m = frame_similarity(queries, frames).double()
-        assert table.tau_u == pytest.approx(float((m * mask[None]).sum() / (len(query_ids) * mask.sum())), abs=1e-6)
+        # the rule: tau_s = mean s of the positive pairs; tau_u: rule_tau_u_by_hand
+        assert table.tau_u == pytest.approx(rule_tau_u_by_hand(model, batches, encoder, naive_q, naive_v), abs=1e-6)
         s, _ = best_frame(frame_similarity(queries, frames), mask)
         assert table.tau_s == pytest.approx(float(s[torch.arange(len(query_ids)), query_video].mean()), abs=1e-6)
     if cross_model:  # two encoders, two different tables
@@ -112,6 +138,25 @@ def test_repeated_videos_of_the_padded_share_count_once():
     torch.testing.assert_close(once.query, twice.query)
     torch.testing.assert_close(once.frame, twice.frame)
     assert (once.tau_s, once.tau_u) == pytest.approx((twice.tau_s, twice.tau_u))
+
+
+def test_logs_the_fig4_distributions_of_positive_and_unpaired_pairs():
+    model = arl_model(cross_model=True)
+    batches = split_batches()
+    plugin = model.plugins["arl"]
+    plugin.dataset_uncertainty(context(model, batches))
+    logged = plugin.pop_distributions()
+    assert set(logged) == {"similarity", "uncertainty"}  # of theta (encoder 0) only
+    queries, frames, mask = encode_all(model, batches, 0)
+    naive_q, naive_v = naive_uncertainty(queries, frames, mask)
+    pairs = in_batch_pairs(model, batches, 0, naive_q, naive_v)
+    for name, column in (("similarity", 0), ("uncertainty", 1)):
+        series, low, high, bins = logged[name]
+        assert (low, high) == (-1.0, 1.0) and set(series) == {"positive", "unpaired"}
+        for key, is_positive in (("positive", True), ("unpaired", False)):
+            expected = sorted(pair[column] for pair in pairs if pair[2] == is_positive)
+            assert len(expected) == (7 + 3 + 4 if is_positive else 7 * 3 + 3 * 1 + 4 * 2)
+            assert sorted(series[key].tolist()) == pytest.approx(expected, abs=1e-5)
 
 
 def test_fixed_thresholds_replace_the_rule():

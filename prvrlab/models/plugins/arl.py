@@ -33,11 +33,28 @@ gives A^q_i, by columns A^v_j).  Positive pairs are removed by the loss.
 Thresholds (``tau_s_mode`` / ``tau_u_mode``): ``fixed`` uses ``tau_s`` /
 ``tau_u``; ``rule`` (the paper's implementation details) sets, every epoch,
 tau_s = the mean of s over the training set's positive pairs and tau_u = the
-mean of the uncertainty distribution of the training set.  The latter is
-m_q . m_f (mean query . mean frame): by Eq. 4 the mean of U^q over queries,
-the mean of U^v over frames and the mean of u^f over all text-frame pairs
-are all that one number (the paper does not say which distribution; all
-three agree).
+mean of "the uncertainty distribution of the train dataset".  The only
+uncertainty distribution the paper shows is Fig. 4b, of the pair uncertainty
+u(q_i, V_j) (Eq. 5, read at k_hat: "the text-video averaged uncertainty ...
+as pairwise uncertainty is utilized to detect ambiguous pairs"), so tau_u is
+the mean of u over the training set's text-video pairs (one positive and
+N_v - 1 unpaired per query; the unpaired mean is estimated on the in-batch
+pairs of the epoch-start pass, a choice: the exact mean needs the
+N_q x N_v x L_v map).  The same tau_u serves the text-frame level (one tau_u
+in the paper).  Not m_q . m_f, the mean of U^q, of U^v and of u^f over
+text-frame pairs: k_hat picks each pair's most similar frame, whose U^v is
+above the frame average, so u > m_q . m_f lets through nearly every pair
+with s > tau_s (88-95% on the synthetic collection; docs/arl.md).
+
+Detection quality on the synthetic collection (docs/arl.md, measured with
+benchmarks/arl_detection.py against the generator's ground truth): the
+detected pairs are barely more often truly relevant than a random unpaired
+pair (precision 3.4-4.6% against a 3.4% base rate on ``tiny``), because s
+separates truly relevant unpaired pairs only weakly (ROC AUC 0.55-0.58) and
+u not at all (AUC 0.46-0.54, falling below 0.5 as training goes on): an
+instance's dataset-wide uncertainty says how generic it is, not whether a
+given pair shares its concept.  This follows the paper; a stricter tau_s
+(``tau_s_mode: fixed``) raises precision at the cost of recall.
 
 Switches: ``text_video`` (T-V ambiguity in L_video), ``text_frame`` (the
 text-frame objective L_frame with T-F ambiguity), ``cross_model`` (two
@@ -49,6 +66,12 @@ that average, so both encoders).  With
 loss is the base NCE + triplet (Table 5 (a)); before ``warmup_epochs`` the
 loss is the base one too (warm-up, the paper's "few epochs"; the number is
 not given, ours is a config value).
+
+Distributions (the paper's Fig. 4, run artifacts
+``distributions/arl.similarity.json`` and ``distributions/arl.uncertainty.json``,
+:meth:`Component.log_distribution`): s and u of the first encoder's positive
+and unpaired in-batch pairs at the start of every detecting epoch (the last
+one is kept), 200 bins of [-1, 1].
 
 Metrics: ``tau_s``, ``tau_u`` (epoch start; ``tau_s_1`` / ``tau_u_1`` for the
 second encoder), ``ambiguous_tv`` / ``ambiguous_tf`` (pairs detected per batch
@@ -79,6 +102,7 @@ from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS
 
 _EPS = 1e-6
+DISTRIBUTION_BINS = 200  # of [-1, 1] for the logged similarity / uncertainty distributions
 
 
 # ---------------------------------------------------------------- similarity and detection
@@ -195,6 +219,15 @@ def _gather_ids(ctx: EpochContext, ids: tuple[list[str], list[str]]) -> list[tup
     return out
 
 
+def _ownership(ctx: EpochContext, query_ids: list[str], video_ids: list[str]) -> tuple[Tensor, list[str], Tensor, list[str]]:
+    """(owned (nq_local,), dataset-wide query order, owned (nv_local,), video order) of this rank's items."""
+    per_rank = _gather_ids(ctx, (query_ids, video_ids))
+    keep_q, q_order = _owned(query_ids, [p[0] for p in per_rank], ctx.rank)
+    keep_v, v_order = _owned(video_ids, [p[1] for p in per_rank], ctx.rank)
+    as_mask = lambda keep: torch.tensor(keep, dtype=torch.bool, device=ctx.device)  # noqa: E731
+    return as_mask(keep_q), q_order, as_mask(keep_v), v_order
+
+
 def reduce_uncertainty(
     ctx: EpochContext,
     encoded: Sequence[_Encoded],
@@ -207,57 +240,84 @@ def reduce_uncertainty(
 
     ``frame_slots``: per batch, (local video index, position) (Nf,) of every
     real frame of ``encoded[*].frames``; ``fixed``: (tau_s, tau_u), None where
-    the rule sets the threshold.  Sums in float32 per batch, float64 across batches and ranks.
+    the rule sets the threshold (tau_u by the rule is left NaN here: it needs
+    the pair uncertainties, :func:`pair_values`).  Sums in float32 per batch,
+    float64 across batches and ranks; O((N_q + sum L_v) d): two GEMVs over
+    each batch's frames and one scatter (``index_add_``), no padding, no copy.
     """
-    per_rank = _gather_ids(ctx, (query_ids, video_ids))
-    keep_q_list, q_order = _owned(query_ids, [p[0] for p in per_rank], ctx.rank)
-    keep_v_list, v_order = _owned(video_ids, [p[1] for p in per_rank], ctx.rank)
+    keep_q, q_order, keep_v, v_order = _ownership(ctx, query_ids, video_ids)
     device = ctx.device
     q_rows = {item: row for row, item in enumerate(q_order)}
     v_rows = {item: row for row, item in enumerate(v_order)}
-    keep_q = torch.tensor(keep_q_list, dtype=torch.bool, device=device)  # (nq_local,)
-    keep_v = torch.tensor(keep_v_list, dtype=torch.bool, device=device)  # (nv_local,)
     global_q = torch.tensor([q_rows[i] for i in query_ids], dtype=torch.long, device=device)  # (nq_local,)
     global_v = torch.tensor([v_rows[i] for i in video_ids], dtype=torch.long, device=device)  # (nv_local,)
-    # per batch: which queries / real frames this rank owns, and where they go in the tables
-    q_parts = torch.tensor([len(p) for p in encoded[0].queries]).cumsum(0).tolist()
-    q_slices = [slice(a, b) for a, b in zip([0] + q_parts[:-1], q_parts)]
-    frame_keep = [keep_v[video] for video, _ in frame_slots]  # per batch (Nf,)
-    frame_rows = [global_v[video] for video, _ in frame_slots]  # per batch (Nf,)
     length = max([int(k.max()) + 1 for _, k in frame_slots if k.numel()] or [1])
     length = int(ctx.all_reduce(torch.tensor([length], device=device), op="max").item())
+    # Per batch, shared by the encoders: where each query / real frame goes in the tables (frames: in the
+    # flattened (N_v * L,) table) and its weight, 1 where this rank owns it, else 0 (repeats count once);
+    # the tables are filled by index_add of weighted values, so a repeat adds 0 and no boolean copy is made.
+    q_parts = torch.tensor([len(p) for p in encoded[0].queries]).cumsum(0).tolist()
+    q_slices = [slice(a, b) for a, b in zip([0] + q_parts[:-1], q_parts)]
+    q_weight = [keep_q[part].float() for part in q_slices]  # per batch (Nq,)
+    f_index = [global_v[video] * length + position for video, position in frame_slots]  # per batch (Nf,)
+    f_weight = [keep_v[video].float() for video, _ in frame_slots]  # per batch (Nf,)
 
     tables = []
     for enc in encoded:
         dim = enc.queries[0].shape[1]
         # 1. the queries (small): sum of q^, count, sum of positive-pair s -> m_q, tau_s
         q_sums = torch.zeros(dim + 2, dtype=torch.float64, device=device)
-        for part, q, positive in zip(q_slices, enc.queries, enc.positive):  # float32 per batch, float64 across
-            keep = keep_q[part].to(q.dtype)  # (Nq,)
-            q_sums[:dim] += (keep @ q).double()
-            q_sums[dim] += keep.sum().double()
-            q_sums[dim + 1] += (keep * positive).sum().double()
+        for weight, q, positive in zip(q_weight, enc.queries, enc.positive):  # float32 per batch, float64 across
+            q_sums[:dim] += (weight @ q).double()
+            q_sums[dim] += weight.sum().double()
+            q_sums[dim + 1] += (weight @ positive).double()
         q_sums = ctx.all_reduce(q_sums)
         mean_q = q_sums[:dim] / q_sums[dim].clamp(min=1)  # (D,)
-        # 2. one pass over the frames (each batch's read once, while in cache): U^v = v^ . m_q and sum of v^
-        frame_table = torch.zeros(len(v_order), length, dtype=torch.float64, device=device)  # (N_v, L)
+        # 2. one pass over the frames (each batch's read twice while in cache): U^v = v^ . m_q, sum of v^
+        frame_table = torch.zeros(len(v_order) * length, dtype=torch.float32, device=device)  # (N_v * L,)
         f_sums = torch.zeros(dim + 1, dtype=torch.float64, device=device)
-        for keep, rows, (_, position), f in zip(frame_keep, frame_rows, frame_slots, enc.frames):
-            frame_table[rows[keep], position[keep]] = (f @ mean_q.to(f.dtype))[keep].double()
-            f_sums[:dim] += (keep.to(f.dtype) @ f).double()
-            f_sums[dim] += keep.sum().double()
+        mean_q32 = mean_q.float()
+        for weight, index, f in zip(f_weight, f_index, enc.frames):
+            frame_table.index_add_(0, index, (f @ mean_q32) * weight)  # (Nf,)
+            f_sums[:dim] += (weight @ f).double()
+            f_sums[dim] += weight.sum().double()
         f_sums = ctx.all_reduce(f_sums)
         mean_f = f_sums[:dim] / f_sums[dim].clamp(min=1)  # (D,)
         # 3. U^q = q^ . m_f
-        query_table = torch.zeros(len(q_order), dtype=torch.float64, device=device)  # (N_q,)
-        for part, q in zip(q_slices, enc.queries):
-            keep = keep_q[part]
-            query_table[global_q[part][keep]] = (q @ mean_f.to(q.dtype))[keep].double()
+        query_table = torch.zeros(len(q_order), dtype=torch.float32, device=device)  # (N_q,)
+        mean_f32 = mean_f.float()
+        for part, weight, q in zip(q_slices, q_weight, enc.queries):
+            query_table.index_add_(0, global_q[part], (q @ mean_f32) * weight)  # (Nq,)
+        # every entry was written by one rank, zeros elsewhere: the float32 sum over ranks is exact
         query_table, frame_table = ctx.all_reduce(query_table), ctx.all_reduce(frame_table)
         tau_s = float(q_sums[dim + 1] / q_sums[dim].clamp(min=1)) if fixed[0] is None else fixed[0]
-        tau_u = float(mean_q @ mean_f) if fixed[1] is None else fixed[1]
-        tables.append(UncertaintyTables(q_rows, query_table.float(), v_rows, frame_table.float(), tau_s, tau_u))
+        tau_u = float("nan") if fixed[1] is None else fixed[1]  # the rule's: ARL._rule_tau_u
+        tables.append(UncertaintyTables(q_rows, query_table, v_rows, frame_table.view(len(v_order), length), tau_s, tau_u))
     return tables
+
+
+def pair_values(
+    query: Tensor,
+    frames: Tensor,
+    slots: tuple[Tensor, Tensor],
+    num_videos: int,
+    query_unc: Tensor,
+    frame_unc: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """s (Eq. 3) and u = (U^q_i + U^v_{j,k_hat}) / 2 (Eq. 5) of every text-video pair of a batch, (Nq, Nv) each.
+
+    ``query`` q^ (Nq, D); ``frames`` the real frames' v^ (Nf, D) at ``slots``
+    (video in the batch (Nf,), position (Nf,)); ``query_unc`` U^q (Nq,),
+    ``frame_unc`` U^v (Nv, L) with L > every position.
+    """
+    video, position = slots
+    mask = torch.zeros(num_videos, frame_unc.shape[1], dtype=torch.bool, device=query.device)  # (Nv, L)
+    mask[video, position] = True
+    sim = query.new_zeros(query.shape[0], *mask.shape)  # (Nq, Nv, L)
+    sim[:, video, position] = query @ frames.T  # (Nq, Nf)
+    s, k_hat = best_frame(sim, mask)  # (Nq, Nv)
+    u = 0.5 * (query_unc[:, None] + frame_unc[torch.arange(num_videos, device=query.device)[None], k_hat])  # (Nq, Nv)
+    return s, u
 
 
 # ---------------------------------------------------------------- the plug-in
@@ -388,19 +448,23 @@ class ARL(Plugin):
         return out
 
     def dataset_uncertainty(self, ctx: EpochContext) -> list[UncertaintyTables]:
-        """Encode this rank's share of the training split with the current model and reduce Eq. 4.
+        """Encode this rank's share of the training split with the current model and reduce Eq. 4; then,
+        from the kept vectors, s and u of every in-batch pair: tau_u by the rule and the Fig. 4 distributions.
 
-        Keeps q^ and the real frames' v^ of the share (4 (N_q + sum L_v) d bytes per encoder).
+        Keeps q^ and the real frames' v^ of the share (4 (N_q + sum L_v) d bytes per encoder); the pair
+        pass costs one similarity map per batch, as a training step's forward.
         """
         encoded: list[_Encoded] = []
         query_ids: list[str] = []
         video_ids: list[str] = []
         frame_slots: list[tuple[Tensor, Tensor]] = []
+        layouts: list[tuple[int, int, int, Tensor]] = []  # per batch: first query, first video, videos, query_video
         for batch in ctx.train_batches():
             video, query = ctx.encode(batch)
             views = self.encoder_views(query, video)
             encoded = encoded or [_Encoded([], [], []) for _ in views]
             query_video = batch.query_video.to(ctx.device)
+            layouts.append((len(query_ids), len(video_ids), len(batch.video_ids), query_video))
             mask = views[0][2].to(torch.bool)  # (Nv, Lf)
             slots = mask.nonzero(as_tuple=True)  # (Nf,), (Nf,)
             frame_slots.append((slots[0] + len(video_ids), slots[1]))
@@ -417,7 +481,40 @@ class ARL(Plugin):
         if not encoded:
             raise PluginError("arl: the training split yielded no batch at epoch start")
         fixed = (self.tau_s if self.tau_s_mode == "fixed" else None, self.tau_u if self.tau_u_mode == "fixed" else None)
-        return reduce_uncertainty(ctx, encoded, query_ids, video_ids, frame_slots, fixed)
+        tables = reduce_uncertainty(ctx, encoded, query_ids, video_ids, frame_slots, fixed)
+        keep_q, _, keep_v, _ = _ownership(ctx, query_ids, video_ids)
+        for m, (enc, table) in enumerate(zip(encoded, tables)):
+            values: dict[str, list[Tensor]] = {"s+": [], "s-": [], "u+": [], "u-": []}  # s / u of positive / unpaired
+            for q, f, (video, position), (q0, v0, nv, query_video) in zip(enc.queries, enc.frames, frame_slots, layouts):
+                nq = q.shape[0]
+                length = int(position.max()) + 1 if position.numel() else 1
+                query_unc, frame_unc = table.lookup(query_ids[q0 : q0 + nq], video_ids[v0 : v0 + nv], length)
+                s, u = pair_values(q, f, (video - v0, position), nv, query_unc.to(q.dtype), frame_unc.to(q.dtype))
+                owned = keep_q[q0 : q0 + nq, None] & keep_v[None, v0 : v0 + nv]  # (Nq, Nv): counted once
+                positive = positive_mask(query_video, nv)  # (Nq, Nv)
+                for key, sel in (("+", owned & positive), ("-", owned & ~positive)):
+                    values["s" + key].append(s[sel])
+                    values["u" + key].append(u[sel])
+            flat = {k: torch.cat(v) if v else torch.zeros(0, device=ctx.device) for k, v in values.items()}
+            if fixed[1] is None:
+                table.tau_u = self._rule_tau_u(ctx, flat["u+"], flat["u-"], len(table.video_rows))
+            if m == 0:  # the paper's Fig. 4 for theta
+                for quantity, key in (("similarity", "s"), ("uncertainty", "u")):
+                    series = {"positive": flat[key + "+"], "unpaired": flat[key + "-"]}
+                    self.log_distribution(quantity, series, low=-1.0, high=1.0, bins=DISTRIBUTION_BINS)
+        return tables
+
+    @staticmethod
+    def _rule_tau_u(ctx: EpochContext, positive: Tensor, unpaired: Tensor, num_videos: int) -> float:
+        """Mean of u over the training set's text-video pairs: 1 positive and N_v - 1 unpaired per query,
+        the unpaired mean estimated on the in-batch pairs."""
+        sums = ctx.all_reduce(torch.stack([positive.double().sum(), positive.new_tensor(positive.numel(), dtype=torch.float64),
+                                           unpaired.double().sum(), unpaired.new_tensor(unpaired.numel(), dtype=torch.float64)]))
+        mean_pos, n_pos, mean_unp, n_unp = float(sums[0]), float(sums[1]), float(sums[2]), float(sums[3])
+        mean_pos, mean_unp = mean_pos / max(n_pos, 1.0), mean_unp / max(n_unp, 1.0)
+        if n_unp == 0:
+            return mean_pos
+        return mean_pos / num_videos + mean_unp * (1.0 - 1.0 / num_videos)
 
     # ------------------------------------------------------------ every step: Eqs. 5-7
 

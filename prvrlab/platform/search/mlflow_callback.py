@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.tune import Callback
 
+from prvrlab.models.component import DISTRIBUTIONS_DIR
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import ERROR_FILE, record_failure
 from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_error, trial_outcome, watch_interrupts, write_outcome
@@ -127,6 +128,7 @@ class MlflowStudyCallback(Callback):
         if status != "KILLED":
             tracker.log_artifacts(run_id, [files / "config.yaml"])
             tracker.log_artifacts(run_id, sorted(files.glob("ranks_*.parquet")), "ranks")
+            tracker.log_artifacts(run_id, sorted((files / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)
             tracker.log_artifacts(run_id, [files / "best_model.pt"], "checkpoints")
         tracker.set_tags(run_id, tags)
         tracker.end_run(run_id, status)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from prvrlab.models.component import DISTRIBUTIONS_DIR
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.failures import ERROR_FILE, Failure, explain_exception, failure_text, record_failure
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
@@ -363,6 +364,7 @@ def train(
         tracker.log_metrics(run_id, {"best/sumr": recorder.final["best/sumr"], "best/epoch": recorder.final["best/epoch"]})
         tracker.log_artifacts(run_id, [run_dir / "config.yaml"])
         tracker.log_artifacts(run_id, sorted(run_dir.glob("ranks_*.parquet")), "ranks")
+        tracker.log_artifacts(run_id, sorted((run_dir / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)
         tracker.log_artifacts(run_id, [run_dir / "best_model.pt"], "checkpoints")
         (run_dir / "history.json").write_text(json.dumps(recorder.history, indent=1))
         status = "FINISHED"

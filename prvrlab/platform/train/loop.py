@@ -26,6 +26,7 @@ reported as ``kind="nonfinite"`` (no retry: retrying cannot fix it).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -292,9 +293,23 @@ class TrainingLoop:
             ctx = ctx or self.epoch_context(epoch)
             for name, value in (getattr(component, hook)(ctx) or {}).items():
                 out[f"train/{prefix}.{name}"] = float(value)
+            self.write_distributions(prefix, component, epoch)
         if ctx is not None:
             self.system.train()
         return out
+
+    def write_distributions(self, prefix: str, component, epoch: int) -> None:
+        """The distributions ``component`` logged in a hook, summed over the ranks, as
+        ``<run_dir>/distributions/<prefix>.<name>.json`` (rank 0; uploaded by the driver)."""
+        from prvrlab.models.component import DISTRIBUTIONS_DIR, histogram_record
+
+        for name, (series, low, high, bins) in component.pop_distributions().items():
+            record = histogram_record(series, low=low, high=high, bins=bins, all_reduce=all_reduce)
+            if self.rank == 0:
+                folder = self.run_dir / DISTRIBUTIONS_DIR
+                folder.mkdir(parents=True, exist_ok=True)
+                record = {"component": prefix, "name": name, "epoch": epoch + 1, **record}
+                (folder / f"{prefix}.{name}.json").write_text(json.dumps(record, indent=1))
 
     def step(self, train_model: torch.nn.Module, batch, epoch: int, step: int, sums: "MetricSums") -> str:
         """One optimiser step on every rank; returns a failure message ('' when the loss was finite)."""

@@ -59,3 +59,14 @@ def test_an_ended_trial_records_its_outcome_before_its_run_closes_and_is_not_reo
     callback.on_trial_result(0, [replayed], replayed, final)
     run = client.get_run(runs["ended"])
     assert run.info.status == "FINISHED" and "final/val/sumr" not in run.data.metrics  # not reopened, not relogged
+
+
+def test_a_closed_trial_uploads_its_files_and_distributions(tmp_path):
+    study, runs, client = _study(tmp_path)
+    files = study.trial_dir("known")
+    (files / "distributions").mkdir(parents=True)
+    (files / "distributions" / "probe.score.json").write_text("{}")
+    (files / "ranks_val.parquet").write_bytes(b"")
+    MlflowStudyCallback(study).close_id("known", "FINISHED", {})
+    logged = {f.path for folder in ("ranks", "distributions") for f in client.list_artifacts(runs["known"], folder)}
+    assert logged == {"ranks/ranks_val.parquet", "distributions/probe.score.json"}

@@ -2,7 +2,8 @@
 
 - ``test_tempered_nce``: an InfoNCE loss with a learnable temperature (a parameter outside the model).
 - ``test_epoch_probe``: a loss that uses every hook: a dataset-wide pass at epoch start (per-frame
-  embeddings, all-reduced over ranks), a step counter, and metrics from the epoch end.
+  embeddings, all-reduced over ranks; the real frames per video as the distribution ``frames``), a
+  step counter, and metrics from the epoch end.
 - ``test_twin``: a plug-in holding a second backbone copy that contributes to retrieval scores.
 """
 
@@ -60,15 +61,18 @@ class EpochProbe(Loss):
     def on_epoch_start(self, ctx) -> dict[str, float]:
         self.steps = self.steps_with_truth = 0
         totals = torch.zeros(4, dtype=torch.float64)  # videos, real frames, sum of frame-token norms, relevant pairs
+        lengths = []  # real frames per video, logged as a distribution
         for batch in ctx.train_batches():
             totals[3] += float(ctx.truth.relevant(batch.query_ids, batch.video_ids).sum())
             video, _ = ctx.encode(batch)
             self.seen_training_mode.append(ctx.model.training)
             tokens, mask = video.frame_tokens()  # (B, Lf, D), (B, Lf)
+            lengths.append(mask.sum(dim=1))
             totals[:3] += torch.tensor(
                 [tokens.shape[0], float(mask.sum()), float(tokens[mask].float().norm(dim=-1).sum())], dtype=torch.float64
             )
         totals = ctx.all_reduce(totals)
+        self.log_distribution("frames", {"all": torch.cat(lengths)}, low=0.0, high=64.0, bins=8)
         return {
             "videos": float(totals[0]),
             "frames": float(totals[1]),

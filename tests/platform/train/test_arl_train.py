@@ -102,3 +102,15 @@ def test_trains_switches_at_the_warmup_epoch_logs_metrics_and_checkpoints_both_e
     assert 0.0 <= arl["train/arl.precision_tv"] <= 1.0 and 0.0 < arl["train/arl.recall_tv"] <= 1.0
     saved = torch.load(result.run_dir / "best_model.pt", weights_only=True)
     assert any(k.startswith("plugins.arl.peer.") for k in saved["model"])
+    # the paper's Fig. 4: s and u of positive vs unpaired pairs at the last epoch start, uploaded to MLflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    logged = {f.path for f in client.list_artifacts(result.run_id, "distributions")}
+    assert logged == {"distributions/arl.similarity.json", "distributions/arl.uncertainty.json"}
+    for name in ("similarity", "uncertainty"):
+        record = json.loads((result.run_dir / "distributions" / f"arl.{name}.json").read_text())
+        assert record["epoch"] == 2 and set(record["series"]) == {"positive", "unpaired"}
+        assert all(sum(s["counts"]) == s["n"] > 0 for s in record["series"].values())
+    assert json.loads((result.run_dir / "distributions" / "arl.similarity.json").read_text())["series"]["positive"]["mean"] \
+        == pytest.approx(arl["train/arl.tau_s"], abs=1e-5)  # tau_s by the rule: the mean s of the positive pairs

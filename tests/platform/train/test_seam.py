@@ -73,6 +73,15 @@ def test_loss_parameter_trains_hooks_run_and_metrics_are_logged(tiny_root, tmp_p
         assert e["train/probe.frame_norm"] > 0
     assert epochs[0]["train/probe.frame_norm"] != epochs[1]["train/probe.frame_norm"]  # the current model each epoch
 
+    # a distribution logged from a hook: binned, written as distributions/<component>.<name>.json
+    lengths = [int(n) for b in in_order for n in b.frame_mask.sum(dim=1)]
+    written = json.loads((tmp_path / "run" / "distributions" / "probe.frames.json").read_text())
+    assert (written["component"], written["name"], written["epoch"]) == ("probe", "frames", 2)
+    assert written["edges"] == [8.0 * i for i in range(9)]
+    frames = written["series"]["all"]
+    assert frames["counts"] == [sum(min(n // 8, 7) == b for n in lengths) for b in range(8)]
+    assert frames["n"] == index.num_videos and frames["mean"] == pytest.approx(real_frames / index.num_videos)
+
 
 def test_component_parameters_are_optimised_and_restored_from_a_checkpoint(tiny_root, tmp_path):
     cfg = validate(seam_raw(tiny_root, tmp_path, epochs=1))
