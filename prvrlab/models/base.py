@@ -219,6 +219,21 @@ def rename_legacy_keys(state_dict: dict[str, Any], prefix: str, renames: Mapping
                 break
 
 
+def set_activation_checkpointing(module: nn.Module, enabled: bool) -> int:
+    """Set ``checkpoint_activations`` on every submodule that declares it (``train.checkpoint_activations``).
+
+    A module that declares the attribute recomputes its memory-heavy
+    activations in the backward instead of keeping them (same results, less
+    memory, more time).  Returns how many modules were switched.
+    """
+    count = 0
+    for sub in module.modules():
+        if hasattr(sub, "checkpoint_activations"):
+            sub.checkpoint_activations = bool(enabled)
+            count += 1
+    return count
+
+
 class RetrievalModel(nn.Module):
     """Base class of every backbone.
 

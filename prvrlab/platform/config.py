@@ -55,6 +55,8 @@ class TrainConfig:
     use_gpu: bool = False
     cpus_per_worker: float | None = None  # None: derived from the cluster's CPUs
     amp: Literal["none", "bf16", "fp16"] = "none"
+    # recompute memory-heavy activations (modules declaring it) in the backward: same results, less memory
+    checkpoint_activations: bool = False
     max_failures: int = 2
     torch_threads: int | None = None  # None: cpus_per_worker rounded up
     seed: int = 0
