@@ -136,7 +136,7 @@ def run_setting(args, checkpoint: bool) -> None:
         sampler.stop()
         seconds = time.perf_counter() - t0
         shape = f"{batch.num_videos} videos x {batch.frames.shape[1]} frames, {batch.num_queries} queries"
-        print(f" step {step + 1} ({shape}, {seconds:.1f} s, loss {float(result.total):.6f}):")
+        print(f" step {step + 1} ({shape}, {seconds:.1f} s, loss {float(result.total.detach()):.6f}):")
         for phase in ("data", "forward", "loss", "backward", "optimizer"):
             print(f"  {phase:<9} start {sampler.starts[phase]:5.2f} GiB  peak {sampler.peaks[phase]:5.2f} GiB")
         peak = max(sampler.peaks.values())
