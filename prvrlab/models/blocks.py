@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
@@ -225,7 +226,14 @@ class PackedLayer(nn.Module):
 
 
 class InputProjection(nn.Module):
-    """LayerNorm -> Dropout -> Linear -> ReLU, applied token-wise on (..., in_dim)."""
+    """LayerNorm -> Dropout -> Linear -> ReLU, applied token-wise on (..., in_dim).
+
+    ``checkpoint_activations`` (``train.checkpoint_activations``): keep only the input for the backward
+    and recompute the rest there (the RNG state is restored, so the dropout mask is the same): the wide
+    (..., in_dim) normalised, mask and dropped copies are not held through the step.
+    """
+
+    checkpoint_activations: bool = False
 
     def __init__(self, *, in_dim: int, out_dim: int, dropout: float = 0.1) -> None:
         super().__init__()
@@ -237,6 +245,11 @@ class InputProjection(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., in_dim) -> (..., out_dim); under autocast the wide input is cast first."""
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._project, x, use_reentrant=False)
+        return self._project(x)
+
+    def _project(self, x: Tensor) -> Tensor:
         return F.relu(self.linear(self.dropout(self.norm(autocast_input(x)))))
 
 

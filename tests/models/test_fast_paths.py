@@ -114,7 +114,7 @@ def test_checkpointed_branches_equal_one_pass_fp32(dropout, fast):
     torch.manual_seed(1)
     plain, plain_grads = outputs(model, batch, fast=fast)
     plain_saved = saved_bytes(model, batch)
-    assert set_activation_checkpointing(model, True) == 2  # the clip and the frame TC-GMMBlock
+    assert set_activation_checkpointing(model, True) == 5  # 2 TC-GMMBlocks, 3 input projections
     torch.manual_seed(1)
     ckpt, ckpt_grads = outputs(model, batch, fast=fast)
     assert plain.keys() == ckpt.keys() and plain_grads.keys() == ckpt_grads.keys()
@@ -127,6 +127,25 @@ def test_checkpointed_branches_equal_one_pass_fp32(dropout, fast):
     other, _ = outputs(model, batch, fast=fast)
     moved = max(float((other[k] - ckpt[k]).abs().max()) for k in ckpt)
     assert (moved > 1e-3) == (dropout > 0)
+
+
+@pytest.mark.parametrize("name", BACKBONES)
+def test_checkpointed_input_projections_equal_one_pass_fp32(name):
+    """Every backbone's input projections under train.checkpoint_activations (recomputed in the
+    backward with the RNG state restored) give the one-pass outputs and gradients, dropout included."""
+    torch.manual_seed(0)
+    model = build(name, dropout=0.3).train()
+    batch = standard_batch()
+    torch.manual_seed(1)
+    plain, plain_grads = outputs(model, batch, fast=True)
+    assert set_activation_checkpointing(model, True) >= 2
+    torch.manual_seed(1)
+    ckpt, ckpt_grads = outputs(model, batch, fast=True)
+    assert plain.keys() == ckpt.keys() and plain_grads.keys() == ckpt_grads.keys()
+    for key in plain:
+        assert_close_scaled(ckpt[key], plain[key], FP32_TOL, key)
+    for key in plain_grads:
+        assert_close_scaled(ckpt_grads[key], plain_grads[key], FP32_TOL, f"grad of {key}")
 
 
 def hand_attention(att: GaussianAttention, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
