@@ -73,7 +73,8 @@ def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float]:
     """(RSS before the evaluation, peak RSS) in GiB of one ``path`` evaluation in a fresh process."""
     cmd = [sys.executable, __file__, "--root", args.root, "--config", args.config, "--threads", str(args.threads),
            "--train-videos", str(args.train_videos), "--val-videos", str(args.val_videos),
-           "--test-videos", str(args.test_videos), "--peak-of", path, "--splits", split, "--amp", amp]
+           "--test-videos", str(args.test_videos), "--peak-of", path, "--splits", split, "--amp", amp,
+           *([] if args.video_batch is None else ["--video-batch", str(args.video_batch)])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
     return float(out[-2]), float(out[-1])
 
@@ -90,6 +91,7 @@ def main() -> None:
     p.add_argument("--amp", nargs="+", default=["none", "bf16"], choices=["none", "bf16"])
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per path (best kept)")
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
+    p.add_argument("--video-batch", type=int, help="eval.video_batch_size (default: the config's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs in fresh processes")
     p.add_argument("--peak-of", choices=["fast", "naive"], help="internal: one evaluation, print RSS before and peak")
     args = p.parse_args()
@@ -98,7 +100,8 @@ def main() -> None:
     root = tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)
     print(f"machine: {machine()}; native bf16 matrix units: {native_low_precision('cpu')}")
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    cfg = tvr_config(root, args.config)
+    cfg = tvr_config(root, args.config, **({} if args.video_batch is None else
+                                           {"eval.video_batch_size": args.video_batch}))
     seed_everything(0)
     t0 = time.perf_counter()
     collection = open_collection(cfg.data)

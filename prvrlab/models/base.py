@@ -47,6 +47,13 @@ def _map_tensors(obj, fn):
     return replace(obj, **changes)
 
 
+def tensors_of(obj) -> list[Tensor]:
+    """Every Tensor of an embedding dataclass, nested ones included (see :func:`_map_tensors`)."""
+    found: list[Tensor] = []
+    _map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
 def _ones_mask(tokens: Tensor) -> Tensor:
     return torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
 
