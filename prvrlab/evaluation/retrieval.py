@@ -227,6 +227,7 @@ def encode_queries(
 # ---------------------------------------------------------------- ranking
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one chunk of queries (against every video token)
+ENCODE_BUDGET_BYTES = 128 << 20  # float32 input features (clips + frames) of one batch of videos
 
 
 def _available_bytes() -> int:
@@ -235,6 +236,16 @@ def _available_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 40
+
+
+def video_batch_size(configured: int, tokens_per_video: int, video_dim: int) -> int:
+    """Videos to encode at once: ``configured``, lowered so that a batch's float32 input features
+    (``tokens_per_video`` clip and frame rows of ``video_dim``) fit min(:data:`ENCODE_BUDGET_BYTES`,
+    1/16 of the free memory); the encoders' working set is a few times their input (the padded batch,
+    its packed and normalised copies, the attention maps).  TVR (3,072-d, 32 clips + 128 frames):
+    68 videos at a time."""
+    budget = min(ENCODE_BUDGET_BYTES, _available_bytes() // 16)
+    return max(1, min(int(configured), budget // max(1, 4 * tokens_per_video * video_dim)))
 
 
 def score_chunk(video_emb: VideoEmbedding, chunk: int) -> int:
@@ -510,9 +521,10 @@ def evaluate(
 ) -> EvalResult | None:
     """Evaluate ``model`` on ``split`` of a data-layer ``Collection``; rows in the split's query order.
 
-    Videos are encoded ``eval_cfg.video_batch_size`` at a time, from the
-    fewest to the most frames (little padding; a backbone's scores never
-    depend on a batch's padding), queries ``eval_cfg.query_batch_size`` at a
+    Videos are encoded at most ``eval_cfg.video_batch_size`` at a time (fewer
+    where their features would not fit the budget of :func:`video_batch_size`),
+    from the fewest to the most frames (little padding; a backbone's scores
+    never depend on a batch's padding), queries ``eval_cfg.query_batch_size`` at a
     time, and at most ``eval_cfg.score_chunk`` queries (fewer where their
     scores would not fit the memory budget of :func:`score_chunk`) are scored
     against all videos at once (see ``compute_ranks`` for the tie rule).  ``amp_dtype``
@@ -534,9 +546,12 @@ def evaluate(
     index = collection.split(split)
     ratios = getattr(index, "ratios", None)
     shard = {"rank": rank, "world_size": world_size}
+    batch = int(eval_cfg.video_batch_size)
+    if hasattr(collection, "max_frames"):
+        batch = video_batch_size(batch, collection.max_frames + collection.num_clips, collection.video_dim)
     return evaluate_batches(
         model,
-        video_batches(collection, split, eval_cfg.video_batch_size, by_length=True, **shard),
+        video_batches(collection, split, batch, by_length=True, **shard),
         query_batches(collection, split, eval_cfg.query_batch_size, **shard),
         video_ids=index.video_ids,
         query_ids=index.query_ids,

@@ -439,3 +439,17 @@ def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):
     narrow = run()
     assert calls[0] > 1 and calls[1] == 1
     np.testing.assert_array_equal(narrow.ranks, wide.ranks)
+
+
+def test_video_batch_size_fits_the_memory_budget(monkeypatch):
+    """Videos per encoding batch: their float32 clip + frame features within min(ENCODE_BUDGET_BYTES,
+    free memory / 16), at most the configured batch, at least 1."""
+    per_video = 4 * (32 + 128) * 3072  # TVR: 32 clips + 128 frames of 3,072-d features
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 10 * per_video + 5)
+    assert ev.video_batch_size(256, 160, 3072) == 10
+    assert ev.video_batch_size(7, 160, 3072) == 7
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 16 * 3 * per_video)
+    assert ev.video_batch_size(256, 160, 3072) == 3
+    monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 0)
+    assert ev.video_batch_size(256, 160, 3072) == 1
