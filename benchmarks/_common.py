@@ -43,7 +43,16 @@ def tvr_config(root: Path, config: str = "gmmformer_tvr.yaml", **overrides):
 
 
 def peak_rss_gib() -> float:
-    """Peak resident memory of this process (GiB)."""
+    """Peak resident memory of this process (GiB): VmHWM of /proc/self/status where there is one.
+
+    Not ``ru_maxrss`` there: Linux carries it over fork and exec, so a benchmark started by a big
+    process would report its parent's resident set at the fork."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 

@@ -7,15 +7,21 @@ A BigFile folder holds every frame of every video in one matrix:
 - ``id.txt``: ``N`` whitespace-separated frame ids (latin-1), one per row;
 - ``video2frames.txt``: a Python dict literal ``{video_id: [frame_id, ...]}``.
 
-The folder is validated once on open, ``feature.bin`` is memory-mapped, and
-every frame id is mapped to its row once, so reading a video is a single
-fancy-index gather from the map (no per-frame seek, no per-frame list).
+The folder is validated once on open and every frame id is mapped to its row
+once.  A video whose rows are one ascending run of ``feature.bin`` (the
+usual layout) is read by one positioned read (``os.preadv``) straight into
+its array: the file's pages stay in the page cache, not in this process's
+resident set (a memory map keeps every page it has touched resident, which
+made RSS grow by every video read in an epoch or an evaluation).  Other
+videos are one fancy-index gather from a memory map (no per-frame seek, no
+per-frame list).
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 from itertools import chain, repeat
 from pathlib import Path
 
@@ -140,6 +146,7 @@ class BigFile:
         # a video's rows are one ascending run of feature.bin: read as one slice
         self._contiguous = step_ok[lasts] - step_ok[self._offsets[:-1]] == lasts - self._offsets[:-1]  # (V,)
         self._mm: np.memmap | None = None
+        self._fd: int | None = None
 
     @property
     def dim(self) -> int:
@@ -176,8 +183,24 @@ class BigFile:
         i = self._position(video_id)
         rows = self._rows[self._offsets[i] : self._offsets[i + 1]]  # (n,)
         if self._contiguous[i] and rows.size:  # one sequential read instead of a gather
-            return np.array(self._memmap()[rows[0] : rows[0] + rows.size], dtype=np.float32)  # (n, D)
+            return self._read_run(int(rows[0]), int(rows.size))  # (n, D)
         return np.asarray(self._memmap()[rows], dtype=np.float32)  # (n, D)
+
+    def _read_run(self, start: int, count: int) -> np.ndarray:
+        """Rows ``start .. start + count - 1`` of ``feature.bin``, (count, D) float32, by positioned reads."""
+        if not hasattr(os, "preadv"):  # not on this OS: a slice of the memory map
+            return np.array(self._memmap()[start : start + count], dtype=np.float32)
+        if self._fd is None:
+            self._fd = os.open(self.path / "feature.bin", os.O_RDONLY)
+        out = np.empty((count, self._dim), dtype="<f4")
+        view, offset = memoryview(out).cast("B"), start * self._dim * 4
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                raise DataError(f"{self.path / 'feature.bin'}: ends before row {start + count} (shape.txt says more)")
+            done += n
+        return out.astype(np.float32, copy=False)
 
     def videos_of_row(self, row: int) -> list[str]:
         """The video ids whose frames include row ``row`` of ``feature.bin``."""
@@ -186,8 +209,15 @@ class BigFile:
         return [self._video_ids[int(i)] for i in dict.fromkeys(owners.tolist())]
 
     def close(self) -> None:
-        """Drop the memory map (it is reopened on the next read)."""
+        """Drop the memory map and the file descriptor (reopened on the next read)."""
         self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
     def _position(self, video_id: str) -> int:
         try:
@@ -205,6 +235,7 @@ class BigFile:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_mm"] = None
+        state["_fd"] = None  # a worker process opens its own
         return state
 
     def __repr__(self) -> str:

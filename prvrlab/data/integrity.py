@@ -90,10 +90,12 @@ def _progress(show: bool, path: Path, done: int, total: int) -> None:
 
 
 def _scan_bigfile(visual, path: Path, show: bool) -> None:
-    mm = np.memmap(path, dtype="<f4", mode="r", shape=(visual.num_rows, visual.dim))
     step = max(1, CHUNK_BYTES // (4 * visual.dim))
     for start in range(0, visual.num_rows, step):
-        bad = np.flatnonzero(~np.isfinite(mm[start : start + step]).all(axis=1))
+        # a chunk read, not a memory map: a map would keep every page of the file resident until the end
+        count = min(step, visual.num_rows - start) * visual.dim
+        chunk = np.fromfile(path, dtype="<f4", count=count, offset=start * visual.dim * 4).reshape(-1, visual.dim)
+        bad = np.flatnonzero(~np.isfinite(chunk).all(axis=1))
         if bad.size:
             row = start + int(bad[0])
             videos = visual.videos_of_row(row)

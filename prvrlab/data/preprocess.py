@@ -41,8 +41,10 @@ def mean_pool_bins(x: np.ndarray, num_bins: int, *, last_bin: LastBin = "officia
     """Mean of each bin of rows of ``x`` (n, D) -> (num_bins, D), float32.
 
     Non-empty bins tile ``[0, n)`` (``[0, n - 1)`` with ``last_bin="official"``)
-    in order, so one ``np.add.reduceat`` over their starts sums them all; empty
-    bins copy the frame at their start.
+    in order; each is summed by one ``np.add.reduce`` over its rows (row by row,
+    in order): ~10x faster on (70, 3,072) than one ``np.add.reduceat`` over their
+    starts, whose other summation order differs by float32 rounding (a few ulps
+    of a bin's sum).  Empty bins copy the frame at their start.
     """
     if last_bin not in LAST_BIN_CHOICES:
         raise ValueError(f"last_bin must be one of {LAST_BIN_CHOICES}, got {last_bin!r}")
@@ -55,7 +57,9 @@ def mean_pool_bins(x: np.ndarray, num_bins: int, *, last_bin: LastBin = "officia
     full = counts > 0  # (B,)
     out = np.empty((num_bins, x.shape[1]), dtype=np.float32)  # (B, D)
     if full.any():
-        sums = np.add.reduceat(covered, starts[full], axis=0, dtype=np.float32)  # (B_full, D)
+        sums = np.empty((int(full.sum()), x.shape[1]), dtype=np.float32)  # (B_full, D)
+        for i, (start, stop) in enumerate(zip(starts[full].tolist(), edges[1:][full].tolist())):
+            np.add.reduce(covered[start:stop], axis=0, dtype=np.float32, out=sums[i])
         out[full] = sums / counts[full, None]
     if not full.all():
         out[~full] = x[np.minimum(starts[~full], n - 1)]

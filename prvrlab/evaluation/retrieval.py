@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from prvrlab.checks import check_positive_int
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
-from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, tensors_of
 from prvrlab.models.blocks import native_low_precision
 
 __all__ = [
@@ -224,6 +225,38 @@ def encode_queries(
 
 
 # ---------------------------------------------------------------- ranking
+
+SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one chunk of queries (against every video token)
+ENCODE_BUDGET_BYTES = 128 << 20  # float32 input features (clips + frames) of one batch of videos
+
+
+def _available_bytes() -> int:
+    """Free physical memory (bytes), or a large number where the OS does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def video_batch_size(configured: int, tokens_per_video: int, video_dim: int) -> int:
+    """Videos to encode at once: ``configured``, lowered so that a batch's float32 input features
+    (``tokens_per_video`` clip and frame rows of ``video_dim``) fit min(:data:`ENCODE_BUDGET_BYTES`,
+    1/16 of the free memory); the encoders' working set is a few times their input (the padded batch,
+    its packed and normalised copies, the attention maps).  TVR (3,072-d, 32 clips + 128 frames):
+    68 videos at a time."""
+    budget = min(ENCODE_BUDGET_BYTES, _available_bytes() // 16)
+    return max(1, min(int(configured), budget // max(1, 4 * tokens_per_video * video_dim)))
+
+
+def score_chunk(video_emb: VideoEmbedding, chunk: int) -> int:
+    """Queries to score at once: ``chunk``, lowered so that one float32 score per (query, video token)
+    of every embedding tensor of ``video_emb`` (its ``(Nv, ..., D)`` rows, all branches) fits
+    min(:data:`SCORE_BUDGET_BYTES`, 1/8 of the free memory).  E.g. GMMFormer v2 at TVR's test size
+    (2,179 videos x (32 clips + 128 frames)) scores 192 queries at a time instead of 2,048 (a 2.9 GB
+    frame-score matrix).  Ranks do not depend on the chunk."""
+    tokens = sum(t.numel() // t.shape[-1] for t in tensors_of(video_emb) if t.is_floating_point() and t.dim() >= 2)
+    budget = min(SCORE_BUDGET_BYTES, _available_bytes() // 8)
+    return max(1, min(int(chunk), budget // max(1, 4 * tokens)))
 
 
 def compute_ranks(
@@ -439,7 +472,7 @@ def evaluate_batches(
         t0 = time.perf_counter()
         ranks = np.empty(0, dtype=np.int64)
         if query_emb is not None:
-            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=chunk)
+            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=score_chunk(video_emb, chunk))
         _sync(device)
         timings["score"] = time.perf_counter() - t0
 
@@ -488,11 +521,13 @@ def evaluate(
 ) -> EvalResult | None:
     """Evaluate ``model`` on ``split`` of a data-layer ``Collection``; rows in the split's query order.
 
-    Videos are encoded ``eval_cfg.video_batch_size`` at a time, from the
-    fewest to the most frames (little padding; a backbone's scores never
-    depend on a batch's padding), queries ``eval_cfg.query_batch_size`` at a
-    time, and ``eval_cfg.score_chunk`` queries are scored against all videos
-    at once (see ``compute_ranks`` for the tie rule).  ``amp_dtype``
+    Videos are encoded at most ``eval_cfg.video_batch_size`` at a time (fewer
+    where their features would not fit the budget of :func:`video_batch_size`),
+    from the fewest to the most frames (little padding; a backbone's scores
+    never depend on a batch's padding), queries ``eval_cfg.query_batch_size`` at a
+    time, and at most ``eval_cfg.score_chunk`` queries (fewer where their
+    scores would not fit the memory budget of :func:`score_chunk`) are scored
+    against all videos at once (see ``compute_ranks`` for the tie rule).  ``amp_dtype``
     (``"bf16"``, ``torch.bfloat16``, ...) enables autocast for encoding only;
     scores and metrics are float32.  On a CPU without native bf16 matrix units
     (where bf16 products are emulated and tens of times slower) bf16 falls
@@ -511,9 +546,12 @@ def evaluate(
     index = collection.split(split)
     ratios = getattr(index, "ratios", None)
     shard = {"rank": rank, "world_size": world_size}
+    batch = int(eval_cfg.video_batch_size)
+    if hasattr(collection, "max_frames"):
+        batch = video_batch_size(batch, collection.max_frames + collection.num_clips, collection.video_dim)
     return evaluate_batches(
         model,
-        video_batches(collection, split, eval_cfg.video_batch_size, by_length=True, **shard),
+        video_batches(collection, split, batch, by_length=True, **shard),
         query_batches(collection, split, eval_cfg.query_batch_size, **shard),
         video_ids=index.video_ids,
         query_ids=index.query_ids,

@@ -47,6 +47,13 @@ def _map_tensors(obj, fn):
     return replace(obj, **changes)
 
 
+def tensors_of(obj) -> list[Tensor]:
+    """Every Tensor of an embedding dataclass, nested ones included (see :func:`_map_tensors`)."""
+    found: list[Tensor] = []
+    _map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
 def _ones_mask(tokens: Tensor) -> Tensor:
     return torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
 
@@ -217,6 +224,21 @@ def rename_legacy_keys(state_dict: dict[str, Any], prefix: str, renames: Mapping
                 if target not in state_dict:
                     state_dict[target] = state_dict.pop(key)
                 break
+
+
+def set_activation_checkpointing(module: nn.Module, enabled: bool) -> int:
+    """Set ``checkpoint_activations`` on every submodule that declares it (``train.checkpoint_activations``).
+
+    A module that declares the attribute recomputes its memory-heavy
+    activations in the backward instead of keeping them (same results, less
+    memory, more time).  Returns how many modules were switched.
+    """
+    count = 0
+    for sub in module.modules():
+        if hasattr(sub, "checkpoint_activations"):
+            sub.checkpoint_activations = bool(enabled)
+            count += 1
+    return count
 
 
 class RetrievalModel(nn.Module):

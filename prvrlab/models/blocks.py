@@ -17,6 +17,7 @@ pooled frame branch), :func:`resolve_ffn_size` (what ``ffn_size`` means) and
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
@@ -39,14 +41,27 @@ def dropout_mask(x: Tensor, p: float) -> Tensor:
     ``torch.nn.functional.dropout`` draws one Bernoulli variate per element,
     which dominates the cost of dropout on CPU.
     """
-    if x.device.type != "cpu":
-        return torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
-    n = x.numel()
+    return mask_from_draw(dropout_draw(x.shape, p, x.device), p, x.dtype)
+
+
+def dropout_draw(shape: Sequence[int], p: float, device: torch.device) -> Tensor:
+    """The random draw behind :func:`dropout_mask` of a tensor of ``shape``, taken now and turned into the
+    mask later by :func:`mask_from_draw` (slices of it give the matching slices of the mask): int16 on
+    CPU (2 bytes an element), the float32 mask elsewhere."""
+    if device.type != "cpu":
+        return torch.empty(tuple(shape), device=device).bernoulli_(1.0 - p).div_(1.0 - p)
+    n = math.prod(shape)
     bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
-    bits = bits.view(torch.int16)[:n].view(x.shape)  # uniform over [-32768, 32767]
+    return bits.view(torch.int16)[:n].view(tuple(shape))  # uniform over [-32768, 32767]
+
+
+def mask_from_draw(draw: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+    """The dropout multiplier (``dtype``) of a :func:`dropout_draw` (or of a slice of one)."""
+    if draw.dtype != torch.int16:
+        return draw.to(dtype)
     threshold = -32768 + round(p * 65536)
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=x.dtype)
-    return torch.where(bits >= threshold, scale, torch.zeros((), dtype=x.dtype))
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=dtype)
+    return torch.where(draw >= threshold, scale, torch.zeros((), dtype=dtype))
 
 
 def fast_dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -107,9 +122,9 @@ class BranchLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_branches, out_dim))
         nn.init.normal_(self.weight, std=0.02)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(K, N, in_dim) -> (K, N, out_dim)."""
-        return torch.baddbmm(self.bias[:, None, :], x, self.weight.transpose(1, 2))
+    def forward(self, x: Tensor, branches: slice = slice(None)) -> Tensor:
+        """(k, N, in_dim) -> (k, N, out_dim): the ``branches`` (all by default; k of them)."""
+        return torch.baddbmm(self.bias[branches, None, :], x, self.weight[branches].transpose(1, 2))
 
 
 def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -211,7 +226,14 @@ class PackedLayer(nn.Module):
 
 
 class InputProjection(nn.Module):
-    """LayerNorm -> Dropout -> Linear -> ReLU, applied token-wise on (..., in_dim)."""
+    """LayerNorm -> Dropout -> Linear -> ReLU, applied token-wise on (..., in_dim).
+
+    ``checkpoint_activations`` (``train.checkpoint_activations``): keep only the input for the backward
+    and recompute the rest there (the RNG state is restored, so the dropout mask is the same): the wide
+    (..., in_dim) normalised, mask and dropped copies are not held through the step.
+    """
+
+    checkpoint_activations: bool = False
 
     def __init__(self, *, in_dim: int, out_dim: int, dropout: float = 0.1) -> None:
         super().__init__()
@@ -223,6 +245,11 @@ class InputProjection(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., in_dim) -> (..., out_dim); under autocast the wide input is cast first."""
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._project, x, use_reentrant=False)
+        return self._project(x)
+
+    def _project(self, x: Tensor) -> Tensor:
         return F.relu(self.linear(self.dropout(self.norm(autocast_input(x)))))
 
 

@@ -61,6 +61,7 @@ from prvrlab.models.blocks import (
     PackedLayer,
     Packing,
     dropout_mask,
+    mask_from_draw,
     native_low_precision,
     resolve_ffn_size,
 )
@@ -244,8 +245,13 @@ class GaussianAttention(nn.Module):
         key_bias = torch.zeros(packing.mask.shape, dtype=dtype, device=packing.mask.device)
         return key_bias.masked_fill_(~packing.mask, torch.finfo(dtype).min / 2)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...]) -> Tensor:
-        """The plain path, ``softmax(G * Q K^T / sqrt(d_h) + key bias) V``: (B, k, H, L, Dh) each -> (B, k, H, L, Dh)."""
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None = None
+    ) -> Tensor:
+        """The plain path, ``softmax(G * Q K^T / sqrt(d_h) + key bias) V``: (B, k, H, L, Dh) each -> (B, k, H, L, Dh).
+
+        ``draw``: a :func:`~prvrlab.models.blocks.dropout_draw` (B, k, H, L, L) taken beforehand for the
+        attention dropout (else it is drawn here)."""
         logits = torch.matmul(q, k.transpose(-1, -2))  # (B, k, H, L, L)
         scale = self._logit_scale(packing, logits.dtype, sigmas)
         if packing.is_full:
@@ -256,16 +262,22 @@ class GaussianAttention(nn.Module):
                 logits = torch.addcmul(key_bias, logits, scale)
             else:
                 logits = key_bias.add(logits, alpha=scale)
-        probs = self.attn_dropout(torch.softmax(logits, dim=-1))  # (B, k, H, L, L)
+        probs = torch.softmax(logits, dim=-1)  # (B, k, H, L, L)
+        if draw is not None and self.training:
+            probs = probs * mask_from_draw(draw, self.attn_dropout.p, probs.dtype)
+        else:
+            probs = self.attn_dropout(probs)
         return torch.matmul(probs, v)  # (B, k, H, L, Dh)
 
-    def _attend_windowed(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...]) -> Tensor:
+    def _attend_windowed(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None = None
+    ) -> Tensor:
         """:meth:`_attend`, in float32 where the low-precision batched GEMM is emulated (module docstring)."""
         device = q.device.type
         if q.dtype not in (torch.bfloat16, torch.float16) or native_low_precision(device):
-            return self._attend(q, k, v, packing, sigmas)
+            return self._attend(q, k, v, packing, sigmas, draw)
         with torch.autocast(device, enabled=False):
-            return self._attend(q.float(), k.float(), v.float(), packing, sigmas)  # (B, k, H, L, Dh)
+            return self._attend(q.float(), k.float(), v.float(), packing, sigmas, draw)  # (B, k, H, L, Dh)
 
     def _attend_sdpa(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing) -> Tensor:
         """Plain (sigma = inf) branches on the fused kernel: (B, k, H, L, Dh) each -> (B, k, H, L, Dh)."""
@@ -275,18 +287,20 @@ class GaussianAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, k*H, L, Dh)
         return out.view(B, nk, H, L, Dh)
 
-    def _attend_fast(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing) -> Tensor:
-        """The fast paths (module docstring), branch order kept: (B, K, H, L, Dh) each -> (B, K, H, L, Dh)."""
-        plain = [i for i, s in enumerate(self.sigmas) if math.isinf(s)]
-        windowed = [i for i, s in enumerate(self.sigmas) if not math.isinf(s)]
+    def _attend_fast(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None = None
+    ) -> Tensor:
+        """The fast paths (module docstring), branch order kept: (B, k, H, L, Dh) each -> (B, k, H, L, Dh)."""
+        plain = [i for i, s in enumerate(sigmas) if math.isinf(s)]
+        windowed = [i for i, s in enumerate(sigmas) if not math.isinf(s)]
         if self.training and self.attn_dropout.p > 0:  # keep the plain path's dropout mask
-            plain, windowed = [], list(range(self.num_branches))
+            plain, windowed = [], list(range(len(sigmas)))
         if plain and windowed and q.dtype == torch.float32:  # measured: the split costs more than SDPA saves
-            plain, windowed = [], list(range(self.num_branches))
+            plain, windowed = [], list(range(len(sigmas)))
         parts, order = [], []
         if windowed:
-            sigmas = tuple(self.sigmas[i] for i in windowed)
-            parts.append(self._attend_windowed(*_branches((q, k, v), windowed), packing, sigmas))
+            part_sigmas = tuple(sigmas[i] for i in windowed)
+            parts.append(self._attend_windowed(*_branches((q, k, v), windowed), packing, part_sigmas, draw))
             order += windowed
         if plain:
             parts.append(self._attend_sdpa(*_branches((q, k, v), plain), packing))
@@ -296,21 +310,35 @@ class GaussianAttention(nn.Module):
             ctx = ctx.index_select(1, torch.tensor(order, device=ctx.device).argsort())
         return ctx
 
-    def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
-        """(N, D) packed tokens -> (K, N, D), one output per branch."""
+    def forward_packed(
+        self, x: Tensor, packing: Packing, branches: slice = slice(None), draw: Tensor | None = None
+    ) -> Tensor:
+        """(N, D) packed tokens -> (k, N, D), one output per branch of ``branches`` (all by default).
+
+        ``draw``: the attention dropout's draw for these branches, taken beforehand (see :meth:`_attend`);
+        with it, a run over slices of the branches equals the run over all of them."""
         B, L = packing.batch, packing.length
-        K, H, Dh = self.num_branches, self.num_heads, self.head_dim
-        qkv = packing.unpack(self.qkv(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
+        H, Dh = self.num_heads, self.head_dim
+        sigmas = self.sigmas[branches]
+        K = len(sigmas)
+        if K == self.num_branches:
+            projected = self.qkv(x)  # (N, 3*K*D)
+        else:  # the rows of these branches' Q, K and V
+            D, weight, bias = self.hidden_size, self.qkv.weight, self.qkv.bias
+            weight = weight.view(3, self.num_branches, D, -1)[:, branches].reshape(3 * K * D, -1)  # (3*k*D, D)
+            bias = bias.view(3, self.num_branches, D)[:, branches].reshape(3 * K * D)
+            projected = F.linear(x, weight, bias)  # (N, 3*k*D)
+        qkv = packing.unpack(projected).view(B, L, 3, K, H, Dh)  # (B, L, 3, k, H, Dh)
         # unbind before permuting: the backward then stacks the three gradients straight into this layout
-        q, k, v = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, K, H, L, Dh) each
+        q, k, v = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, k, H, L, Dh) each
         if self.fast:
-            ctx = self._attend_fast(q, k, v, packing)
+            ctx = self._attend_fast(q, k, v, packing, sigmas, draw)
         else:
-            ctx = self._attend(q, k, v, packing, self.sigmas)  # (B, K, H, L, Dh)
-        ctx = ctx.permute(1, 0, 3, 2, 4).reshape(K, B * L, H * Dh)  # (K, B*L, D)
+            ctx = self._attend(q, k, v, packing, sigmas, draw)  # (B, k, H, L, Dh)
+        ctx = ctx.permute(1, 0, 3, 2, 4).reshape(K, B * L, H * Dh)  # (k, B*L, D)
         if packing.index is not None:
-            ctx = ctx.index_select(1, packing.index)  # (K, N, D)
-        return self.out(ctx)  # (K, N, D)
+            ctx = ctx.index_select(1, packing.index)  # (k, N, D)
+        return self.out(ctx, branches)  # (k, N, D)
 
 
 class GMMBlock(PackedLayer):

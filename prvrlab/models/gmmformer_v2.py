@@ -50,6 +50,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_number, check_positive_int
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
@@ -63,8 +64,9 @@ from prvrlab.models.blocks import (
     autocast_input,
     branch_layer_norm,
     check_score_weights,
-    dropout_mask,
+    dropout_draw,
     init_normal_,
+    mask_from_draw,
     legacy_encoder_keys,
     resolve_ffn_size,
 )
@@ -147,6 +149,7 @@ class TCGMMBlock(PackedLayer):
     """
 
     norm_parameters: ClassVar[tuple[str, ...]] = ("norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")
+    checkpoint_activations: bool = False  # train.checkpoint_activations (see branches_packed)
 
     def __init__(
         self,
@@ -199,17 +202,52 @@ class TCGMMBlock(PackedLayer):
         return self.attention.sigmas
 
     def branches_packed(self, x: Tensor, packing: Packing) -> Tensor:
-        """(N, D) packed tokens -> (K, N, D): every branch's output before aggregation."""
+        """(N, D) packed tokens -> (K, N, D): every branch's output before aggregation.
+
+        With ``checkpoint_activations`` (and autograd recording) the branches run one at a time under
+        :func:`torch.utils.checkpoint.checkpoint`: only the input and each branch's output are kept for
+        the backward, which recomputes one branch at a time, so the backward holds one branch's
+        (B, H, L, L) attention maps and (N, ffn_size) activations instead of all K.  The dropout draws
+        are taken first, in the order and shapes of the one-pass run, so both give the same result
+        (tests/models/test_fast_paths.py).
+        """
         p = self.dropout.p if self.training else 0.0
         # Under autocast the (K, N, D) residual stream stays in the autocast dtype (LayerNorm keeps its
         # input's dtype and accumulates in float32): no float32 <-> bf16 copies of the largest tensors.
         x = autocast_input(x)  # (N, D)
-        a = self.attention.forward_packed(x, packing)  # (K, N, D)
-        h = torch.addcmul(x, a, dropout_mask(a, p)) if p > 0 else a + x  # (K, N, D)
-        h = branch_layer_norm(h, self.norm1_weight.to(h.dtype), self.norm1_bias.to(h.dtype))  # (K, N, D)
-        f = self.ffn_out(F.relu(self.ffn_in(h)))  # (K, N, D)
-        h = torch.addcmul(h, f, dropout_mask(f, p)) if p > 0 else h + f  # (K, N, D)
-        return branch_layer_norm(h, self.norm2_weight.to(h.dtype), self.norm2_bias.to(h.dtype))  # (K, N, D)
+        if not (self.checkpoint_activations and torch.is_grad_enabled()):
+            a = self.attention.forward_packed(x, packing)  # (K, N, D)
+            draws = [dropout_draw(a.shape, p, a.device) for _ in range(2)] if p > 0 else [None, None]
+            return self._close_branches(x, a, slice(None), *draws)  # (K, N, D)
+        K, N, D = self.attention.num_branches, x.shape[0], x.shape[-1]
+        attn = self.attention
+        attn_p = attn.attn_dropout.p if self.training else 0.0
+        shape = (packing.batch, K, attn.num_heads, packing.length, packing.length)
+        attn_draw = dropout_draw(shape, attn_p, x.device) if attn_p > 0 else None  # (B, K, H, L, L)
+        draws = [dropout_draw((K, N, D), p, x.device) if p > 0 else None for _ in range(2)]  # (K, N, D) each
+        outs = []
+        for k in range(K):
+            branch = slice(k, k + 1)
+            args = [None if d is None else d[branch] for d in draws]
+            args.insert(0, None if attn_draw is None else attn_draw[:, branch])
+            outs.append(checkpoint(self._branch, x, packing, branch, *args, use_reentrant=False))  # (1, N, D)
+        return torch.cat(outs)  # (K, N, D)
+
+    def _branch(self, x: Tensor, packing: Packing, branches: slice, attn_draw, *draws) -> Tensor:
+        """The ``branches`` (k of them) of :meth:`branches_packed` from pre-taken dropout draws: (N, D) -> (k, N, D)."""
+        a = self.attention.forward_packed(x, packing, branches, attn_draw)  # (k, N, D)
+        return self._close_branches(x, a, branches, *draws)
+
+    def _close_branches(self, x: Tensor, a: Tensor, branches: slice, a_draw, f_draw) -> Tensor:
+        """Residual, LayerNorm, FFN, residual, LayerNorm of the ``branches``' attention outputs (k, N, D)."""
+        p = self.dropout.p
+        h = torch.addcmul(x, a, mask_from_draw(a_draw, p, a.dtype)) if a_draw is not None else a + x  # (k, N, D)
+        w1, b1 = self.norm1_weight[branches].to(h.dtype), self.norm1_bias[branches].to(h.dtype)
+        h = branch_layer_norm(h, w1, b1)  # (k, N, D)
+        f = self.ffn_out(F.relu(self.ffn_in(h, branches)), branches)  # (k, N, D)
+        h = torch.addcmul(h, f, mask_from_draw(f_draw, p, f.dtype)) if f_draw is not None else h + f  # (k, N, D)
+        w2, b2 = self.norm2_weight[branches].to(h.dtype), self.norm2_bias[branches].to(h.dtype)
+        return branch_layer_norm(h, w2, b2)  # (k, N, D)
 
     def branch_weights(self, branches: Tensor, packing: Packing) -> Tensor | None:
         """Float32 aggregation weights summing to 1 over branches: (N, K) per token, (K,) for

@@ -55,6 +55,8 @@ class TrainConfig:
     use_gpu: bool = False
     cpus_per_worker: float | None = None  # None: derived from the cluster's CPUs
     amp: Literal["none", "bf16", "fp16"] = "none"
+    # recompute memory-heavy activations (modules declaring it) in the backward: same results, less memory
+    checkpoint_activations: bool = False
     max_failures: int = 2
     torch_threads: int | None = None  # None: cpus_per_worker rounded up
     seed: int = 0
@@ -83,9 +85,9 @@ class TrainConfig:
 class EvalConfig:
     """Evaluation batching (memory bound) and the splits evaluated at the end."""
 
-    video_batch_size: int = 256  # videos encoded per forward
+    video_batch_size: int = 256  # videos encoded per forward (at most: fewer where memory asks, see evaluate())
     query_batch_size: int = 1024  # queries encoded per forward
-    score_chunk: int = 2048  # queries scored against all videos at once
+    score_chunk: int = 2048  # queries scored against all videos at once (at most, as video_batch_size)
     final_splits: list[str] = field(default_factory=lambda: ["val", "test"])
 
     def check(self) -> None:

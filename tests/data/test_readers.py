@@ -54,6 +54,23 @@ def test_bigfile_contiguous_runs_read_as_slices(tmp_path, files):
         assert got.dtype == np.float32 and not np.shares_memory(got, bf._memmap())  # a copy, not a view of the map
 
 
+def test_bigfile_runs_read_without_a_memory_map(tmp_path, files):
+    """A run of rows is read by positioned reads into its array: no memory map is opened (its touched
+    pages would stay in the resident set); the descriptor is not pickled and close() drops it."""
+    ids = [f"f{r}" for r in range(5)]
+    matrix = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) - 7.25
+    bf = BigFile(files.write_bigfile(tmp_path / "bf", ids, matrix, {"a": ["f0", "f1"], "b": ["f2", "f3", "f4"]}))
+    np.testing.assert_array_equal(bf.frames("b"), matrix[2:5])
+    np.testing.assert_array_equal(bf.frames("a"), matrix[0:2])
+    assert bf._mm is None and bf._fd is not None
+    clone = pickle.loads(pickle.dumps(bf))
+    assert clone._fd is None
+    np.testing.assert_array_equal(clone.frames("b"), matrix[2:5])
+    bf.close()
+    assert bf._fd is None
+    np.testing.assert_array_equal(bf.frames("a"), matrix[0:2])  # reopened
+
+
 def test_bigfile_unknown_video_names_file(bigfile_dir):
     bf = BigFile(bigfile_dir[0])
     with pytest.raises(DataError, match="video2frames.txt.*'nope'"):

@@ -398,3 +398,58 @@ def test_evaluate_with_fake_data_layer(monkeypatch):
     assert result.metrics == pytest.approx({"r1": 100.0, "r5": 100.0, "r10": 100.0, "r100": 100.0, "sumr": 400.0})
     assert result.by_group is not None and result.by_group["short"]["count"] > 0
     assert result.table.num_rows == 18 and result.seconds >= 0
+
+
+def test_score_chunk_fits_the_memory_budget(monkeypatch):
+    """Queries per scoring chunk: one float32 score per (query, clip or frame token of every video)
+    within min(SCORE_BUDGET_BYTES, free memory / 8), at most the configured chunk, at least 1."""
+    nv, lc, lf, d = 6, 4, 10, 3
+    emb = VideoEmbedding(clip=torch.zeros(nv, lc, d), frame=torch.zeros(nv, lf, d),
+                         frame_mask=torch.ones(nv, lf, dtype=torch.bool), extra={"id": torch.arange(nv)})
+    per_query = 4 * nv * (lc + lf)  # bytes of one query's scores (the mask and the ids hold no scores)
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 5 * per_query + 7)
+    assert ev.score_chunk(emb, 2048) == 5
+    assert ev.score_chunk(emb, 3) == 3
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 8 * 2 * per_query)
+    assert ev.score_chunk(emb, 2048) == 2
+    monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 1)
+    assert ev.score_chunk(emb, 2048) == 1
+
+
+def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):
+    video_ids, clips, frames, mask, query_ids, queries, query_video, ratios = toy_split()
+    qmask = torch.ones(len(query_ids), 2, dtype=torch.bool)
+
+    def run():
+        return ev.evaluate_batches(
+            VectorModel(5), [(video_ids, clips, frames, mask)], [(query_ids, queries, qmask)],
+            video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=2048, device="cpu",
+        )
+
+    calls: list[int] = []
+    compute_ranks = ev.compute_ranks
+    def recording(*args, chunk, **kwargs):
+        calls.append(chunk)
+        return compute_ranks(*args, chunk=chunk, **kwargs)
+
+    monkeypatch.setattr(ev, "compute_ranks", recording)
+    wide = run()
+    monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 1)
+    narrow = run()
+    assert calls[0] > 1 and calls[1] == 1
+    np.testing.assert_array_equal(narrow.ranks, wide.ranks)
+
+
+def test_video_batch_size_fits_the_memory_budget(monkeypatch):
+    """Videos per encoding batch: their float32 clip + frame features within min(ENCODE_BUDGET_BYTES,
+    free memory / 16), at most the configured batch, at least 1."""
+    per_video = 4 * (32 + 128) * 3072  # TVR: 32 clips + 128 frames of 3,072-d features
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 10 * per_video + 5)
+    assert ev.video_batch_size(256, 160, 3072) == 10
+    assert ev.video_batch_size(7, 160, 3072) == 7
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 16 * 3 * per_video)
+    assert ev.video_batch_size(256, 160, 3072) == 3
+    monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 0)
+    assert ev.video_batch_size(256, 160, 3072) == 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import prvrlab.models.gmm as gmm
+from prvrlab.models.base import set_activation_checkpointing
 from prvrlab.models.blocks import Packing
 from prvrlab.models.gmm import GaussianAttention, gaussian_window
 from test_backbones import build, standard_batch
@@ -87,6 +88,64 @@ def test_fast_bf16_within_tolerance(name):
     for key in plain:
         assert_close_scaled(fast[key], plain[key], BF16_TOL, key)
         assert_close_scaled(fast[key], exact[key], BF16_TOL, key)
+
+
+def saved_bytes(model, batch) -> int:
+    """Bytes of the tensors autograd saves for the backward of one forward (storages counted once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(batch)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "fast"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_checkpointed_branches_equal_one_pass_fp32(dropout, fast):
+    """train.checkpoint_activations (gmmformer_v2's TC-GMMBlocks, branch by branch) gives the one-pass
+    outputs and gradients, dropout masks included, and saves far fewer bytes for the backward."""
+    torch.manual_seed(0)
+    model = build("gmmformer_v2", dropout=dropout, attention_dropout=dropout).train()
+    batch = standard_batch()
+    torch.manual_seed(1)
+    plain, plain_grads = outputs(model, batch, fast=fast)
+    plain_saved = saved_bytes(model, batch)
+    assert set_activation_checkpointing(model, True) == 5  # 2 TC-GMMBlocks, 3 input projections
+    torch.manual_seed(1)
+    ckpt, ckpt_grads = outputs(model, batch, fast=fast)
+    assert plain.keys() == ckpt.keys() and plain_grads.keys() == ckpt_grads.keys()
+    for key in plain:
+        assert_close_scaled(ckpt[key], plain[key], FP32_TOL, key)
+    for key in plain_grads:
+        assert_close_scaled(ckpt_grads[key], plain_grads[key], FP32_TOL, f"grad of {key}")
+    assert saved_bytes(model, batch) < 0.6 * plain_saved
+    torch.manual_seed(2)  # another draw: the outputs move when dropout is on (the comparison above can fail)
+    other, _ = outputs(model, batch, fast=fast)
+    moved = max(float((other[k] - ckpt[k]).abs().max()) for k in ckpt)
+    assert (moved > 1e-3) == (dropout > 0)
+
+
+@pytest.mark.parametrize("name", BACKBONES)
+def test_checkpointed_input_projections_equal_one_pass_fp32(name):
+    """Every backbone's input projections under train.checkpoint_activations (recomputed in the
+    backward with the RNG state restored) give the one-pass outputs and gradients, dropout included."""
+    torch.manual_seed(0)
+    model = build(name, dropout=0.3).train()
+    batch = standard_batch()
+    torch.manual_seed(1)
+    plain, plain_grads = outputs(model, batch, fast=True)
+    assert set_activation_checkpointing(model, True) >= 2
+    torch.manual_seed(1)
+    ckpt, ckpt_grads = outputs(model, batch, fast=True)
+    assert plain.keys() == ckpt.keys() and plain_grads.keys() == ckpt_grads.keys()
+    for key in plain:
+        assert_close_scaled(ckpt[key], plain[key], FP32_TOL, key)
+    for key in plain_grads:
+        assert_close_scaled(ckpt_grads[key], plain_grads[key], FP32_TOL, f"grad of {key}")
 
 
 def hand_attention(att: GaussianAttention, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -183,6 +183,7 @@ class TrainingLoop:
         from prvrlab.data.collection import open_collection
         from prvrlab.data.dataset import train_loader
         from prvrlab.evaluation.retrieval import resolve_amp_dtype
+        from prvrlab.models.base import set_activation_checkpointing
         from prvrlab.models.factory import build_system
         from prvrlab.platform.train.optim import build_optimizer
 
@@ -195,6 +196,7 @@ class TrainingLoop:
         dims = {"video_dim": self.collection.video_dim, "query_dim": self.collection.query_dim}
         self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims).to(self.device)
         self.model = self.system.model
+        set_activation_checkpointing(self.system, cfg.train.checkpoint_activations)
         self.components = self.system.components()
         self.per_rank = max(1, cfg.train.batch_size // self.world)
         self.loader, self.sampler = train_loader(
