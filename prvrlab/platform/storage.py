@@ -145,18 +145,26 @@ class Location:
         fs, path = _filesystem(self.child(rel).uri)
         return fs.get_file_info(path).type != pafs.FileType.NotFound
 
-    def pull(self, exclude: tuple[str, ...] = ()) -> int:
-        """Download every remote file below (except ``exclude`` name patterns) into :attr:`local`; the count."""
+    def pull(self, exclude: tuple[str, ...] = (), include: tuple[str, ...] = ("*",), fresh: bool = False) -> int:
+        """Download the remote files below into :attr:`local`; the number downloaded.
+
+        ``exclude``: file or folder name patterns left out; ``include``: file name
+        patterns taken; ``fresh``: empty the local copy first (nothing stale kept).
+        """
         if not self.remote:
             return 0
         import pyarrow.fs as pafs
 
+        if fresh:
+            shutil.rmtree(self.local, ignore_errors=True)
         fs, path = _filesystem(self.uri)
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
         count = 0
         for info in infos:
             rel = info.path[len(path):].lstrip("/")
             if info.type != pafs.FileType.File or _excluded(rel, exclude + NEVER_SYNCED):
+                continue
+            if not any(fnmatch.fnmatch(info.base_name, pat) for pat in include):
                 continue
             target = self.local / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -232,6 +240,7 @@ class _Periodic:
                 pass
 
     def __enter__(self) -> Mirror:
+        self.mirror.push()
         if self.mirror.uri is not None:
             self._thread = threading.Thread(target=self._run, name="prvrlab-storage-sync", daemon=True)
             self._thread.start()

@@ -46,9 +46,7 @@ def s3_endpoint(*buckets: str) -> Iterator[dict[str, str]]:
             except OSError:
                 assert time.time() < deadline, "moto.server did not come up"
                 time.sleep(0.3)
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=url, **_credentials(env))
+        client = s3_client(env)
         for bucket in buckets:
             client.create_bucket(Bucket=bucket)
         yield env
@@ -65,11 +63,16 @@ def _credentials(env: dict[str, str]) -> dict[str, str]:
     }
 
 
-def bucket_keys(env: dict[str, str], bucket: str, prefix: str = "") -> list[str]:
-    """Every object key in ``bucket`` under ``prefix``."""
+def s3_client(env: dict[str, str]):
+    """A boto3 S3 client of the endpoint ``env`` points at."""
     import boto3
 
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], **_credentials(env))
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], **_credentials(env))
+
+
+def bucket_keys(env: dict[str, str], bucket: str, prefix: str = "") -> list[str]:
+    """Every object key in ``bucket`` under ``prefix``."""
+    client = s3_client(env)
     keys: list[str] = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         keys += [item["Key"] for item in page.get("Contents", [])]
