@@ -189,14 +189,17 @@ class Location:
 class Mirror:
     """Pushes a local folder's changed files to a remote URI (no-op for local storage).
 
-    ``exclude``: file or folder name patterns never pushed (``NEVER_SYNCED`` always).
-    A file is pushed again when its size or modification time changed.
+    ``exclude``: file or folder name patterns never pushed (``NEVER_SYNCED`` always);
+    ``last``: file name patterns pushed after the others (an index that names other files
+    goes up after them, as it is written after them locally). A file is pushed again when
+    its size or modification time changed.
     """
 
-    def __init__(self, local: str | Path, uri: str | None, exclude: tuple[str, ...] = ()) -> None:
+    def __init__(self, local: str | Path, uri: str | None, exclude: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> None:
         self.local = Path(local)
         self.uri = uri if uri and is_remote(uri) else None
         self.exclude = tuple(exclude) + NEVER_SYNCED
+        self.last = tuple(last)
         self._sent: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
@@ -207,7 +210,8 @@ class Mirror:
         with self._lock:
             fs, root = _filesystem(self.uri)
             count = 0
-            for path in sorted(self.local.rglob("*")):
+            paths = sorted(self.local.rglob("*"), key=lambda p: (any(fnmatch.fnmatch(p.name, pat) for pat in self.last), p))
+            for path in paths:
                 rel = path.relative_to(self.local).as_posix()
                 if not path.is_file() or path.is_symlink() or _excluded(rel, self.exclude):
                     continue

@@ -49,6 +49,7 @@ from prvrlab.platform.search.outcome import (
     FAILED_OUTCOMES,
     INTERRUPTED,
     OUTCOME_FILE,
+    STUDY_FILE,
     RunMap,
     format_params,
     read_outcome,
@@ -123,7 +124,7 @@ class StudyContext:
 
     def push_files(self) -> storage.Mirror:
         """A mirror pushing the driver's study files to the object store (a no-op one for local storage)."""
-        return storage.Mirror(self.study_dir, self.storage or None, exclude=DRIVER_PUSH_EXCLUDE)
+        return storage.Mirror(self.study_dir, self.storage or None, exclude=DRIVER_PUSH_EXCLUDE, last=(STUDY_FILE,))
 
     def trial_progress(self, trial) -> dict[str, Any] | None:
         """The in-epoch progress rank 0 of ``trial`` last wrote, or None."""
@@ -453,6 +454,7 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
     from prvrlab.platform.runtime import prepare_data, resolve_config_paths
 
     base = resolve_config_paths(spec.base)
+    storage.check(base.tracking.storage_path)  # unknown bucket, unreachable endpoint: one line naming the key
     prepare_data(base, progress=False)
     location = study_location(base.tracking.storage_path, kind, spec.name)
     root = location.local

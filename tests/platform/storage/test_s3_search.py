@@ -32,7 +32,7 @@ def test_search_resumes_from_the_bucket_after_the_driver_is_killed(tiny_root, tm
     spec = yaml.safe_load(path.read_text())
     spec["overrides"]["tracking.storage_path"] = "s3://lab/studies"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    cmd = [sys.executable, "-m", "prvrlab.platform.cli", "search", str(path), "--set", "train.epochs=12"]
+    cmd = [sys.executable, "-m", "prvrlab.platform.cli", "search", str(path), "--set", "train.epochs=6"]
     prefix = "studies/search/s3resume/"
     with s3_endpoint("lab") as s3:
         env = {**os.environ, **s3, "PYTHONUNBUFFERED": "1", "PRVRLAB_STAGING": str(tmp_path / "first-machine")}
@@ -61,11 +61,15 @@ def test_search_resumes_from_the_bucket_after_the_driver_is_killed(tiny_root, tm
             assert f"start  {trial_id}" not in done.stdout, done.stdout
         parents, children = study_runs(tmp_path)
         assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+        # a trial started just before the kill may be missing from Tune's saved state: closed KILLED ("lost")
+        lost = [c for c in children if c.data.tags.get("prvrlab.stop_reason", "").startswith("lost:")]
+        assert len(lost) <= 1 and all(c.info.status == "KILLED" for c in lost)
+        children = [c for c in children if c.info.run_id not in {r.info.run_id for r in lost}]
         assert len({c.data.tags["prvrlab.trial_id"] for c in children}) == len(children) == 3
         assert all(c.info.status == "FINISHED" for c in children), [c.info.status for c in children]
         for child in children:
             steps = [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")]
-            assert steps == list(range(1, 13)), steps  # every epoch logged once: no retrained or replayed epoch
+            assert steps == list(range(1, 7)), steps  # every epoch logged once: no retrained or replayed epoch
 
         keys = [k[len(prefix):].split("/", 1)[1] for k in bucket_keys(s3, "lab", prefix) if not k.endswith("/")]
         assert {"study.json", "state.sha256", "best_config.yaml", "study.log"} <= set(keys), keys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
@@ -13,6 +14,7 @@ from prvrlab.platform.config import ConfigError, validate
 from prvrlab.platform.runtime import resolve_config_paths
 
 from s3_helpers import bucket_keys, s3_client, s3_endpoint
+from search_helpers import tiny_spec
 from train_helpers import small_raw
 
 
@@ -106,6 +108,30 @@ def s3_env(s3, tmp_path, monkeypatch):
     return s3
 
 
+class _Recorder:
+    """A stand-in object store recording the order of uploads."""
+
+    def __init__(self) -> None:
+        self.written: list[str] = []
+
+    def open_output_stream(self, path: str):
+        self.written.append(path)
+        return io.BytesIO()
+
+
+def test_mirror_pushes_an_index_after_the_files_it_names(tmp_path, monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(storage, "_filesystem", lambda uri: (recorder, "bkt/study"))
+    (tmp_path / "trials" / "t1").mkdir(parents=True)
+    for rel in ("study.json", "a.log", "trials/t1/outcome.json"):
+        (tmp_path / rel).write_text(rel)
+    assert storage.Mirror(tmp_path, "s3://bkt/study", last=("study.json",)).push() == 3
+    assert recorder.written == ["bkt/study/a.log", "bkt/study/trials/t1/outcome.json", "bkt/study/study.json"]
+    recorder.written.clear()
+    assert storage.Mirror(tmp_path, "s3://bkt/study").push() == 3
+    assert recorder.written[0] == "bkt/study/a.log" and recorder.written[1] == "bkt/study/study.json"  # plain name order
+
+
 def test_mirror_pushes_changed_files_only_and_never_progress_or_excluded(s3_env, tmp_path):
     folder = tmp_path / "run"
     (folder / "sub").mkdir(parents=True)
@@ -156,3 +182,14 @@ def test_fetch_downloads_a_file_and_names_a_missing_one(s3_env, tmp_path):
     assert local.read_bytes() == b"weights" and local == tmp_path / "stage" / "s3" / "lab" / "f" / "model.pt"
     with pytest.raises(ConfigError, match=r"^checkpoint s3://lab/f/missing.pt: cannot be read"):
         storage.fetch("s3://lab/f/missing.pt", key="checkpoint")
+
+
+def test_search_on_a_missing_bucket_is_one_line_exit_2_nothing_recorded(s3_env, tiny_root, tmp_path, capsys):
+    path = tiny_spec(tmp_path, tiny_root, name="nobucket")
+    spec = yaml.safe_load(path.read_text())
+    spec["overrides"]["tracking.storage_path"] = "s3://missing-bucket/studies"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["search", str(path)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].count("tracking.storage_path s3://missing-bucket/studies: not writable") == 1, err
+    assert not (tmp_path / "mlflow.db").exists()
