@@ -38,7 +38,7 @@ def test_search_resumes_from_the_bucket_after_the_driver_is_killed(tiny_root, tm
         env = {**os.environ, **s3, "PYTHONUNBUFFERED": "1", "PRVRLAB_STAGING": str(tmp_path / "first-machine")}
         log = (tmp_path / "first.log").open("w")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + 300
+        deadline = time.time() + 600
         try:
             while _closed_in_bucket(s3, prefix) < 1:
                 assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
