@@ -105,13 +105,18 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from prvrlab.platform import storage
     from prvrlab.platform.train.checkpoint_eval import checkpoint_epoch, evaluate_checkpoint, load_checkpoint
 
-    result = evaluate_checkpoint(
-        args.checkpoint, split=args.split, data_root=args.data_root, ranks_out=args.ranks, amp=args.amp
-    )
+    checkpoint = storage.fetch(args.checkpoint, key="checkpoint")  # s3:// or gs://: a staged local copy
+    ranks = args.ranks
+    if ranks and storage.is_remote(ranks):
+        ranks = str(storage.Location(storage.normalize(ranks, key="--ranks")).local)
+    result = evaluate_checkpoint(checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp)
+    if ranks != args.ranks:
+        storage.put(ranks, args.ranks)
     m = result.metrics
-    epoch = checkpoint_epoch(load_checkpoint(args.checkpoint))
+    epoch = checkpoint_epoch(load_checkpoint(checkpoint))
     print(
         (f"model of epoch {epoch}  " if epoch is not None else "")
         + f"{args.split}: {result.num_queries} queries x {result.num_videos} videos  "
@@ -259,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="best_model.pt written by a training run")
     p.add_argument("--split", default="test", help="split to evaluate, e.g. val or test (default test)")
     p.add_argument("--data-root", default=None, help="use features from here instead of the run's data.root")
-    p.add_argument("--ranks", default=None, help="write per-query ranks to this Parquet file")
+    p.add_argument("--ranks", default=None, help="write per-query ranks to this Parquet file (a path, s3:// or gs://)")
     p.add_argument("--amp", choices=["none", "bf16"], default="none", help="autocast precision of the forward pass (default none)")
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     p.set_defaults(func=cmd_eval)

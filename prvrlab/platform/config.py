@@ -101,11 +101,14 @@ class TrackingConfig:
     uri: str | None = None  # default: $MLFLOW_TRACKING_URI or sqlite:///<cwd>/mlflow.db
     experiment: str = "prvrlab"
     run_name: str | None = None
-    storage_path: str = "results"  # checkpoints and run files; resolved to absolute
+    storage_path: str = "results"  # checkpoints and run files: a path (resolved to absolute), file://, s3:// or gs://
 
     def check(self) -> None:
+        from prvrlab.platform.storage import normalize
+
         if not self.experiment:
             raise ConfigError("tracking.experiment must not be empty")
+        normalize(self.storage_path)  # unknown scheme, no bucket, a query: ConfigError naming the key
 
 
 SECTIONS: dict[str, type] = {

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from prvrlab.platform.config import ConfigError, ExperimentConfig
+from prvrlab.platform.storage import normalize
 from prvrlab.platform.tracking.store import resolve_tracking_uri
 
 
@@ -39,7 +40,8 @@ def project_relative(path: str | Path) -> str:
 
 
 def resolve_config_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> ExperimentConfig:
-    """A copy whose data root and storage path are absolute (workers chdir).
+    """A copy whose data root and storage path are absolute (workers chdir); a storage URI
+    (``s3://``, ``gs://``) stays a URI, ``file://`` becomes a local path.
 
     Relative paths resolve against ``cwd``, else ``$PRVRLAB_HOME`` (set it
     under ``ray job submit``, whose driver runs in a temporary copy of the
@@ -51,7 +53,7 @@ def resolve_config_paths(cfg: ExperimentConfig, cwd: Path | None = None) -> Expe
         data = dataclasses.replace(data, visual_feature=str(Path(cfg.data.visual_feature)))
     tracking = dataclasses.replace(
         cfg.tracking,
-        storage_path=str((base / cfg.tracking.storage_path).resolve()),
+        storage_path=normalize(cfg.tracking.storage_path, base),
         uri=resolve_tracking_uri(cfg.tracking.uri, base),
     )
     return dataclasses.replace(cfg, data=data, tracking=tracking)

@@ -14,13 +14,14 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from prvrlab.platform.search.outcome import RunMap
+from prvrlab.platform.search.outcome import STUDY_FILE, RunMap
 from prvrlab.platform.search.study import (
     StudyResult,
     make_study,
     open_parent,
     prepare_study,
     run_study,
+    study_location,
     study_root,
     prepare_environment,
 )
@@ -108,6 +109,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     todo = {c: o for c, o in all_cells.items() if plain.experiment_config({"cell": c}).fingerprint() not in done}
     skipped = len(all_cells) - len(todo)
     root = study_root(base.tracking.storage_path, "ablation", spec.name)
+    study_location(base.tracking.storage_path, "ablation", spec.name).pull(include=(STUDY_FILE,))  # object store: earlier parents
     parent = open_parent(tracker, runs, spec, "ablation", study_dir, parent_run_id=None if resumed else previous_parent_excluding(root, study_dir))
     echo(
         f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "

@@ -28,7 +28,16 @@ from ray.tune import Callback
 from prvrlab.models.component import DISTRIBUTIONS_DIR
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import ERROR_FILE, record_failure
-from prvrlab.platform.search.outcome import INTERRUPTED, RunMap, trial_error, trial_outcome, watch_interrupts, write_outcome
+from prvrlab.platform import storage
+from prvrlab.platform.search.outcome import (
+    INTERRUPTED,
+    OUTCOME_FILE,
+    RunMap,
+    trial_error,
+    trial_outcome,
+    watch_interrupts,
+    write_outcome,
+)
 
 if TYPE_CHECKING:
     from prvrlab.platform.search.study import StudyContext
@@ -44,9 +53,13 @@ class MlflowStudyCallback(Callback):
         self._commit: str | None = None
         self._datasets: dict[str, Any] = {}
         self._lost_checked = False
+        self._mirror: "storage.Mirror | None" = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None, "_datasets": {}, "_lost_checked": False}
+        return {
+            "study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None, "_datasets": {},
+            "_lost_checked": False, "_mirror": None,
+        }
 
     # ------------------------------------------------------------ helpers
 
@@ -66,6 +79,19 @@ class MlflowStudyCallback(Callback):
             self._map = RunMap(self.study.study_dir)
         return self._map
 
+    @property
+    def mirror(self) -> "storage.Mirror":
+        """Pushes the driver's study files to an object store (a no-op for local storage)."""
+        if self._mirror is None:
+            self._mirror = self.study.push_files()
+        return self._mirror
+
+    def _save(self) -> None:
+        """Write the run map and push it (with any outcome or error just written) at once: a driver
+        killed a moment later leaves the object store as current as a local folder."""
+        self.runs.save()
+        self.mirror.push()
+
     def _child_run(self, trial) -> str:
         """The child run of ``trial``: reattached when known, created otherwise."""
         trial_id = trial.trial_id
@@ -78,7 +104,7 @@ class MlflowStudyCallback(Callback):
                 if self.runs.closed.pop(trial_id, None) == "KILLED":
                     self.tracker.client.delete_tag(run_id, "prvrlab.stop_reason")
                     self.tracker.set_tags(run_id, {"prvrlab.status": "resumed"})
-                self.runs.save()
+                self._save()
                 self._open.add(trial_id)
             return run_id
         from prvrlab.platform.tracking.store import git_commit
@@ -98,7 +124,7 @@ class MlflowStudyCallback(Callback):
             self.tracker.log_params(run_id, cfg.flat())
             self.tracker.log_dataset(run_id, self._dataset(cfg))
         self.runs.trials[trial_id] = run_id
-        self.runs.save()
+        self._save()
         self._open.add(trial_id)
         return run_id
 
@@ -124,6 +150,8 @@ class MlflowStudyCallback(Callback):
             return
         tracker = self.tracker
         files = self.study.trial_dir(trial_id)
+        if self.study.storage and status != "KILLED":  # object store: rank 0's files, wherever it ran
+            storage.Location(self.study.trial_sync(trial_id)).pull(exclude=(OUTCOME_FILE,))
         tracker.log_artifacts(run_id, [files / ERROR_FILE])
         if status != "KILLED":
             tracker.log_artifacts(run_id, [files / "config.yaml"])
@@ -134,7 +162,7 @@ class MlflowStudyCallback(Callback):
         tracker.end_run(run_id, status)
         self._open.discard(trial_id)
         self.runs.closed[trial_id] = status
-        self.runs.save()
+        self._save()
 
     def close_open_runs(self, reason: str) -> None:
         """Close every open child run and the parent as KILLED now, logging nothing else.

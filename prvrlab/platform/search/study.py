@@ -18,6 +18,11 @@ folder ``<storage>/<kind>/<name>/<stamp>/`` holds Tune's state (``tune/``),
 Train runs (``train/``), per-trial files (``trials/<id>/files``, with
 ``error.txt`` for a failed trial), the run map (``study.json``), Ray's and
 Tune's log lines (``study.log``) and, for a search, ``best_config.yaml``.
+On an object store (``tracking.storage_path: s3://...``) Tune and Train write
+there directly; the other files live in the study's local staging folder and
+are pushed by the driver every few seconds and at the end, a trial's model and
+ranks by its rank 0, and ``--resume`` pulls them first
+(:mod:`prvrlab.platform.storage`).
 """
 
 from __future__ import annotations
@@ -37,16 +42,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
 from prvrlab.platform.ray_logs import ray_logs_to
 from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, explain_exception, failure_text, record_failure
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
-from prvrlab.platform.search.outcome import FAILED_OUTCOMES, INTERRUPTED, RunMap, format_params, read_outcome, trial_outcome
+from prvrlab.platform.search.outcome import (
+    FAILED_OUTCOMES,
+    INTERRUPTED,
+    OUTCOME_FILE,
+    STUDY_FILE,
+    RunMap,
+    format_params,
+    read_outcome,
+    trial_outcome,
+)
 from prvrlab.platform.search.spec import StudyError, StudySpec
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
 STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the driver after each run
 STUDY_LOG = "study.log"  # Ray's and Tune's log lines and Python warnings of every submission
+DRIVER_PUSH_EXCLUDE = ("tune", "train", *storage.WORKER_FILES)  # written to the store by Tune, Train and rank 0
+SYNC_S = 2.0  # the driver pushes the study's files this often (as often as Tune saves its state)
 
 
 def _components(cfg: ExperimentConfig) -> str:
@@ -77,6 +94,7 @@ class StudyContext:
     short_keys: dict[str, str] = field(default_factory=dict)  # search: space key -> its short form in run names
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
     reuse_workers: bool = False  # multi-worker trials train on their slot's long-lived pool (search/workers.py)
+    storage: str = ""  # the study folder's object-store URI; "" when study_dir is the folder itself
 
     def overrides(self, config: dict[str, Any]) -> dict[str, Any]:
         """The dotted overrides a trial config stands for."""
@@ -98,6 +116,18 @@ class StudyContext:
     def trial_dir(self, trial_id: str) -> Path:
         """Where a trial writes its run files."""
         return Path(self.study_dir) / "trials" / trial_id / "files"
+
+    def trial_sync(self, trial_id: str) -> str | None:
+        """The object-store URI a trial's files are pushed to (None for local storage)."""
+        return f"{self.storage}/trials/{trial_id}/files" if self.storage else None
+
+    def where(self, sub: str) -> str:
+        """Where Ray writes ``sub`` (``tune``, ``train``): the object-store URI or the local folder."""
+        return f"{self.storage}/{sub}" if self.storage else str(Path(self.study_dir) / sub)
+
+    def push_files(self) -> storage.Mirror:
+        """A mirror pushing the driver's study files to the object store (a no-op one for local storage)."""
+        return storage.Mirror(self.study_dir, self.storage or None, exclude=DRIVER_PUSH_EXCLUDE, last=(STUDY_FILE,))
 
     def trial_progress(self, trial) -> dict[str, Any] | None:
         """The in-epoch progress rank 0 of ``trial`` last wrote, or None."""
@@ -217,6 +247,9 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
         tune.report({"kind": "invalid", "error": str(exc)})
         return
     run_dir = study.trial_dir(trial_id)
+    sync_to = study.trial_sync(trial_id)
+    if sync_to:  # the outcome a driver recorded before it was killed, when this node has no copy
+        storage.Location(sync_to).pull(include=(OUTCOME_FILE,))
     recorded = read_outcome(run_dir)
     if recorded is not None:  # ended before the driver stopped, restored as unfinished by Tune
         tune.report(recorded)
@@ -228,6 +261,7 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
         "run_dir": str(run_dir),
         "cpus_per_worker": study.cpus_per_worker,
         "fault": study.fault,
+        "sync_to": sync_to,
     }
     filler = MetricFiller(study.metric, study.mode)
     try:
@@ -237,6 +271,7 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
         if failure.retryable:  # Tune retries the trial from its checkpoint (max_retries)
             raise
         record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
+        storage.Mirror(run_dir, sync_to).push()
         tune.report({"kind": "error", "error": failure.summary})  # the same error again: not retried
 
 
@@ -267,7 +302,7 @@ def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
         scaling_config=ScalingConfig(num_workers=study.workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=trial_id,
-            storage_path=str(Path(study.study_dir) / "train"),
+            storage_path=study.where("train"),
             failure_config=FailureConfig(max_failures=0),  # retries are Tune's (max_retries)
             checkpoint_config=CheckpointConfig(num_to_keep=1),
             callbacks=[_report_callback(filler)],
@@ -283,10 +318,26 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def study_root(storage_path: str | Path, kind: str, name: str) -> Path:
-    """``<storage>/<kind>/<name>``: holds one folder per submission."""
+def study_location(storage_path: str | Path, kind: str, name: str) -> storage.Location:
+    """``<storage>/<kind>/<name>`` (a local folder or an object-store URI): one folder per submission."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-    return Path(storage_path) / kind / safe
+    return storage.Location(str(storage_path)).child(kind, safe)
+
+
+def study_root(storage_path: str | Path, kind: str, name: str) -> Path:
+    """The local folder (or staging mirror) of :func:`study_location`."""
+    return study_location(storage_path, kind, name).local
+
+
+def latest_study(location: storage.Location) -> storage.Location | None:
+    """The newest submission under ``location`` that has Tune state, or None (local or object store)."""
+    if not location.remote:
+        found = latest_study_dir(location.local)
+        return location.child(found.name) if found is not None else None
+    for stamp in reversed(location.subdirs()):
+        if location.child(stamp).has("tune"):
+            return location.child(stamp)
+    return None
 
 
 def latest_study_dir(root: Path) -> Path | None:
@@ -412,12 +463,17 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
     from prvrlab.platform.runtime import prepare_data, resolve_config_paths
 
     base = resolve_config_paths(spec.base)
+    storage.check(base.tracking.storage_path)  # unknown bucket, unreachable endpoint: one line naming the key
     prepare_data(base, progress=False)
-    root = study_root(base.tracking.storage_path, kind, spec.name)
+    location = study_location(base.tracking.storage_path, kind, spec.name)
+    root = location.local
     if resume:
-        study_dir = latest_study_dir(root)
-        if study_dir is None:
-            raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {root}")
+        found = latest_study(location)
+        if found is None:
+            raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {location.uri}")
+        # object store: a fresh local copy (Tune's checkpoints stay remote: only read as weights)
+        found.pull(exclude=("train", "checkpoint_*"), fresh=True)
+        study_dir = found.local
         warning = verify_state(study_dir)
         if warning:
             echo(warning)
@@ -430,7 +486,7 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
         echo(f"resuming {kind} '{spec.name}' from {study_dir}")
         return base, study_dir, True
     study_dir = root / _stamp()
-    while study_dir.exists():
+    while study_dir.exists() or (location.remote and location.has(study_dir.name)):
         time.sleep(1)
         study_dir = root / _stamp()
     study_dir.mkdir(parents=True)
@@ -496,15 +552,15 @@ def run_study(
         resources = pool_resources(study.workers, study.cpus_per_worker, study.gpus_per_worker, TRIAL_ACTOR_CPU)
     reuse_actors = study.workers == 1 or study.reuse_workers  # a reused trial actor keeps its slot's pool
     trainable = _trainable(study, resources)
-    tune_dir = Path(study.study_dir) / "tune"
+    tune_path = study.where("tune")
     mlflow_cb = MlflowStudyCallback(study)
     callbacks: list[Any] = [mlflow_cb]
     if progress:
         callbacks.append(
             ProgressCallback(spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress, ended=study.trial_ended)
         )
-    if resume and tune_dir.is_dir() and tune.Tuner.can_restore(str(tune_dir)):
-        tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
+    if resume and tune.Tuner.can_restore(tune_path):
+        tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
         tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
     else:
         tuner = tune.Tuner(
@@ -513,7 +569,7 @@ def run_study(
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, reuse_actors=reuse_actors, **tune_config_kwargs),
             run_config=tune.RunConfig(
                 name="tune",
-                storage_path=str(study.study_dir),
+                storage_path=study.storage or str(study.study_dir),
                 verbose=0,
                 callbacks=callbacks,
                 failure_config=tune.FailureConfig(max_failures=spec.max_retries),
@@ -523,10 +579,11 @@ def run_study(
         )
     interrupted = False
     INTERRUPTED.clear()
-    (Path(study.study_dir) / STATE_SUMS).unlink(missing_ok=True)  # stale once Tune writes again; re-recorded at the end
+    location = storage.Location(study.storage or study.study_dir)
+    location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
     previous = _sigterm_as_sigint(mlflow_cb.close_open_runs)
     try:
-        with ray_logs_to(Path(study.study_dir) / STUDY_LOG):  # Ray's and Tune's warnings: not on the console
+        with ray_logs_to(Path(study.study_dir) / STUDY_LOG), mlflow_cb.mirror.every(SYNC_S):  # warnings off the console
             results = tuner.fit()
     except KeyboardInterrupt:
         interrupted = True
@@ -534,7 +591,9 @@ def run_study(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    location.child("tune").pull(exclude=("checkpoint_*",), fresh=True)  # object store: the state to record
     record_state(Path(study.study_dir))
+    mlflow_cb.mirror.push()
     trials = _trials(tuner)
     if INTERRUPTED.is_set() or any(t.status in ("PENDING", "RUNNING", "PAUSED") for t in trials):
         interrupted = True
@@ -628,6 +687,8 @@ def make_study(
         short_keys=short_keys(p.key for p in getattr(spec, "space", ())),
         reuse_workers=spec.resources.reuse_workers,
     )
+    location = study_location(base.tracking.storage_path, kind, spec.name).child(Path(study_dir).name)
+    study.storage = location.uri if location.remote else ""
     study.resolved.update(resolved or {})
     for cell in cells or {}:  # an ablation's configs are all known: resolve them once, here
         study.experiment_config({"cell": cell})

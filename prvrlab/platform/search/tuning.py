@@ -143,6 +143,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
         summary = {f"trials/{k}": v for k, v in counts.items()}
         if best is not None:
             path = write_best_config(study, best, spec)
+            study.push_files().push()  # object store: best_config.yaml beside the study
             best["path"] = path
             summary[f"best/{spec.metric}"] = best["value"]
             tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})

@@ -13,7 +13,6 @@ import json
 import os
 import queue as stdlib_queue
 import re
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prvrlab.models.component import DISTRIBUTIONS_DIR
+from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.failures import ERROR_FILE, Failure, explain_exception, failure_text, record_failure
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
@@ -138,9 +138,11 @@ def fit_with_ray(
     on_report: Callable[[dict], None],
     on_retry: Callable[[Failure, int], None] | None = None,
     on_progress: Callable[[dict[str, Any] | None], None] | None = None,
+    sync_to: str | None = None,
 ) -> None:
     """Fit a TorchTrainer for ``cfg``; every rank-0 report goes to ``on_report``, the polled
-    in-epoch progress file (``progress.json``) to ``on_progress``.
+    in-epoch progress file (``progress.json``) to ``on_progress``; rank 0 pushes its run files
+    to ``sync_to`` (an object-store URI, :mod:`prvrlab.platform.storage`) when given.
 
     Retries are the driver's, not Ray's: a failure :func:`explain_exception` calls
     retryable (an OOM kill, a dead worker, a lost node; these can also kill Ray
@@ -153,7 +155,7 @@ def fit_with_ray(
     failures = 0
     while True:
         try:
-            _fit_once(cfg, run_dir, run_name, on_report, on_progress)
+            _fit_once(cfg, run_dir, run_name, on_report, on_progress, sync_to)
             return
         except (ConfigError, TrainingError):
             raise
@@ -173,6 +175,7 @@ def _fit_once(
     run_name: str,
     on_report: Callable[[dict], None],
     on_progress: Callable[[dict[str, Any] | None], None] | None = None,
+    sync_to: str | None = None,
 ) -> None:
     """One ``TorchTrainer.fit()`` (Ray retries nothing); Ray's exception is re-raised as is."""
     import ray
@@ -194,6 +197,7 @@ def _fit_once(
             "run_dir": str(run_dir),
             "cpus_per_worker": cpus,
             "fault": fault_hook_from_env(),
+            "sync_to": sync_to,
         },
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
@@ -273,14 +277,17 @@ def _clearing(live: LiveLine, echo: Callable[[str], None]) -> Callable[[str], No
 
 
 def check_storage(storage_path: str) -> None:
-    """Create the results folder and check a file can be written there; ConfigError otherwise."""
-    path = Path(storage_path)
+    """Create the results folder (or reach the bucket) and check a file can be written there; ConfigError otherwise."""
+    storage.check(storage_path)
+
+
+def _push_run_files(run_dir: Path, sync_to: str | None, echo: Callable[[str], None] | None) -> None:
+    """The driver's files of a run (config, history, error text) to the object store, if any."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        storage.Mirror(run_dir, sync_to, exclude=storage.WORKER_FILES).push()
     except OSError as exc:
-        raise ConfigError(f"tracking.storage_path {path}: not a writable folder ({exc.strerror or exc})") from None
+        if echo:
+            echo(f"could not upload {run_dir} to {sync_to}: {exc}")
 
 
 def amp_note(cfg: ExperimentConfig, native: bool | None = None) -> str | None:
@@ -331,7 +338,9 @@ def train(
             if echo:
                 echo(f"closed run {orphan} as KILLED: its driver died without closing it")
         run_id = tracker.start_run(name, tags={**run_tags(cfg), **driver_tags()}, parent_run_id=parent_run_id)
-    run_dir = Path(cfg.tracking.storage_path) / name / "files"
+    run_files = storage.Location(cfg.tracking.storage_path).child(name, "files")
+    run_dir = run_files.local  # the folder itself, or the object store's staging mirror
+    sync_to = run_files.uri if run_files.remote else None
     live = LiveLine() if echo is not None else None
     if live is not None:
         echo = _clearing(live, echo)
@@ -352,11 +361,12 @@ def train(
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         on_progress = live.update if live is not None else None
         if use_ray:
-            fit_with_ray(cfg, run_dir, name, recorder, on_retry, on_progress)
+            fit_with_ray(cfg, run_dir, name, recorder, on_retry, on_progress, sync_to)
         else:
             from prvrlab.platform.train.loop import run_local
 
-            run_local(cfg, run_dir, on_report=recorder, on_progress=on_progress)
+            run_local(cfg, run_dir, on_report=recorder, on_progress=on_progress, sync_to=sync_to)
+        run_files.pull(exclude=("config.yaml",))  # rank 0's files, when it ran on another node
         if recorder.error:
             raise TrainingError(recorder.error)
         if not recorder.final:
@@ -386,6 +396,7 @@ def train(
             tracker.log_artifacts(run_id, [run_dir / ERROR_FILE])
             if status != "FINISHED" and echo:
                 echo(f"full error text: {run_dir / ERROR_FILE} (artifact {ERROR_FILE} of MLflow run {run_id})")
+        _push_run_files(run_dir, sync_to, echo)
         tracker.end_run(run_id, status)
     return TrainResult(
         run_id=run_id,

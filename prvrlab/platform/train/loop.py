@@ -166,10 +166,14 @@ class TrainingLoop:
         run_dir: str | Path,
         cpus_per_worker: float = 1.0,
         fault: dict[str, Any] | None = None,
+        sync_to: str | None = None,
     ) -> None:
+        from prvrlab.platform.storage import Mirror
+
         self.cfg = cfg
         self.session = session
         self.run_dir = Path(run_dir)
+        self.mirror = Mirror(self.run_dir, sync_to)  # rank 0 pushes its files to an object store (no-op otherwise)
         self.cpus_per_worker = cpus_per_worker
         self.fault = fault
         self.rank, self.world = session.rank, session.world_size
@@ -395,6 +399,7 @@ class TrainingLoop:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
                 blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "format": CHECKPOINT_FORMAT}
                 _atomic_save(self._weights() | blob, self.best_path)
+                self.mirror.push()
             else:
                 state.bad_epochs += 1
         self.progress = Progress(**_broadcast(asdict(state)))
@@ -432,6 +437,8 @@ class TrainingLoop:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""
         final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch + 1}
         final.update(self._evaluate_best())
+        if self.rank == 0:
+            self.mirror.push()
         self.session.report(final, None)
 
     # ------------------------------------------------------------ the whole run
@@ -509,7 +516,8 @@ def train_worker(loop_config: dict[str, Any], session: Session | None = None) ->
     """What every Ray Train worker (or a Tune trial actor) runs.
 
     ``loop_config``: {"experiment": the resolved ExperimentConfig, "run_dir":
-    folder for run files, "cpus_per_worker": float, "fault": optional test hook}.
+    folder for run files, "cpus_per_worker": float, "fault": optional test hook, "sync_to":
+    optional object-store URI rank 0 pushes the run files to}.
     """
     TrainingLoop(
         loop_config["experiment"],
@@ -517,15 +525,19 @@ def train_worker(loop_config: dict[str, Any], session: Session | None = None) ->
         run_dir=loop_config["run_dir"],
         cpus_per_worker=loop_config.get("cpus_per_worker", 1.0),
         fault=loop_config.get("fault"),
+        sync_to=loop_config.get("sync_to"),
     ).run()
 
 
-def run_local(experiment: ExperimentConfig | dict[str, Any], run_dir: str | Path, on_report=None, on_progress=None) -> LocalSession:
+def run_local(
+    experiment: ExperimentConfig | dict[str, Any], run_dir: str | Path, on_report=None, on_progress=None, sync_to: str | None = None
+) -> LocalSession:
     """Run the loop in this process without Ray (single rank); a dict is validated first.
 
-    ``on_report`` gets every reported round, ``on_progress`` every step's in-epoch progress.
+    ``on_report`` gets every reported round, ``on_progress`` every step's in-epoch progress,
+    ``sync_to`` (an object-store URI) the run files.
     """
     cfg = experiment if isinstance(experiment, ExperimentConfig) else validate(experiment)
     session = LocalSession(Path(run_dir) / "local_session", on_report=on_report, on_progress=on_progress)
-    train_worker({"experiment": cfg, "run_dir": str(run_dir)}, session)
+    train_worker({"experiment": cfg, "run_dir": str(run_dir), "sync_to": sync_to}, session)
     return session

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import mlflow
 
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
+from prvrlab.platform.storage import Mirror
 from prvrlab.platform.search.outcome import STUDY_FILE, read_outcome
 from prvrlab.platform.tracking.store import Tracker
 
@@ -21,7 +22,10 @@ from prvrlab.platform.tracking.store import Tracker
 def _study(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     study_dir = tmp_path / "study"
-    study = SimpleNamespace(study_dir=str(study_dir), tracking_uri=uri, experiment="lost", trial_dir=lambda t: study_dir / "trials" / t / "files")
+    study = SimpleNamespace(
+        study_dir=str(study_dir), tracking_uri=uri, experiment="lost", trial_dir=lambda t: study_dir / "trials" / t / "files",
+        storage="", push_files=lambda: Mirror(study_dir, None),  # local storage: nothing pushed
+    )
     tracker = Tracker(uri, "lost")
     parent = tracker.start_run("search")
     runs = {t: tracker.start_run(f"trial {t}", parent_run_id=parent) for t in ("known", "lost", "ended")}
