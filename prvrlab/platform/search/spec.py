@@ -97,6 +97,7 @@ class Resources:
     workers_per_trial: int = 1
     cpus_per_worker: float | None = None  # None: an equal share of the cluster
     gpus_per_worker: float = 0.0  # 0.25 packs four one-worker trials per GPU
+    placement_timeout_s: float = 60.0  # a multi-worker trial whose worker group waits longer fails (retryable)
 
 
 @dataclass(frozen=True)
@@ -357,7 +358,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
         raise ConfigError(f"{path}: mode: expected 'max' or 'min', got {mode!r}")
 
     res_raw = _mapping(raw.get("resources"), f"{path}: resources")
-    _check_keys(res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker"), f"{path}: resources")
+    _check_keys(res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker", "placement_timeout_s"), f"{path}: resources")
     workers = _number(res_raw.get("workers_per_trial", base.train.num_workers), f"{path}: resources.workers_per_trial", integer=True, minimum=1)
     cpus = res_raw.get("cpus_per_worker", base.train.cpus_per_worker)
     if cpus is not None:
@@ -365,6 +366,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     gpus = float(_number(res_raw.get("gpus_per_worker", 1.0 if base.train.use_gpu else 0.0), f"{path}: resources.gpus_per_worker", minimum=0))
     if gpus > 1 and not float(gpus).is_integer():
         raise ConfigError(f"{path}: resources.gpus_per_worker: a fraction must be below 1, got {gpus!r}")
+    timeout = float(_number(res_raw.get("placement_timeout_s", 60.0), f"{path}: resources.placement_timeout_s", minimum=0, strict=True))
     return {
         "path": path.resolve(),
         "name": name,
@@ -374,7 +376,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
         "metric": metric,
         "mode": mode,
         "concurrency": _number(raw.get("concurrency", 1), f"{path}: concurrency", integer=True, minimum=1),
-        "resources": Resources(workers, cpus, gpus),
+        "resources": Resources(workers, cpus, gpus, timeout),
         "max_retries": _number(raw.get("max_retries", base.train.max_failures), f"{path}: max_retries", integer=True, minimum=0),
     }
 
