@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -41,6 +42,7 @@ NAMESPACE = "prvrlab"
 LEASE_S = 15.0  # a grant or a wait not renewed for this long lapses (its trial is gone)
 POLL_S = 1.0  # how often a waiting trial asks again
 RENEW_S = 3.0  # how often a running trial renews its grant
+HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
 _EPS = 1e-9
 
 
@@ -78,7 +80,7 @@ class Ledger:
         self._capacity = capacity or _cluster_resources
         self._clock = clock
         self._lease_s = lease_s
-        self.granted: dict[str, tuple[dict[str, float], float]] = {}  # trial -> (needs, last renewal)
+        self.granted: dict[str, tuple[dict[str, float], float, str]] = {}  # trial -> (needs, last renewal, attempt)
         self.waiting: dict[str, dict[str, Any]] = {}  # trial -> {needs, seen, reason}, oldest first
 
     def _expire(self, now: float) -> None:
@@ -88,18 +90,24 @@ class Ledger:
     def reserved(self) -> dict[str, float]:
         """Resources granted to running trials, summed."""
         total: dict[str, float] = {}
-        for needs, _ in self.granted.values():
+        for needs, _, _ in self.granted.values():
             for key, amount in needs.items():
                 total[key] = total.get(key, 0.0) + amount
         return total
 
-    def request(self, trial_id: str, needs: dict[str, float]) -> dict[str, Any]:
-        """Ask for (or renew) ``needs``: ``{"reason": None | why it waits, "running": grants held}``."""
+    def request(self, trial_id: str, needs: dict[str, float], attempt: str = "") -> dict[str, Any]:
+        """Ask for (or renew) ``needs``: ``{"reason": None | why it waits, "running": grants held}``.
+
+        ``attempt`` tells a trial's attempts apart: a retried trial asking while the grant of
+        its dead attempt has not lapsed yet replaces that grant (a trial runs once at a time).
+        """
         now = self._clock()
         self._expire(now)
         if trial_id in self.granted:
-            self.granted[trial_id] = (self.granted[trial_id][0], now)
-            return {"reason": None, "running": len(self.granted)}
+            held, _, holder = self.granted.pop(trial_id)
+            if holder == attempt:
+                self.granted[trial_id] = (held, now, attempt)
+                return {"reason": None, "running": len(self.granted)}
         capacity, reserved = self._capacity(), self.reserved()
         wait = self.waiting.setdefault(trial_id, {"needs": dict(needs), "reason": None})
         wait["seen"] = now
@@ -111,7 +119,7 @@ class Ledger:
                 reason = f"queued behind trial {older[0]}"
         if reason is None:
             del self.waiting[trial_id]
-            self.granted[trial_id] = (dict(needs), now)
+            self.granted[trial_id] = (dict(needs), now, attempt)
         else:
             wait["reason"] = reason
         return {"reason": reason, "running": len(self.granted)}
@@ -138,13 +146,12 @@ def _cluster_resources() -> dict[str, float]:
 
 
 def start_ledger(name: str):
-    """Start (or find) the study's named ledger actor, on the driver's node; returns its handle."""
+    """Start (or find) the study's named ledger actor on the head node (which outlives worker
+    nodes); returns its handle."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
-    actor = ray.remote(num_cpus=0, max_restarts=-1)(Ledger)
-    return actor.options(name=name, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here).remote()
+    actor = ray.remote(num_cpus=0, max_restarts=-1, resources={HEAD_NODE: 0.001})(Ledger)
+    return actor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
 
 
 def stop_ledger(name: str) -> None:
@@ -163,9 +170,10 @@ def admitted(name: str, trial_id: str, needs: dict[str, float], *, timeout_s: fl
     import ray
 
     ledger = ray.get_actor(name, namespace=NAMESPACE)
+    attempt = uuid.uuid4().hex
     start = time.monotonic()
     while True:
-        answer = ray.get(ledger.request.remote(trial_id, needs))
+        answer = ray.get(ledger.request.remote(trial_id, needs, attempt))
         if answer["reason"] is None:
             break
         if answer["running"] == 0 and time.monotonic() - start > timeout_s:
@@ -175,7 +183,7 @@ def admitted(name: str, trial_id: str, needs: dict[str, float], *, timeout_s: fl
 
     def renew() -> None:
         while not stop.wait(RENEW_S):
-            ledger.request.remote(trial_id, needs)
+            ledger.request.remote(trial_id, needs, attempt)
 
     renewer = threading.Thread(target=renew, name="prvrlab-admission", daemon=True)
     renewer.start()
@@ -188,25 +196,19 @@ def admitted(name: str, trial_id: str, needs: dict[str, float], *, timeout_s: fl
 
 
 class AdmissionReporter:
-    """Driver side: prints why trials wait and how many fit at once, when that changes.
+    """Driver side: says why trials wait and how many fit at once, when that changes.
 
-    ``status``: returns the ledger's :meth:`Ledger.status`; ``say``: writes one line
-    (the console and the study log).  Call :meth:`poll` often; it asks every ``every_s``.
+    ``say`` writes one line (the console and the study log); feed it each
+    :meth:`Ledger.status` with :meth:`observe`.
     """
 
-    def __init__(self, status: Callable[[], dict[str, Any]], needs: dict[str, float], say: Callable[[str], None], every_s: float = 2.0) -> None:
-        self.status, self.needs, self.say, self.every_s = status, needs, say, every_s
-        self._last = -float("inf")
+    def __init__(self, needs: dict[str, float], say: Callable[[str], None]) -> None:
+        self.needs, self.say = needs, say
         self._reasons: dict[str, str] = {}
         self._fits: int | None = None
 
-    def poll(self, now: float | None = None) -> None:
-        """Report changes since the last poll (at most once per ``every_s``)."""
-        now = time.monotonic() if now is None else now
-        if now - self._last < self.every_s:
-            return
-        self._last = now
-        state = self.status()
+    def observe(self, state: dict[str, Any]) -> None:
+        """Report what changed since the last state."""
         fits = fits_at_once(self.needs, state["capacity"])
         if fits != self._fits:
             if self._fits is not None:
@@ -219,6 +221,37 @@ class AdmissionReporter:
             if trial_id in state["running"]:
                 self.say(f"trial {trial_id} placed")
         self._reasons = {t: r for t, r in state["waiting"].items() if r}
+
+
+class LedgerPoller:
+    """Asks the ledger actor for its status without blocking the caller (Tune's event loop):
+    one request in flight, answered at a later :meth:`poll`, at most every ``every_s``."""
+
+    def __init__(self, ledger, reporter: AdmissionReporter, every_s: float = 2.0) -> None:
+        self.ledger, self.reporter, self.every_s = ledger, reporter, every_s
+        self._pending = None
+        self._sent = -float("inf")
+        self._error: str | None = None
+
+    def poll(self) -> None:
+        """Hand a ready answer to the reporter; send the next request when due."""
+        import ray
+
+        if self._pending is not None:
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if not ready:
+                return
+            try:
+                self.reporter.observe(ray.get(ready[0]))
+                self._error = None
+            except Exception as exc:  # the ledger restarting after its node died: said once
+                error = str(exc).splitlines()[0]
+                if error != self._error:
+                    self.reporter.say(f"admission status unavailable: {error}")
+                self._error = error
+            self._pending = None
+        if time.monotonic() - self._sent >= self.every_s:
+            self._pending, self._sent = self.ledger.status.remote(), time.monotonic()
 
 
 def _format(resources: dict[str, float]) -> str:

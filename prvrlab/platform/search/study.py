@@ -588,10 +588,9 @@ def _start_admission(study: StudyContext, callbacks: list[Any], echo: Callable[[
     wait (console and ``study.log``); returns what stops the ledger."""
     if study.admission is None:
         return lambda: None
-    import ray
     from ray.tune import Callback
 
-    from prvrlab.platform.search.admission import AdmissionReporter, start_ledger, stop_ledger
+    from prvrlab.platform.search.admission import AdmissionReporter, LedgerPoller, start_ledger, stop_ledger
 
     ledger = start_ledger(study.admission)
     log = Path(study.study_dir) / STUDY_LOG
@@ -602,14 +601,11 @@ def _start_admission(study: StudyContext, callbacks: list[Any], echo: Callable[[
         with log.open("a", encoding="utf-8") as fh:
             fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} INFO prvrlab.admission: {line}\n")
 
-    reporter = AdmissionReporter(lambda: ray.get(ledger.status.remote(), timeout=30), worker_group_needs(study), say)
+    poller = LedgerPoller(ledger, AdmissionReporter(worker_group_needs(study), say))
 
     class ReportAdmission(Callback):
         def on_step_end(self, iteration, trials, **info) -> None:
-            try:
-                reporter.poll()
-            except Exception as exc:  # the ledger restarting: report at the next poll
-                say(f"admission status unavailable: {exc}")
+            poller.poll()
 
     callbacks.append(ReportAdmission())
     return lambda: stop_ledger(study.admission)

@@ -75,6 +75,17 @@ def test_a_grant_not_renewed_lapses_and_frees_its_resources():
     assert ledger.status()["running"] == ["next"]
 
 
+def test_a_retried_trial_does_not_inherit_the_grant_of_its_dead_attempt():
+    cluster = FakeCluster(cpus=4.5)
+    ledger = make_ledger(cluster)
+    assert ledger.request("a", NEEDS, "a1")["reason"] is None
+    assert ledger.request("b", NEEDS, "b1")["reason"] is None
+    cluster.cpus = 2.5  # b's node is lost with b's trial actor: no release, its grant has not lapsed yet
+    assert ledger.request("b", NEEDS, "b2") == {"reason": f"needs 2.01 CPU, {2.5 - 2.01:g} free", "running": 1}
+    assert ledger.request("a", NEEDS, "a1")["reason"] is None  # a renews its own grant
+    assert ledger.status()["running"] == ["a"]
+
+
 def test_an_abandoned_wait_does_not_block_younger_trials():
     cluster = FakeCluster(cpus=2.5)
     ledger = make_ledger(cluster)
@@ -93,23 +104,21 @@ def test_reporter_says_why_trials_wait_and_when_the_cluster_changes():
     cluster = FakeCluster(cpus=5.0)
     ledger = make_ledger(cluster)
     lines: list[str] = []
-    reporter = AdmissionReporter(ledger.status, NEEDS, lines.append, every_s=2.0)
+    reporter = AdmissionReporter(NEEDS, lines.append)
     ledger.request("8524c98a", NEEDS)
     ledger.request("1f2e3d4c", NEEDS)
-    reporter.poll(now=0.0)
+    reporter.observe(ledger.status())
     assert lines == []  # everything placed, first capacity is the baseline
     cluster.cpus = 3.0
     ledger.release("1f2e3d4c")
     ledger.request("1f2e3d4c", NEEDS)
-    reporter.poll(now=1.0)
-    assert lines == []  # polled too soon
-    reporter.poll(now=2.0)
+    reporter.observe(ledger.status())
     assert lines == ["cluster now holds 3 CPU: 1 trial(s) at a time", f"trial 1f2e3d4c waiting: needs 2.01 CPU, {3.0 - 2.01:g} free"]
-    reporter.poll(now=4.0)
+    reporter.observe(ledger.status())
     assert len(lines) == 2  # the same reason is said once
     cluster.cpus = 5.0
     ledger.request("1f2e3d4c", NEEDS)
-    reporter.poll(now=6.0)
+    reporter.observe(ledger.status())
     assert lines[2:] == ["cluster now holds 5 CPU: 2 trial(s) at a time", "trial 1f2e3d4c placed"]
 
 
