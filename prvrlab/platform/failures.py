@@ -46,7 +46,7 @@ _NODE_LOST = re.compile(
 _UNPLACED = re.compile(r"worker group startup timed out|WorkerGroupStartupTimeoutError|Unplaceable: trial \S+ cannot be placed")
 _WORKER_DIED = re.compile(
     r"worker process has died|The worker died unexpectedly|WorkerCrashedError|"
-    r"The actor died unexpectedly|exits with a connection error code"
+    r"The actor died unexpectedly|exits with a connection error code|A worker health check failed"
 )
 _RANK = re.compile(r"\[Rank (\d+) Error Snippet\]")
 _PID = re.compile(r"\bpid[:=]\s*(\d+)")

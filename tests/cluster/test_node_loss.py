@@ -21,8 +21,8 @@ from search_helpers import study_runs, tiny_spec
 
 pytestmark = pytest.mark.slow
 
-TRIALS = 4
-BOUND_S = 420  # the whole search, node loss included, on the shared 2-core CI machine
+TRIALS = 3
+BOUND_S = 600  # the whole search, node loss included (about 7 min on a 2-core machine shared by 7 test runs)
 
 
 class NodeKiller(threading.Thread):

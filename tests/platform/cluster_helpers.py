@@ -143,8 +143,9 @@ def simulated_cluster(head_cpus: int) -> Iterator[SimulatedCluster]:
     ray.shutdown()
     _local_node_ip("127.0.0.1")  # keep the loopback node IP (Ray would swap in the machine's address)
     temp_dir = Path("/tmp") / f"ray_prvrlab_sim_{os.getpid()}_{free_ports(1)[0]}"  # short: socket paths
-    cluster = Cluster(
+    cluster = Cluster(  # no exit hooks: they set signal handlers, so nodes could not join from another thread
         initialize_head=True,
+        shutdown_at_exit=False,
         head_node_args={"num_cpus": head_cpus, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": str(temp_dir)},
     )
     try:

@@ -519,8 +519,10 @@ def run_study(
     tracker,
     total: int,
     progress: bool = True,
+    echo: Callable[[str], None] | None = print,
 ) -> tuple[Any, MlflowStudyCallback, bool]:
-    """Run (or restore) the Tune experiment of ``study``; returns (ResultGrid, callback, interrupted)."""
+    """Run (or restore) the Tune experiment of ``study``; returns (ResultGrid, callback, interrupted).
+    ``echo``: where admission notes (why a trial waits) go besides ``study.log``."""
     from ray import tune
 
     from prvrlab.platform.search.progress import ProgressCallback
@@ -555,7 +557,7 @@ def run_study(
                 log_to_file=True,
             ),
         )
-    stop_admission = _start_admission(study, callbacks, echo=print if progress else None)
+    stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
     interrupted = False
     INTERRUPTED.clear()
     (Path(study.study_dir) / STATE_SUMS).unlink(missing_ok=True)  # stale once Tune writes again; re-recorded at the end

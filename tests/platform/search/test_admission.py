@@ -133,3 +133,16 @@ def test_an_unplaced_worker_group_is_retryable(text):
     failure = explain_failure(text)
     assert failure.kind == "unplaced" and failure.retryable
     assert "placement_timeout_s" in failure.summary
+
+
+def test_a_failed_worker_health_check_is_retryable():
+    # Ray Train V2's text when the node of a worker was killed (seen in tests/cluster/test_node_loss.py)
+    text = (
+        "ray.train.WorkerGroupError: Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n"
+        "A worker health check failed.\nWorker info: Worker(\n  actor=Actor(RayTrainWorker, 8934f41f),\n"
+        "The actor 8934f41f is unavailable: The actor is temporarily unavailable: RpcError: RPC error: "
+        "recvmsg:Connection reset by peer rpc_code: 14."
+    )
+    failure = explain_failure(text)
+    assert failure.kind == "worker_died" and failure.retryable
+    assert "worker rank 0" in failure.summary
