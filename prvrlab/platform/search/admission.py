@@ -158,6 +158,8 @@ def stop_ledger(name: str) -> None:
     """Kill the study's ledger actor, if it runs."""
     import ray
 
+    if not ray.is_initialized():
+        return
     try:
         ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except ValueError:

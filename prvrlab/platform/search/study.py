@@ -306,7 +306,7 @@ def record_node(run_dir: str | Path, role: str) -> None:
 
 
 def placed_worker(loop_config: dict[str, Any]) -> None:
-    """A Train worker: records its node (``rank <r>``), then trains."""
+    """A Train worker: records its node (``rank<r>``), then trains."""
     import ray.train
 
     from prvrlab.platform.train.loop import train_worker
@@ -539,6 +539,7 @@ def run_study(
         callbacks.append(
             ProgressCallback(spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress, ended=study.trial_ended)
         )
+    stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
     if resume and tune_dir.is_dir() and tune.Tuner.can_restore(str(tune_dir)):
         tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
         tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
@@ -557,7 +558,6 @@ def run_study(
                 log_to_file=True,
             ),
         )
-    stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
     interrupted = False
     INTERRUPTED.clear()
     (Path(study.study_dir) / STATE_SUMS).unlink(missing_ok=True)  # stale once Tune writes again; re-recorded at the end
