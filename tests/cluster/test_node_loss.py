@@ -94,3 +94,25 @@ def test_node_loss_mid_search_ends_every_trial_and_concurrency_follows_the_clust
     assert all(c.data.tags.get("error") for c in children if c.info.status == "FAILED")
     retried = [c for c in children if c.data.tags.get("prvrlab.retries")]
     assert retried and all(c.data.tags["prvrlab.last_failure"] for c in retried)
+
+
+def test_a_trial_that_never_fits_fails_with_its_reason_instead_of_waiting(tiny_root, tmp_path):
+    # 2 workers x 1 CPU + the trial actor (2.01 CPUs) on a 2-CPU cluster: the deadlock of issue 18
+    path = tiny_spec(
+        tmp_path, tiny_root, name="neverfits", budget={"trials": 1}, concurrency=1, max_retries=1,
+        resources={"workers_per_trial": 2, "cpus_per_worker": 1, "placement_timeout_s": 3},
+    )  # fmt: skip
+    lines: list[str] = []
+    with simulated_cluster(head_cpus=2):
+        start = time.monotonic()
+        result = search(load_search_spec(path), echo=lines.append)
+        wall = time.monotonic() - start
+    log = "\n".join(lines)
+    assert result.counts == {"finished": 0, "early_stopped": 0, "failed": 1, "unfinished": 0}, log
+    assert " waiting: needs 2.01 CPU, 2 free" in log, log
+    assert wall < 300, log  # two attempts of ~3 s each, plus Ray starting the trial actors (188 s on a loaded 2-core machine)
+    _, (child,) = study_runs(tmp_path)
+    assert child.info.status == "FAILED"
+    assert child.data.tags["prvrlab.retries"] == "1"
+    assert "placement_timeout_s" in child.data.tags["prvrlab.last_failure"]
+    assert "placement_timeout_s" in child.data.tags["error"]
