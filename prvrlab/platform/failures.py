@@ -11,6 +11,8 @@ retrying can help:
   from its recovery checkpoint;
 - a worker process that died (signal, kernel OOM killer, crash): retryable;
 - a lost node or a preemption: retryable;
+- a worker group that could not be placed in time (the cluster shrank):
+  retryable — Tune tries the trial again later;
 - an exception raised by the training code (a bug, bad data, a GPU out of
   memory): not retryable — the same step fails the same way again.
 
@@ -30,6 +32,10 @@ ERROR_FILE = "error.txt"  # the full text of every failure of a run, an artifact
 TRAIN_HINT = "lower train.batch_size or train.num_workers"
 STUDY_HINT = "lower train.batch_size, resources.workers_per_trial or concurrency"
 
+_UNPLACED_SUMMARY = (
+    "worker group not placed within resources.placement_timeout_s: the cluster lacks the free resources "
+    "(a node lost?); retried later"
+)
 _OOM = re.compile(r"running low on memory|NODE_OUT_OF_MEMORY|\bOutOfMemoryError: \d+ worker")
 _OOM_USAGE = re.compile(r"was ([\d.]+)\s*GB(?: used)?\s*/\s*([\d.]+)\s*GB")
 _KILLED = re.compile(r"^Selected to kill:.*?task name=([\w.:]+)", re.MULTILINE)
@@ -37,9 +43,10 @@ _GPU_OOM = re.compile(r"CUDA out of memory|torch\.OutOfMemoryError|HIP out of me
 _NODE_LOST = re.compile(
     r"its node has died|NodeDiedError|local raylet died|interrupted by node preemption|node (?:\S+ )?(?:is )?dead"
 )
+_UNPLACED = re.compile(r"worker group startup timed out|WorkerGroupStartupTimeoutError|Unplaceable: trial \S+ cannot be placed")
 _WORKER_DIED = re.compile(
     r"worker process has died|The worker died unexpectedly|WorkerCrashedError|"
-    r"The actor died unexpectedly|exits with a connection error code"
+    r"The actor died unexpectedly|exits with a connection error code|A worker health check failed"
 )
 _RANK = re.compile(r"\[Rank (\d+) Error Snippet\]")
 _PID = re.compile(r"\bpid[:=]\s*(\d+)")
@@ -51,7 +58,7 @@ _PY_ERROR = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exceptio
 class Failure:
     """What happened, in one line, and whether a retry from the last checkpoint can help."""
 
-    kind: str  # "out_of_memory" | "worker_died" | "node_lost" | "gpu_out_of_memory" | "error"
+    kind: str  # "out_of_memory" | "worker_died" | "node_lost" | "unplaced" | "gpu_out_of_memory" | "error"
     summary: str
     retryable: bool
 
@@ -66,6 +73,8 @@ def explain_failure(text: str, *, hint: str = TRAIN_HINT, origin: str = "the tra
         return Failure("out_of_memory", _oom_summary(text, hint), True)
     if _GPU_OOM.search(text):
         return Failure("gpu_out_of_memory", f"GPU out of memory in the training code; {hint} (or set train.amp)", False)
+    if _UNPLACED.search(text):
+        return Failure("unplaced", _UNPLACED_SUMMARY, True)
     if _NODE_LOST.search(text):
         return Failure("node_lost", "node lost: a Ray node running the workers died or was preempted", True)
     if _WORKER_DIED.search(text):

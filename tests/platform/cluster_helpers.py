@@ -1,4 +1,4 @@
-"""Ray head nodes started by tests: on 127.0.0.1, free ports, own temp dir, stopped by process group.
+"""Ray clusters started by tests: `ray start` heads and in-process simulated clusters, on 127.0.0.1 with their own temp dirs.
 
 Only the cluster a test started is stopped (``ray stop`` would stop every Ray
 on the machine).
@@ -109,3 +109,60 @@ def head_node(num_cpus: int = 2) -> Iterator[Head]:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@dataclass
+class SimulatedCluster:
+    """A head and worker nodes in this process's machine (``ray.cluster_utils.Cluster``), on 127.0.0.1."""
+
+    cluster: object  # ray.cluster_utils.Cluster
+    temp_dir: Path
+
+    def add_node(self, num_cpus: int):
+        """Start a worker node with ``num_cpus`` logical CPUs; returns it (``.node_id``)."""
+        return self.cluster.add_node(num_cpus=num_cpus, node_ip_address="127.0.0.1", temp_dir=str(self.temp_dir))
+
+    def remove_node(self, node) -> None:
+        """Kill a worker node's processes at once (as a lost machine)."""
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    @property
+    def head_id(self) -> str:
+        return self.cluster.head_node.node_id
+
+
+@contextmanager
+def simulated_cluster(head_cpus: int) -> Iterator[SimulatedCluster]:
+    """A head node (``head_cpus`` logical CPUs, no dashboard) this process joins; add worker
+    nodes with :meth:`SimulatedCluster.add_node`.  Everything is shut down on exit."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from prvrlab.platform.runtime import _local_node_ip
+
+    ray.shutdown()
+    _local_node_ip("127.0.0.1")  # keep the loopback node IP (Ray would swap in the machine's address)
+    temp_dir = Path("/tmp") / f"ray_prvrlab_sim_{os.getpid()}_{free_ports(1)[0]}"  # short: socket paths
+    cluster = Cluster(  # no exit hooks: they set signal handlers, so nodes could not join from another thread
+        initialize_head=True,
+        shutdown_at_exit=False,
+        head_node_args={"num_cpus": head_cpus, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": str(temp_dir)},
+    )
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield SimulatedCluster(cluster, temp_dir)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def trial_nodes(results: Path) -> dict[str, set[str]]:
+    """trial id -> the Ray node ids its actor / ranks ran on (all attempts; the trials' ``nodes.txt``)."""
+    from prvrlab.platform.search.study import NODES_FILE
+
+    nodes: dict[str, set[str]] = {}
+    for path in results.glob(f"search/*/*/trials/*/files/{NODES_FILE}"):
+        trial = path.parent.parent.name
+        nodes[trial] = {line.split()[1] for line in path.read_text().splitlines() if line.strip()}
+    return nodes

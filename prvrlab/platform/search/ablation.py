@@ -131,6 +131,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
                 tracker=tracker,
                 total=len(todo),
                 progress=progress,
+                echo=echo,
             )
         summary = summarise(tracker, spec.name, spec.metric, all_cells, spec)
         counts = _cell_counts(tracker, spec.name, all_cells, plain)

@@ -98,6 +98,7 @@ class Resources:
     cpus_per_worker: float | None = None  # None: an equal share of the cluster
     gpus_per_worker: float = 0.0  # 0.25 packs four one-worker trials per GPU
     reuse_workers: bool = False  # multi-worker trials: keep each slot's DDP workers alive across trials
+    placement_timeout_s: float = 60.0  # a multi-worker trial whose worker group waits longer fails (retryable)
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,9 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
         raise ConfigError(f"{path}: mode: expected 'max' or 'min', got {mode!r}")
 
     res_raw = _mapping(raw.get("resources"), f"{path}: resources")
-    _check_keys(res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker", "reuse_workers"), f"{path}: resources")
+    _check_keys(
+        res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker", "reuse_workers", "placement_timeout_s"), f"{path}: resources"
+    )
     workers = _number(res_raw.get("workers_per_trial", base.train.num_workers), f"{path}: resources.workers_per_trial", integer=True, minimum=1)
     cpus = res_raw.get("cpus_per_worker", base.train.cpus_per_worker)
     if cpus is not None:
@@ -369,6 +372,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     reuse = res_raw.get("reuse_workers", False)
     if not isinstance(reuse, bool):
         raise ConfigError(f"{path}: resources.reuse_workers: expected true or false, got {reuse!r}")
+    timeout = float(_number(res_raw.get("placement_timeout_s", 60.0), f"{path}: resources.placement_timeout_s", minimum=0, strict=True))
     return {
         "path": path.resolve(),
         "name": name,
@@ -378,7 +382,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
         "metric": metric,
         "mode": mode,
         "concurrency": _number(raw.get("concurrency", 1), f"{path}: concurrency", integer=True, minimum=1),
-        "resources": Resources(workers, cpus, gpus, reuse),
+        "resources": Resources(workers, cpus, gpus, reuse_workers=reuse, placement_timeout_s=timeout),
         "max_retries": _number(raw.get("max_retries", base.train.max_failures), f"{path}: max_retries", integer=True, minimum=0),
     }
 

@@ -64,6 +64,8 @@ STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the 
 STUDY_LOG = "study.log"  # Ray's and Tune's log lines and Python warnings of every submission
 DRIVER_PUSH_EXCLUDE = ("tune", "train", *storage.WORKER_FILES)  # written to the store by Tune, Train and rank 0
 SYNC_S = 2.0  # the driver pushes the study's files this often (as often as Tune saves its state)
+NODES_FILE = "nodes.txt"  # per trial: the Ray node of the trial actor / each Train rank, one line per attempt
+WORKER_GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train V2 (2.60) reads it
 
 
 def _components(cfg: ExperimentConfig) -> str:
@@ -92,6 +94,8 @@ class StudyContext:
     cells: dict[str, dict[str, Any]] | None = None  # ablation: cell -> overrides
     fault: dict[str, Any] | None = None  # test hook forwarded to the workers
     short_keys: dict[str, str] = field(default_factory=dict)  # search: space key -> its short form in run names
+    admission: str | None = None  # multi-worker trials: the name of the study's admission ledger actor
+    placement_timeout_s: float = 60.0  # how long a worker group may wait to be placed
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
     reuse_workers: bool = False  # multi-worker trials train on their slot's long-lived pool (search/workers.py)
     storage: str = ""  # the study folder's object-store URI; "" when study_dir is the folder itself
@@ -281,6 +285,7 @@ def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
     from prvrlab.platform.train.loop import train_worker
 
     if study.workers == 1:
+        record_node(loop_config["run_dir"], "trial")
         train_worker(loop_config, TuneSession(filler))
         return
 
@@ -295,20 +300,63 @@ def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
 
     use_gpu = study.gpus_per_worker > 0
     resources = {"CPU": study.cpus_per_worker, **({"GPU": study.gpus_per_worker} if use_gpu else {})}
+    os.environ[WORKER_GROUP_START_TIMEOUT] = f"{study.placement_timeout_s:g}"  # Train propagates it to its controller
     trainer = TorchTrainer(
-        train_worker,
+        placed_worker,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=study.workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=trial_id,
             storage_path=study.where("train"),
-            failure_config=FailureConfig(max_failures=0),  # retries are Tune's (max_retries)
+            # retries are Tune's (max_retries), a worker group start timeout included (Train's default retries it forever)
+            failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
             checkpoint_config=CheckpointConfig(num_to_keep=1),
             callbacks=[_report_callback(filler)],
         ),
     )
-    trainer.fit()
+    with _admitted(study, trial_id):
+        trainer.fit()
+
+
+def worker_group_needs(study: StudyContext) -> dict[str, float]:
+    """What a multi-worker trial holds: its actor and its worker group."""
+    needs = {"CPU": TRIAL_ACTOR_CPU + study.workers * study.cpus_per_worker}
+    if study.gpus_per_worker > 0:
+        needs["GPU"] = study.workers * study.gpus_per_worker
+    return needs
+
+
+def _admitted(study: StudyContext, trial_id: str):
+    """Wait for the study's admission ledger to grant the worker group (no ledger: at once)."""
+    from contextlib import nullcontext
+
+    from prvrlab.platform.search.admission import admitted
+
+    if study.admission is None:
+        return nullcontext()
+    return admitted(study.admission, trial_id, worker_group_needs(study), timeout_s=study.placement_timeout_s)
+
+
+def record_node(run_dir: str | Path, role: str) -> None:
+    """Append ``<role> <Ray node id>`` to the run's ``nodes.txt`` (where each attempt ran)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    path = Path(run_dir) / NODES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(f"{role} {node}\n")
+
+
+def placed_worker(loop_config: dict[str, Any]) -> None:
+    """A Train worker: records its node (``rank<r>``), then trains."""
+    import ray.train
+
+    from prvrlab.platform.train.loop import train_worker
+
+    record_node(loop_config["run_dir"], f"rank{ray.train.get_context().get_world_rank()}")
+    train_worker(loop_config)
 
 
 # ---------------------------------------------------------------- the driver
@@ -536,8 +584,10 @@ def run_study(
     tracker,
     total: int,
     progress: bool = True,
+    echo: Callable[[str], None] | None = print,
 ) -> tuple[Any, MlflowStudyCallback, bool]:
-    """Run (or restore) the Tune experiment of ``study``; returns (ResultGrid, callback, interrupted)."""
+    """Run (or restore) the Tune experiment of ``study``; returns (ResultGrid, callback, interrupted).
+    ``echo``: where admission notes (why a trial waits) go besides ``study.log``."""
     from ray import tune
 
     from prvrlab.platform.search.progress import ProgressCallback
@@ -559,6 +609,7 @@ def run_study(
         callbacks.append(
             ProgressCallback(spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress, ended=study.trial_ended)
         )
+    stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
     if resume and tune.Tuner.can_restore(tune_path):
         tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
         tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
@@ -589,6 +640,7 @@ def run_study(
         interrupted = True
         results = None
     finally:
+        stop_admission()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     location.child("tune").pull(exclude=("checkpoint_*",), fresh=True)  # object store: the state to record
@@ -599,6 +651,39 @@ def run_study(
         interrupted = True
     mlflow_cb.close_all(trials, interrupted=interrupted)
     return results, mlflow_cb, interrupted
+
+
+def admission_name(study_dir: str | Path) -> str:
+    """The admission ledger actor's name for a study folder (unique per study)."""
+    return "prvrlab-admission-" + hashlib.sha256(str(study_dir).encode()).hexdigest()[:16]
+
+
+def _start_admission(study: StudyContext, callbacks: list[Any], echo: Callable[[str], None] | None) -> Callable[[], None]:
+    """Multi-worker studies: start the admission ledger and add a callback reporting why trials
+    wait (console and ``study.log``); returns what stops the ledger."""
+    if study.admission is None:
+        return lambda: None
+    from ray.tune import Callback
+
+    from prvrlab.platform.search.admission import AdmissionReporter, LedgerPoller, start_ledger, stop_ledger
+
+    ledger = start_ledger(study.admission)
+    log = Path(study.study_dir) / STUDY_LOG
+
+    def say(line: str) -> None:
+        if echo is not None:
+            echo(line)
+        with log.open("a", encoding="utf-8") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} INFO prvrlab.admission: {line}\n")
+
+    poller = LedgerPoller(ledger, AdmissionReporter(worker_group_needs(study), say))
+
+    class ReportAdmission(Callback):
+        def on_step_end(self, iteration, trials, **info) -> None:
+            poller.poll()
+
+    callbacks.append(ReportAdmission())
+    return lambda: stop_ledger(study.admission)
 
 
 def _sigterm_as_sigint(close_runs: Callable[[str], None]):
@@ -686,6 +771,8 @@ def make_study(
         fault=fault_hook_from_env(),
         short_keys=short_keys(p.key for p in getattr(spec, "space", ())),
         reuse_workers=spec.resources.reuse_workers,
+        admission=admission_name(study_dir) if spec.resources.workers_per_trial > 1 and not spec.resources.reuse_workers else None,
+        placement_timeout_s=spec.resources.placement_timeout_s,
     )
     location = study_location(base.tracking.storage_path, kind, spec.name).child(Path(study_dir).name)
     study.storage = location.uri if location.remote else ""

@@ -135,6 +135,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
             tracker=tracker,
             total=spec.trials,
             progress=progress,
+            echo=echo,
         )
         trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
         killed = killed_trials(study_dir)

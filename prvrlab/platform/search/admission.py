@@ -1,0 +1,260 @@
+"""Admission of multi-worker trials: a worker group starts only when the cluster can hold it.
+
+Tune admits a multi-worker trial by its trial actor alone (0.01 CPU): the
+Ray Train worker group the trial then starts is invisible to it, and Train
+V2 places that group in a placement group of its own (not the trial's).
+After a node is lost, retried trials could thus ask for more than the
+remaining nodes hold and wait without end.  Tune starts every PENDING trial
+whatever its scheduler says, so the gate lives where the worker group starts:
+
+- the driver starts one :class:`Ledger` actor per study (named, 0 CPU);
+- a trial asks it for its worker group's resources (``needs``) before it
+  builds its ``TorchTrainer`` and waits, polling, until the alive nodes'
+  resources minus those granted to running trials cover them; the reason
+  it waits (``needs 2 CPU, 1 free``) is the ledger's, and the driver's
+  :class:`AdmissionReporter` prints it on the console and in ``study.log``;
+- a grant is a lease the trial renews while it trains: a trial whose actor
+  died with its node stops renewing and its grant lapses (``LEASE_S``);
+- waiting trials are served oldest first; when a node comes back the
+  ledger sees the larger cluster at the next poll and grants again, so the
+  search's effective concurrency follows the cluster both ways;
+- a trial that waits longer than its placement timeout while no trial holds
+  a grant (nothing running could ever free resources) raises
+  :class:`Unplaceable`, a retryable failure: Tune retries it later, up to the
+  spec's ``max_retries``, then it ends FAILED with that reason.
+
+Choices where Ray gives no rule: capacity is the sum over alive nodes
+(``ray.cluster_resources()``), not a per-node bin packing (Train's worker
+group may span nodes; a group that still cannot be placed hits Train's
+worker-group start timeout, which the study sets to the same placement
+timeout and makes fatal to the trial, hence retried by Tune).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+NAMESPACE = "prvrlab"
+LEASE_S = 15.0  # a grant or a wait not renewed for this long lapses (its trial is gone)
+POLL_S = 1.0  # how often a waiting trial asks again
+RENEW_S = 3.0  # how often a running trial renews its grant
+HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
+_EPS = 1e-9
+
+
+class Unplaceable(RuntimeError):
+    """A trial's worker group cannot be placed: nothing runs that could free what it needs."""
+
+
+def shortfall(needs: dict[str, float], capacity: dict[str, float], reserved: dict[str, float]) -> str | None:
+    """``needs 2 CPU, 1 free`` when ``needs`` exceed ``capacity - reserved`` (per resource), else None."""
+    missing = []
+    for key, amount in needs.items():
+        free = capacity.get(key, 0.0) - reserved.get(key, 0.0)
+        if amount > 0 and amount > free + _EPS:
+            missing.append(f"{amount:g} {key}, {max(free, 0.0):g} free")
+    return "needs " + "; ".join(missing) if missing else None
+
+
+def fits_at_once(needs: dict[str, float], capacity: dict[str, float]) -> int:
+    """How many trials of ``needs`` the cluster holds at once."""
+    counts = [int(capacity.get(k, 0.0) / v + _EPS) for k, v in needs.items() if v > 0]
+    return min(counts) if counts else 0
+
+
+class Ledger:
+    """Grants of worker-group resources to trials against the cluster's capacity (pure; the Ray
+    actor wraps it).  ``capacity``: the alive nodes' resources; ``clock``: seconds."""
+
+    def __init__(
+        self,
+        *,
+        capacity: Callable[[], dict[str, float]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        lease_s: float = LEASE_S,
+    ) -> None:
+        self._capacity = capacity or _cluster_resources
+        self._clock = clock
+        self._lease_s = lease_s
+        self.granted: dict[str, tuple[dict[str, float], float, str]] = {}  # trial -> (needs, last renewal, attempt)
+        self.waiting: dict[str, dict[str, Any]] = {}  # trial -> {needs, seen, reason}, oldest first
+
+    def _expire(self, now: float) -> None:
+        self.granted = {t: g for t, g in self.granted.items() if now - g[1] <= self._lease_s}
+        self.waiting = {t: w for t, w in self.waiting.items() if now - w["seen"] <= self._lease_s}
+
+    def reserved(self) -> dict[str, float]:
+        """Resources granted to running trials, summed."""
+        total: dict[str, float] = {}
+        for needs, _, _ in self.granted.values():
+            for key, amount in needs.items():
+                total[key] = total.get(key, 0.0) + amount
+        return total
+
+    def request(self, trial_id: str, needs: dict[str, float], attempt: str = "") -> dict[str, Any]:
+        """Ask for (or renew) ``needs``: ``{"reason": None | why it waits, "running": grants held}``.
+
+        ``attempt`` tells a trial's attempts apart: a retried trial asking while the grant of
+        its dead attempt has not lapsed yet replaces that grant (a trial runs once at a time).
+        """
+        now = self._clock()
+        self._expire(now)
+        if trial_id in self.granted:
+            held, _, holder = self.granted.pop(trial_id)
+            if holder == attempt:
+                self.granted[trial_id] = (held, now, attempt)
+                return {"reason": None, "running": len(self.granted)}
+        capacity, reserved = self._capacity(), self.reserved()
+        wait = self.waiting.setdefault(trial_id, {"needs": dict(needs), "reason": None})
+        wait["seen"] = now
+        reason = shortfall(needs, capacity, reserved)
+        if reason is None:  # oldest first: an older waiter that fits goes before this one
+            queue = list(self.waiting)  # in order of arrival
+            older = [t for t in queue[: queue.index(trial_id)] if shortfall(self.waiting[t]["needs"], capacity, reserved) is None]
+            if older:
+                reason = f"queued behind trial {older[0]}"
+        if reason is None:
+            del self.waiting[trial_id]
+            self.granted[trial_id] = (dict(needs), now, attempt)
+        else:
+            wait["reason"] = reason
+        return {"reason": reason, "running": len(self.granted)}
+
+    def release(self, trial_id: str) -> None:
+        """Give back a trial's grant (or stop its wait)."""
+        self.granted.pop(trial_id, None)
+        self.waiting.pop(trial_id, None)
+
+    def status(self) -> dict[str, Any]:
+        """``{"capacity", "running": [trial ids], "waiting": {trial id: reason}}`` (for the driver)."""
+        self._expire(self._clock())
+        return {
+            "capacity": self._capacity(),
+            "running": sorted(self.granted),
+            "waiting": {t: w["reason"] for t, w in self.waiting.items()},
+        }
+
+
+def _cluster_resources() -> dict[str, float]:
+    import ray
+
+    return {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+
+
+def start_ledger(name: str):
+    """Start (or find) the study's named ledger actor on the head node (which outlives worker
+    nodes); returns its handle."""
+    import ray
+
+    actor = ray.remote(num_cpus=0, max_restarts=-1, resources={HEAD_NODE: 0.001})(Ledger)
+    return actor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+
+
+def stop_ledger(name: str) -> None:
+    """Kill the study's ledger actor, if it runs."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    except ValueError:
+        pass
+
+
+@contextmanager
+def admitted(name: str, trial_id: str, needs: dict[str, float], *, timeout_s: float, poll_s: float = POLL_S) -> Iterator[None]:
+    """Wait until the ledger ``name`` grants ``needs`` to ``trial_id``; hold (renew) the grant inside."""
+    import ray
+
+    ledger = ray.get_actor(name, namespace=NAMESPACE)
+    attempt = uuid.uuid4().hex
+    start = time.monotonic()
+    while True:
+        answer = ray.get(ledger.request.remote(trial_id, needs, attempt))
+        if answer["reason"] is None:
+            break
+        if answer["running"] == 0 and time.monotonic() - start > timeout_s:
+            raise Unplaceable(f"trial {trial_id} cannot be placed: {answer['reason']} for {timeout_s:g} s and no trial running")
+        time.sleep(poll_s)
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(RENEW_S):
+            ledger.request.remote(trial_id, needs, attempt)
+
+    renewer = threading.Thread(target=renew, name="prvrlab-admission", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        ledger.release.remote(trial_id)
+
+
+class AdmissionReporter:
+    """Driver side: says why trials wait and how many fit at once, when that changes.
+
+    ``say`` writes one line (the console and the study log); feed it each
+    :meth:`Ledger.status` with :meth:`observe`.
+    """
+
+    def __init__(self, needs: dict[str, float], say: Callable[[str], None]) -> None:
+        self.needs, self.say = needs, say
+        self._reasons: dict[str, str] = {}
+        self._fits: int | None = None
+
+    def observe(self, state: dict[str, Any]) -> None:
+        """Report what changed since the last state."""
+        fits = fits_at_once(self.needs, state["capacity"])
+        if fits != self._fits:
+            if self._fits is not None:
+                self.say(f"cluster now holds {_format(state['capacity'])}: {fits} trial(s) at a time")
+            self._fits = fits
+        for trial_id, reason in state["waiting"].items():
+            if reason and self._reasons.get(trial_id) != reason:
+                self.say(f"trial {trial_id} waiting: {reason}")
+        for trial_id in set(self._reasons) - set(state["waiting"]):
+            if trial_id in state["running"]:
+                self.say(f"trial {trial_id} placed")
+        self._reasons = {t: r for t, r in state["waiting"].items() if r}
+
+
+class LedgerPoller:
+    """Asks the ledger actor for its status without blocking the caller (Tune's event loop):
+    one request in flight, answered at a later :meth:`poll`, at most every ``every_s``."""
+
+    def __init__(self, ledger, reporter: AdmissionReporter, every_s: float = 2.0) -> None:
+        self.ledger, self.reporter, self.every_s = ledger, reporter, every_s
+        self._pending = None
+        self._sent = -float("inf")
+        self._error: str | None = None
+
+    def poll(self) -> None:
+        """Hand a ready answer to the reporter; send the next request when due."""
+        import ray
+
+        if self._pending is not None:
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if not ready:
+                return
+            try:
+                self.reporter.observe(ray.get(ready[0]))
+                self._error = None
+            except Exception as exc:  # the ledger restarting after its node died: said once
+                error = str(exc).splitlines()[0]
+                if error != self._error:
+                    self.reporter.say(f"admission status unavailable: {error}")
+                self._error = error
+            self._pending = None
+        if time.monotonic() - self._sent >= self.every_s:
+            self._pending, self._sent = self.ledger.status.remote(), time.monotonic()
+
+
+def _format(resources: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(resources.items())) or "nothing"
