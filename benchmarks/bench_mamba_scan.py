@@ -5,17 +5,20 @@ attention layer, and MamFusion's query-conditioned retrieval against its factori
    128 x 128 x 768, N = 16): the chunked scan (one line per chunk length), the
    step-by-step recurrence (``selective_scan_reference``) and, as a yardstick,
    a dense attention layer of the same width (prvrlab's TransformerLayer with
-   no feed-forward sublayer, E wide, on the same B x L tokens).  Prints
-   seconds and the ratios reference / chunked (goal >= 20) and chunked /
-   attention (goal <= 3); also the blocked, checkpointed scan the Mamba block
-   runs on CPU (memory bounded to 32 M state elements per block).
+   no feed-forward sublayer, E wide, on the same B x L tokens).  Prints wall
+   and CPU seconds (the CPU time of this process is the steadier figure on a
+   shared machine with ``--threads 1``) and the ratios reference / chunked
+   (goal >= 20) and chunked / attention (goal <= 3).  The recurrence is timed
+   on its first ``--reference-steps`` steps and scaled by L / steps (every
+   step does the same work; its autograd graph at B = 128, L = 128 would hold
+   several GB); ``--reference-steps 0`` times all L.
 2. Retrieval ms per query of MamFusion (TVR dims, hidden 384) against a
    gallery of encoded videos: ``fusion: batch`` (factorised scores, the
    reference's) and ``fusion: temporal`` with ``fusion_at_retrieval: true``
    (every query x video pair fused), same weights.
 
     .venv/bin/python benchmarks/bench_mamba_scan.py
-    .venv/bin/python benchmarks/bench_mamba_scan.py --batch 32 --repeats 1 --gallery 100
+    .venv/bin/python benchmarks/bench_mamba_scan.py --threads 1 --gallery 0 --reference-steps 32
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.mamba import selective_scan_blocked, selective_scan_chunked, selective_scan_reference
+from prvrlab.models.mamba import selective_scan_chunked, selective_scan_reference
 from prvrlab.registry import BACKBONES
 
 
@@ -42,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions (after one warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--reference-steps", type=int, default=16, help="steps of the recurrence timed (0: all L)")
+    p.add_argument("--block-elements", type=int, default=None, help="state elements per block of the chunked scan")
     p.add_argument("--gallery", type=int, default=200, help="videos in the retrieval gallery (0: skip part 2)")
     p.add_argument("--queries", type=int, default=20, help="queries scored in part 2")
     p.add_argument("--frames", type=int, default=128)
@@ -49,14 +54,20 @@ def parse_args() -> argparse.Namespace:
 
 
 def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    return timed_both(fn, repeats)[0]
+
+
+def timed_both(fn, repeats: int) -> tuple[float, float]:
+    """Median (wall, CPU-of-this-process) seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
     fn()
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
 
 
 def scan_inputs(args: argparse.Namespace) -> list[torch.Tensor]:
@@ -81,23 +92,32 @@ def forward_backward(fn, inputs):
 
 def bench_scan(args: argparse.Namespace) -> None:
     inputs = scan_inputs(args)
-    print(f"scan forward+backward, B={args.batch} L={args.length} E={args.channels} N={args.state}")
+    print(f"scan forward+backward, B={args.batch} L={args.length} E={args.channels} N={args.state}, "
+          f"{args.threads} thread(s): wall s / CPU s")
+    blocking = {} if args.block_elements is None else {"block_elements": args.block_elements}
     chunked = {}
     for chunk in args.chunks:
-        chunked[chunk] = timed(forward_backward(lambda *a: selective_scan_chunked(*a, chunk=chunk), inputs), args.repeats)
-        print(f"  chunked scan, chunk {chunk:3d}: {chunked[chunk]:8.3f} s")
-    best = min(chunked, key=chunked.get)
-    blocked = timed(forward_backward(lambda *a: selective_scan_blocked(*a, chunk=best), inputs), args.repeats)
-    print(f"  blocked + checkpointed (what Mamba runs on CPU), chunk {best}: {blocked:8.3f} s")
+        fn = forward_backward(lambda *a: selective_scan_chunked(*a, chunk=chunk, **blocking), inputs)
+        chunked[chunk] = timed_both(fn, args.repeats)
+        print(f"  chunked scan, chunk {chunk:3d}: {chunked[chunk][0]:8.3f} / {chunked[chunk][1]:8.3f}")
+    best = min(chunked, key=lambda c: chunked[c][1])
     tokens = torch.randn(args.batch, args.length, args.channels, requires_grad=True)
     layer = TransformerLayer(hidden_size=args.channels, num_heads=args.heads, dropout=0.0, ffn_size=0)
-    attention = timed(forward_backward(layer, [tokens]), args.repeats)
-    print(f"  dense attention layer ({args.heads} heads, width {args.channels}): {attention:8.3f} s")
-    print(f"  chunked (chunk {best}) / attention: {chunked[best] / attention:6.2f}x (goal <= 3)")
+    attention = timed_both(forward_backward(layer, [tokens]), args.repeats)
+    print(f"  dense attention layer ({args.heads} heads, width {args.channels}): {attention[0]:8.3f} / {attention[1]:8.3f}")
+    print(f"  chunked (chunk {best}) / attention: {chunked[best][0] / attention[0]:6.2f}x wall, "
+          f"{chunked[best][1] / attention[1]:6.2f}x CPU (goal <= 3)")
     if not args.skip_reference:
-        reference = timed(forward_backward(selective_scan_reference, inputs), max(1, args.repeats // 2))
-        print(f"  step-by-step recurrence: {reference:8.3f} s")
-        print(f"  recurrence / chunked (chunk {best}): {reference / chunked[best]:6.2f}x (goal >= 20)")
+        steps = args.length if args.reference_steps <= 0 else min(args.reference_steps, args.length)
+        short = [t[:, :steps] if t.dim() == 3 else t for t in inputs]  # x, delta, B, C cut to the first steps
+        short = [t.detach().requires_grad_() for t in short]
+        scale = args.length / steps
+        wall, cpu = timed_both(forward_backward(selective_scan_reference, short), max(1, args.repeats // 2))
+        reference = (wall * scale, cpu * scale)
+        note = "" if steps == args.length else f" ({steps} steps timed, x {scale:g})"
+        print(f"  step-by-step recurrence{note}: {reference[0]:8.3f} / {reference[1]:8.3f}")
+        print(f"  recurrence / chunked (chunk {best}): {reference[0] / chunked[best][0]:6.2f}x wall, "
+              f"{reference[1] / chunked[best][1]:6.2f}x CPU (goal >= 20)")
 
 
 def bench_retrieval(args: argparse.Namespace) -> None:

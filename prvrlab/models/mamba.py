@@ -10,18 +10,18 @@ with ``x``, ``delta`` (B, L, E), ``A`` (E, N) (negative), input-dependent
 ``B``, ``C`` (B, L, N) and the skip ``D`` (E,).
 
 * :func:`selective_scan_reference` runs it step by step (the definition; tests).
-* :func:`selective_scan_chunked` splits L into K chunks of length C and runs
-  (1) the recurrence inside every chunk from a zero state, all K chunks at once
-  (C vectorised steps), (2) a short recurrence across chunks that carries each
-  chunk's final state into the next (K steps), (3) one vectorised correction
-  ``h_t += (prod of the chunk's decays up to t) * carried state``, the decays
-  being ``exp`` of a cumulative sum of ``delta A`` inside the chunk (always
-  <= 0, so nothing overflows).  About ``C + L / C`` Python steps instead of L,
-  every product of decays is <= 1 (stable in fp32), and autograd gives the
-  gradient.  A length that is not a multiple of C is padded at the end with
-  ``delta = 0`` (decay 1, no input), which cannot reach earlier steps.
-  Its memory is O(B L E N); :func:`selective_scan_blocked` runs it on blocks
-  of batch rows and channels, checkpointed, to bound that.
+* :func:`selective_scan_chunked` (:class:`_ChunkedScan`) runs the same
+  recurrence in blocks of a few sequences x ``chunk`` steps, small enough that
+  a block's (chunk, rows, N, E) decays and states stay in the CPU's cache: per
+  block, the decays ``exp(delta A)`` (all <= 1: no exp of a positive number
+  anywhere), the inputs ``delta x B``, ``chunk`` in-place steps from the state
+  entering the chunk, and ``y = C . h`` as one batched matrix product.  Only
+  the state entering each chunk, (L / chunk) x (B, N, E), is kept; the
+  hand-written backward recomputes a chunk's states from it and runs the
+  adjoint recurrence backwards (class docstring), so memory is the inputs
+  plus O(B N E L / chunk) instead of autograd's O(B L E N) per step.  Exact
+  (the same products in the same order as the recurrence, up to summation
+  order); a length that is not a multiple of ``chunk`` ends on a short chunk.
 * :func:`selective_scan` picks ``mamba_ssm``'s CUDA kernel
   (``selective_scan_fn``) when that package is importable and the tensors are
   on CUDA, else the chunked scan.
@@ -36,14 +36,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from prvrlab.checks import check_positive_int
 from prvrlab.models.blocks import PackedLayer, Packing
 
 DEFAULT_SCAN_CHUNK = 16
-DEFAULT_BLOCK_ELEMENTS = 1 << 25  # 32 M state elements (128 MiB in fp32) per block of the CPU scan
+DEFAULT_BLOCK_ELEMENTS = 1 << 19  # state elements per block of the CPU scan (2 MiB in fp32: stays in cache)
 
 
 def _masked(x: Tensor, delta: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -73,9 +72,89 @@ def selective_scan_reference(
     return _skip(y, x, D)
 
 
-def _to_chunks(t: Tensor, num_chunks: int, chunk: int) -> Tensor:
-    """(B, K*C, F) -> (B, C, K, F): position j of every chunk side by side."""
-    return t.view(t.shape[0], num_chunks, chunk, t.shape[-1]).transpose(1, 2)
+def _chunk_states(delta: Tensor, u: Tensor, At: Tensor, B: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    """The T states of one chunk from the entering state: (b, T, E) delta and u = delta x, (N, E) At = A^T,
+    (b, T, N) B, (b, N, E) h0 -> states and decays, both (T, b, N, E) (channels innermost)."""
+    decay = torch.mul(delta.transpose(0, 1)[:, :, None, :], At).exp_()  # (T, b, N, E)
+    states = B.transpose(0, 1)[..., None] * u.transpose(0, 1)[:, :, None, :]  # (T, b, N, E) inputs
+    states[0].addcmul_(decay[0], h0)
+    for j in range(1, states.shape[0]):
+        states[j].addcmul_(decay[j], states[j - 1])
+    return states, decay
+
+
+def _blocks(batch: int, length: int, rows: int, chunk: int):
+    """(rows slice, chunk index, steps slice) of every block, row blocks outer, chunks in order."""
+    for r in range(0, batch, rows):
+        for k, t in enumerate(range(0, length, chunk)):
+            yield slice(r, r + rows), k, slice(t, t + chunk)
+
+
+class _ChunkedScan(torch.autograd.Function):
+    """The selective scan without the skip (module docstring), forward and backward by hand.
+
+    Forward: per block of ``rows`` sequences and ``chunk`` steps, the chunk's states
+    (T, rows, N, E) from the entering state by T in-place steps, then y = C . h as a batched
+    matrix product; only the state entering each chunk (K, B, N, E) is kept for the backward.
+    Backward, chunks in reverse: recompute the chunk's states and decays, run the adjoint
+    recurrence G_t = C_t dy_t + decay_{t+1} G_{t+1} (G_t = dL/dh_t), then
+    dC_t = h_t . dy_t, d(delta x)_t = B_t . G_t, dB_t = G_t . (delta x)_t (matrix products) and,
+    with W = G_t decay_t h_{t-1} = dL/d(delta_t A), d delta_t += sum_n W A and dA += sum W delta_t.
+    Channels are the innermost axis of every state-sized tensor, so every contraction over the
+    N = 16 state axis is a vector-matrix product or a sum over an outer axis (fast on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int, rows: int) -> Tensor:
+        batch, length, channels = x.shape
+        At = A.t().contiguous()  # (N, E)
+        u = delta * x  # (B, L, E)
+        y = x.new_empty(batch, length, channels)
+        entering = x.new_empty(math.ceil(length / chunk), batch, A.shape[1], channels)  # (K, B, N, E)
+        h = None
+        for r, k, t in _blocks(batch, length, rows, chunk):
+            if k == 0:
+                h = x.new_zeros(entering[0, r].shape)  # (b, N, E)
+            entering[k, r] = h
+            states, _ = _chunk_states(delta[r, t], u[r, t], At, B[r, t], h)
+            y[r, t] = torch.matmul(C[r, t].transpose(0, 1)[:, :, None, :], states)[:, :, 0].transpose(0, 1)  # (b, T, E)
+            h = states[-1]
+        ctx.save_for_backward(x, delta, A, B, C, entering)
+        ctx.blocking = (chunk, rows)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: Tensor):
+        x, delta, A, B, C, entering = ctx.saved_tensors
+        chunk, rows = ctx.blocking
+        batch, length, _ = x.shape
+        At = A.t().contiguous()  # (N, E)
+        u = delta * x  # (B, L, E)
+        du, ddelta, dB, dC = (torch.empty_like(t) for t in (x, delta, B, C))
+        dAt = torch.zeros_like(At)  # (N, E)
+        carry = None  # decay_{t+1} G_{t+1} entering the chunk from the one after it: (b, N, E)
+        for r, k, t in reversed(list(_blocks(batch, length, rows, chunk))):
+            h0 = entering[k, r]  # (b, N, E)
+            states, decay = _chunk_states(delta[r, t], u[r, t], At, B[r, t], h0)  # (T, b, N, E) each
+            dyt, deltat = dy[r, t].transpose(0, 1), delta[r, t].transpose(0, 1)  # (T, b, E)
+            Bt, ut = B[r, t].transpose(0, 1), u[r, t].transpose(0, 1)  # (T, b, N), (T, b, E)
+            G = C[r, t].transpose(0, 1)[..., None] * dyt[:, :, None, :]  # (T, b, N, E)
+            if carry is not None and t.stop < length:
+                G[-1] += carry
+            for j in range(G.shape[0] - 2, -1, -1):
+                G[j].addcmul_(decay[j + 1], G[j + 1])
+            carry = decay[0] * G[0]
+            dC[r, t] = torch.matmul(states, dyt[..., None])[..., 0].transpose(0, 1)  # (b, T, N)
+            du[r, t] = torch.matmul(Bt[:, :, None, :], G)[:, :, 0].transpose(0, 1)  # (b, T, E)
+            dB[r, t] = torch.matmul(G, ut[..., None])[..., 0].transpose(0, 1)  # (b, T, N)
+            W = G.mul_(decay)  # (T, b, N, E), times h_{t-1} below: dL/d(delta A)
+            W[0].mul_(h0)
+            W[1:].mul_(states[:-1])
+            ddelta[r, t] = (W * At).sum(2).transpose(0, 1)  # (b, T, E)
+            dAt += W.mul_(deltat[:, :, None, :]).sum((0, 1))
+        ddelta += du * x
+        return du * delta, ddelta, dAt.t(), dB, dC, None, None
 
 
 def selective_scan_chunked(
@@ -88,82 +167,21 @@ def selective_scan_chunked(
     *,
     mask: Tensor | None = None,
     chunk: int = DEFAULT_SCAN_CHUNK,
+    block_elements: int = DEFAULT_BLOCK_ELEMENTS,
 ) -> Tensor:
-    """The same result as :func:`selective_scan_reference` in about ``chunk + L / chunk`` vectorised steps
-    (module docstring); memory O(B L E N)."""
+    """The same result as :func:`selective_scan_reference`, computed in blocks of ``chunk`` steps and
+    as many sequences as keep a block's states (sequences x chunk x E x N) within ``block_elements``
+    (at least one sequence), with a hand-written backward (:class:`_ChunkedScan`).  Memory: the
+    inputs, one block's work tensors and the states entering each chunk, O(B E N L / chunk)."""
     check_positive_int(chunk, "chunk")
+    check_positive_int(block_elements, "block_elements")
     x, delta = _masked(x, delta, mask)
     batch, length, channels = x.shape
     if length == 0:
         return _skip(x.new_zeros(batch, 0, channels), x, D)
     size = min(chunk, length)
-    num_chunks = math.ceil(length / size)
-    pad = num_chunks * size - length
-    xs, ds, bs, cs = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (x, delta, B, C))  # (B, K*C, .)
-    xs, ds, bs, cs = (_to_chunks(t, num_chunks, size) for t in (xs, ds, bs, cs))  # (B, C, K, .)
-    inputs = ((ds * xs)[..., None] * bs[:, :, :, None, :]).unbind(1)  # C x (B, K, E, N)
-    decay = torch.exp(ds[..., None] * A).unbind(1)  # C x (B, K, E, N)
-    h = inputs[0]
-    local = [h]
-    for j in range(1, size):  # inside every chunk, from a zero state
-        h = torch.addcmul(inputs[j], decay[j], h)
-        local.append(h)
-    within = torch.exp(torch.cumsum(ds, dim=1)[..., None] * A)  # (B, C, K, E, N) decay from the chunk start to j
-    ends, totals = h.unbind(1), within[:, -1].unbind(1)  # K x (B, E, N) each
-    carry = x.new_zeros(batch, channels, A.shape[1])  # (B, E, N)
-    carried = []
-    for k in range(num_chunks):  # across chunks: the state entering chunk k
-        carried.append(carry)
-        carry = torch.addcmul(ends[k], totals[k], carry)
-    states = torch.addcmul(torch.stack(local, dim=1), within, torch.stack(carried, dim=1)[:, None])  # (B, C, K, E, N)
-    y = torch.einsum("bcken,bckn->bcke", states, cs)  # (B, C, K, E)
-    y = y.transpose(1, 2).reshape(batch, num_chunks * size, channels)[:, :length]  # (B, L, E)
-    return _skip(y, x, D)
-
-
-def selective_scan_blocked(
-    x: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    *,
-    mask: Tensor | None = None,
-    chunk: int = DEFAULT_SCAN_CHUNK,
-    max_elements: int = DEFAULT_BLOCK_ELEMENTS,
-) -> Tensor:
-    """:func:`selective_scan_chunked` over blocks of batch rows and channels (the channels are
-    independent) with at most ``max_elements`` state elements (rows x L x channels x N) each; with
-    gradients on, every block is checkpointed, so memory stays bounded by one block's intermediates
-    plus the inputs (the backward recomputes the block's forward)."""
-    check_positive_int(max_elements, "max_elements")
-    x, delta = _masked(x, delta, mask)
-    batch, length, channels = x.shape
-    state = A.shape[1]
-    per_row = max(1, length * state)
-    rows = batch if batch * channels * per_row <= max_elements else max(1, max_elements // (per_row * channels))
-    width = min(channels, max(1, max_elements // (rows * per_row)))
-    if rows >= batch and width >= channels:
-        return selective_scan_chunked(x, delta, A, B, C, D, chunk=chunk)
-    checkpointed = torch.is_grad_enabled() and any(t.requires_grad for t in (x, delta, A, B, C))
-
-    def block(*args: Tensor) -> Tensor:
-        return selective_scan_chunked(*args, chunk=chunk)
-
-    out_rows = []
-    for r in range(0, batch, rows):
-        parts = []
-        for c in range(0, channels, width):
-            cs = slice(c, c + width)
-            args = (x[r : r + rows, :, cs], delta[r : r + rows, :, cs], A[cs], B[r : r + rows], C[r : r + rows])
-            args = args + (() if D is None else (D[cs],))
-            if checkpointed:
-                parts.append(torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False))
-            else:
-                parts.append(block(*args))
-        out_rows.append(torch.cat(parts, dim=-1))  # (rows, L, E)
-    return torch.cat(out_rows, dim=0)  # (B, L, E)
+    rows = max(1, block_elements // (size * channels * A.shape[1]))
+    return _skip(_ChunkedScan.apply(x, delta, A, B, C, size, rows), x, D)
 
 
 def _cuda_kernel():
@@ -185,11 +203,11 @@ def selective_scan(
     *,
     mask: Tensor | None = None,
     chunk: int = DEFAULT_SCAN_CHUNK,
-    max_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    block_elements: int = DEFAULT_BLOCK_ELEMENTS,
     kernel: str = "auto",
 ) -> Tensor:
     """The selective scan in fp32 (autocast off): ``mamba_ssm``'s CUDA kernel when ``kernel`` is ``auto``
-    and it is importable on a CUDA tensor, else :func:`selective_scan_blocked` (``kernel='torch'``)."""
+    and it is importable on a CUDA tensor, else :func:`selective_scan_chunked` (``kernel='torch'``)."""
     if kernel not in ("auto", "torch"):
         raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
     with torch.autocast(device_type=x.device.type, enabled=False):
@@ -197,7 +215,7 @@ def selective_scan(
         D = None if D is None else D.float()
         fn = _cuda_kernel() if kernel == "auto" and x.is_cuda else None
         if fn is None:
-            return selective_scan_blocked(x, delta, A, B, C, D, mask=mask, chunk=chunk, max_elements=max_elements)
+            return selective_scan_chunked(x, delta, A, B, C, D, mask=mask, chunk=chunk, block_elements=block_elements)
         x, delta = _masked(x, delta, mask)
         y = fn(
             x.transpose(1, 2).contiguous(),  # (B, E, L)

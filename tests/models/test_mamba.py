@@ -14,7 +14,6 @@ from prvrlab.models.mamba import (
     MambaLayer,
     _cuda_kernel,
     selective_scan,
-    selective_scan_blocked,
     selective_scan_chunked,
     selective_scan_reference,
 )
@@ -108,12 +107,52 @@ def test_dispatch_runs_fp32_under_autocast_and_rejects_unknown_kernels():
         selective_scan(*args, kernel="triton")
 
 
+def test_chunked_scan_fp32_gradients_match_the_float64_recurrence():
+    """The hand-written backward in fp32 against autograd of the recurrence in float64, several chunks."""
+    args = scan_inputs(batch=3, length=40, channels=6, state=16, seed=5, dtype=torch.float32)
+    weights = torch.randn(3, 40, 6, generator=torch.Generator().manual_seed(1))
+    fast = [a.clone().requires_grad_() for a in args]
+    ref = [a.double().requires_grad_() for a in args]
+    got = torch.autograd.grad((selective_scan_chunked(*fast, chunk=16, block_elements=2 * 16 * 6 * 16) * weights).sum(), fast)
+    want = torch.autograd.grad((selective_scan_reference(*ref) * weights.double()).sum(), ref)
+    for name, a, b in zip(("x", "delta", "A", "B", "C", "D"), got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_chunked_scan_keeps_only_the_states_entering_each_chunk():
+    """Saved for the backward: the inputs and one (B, N, E) state per chunk, not the (B, L, E, N) states."""
+    x, delta, A, B, C, D = (a.requires_grad_() for a in scan_inputs(batch=2, length=32, channels=5, state=4))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        selective_scan_chunked(x, delta, A, B, C, D, chunk=8)
+    assert max(saved) == x.numel()  # the largest saved tensor is an input: (B, L, E)
+    assert 4 * 2 * 4 * 5 in saved  # the entering states: (K = 4, B, N, E)
+
+
 @pytest.mark.skipif(_cuda_kernel() is None or not torch.cuda.is_available(), reason="needs mamba_ssm and CUDA")
-def test_cuda_kernel_agrees_with_the_chunked_scan():  # pragma: no cover - CPU-only CI
+def test_cuda_kernel_agrees_with_the_chunked_scan(monkeypatch):  # pragma: no cover - CPU-only CI
+    """The dispatch calls mamba_ssm's kernel on CUDA, and kernel and torch scan agree (outputs and gradients)."""
+    import prvrlab.models.mamba as mamba
+
+    calls = []
+    kernel = mamba._cuda_kernel()
+    monkeypatch.setattr(mamba, "_cuda_kernel", lambda: lambda *a, **k: calls.append(1) or kernel(*a, **k))
     device = torch.device("cuda")  # the kernel exists only there
     args = [a.to(device) for a in scan_inputs(batch=2, length=64, channels=32, state=16, dtype=torch.float32)]
-    kernel = selective_scan(*args)
-    torch.testing.assert_close(kernel, selective_scan(*args, kernel="torch"), rtol=6e-4, atol=2e-3)
+    mask = torch.ones(2, 64, dtype=torch.bool, device=device)
+    mask[1, 40:] = False
+    weights = torch.randn(2, 64, 32, device=device)
+    fast = [a.clone().requires_grad_() for a in args]
+    torch_args = [a.clone().requires_grad_() for a in args]
+    out = selective_scan(*fast, mask=mask)
+    assert calls, "the CUDA kernel was not used"
+    expected = selective_scan(*torch_args, mask=mask, kernel="torch")
+    torch.testing.assert_close(out, expected, rtol=6e-4, atol=2e-3)
+    got = torch.autograd.grad((out * weights).sum(), fast)
+    want = torch.autograd.grad((expected * weights).sum(), torch_args)
+    for name, a, b in zip(("x", "delta", "A", "B", "C", "D"), got, want):
+        torch.testing.assert_close(a, b, rtol=6e-4, atol=2e-3, msg=name)
 
 
 def mamba_by_hand(m: Mamba, x: torch.Tensor) -> torch.Tensor:
@@ -177,16 +216,18 @@ def test_mamba_layer_residual_norm_and_padding_switch():
     torch.testing.assert_close(masked.forward_packed(x, packing), out)  # causal: the switch keeps real tokens
 
 
-@pytest.mark.parametrize("max_elements", [1, 40, 100, 10**9])
-def test_blocked_scan_equals_the_whole_scan_with_the_same_gradients(max_elements):
-    """Blocks of batch rows and channels (checkpointed) give the same outputs and gradients."""
+@pytest.mark.parametrize("block_elements", [1, 40, 100, 10**9])
+def test_every_blocking_gives_the_same_outputs_and_gradients(block_elements):
+    """Blocks of one sequence up to all of them (and chunks of 1..9 steps) agree with the recurrence."""
     args = [a.requires_grad_() for a in scan_inputs(batch=3, length=9, channels=5, state=4, seed=11)]
     mask = torch.tensor([[True] * 9, [True] * 4 + [False] * 5, [True] * 7 + [False] * 2])
     weights = torch.randn(3, 9, 5, dtype=torch.float64)
-    blocked = selective_scan_blocked(*args, mask=mask, chunk=4, max_elements=max_elements)
-    whole = selective_scan_chunked(*args, mask=mask, chunk=4)
-    torch.testing.assert_close(blocked, whole)
-    for a, b in zip(torch.autograd.grad((blocked * weights).sum(), args), torch.autograd.grad((whole * weights).sum(), args)):
-        torch.testing.assert_close(a, b)
+    ref = selective_scan_reference(*args, mask=mask)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), args)
+    for chunk in (1, 2, 4, 9):
+        out = selective_scan_chunked(*args, mask=mask, chunk=chunk, block_elements=block_elements)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        for a, b in zip(torch.autograd.grad((out * weights).sum(), args), ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     with torch.no_grad():
-        torch.testing.assert_close(selective_scan_blocked(*args, mask=mask, chunk=4, max_elements=max_elements), whole)
+        torch.testing.assert_close(selective_scan_chunked(*args, mask=mask, chunk=4, block_elements=block_elements), ref)
