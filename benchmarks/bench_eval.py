@@ -134,9 +134,10 @@ def main() -> None:
                 )
             fast = best["fast"]
             if "naive" in best:
-                same = (best["naive"].ranks == fast.ranks).all()
+                shift = abs(best["naive"].ranks.astype("int64") - fast.ranks.astype("int64"))
                 print(f"[{amp:>4}] fast over naive (same run): {best['naive'].seconds / fast.seconds:.2f}x "
-                      f"(identical ranks: {bool(same)})")
+                      f"(ranks differ for {int((shift > 0).sum())} of {shift.size} queries, by at most {int(shift.max())}: "
+                      f"float32 near-ties between differently batched encodings)")
             if official is not None and (fast.num_queries, fast.num_videos) == (2500, 500):
                 print(f"[{amp:>4}] fast over the official {backbone} ({official} s, quiet machine): "
                       f"{official / fast.seconds:.2f}x")
