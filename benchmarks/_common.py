@@ -1,17 +1,24 @@
-"""Shared setup of the end-to-end benchmarks: a TVR-shaped synthetic collection
-and the GMMFormer TVR config (configs/gmmformer_tvr.yaml) pointed at it."""
+"""Shared setup of the end-to-end benchmarks: a TVR-shaped synthetic collection,
+the GMMFormer TVR config (configs/gmmformer_tvr.yaml) pointed at it, and the
+timed training step (model + loss terms + AdamW, data excluded)."""
 
 from __future__ import annotations
 
 import dataclasses
 import platform
 import resource
+import time
 from pathlib import Path
 
 import torch
 
+from prvrlab.data.dataset import train_loader
 from prvrlab.data.synth import PRESETS, synthesize
+from prvrlab.evaluation.retrieval import resolve_amp_dtype
+from prvrlab.models.factory import TrainingSystem, build_system
 from prvrlab.platform.config import apply_overrides, load_raw, validate
+from prvrlab.platform.train.loop import seed_everything
+from prvrlab.platform.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,6 +47,35 @@ def tvr_config(root: Path, config: str = "gmmformer_tvr.yaml", **overrides):
         "data.test_split": "test",
     }
     return validate(apply_overrides(raw, {**base, **overrides}))
+
+
+def bench_system(cfg, collection) -> TrainingSystem:
+    """The config's backbone, plug-ins and loss terms, seeded as a run's (seed 0)."""
+    seed_everything(0)
+    return build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=collection.video_dim,
+                        query_dim=collection.query_dim)
+
+
+def step_seconds(system: TrainingSystem, collection, *, batch_size: int, steps: int, amp: str, epoch: int = 0) -> float:
+    """Mean seconds of forward + losses + backward + AdamW over ``steps`` training batches of
+    ``batch_size`` videos, after one untimed step; data loading is not timed."""
+    loader, _ = train_loader(collection, "train", batch_size_per_rank=batch_size, rank=0, world_size=1, seed=0,
+                             num_workers=0)
+    opt, _ = build_optimizer(system, lr=1e-4, weight_decay=0.01, total_steps=100, warmup_proportion=0.0)
+    dtype = resolve_amp_dtype(amp)
+    batches, times = iter(loader), []
+    system.train()
+    for i in range(steps + 1):
+        batch = next(batches)
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            result, _ = system(batch, epoch=epoch)
+        opt.zero_grad(set_to_none=True)
+        result.total.backward()
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
 
 
 def peak_rss_gib() -> float:

@@ -28,15 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from _common import bench_system, machine, peak_rss_gib, step_seconds, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
-from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.models.component import EpochContext
-from prvrlab.models.factory import build_system
 from prvrlab.models.plugins.arl import _Encoded, reduce_uncertainty
-from prvrlab.platform.train.loop import seed_everything
-from prvrlab.platform.train.optim import build_optimizer
 
 TVR_QUERIES, TVR_VIDEOS, TVR_FRAMES, DIM = 87_175, 17_435, 128, 384
 
@@ -115,23 +111,6 @@ def padded_reduction(enc: _Encoded, lengths: torch.Tensor, batch_videos: int) ->
     return queries @ (frame_sum / count), torch.cat(frame_unc)  # (N_q,), (N_v, L)
 
 
-def step_seconds(system, collection, batch_size: int, steps: int, amp: str) -> float:
-    loader, _ = train_loader(collection, "train", batch_size_per_rank=batch_size, rank=0, world_size=1, seed=0)
-    opt, _ = build_optimizer(system, lr=1e-4, weight_decay=0.01, total_steps=100, warmup_proportion=0.0)
-    dtype = resolve_amp_dtype(amp)
-    batches, times = iter(loader), []
-    system.train()
-    for i in range(steps + 1):
-        batch = next(batches)
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-            result, _ = system(batch, epoch=10)
-        opt.zero_grad(set_to_none=True)
-        result.total.backward()
-        opt.step()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
 
 
 def main() -> None:
@@ -163,9 +142,7 @@ def main() -> None:
     for name, extra in variants.items():
         cfg = tvr_config(root, "arl_tvr.yaml", **{"plugins.arl.warmup_epochs": 0, **extra})
         collection = open_collection(cfg.data)
-        seed_everything(0)
-        system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=collection.video_dim,
-                              query_dim=collection.query_dim)
+        system = bench_system(cfg, collection)
         plugin = system.model.plugins["arl"]
 
         def batches():
@@ -175,7 +152,7 @@ def main() -> None:
         t0 = time.perf_counter()
         plugin.on_epoch_start(context(system.model, torch.device("cpu"), batches))
         epoch_start = time.perf_counter() - t0
-        seconds = step_seconds(system, collection, args.batch_size, args.steps, args.amp)
+        seconds = step_seconds(system, collection, batch_size=args.batch_size, steps=args.steps, amp=args.amp, epoch=10)
         baseline = baseline or seconds
         per_video = epoch_start / collection.split("train").num_videos
         print(f"{name:<18} step ({args.amp}, {args.batch_size} videos) {seconds:6.2f} s  x{seconds / baseline:4.2f}   "

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
-from bench_ral import step_seconds
+from _common import bench_system, machine, peak_rss_gib, step_seconds, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.reports.profile import profile_config, profile_table
 
@@ -67,7 +66,8 @@ def main() -> None:
     for name, extra in variants.items():
         cfg = tvr_config(root, "ice_base_ice_tvr.yaml", **{"train.batch_size": args.batch_size, **extra})
         collection = open_collection(cfg.data)
-        seconds = step_seconds(cfg, collection, args.steps, args.amp)
+        seconds = step_seconds(bench_system(cfg, collection), collection, batch_size=args.batch_size,
+                               steps=args.steps, amp=args.amp)
         baseline = baseline or seconds
         print(
             f"{name:<24} training step ({args.amp}) {seconds:6.3f} s / {args.batch_size}-video batch  "

@@ -13,19 +13,12 @@ gallery sizes; MSRA is training-only, so only CSA appears at retrieval).
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from _common import bench_system, machine, peak_rss_gib, step_seconds, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
-from prvrlab.data.dataset import train_loader
-from prvrlab.evaluation.retrieval import resolve_amp_dtype
-from prvrlab.losses.weighted import WeightedLoss
-from prvrlab.platform.train.optim import build_optimizer
-from prvrlab.models.factory import build_model
-from prvrlab.platform.train.loop import seed_everything
 from prvrlab.reports.profile import profile_config, profile_table
 
 RAL = {
@@ -39,29 +32,6 @@ RAL = {
 }
 
 
-def step_seconds(cfg, collection, steps: int, amp: str) -> float:
-    """Mean seconds of forward + losses + backward + optimiser over ``steps`` batches."""
-    seed_everything(0)
-    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
-    losses = WeightedLoss.from_config(cfg.losses)
-    loader, _ = train_loader(collection, "train", batch_size_per_rank=cfg.train.batch_size, rank=0,
-                             world_size=1, seed=0, num_workers=0)
-    opt, _ = build_optimizer(model, lr=1e-4, weight_decay=0.01, total_steps=100, warmup_proportion=0.0)
-    dtype = resolve_amp_dtype(amp)
-    batches = iter(loader)
-    times = []
-    for i in range(steps + 1):
-        batch = next(batches)
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = model(batch)
-        res = losses(out, batch, epoch=0)
-        opt.zero_grad(set_to_none=True)
-        res.total.backward()
-        opt.step()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
 
 
 def main() -> None:
@@ -82,7 +52,8 @@ def main() -> None:
     for name, extra in variants.items():
         cfg = tvr_config(root, "gmmformer_v2_tvr.yaml", **{"data.test_split": "test", **extra})
         collection = open_collection(cfg.data)
-        seconds = step_seconds(cfg, collection, args.steps, args.amp)
+        seconds = step_seconds(bench_system(cfg, collection), collection, batch_size=cfg.train.batch_size,
+                               steps=args.steps, amp=args.amp)
         print(f"{name:<20} training step ({args.amp}) {seconds:6.2f} s / 128-video batch   peak RSS {peak_rss_gib():.2f} GiB")
         profiles.append(profile_config(cfg, galleries=args.gallery, name=name))
     print(profile_table(profiles))
