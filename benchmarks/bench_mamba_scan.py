@@ -2,16 +2,18 @@
 attention layer, and MamFusion's query-conditioned retrieval against its factorised one.
 
 1. Scan forward + backward at B x L x E with an N-dimensional state (default
-   128 x 128 x 768, N = 16): the chunked scan (one line per chunk length), the
-   step-by-step recurrence (``selective_scan_reference``) and, as a yardstick,
-   a dense attention layer of the same width (prvrlab's TransformerLayer with
-   no feed-forward sublayer, E wide, on the same B x L tokens).  Prints wall
-   and CPU seconds (the CPU time of this process is the steadier figure on a
-   shared machine with ``--threads 1``) and the ratios reference / chunked
-   (goal >= 20) and chunked / attention (goal <= 3).  The recurrence is timed
-   on its first ``--reference-steps`` steps and scaled by L / steps (every
-   step does the same work; its autograd graph at B = 128, L = 128 would hold
-   several GB); ``--reference-steps 0`` times all L.
+   128 x 128 x 768, N = 16): the fused C++ kernel (prvrlab/models/fused_scan.py,
+   what ``kernel: auto`` runs on CPU), the PyTorch chunked scan (one line per
+   chunk length), the step-by-step recurrence (``selective_scan_reference``)
+   and, as a yardstick, a dense attention layer of the same width
+   (prvrlab's TransformerLayer with no feed-forward sublayer, E wide, on the
+   same B x L tokens).  Prints wall and CPU seconds (the CPU time of this
+   process is the steadier figure on a shared machine) and the ratios
+   reference / fused and reference / chunked (goal >= 20) and fused /
+   attention (goal <= 3).  The recurrence is timed over all L steps by
+   default (its autograd graph grows with every step, so later steps cost
+   more: timing the first steps and scaling underestimates it 4x at B = 128);
+   ``--reference-steps K`` times the first K and scales by L / K.
 2. Retrieval ms per query of MamFusion (TVR dims, hidden 384) against a
    gallery of encoded videos: ``fusion: batch`` (factorised scores, the
    reference's) and ``fusion: temporal`` with ``fusion_at_retrieval: true``
@@ -30,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.mamba import selective_scan_chunked, selective_scan_reference
+from prvrlab.models import fused_scan
+from prvrlab.models.mamba import selective_scan, selective_scan_chunked, selective_scan_reference
 from prvrlab.registry import BACKBONES
 
 
@@ -40,12 +43,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--channels", type=int, default=768)
     p.add_argument("--state", type=int, default=16)
-    p.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--heads", type=int, default=8, help="heads of the attention yardstick")
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions (after one warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-reference", action="store_true")
-    p.add_argument("--reference-steps", type=int, default=16, help="steps of the recurrence timed (0: all L)")
+    p.add_argument("--reference-steps", type=int, default=0, help="steps of the recurrence timed (0: all L)")
     p.add_argument("--block-elements", type=int, default=None, help="state elements per block of the chunked scan")
     p.add_argument("--gallery", type=int, default=200, help="videos in the retrieval gallery (0: skip part 2)")
     p.add_argument("--queries", type=int, default=20, help="queries scored in part 2")
@@ -101,12 +104,20 @@ def bench_scan(args: argparse.Namespace) -> None:
         chunked[chunk] = timed_both(fn, args.repeats)
         print(f"  chunked scan, chunk {chunk:3d}: {chunked[chunk][0]:8.3f} / {chunked[chunk][1]:8.3f}")
     best = min(chunked, key=lambda c: chunked[c][1])
+    fused = None
+    if fused_scan.load() is None:
+        print(f"  fused kernel unavailable: {fused_scan.unavailable_reason()}")
+    else:
+        fn = forward_backward(lambda *a: selective_scan(*a, chunk=max(args.chunks), kernel="fused"), inputs)
+        fused = timed_both(fn, args.repeats)
+        print(f"  fused C++ kernel, chunk {max(args.chunks):3d}: {fused[0]:8.3f} / {fused[1]:8.3f}")
     tokens = torch.randn(args.batch, args.length, args.channels, requires_grad=True)
     layer = TransformerLayer(hidden_size=args.channels, num_heads=args.heads, dropout=0.0, ffn_size=0)
     attention = timed_both(forward_backward(layer, [tokens]), args.repeats)
     print(f"  dense attention layer ({args.heads} heads, width {args.channels}): {attention[0]:8.3f} / {attention[1]:8.3f}")
-    print(f"  chunked (chunk {best}) / attention: {chunked[best][0] / attention[0]:6.2f}x wall, "
-          f"{chunked[best][1] / attention[1]:6.2f}x CPU (goal <= 3)")
+    fastest = ("fused", fused) if fused is not None else (f"chunked (chunk {best})", chunked[best])
+    print(f"  {fastest[0]} / attention: {fastest[1][0] / attention[0]:6.2f}x wall, "
+          f"{fastest[1][1] / attention[1]:6.2f}x CPU (goal <= 3)")
     if not args.skip_reference:
         steps = args.length if args.reference_steps <= 0 else min(args.reference_steps, args.length)
         short = [t[:, :steps] if t.dim() == 3 else t for t in inputs]  # x, delta, B, C cut to the first steps
@@ -116,8 +127,9 @@ def bench_scan(args: argparse.Namespace) -> None:
         reference = (wall * scale, cpu * scale)
         note = "" if steps == args.length else f" ({steps} steps timed, x {scale:g})"
         print(f"  step-by-step recurrence{note}: {reference[0]:8.3f} / {reference[1]:8.3f}")
-        print(f"  recurrence / chunked (chunk {best}): {reference[0] / chunked[best][0]:6.2f}x wall, "
-              f"{reference[1] / chunked[best][1]:6.2f}x CPU (goal >= 20)")
+        rows = ([("fused", fused)] if fused is not None else []) + [(f"chunked (chunk {best})", chunked[best])]
+        for name, (wall_s, cpu_s) in rows:
+            print(f"  recurrence / {name}: {reference[0] / wall_s:6.2f}x wall, {reference[1] / cpu_s:6.2f}x CPU (goal >= 20)")
 
 
 def bench_retrieval(args: argparse.Namespace) -> None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from prvrlab.cache import cache_root
 from prvrlab.data.errors import DataError
 from prvrlab.data.features import VisualFeatures
 
@@ -24,8 +24,8 @@ CHUNK_BYTES = 64 << 20
 
 
 def cache_dir() -> Path:
-    """Where scan results are cached: ``$PRVRLAB_CACHE_DIR`` or ``~/.cache/prvrlab``."""
-    return Path(os.environ.get("PRVRLAB_CACHE_DIR") or Path.home() / ".cache" / "prvrlab") / "feature-checks"
+    """Where scan results are cached: ``feature-checks`` in :func:`prvrlab.cache.cache_root`."""
+    return cache_root() / "feature-checks"
 
 
 def _data_file(visual: VisualFeatures) -> Path:

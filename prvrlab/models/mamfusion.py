@@ -120,7 +120,10 @@ class MamFusion(PooledFrameBackbone):
     reference's input_drop / drop),
     ``mamba`` (Mamba after every GMMBlock), ``d_state`` / ``d_conv`` /
     ``expand`` (its sizes), ``mask_padding``, ``scan_chunk`` (the chunk
-    length of the selective scan); ``t2v`` / ``v2t`` (the two fusions),
+    length of the selective scan), ``scan_kernel`` (``auto``: mamba_ssm's
+    CUDA kernel on GPU, the fused C++ kernel on CPU when it builds, else the
+    PyTorch chunked scan; ``fused`` / ``torch`` force one:
+    :mod:`prvrlab.models.mamba`); ``t2v`` / ``v2t`` (the two fusions),
     ``fusion`` (``batch`` | ``temporal``), ``fusion_at_retrieval`` and
     ``fused_weight`` (the fused branch in the retrieval score), ``fusion_chunk``
     (max elements of one intermediate tensor of the pairwise fusion).
@@ -153,6 +156,7 @@ class MamFusion(PooledFrameBackbone):
         expand: int = 2,
         mask_padding: bool = False,
         scan_chunk: int = DEFAULT_SCAN_CHUNK,
+        scan_kernel: Literal["auto", "fused", "torch"] = "auto",
         t2v: bool = True,
         v2t: bool = True,
         fusion: Literal["batch", "temporal"] = "batch",
@@ -195,7 +199,8 @@ class MamFusion(PooledFrameBackbone):
 
         def block(span: WindowLength) -> GMMMambaBlock:
             gmm = GMMBlock(**layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
-            args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "scan_chunk": scan_chunk}
+            args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "scan_chunk": scan_chunk,
+                    "scan_kernel": scan_kernel}
             return GMMMambaBlock(
                 gmm=gmm, mamba=MambaLayer(hidden_size=hidden_size, mask_padding=mask_padding, **args) if mamba else None
             )
