@@ -21,7 +21,17 @@ whatever its scheduler says, so the gate lives where the worker group starts:
 - a trial that waits longer than its placement timeout while no trial holds
   a grant (nothing running could ever free resources) raises
   :class:`Unplaceable`, a retryable failure: Tune retries it later, up to the
-  spec's ``max_retries``, then it ends FAILED with that reason.
+  spec's ``max_retries``, then it ends FAILED with that reason;
+- rank 0 of each attempt's worker group tells the ledger its placement
+  group (:func:`attach_worker_group`).  A placement group belongs to the job,
+  not to the Train controller that made it: when a node dies with a trial's
+  actor and controller, Ray reschedules the group's lost bundles onto the
+  surviving nodes, where it holds their CPUs until the search ends, so no
+  retried trial could start there.  The ledger removes an attempt's group
+  when the trial's next attempt asks for its grant (a trial runs once at a
+  time), when the grant is released (harmless when Train removed it
+  already), or ``GROUP_GRACE_S`` after the grant lapsed (a late renewal
+  within that grace keeps a slow but live trial's workers).
 
 Choices where Ray gives no rule: capacity is the sum over alive nodes
 (``ray.cluster_resources()``), not a per-node bin packing (Train's worker
@@ -42,6 +52,7 @@ NAMESPACE = "prvrlab"
 LEASE_S = 15.0  # a grant or a wait not renewed for this long lapses (its trial is gone)
 POLL_S = 1.0  # how often a waiting trial asks again
 RENEW_S = 3.0  # how often a running trial renews its grant
+GROUP_GRACE_S = 60.0  # a lapsed attempt's worker group is removed this long after its grant lapsed
 HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
 _EPS = 1e-9
 
@@ -68,7 +79,8 @@ def fits_at_once(needs: dict[str, float], capacity: dict[str, float]) -> int:
 
 class Ledger:
     """Grants of worker-group resources to trials against the cluster's capacity (pure; the Ray
-    actor wraps it).  ``capacity``: the alive nodes' resources; ``clock``: seconds."""
+    actor wraps it).  ``capacity``: the alive nodes' resources; ``clock``: seconds;
+    ``remove_group``: removes a placement group by hex id (module docstring)."""
 
     def __init__(
         self,
@@ -76,16 +88,49 @@ class Ledger:
         capacity: Callable[[], dict[str, float]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         lease_s: float = LEASE_S,
+        group_grace_s: float = GROUP_GRACE_S,
+        remove_group: Callable[[str], None] | None = None,
     ) -> None:
         self._capacity = capacity or _cluster_resources
+        self._remove_group = remove_group or _remove_placement_group
         self._clock = clock
-        self._lease_s = lease_s
+        self._lease_s, self._group_grace_s = lease_s, group_grace_s
         self.granted: dict[str, tuple[dict[str, float], float, str]] = {}  # trial -> (needs, last renewal, attempt)
         self.waiting: dict[str, dict[str, Any]] = {}  # trial -> {needs, seen, reason}, oldest first
+        self.groups: dict[str, list[str]] = {}  # attempt -> its worker group's placement group ids
+        self.owners: dict[str, str] = {}  # attempt -> its trial
+        self.cleaned: list[str] = []  # trials whose dead attempt's worker group the ledger removed
+        self.lapsed: dict[str, float] = {}  # attempt whose grant lapsed -> when
 
     def _expire(self, now: float) -> None:
+        for g in self.granted.values():
+            if now - g[1] > self._lease_s:
+                self.lapsed.setdefault(g[2], g[1] + self._lease_s)  # when it lapsed
         self.granted = {t: g for t, g in self.granted.items() if now - g[1] <= self._lease_s}
         self.waiting = {t: w for t, w in self.waiting.items() if now - w["seen"] <= self._lease_s}
+        for attempt, since in list(self.lapsed.items()):
+            if now - since > self._group_grace_s:
+                self._drop_groups(attempt, dead=True)
+
+    def _drop_groups(self, attempt: str, *, dead: bool) -> None:
+        self.lapsed.pop(attempt, None)
+        owner, groups = self.owners.pop(attempt, None), self.groups.pop(attempt, [])
+        if dead and groups and owner is not None:
+            self.cleaned.append(owner)
+        for group in groups:
+            try:
+                self._remove_group(group)
+            except Exception:  # already gone with its job or removed by Train: nothing holds resources
+                pass
+
+    def attach(self, attempt: str, group: str) -> None:
+        """Record placement group ``group`` (hex id) as held by ``attempt``'s worker group."""
+        owner = next((t for t, g in self.granted.items() if g[2] == attempt), None)
+        if owner is not None:
+            self.groups.setdefault(attempt, []).append(group)
+            self.owners[attempt] = owner
+        else:  # its grant lapsed or was released before rank 0 got here
+            self._remove_group(group)
 
     def reserved(self) -> dict[str, float]:
         """Resources granted to running trials, summed."""
@@ -102,6 +147,9 @@ class Ledger:
         its dead attempt has not lapsed yet replaces that grant (a trial runs once at a time).
         """
         now = self._clock()
+        self.lapsed.pop(attempt, None)  # it asks, so it lives: a late renewal keeps its workers
+        for earlier in [a for a, t in self.owners.items() if t == trial_id and a != attempt]:
+            self._drop_groups(earlier, dead=True)  # a trial runs once at a time: that attempt is dead
         self._expire(now)
         if trial_id in self.granted:
             held, _, holder = self.granted.pop(trial_id)
@@ -125,17 +173,21 @@ class Ledger:
         return {"reason": reason, "running": len(self.granted)}
 
     def release(self, trial_id: str) -> None:
-        """Give back a trial's grant (or stop its wait)."""
-        self.granted.pop(trial_id, None)
+        """Give back a trial's grant (or stop its wait); its worker group's placement group goes too."""
+        grant = self.granted.pop(trial_id, None)
         self.waiting.pop(trial_id, None)
+        if grant is not None:
+            self._drop_groups(grant[2], dead=False)
 
     def status(self) -> dict[str, Any]:
-        """``{"capacity", "running": [trial ids], "waiting": {trial id: reason}}`` (for the driver)."""
+        """``{"capacity", "running": [trial ids], "waiting": {trial id: reason}, "cleaned": [trial ids whose
+        dead attempt's worker group was removed, in order]}`` (for the driver)."""
         self._expire(self._clock())
         return {
             "capacity": self._capacity(),
             "running": sorted(self.granted),
             "waiting": {t: w["reason"] for t, w in self.waiting.items()},
+            "cleaned": list(self.cleaned),
         }
 
 
@@ -143,6 +195,23 @@ def _cluster_resources() -> dict[str, float]:
     import ray
 
     return {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+
+
+def _remove_placement_group(group: str) -> None:
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group))))
+
+
+def attach_worker_group(ledger_name: str, attempt: str) -> None:
+    """In rank 0 of a Train worker group: tell the ledger which placement group this attempt holds."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+
+    group = get_current_placement_group()
+    if group is not None:
+        ray.get(ray.get_actor(ledger_name, namespace=NAMESPACE).attach.remote(attempt, group.id.hex()))
 
 
 def start_ledger(name: str):
@@ -167,8 +236,9 @@ def stop_ledger(name: str) -> None:
 
 
 @contextmanager
-def admitted(name: str, trial_id: str, needs: dict[str, float], *, timeout_s: float, poll_s: float = POLL_S) -> Iterator[None]:
-    """Wait until the ledger ``name`` grants ``needs`` to ``trial_id``; hold (renew) the grant inside."""
+def admitted(name: str, trial_id: str, needs: dict[str, float], *, timeout_s: float, poll_s: float = POLL_S) -> Iterator[str]:
+    """Wait until the ledger ``name`` grants ``needs`` to ``trial_id``; hold (renew) the grant inside.
+    Yields the attempt's id (for :func:`attach_worker_group`)."""
     import ray
 
     ledger = ray.get_actor(name, namespace=NAMESPACE)
@@ -190,7 +260,7 @@ def admitted(name: str, trial_id: str, needs: dict[str, float], *, timeout_s: fl
     renewer = threading.Thread(target=renew, name="prvrlab-admission", daemon=True)
     renewer.start()
     try:
-        yield
+        yield attempt
     finally:
         stop.set()
         renewer.join()
@@ -208,6 +278,7 @@ class AdmissionReporter:
         self.needs, self.say = needs, say
         self._reasons: dict[str, str] = {}
         self._fits: int | None = None
+        self._cleaned = 0
 
     def observe(self, state: dict[str, Any]) -> None:
         """Report what changed since the last state."""
@@ -223,6 +294,9 @@ class AdmissionReporter:
             if trial_id in state["running"]:
                 self.say(f"trial {trial_id} placed")
         self._reasons = {t: r for t, r in state["waiting"].items() if r}
+        for trial_id in state.get("cleaned", [])[self._cleaned :]:
+            self.say(f"trial {trial_id}: removed the worker group its lost attempt left holding resources")
+        self._cleaned = len(state.get("cleaned", []))
 
 
 class LedgerPoller:

@@ -295,12 +295,19 @@ def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
         train_on_pool(loop_config, workers=study.workers, cpus=study.cpus_per_worker, gpus=study.gpus_per_worker, enrich=filler)
         return
 
+    os.environ[WORKER_GROUP_START_TIMEOUT] = f"{study.placement_timeout_s:g}"  # Train propagates it to its controller
+    with _admitted(study, trial_id) as attempt:
+        admission = None if attempt is None else {"ledger": study.admission, "attempt": attempt}
+        _fit_trainer(study, trial_id, {**loop_config, "admission": admission}, filler)
+
+
+def _fit_trainer(study: StudyContext, trial_id: str, loop_config: dict[str, Any], filler: MetricFiller) -> None:
+    """Fit a TorchTrainer (DDP over ``study.workers`` Train workers) for one trial attempt."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     use_gpu = study.gpus_per_worker > 0
     resources = {"CPU": study.cpus_per_worker, **({"GPU": study.gpus_per_worker} if use_gpu else {})}
-    os.environ[WORKER_GROUP_START_TIMEOUT] = f"{study.placement_timeout_s:g}"  # Train propagates it to its controller
     trainer = TorchTrainer(
         placed_worker,
         train_loop_config=loop_config,
@@ -315,8 +322,7 @@ def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
             callbacks=[_report_callback(filler)],
         ),
     )
-    with _admitted(study, trial_id):
-        trainer.fit()
+    trainer.fit()
 
 
 def worker_group_needs(study: StudyContext) -> dict[str, float]:
@@ -334,7 +340,7 @@ def _admitted(study: StudyContext, trial_id: str):
     from prvrlab.platform.search.admission import admitted
 
     if study.admission is None:
-        return nullcontext()
+        return nullcontext(None)
     return admitted(study.admission, trial_id, worker_group_needs(study), timeout_s=study.placement_timeout_s)
 
 
@@ -350,12 +356,18 @@ def record_node(run_dir: str | Path, role: str) -> None:
 
 
 def placed_worker(loop_config: dict[str, Any]) -> None:
-    """A Train worker: records its node (``rank<r>``), then trains."""
+    """A Train worker: records its node (``rank<r>``); rank 0 tells the admission ledger its worker
+    group's placement group (removed if this attempt dies with its node); then trains."""
     import ray.train
 
     from prvrlab.platform.train.loop import train_worker
 
-    record_node(loop_config["run_dir"], f"rank{ray.train.get_context().get_world_rank()}")
+    rank = ray.train.get_context().get_world_rank()
+    record_node(loop_config["run_dir"], f"rank{rank}")
+    if rank == 0 and loop_config.get("admission"):
+        from prvrlab.platform.search.admission import attach_worker_group
+
+        attach_worker_group(loop_config["admission"]["ledger"], loop_config["admission"]["attempt"])
     train_worker(loop_config)
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from prvrlab.platform.failures import explain_failure
-from prvrlab.platform.search.admission import LEASE_S, AdmissionReporter, Ledger, fits_at_once, shortfall
+from prvrlab.platform.search.admission import (
+    GROUP_GRACE_S,
+    LEASE_S,
+    AdmissionReporter,
+    Ledger,
+    fits_at_once,
+    shortfall,
+)
 
 NEEDS = {"CPU": 2.01}  # a trial actor (0.01) + 2 workers x 1 CPU
 
@@ -84,6 +91,99 @@ def test_a_retried_trial_does_not_inherit_the_grant_of_its_dead_attempt():
     assert ledger.request("b", NEEDS, "b2") == {"reason": f"needs 2.01 CPU, {2.5 - 2.01:g} free", "running": 1}
     assert ledger.request("a", NEEDS, "a1")["reason"] is None  # a renews its own grant
     assert ledger.status()["running"] == ["a"]
+
+
+def group_ledger(cluster: FakeCluster) -> tuple[Ledger, list[str]]:
+    removed: list[str] = []
+    return Ledger(capacity=cluster.capacity, clock=cluster.clock, remove_group=removed.append), removed
+
+
+def test_the_worker_group_of_a_dead_attempt_is_removed_when_the_trial_is_retried():
+    """Node loss: b's actor and Train controller die, Ray would reschedule b1's placement group onto
+    the surviving node and hold its CPUs; b's next attempt asking removes it, a's group stays."""
+    cluster = FakeCluster(cpus=4.5)
+    ledger, removed = group_ledger(cluster)
+    ledger.request("a", NEEDS, "a1")
+    ledger.request("b", NEEDS, "b1")
+    ledger.attach("a1", "pg-a1")
+    ledger.attach("b1", "pg-b1")
+    cluster.cpus = 2.5
+    ledger.request("b", NEEDS, "b2")
+    assert removed == ["pg-b1"]
+    ledger.request("a", NEEDS, "a1")  # a renews: nothing of a's removed
+    assert removed == ["pg-b1"]
+    ledger.release("a")  # a ended: its group is removed too (Train may have done it already)
+    assert removed == ["pg-b1", "pg-a1"]
+
+
+def test_a_retry_after_the_lease_lapsed_still_removes_the_dead_attempts_group_and_says_so():
+    """Ray notices a dead node after its health checks (~30 s here): the retry asks after b1's lease
+    lapsed; b1's group must go then, not a grace period later."""
+    cluster = FakeCluster(cpus=4.5)
+    ledger, removed = group_ledger(cluster)
+    lines: list[str] = []
+    reporter = AdmissionReporter(NEEDS, lines.append)
+    ledger.request("b", NEEDS, "b1")
+    ledger.attach("b1", "pg-b1")
+    reporter.observe(ledger.status())
+    cluster.now += LEASE_S + 5
+    cluster.cpus = 2.5
+    assert ledger.request("b", NEEDS, "b2")["reason"] is None
+    assert removed == ["pg-b1"]
+    reporter.observe(ledger.status())
+    assert "trial b: removed the worker group its lost attempt left holding resources" in lines
+    reporter.observe(ledger.status())
+    assert sum("removed the worker group" in ln for ln in lines) == 1  # said once
+
+
+def test_a_lapsed_grant_keeps_its_group_for_a_grace_period_and_a_late_renewal_keeps_it():
+    cluster = FakeCluster(cpus=3.0)
+    ledger, removed = group_ledger(cluster)
+
+    def advance(seconds: float, *renewing: tuple[str, str]) -> None:
+        """Move the clock in steps shorter than the lease, the ``renewing`` (trial, attempt) asking each step."""
+        for _ in range(int(seconds // 5)):
+            cluster.now += 5
+            for trial, attempt in renewing:
+                ledger.request(trial, NEEDS, attempt)
+
+    ledger.request("slow", NEEDS, "s1")
+    ledger.attach("s1", "pg-s1")
+    cluster.now += LEASE_S + 1  # lapsed: its CPUs are free for others, its workers may still run
+    assert ledger.request("other", NEEDS, "o1")["reason"] is None
+    advance(GROUP_GRACE_S / 2, ("other", "o1"))
+    ledger.request("slow", NEEDS, "s1")  # a late renewal within the grace (it waits: other holds the CPUs)
+    advance(2 * GROUP_GRACE_S, ("other", "o1"))
+    assert removed == []  # it asked within the grace: alive
+
+    ledger.attach("o1", "pg-o1")
+    advance(LEASE_S + GROUP_GRACE_S / 2)  # other's actor died with its node; nobody retries it
+    ledger.status()
+    assert removed == []  # lapsed, but within the grace
+    advance(GROUP_GRACE_S)
+    ledger.status()
+    assert removed == ["pg-o1"]
+
+
+def test_a_group_attached_after_its_grant_ended_is_removed_at_once():
+    cluster = FakeCluster(cpus=3.0)
+    ledger, removed = group_ledger(cluster)
+    ledger.request("t", NEEDS, "t1")
+    ledger.release("t")
+    ledger.attach("t1", "pg-late")
+    assert removed == ["pg-late"]
+
+
+def test_a_failing_removal_does_not_break_the_ledger():
+    def boom(group: str) -> None:
+        raise RuntimeError("placement group already removed")
+
+    cluster = FakeCluster(cpus=3.0)
+    ledger = Ledger(capacity=cluster.capacity, clock=cluster.clock, remove_group=boom)
+    ledger.request("t", NEEDS, "t1")
+    ledger.attach("t1", "pg")
+    ledger.release("t")
+    assert ledger.request("u", NEEDS, "u1")["reason"] is None
 
 
 def test_an_abandoned_wait_does_not_block_younger_trials():
