@@ -2,12 +2,16 @@
 
 For a small search (synthetic data of ``--preset``, 3 trials, 2 epochs, one
 trial at a time) with one worker per trial (trained inside the Tune trial
-actor), with two (a Ray Train DDP worker group per trial) and with two on a
-reused pool (``resources.reuse_workers: true``), prints:
+actor), with two (a Ray Train DDP worker group per trial), with two on a
+reused pool (``resources.reuse_workers: true``) and with two on reused pools
+packed two per worker group's CPUs (``resources.pack: 2``: two trials at a
+time, each rank on half a group's share), prints:
 
 - time from a trial's start (its MLflow child run is created in the driver)
   to its first training step (first epoch report minus that epoch's time);
-- the share of the search's wall time spent outside training epochs;
+- the share of the search's wall time during which no trial is in a training
+  epoch (epochs as [end - time/epoch_s, end] intervals, overlaps counted
+  once, so packed trials training side by side are not counted twice);
 - for the reused pool: its build time (rank actors + process group, paid by
   the first trial) and the largest difference of any trial's final metrics
   from the per-trial TorchTrainer row (same sampler seed, same configs).
@@ -18,7 +22,7 @@ every row finds it running.
 With a GPU it also prints the aggregate trial throughput when packing 1, 2
 and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
 
-    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r]
+    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r,2p]
 """
 
 from __future__ import annotations
@@ -42,7 +46,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write_spec(
-    tmp: Path, root: Path, name: str, trials: int, epochs: int, workers: int, gpus: float = 0.0, concurrency: int = 1, reuse: bool = False
+    tmp: Path,
+    root: Path,
+    name: str,
+    trials: int,
+    epochs: int,
+    workers: int,
+    gpus: float = 0.0,
+    concurrency: int = 1,
+    reuse: bool = False,
+    pack: int = 1,
 ) -> Path:
     spec = {
         "name": name,
@@ -61,7 +74,7 @@ def write_spec(
         },
         "budget": {"trials": trials},
         "concurrency": concurrency,
-        "resources": {"workers_per_trial": workers, "gpus_per_worker": gpus, "reuse_workers": reuse},
+        "resources": {"workers_per_trial": workers, "gpus_per_worker": gpus, "reuse_workers": reuse, "pack": pack},
         "sampler": {"type": "random", "seed": 0},
         "space": {"train.lr": {"loguniform": [3e-4, 3e-3]}},
     }
@@ -79,7 +92,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
     children = tracker.client.search_runs(
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
     )
-    startups, train_s, finals, builds = [], 0.0, {}, []
+    startups, train_s, finals, builds, spans = [], 0.0, {}, [], []
     children = sorted(children, key=lambda c: c.info.start_time)
     for child in children:
         finals[child.data.params["train.lr"]] = {k: v for k, v in child.data.metrics.items() if k.startswith("final/")}
@@ -92,16 +105,27 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         first = min(epochs, key=lambda m: m.step)
         startups.append(first.timestamp / 1000 - child.info.start_time / 1000 - first.value)
         train_s += sum(m.value for m in epochs)
+        spans += [(m.timestamp / 1000 - m.value, m.timestamp / 1000) for m in epochs]
     return {
         "wall_s": wall,
         "trials": len(children),
         "startup_s": statistics.fmean(startups) if startups else float("nan"),
         "startups": startups,
         "train_s": train_s,
-        "outside_share": 1 - train_s / wall,
+        "outside_share": 1 - covered(spans) / wall,
         "pool_build_s": sum(builds),
         "finals": finals,
     }
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds inside at least one of the (start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def max_difference(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> float:
@@ -116,7 +140,11 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--preset", default="small", help="synthetic preset: tiny | small")
-    parser.add_argument("--rows", default="1,2,2r", help="1: one worker; 2: a TorchTrainer per trial; 2r: 2 workers, reused pool")
+    parser.add_argument(
+        "--rows",
+        default="1,2,2r,2p",
+        help="1: one worker; 2: a TorchTrainer per trial; 2r: 2 workers, reused pool; 2p: 2r packed 2 per group (pack: 2)",
+    )
     args = parser.parse_args()
     rows = args.rows.split(",")
     with tempfile.TemporaryDirectory(prefix="prvrlab-bench-search-") as tmp_name:
@@ -129,19 +157,22 @@ def main() -> None:
         print(f"{'workers/trial':>20} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
         measured: dict[str, dict] = {}
         for row in rows:
-            workers, reuse = int(row.rstrip("r")), row.endswith("r")
+            workers, reuse, pack = int(row.rstrip("rp")), row.endswith(("r", "p")), 2 if row.endswith("p") else 1
             m = measured[row] = measure(
-                tmp, root, f"overhead_w{row}", trials=args.trials, epochs=args.epochs, workers=workers, reuse=reuse
+                tmp, root, f"overhead_w{row}", trials=args.trials, epochs=args.epochs, workers=workers, reuse=reuse, pack=pack
             )
-            label = f"{workers} (reused pool)" if reuse else f"{workers}"
+            label = f"{workers} (packed x{pack})" if pack > 1 else f"{workers} (reused pool)" if reuse else f"{workers}"
             print(f"{label:>20} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
-        for row in (r for r in rows if r.endswith("r")):
+        for row in (r for r in rows if r.endswith(("r", "p"))):
             m = measured[row]
-            print(f"reused pool ({row}): built once in {m['pool_build_s']:.1f} s (rank actors + process group)")
+            print(f"reused pool ({row}): pools built in {m['pool_build_s']:.1f} s in all (rank actors + process group)")
             print(f"reused pool ({row}): start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
             if row[:-1] in measured:
                 same = max_difference(m["finals"], measured[row[:-1]]["finals"])
                 print(f"reused pool ({row}) vs a TorchTrainer per trial: largest final-metric difference {same:.2e}")
+            if row.endswith("p") and row[:-1] + "r" in measured:
+                same = max_difference(m["finals"], measured[row[:-1] + "r"]["finals"])
+                print(f"packed ({row}) vs unpacked reused pool: largest final-metric difference {same:.2e}")
 
         import torch
 
