@@ -12,6 +12,12 @@ time, each rank on half a group's share), prints:
 - the share of the search's wall time during which no trial is in a training
   epoch (epochs as [end - time/epoch_s, end] intervals, overlaps counted
   once, so packed trials training side by side are not counted twice);
+- where each trial's time outside its epochs goes, from its MLflow child
+  run's timestamps (driver clock): child run start to the loop's start (Tune
+  scheduling, trial actor, pool dispatch), setup (data, model build, DDP wrap:
+  ``time/setup_s``), gaps between epochs (checkpoint, reporting), last epoch
+  to the final evaluation, the final evaluation (``final/time/final_s``), and
+  its end to the child run's end; plus the wall time outside every child run;
 - for the reused pool: its build time (rank actors + process group, paid by
   the first trial) and the largest difference of any trial's final metrics
   from the per-trial TorchTrainer row (same sampler seed, same configs).
@@ -43,6 +49,8 @@ from prvrlab.platform.search.spec import load_search_spec
 from prvrlab.platform.tracking.store import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
+# a trial's outside-training time, in order, from its MLflow child run's timestamps (driver clock)
+PHASES = ("to loop start", "setup", "between epochs", "last epoch->final", "final eval", "final->run end")
 
 
 def write_spec(
@@ -92,20 +100,34 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
     children = tracker.client.search_runs(
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
     )
-    startups, train_s, finals, builds, spans = [], 0.0, {}, [], []
+    startups, train_s, finals, builds, spans, trial_spans = [], 0.0, {}, [], [], []
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}
     children = sorted(children, key=lambda c: c.info.start_time)
     for child in children:
-        finals[child.data.params["train.lr"]] = {k: v for k, v in child.data.metrics.items() if k.startswith("final/")}
+        finals[child.data.params["train.lr"]] = {
+            k: v for k, v in child.data.metrics.items() if k.startswith("final/") and not k.startswith("final/time/")
+        }
         pool_log = result.study_dir / "trials" / child.data.tags["prvrlab.trial_id"] / "pool.jsonl"
         if pool_log.exists():
             builds += [json.loads(line)["build_s"] for line in pool_log.read_text().splitlines()]
         epochs = tracker.client.get_metric_history(child.info.run_id, "time/epoch_s")
         if not epochs:
             continue
-        first = min(epochs, key=lambda m: m.step)
-        startups.append(first.timestamp / 1000 - child.info.start_time / 1000 - first.value)
+        first, last = min(epochs, key=lambda m: m.step), max(epochs, key=lambda m: m.step)
+        start, end = child.info.start_time / 1000, (child.info.end_time or child.info.start_time) / 1000
+        startups.append(first.timestamp / 1000 - start - first.value)
         train_s += sum(m.value for m in epochs)
         spans += [(m.timestamp / 1000 - m.value, m.timestamp / 1000) for m in epochs]
+        trial_spans.append((start, end))
+        setup = _first_value(tracker, child.info.run_id, "time/setup_s")
+        final = child.data.metrics.get("final/time/final_s", float("nan"))
+        final_end = max((m.timestamp / 1000 for m in tracker.client.get_metric_history(child.info.run_id, "final/time/final_s")), default=end)
+        phases["to loop start"].append(first.timestamp / 1000 - first.value - setup - start)
+        phases["setup"].append(setup)
+        phases["between epochs"].append(last.timestamp / 1000 - first.timestamp / 1000 + first.value - sum(m.value for m in epochs))
+        phases["last epoch->final"].append(final_end - final - last.timestamp / 1000)
+        phases["final eval"].append(final)
+        phases["final->run end"].append(end - final_end)
     return {
         "wall_s": wall,
         "trials": len(children),
@@ -115,7 +137,14 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "outside_share": 1 - covered(spans) / wall,
         "pool_build_s": sum(builds),
         "finals": finals,
+        "phases": {name: statistics.fmean(v) if v else float("nan") for name, v in phases.items()},
+        "between_trials_s": wall - covered(trial_spans),
     }
+
+
+def _first_value(tracker: Tracker, run_id: str, key: str) -> float:
+    history = tracker.client.get_metric_history(run_id, key)
+    return min(history, key=lambda m: m.step).value if history else float("nan")
 
 
 def covered(spans: list[tuple[float, float]]) -> float:
@@ -173,6 +202,10 @@ def main() -> None:
             if row.endswith("p") and row[:-1] + "r" in measured:
                 same = max_difference(m["finals"], measured[row[:-1] + "r"]["finals"])
                 print(f"packed ({row}) vs unpacked reused pool: largest final-metric difference {same:.2e}")
+        print("where a trial's outside-training time goes (s, mean per trial; 'no trial' is the search's wall time outside every child run)")
+        print(f"{'row':>5} " + " ".join(f"{name:>17}" for name in PHASES) + f" {'no trial':>9}")
+        for row, m in measured.items():
+            print(f"{row:>5} " + " ".join(f"{m['phases'][name]:17.2f}" for name in PHASES) + f" {m['between_trials_s']:9.1f}")
 
         import torch
 
