@@ -17,7 +17,9 @@ time, each rank on half a group's share), prints:
   scheduling, trial actor, pool dispatch), setup (data, model build, DDP wrap:
   ``time/setup_s``), gaps between epochs (checkpoint, reporting), last epoch
   to the final evaluation, the final evaluation (``final/time/final_s``), and
-  its end to the child run's end; plus the wall time outside every child run;
+  its end to the child run's end; plus the wall time outside every child run
+  (and its parts before the first trial and after the last: the driver's study
+  set-up, Tune's start, the end-of-study records);
 - for the reused pool: its build time (rank actors + process group, paid by
   the first trial) and the largest difference of any trial's final metrics
   from the per-trial TorchTrainer row (same sampler seed, same configs).
@@ -139,6 +141,8 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "finals": finals,
         "phases": {name: statistics.fmean(v) if v else float("nan") for name, v in phases.items()},
         "between_trials_s": wall - covered(trial_spans),
+        "before_first_s": min((a for a, _ in trial_spans), default=t0) - t0,
+        "after_last_s": t0 + wall - max((b for _, b in trial_spans), default=t0 + wall),
     }
 
 
@@ -203,9 +207,9 @@ def main() -> None:
                 same = max_difference(m["finals"], measured[row[:-1] + "r"]["finals"])
                 print(f"packed ({row}) vs unpacked reused pool: largest final-metric difference {same:.2e}")
         print("where a trial's outside-training time goes (s, mean per trial; 'no trial' is the search's wall time outside every child run)")
-        print(f"{'row':>5} " + " ".join(f"{name:>17}" for name in PHASES) + f" {'no trial':>9}")
+        print(f"{'row':>5} " + " ".join(f"{name:>17}" for name in PHASES) + f" {'no trial':>9} {'(before 1st':>11} {'after last)':>11}")
         for row, m in measured.items():
-            print(f"{row:>5} " + " ".join(f"{m['phases'][name]:17.2f}" for name in PHASES) + f" {m['between_trials_s']:9.1f}")
+            print(f"{row:>5} " + " ".join(f"{m['phases'][name]:17.2f}" for name in PHASES) + f" {m['between_trials_s']:9.1f} {m['before_first_s']:11.1f} {m['after_last_s']:11.1f}")
 
         import torch
 
