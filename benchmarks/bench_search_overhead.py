@@ -2,12 +2,24 @@
 
 For a small search (synthetic data of ``--preset``, 3 trials, 2 epochs, one
 trial at a time) with one worker per trial (trained inside the Tune trial
-actor), with two (a Ray Train DDP worker group per trial) and with two on a
-reused pool (``resources.reuse_workers: true``), prints:
+actor), with two (a Ray Train DDP worker group per trial), with two on a
+reused pool (``resources.reuse_workers: true``) and with two on reused pools
+packed two per worker group's CPUs (``resources.pack: 2``: two trials at a
+time, each rank on half a group's share), prints:
 
 - time from a trial's start (its MLflow child run is created in the driver)
   to its first training step (first epoch report minus that epoch's time);
-- the share of the search's wall time spent outside training epochs;
+- the share of the search's wall time during which no trial is in a training
+  epoch (epochs as [end - time/epoch_s, end] intervals, overlaps counted
+  once, so packed trials training side by side are not counted twice);
+- where each trial's time outside its epochs goes, from its MLflow child
+  run's timestamps (driver clock): child run start to the loop's start (Tune
+  scheduling, trial actor, pool dispatch), setup (data, model build, DDP wrap:
+  ``time/setup_s``), gaps between epochs (checkpoint, reporting), last epoch
+  to the final evaluation, the final evaluation (``final/time/final_s``), and
+  its end to the child run's end; plus the wall time outside every child run
+  (and its parts before the first trial and after the last: the driver's study
+  set-up, Tune's start, the end-of-study records);
 - for the reused pool: its build time (rank actors + process group, paid by
   the first trial) and the largest difference of any trial's final metrics
   from the per-trial TorchTrainer row (same sampler seed, same configs).
@@ -18,7 +30,7 @@ every row finds it running.
 With a GPU it also prints the aggregate trial throughput when packing 1, 2
 and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
 
-    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r]
+    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r,2p]
 """
 
 from __future__ import annotations
@@ -39,10 +51,21 @@ from prvrlab.platform.search.spec import load_search_spec
 from prvrlab.platform.tracking.store import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
+# a trial's outside-training time, in order, from its MLflow child run's timestamps (driver clock)
+PHASES = ("to loop start", "setup", "between epochs", "last epoch->final", "final eval", "final->run end")
 
 
 def write_spec(
-    tmp: Path, root: Path, name: str, trials: int, epochs: int, workers: int, gpus: float = 0.0, concurrency: int = 1, reuse: bool = False
+    tmp: Path,
+    root: Path,
+    name: str,
+    trials: int,
+    epochs: int,
+    workers: int,
+    gpus: float = 0.0,
+    concurrency: int = 1,
+    reuse: bool = False,
+    pack: int = 1,
 ) -> Path:
     spec = {
         "name": name,
@@ -61,7 +84,7 @@ def write_spec(
         },
         "budget": {"trials": trials},
         "concurrency": concurrency,
-        "resources": {"workers_per_trial": workers, "gpus_per_worker": gpus, "reuse_workers": reuse},
+        "resources": {"workers_per_trial": workers, "gpus_per_worker": gpus, "reuse_workers": reuse, "pack": pack},
         "sampler": {"type": "random", "seed": 0},
         "space": {"train.lr": {"loguniform": [3e-4, 3e-3]}},
     }
@@ -79,29 +102,63 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
     children = tracker.client.search_runs(
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
     )
-    startups, train_s, finals, builds = [], 0.0, {}, []
+    startups, train_s, finals, builds, spans, trial_spans = [], 0.0, {}, [], [], []
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}
     children = sorted(children, key=lambda c: c.info.start_time)
     for child in children:
-        finals[child.data.params["train.lr"]] = {k: v for k, v in child.data.metrics.items() if k.startswith("final/")}
+        finals[child.data.params["train.lr"]] = {
+            k: v for k, v in child.data.metrics.items() if k.startswith("final/") and not k.startswith("final/time/")
+        }
         pool_log = result.study_dir / "trials" / child.data.tags["prvrlab.trial_id"] / "pool.jsonl"
         if pool_log.exists():
             builds += [json.loads(line)["build_s"] for line in pool_log.read_text().splitlines()]
         epochs = tracker.client.get_metric_history(child.info.run_id, "time/epoch_s")
         if not epochs:
             continue
-        first = min(epochs, key=lambda m: m.step)
-        startups.append(first.timestamp / 1000 - child.info.start_time / 1000 - first.value)
+        first, last = min(epochs, key=lambda m: m.step), max(epochs, key=lambda m: m.step)
+        start, end = child.info.start_time / 1000, (child.info.end_time or child.info.start_time) / 1000
+        startups.append(first.timestamp / 1000 - start - first.value)
         train_s += sum(m.value for m in epochs)
+        spans += [(m.timestamp / 1000 - m.value, m.timestamp / 1000) for m in epochs]
+        trial_spans.append((start, end))
+        setup = _first_value(tracker, child.info.run_id, "time/setup_s")
+        final = child.data.metrics.get("final/time/final_s", float("nan"))
+        final_end = max((m.timestamp / 1000 for m in tracker.client.get_metric_history(child.info.run_id, "final/time/final_s")), default=end)
+        phases["to loop start"].append(first.timestamp / 1000 - first.value - setup - start)
+        phases["setup"].append(setup)
+        phases["between epochs"].append(last.timestamp / 1000 - first.timestamp / 1000 + first.value - sum(m.value for m in epochs))
+        phases["last epoch->final"].append(final_end - final - last.timestamp / 1000)
+        phases["final eval"].append(final)
+        phases["final->run end"].append(end - final_end)
     return {
         "wall_s": wall,
         "trials": len(children),
         "startup_s": statistics.fmean(startups) if startups else float("nan"),
         "startups": startups,
         "train_s": train_s,
-        "outside_share": 1 - train_s / wall,
+        "outside_share": 1 - covered(spans) / wall,
         "pool_build_s": sum(builds),
         "finals": finals,
+        "phases": {name: statistics.fmean(v) if v else float("nan") for name, v in phases.items()},
+        "between_trials_s": wall - covered(trial_spans),
+        "before_first_s": min((a for a, _ in trial_spans), default=t0) - t0,
+        "after_last_s": t0 + wall - max((b for _, b in trial_spans), default=t0 + wall),
     }
+
+
+def _first_value(tracker: Tracker, run_id: str, key: str) -> float:
+    history = tracker.client.get_metric_history(run_id, key)
+    return min(history, key=lambda m: m.step).value if history else float("nan")
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds inside at least one of the (start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def max_difference(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> float:
@@ -116,7 +173,11 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--preset", default="small", help="synthetic preset: tiny | small")
-    parser.add_argument("--rows", default="1,2,2r", help="1: one worker; 2: a TorchTrainer per trial; 2r: 2 workers, reused pool")
+    parser.add_argument(
+        "--rows",
+        default="1,2,2r,2p",
+        help="1: one worker; 2: a TorchTrainer per trial; 2r: 2 workers, reused pool; 2p: 2r packed 2 per group (pack: 2)",
+    )
     args = parser.parse_args()
     rows = args.rows.split(",")
     with tempfile.TemporaryDirectory(prefix="prvrlab-bench-search-") as tmp_name:
@@ -129,19 +190,26 @@ def main() -> None:
         print(f"{'workers/trial':>20} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
         measured: dict[str, dict] = {}
         for row in rows:
-            workers, reuse = int(row.rstrip("r")), row.endswith("r")
+            workers, reuse, pack = int(row.rstrip("rp")), row.endswith(("r", "p")), 2 if row.endswith("p") else 1
             m = measured[row] = measure(
-                tmp, root, f"overhead_w{row}", trials=args.trials, epochs=args.epochs, workers=workers, reuse=reuse
+                tmp, root, f"overhead_w{row}", trials=args.trials, epochs=args.epochs, workers=workers, reuse=reuse, pack=pack
             )
-            label = f"{workers} (reused pool)" if reuse else f"{workers}"
+            label = f"{workers} (packed x{pack})" if pack > 1 else f"{workers} (reused pool)" if reuse else f"{workers}"
             print(f"{label:>20} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
-        for row in (r for r in rows if r.endswith("r")):
+        for row in (r for r in rows if r.endswith(("r", "p"))):
             m = measured[row]
-            print(f"reused pool ({row}): built once in {m['pool_build_s']:.1f} s (rank actors + process group)")
+            print(f"reused pool ({row}): pools built in {m['pool_build_s']:.1f} s in all (rank actors + process group)")
             print(f"reused pool ({row}): start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
             if row[:-1] in measured:
                 same = max_difference(m["finals"], measured[row[:-1]]["finals"])
                 print(f"reused pool ({row}) vs a TorchTrainer per trial: largest final-metric difference {same:.2e}")
+            if row.endswith("p") and row[:-1] + "r" in measured:
+                same = max_difference(m["finals"], measured[row[:-1] + "r"]["finals"])
+                print(f"packed ({row}) vs unpacked reused pool: largest final-metric difference {same:.2e}")
+        print("where a trial's outside-training time goes (s, mean per trial; 'no trial' is the search's wall time outside every child run)")
+        print(f"{'row':>5} " + " ".join(f"{name:>17}" for name in PHASES) + f" {'no trial':>9} {'(before 1st':>11} {'after last)':>11}")
+        for row, m in measured.items():
+            print(f"{row:>5} " + " ".join(f"{m['phases'][name]:17.2f}" for name in PHASES) + f" {m['between_trials_s']:9.1f} {m['before_first_s']:11.1f} {m['after_last_s']:11.1f}")
 
         import torch
 

@@ -125,7 +125,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
             _, _, interrupted = run_study(
                 spec,
                 study,
-                tune_config_kwargs={"num_samples": 1, "max_concurrent_trials": spec.concurrency},
+                tune_config_kwargs={"num_samples": 1, "max_concurrent_trials": spec.slots},
                 param_space={"cell": tune.grid_search(sorted(todo, key=list(all_cells).index))},
                 resume=resumed,
                 tracker=tracker,

@@ -99,6 +99,7 @@ class Resources:
     gpus_per_worker: float = 0.0  # 0.25 packs four one-worker trials per GPU
     reuse_workers: bool = False  # multi-worker trials: keep each slot's DDP workers alive across trials
     placement_timeout_s: float = 60.0  # a multi-worker trial whose worker group waits longer fails (retryable)
+    pack: int = 1  # reused pools: k trials' worker groups share one group's CPUs (k x concurrency trials at a time)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,11 @@ class StudySpec:
     concurrency: int
     resources: Resources
     max_retries: int
+
+    @property
+    def slots(self) -> int:
+        """Trials running at once: ``concurrency`` worker-group shares, ``resources.pack`` trials in each."""
+        return self.concurrency * self.resources.pack
 
     @functools.cached_property
     def base(self) -> ExperimentConfig:
@@ -360,7 +366,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
 
     res_raw = _mapping(raw.get("resources"), f"{path}: resources")
     _check_keys(
-        res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker", "reuse_workers", "placement_timeout_s"), f"{path}: resources"
+        res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker", "reuse_workers", "placement_timeout_s", "pack"), f"{path}: resources"
     )
     workers = _number(res_raw.get("workers_per_trial", base.train.num_workers), f"{path}: resources.workers_per_trial", integer=True, minimum=1)
     cpus = res_raw.get("cpus_per_worker", base.train.cpus_per_worker)
@@ -372,6 +378,14 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     reuse = res_raw.get("reuse_workers", False)
     if not isinstance(reuse, bool):
         raise ConfigError(f"{path}: resources.reuse_workers: expected true or false, got {reuse!r}")
+    pack = _number(res_raw.get("pack", 1), f"{path}: resources.pack", integer=True, minimum=1)
+    if pack > 1 and not (reuse and workers > 1):
+        raise ConfigError(f"{path}: resources.pack: {pack} needs resources.reuse_workers: true and workers_per_trial > 1")
+    if pack > 1 and gpus > 0:
+        raise ConfigError(
+            f"{path}: resources.pack: {pack} packs CPU ranks only (NCCL refuses two ranks of a group on one GPU); "
+            "pack one-worker trials on a GPU with a gpus_per_worker fraction"
+        )
     timeout = float(_number(res_raw.get("placement_timeout_s", 60.0), f"{path}: resources.placement_timeout_s", minimum=0, strict=True))
     return {
         "path": path.resolve(),
@@ -382,7 +396,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
         "metric": metric,
         "mode": mode,
         "concurrency": _number(raw.get("concurrency", 1), f"{path}: concurrency", integer=True, minimum=1),
-        "resources": Resources(workers, cpus, gpus, reuse_workers=reuse, placement_timeout_s=timeout),
+        "resources": Resources(workers, cpus, gpus, reuse_workers=reuse, placement_timeout_s=timeout, pack=pack),
         "max_retries": _number(raw.get("max_retries", base.train.max_failures), f"{path}: max_retries", integer=True, minimum=0),
     }
 

@@ -483,13 +483,18 @@ def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -
     if res.gpus_per_worker > 0 and cluster_gpus <= 0:
         raise StudyError(f"{spec.path}: resources.gpus_per_worker is {res.gpus_per_worker:g} but the cluster has no GPU")
     if res.cpus_per_worker is not None:
-        return res.cpus_per_worker, res.gpus_per_worker
-    reserved = TRIAL_ACTOR_CPU * spec.concurrency if res.workers_per_trial > 1 else 0.0
-    share = (cluster_cpus - reserved) / (spec.concurrency * res.workers_per_trial)
+        return _cpu_share(res.cpus_per_worker / res.pack), res.gpus_per_worker
+    reserved = TRIAL_ACTOR_CPU * spec.slots if res.workers_per_trial > 1 else 0.0
+    share = (cluster_cpus - reserved) / (spec.slots * res.workers_per_trial)
     if share <= 0:
-        raise StudyError(f"the cluster has {cluster_cpus:g} CPUs, too few for {spec.concurrency} x {res.workers_per_trial} workers")
+        raise StudyError(f"the cluster has {cluster_cpus:g} CPUs, too few for {spec.slots} x {res.workers_per_trial} workers")
+    return _cpu_share(share), res.gpus_per_worker
+
+
+def _cpu_share(share: float) -> float:
+    """Whole CPUs at or above one, else hundredths (Ray's resolution), never below 0.01."""
     cpus = float(int(share)) if share >= 1 else math.floor(share * 100) / 100
-    return max(cpus, 0.01), res.gpus_per_worker
+    return max(cpus, 0.01)
 
 
 def prepare_environment() -> None:

@@ -104,7 +104,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
         ensure_ray()
         study = make_study(spec, "search", base, study_dir)
         echo(
-            f"search '{spec.name}': {spec.trials} trials, {spec.concurrency} at a time, "
+            f"search '{spec.name}': {spec.trials} trials, {spec.slots} at a time, "
             f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
             + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
             + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
@@ -127,7 +127,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
                 "search_alg": searcher,
                 "scheduler": scheduler,
                 "num_samples": spec.trials,
-                "max_concurrent_trials": spec.concurrency,
+                "max_concurrent_trials": spec.slots,
                 "time_budget_s": spec.time_limit_s,
             },
             param_space={},

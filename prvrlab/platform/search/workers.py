@@ -17,6 +17,18 @@ trial of the slot builds a fresh one; Tune retries a dead-actor trial from
 its checkpoint as with a TorchTrainer.  The pool's actors are owned by the
 trial actor, so they end with it (search end, interrupt, trial-actor loss).
 
+Packing (``resources.pack: k``): k trials train at once on 1/k of a worker
+group's CPU share each (``spec.slots`` = concurrency x k Tune slots, each
+with its own pool), so one trial's set-up, evaluation and reporting overlap
+another's epochs.  Each packed trial keeps its own rank processes and process
+group: torch's default RNG (dropout, initialisation), ``set_num_threads`` and
+the loop's default-group collectives are per process, so k configurations as
+threads of one rank actor (with ``dist.new_group`` per trial) could not give
+the unpacked results without threading a generator and a group through every
+component; k configurations in one pass would break Tune's one trial per
+config (its own MLflow child run, checkpoints, retries).  CPU ranks only:
+NCCL refuses two ranks of one group on one GPU.
+
 Choices where Ray offers no ready-made piece: one rank per actor sees only its
 own GPU (``local_rank`` 0), so ranks must not share a GPU (NCCL refuses it);
 the resume checkpoint is read from the study folder, which multi-node studies

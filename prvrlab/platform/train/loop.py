@@ -179,6 +179,7 @@ class TrainingLoop:
         self.rank, self.world = session.rank, session.world_size
         self.progress = Progress()
         self.global_step = 0
+        self.setup_s: float | None = None  # setup + restore + DDP wrap, reported once per attempt as time/setup_s
 
     # ------------------------------------------------------------ stages
 
@@ -419,6 +420,8 @@ class TrainingLoop:
                 "time/epoch_s": time.perf_counter() - t0,
             }
         )
+        if self.setup_s is not None:  # the first epoch of this attempt
+            metrics["time/setup_s"], self.setup_s = self.setup_s, None
         if self.rank != 0:
             self.session.report(metrics, None)
             return
@@ -435,19 +438,23 @@ class TrainingLoop:
 
     def final_evaluation(self) -> None:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""
+        t0 = time.perf_counter()
         final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch + 1}
         final.update(self._evaluate_best())
         if self.rank == 0:
             self.mirror.push()
+        final["time/final_s"] = time.perf_counter() - t0
         self.session.report(final, None)
 
     # ------------------------------------------------------------ the whole run
 
     def run(self) -> None:
         """All stages, in order."""
+        t0 = time.perf_counter()
         self.setup()
         self.restore()
         train_model = self.wrap()
+        self.setup_s = time.perf_counter() - t0
         for epoch in range(self.progress.epoch + 1, self.cfg.train.epochs):
             t0 = time.perf_counter()
             metrics: dict[str, Any] = self.epoch_start(epoch)
