@@ -1,8 +1,10 @@
 """Training, an ablation and its report against an ``mlflow server`` (database + served artifacts).
 
-The server is started by the test on 127.0.0.1 with an SQLite backend and an
-artifact destination folder; clients reach artifacts only through the server
-(``mlflow-artifacts:`` URIs), as on a lab's tracking server.
+The server is started by the test on 127.0.0.1 with an SQLite backend and its
+artifact destination in a bucket of a local S3 endpoint (moto), as a lab's
+tracking server keeps artifacts on the object store its checkpoints use;
+clients reach artifacts only through the server (``mlflow-artifacts:`` URIs)
+and need no S3 credentials.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from prvrlab.platform.search.spec import load_ablation_spec
 from prvrlab.platform.tracking.store import Tracker
 from prvrlab.reports.report import report
 
+from s3_helpers import bucket_keys, s3_endpoint
 from search_helpers import REPO, TINY_OVERRIDES, tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -36,18 +39,25 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``(uri, artifacts folder)`` of a running tracking server; stopped after the module."""
+    """``(uri, list of the artifact files' names in the bucket)`` of a running tracking server whose
+    artifacts live in ``s3://lab/mlflow``; stopped after the module."""
     folder = tmp_path_factory.mktemp("mlflow_server")
     port = _free_port()
     mlflow_cli = Path(sys.executable).with_name("mlflow")
     cmd = [
         str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
         "--backend-store-uri", f"sqlite:///{folder / 'db.sqlite'}",
-        "--artifacts-destination", str(folder / "artifacts"),
+        "--artifacts-destination", "s3://lab/mlflow",
     ]  # fmt: skip
-    log = open(folder / "server.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
+    with s3_endpoint("lab") as s3:
+        env = {**os.environ, **s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"]}
+        log = open(folder / "server.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True)
+        yield from _serve(proc, f"http://127.0.0.1:{port}", folder, log, lambda: {k.rsplit("/", 1)[-1] for k in bucket_keys(s3, "lab", "mlflow/")})
+
+
+def _serve(proc, uri: str, folder: Path, log, artifact_files):
+    """Wait for the server's health check, yield ``(uri, artifact_files)``, stop it."""
     deadline = time.monotonic() + 180
     try:
         while True:
@@ -60,7 +70,7 @@ def server(tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
             time.sleep(1)
-        yield uri, folder / "artifacts"
+        yield uri, artifact_files
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=60)
@@ -68,10 +78,6 @@ def server(tmp_path_factory):
         import ray
 
         ray.shutdown()
-
-
-def _artifact_files(artifacts: Path) -> set[str]:
-    return {p.name for p in artifacts.rglob("*") if p.is_file()}
 
 
 def test_train_logs_runs_and_artifacts_through_the_server(server, tiny_root, tmp_path, monkeypatch):
@@ -97,7 +103,7 @@ def test_train_logs_runs_and_artifacts_through_the_server(server, tiny_root, tmp
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # served, not a path on this disk
     listed = {f.path for f in tracker.client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "ranks", "checkpoints"} <= listed
-    assert {"config.yaml", "best_model.pt", "ranks_val.parquet"} <= _artifact_files(artifacts)
+    assert {"config.yaml", "best_model.pt", "ranks_val.parquet"} <= artifacts()  # in the bucket
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
 
 
