@@ -94,7 +94,7 @@ def run(tmp: Path, root: Path, name: str, args, extra_nodes: int, kill: bool) ->
             "lost trial placed again": first(lambda line: any(line == f"trial {t} placed" for t in lost)),
             "search ended": round(end - t0, 1),
         }
-        keep = ("waiting", "placed", "cluster", "removed the worker group", "retry")
+        keep = ("waiting", "placed", "cluster", "removed the worker group", "removed placement group", "retry")
         out["log"] = [f"+{dt:.1f}s {line[:160]}" for dt, line in after if any(k in line for k in keep)]
     return out
 

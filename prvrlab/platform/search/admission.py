@@ -32,6 +32,13 @@ whatever its scheduler says, so the gate lives where the worker group starts:
   time), when the grant is released (harmless when Train removed it
   already), or ``GROUP_GRACE_S`` after the grant lapsed (a late renewal
   within that grace keeps a slow but live trial's workers).
+  Rank 0 may never get there: a node can die after the controller made the
+  group and before any worker started (seen in a node-kill run: the group sat
+  CREATED on the survivor, holding 2 of its 3 CPUs, and every retried worker
+  group timed out beside it).  So the ledger also removes, at most every
+  ``SWEEP_S``, every placement group of its job whose creating actor (a
+  Train controller) is dead (:func:`orphaned_groups`); groups made by the
+  driver (Tune's trial actors) have no creating actor and are never touched.
 
 Choices where Ray gives no rule: capacity is the sum over alive nodes
 (``ray.cluster_resources()``), not a per-node bin packing (Train's worker
@@ -52,6 +59,7 @@ NAMESPACE = "prvrlab"
 LEASE_S = 15.0  # a grant or a wait not renewed for this long lapses (its trial is gone)
 POLL_S = 1.0  # how often a waiting trial asks again
 RENEW_S = 3.0  # how often a running trial renews its grant
+SWEEP_S = 2.0  # how often the ledger looks for placement groups of dead controllers
 GROUP_GRACE_S = 60.0  # a lapsed attempt's worker group is removed this long after its grant lapsed
 HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
 _EPS = 1e-9
@@ -90,6 +98,7 @@ class Ledger:
         lease_s: float = LEASE_S,
         group_grace_s: float = GROUP_GRACE_S,
         remove_group: Callable[[str], None] | None = None,
+        orphans: Callable[[], list[str]] | None = None,
     ) -> None:
         self._capacity = capacity or _cluster_resources
         self._remove_group = remove_group or _remove_placement_group
@@ -101,6 +110,9 @@ class Ledger:
         self.owners: dict[str, str] = {}  # attempt -> its trial
         self.cleaned: list[str] = []  # trials whose dead attempt's worker group the ledger removed
         self.lapsed: dict[str, float] = {}  # attempt whose grant lapsed -> when
+        self._orphans = orphans or orphaned_groups
+        self._swept = -float("inf")
+        self.orphaned: list[str] = []  # placement groups of dead controllers removed, in order
 
     def _expire(self, now: float) -> None:
         for g in self.granted.values():
@@ -111,6 +123,23 @@ class Ledger:
         for attempt, since in list(self.lapsed.items()):
             if now - since > self._group_grace_s:
                 self._drop_groups(attempt, dead=True)
+        if now - self._swept >= SWEEP_S:
+            self._swept = now
+            self.sweep()
+
+    def sweep(self) -> list[str]:
+        """Remove the placement groups whose creating actor is dead; returns their ids."""
+        try:
+            found = [g for g in self._orphans() if g not in self.orphaned]
+        except Exception:  # the GCS busy after a node loss: the next sweep looks again
+            return []
+        for group in found:
+            try:
+                self._remove_group(group)
+            except Exception:  # removed meanwhile (by rank 0's record, its job, or Ray)
+                pass
+            self.orphaned.append(group)
+        return found
 
     def _drop_groups(self, attempt: str, *, dead: bool) -> None:
         self.lapsed.pop(attempt, None)
@@ -188,6 +217,7 @@ class Ledger:
             "running": sorted(self.granted),
             "waiting": {t: w["reason"] for t, w in self.waiting.items()},
             "cleaned": list(self.cleaned),
+            "orphaned": list(self.orphaned),
         }
 
 
@@ -195,6 +225,31 @@ def _cluster_resources() -> dict[str, float]:
     import ray
 
     return {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+
+
+def orphaned_groups() -> list[str]:
+    """Ids (hex) of this job's placement groups whose creating actor is dead and that Ray keeps:
+    worker groups of Train controllers lost with their node or their trial actor.
+
+    Ray's public placement-group table leaves the creator out, so this reads the GCS
+    record (``PlacementGroupTableData``) the table is made from.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    job = ray.get_runtime_context().get_job_id()
+    removed = gcs_pb2.PlacementGroupTableData.REMOVED
+    found = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        data = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        made_by_actor = not ray.ActorID(data.creator_actor_id).is_nil()  # a driver's group counts as "actor dead"
+        if made_by_actor and data.creator_actor_dead and not data.is_detached and data.state != removed and data.creator_job_id.hex() == job:
+            found.append(data.placement_group_id.hex())
+    return found
 
 
 def _remove_placement_group(group: str) -> None:
@@ -279,6 +334,7 @@ class AdmissionReporter:
         self._reasons: dict[str, str] = {}
         self._fits: int | None = None
         self._cleaned = 0
+        self._orphaned = 0  # placement groups of dead controllers said so far
 
     def observe(self, state: dict[str, Any]) -> None:
         """Report what changed since the last state."""
@@ -297,6 +353,9 @@ class AdmissionReporter:
         for trial_id in state.get("cleaned", [])[self._cleaned :]:
             self.say(f"trial {trial_id}: removed the worker group its lost attempt left holding resources")
         self._cleaned = len(state.get("cleaned", []))
+        for group in state.get("orphaned", [])[self._orphaned :]:
+            self.say(f"removed placement group {group[:8]} of a dead worker group (its controller died)")
+        self._orphaned = max(self._orphaned, len(state.get("orphaned", [])))
 
 
 class LedgerPoller:

@@ -8,6 +8,7 @@ from prvrlab.platform.failures import explain_failure
 from prvrlab.platform.search.admission import (
     GROUP_GRACE_S,
     LEASE_S,
+    SWEEP_S,
     AdmissionReporter,
     Ledger,
     fits_at_once,
@@ -31,7 +32,7 @@ class FakeCluster:
 
 
 def make_ledger(cluster: FakeCluster) -> Ledger:
-    return Ledger(capacity=cluster.capacity, clock=cluster.clock)
+    return Ledger(capacity=cluster.capacity, clock=cluster.clock, orphans=list)
 
 
 def test_shortfall_names_what_is_missing_and_what_is_free():
@@ -184,6 +185,44 @@ def test_a_failing_removal_does_not_break_the_ledger():
     ledger.attach("t1", "pg")
     ledger.release("t")
     assert ledger.request("u", NEEDS, "u1")["reason"] is None
+
+
+def test_placement_groups_of_dead_controllers_are_removed_once_and_said():
+    # a node died after the controller made the worker group and before rank 0 could record it
+    cluster = FakeCluster(cpus=3.0)
+    orphans: list[str] = []
+    removed: list[str] = []
+    ledger = Ledger(capacity=cluster.capacity, clock=cluster.clock, orphans=lambda: list(orphans), remove_group=removed.append)
+    lines: list[str] = []
+    reporter = AdmissionReporter(NEEDS, lines.append)
+    reporter.observe(ledger.status())
+    assert removed == [] and lines == []
+
+    orphans.append("aa11bb22cc33")  # a controller died
+    ledger.request("a", NEEDS)  # within SWEEP_S of the last look: not looked again yet
+    assert removed == []
+    cluster.now += SWEEP_S
+    reporter.observe(ledger.status())
+    assert removed == ["aa11bb22cc33"]
+    assert lines == ["removed placement group aa11bb22 of a dead worker group (its controller died)"]
+
+    # Ray may list it until the removal is done: removed and said once only
+    for _ in range(3):
+        cluster.now += SWEEP_S
+        reporter.observe(ledger.status())
+    assert removed == ["aa11bb22cc33"] and len(lines) == 1
+
+    # a group already gone and a GCS that does not answer do not break the ledger
+    def gone(group: str) -> None:
+        raise ValueError(f"placement group {group} does not exist")
+
+    def busy() -> list[str]:
+        raise TimeoutError("GCS busy")
+
+    ledger = Ledger(capacity=cluster.capacity, clock=cluster.clock, orphans=lambda: ["dd44"], remove_group=gone)
+    assert ledger.request("b", NEEDS)["reason"] is None and ledger.orphaned == ["dd44"]
+    ledger = Ledger(capacity=cluster.capacity, clock=cluster.clock, orphans=busy)
+    assert ledger.request("b", NEEDS)["reason"] is None and ledger.orphaned == []
 
 
 def test_an_abandoned_wait_does_not_block_younger_trials():
