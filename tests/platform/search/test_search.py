@@ -161,3 +161,38 @@ def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
         if child.data.tags["prvrlab.trial_id"] in finished_before:
             steps = [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")]
             assert steps == list(range(1, 13)), steps
+
+
+def test_resume_after_a_stop_signal_finishes_what_the_stopped_search_left_once(tiny_root, tmp_path):
+    """What ``ray job stop`` does to a driver (SIGTERM): parent and open children closed KILLED, then
+    ``--resume`` reopens the interrupted trials' runs, finishes them and the rest, and reruns nothing ended."""
+    path = tiny_spec(tmp_path, tiny_root, name="stopped")
+    cmd = [sys.executable, "-m", "prvrlab.platform.cli", "search", str(path), "--set", "train.epochs=12"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    root = tmp_path / "results" / "search" / "stopped"
+    deadline = time.time() + 240
+    while _closed_trials(root) < 1:
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.time() < deadline, "no trial finished in time"
+        time.sleep(0.5)
+    time.sleep(3)  # the next trial is training
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0, (tmp_path / "first.log").read_text()[-3000:]
+    parents, before = study_runs(tmp_path)
+    assert [p.info.status for p in parents] == ["KILLED"]
+    assert "RUNNING" not in {c.info.status for c in before}, [c.info.status for c in before]
+    finished_before = {c.data.tags["prvrlab.trial_id"] for c in before if c.info.status == "FINISHED"}
+    assert finished_before and len(finished_before) < 3
+
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for trial_id in finished_before:
+        assert f"start  {trial_id}" not in done.stdout, done.stdout
+    parents, children = study_runs(tmp_path)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    lost = [c for c in children if c.data.tags.get("prvrlab.stop_reason", "").startswith("lost:")]
+    children = [c for c in children if c not in lost]
+    assert len({c.data.tags["prvrlab.trial_id"] for c in children}) == len(children) == 3
+    assert all(c.info.status == "FINISHED" for c in children), [c.info.status for c in children]
