@@ -122,23 +122,33 @@ def _closed_trials(study_root):
     return 0
 
 
-def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
-    path = tiny_spec(tmp_path, tiny_root, name="resumable")
+def _search_until_a_trial_ends(tiny_root, tmp_path, name: str):
+    """Start ``prvrlab search`` (12 epochs a trial) in a subprocess; return (process, command, env)
+    once the first trial has ended (the process is killed if that fails)."""
+    path = tiny_spec(tmp_path, tiny_root, name=name)
     cmd = [sys.executable, "-m", "prvrlab.platform.cli", "search", str(path), "--set", "train.epochs=12"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    root = tmp_path / "results" / "search" / "resumable"
+    root = tmp_path / "results" / "search" / name
     deadline = time.time() + 240
     try:
         while _closed_trials(root) < 1:
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.time() < deadline, "no trial finished in time"
             time.sleep(0.5)
-    finally:  # killed at once: Tune's saved state (every few s) usually still holds the ended trial as running
-
+    except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        raise
+    return proc, cmd, env
+
+
+def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
+    proc, cmd, env = _search_until_a_trial_ends(tiny_root, tmp_path, "resumable")
+    # killed at once: Tune's saved state (every few s) usually still holds the ended trial as running
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
     _, before = study_runs(tmp_path)
     finished_before = {c.data.tags["prvrlab.trial_id"] for c in before if c.info.status == "FINISHED"}
     assert finished_before and len(finished_before) < 3
@@ -166,17 +176,7 @@ def test_resume_after_the_driver_is_killed(tiny_root, tmp_path):
 def test_resume_after_a_stop_signal_finishes_what_the_stopped_search_left_once(tiny_root, tmp_path):
     """What ``ray job stop`` does to a driver (SIGTERM): parent and open children closed KILLED, then
     ``--resume`` reopens the interrupted trials' runs, finishes them and the rest, and reruns nothing ended."""
-    path = tiny_spec(tmp_path, tiny_root, name="stopped")
-    cmd = [sys.executable, "-m", "prvrlab.platform.cli", "search", str(path), "--set", "train.epochs=12"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = (tmp_path / "first.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    root = tmp_path / "results" / "search" / "stopped"
-    deadline = time.time() + 240
-    while _closed_trials(root) < 1:
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert time.time() < deadline, "no trial finished in time"
-        time.sleep(0.5)
+    proc, cmd, env = _search_until_a_trial_ends(tiny_root, tmp_path, "stopped")
     time.sleep(3)  # the next trial is training
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) != 0, (tmp_path / "first.log").read_text()[-3000:]
