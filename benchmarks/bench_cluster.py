@@ -115,9 +115,10 @@ def main() -> None:
         for i, (label, extra, kill) in enumerate(layouts):
             figures[label] = run(tmp / f"run{i}", root, f"bench{i}", args, extra, kill)
     print(f"tiny search: {args.trials} trials x {args.epochs} epochs, 2 workers x 1 CPU per trial, concurrency 2, nodes of {args.node_cpus} CPUs")
-    base = figures.get("1 node", {}).get("wall", float("nan"))
+    base = figures.get("1 node", {}).get("wall")
     for label, fig in figures.items():
-        print(f"{label:>18}: wall {fig['wall']:6.1f} s ({fig['wall'] / base:.2f}x of 1 node)  trials per node (rank 0, all attempts) {fig['placed']}  outcomes {fig['counts']}")
+        ratio = f" ({fig['wall'] / base:.2f}x of 1 node)" if base else ""
+        print(f"{label:>18}: wall {fig['wall']:6.1f} s{ratio}  trials per node (rank 0, all attempts) {fig['placed']}  outcomes {fig['counts']}")
     loss = figures["2 nodes, one lost"].get("loss")
     if loss:
         print("node loss, seconds after the kill: " + ", ".join(f"{k} {v}" for k, v in loss.items()))
