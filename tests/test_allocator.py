@@ -1,0 +1,102 @@
+"""prvrlab.allocator: ``keep`` makes freed large blocks reusable without page faults; ``system`` does not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from prvrlab import allocator
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 64 << 20  # bytes: well above glibc's largest mmap threshold (32 MiB)
+
+REUSED = 40 << 20  # a smaller block, still above the threshold: fits in the freed first one
+
+PROBE = textwrap.dedent(
+    f"""
+    import resource, sys
+    import torch
+    from prvrlab.allocator import host_allocator, set_host_allocator
+
+    def in_heap(address):
+        for line in open("/proc/self/maps"):
+            if line.rstrip().endswith("[heap]"):
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= address < end:
+                    return True
+        return False
+
+    print(set_host_allocator(sys.argv[1]), host_allocator())
+    for size in ({BLOCK}, {REUSED}):  # allocate, touch every page, free
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = torch.empty(size // 4, dtype=torch.float32)
+        block.fill_(1.0)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, in_heap(block.data_ptr()))
+        del block
+    """
+)
+
+
+def probe(mode: str) -> tuple[str, list[tuple[int, bool]]]:
+    """(what set_host_allocator said, (minor page faults, in malloc's heap) of each block) in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], check=True, capture_output=True, text=True, env=env)
+    first, *blocks = out.stdout.splitlines()
+    return first, [(int(faults), heap == "True") for faults, heap in (line.split() for line in blocks)]
+
+
+def huge_pages_always() -> bool:
+    """Whether every anonymous mapping gets transparent huge pages (then a fresh block faults far less)."""
+    try:
+        return "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or allocator._mallopt() is None, reason="glibc only")
+def test_keep_serves_large_blocks_from_the_heap_and_reuses_their_pages():
+    pages = REUSED // os.sysconf("SC_PAGE_SIZE")
+    said, system = probe("system")
+    assert said == "True system"
+    # system: each large block is a fresh mapping of its own, faulted in page by page
+    assert [heap for _, heap in system] == [False, False]
+    if not huge_pages_always():
+        assert system[1][0] >= pages // 2
+    said, keep = probe("keep")
+    assert said == "True keep"
+    # keep: both blocks come from malloc's heap; the second reuses the first one's pages
+    assert [heap for _, heap in keep] == [True, True]
+    assert keep[0][0] >= system[0][0] // 2
+    assert keep[1][0] < pages // 8
+
+
+def test_an_unknown_setting_names_the_valid_ones():
+    with pytest.raises(ValueError, match="host allocator must be one of keep, system, got 'fast'"):
+        allocator.set_host_allocator("fast")
+
+
+def test_without_glibc_keep_is_not_applied(monkeypatch):
+    monkeypatch.setitem(allocator._state, "mode", "system")
+    monkeypatch.setattr(allocator, "_mallopt", lambda: None)
+    assert allocator.set_host_allocator("keep") is False
+    assert allocator.host_allocator() == "system"
+    assert allocator.set_host_allocator("system") is True
+
+
+def test_a_refused_setting_leaves_the_mode_unchanged(monkeypatch):
+    calls = []
+
+    def refusing(param, value):
+        calls.append((param, value))
+        return 0
+
+    monkeypatch.setitem(allocator._state, "mode", "system")
+    monkeypatch.setattr(allocator, "_mallopt", lambda: refusing)
+    assert allocator.set_host_allocator("keep") is False
+    assert allocator.host_allocator() == "system"
+    assert calls[0] == (-4, 0)  # M_MMAP_MAX first
