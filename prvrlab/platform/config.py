@@ -59,6 +59,8 @@ class TrainConfig:
     checkpoint_activations: bool = False
     max_failures: int = 2
     torch_threads: int | None = None  # None: cpus_per_worker rounded up
+    # host memory of the workers: keep freed memory for reuse (faster on CPU, higher peak RSS) or glibc's own
+    host_allocator: Literal["keep", "system"] = "keep"  # see prvrlab.allocator
     seed: int = 0
 
     def check(self) -> None:

@@ -73,6 +73,7 @@ def test_unknown_keys_and_names_suggest_the_closest(override, needle):
         ({"train.use_gpu": "yes"}, "train.use_gpu: expected true/false"),
         ({"train.checkpoint_activations": 1}, "train.checkpoint_activations: expected true/false"),
         ({"train.amp": "bf17"}, "train.amp"),
+        ({"train.host_allocator": "kep"}, "train.host_allocator: 'kep' is not one of 'keep', 'system' (did you mean 'keep'?)"),
         ({"train.warmup_proportion": 1.5}, "train.warmup_proportion"),
         ({"losses.clip_nce.weight": -0.1}, "losses.clip_nce.weight must be >= 0"),
         ({"model.hidden_size": 1.5}, "model.hidden_size: expected an integer"),

@@ -185,6 +185,7 @@ class TrainingLoop:
 
     def setup(self) -> None:
         """Threads, device, seed, data, the training system, its DDP wrapper, the optimiser."""
+        from prvrlab.allocator import set_host_allocator
         from prvrlab.data.collection import open_collection
         from prvrlab.data.dataset import train_loader
         from prvrlab.evaluation.retrieval import resolve_amp_dtype
@@ -193,6 +194,7 @@ class TrainingLoop:
         from prvrlab.platform.train.optim import build_optimizer
 
         cfg = self.cfg
+        set_host_allocator(cfg.train.host_allocator)
         torch.set_num_threads(cfg.train.torch_threads or max(1, math.ceil(self.cpus_per_worker)))
         self.device = self._device()
         seed_everything(cfg.train.seed)

@@ -1,0 +1,26 @@
+"""train.host_allocator reaches every process that computes: the training loop and checkpoint evaluation."""
+
+from __future__ import annotations
+
+from prvrlab import allocator
+from prvrlab.platform.config import validate
+from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
+from prvrlab.platform.train.loop import run_local
+
+from train_helpers import small_raw
+
+
+def test_training_and_checkpoint_evaluation_apply_the_configured_allocator(tiny_root, tmp_path, monkeypatch):
+    applied: list[str] = []
+    monkeypatch.setattr(allocator, "set_host_allocator", lambda mode: applied.append(mode) or True)
+    cfg = validate(small_raw(tiny_root, tmp_path, epochs=1, host_allocator="system"))
+    run_local(cfg, tmp_path / "run")
+    assert applied and set(applied) == {"system"}  # each attempt's setup, before any tensor work
+
+    applied.clear()
+    evaluate_checkpoint(tmp_path / "run" / "best_model.pt", split="val")
+    assert applied == ["system"]
+
+
+def test_the_default_is_keep(tiny_root, tmp_path):
+    assert validate(small_raw(tiny_root, tmp_path)).train.host_allocator == "keep"
