@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from prvrlab.allocator import HOST_ALLOCATORS, set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
 from prvrlab.evaluation.retrieval import EvalResult, evaluate, evaluate_batches
@@ -73,6 +74,7 @@ def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float]:
     """(RSS before the evaluation, peak RSS) in GiB of one ``path`` evaluation in a fresh process."""
     cmd = [sys.executable, __file__, "--root", args.root, "--config", args.config, "--threads", str(args.threads),
            "--train-videos", str(args.train_videos), "--val-videos", str(args.val_videos),
+           "--host-allocator", args.host_allocator,
            "--test-videos", str(args.test_videos), "--peak-of", path, "--splits", split, "--amp", amp,
            *([] if args.video_batch is None else ["--video-batch", str(args.video_batch)])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
@@ -94,7 +96,10 @@ def main() -> None:
     p.add_argument("--video-batch", type=int, help="eval.video_batch_size (default: the config's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs in fresh processes")
     p.add_argument("--peak-of", choices=["fast", "naive"], help="internal: one evaluation, print RSS before and peak")
+    p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
+                   help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
     args = p.parse_args()
+    set_host_allocator(args.host_allocator)
 
     torch.set_num_threads(args.threads)
     root = tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from prvrlab.allocator import HOST_ALLOCATORS, set_host_allocator
 from prvrlab.data.batch import Batch
 from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
@@ -67,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backbone", default="gmmformer", help="a registered backbone (gmmformer, gmmformer_v2, ...)")
     p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
                    help="attention paths to time side by side")
+    p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
+                   help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
     return p.parse_args()
 
 
@@ -151,6 +154,7 @@ class Runner:
 
 def main() -> None:
     args = parse_args()
+    set_host_allocator(args.host_allocator)
     torch.set_num_threads(args.threads)
     batch = synthetic_batch(args, torch.Generator().manual_seed(args.seed))
     real_frames = int(batch.frame_mask.sum())

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from prvrlab.allocator import HOST_ALLOCATORS, set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.evaluation.retrieval import resolve_amp_dtype
@@ -43,7 +44,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--loader-workers", type=int, default=0)
     p.add_argument("--amp", nargs="+", default=["none", "bf16"], choices=["none", "bf16"])
+    p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
+                   help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
     args = p.parse_args()
+    set_host_allocator(args.host_allocator)
 
     torch.set_num_threads(args.threads)
     root = tvr_bench_collection(Path(args.root), args.train_videos, 500, 2179)
