@@ -208,8 +208,7 @@ class Packing:
         if self.index is None:
             return x.reshape(self.batch, self.length, *x.shape[1:])
         out = x.new_zeros(self.batch * self.length, *x.shape[1:])  # (B*L, *F)
-        out = out.index_copy(0, self.index, x)
-        return out.reshape(self.batch, self.length, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])  # in place: one pass
 
 
 class PackedLayer(nn.Module):
