@@ -4,6 +4,7 @@ timed training step (model + loss terms + AdamW, data excluded)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import platform
 import resource
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from prvrlab.allocator import HOST_ALLOCATORS
 from prvrlab.data.dataset import train_loader
 from prvrlab.data.synth import PRESETS, synthesize
 from prvrlab.evaluation.retrieval import resolve_amp_dtype
@@ -102,3 +104,9 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.python_version()}"
+
+
+def add_host_allocator_option(p: argparse.ArgumentParser) -> None:
+    """``--host-allocator keep|system``: train.host_allocator of the benchmark's process."""
+    p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
+                   help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")

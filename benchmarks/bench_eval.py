@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
-from prvrlab.allocator import HOST_ALLOCATORS, set_host_allocator
+from _common import add_host_allocator_option, machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from prvrlab.allocator import set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
 from prvrlab.evaluation.retrieval import EvalResult, evaluate, evaluate_batches
@@ -96,8 +96,7 @@ def main() -> None:
     p.add_argument("--video-batch", type=int, help="eval.video_batch_size (default: the config's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs in fresh processes")
     p.add_argument("--peak-of", choices=["fast", "naive"], help="internal: one evaluation, print RSS before and peak")
-    p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
-                   help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
+    add_host_allocator_option(p)
     args = p.parse_args()
     set_host_allocator(args.host_allocator)
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from _common import machine, tvr_bench_collection, tvr_config
-from prvrlab.allocator import HOST_ALLOCATORS, set_host_allocator
+from _common import add_host_allocator_option, machine, tvr_bench_collection, tvr_config
+from prvrlab.allocator import set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.models.base import set_activation_checkpointing
@@ -163,8 +163,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="steps per setting (the first includes warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--setting", choices=["off", "on"], help="run one setting in this process (internal)")
-    p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
-                   help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
+    add_host_allocator_option(p)
     args = p.parse_args()
     set_host_allocator(args.host_allocator)
     if args.setting is not None:

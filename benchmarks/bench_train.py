@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
-from prvrlab.allocator import HOST_ALLOCATORS, set_host_allocator
+from _common import add_host_allocator_option, machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from prvrlab.allocator import set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.evaluation.retrieval import resolve_amp_dtype
@@ -44,8 +44,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--loader-workers", type=int, default=0)
     p.add_argument("--amp", nargs="+", default=["none", "bf16"], choices=["none", "bf16"])
-    p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
-                   help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
+    add_host_allocator_option(p)
     args = p.parse_args()
     set_host_allocator(args.host_allocator)
 
