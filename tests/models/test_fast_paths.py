@@ -14,9 +14,9 @@ import prvrlab.models.gmm as gmm
 from prvrlab.models.base import set_activation_checkpointing
 from prvrlab.models.blocks import Packing
 from prvrlab.models.gmm import GaussianAttention, gaussian_window
-from test_backbones import build, standard_batch
+from test_backbones import NAMES, build, standard_batch
 
-BACKBONES = ["gmmformer", "gmmformer_v2", "mssl", "ice_base"]
+BACKBONES = NAMES  # every registered backbone: each optimised path must keep its results
 FP32_TOL = 1e-5
 # bf16 autocast: both paths round to bf16 (8 significant bits, eps 2^-8 ~ 0.004) at different places
 # (the fast paths keep the (L, L) products in float32 or inside the fused kernel); a few bf16 ulps
