@@ -9,13 +9,16 @@ and the kernel's zeroing of its pages on first touch, every time.
 * ``keep`` (the default): malloc never maps a block of its own
   (``M_MMAP_MAX = 0``) and gives memory back to the system only when more
   than :data:`TRIM_BYTES` lie free at the top of its heap, so freed tensors'
-  pages are reused by the next ones.  Measured on a 2-core AMD EPYC, fp32:
-  a GMMFormer training step (batch 128) 12.1 -> 5.3 s, GMMFormer v2 26.0 ->
-  15.6 s, encoding 500 TVR-sized videos 8.8 -> 5.5 s (benchmarks/, README
-  "Host allocator").  The price is peak resident memory: a freed block is
-  reused only by blocks that fit in it (v2 at batch 128: 7.7 -> 10.4 GiB,
+  pages are reused by the next ones.  Measured by
+  benchmarks/bench_allocator.py (2-core AMD EPYC, fp32, fresh process per
+  run): GMMFormer training step 1.73x faster, GMMFormer v2 2.21x, an
+  evaluation of 2,500 queries x 500 videos 1.36x (README, "The host
+  allocator").  The price is peak resident memory: a freed block is reused
+  only by blocks that fit in it (v2 at batch 128: 7.1 -> 8.9 GiB,
   3.30 -> 3.53 GiB with ``train.checkpoint_activations``).
-* ``system``: glibc's own behaviour (the setting at process start).
+* ``system``: glibc's default values.  A process that starts with it is
+  untouched; one switched back from ``keep`` gets the default values, with
+  glibc's dynamic mmap threshold fixed at its initial 128 KiB.
 
 Results never depend on it.  It is process-wide, so it is applied only in
 processes that compute (training workers, ``prvrlab eval``), never in a
@@ -26,10 +29,10 @@ returning False.
 from __future__ import annotations
 
 import ctypes
-from typing import Literal
+from typing import Literal, get_args
 
 HostAllocator = Literal["keep", "system"]
-HOST_ALLOCATORS: tuple[str, ...] = ("keep", "system")
+HOST_ALLOCATORS: tuple[str, ...] = get_args(HostAllocator)
 TRIM_BYTES = 1 << 30  # keep: free memory above this at the top of the heap goes back to the system
 
 # mallopt(3) parameters and glibc's defaults

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
+from prvrlab.allocator import HostAllocator
 from prvrlab.data.config import DataConfig
 from prvrlab.models.factory import DATA_DERIVED, PLUGIN_DERIVED
 from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean
@@ -60,7 +61,7 @@ class TrainConfig:
     max_failures: int = 2
     torch_threads: int | None = None  # None: cpus_per_worker rounded up
     # host memory of the workers: keep freed memory for reuse (faster on CPU, higher peak RSS) or glibc's own
-    host_allocator: Literal["keep", "system"] = "keep"  # see prvrlab.allocator
+    host_allocator: HostAllocator = "keep"  # see prvrlab.allocator
     seed: int = 0
 
     def check(self) -> None:
