@@ -19,7 +19,9 @@ Reported rounds (every rank reports the same number of times):
   (``train/<component>.<name>``), validation R@K/SumR, best-so-far, timings,
   and a checkpoint for failure recovery;
 - one at the end: ``kind="final"`` with the best model's metrics on
-  ``eval.final_splits`` and the run files written.
+  ``eval.final_splits`` and the run files written (the validation split's
+  are the best epoch's own validation when this attempt ran it: the same
+  weights, data and settings, so it is not encoded again).
 A non-finite loss ends training on every rank at the same step and is
 reported as ``kind="nonfinite"`` (no retry: retrying cannot fix it).
 """
@@ -180,6 +182,7 @@ class TrainingLoop:
         self.progress = Progress()
         self.global_step = 0
         self.setup_s: float | None = None  # setup + restore + DDP wrap, reported once per attempt as time/setup_s
+        self.best_val: tuple[int, Any] | None = None  # (epoch, its validation EvalResult: rank 0, else None) of the best model
 
     # ------------------------------------------------------------ stages
 
@@ -407,6 +410,8 @@ class TrainingLoop:
                 state.bad_epochs += 1
         self.progress = Progress(**_broadcast(asdict(state)))
         self.progress.epoch = epoch
+        if self.progress.best_epoch == epoch:  # every rank: the final round reuses this evaluation
+            self.best_val = (epoch, result)
         return metrics
 
     def report(self, epoch: int, metrics: dict[str, Any], t0: float, train_time: float) -> None:
@@ -511,7 +516,8 @@ class TrainingLoop:
         for split in cfg.eval.final_splits:
             if split not in available or split is None:
                 continue
-            result = evaluate(
+            reused = self._best_validation(split)
+            result = reused[1] if reused is not None else evaluate(
                 self.model, self.collection, split, cfg.eval, device=self.device, amp_dtype=self.amp_dtype,
                 rank=self.rank, world_size=self.world,
             )
@@ -519,6 +525,14 @@ class TrainingLoop:
                 out.update(result.flat(f"{split}/"))
                 save_ranks(self.run_dir / f"ranks_{split}.parquet", result.table)
         return out
+
+
+    def _best_validation(self, split: str) -> tuple[int, Any] | None:
+        """The best epoch's own validation of ``split`` when this attempt made it (same weights, data and
+        eval settings as the best checkpoint, so re-encoding the split would repeat it); else None."""
+        if split != self.cfg.data.val_split or self.best_val is None or self.best_val[0] != self.progress.best_epoch:
+            return None
+        return self.best_val
 
 
 def train_worker(loop_config: dict[str, Any], session: Session | None = None) -> None:
