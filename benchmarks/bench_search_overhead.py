@@ -24,8 +24,9 @@ time, each rank on half a group's share), prints:
   the first trial) and the largest difference of any trial's final metrics
   from the per-trial TorchTrainer row (same sampler seed, same configs).
 
-Ray is started before the first row (its start time is printed apart), so
-every row finds it running.
+Ray is started and the MLflow store created before the first row (their
+times are printed apart: each is paid once per cluster or store, not per
+search), so every row finds them ready.
 
 With a GPU it also prints the aggregate trial throughput when packing 1, 2
 and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
@@ -140,6 +141,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "pool_build_s": sum(builds),
         "finals": finals,
         "phases": {name: statistics.fmean(v) if v else float("nan") for name, v in phases.items()},
+        "phase_lists": phases,
         "between_trials_s": wall - covered(trial_spans),
         "before_first_s": min((a for a, _ in trial_spans), default=t0) - t0,
         "after_last_s": t0 + wall - max((b for _, b in trial_spans), default=t0 + wall),
@@ -187,6 +189,9 @@ def main() -> None:
         t0 = time.time()
         ensure_ray()
         print(f"Ray started in {time.time() - t0:.1f} s (not counted in the rows)")
+        t0 = time.time()
+        Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench")
+        print(f"MLflow store created in {time.time() - t0:.1f} s (not counted in the rows)")
         print(f"{'workers/trial':>20} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
         measured: dict[str, dict] = {}
         for row in rows:
@@ -200,6 +205,8 @@ def main() -> None:
             m = measured[row]
             print(f"reused pool ({row}): pools built in {m['pool_build_s']:.1f} s in all (rank actors + process group)")
             print(f"reused pool ({row}): start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
+            for phase in ("to loop start", "setup", "final eval"):
+                print(f"reused pool ({row}): {phase} per trial, in start order: {', '.join(f'{s:.2f}' for s in m['phase_lists'][phase])} s")
             if row[:-1] in measured:
                 same = max_difference(m["finals"], measured[row[:-1]]["finals"])
                 print(f"reused pool ({row}) vs a TorchTrainer per trial: largest final-metric difference {same:.2e}")
