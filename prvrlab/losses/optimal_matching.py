@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from prvrlab.data.batch import Batch
@@ -71,6 +70,8 @@ def matching_cosines(vectors: Tensor, clips: Tensor, query_video: Tensor) -> tup
         padded = q.new_zeros(num_videos, width, q.shape[1])  # (B, M_max, D)
         padded = padded.index_put((video_idx, slot_idx), q)
         cos = torch.bmm(padded, c.transpose(1, 2))  # (B, M_max, Lc)
+    from scipy.optimize import linear_sum_assignment  # here: config checks load every loss module, scipy.optimize takes ~0.5 s
+
     host = cos.detach().cpu().numpy()  # host transfer 2: every cost matrix at once
     vids, rows, cols = [], [], []
     for v in np.flatnonzero(counts >= 2):

@@ -13,11 +13,13 @@ nothing here depends on the platform's config types.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from prvrlab.data.batch import Batch
 from prvrlab.losses.weighted import LossResult, WeightedLoss
@@ -29,6 +31,38 @@ from prvrlab.registry import BACKBONES, PLUGINS
 # Constructor arguments the platform derives (never set in a config).
 DATA_DERIVED = ("video_dim", "query_dim")  # backbones: from the data
 PLUGIN_DERIVED = ("hidden_size",)  # plug-ins: from the backbone
+
+
+class _SkipRandomInit(TorchFunctionMode):
+    """Random in-place initialisers become no-ops: on the meta device they compute nothing anyway,
+    and torch's meta ``normal_`` imports ``torch._dynamo`` (~1.6 s) on its first call."""
+
+    SKIPPED = frozenset(
+        [
+            getattr(torch.Tensor, name)
+            for name in ("normal_", "uniform_", "log_normal_", "exponential_", "geometric_", "cauchy_", "random_", "bernoulli_")
+        ]
+        + [
+            getattr(nn.init, name)  # seen before the Tensor methods they call, which then bypass the modes
+            for name in ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_", "xavier_normal_", "xavier_uniform_", "orthogonal_", "sparse_")
+        ]
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            tensor = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device (shapes only, no memory, no random initialisation): for checks
+    that only need a model's structure (config validation, the metrics it declares)."""
+    with torch.device("meta"), _SkipRandomInit():
+        yield
 
 
 class NeedsError(ValueError):

@@ -428,19 +428,17 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
     """Build model and losses once on the meta device through the model factory, so that their
     own value checks, the plug-ins' backbone checks and every component's needs run now; then
     check every loss ``branch`` and plug-in output a loss reads."""
-    import torch
-
-    from prvrlab.models.factory import build_backbone, build_system, check_needs
+    from prvrlab.models.factory import build_backbone, build_system, check_needs, on_meta
 
     try:
-        with torch.device("meta"):
+        with on_meta():
             backbone = build_backbone(cfg.model, video_dim=8, query_dim=8)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {exc}") from None
     branches = list(getattr(backbone, "score_weights", {}))
     for term, spec in cfg.losses.items():
         try:
-            with torch.device("meta"):
+            with on_meta():
                 loss = LOSSES.build(spec["loss"], **{k: v for k, v in spec.items() if k not in ("loss", "weight")})
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"losses.{term}: {exc}") from None
@@ -455,7 +453,7 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     try:
-        with torch.device("meta"):
+        with on_meta():
             system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8)
     except (ValueError, TypeError) as exc:  # PluginError and NeedsError name plugins.<name> / losses.<term>
         raise ConfigError(str(exc)) from None

@@ -262,13 +262,11 @@ def valid_keys(cfg: ExperimentConfig) -> list[str]:
 def reported_metrics(cfg: ExperimentConfig) -> list[str]:
     """The metrics the training loop reports for ``cfg`` (what a spec may optimise): validation
     R@K, losses, and every metric an enabled component declares (``train/<component>.<name>``)."""
-    import torch
-
-    from prvrlab.models.factory import build_system, declared_metrics
+    from prvrlab.models.factory import build_system, declared_metrics, on_meta
 
     out = [f"val/{m}" for m in METRIC_KEYS] + ["train/loss", "best/sumr"]
     out += [f"train/{term}" for term, spec in cfg.losses.items() if spec["weight"] > 0]
-    with torch.device("meta"):
+    with on_meta():
         system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8)
     return out + declared_metrics(system)
 
