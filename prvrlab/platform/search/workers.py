@@ -65,12 +65,26 @@ def pool_resources(workers: int, cpus: float, gpus: float, trial_actor_cpu: floa
 
 
 class PoolSession(Session):
-    """One rank's session inside a pool actor: resumes from ``resume``, rank 0 posts reports to ``outbox``."""
+    """One rank's session inside a pool actor: resumes from ``resume``, rank 0 posts reports to ``outbox``,
+    collections come from ``collections`` (the pool actor's, kept across trials)."""
 
-    def __init__(self, *, rank: int, world_size: int, resume: str | None, outbox: queue.Queue, stage: Path) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        resume: str | None,
+        outbox: queue.Queue,
+        stage: Path,
+        collections: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, 0
         self.resume, self.outbox, self.stage = resume, outbox, stage
+        self.collections = collections
         self.sent = 0
+
+    def open_collection(self, data_cfg: Any) -> Any:
+        return self.collections(data_cfg) if self.collections is not None else super().open_collection(data_cfg)
 
     @contextmanager
     def checkpoint_dir(self) -> Iterator[Path | None]:
@@ -95,6 +109,19 @@ class PoolWorker:
     def __init__(self) -> None:
         self.outbox: queue.Queue = queue.Queue()
         self.rank, self.world_size = 0, 1
+        self.opened: tuple[Any, Any] | None = None  # (DataConfig, its Collection): the last trial's data
+
+    def collection(self, data_cfg: Any) -> Any:
+        """The collection of ``data_cfg``, opened again only when it differs from the last trial's
+        (a search's trials mostly share one data section; opening indexes and checks every file)."""
+        import copy
+
+        from prvrlab.data.collection import open_collection
+
+        if self.opened is None or self.opened[0] != data_cfg:
+            self.opened = None  # the old one is released before the new one is opened
+            self.opened = (copy.deepcopy(data_cfg), open_collection(data_cfg))
+        return self.opened[1]
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port for the process group's rendezvous."""
@@ -117,7 +144,10 @@ class PoolWorker:
         """One trial on this rank; rank 0 posts ``("done",)`` when the loop returns or raises."""
         from prvrlab.platform.train.loop import train_worker
 
-        session = PoolSession(rank=self.rank, world_size=self.world_size, resume=resume, outbox=self.outbox, stage=Path(stage))
+        session = PoolSession(
+            rank=self.rank, world_size=self.world_size, resume=resume, outbox=self.outbox, stage=Path(stage),
+            collections=self.collection,
+        )
         try:
             train_worker(loop_config, session)
         finally:

@@ -189,7 +189,6 @@ class TrainingLoop:
     def setup(self) -> None:
         """Threads, device, seed, data, the training system, its DDP wrapper, the optimiser."""
         from prvrlab.allocator import set_host_allocator
-        from prvrlab.data.collection import open_collection
         from prvrlab.data.dataset import train_loader
         from prvrlab.evaluation.retrieval import resolve_amp_dtype
         from prvrlab.models.base import set_activation_checkpointing
@@ -201,7 +200,7 @@ class TrainingLoop:
         torch.set_num_threads(cfg.train.torch_threads or max(1, math.ceil(self.cpus_per_worker)))
         self.device = self._device()
         seed_everything(cfg.train.seed)
-        self.collection = open_collection(cfg.data)
+        self.collection = self.session.open_collection(cfg.data)
         self.truth = self.collection.truth(cfg.data.train_split)  # synthetic ground truth, else None
         dims = {"video_dim": self.collection.video_dim, "query_dim": self.collection.query_dim}
         self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims).to(self.device)

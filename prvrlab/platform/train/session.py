@@ -30,6 +30,12 @@ class Session:
         """Report one round of metrics (all ranks, same number of times)."""
         raise NotImplementedError
 
+    def open_collection(self, data_cfg: Any) -> Any:
+        """The data collection ``data_cfg`` (a DataConfig) describes, opened for this attempt."""
+        from prvrlab.data.collection import open_collection
+
+        return open_collection(data_cfg)
+
     def progress_sink(self, run_dir: Path) -> Callable[[dict[str, Any]], None]:
         """Where rank 0 sends its in-epoch progress: ``<run_dir>/progress.json``, which the driver polls."""
         from prvrlab.platform.train.live import PROGRESS_FILE, FileProgress

@@ -12,9 +12,11 @@ import pytest
 
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.search.spec import load_search_spec
-from prvrlab.platform.search.workers import POOL_LOG, PoolSession, pool_resources
+from prvrlab.platform.search.workers import POOL_LOG, PoolSession, PoolWorker, pool_resources
+from prvrlab.platform.train.session import Session
 
 from search_helpers import metric_history, study_runs, tiny_spec
+from train_helpers import small_raw
 
 
 # ---------------------------------------------------------------- fast
@@ -56,6 +58,25 @@ def test_rank0_posts_numbered_checkpoint_copies_and_other_ranks_post_nothing(tmp
     assert [p[1] for p in posted] == [{"epoch": 1}, {"epoch": 2}, {"kind": "final"}]
     assert [p[2] for p in posted] == [str(stage / "00000"), str(stage / "00001"), None]
     assert [(stage / f"0000{i}" / "state.pt").read_text() for i in (0, 1)] == ["epoch 1", "epoch 2"]
+
+
+def test_a_pool_rank_opens_the_collection_again_only_when_the_data_section_changes(tiny_root, tmp_path):
+    import dataclasses
+
+    from prvrlab.platform.config import validate
+
+    data = validate(small_raw(tiny_root, tmp_path)).data
+    worker, outbox = PoolWorker(), queue.Queue()
+    sessions = [
+        PoolSession(rank=0, world_size=1, resume=None, outbox=outbox, stage=tmp_path, collections=worker.collection) for _ in range(3)
+    ]
+    first = sessions[0].open_collection(data)
+    assert sessions[1].open_collection(dataclasses.replace(data)) is first  # an equal section: the same collection
+    other = sessions[2].open_collection(dataclasses.replace(data, max_frames=data.max_frames // 2))
+    assert other is not first and other.max_frames == data.max_frames // 2
+    assert sessions[0].open_collection(data) is not first  # only the last trial's data is kept
+    plain = Session()
+    assert plain.open_collection(data) is not plain.open_collection(data)  # outside a pool: a fresh one per attempt
 
 
 # ---------------------------------------------------------------- searches on Ray
