@@ -114,13 +114,11 @@ class PoolWorker:
     def collection(self, data_cfg: Any) -> Any:
         """The collection of ``data_cfg``, opened again only when it differs from the last trial's
         (a search's trials mostly share one data section; opening indexes and checks every file)."""
-        import copy
-
         from prvrlab.data.collection import open_collection
 
-        if self.opened is None or self.opened[0] != data_cfg:
+        if self.opened is None or self.opened[0] != data_cfg:  # configs are never mutated after validation
             self.opened = None  # the old one is released before the new one is opened
-            self.opened = (copy.deepcopy(data_cfg), open_collection(data_cfg))
+            self.opened = (data_cfg, open_collection(data_cfg))
         return self.opened[1]
 
     def address(self) -> tuple[str, int]:

@@ -515,8 +515,7 @@ class TrainingLoop:
         for split in cfg.eval.final_splits:
             if split not in available or split is None:
                 continue
-            reused = self._best_validation(split)
-            result = reused[1] if reused is not None else evaluate(
+            result = self.best_val[1] if self._validated_best(split) else evaluate(
                 self.model, self.collection, split, cfg.eval, device=self.device, amp_dtype=self.amp_dtype,
                 rank=self.rank, world_size=self.world,
             )
@@ -525,13 +524,10 @@ class TrainingLoop:
                 save_ranks(self.run_dir / f"ranks_{split}.parquet", result.table)
         return out
 
-
-    def _best_validation(self, split: str) -> tuple[int, Any] | None:
-        """The best epoch's own validation of ``split`` when this attempt made it (same weights, data and
-        eval settings as the best checkpoint, so re-encoding the split would repeat it); else None."""
-        if split != self.cfg.data.val_split or self.best_val is None or self.best_val[0] != self.progress.best_epoch:
-            return None
-        return self.best_val
+    def _validated_best(self, split: str) -> bool:
+        """Whether this attempt validated ``split`` with the best model (``best_val``: same weights, data and
+        eval settings as the best checkpoint, so encoding the split again would repeat it)."""
+        return split == self.cfg.data.val_split and self.best_val is not None and self.best_val[0] == self.progress.best_epoch
 
 
 def train_worker(loop_config: dict[str, Any], session: Session | None = None) -> None:
