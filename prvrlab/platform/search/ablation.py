@@ -1,7 +1,8 @@
-"""Ablation studies: every variant x seed of a spec as one Tune grid.
+"""Ablation studies: every variant x seed of a spec as one Tune study.
 
-Each cell is a trial (no searcher).  Child runs carry ``prvrlab.variant``,
-``prvrlab.seed``, ``components`` and ``config_hash``; resubmitting the spec
+Each cell is a trial, handed out in order by a :class:`~.resumable.ListSearcher`.
+Child runs carry ``prvrlab.variant``, ``prvrlab.seed``, ``components`` and
+``config_hash``; resubmitting the spec
 reuses the study's parent run, closes child runs a killed driver left RUNNING
 as KILLED, and skips every cell whose config hash already has a FINISHED child
 run of this study in the experiment.
@@ -86,8 +87,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     """Run (or resume) an ablation; cells already finished in MLflow are skipped (``echo=None``: silent)."""
     progress = echo is not None
     echo = echo or (lambda _: None)
-    from ray import tune
-
+    from prvrlab.platform.search.resumable import ListSearcher, resumable
     from prvrlab.platform.search.study import StudyContext
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.runtime import ensure_ray
@@ -122,11 +122,12 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
             prepare_environment()
             ensure_ray()
             study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
+            cells = [{"cell": c} for c in sorted(todo, key=list(all_cells).index)]
             _, _, interrupted = run_study(
                 spec,
                 study,
-                tune_config_kwargs={"num_samples": 1, "max_concurrent_trials": spec.slots},
-                param_space={"cell": tune.grid_search(sorted(todo, key=list(all_cells).index))},
+                tune_config_kwargs={"num_samples": len(todo), "search_alg": resumable(ListSearcher(cells), spec.slots)},
+                param_space={},
                 resume=resumed,
                 tracker=tracker,
                 total=len(todo),

@@ -7,11 +7,10 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.optuna import OptunaSearch
-from ray.tune.search.search_generator import SearchGenerator
 
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
+from prvrlab.platform.search.resumable import RestoredTrial, resumable
 from prvrlab.platform.search.spec import SearchSpec
 from prvrlab.platform.search.study import (
     StudyContext,
@@ -62,7 +61,7 @@ def write_best_config(study: StudyContext, best: dict[str, Any], spec: SearchSpe
 
 class TolerantOptunaSearch(OptunaSearch):
     """OptunaSearch that skips rounds without the metric (non-finite, final-without-metric) and
-    reports of trials its restored state never asked for (see :class:`ResumableSearchGenerator`)."""
+    reports of trials its restored state never asked for (see :mod:`.resumable`)."""
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         """Report an intermediate value to Optuna only when the round has one."""
@@ -74,57 +73,13 @@ class TolerantOptunaSearch(OptunaSearch):
         if trial_id in self._ot_trials:
             super().on_trial_complete(trial_id, result=result, error=error)
 
-    def forget_lost(self, known: set[str]) -> None:
+    def forget_lost(self, trials: dict[str, RestoredTrial]) -> None:
         """Close FAIL the Optuna trials asked for trials Tune's restored state does not hold
         (their slots are sampled again): they would otherwise stay RUNNING in the Optuna study."""
         import optuna
 
-        for trial_id in sorted(set(self._ot_trials) - known - set(self._completed_trials)):
+        for trial_id in sorted(set(self._ot_trials) - set(trials) - set(self._completed_trials)):
             self._ot_study.tell(self._ot_trials.pop(trial_id), state=optuna.trial.TrialState.FAIL)
-
-
-def restored_trials(dirpath: str | Path) -> dict[str, str] | None:
-    """Trial id -> status in the newest Tune experiment state under ``dirpath`` (read as plain JSON:
-    no embedded pickle is expanded), or None when there is none."""
-    import json
-
-    from ray.tune.execution.tune_controller import TuneController
-
-    files = sorted(Path(dirpath).glob(TuneController.CKPT_FILE_TMPL.format("*")))
-    if not files:
-        return None
-    state = json.loads(files[-1].read_text())
-    trials = {}
-    for trial_json, _ in state["trial_data"]:
-        trial = json.loads(trial_json)
-        trials[trial["trial_id"]] = trial["status"]
-    return trials
-
-
-class ResumableSearchGenerator(SearchGenerator):
-    """Tune's SearchGenerator that agrees with the restored trial list on ``--resume``.
-
-    Tune writes its trial list, the Optuna searcher and this generator's counter as separate files
-    and copies them to the study folder in the background. A driver killed between two of them
-    leaves a counter that disagrees with the trial list: one trial too many would be sampled, or
-    a lost trial's slot never sampled again. On restore the counter becomes the number of restored
-    trials, the concurrency limiter's live set their unfinished ones, and Optuna forgets the lost.
-    """
-
-    def restore_from_dir(self, dirpath: str) -> None:
-        super().restore_from_dir(dirpath)
-        trials = restored_trials(dirpath)
-        if trials is None:
-            return
-        self._counter = len(trials)
-        limiter = self.searcher
-        if isinstance(limiter, ConcurrencyLimiter):
-            limiter.live_trials = {t for t, status in trials.items() if status not in ("TERMINATED", "ERROR")}
-            limiter.num_unfinished_live_trials = len(limiter.live_trials)
-            limiter.cached_results = {}
-            limiter = limiter.searcher
-        if isinstance(limiter, TolerantOptunaSearch):
-            limiter.forget_lost(set(trials))
 
 
 def _searcher(spec: SearchSpec):
@@ -144,7 +99,7 @@ def _searcher(spec: SearchSpec):
     else:
         sampler = optuna.samplers.TPESampler(seed=spec.seed)
     searcher = TolerantOptunaSearch(space=spec.define_by_run(), metric=spec.metric, mode=spec.mode, sampler=sampler, seed=spec.seed)
-    return ResumableSearchGenerator(ConcurrencyLimiter(searcher, max_concurrent=spec.slots))
+    return resumable(searcher, spec.slots)
 
 
 def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None] | None = print) -> StudyResult:

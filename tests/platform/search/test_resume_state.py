@@ -12,9 +12,8 @@ import json
 
 import optuna
 from ray.tune.experiment.trial import Trial
-from ray.tune.search import ConcurrencyLimiter
-
-from prvrlab.platform.search.tuning import ResumableSearchGenerator, TolerantOptunaSearch, restored_trials
+from prvrlab.platform.search.resumable import ListSearcher, ResumableSearchGenerator, resumable, restored_trials
+from prvrlab.platform.search.tuning import TolerantOptunaSearch
 
 
 def _space(trial) -> dict:
@@ -26,7 +25,7 @@ def _generator(budget: int = 3) -> ResumableSearchGenerator:
         space=_space,
         metric="val/sumr", mode="max", sampler=optuna.samplers.RandomSampler(seed=0), seed=0,
     )
-    gen = ResumableSearchGenerator(ConcurrencyLimiter(searcher, max_concurrent=2))
+    gen = resumable(searcher, max_concurrent=2)
     gen._total_samples = budget
     return gen
 
@@ -37,11 +36,13 @@ def _ask(gen: ResumableSearchGenerator, trial_id: str) -> None:
     gen._counter += 1
 
 
-def _write_trials(folder, session: str, statuses: dict[str, str]) -> None:
-    """An ``experiment_state`` file in Tune's format holding these trials."""
+def _write_trials(folder, session: str, statuses: dict[str, str], cell: bool = False) -> None:
+    """An ``experiment_state`` file in Tune's format holding these trials (``cell``: trial i holds
+    the i-th cell of :func:`_cells`, the order they are handed out in)."""
     data = []
     for trial_id, status in statuses.items():
-        trial = Trial("trainable", trial_id=trial_id, stub=True)
+        config = {"cell": f"v{'abc'.index(trial_id)}/seed0"} if cell else {}
+        trial = Trial("trainable", config=config, trial_id=trial_id, stub=True)
         trial.status = status
         data.append(list(trial.get_json_state()))
     (folder / f"experiment_state-{session}.json").write_text(json.dumps({"trial_data": data, "runner_data": {}}))
@@ -56,7 +57,7 @@ def _optuna_states(gen: ResumableSearchGenerator) -> dict[str, str]:
 def test_restored_trials_reads_the_newest_state_as_plain_json(tmp_path):
     _write_trials(tmp_path, "2026-11-26_10-00-00", {"a": Trial.TERMINATED})
     _write_trials(tmp_path, "2026-11-26_10-00-09", {"a": Trial.TERMINATED, "b": Trial.RUNNING})
-    assert restored_trials(tmp_path) == {"a": "TERMINATED", "b": "RUNNING"}
+    assert {t: r.status for t, r in restored_trials(tmp_path).items()} == {"a": "TERMINATED", "b": "RUNNING"}
     assert restored_trials(tmp_path / "missing") is None
 
 
@@ -109,3 +110,40 @@ def test_reports_of_a_trial_optuna_never_asked_for_are_skipped():
     searcher.on_trial_complete("unknown", {"val/sumr": 1.0})
     searcher.on_trial_complete("a", {"val/sumr": 2.0})
     assert _optuna_states(gen) == {"a": "COMPLETE"}
+
+
+def _cells(budget: int = 3) -> ResumableSearchGenerator:
+    gen = resumable(ListSearcher([{"cell": f"v{i}/seed0"} for i in range(budget)]), max_concurrent=2)
+    gen._total_samples = budget
+    return gen
+
+
+def test_an_ablation_hands_out_each_cell_once_in_order_and_finishes():
+    gen = _cells()
+    assert [gen.searcher.suggest(t) for t in ("a", "b")] == [{"cell": "v0/seed0"}, {"cell": "v1/seed0"}]
+    assert gen.searcher.suggest("c") is None  # two at a time
+    gen.on_trial_complete("a", {})
+    assert gen.searcher.suggest("c") == {"cell": "v2/seed0"}
+    gen.on_trial_complete("b", {})
+    assert gen.searcher.suggest("d") == ListSearcher.FINISHED
+
+
+def test_a_restored_ablation_gives_no_cell_twice_and_a_lost_cell_again(tmp_path):
+    old = _cells()
+    for trial_id in ("a", "b"):
+        _ask(old, trial_id)
+    old.save_to_dir(str(tmp_path), session_str="s")  # counter 2; the state of the cells is plain JSON
+    assert json.loads((tmp_path / "searcher-state-s.pkl").read_text())["given"] == {"a": 0, "b": 1}
+    old.on_trial_complete("a", {})
+    _ask(old, "c")
+    old.searcher.searcher.save_to_dir(str(tmp_path), session_str="s")
+    _write_trials(tmp_path, "s", {"a": Trial.TERMINATED, "b": Trial.RUNNING, "c": Trial.RUNNING}, cell=True)
+    gen = _cells()
+    gen.restore_from_dir(str(tmp_path))
+    assert gen.is_finished() and gen.searcher.live_trials == {"b", "c"}
+
+    _write_trials(tmp_path, "s", {"a": Trial.TERMINATED, "c": Trial.RUNNING}, cell=True)  # b lost
+    gen = _cells()
+    gen.restore_from_dir(str(tmp_path))
+    assert not gen.is_finished()
+    assert gen.searcher.suggest("again") == {"cell": "v1/seed0"}  # b's cell, nothing else

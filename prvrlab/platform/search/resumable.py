@@ -1,0 +1,110 @@
+"""Search algorithms whose ``--resume`` agrees with the trial list Tune restores.
+
+Tune writes its trial list (``experiment_state-*.json``), the base searcher's state and the
+generator's own state (``search_gen_state-*.json``: trial counter, concurrency limiter's live set)
+one after the other, and copies them to the study folder in the background. A driver killed
+between two of them leaves files from two moments: a counter older than the trial list samples a
+trial over the budget; a trial missing from the list (started after the last save) would keep its
+slot taken. :class:`ResumableSearchGenerator` makes the restored state agree with the restored
+trials; a base searcher that defines ``forget_lost(trials)`` is told which trials those are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ray.tune.search import ConcurrencyLimiter, Searcher
+from ray.tune.search.search_generator import SearchGenerator
+
+ENDED = ("TERMINATED", "ERROR")
+
+
+class RestoredTrial(NamedTuple):
+    """What a restored trial is: its Tune status and its sampled config."""
+
+    status: str
+    config: dict[str, Any]
+
+
+def restored_trials(dirpath: str | Path) -> dict[str, RestoredTrial] | None:
+    """Trial id -> :class:`RestoredTrial` in the newest experiment state under ``dirpath`` (the file
+    Tune restores from), read as plain JSON: no embedded pickle is expanded. None when there is none."""
+    from ray.tune.execution.tune_controller import TuneController
+
+    files = sorted(Path(dirpath).glob(TuneController.CKPT_FILE_TMPL.format("*")))
+    if not files:
+        return None
+    trials = {}
+    for trial_json, _ in json.loads(files[-1].read_text())["trial_data"]:
+        trial = json.loads(trial_json)
+        config = trial.get("config")
+        trials[trial["trial_id"]] = RestoredTrial(trial["status"], config if isinstance(config, dict) else {})
+    return trials
+
+
+class ResumableSearchGenerator(SearchGenerator):
+    """Tune's SearchGenerator whose restored state agrees with the restored trials.
+
+    On restore the trial counter becomes the number of restored trials (so a lost trial's slot is
+    sampled again and no trial is sampled over the budget), the concurrency limiter's live set
+    their unfinished ones, and the base searcher's ``forget_lost`` (if any) is given the trials.
+    """
+
+    def restore_from_dir(self, dirpath: str) -> None:
+        super().restore_from_dir(dirpath)
+        trials = restored_trials(dirpath)
+        if trials is None:
+            return
+        self._counter = len(trials)
+        self._finished = False  # asked again: an exhausted searcher says so at its next suggestion
+        searcher = self.searcher
+        if isinstance(searcher, ConcurrencyLimiter):
+            searcher.live_trials = {t for t, trial in trials.items() if trial.status not in ENDED}
+            searcher.num_unfinished_live_trials = len(searcher.live_trials)
+            searcher.cached_results = {}
+            searcher = searcher.searcher
+        forget = getattr(searcher, "forget_lost", None)
+        if forget is not None:
+            forget(trials)
+
+
+def resumable(searcher: Searcher, max_concurrent: int) -> ResumableSearchGenerator:
+    """``searcher`` limited to ``max_concurrent`` trials at a time, in a resumable generator."""
+    return ResumableSearchGenerator(ConcurrencyLimiter(searcher, max_concurrent=max_concurrent))
+
+
+class ListSearcher(Searcher):
+    """Hands out fixed configs in order, each to one trial (an ablation's cells).
+
+    Its state is plain JSON. On restore, the configs of trials Tune lost are handed out again and
+    none of a restored trial twice.
+    """
+
+    def __init__(self, configs: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.configs = [dict(c) for c in configs]
+        self.given: dict[str, int] = {}  # trial id -> index into configs
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | str:
+        taken = set(self.given.values())
+        for index, config in enumerate(self.configs):
+            if index not in taken:
+                self.given[trial_id] = index
+                return dict(config)
+        return Searcher.FINISHED
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        """Nothing to learn: the configs are fixed."""
+
+    def forget_lost(self, trials: dict[str, RestoredTrial]) -> None:
+        """Only restored trials hold their config."""
+        self.given = {t: self.configs.index(trial.config) for t, trial in trials.items() if trial.config in self.configs}
+
+    def save(self, checkpoint_path: str) -> None:
+        Path(checkpoint_path).write_text(json.dumps({"configs": self.configs, "given": self.given}))
+
+    def restore(self, checkpoint_path: str) -> None:
+        state = json.loads(Path(checkpoint_path).read_text())
+        self.configs, self.given = state["configs"], state["given"]
