@@ -122,15 +122,15 @@ def _closed_trials(study_root):
     return 0
 
 
-def _search_until_a_trial_ends(tiny_root, tmp_path, name: str):
-    """Start ``prvrlab search`` (12 epochs a trial) in a subprocess; return (process, command, env)
-    once the first trial has ended (the process is killed if that fails)."""
-    path = tiny_spec(tmp_path, tiny_root, name=name)
-    cmd = [sys.executable, "-m", "prvrlab.platform.cli", "search", str(path), "--set", "train.epochs=12"]
+def _search_until_a_trial_ends(tiny_root, tmp_path, name: str, kind: str = "search", **fields):
+    """Start ``prvrlab search`` (or ``ablate``; 12 epochs a trial) in a subprocess; return
+    (process, command, env) once the first trial has ended (the process is killed if that fails)."""
+    path = tiny_spec(tmp_path, tiny_root, name=name, **fields)
+    cmd = [sys.executable, "-m", "prvrlab.platform.cli", kind, str(path), "--set", "train.epochs=12"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    root = tmp_path / "results" / "search" / name
+    root = tmp_path / "results" / ("ablation" if kind == "ablate" else "search") / name
     deadline = time.time() + 240
     try:
         while _closed_trials(root) < 1:
@@ -196,3 +196,23 @@ def test_resume_after_a_stop_signal_finishes_what_the_stopped_search_left_once(t
     children = [c for c in children if c not in lost]
     assert len({c.data.tags["prvrlab.trial_id"] for c in children}) == len(children) == 3
     assert all(c.info.status == "FINISHED" for c in children), [c.info.status for c in children]
+
+
+def test_an_ablation_resumed_after_the_driver_is_killed_runs_every_cell_once(tiny_root, tmp_path):
+    variants = {"full": {}, "no_query_diverse": {"losses.query_diverse.weight": 0}}
+    proc, cmd, env = _search_until_a_trial_ends(tiny_root, tmp_path, "cells", "ablate", variants=variants, seeds=[0])
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    _, before = study_runs(tmp_path)
+    ended = {c.data.tags["prvrlab.cell"] for c in before if c.info.status == "FINISHED"}
+    assert len(ended) == 1, [(c.data.tags["prvrlab.cell"], c.info.status) for c in before]
+
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parents, children = study_runs(tmp_path)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert "RUNNING" not in {c.info.status for c in children}
+    finished = sorted(c.data.tags["prvrlab.cell"] for c in children if c.info.status == "FINISHED")
+    assert finished == ["full/seed0", "no_query_diverse/seed0"], finished  # each cell once, none lost
+    (first,) = [c for c in children if c.data.tags["prvrlab.cell"] in ended]
+    assert [m.step for m in metric_history(tmp_path, first.info.run_id, "val/sumr")] == list(range(1, 13))
