@@ -182,13 +182,34 @@ class MlflowStudyCallback(Callback):
 
         Tune saves its state every few seconds; a trial started just before the driver was
         killed is unknown after ``--resume`` (the searcher samples that slot again, as a new
-        trial), so its child run would otherwise stay RUNNING forever.
+        trial), so its child run would otherwise stay RUNNING forever. With an object store the
+        run map itself can lag (the kill cut its push short): a RUNNING child run of the parent
+        that the map does not hold is entered in the map, and closed the same way unless Tune
+        holds its trial (which then reattaches to it).
         """
         known = {t.trial_id for t in trials}
         lost = {"prvrlab.status": "killed", "prvrlab.stop_reason": "lost: the driver was killed before Tune saved this trial; its slot was sampled again"}
         for trial_id in list(self.runs.trials):
             if trial_id not in known and self.runs.closed.get(trial_id) is None:
                 self.close_id(trial_id, "KILLED", lost)
+        if not self.runs.parent:
+            return
+        mapped = set(self.runs.trials.values())
+        running = self.tracker.client.search_runs(
+            [self.tracker.experiment_id],
+            filter_string=f"tags.`mlflow.parentRunId` = '{self.runs.parent}' and attributes.status = 'RUNNING'",
+            max_results=5000,
+        )
+        for run in running:
+            trial_id = run.data.tags.get("prvrlab.trial_id")
+            if run.info.run_id in mapped or not trial_id or trial_id in self.runs.trials:
+                continue
+            self.runs.trials[trial_id] = run.info.run_id
+            if trial_id not in known:
+                self.tracker.set_tags(run.info.run_id, lost)
+                self.tracker.end_run(run.info.run_id, "KILLED")
+                self.runs.closed[trial_id] = "KILLED"
+            self._save()
 
     def close_all(self, trials, interrupted: bool = False) -> None:
         """Close every still-open child run according to its trial's state."""

@@ -74,3 +74,25 @@ def test_a_closed_trial_uploads_its_files_and_distributions(tmp_path):
     MlflowStudyCallback(study).close_id("known", "FINISHED", {})
     logged = {f.path for folder in ("ranks", "distributions") for f in client.list_artifacts(runs["known"], folder)}
     assert logged == {"ranks/ranks_val.parquet", "distributions/probe.score.json"}
+
+
+def test_running_child_runs_the_run_map_never_saved_are_adopted_or_closed(tmp_path):
+    """With an object store the kill can cut the run map's push short: the map lacks runs MLflow has."""
+    study, runs, client = _study(tmp_path)
+    tracker = Tracker(study.tracking_uri, "lost")
+    parent = json.loads((tmp_path / "study" / STUDY_FILE).read_text())["parent"]
+    unsaved = {t: tracker.start_run(f"trial {t}", tags={"prvrlab.trial_id": t}, parent_run_id=parent) for t in ("gone", "tuned")}
+    callback = MlflowStudyCallback(study)
+    restored = [SimpleNamespace(trial_id=t) for t in ("known", "ended", "tuned")]
+    callback.on_step_begin(0, restored)
+    gone = client.get_run(unsaved["gone"])
+    assert gone.info.status == "KILLED" and gone.data.tags["prvrlab.stop_reason"].startswith("lost:")
+    saved = json.loads((tmp_path / "study" / STUDY_FILE).read_text())
+    assert saved["trials"]["gone"] == unsaved["gone"] and saved["closed"]["gone"] == "KILLED"
+    assert saved["trials"]["tuned"] == unsaved["tuned"] and "tuned" not in saved["closed"]
+
+    tuned = SimpleNamespace(trial_id="tuned", config={})
+    callback.on_trial_start(0, restored, tuned)  # Tune's trial reattaches to its run: no second run
+    assert client.get_run(unsaved["tuned"]).info.status == "RUNNING"
+    children = client.search_runs([tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert len(children) == 5

@@ -67,12 +67,11 @@ def test_search_resumes_from_the_bucket_after_the_driver_is_killed(tiny_root, tm
         children = [c for c in children if c.info.run_id not in {r.info.run_id for r in lost}]
         seen = [(c.data.tags["prvrlab.trial_id"], c.info.status, c.data.tags.get("prvrlab.stop_reason")) for c in children]
         assert len({c.data.tags["prvrlab.trial_id"] for c in children}) == len(children), seen  # one run per trial
-        # Known race, seen once in a loaded full-suite run and not reproduced alone: the resumed study
-        # ended with 4 distinct trials, none marked lost (the run details were not captured; `seen`
-        # now is).  Our unverified reading: a kill inside the bucket's sync window left Tune's
-        # searcher state one suggestion behind its trial list, so one trial beyond the budget was
-        # sampled.  Every trial must still finish once, with each epoch logged once.
-        assert 3 <= len(children) <= 4, (seen, done.stdout[-3000:])
+        # Two races of a kill inside the bucket's sync window, both seen in loaded full-suite runs: Tune's
+        # searcher state one suggestion behind its trial list (a trial over the budget was sampled; the
+        # restored counter now follows the trial list), and the run map's push cut short (a started
+        # trial's run was left RUNNING outside the map; it is now adopted, or closed as lost).
+        assert len(children) == 3, (seen, done.stdout[-3000:])
         assert all(c.info.status == "FINISHED" for c in children), [c.info.status for c in children]
         for child in children:
             steps = [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")]
