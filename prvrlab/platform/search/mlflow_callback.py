@@ -194,7 +194,6 @@ class MlflowStudyCallback(Callback):
                 self.close_id(trial_id, "KILLED", lost)
         if not self.runs.parent:
             return
-        mapped = set(self.runs.trials.values())
         running = self.tracker.client.search_runs(
             [self.tracker.experiment_id],
             filter_string=f"tags.`mlflow.parentRunId` = '{self.runs.parent}' and attributes.status = 'RUNNING'",
@@ -202,7 +201,7 @@ class MlflowStudyCallback(Callback):
         )
         for run in running:
             trial_id = run.data.tags.get("prvrlab.trial_id")
-            if run.info.run_id in mapped or not trial_id or trial_id in self.runs.trials:
+            if not trial_id or trial_id in self.runs.trials:  # a mapped run's trial is in the map
                 continue
             self.runs.trials[trial_id] = run.info.run_id
             if trial_id not in known:
