@@ -150,3 +150,7 @@ def constructor_params(cls: Callable[..., Any]) -> dict[str, ConstructorParam]:
 BACKBONES: Registry[Any] = Registry("backbone", "prvrlab.models")
 LOSSES: Registry[Any] = Registry("loss", "prvrlab.losses")
 PLUGINS: Registry[Any] = Registry("plugin", "prvrlab.models.plugins")
+
+# Constructor arguments the platform derives (never set in a config).
+DATA_DERIVED = ("video_dim", "query_dim")  # backbones: from the data
+PLUGIN_DERIVED = ("hidden_size",)  # plug-ins: from the backbone

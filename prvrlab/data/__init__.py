@@ -8,52 +8,55 @@ Public entry points::
     synthesize(out_root, preset=...)            a synthetic collection on disk
     convert_bigfile(src, dst)                   BigFile folder -> HDF5
     inspect_collection(cfg)                     validate and summarise
+
+Submodules load on first use (``prvrlab.data.X``), so importing a light part
+(``prvrlab.data.config``) does not pull torch into a process that never trains.
 """
 
-from prvrlab.data.batch import Batch
-from prvrlab.data.bigfile import BigFile
-from prvrlab.data.collection import Collection, SplitIndex, open_collection
-from prvrlab.data.convert import convert_bigfile
-from prvrlab.data.dataset import (
-    VideoBatchSampler,
-    VideoDataset,
-    VideoItem,
-    collate,
-    query_batches,
-    train_loader,
-    video_batches,
-)
-from prvrlab.data.errors import DataError
-from prvrlab.data.features import HDF5Features, VisualFeatures, open_visual_features
-from prvrlab.data.inspect import InspectReport, inspect_collection
-from prvrlab.data.synth import PRESETS, SynthPreset, synthesize
-from prvrlab.data.text import QueryFeatures, read_captions, read_timestamps, video_id_of
+from __future__ import annotations
 
-__all__ = [
-    "Batch",
-    "BigFile",
-    "Collection",
-    "DataError",
-    "HDF5Features",
-    "InspectReport",
-    "PRESETS",
-    "QueryFeatures",
-    "SplitIndex",
-    "SynthPreset",
-    "VideoBatchSampler",
-    "VideoDataset",
-    "VideoItem",
-    "VisualFeatures",
-    "collate",
-    "convert_bigfile",
-    "inspect_collection",
-    "open_collection",
-    "open_visual_features",
-    "query_batches",
-    "read_captions",
-    "read_timestamps",
-    "synthesize",
-    "train_loader",
-    "video_batches",
-    "video_id_of",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Batch": "batch",
+    "BigFile": "bigfile",
+    "Collection": "collection",
+    "SplitIndex": "collection",
+    "open_collection": "collection",
+    "convert_bigfile": "convert",
+    "VideoBatchSampler": "dataset",
+    "VideoDataset": "dataset",
+    "VideoItem": "dataset",
+    "collate": "dataset",
+    "query_batches": "dataset",
+    "train_loader": "dataset",
+    "video_batches": "dataset",
+    "DataError": "errors",
+    "HDF5Features": "features",
+    "VisualFeatures": "features",
+    "open_visual_features": "features",
+    "InspectReport": "inspect",
+    "inspect_collection": "inspect",
+    "PRESETS": "synth",
+    "SynthPreset": "synth",
+    "synthesize": "synth",
+    "QueryFeatures": "text",
+    "read_captions": "text",
+    "read_timestamps": "text",
+    "video_id_of": "text",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

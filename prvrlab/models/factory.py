@@ -28,10 +28,6 @@ from prvrlab.models.component import CAPABILITIES, DATA_CAPABILITIES, Component
 from prvrlab.models.plugins.base import PluggedModel, Plugin
 from prvrlab.registry import BACKBONES, PLUGINS
 
-# Constructor arguments the platform derives (never set in a config).
-DATA_DERIVED = ("video_dim", "query_dim")  # backbones: from the data
-PLUGIN_DERIVED = ("hidden_size",)  # plug-ins: from the backbone
-
 
 class _SkipRandomInit(TorchFunctionMode):
     """Random in-place initialisers become no-ops: on the meta device they compute nothing anyway,

@@ -28,8 +28,7 @@ import yaml
 
 from prvrlab.allocator import HostAllocator
 from prvrlab.data.config import DataConfig
-from prvrlab.models.factory import DATA_DERIVED, PLUGIN_DERIVED
-from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean
+from prvrlab.registry import BACKBONES, DATA_DERIVED, LOSSES, PLUGIN_DERIVED, PLUGINS, RegistryError, did_you_mean
 
 
 class ConfigError(ValueError):

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from ray.tune import Callback
 
-from prvrlab.models.component import DISTRIBUTIONS_DIR
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import ERROR_FILE, record_failure
 from prvrlab.platform import storage
@@ -154,6 +153,8 @@ class MlflowStudyCallback(Callback):
             storage.Location(self.study.trial_sync(trial_id)).pull(exclude=(OUTCOME_FILE,))
         tracker.log_artifacts(run_id, [files / ERROR_FILE])
         if status != "KILLED":
+            from prvrlab.models.component import DISTRIBUTIONS_DIR  # here: trial actors load this module without torch
+
             tracker.log_artifacts(run_id, [files / "config.yaml"])
             tracker.log_artifacts(run_id, sorted(files.glob("ranks_*.parquet")), "ranks")
             tracker.log_artifacts(run_id, sorted((files / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)

@@ -106,15 +106,17 @@ class StudyContext:
             return dict(self.cells[config["cell"]])
         return {k: v for k, v in config.items()}
 
-    def experiment_config(self, config: dict[str, Any]) -> ExperimentConfig:
-        """The trial's validated, resolved experiment config (validated once per process and trial
-        config; an ablation's cells are all resolved by the driver before Ray starts)."""
+    def experiment_config(
+        self, config: dict[str, Any], *, check: Callable[[dict[str, Any]], ExperimentConfig] = validate
+    ) -> ExperimentConfig:
+        """The trial's validated, resolved experiment config (validated by ``check`` once per process and
+        trial config; an ablation's cells are all resolved by the driver before Ray starts)."""
         key = json.dumps(self.overrides(config), sort_keys=True, default=str)
         cache = self.resolved
         if key not in cache:
             raw = apply_overrides(self.base_raw, self.overrides(config))
             raw = apply_overrides(raw, {"train.num_workers": self.workers, "train.use_gpu": self.gpus_per_worker > 0})
-            cache[key] = validate(raw)
+            cache[key] = check(raw)
         return cache[key]
 
     def trial_dir(self, trial_id: str) -> Path:
@@ -245,8 +247,14 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
+    check = validate
+    if study.workers > 1 and study.reuse_workers:  # the slot's pool starts now and checks the config
+        from prvrlab.platform.search.workers import prestart, validate_on_pool
+
+        prestart(study.workers, study.cpus_per_worker, study.gpus_per_worker)
+        check = validate_on_pool
     try:
-        cfg = study.experiment_config(config)
+        cfg = study.experiment_config(config, check=check)
     except ConfigError as exc:  # an invalid sample: one failed trial, not a retried crash
         tune.report({"kind": "invalid", "error": str(exc)})
         return
@@ -281,10 +289,10 @@ def run_trial(config: dict[str, Any], study: StudyContext) -> None:
 
 def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any], filler: MetricFiller) -> None:
     """In the trial actor for 1 worker, a TorchTrainer (DDP, resumed by its name) otherwise."""
-    from prvrlab.platform.train.session import TuneSession
-    from prvrlab.platform.train.loop import train_worker
-
     if study.workers == 1:
+        from prvrlab.platform.train.loop import train_worker
+        from prvrlab.platform.train.session import TuneSession
+
         record_node(loop_config["run_dir"], "trial")
         train_worker(loop_config, TuneSession(filler))
         return

@@ -42,18 +42,50 @@ import os
 import queue
 import shutil
 import socket
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prvrlab.platform.train.session import Session
+
+if TYPE_CHECKING:
+    from prvrlab.platform.config import ExperimentConfig
 
 POLL_S = 0.5  # how often the trial actor looks for rank 0's reports and for failed ranks
 PG_TIMEOUT = timedelta(minutes=30)  # collective timeout, Ray Train's default
 STAGE_DIR = "pool_reports"  # next to a trial's files: rank 0's checkpoints until Tune persists them
-POOL_LOG = "pool.jsonl"  # next to a trial's files: one line per attempt (pool name, rank pids, build time)
+POOL_LOG = "pool.jsonl"  # next to a trial's files: one line per attempt (pool name, rank pids, build time, ...)
+# What a rank imports before its first trial, while its trial actor still validates the trial's config:
+# torch, the process group, DDP's torch._dynamo (~2.4 s here), the loop and every registered component.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "prvrlab.platform.train.loop",
+    "prvrlab.platform.train.optim",
+    "prvrlab.models.factory",
+    "prvrlab.data.dataset",
+    "prvrlab.evaluation.retrieval",
+)
+
+
+def preload() -> None:
+    """Import :data:`PRELOAD` and load every registry (a failure is left for the real import to raise)."""
+    import importlib
+
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+        from prvrlab.registry import BACKBONES, LOSSES, PLUGINS
+
+        for registry in (BACKBONES, LOSSES, PLUGINS):
+            registry.names()
+    except Exception:  # noqa: BLE001 - the same import fails again, with its traceback, where it is needed
+        pass
 
 
 def pool_resources(workers: int, cpus: float, gpus: float, trial_actor_cpu: float):
@@ -110,6 +142,9 @@ class PoolWorker:
         self.outbox: queue.Queue = queue.Queue()
         self.rank, self.world_size = 0, 1
         self.opened: tuple[Any, Any] | None = None  # (DataConfig, its Collection): the last trial's data
+        # imports start now, in the background; join and run wait for them (one importing thread at a time)
+        self.preloading = threading.Thread(target=preload, name="prvrlab-preload", daemon=True)
+        self.preloading.start()
 
     def collection(self, data_cfg: Any) -> Any:
         """The collection of ``data_cfg``, opened again only when it differs from the last trial's
@@ -120,6 +155,16 @@ class PoolWorker:
             self.opened = None  # the old one is released before the new one is opened
             self.opened = (data_cfg, open_collection(data_cfg))
         return self.opened[1]
+
+    def resolve(self, raw: dict[str, Any]) -> tuple[Any, str | None]:
+        """``(validated ExperimentConfig, None)``, or ``(None, the ConfigError's message)``."""
+        self.preloading.join()
+        from prvrlab.platform.config import ConfigError, validate
+
+        try:
+            return validate(raw), None
+        except ConfigError as exc:
+            return None, str(exc)
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port for the process group's rendezvous."""
@@ -132,6 +177,7 @@ class PoolWorker:
 
     def join(self, *, rank: int, world_size: int, init_method: str, backend: str) -> int:
         """Join the pool's process group (blocks until every rank joined); returns the pid."""
+        self.preloading.join()
         import torch.distributed as dist
 
         self.rank, self.world_size = rank, world_size
@@ -140,6 +186,7 @@ class PoolWorker:
 
     def run(self, loop_config: dict[str, Any], resume: str | None, stage: str) -> None:
         """One trial on this rank; rank 0 posts ``("done",)`` when the loop returns or raises."""
+        self.preloading.join()
         from prvrlab.platform.train.loop import train_worker
 
         session = PoolSession(
@@ -161,15 +208,19 @@ class PoolWorker:
 
 
 class WorkerPool:
-    """``workers`` :class:`PoolWorker` actors joined in one process group, in the caller's placement group."""
+    """``workers`` :class:`PoolWorker` actors joined in one process group, in the caller's placement group.
+
+    The actors start (and preload) at construction; :meth:`ready` joins them in the process group."""
 
     def __init__(self, *, workers: int, cpus: float, gpus: float, name: str) -> None:
         import ray
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        start = time.perf_counter()
+        self.start = time.perf_counter()
         self.key, self.name, self.trials = (workers, cpus, gpus), name, 0
+        self.pids: list[int] = []
+        self.build_s = 0.0
         group = get_current_placement_group()
         remote = ray.remote(PoolWorker)
         self.actors = []
@@ -178,6 +229,14 @@ class WorkerPool:
             if group is not None:  # bundle 0 is the trial actor's
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank + 1)
             self.actors.append(remote.options(**options).remote())
+
+    def ready(self) -> None:
+        """Join every rank in the process group (once); kills the actors and raises when that fails."""
+        import ray
+
+        if self.pids:
+            return
+        workers, _, gpus = self.key
         try:
             host, port = ray.get(self.actors[0].address.remote())
             backend = "nccl" if gpus > 0 else "gloo"
@@ -189,7 +248,7 @@ class WorkerPool:
         except BaseException:
             self.shutdown()
             raise
-        self.build_s = time.perf_counter() - start  # actors started + process group joined
+        self.build_s = time.perf_counter() - self.start  # actors started + process group joined
 
     def train(self, loop_config: dict[str, Any], resume: str | None, stage: Path, report: Callable[[dict[str, Any], str | None], None]) -> None:
         """Run one trial on every rank; ``report(metrics, checkpoint folder or None)`` for each of rank 0's
@@ -225,8 +284,8 @@ _POOL: WorkerPool | None = None  # the pool of this trial actor (one per concurr
 _BUILT = 0  # pools built in this process (names stay unique while a killed pool's names are released)
 
 
-def _acquire(workers: int, cpus: float, gpus: float) -> WorkerPool:
-    """This slot's pool, built on first use or after the last one was discarded."""
+def _acquire(workers: int, cpus: float, gpus: float, *, ready: bool = True) -> WorkerPool:
+    """This slot's pool, started on first use or after the last one was discarded; joined unless ``ready`` is False."""
     global _POOL, _BUILT
     if _POOL is not None and _POOL.key != (workers, cpus, gpus):
         discard()
@@ -236,7 +295,38 @@ def _acquire(workers: int, cpus: float, gpus: float) -> WorkerPool:
         _BUILT += 1
         slot = ray.get_runtime_context().get_actor_id() or "driver"
         _POOL = WorkerPool(workers=workers, cpus=cpus, gpus=gpus, name=f"prvrlab-pool-{slot[:12]}-{_BUILT}")
+    if ready:
+        try:
+            _POOL.ready()
+        except BaseException:
+            discard()
+            raise
     return _POOL
+
+
+def prestart(workers: int, cpus: float, gpus: float) -> None:
+    """Start this slot's pool without waiting: its ranks boot and import while the trial actor
+    validates the trial's config (the first trial of a slot would wait for both in turn)."""
+    _acquire(workers, cpus, gpus, ready=False)
+
+
+def validate_on_pool(raw: dict[str, Any]) -> ExperimentConfig:
+    """``validate(raw)`` on this slot's pool's rank 0, where torch and the components are loaded anyway,
+    so that the trial actor never imports them; raises ConfigError as ``validate`` does."""
+    import ray
+
+    from prvrlab.platform.config import ConfigError
+
+    if _POOL is None:
+        raise RuntimeError("validate_on_pool needs a started pool (prestart)")
+    try:
+        cfg, error = ray.get(_POOL.actors[0].resolve.remote(raw))
+    except BaseException:
+        discard()
+        raise
+    if error is not None:
+        raise ConfigError(error)
+    return cfg
 
 
 def discard() -> None:
@@ -257,7 +347,13 @@ def train_on_pool(
     pool = _acquire(workers, cpus, gpus)
     trial_dir = Path(loop_config["run_dir"]).parent
     stage = trial_dir / STAGE_DIR
-    record = {"pool": pool.name, "pids": pool.pids, "trials_before": pool.trials, "build_s": 0.0 if pool.trials else pool.build_s}
+    record = {
+        "pool": pool.name,
+        "pids": pool.pids,
+        "trials_before": pool.trials,
+        "build_s": 0.0 if pool.trials else pool.build_s,
+        "actor_torch": "torch" in sys.modules,  # the trial actor loaded torch (it needs not: its ranks validate)
+    }
     with (trial_dir / POOL_LOG).open("a") as fh:
         fh.write(json.dumps(record) + "\n")
     pool.trials += 1

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import os
 import queue
+import subprocess
+import sys
 import time
 
 import pytest
 
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.search.spec import load_search_spec
-from prvrlab.platform.search.workers import POOL_LOG, PoolSession, PoolWorker, pool_resources
+from prvrlab.platform.search import workers
+from prvrlab.platform.search.workers import POOL_LOG, PRELOAD, PoolSession, PoolWorker, pool_resources
 from prvrlab.platform.train.session import Session
 
 from search_helpers import metric_history, study_runs, tiny_spec
@@ -67,6 +70,7 @@ def test_a_pool_rank_opens_the_collection_again_only_when_the_data_section_chang
 
     data = validate(small_raw(tiny_root, tmp_path)).data
     worker, outbox = PoolWorker(), queue.Queue()
+    worker.preloading.join()
     sessions = [
         PoolSession(rank=0, world_size=1, resume=None, outbox=outbox, stage=tmp_path, collections=worker.collection) for _ in range(3)
     ]
@@ -77,6 +81,81 @@ def test_a_pool_rank_opens_the_collection_again_only_when_the_data_section_chang
     assert sessions[0].open_collection(data) is not first  # only the last trial's data is kept
     plain = Session()
     assert plain.open_collection(data) is not plain.open_collection(data)  # outside a pool: a fresh one per attempt
+
+
+def test_a_fresh_rank_preloads_torch_ddp_and_every_component_in_the_background():
+    probe = """
+import sys
+from prvrlab.platform.search.workers import PRELOAD, PoolWorker
+from prvrlab.registry import BACKBONES
+before = [m for m in PRELOAD if m in sys.modules]
+worker = PoolWorker()
+worker.preloading.join()
+print(before, [m for m in PRELOAD if m not in sys.modules], BACKBONES._loaded)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split("\n")[-2]
+    assert out == "[] [] True"  # nothing loaded at construction time, everything after the background import
+    assert "torch._dynamo" in PRELOAD  # DDP's constructor imports it (~2.4 s on the reference machine)
+
+
+def test_a_pool_rank_validates_a_config_as_validate_does(tiny_root, tmp_path):
+    from prvrlab.platform.config import validate
+
+    worker = PoolWorker()
+    raw = small_raw(tiny_root, tmp_path)
+    assert worker.resolve(raw) == (validate(raw), None)
+    bad = {**raw, "model": {**raw["model"], "hiden_size": 8}}
+    with pytest.raises(ConfigError) as err:
+        validate(bad)
+    assert worker.resolve(bad) == (None, str(err.value))
+    assert "hiden_size" in str(err.value)
+
+
+class _Rank:
+    def __init__(self, answer):
+        self.answer = answer
+        self.resolve = self
+
+    def remote(self, raw):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+class _Pool:
+    def __init__(self, answer):
+        self.actors, self.down = [_Rank(answer)], False
+
+    def shutdown(self):
+        self.down = True
+
+
+def test_validate_on_pool_raises_the_ranks_config_error_and_discards_a_pool_that_failed(monkeypatch, tiny_root, tmp_path):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    ok = _Pool(("the config", None))
+    monkeypatch.setattr(workers, "_POOL", ok)
+    assert workers.validate_on_pool({"any": 1}) == "the config" and workers._POOL is ok
+    monkeypatch.setattr(workers, "_POOL", _Pool((None, "model.hiden_size: unknown")))
+    with pytest.raises(ConfigError, match="model.hiden_size: unknown"):
+        workers.validate_on_pool({})
+    assert workers._POOL is not None  # an invalid config leaves the pool up for the slot's next trial
+    dead = _Pool(RuntimeError("the rank died"))
+    monkeypatch.setattr(workers, "_POOL", dead)
+    with pytest.raises(RuntimeError, match="the rank died"):
+        workers.validate_on_pool({})
+    assert workers._POOL is None and dead.down  # a dead rank: the next attempt builds a new pool
+
+
+def test_what_a_trial_actor_loads_does_not_import_torch():
+    probe = """
+import sys
+import prvrlab.platform.search.study, prvrlab.platform.search.workers, prvrlab.platform.config, prvrlab.data
+print(sorted(m for m in ("torch", "prvrlab.models.factory") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split("\n")[-2]
+    assert out == "[]"
 
 
 # ---------------------------------------------------------------- searches on Ray
@@ -126,6 +205,7 @@ def test_reused_pool_gives_the_per_trial_trainers_results(tiny_root, tmp_path, r
     assert lines[second][0]["pids"] == lines[first][0]["pids"]  # the same two ranks trained both trials
     assert [lines[lr][0]["trials_before"] for lr in (first, second)] == [0, 1]
     assert lines[first][0]["build_s"] > 0 and lines[second][0]["build_s"] == 0
+    assert not any(a["actor_torch"] for attempts in lines.values() for a in attempts)  # the ranks validated
 
     # the reference: the config that ran on the reused pool, alone on a TorchTrainer of its own
     plain = search(load_search_spec(
