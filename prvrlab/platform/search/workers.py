@@ -231,23 +231,19 @@ class WorkerPool:
             self.actors.append(remote.options(**options).remote())
 
     def ready(self) -> None:
-        """Join every rank in the process group (once); kills the actors and raises when that fails."""
+        """Join every rank in the process group (once); raises when that fails (the caller discards the pool)."""
         import ray
 
         if self.pids:
             return
         workers, _, gpus = self.key
-        try:
-            host, port = ray.get(self.actors[0].address.remote())
-            backend = "nccl" if gpus > 0 else "gloo"
-            joins = [
-                a.join.remote(rank=r, world_size=workers, init_method=f"tcp://{host}:{port}", backend=backend)
-                for r, a in enumerate(self.actors)
-            ]
-            self.pids = ray.get(joins)
-        except BaseException:
-            self.shutdown()
-            raise
+        host, port = ray.get(self.actors[0].address.remote())
+        backend = "nccl" if gpus > 0 else "gloo"
+        joins = [
+            a.join.remote(rank=r, world_size=workers, init_method=f"tcp://{host}:{port}", backend=backend)
+            for r, a in enumerate(self.actors)
+        ]
+        self.pids = ray.get(joins)
         self.build_s = time.perf_counter() - self.start  # actors started + process group joined
 
     def train(self, loop_config: dict[str, Any], resume: str | None, stage: Path, report: Callable[[dict[str, Any], str | None], None]) -> None:
