@@ -1,5 +1,8 @@
 """Suite-wide fixtures: single-threaded, seeded tests (the CI machine has 2 cores), the tiny synthetic
-collection, and the config helpers of tests/platform (train_helpers, search_helpers) on the path."""
+collection, and the config helpers of tests/platform (train_helpers, search_helpers) on the path.
+
+``PRVRLAB_TEST_DEVICE=cuda`` runs the tests' tensors on the GPU (tests/device_under_test.py); the session
+refuses to start when that device is not there, so a GPU run never passes silently on the CPU."""
 
 import sys
 from pathlib import Path
@@ -8,6 +11,20 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "platform"))
+
+from device_under_test import DEVICE  # noqa: E402  (tests/ is on the path: this file's folder)
+
+
+def pytest_configure(config):
+    if DEVICE.type == "cpu":
+        return
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        pytest.exit(f"PRVRLAB_TEST_DEVICE={DEVICE} but torch sees no CUDA device", returncode=2)
+    torch.set_default_device(DEVICE)
+
+
+def pytest_report_header(config):
+    return f"prvrlab test device: {DEVICE} (PRVRLAB_TEST_DEVICE)"
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from prvrlab.data.dataset import query_batches, video_batches
 from prvrlab.models.factory import build_model
 from prvrlab.platform.config import validate
 from train_helpers import small_raw
+from device_under_test import DEVICE
 
 
 def setup(tiny_root: Path, tmp: Path, **eval_cfg):
@@ -39,7 +40,7 @@ def plain_evaluation(model, collection, cfg, split: str = "val"):
         video_batches(collection, split, cfg.eval.video_batch_size),
         query_batches(collection, split, cfg.eval.query_batch_size),
         video_ids=index.video_ids, query_ids=index.query_ids, query_video=index.query_video,
-        ratios=getattr(index, "ratios", None), chunk=cfg.eval.score_chunk,
+        ratios=getattr(index, "ratios", None), chunk=cfg.eval.score_chunk, device=next(model.parameters()).device,
     )
 
 
@@ -64,7 +65,7 @@ def test_video_batches_by_length_and_sharded_cover_the_split_once(tiny_root, tmp
 def test_evaluate_equals_plain_split_order(tiny_root, tmp_path):
     cfg, collection, model = setup(tiny_root, tmp_path)
     plain = plain_evaluation(model, collection, cfg)
-    fast = ev.evaluate(model, collection, "val", cfg.eval, device="cpu")
+    fast = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE)
     np.testing.assert_array_equal(fast.ranks, plain.ranks)
     assert fast.table.column("query_id").to_pylist() == collection.split("val").query_ids
     assert fast.metrics == plain.metrics and fast.by_group == plain.by_group
@@ -75,10 +76,10 @@ def test_bf16_falls_back_to_float32_without_native_units(tiny_root, tmp_path, mo
     monkeypatch.setattr(ev, "native_low_precision", lambda device_type: False)
     ev._warn_emulated.cache_clear()
     with pytest.warns(RuntimeWarning, match="no native bf16"):
-        bf16 = ev.evaluate(model, collection, "val", cfg.eval, device="cpu", amp_dtype="bf16")
+        bf16 = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE, amp_dtype="bf16")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per dtype and process
-        ev.evaluate(model, collection, "val", cfg.eval, device="cpu", amp_dtype="bf16")
+        ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE, amp_dtype="bf16")
     np.testing.assert_array_equal(bf16.ranks, plain_evaluation(model, collection, cfg).ranks)
 
 
@@ -107,8 +108,9 @@ def test_two_gloo_ranks_equal_one_process(tiny_root, tmp_path):
     mp.spawn(_sharded_rank, args=(2, str(tmp_path / "init"), str(tiny_root), str(tmp_path)), nprocs=2, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert json.loads((tmp_path / "rank1.json").read_text()) == {name: None for name in SHARDINGS}
-    cfg, collection, model = setup(tiny_root, tmp_path)
-    plain = plain_evaluation(model, collection, cfg)
+    with torch.device("cpu"):  # the ranks ran on the CPU: the same weights and float order here
+        cfg, collection, model = setup(tiny_root, tmp_path)
+        plain = plain_evaluation(model, collection, cfg)
     index = collection.split("val")
     for name in SHARDINGS:
         got = rank0[name]

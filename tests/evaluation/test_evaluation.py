@@ -16,6 +16,7 @@ from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, Vi
 from prvrlab.evaluation import metrics as evm
 from prvrlab.evaluation import retrieval as ev
 from prvrlab.platform.config import EvalConfig
+from device_under_test import DEVICE
 
 torch.set_num_threads(1)
 
@@ -106,13 +107,13 @@ def brute_force_ranks(scores: torch.Tensor, query_video: np.ndarray) -> np.ndarr
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 100])
 def test_compute_ranks_matches_brute_force(chunk):
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     nq, nv = 17, 9
     # small integers: plenty of exact ties, and 1.0*a + 0.5*b is exact in fp32
     a = torch.randint(0, 4, (nq, nv), generator=gen).float()
     b = torch.randint(0, 3, (nq, nv), generator=gen).float()
     model = MatrixModel(a, b)
-    query_video = torch.randint(0, nv, (nq,), generator=gen).numpy()
+    query_video = torch.randint(0, nv, (nq,), generator=gen).cpu().numpy()
     expected = brute_force_ranks(1.0 * a + 0.5 * b, query_video)
 
     ranks = ev.compute_ranks(model, query_ids_emb(nq), video_ids_emb(nv), query_video, chunk=chunk)
@@ -125,12 +126,12 @@ def test_compute_ranks_matches_brute_force(chunk):
 
 
 def test_compute_ranks_continuous_scores_and_tensor_query_video():
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(DEVICE).manual_seed(1)
     nq, nv = 12, 30
     a, b = torch.randn(nq, nv, generator=gen), torch.randn(nq, nv, generator=gen)
     model = MatrixModel(a, b, weights=(0.7, 0.3))
     query_video = torch.randint(0, nv, (nq,), generator=gen)
-    expected = brute_force_ranks(model.fuse({"a": BranchScores(a), "b": BranchScores(b)}), query_video.numpy())
+    expected = brute_force_ranks(model.fuse({"a": BranchScores(a), "b": BranchScores(b)}), query_video.cpu().numpy())
     ranks = ev.compute_ranks(model, query_ids_emb(nq), video_ids_emb(nv), query_video, chunk=5)
     np.testing.assert_array_equal(ranks, expected)
 
@@ -230,7 +231,7 @@ DIM = 4
 
 def make_video_batches(frame_lengths, per_batch=2, seed=0):
     """Fake (ids, clips, frames, frame_mask) batches; video k's clips start with k."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     batches, k = [], 0
     for lf in frame_lengths:
         ids = [f"v{k + i}" for i in range(per_batch)]
@@ -245,7 +246,7 @@ def make_video_batches(frame_lengths, per_batch=2, seed=0):
 
 
 def make_query_batches(token_lengths, per_batch=3, seed=1):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     batches, k = [], 0
     for lq in token_lengths:
         ids = [f"q{k + i}" for i in range(per_batch)]
@@ -259,8 +260,8 @@ def test_encode_each_video_once_and_padding():
     model.train()
     vbatches = make_video_batches([3, 5, 2])
     qbatches = make_query_batches([4, 2])
-    video, video_ids = ev.encode_videos(model, iter(vbatches), device="cpu")
-    query, query_ids = ev.encode_queries(model, iter(qbatches), device="cpu")
+    video, video_ids = ev.encode_videos(model, iter(vbatches), device=DEVICE)
+    query, query_ids = ev.encode_queries(model, iter(qbatches), device=DEVICE)
 
     assert model.video_calls == 3
     assert sorted(model.videos_seen) == [float(i) for i in range(6)]  # each video exactly once
@@ -283,8 +284,8 @@ def test_encode_each_video_once_and_padding():
 
 def test_encode_bf16_autocast_returns_float32():
     model = VectorModel(DIM)
-    video, _ = ev.encode_videos(model, make_video_batches([3, 4]), device="cpu", amp_dtype=torch.bfloat16)
-    query, _ = ev.encode_queries(model, make_query_batches([2]), device="cpu", amp_dtype="bf16")
+    video, _ = ev.encode_videos(model, make_video_batches([3, 4]), device=DEVICE, amp_dtype=torch.bfloat16)
+    query, _ = ev.encode_queries(model, make_query_batches([2]), device=DEVICE, amp_dtype="bf16")
     assert model.clip_dtype == torch.bfloat16  # autocast was really on inside the encoder
     assert video.clip.dtype == torch.float32 and video.frame_mask.dtype == torch.bool
     assert query.vectors["clip"].dtype == torch.float32
@@ -298,9 +299,9 @@ def test_encode_rejects_duplicate_and_empty():
     batches = make_video_batches([3, 3])
     dup = [batches[0], batches[0]]
     with pytest.raises(ValueError, match="more than once"):
-        ev.encode_videos(model, dup, device="cpu")
+        ev.encode_videos(model, dup, device=DEVICE)
     with pytest.raises(ValueError, match="no video batch"):
-        ev.encode_videos(model, [], device="cpu")
+        ev.encode_videos(model, [], device=DEVICE)
 
 
 # ---------------------------------------------------------------- end to end
@@ -308,7 +309,7 @@ def test_encode_rejects_duplicate_and_empty():
 
 def toy_split(num_videos=5, per_video=2, seed=0):
     """Videos whose first clip is a one-hot; each query is (a noisy version of) its video's."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     video_ids = [f"vid{i}" for i in range(num_videos)]
     clips = torch.zeros(num_videos, 2, num_videos)
     clips[torch.arange(num_videos), 0, torch.arange(num_videos)] = 1.0
@@ -337,7 +338,7 @@ def test_evaluate_batches_out_of_order_yield():
     model.train()
     result = ev.evaluate_batches(
         model, vbatches, qbatches, video_ids=video_ids, query_ids=query_ids,
-        query_video=query_video, ratios=ratios, chunk=3, device="cpu",
+        query_video=query_video, ratios=ratios, chunk=3, device=DEVICE,
     )
     assert model.training  # previous mode restored
     assert result.num_videos == 5 and result.num_queries == 10
@@ -361,7 +362,7 @@ def test_evaluate_batches_rejects_unknown_video():
     qbatches = [(query_ids, queries, torch.ones(len(query_ids), 2, dtype=torch.bool))]
     with pytest.raises(ValueError, match="not in the split"):
         ev.evaluate_batches(VectorModel(5), vbatches, qbatches, video_ids=video_ids,
-                            query_ids=query_ids, query_video=query_video, device="cpu")
+                            query_ids=query_ids, query_video=query_video, device=DEVICE)
 
 
 def test_evaluate_with_fake_data_layer(monkeypatch):
@@ -390,7 +391,7 @@ def test_evaluate_with_fake_data_layer(monkeypatch):
 
     model = VectorModel(6)
     cfg = EvalConfig(video_batch_size=4, query_batch_size=5, score_chunk=7)
-    result = ev.evaluate(model, FakeCollection(), "val", cfg, device="cpu", amp_dtype="bf16")
+    result = ev.evaluate(model, FakeCollection(), "val", cfg, device=DEVICE, amp_dtype="bf16")
 
     assert calls == {"split": "val", "video_batch_size": 4, "query_batch_size": 5}
     assert model.video_calls == 2
@@ -424,7 +425,7 @@ def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):
     def run():
         return ev.evaluate_batches(
             VectorModel(5), [(video_ids, clips, frames, mask)], [(query_ids, queries, qmask)],
-            video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=2048, device="cpu",
+            video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=2048, device=DEVICE,
         )
 
     calls: list[int] = []

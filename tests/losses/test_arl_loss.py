@@ -15,6 +15,7 @@ from prvrlab.platform.config import ConfigError, validate
 from prvrlab.registry import LOSSES
 
 from loss_helpers import make_batch
+from device_under_test import DEVICE
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -34,7 +35,7 @@ def output(aux) -> ModelOutput:
 
 
 def case(seed: int, query_video: list[int], lengths: list[int], p: float = 0.4):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     nq, nv, lf = len(query_video), len(lengths), max(lengths)
     frame_sim = torch.rand(nq, nv, lf, generator=g) * 2 - 1
     frame_mask = torch.arange(lf)[None] < torch.tensor(lengths)[:, None]

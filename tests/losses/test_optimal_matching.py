@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from loss_helpers import make_batch
 from prvrlab.losses.optimal_matching import OptimalMatchingLoss, group_queries, matching_cosines
 from prvrlab.models.base import ModelOutput, QueryEmbedding, VideoEmbedding
 from prvrlab.registry import LOSSES
+from device_under_test import DEVICE
 
 
 def output(vectors: torch.Tensor, clips: torch.Tensor, branch: str = "clip") -> ModelOutput:
@@ -42,7 +44,7 @@ def brute_force(vectors: torch.Tensor, clips: torch.Tensor, query_video: list[in
 
 @pytest.mark.parametrize("seed", range(4))
 def test_matches_brute_force_over_all_assignments(seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     query_video = [0, 0, 0, 1, 2, 2, 3, 3]
     vectors = torch.randn(8, 4, generator=g)
     clips = torch.randn(4, 4, 4, generator=g)
@@ -51,7 +53,7 @@ def test_matches_brute_force_over_all_assignments(seed):
 
 
 def test_more_queries_than_clips_assigns_each_clip_once():
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator(DEVICE).manual_seed(7)
     query_video = [0, 0, 0, 0, 1, 1]
     vectors = torch.randn(6, 3, generator=g)
     clips = torch.randn(2, 3, 3, generator=g)[:, :2]  # 2 clips per video, video 0 has 4 queries
@@ -96,7 +98,7 @@ def test_identical_queries_still_get_distinct_clips():
 
 
 def test_group_queries():
-    counts, slot = group_queries(torch.tensor([2, 0, 2, 2, 0]).numpy(), 4)
+    counts, slot = group_queries(np.array([2, 0, 2, 2, 0]), 4)
     assert counts.tolist() == [2, 0, 3, 0]
     assert slot.tolist() == [0, 0, 1, 2, 1]
 

@@ -8,6 +8,7 @@ from loss_helpers import make_batch, make_output
 
 from prvrlab.losses.triplet import TripletLoss, sample_negatives
 from prvrlab.registry import LOSSES
+from device_under_test import DEVICE
 
 
 def loop_triplet(sim, query_video, t2v_neg, v2t_neg, margin):
@@ -53,11 +54,11 @@ def test_random_negatives_match_loop(epoch):
     nv = 6  # video 5 has no query in the batch
     sim = torch.rand(len(query_video), nv) * 2 - 1
     loss_fn = TripletLoss(margin=0.2, hard_negative_start_epoch=20, hard_pool_size=2)
-    terms = loss_fn.compute(sim, torch.tensor(query_video), epoch=epoch, generator=torch.Generator().manual_seed(1))
+    terms = loss_fn.compute(sim, torch.tensor(query_video), epoch=epoch, generator=torch.Generator(DEVICE).manual_seed(1))
     expected = loop_triplet(sim.tolist(), query_video, terms.t2v_negative.tolist(), terms.v2t_negative.tolist(), 0.2)
     assert terms.loss.item() == pytest.approx(expected, abs=1e-6)
     assert terms.v2t[5] == 0  # no positive: no term
-    again = loss_fn.compute(sim, torch.tensor(query_video), epoch=epoch, generator=torch.Generator().manual_seed(1))
+    again = loss_fn.compute(sim, torch.tensor(query_video), epoch=epoch, generator=torch.Generator(DEVICE).manual_seed(1))
     assert torch.equal(again.t2v_negative, terms.t2v_negative)
     assert torch.equal(again.v2t_negative, terms.v2t_negative)
 

@@ -25,6 +25,7 @@ from prvrlab.models.plugins.base import PluginError
 from prvrlab.registry import PLUGINS
 
 from test_backbones import QUERY_DIM, VIDEO_DIM, make_batch
+from device_under_test import DEVICE
 
 TINY_ARL = {"name": "arl", "hidden_size": 16, "num_heads": 2, "max_frames": 16, "max_query_len": 8, "dropout": 0.0}
 
@@ -47,7 +48,7 @@ def context(model, batches, epoch: int = 5) -> EpochContext:
         epoch=epoch,
         num_epochs=10,
         model=model,
-        device=torch.device("cpu"),
+        device=DEVICE,
         amp_dtype=None,
         rank=0,
         world_size=1,

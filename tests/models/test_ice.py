@@ -15,6 +15,7 @@ from prvrlab.models.plugins.base import PluggedModel, PluginError
 from prvrlab.models.plugins.ice import ICE, group_labels, mutual_pairs, shuffle_sources
 from prvrlab.registry import PLUGINS
 from tests.models.test_backbones import NUM_CLIPS, QUERY_DIM, VIDEO_DIM, build, make_batch
+from device_under_test import DEVICE
 
 HIDDEN = 16
 # backbone -> plug-in parameters that fit it (MS-SL's moment tokens are proposals: TCP on frames only)
@@ -156,7 +157,7 @@ def test_mutual_pairs_on_a_hand_built_matrix():
 
 
 def test_mutual_pairs_match_the_definition_on_random_matrices():
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(DEVICE).manual_seed(3)
     for _ in range(20):
         sim = torch.rand(12, 5, generator=g) * 2 - 1
         own = torch.randint(0, 4, (12,), generator=g)[:, None] == torch.randint(0, 4, (5,), generator=g)[None, :]
@@ -204,7 +205,7 @@ def test_ice_aux_mines_from_moment_tokens_and_skips_padding():
 
 def _epoch_ctx() -> EpochContext:
     return EpochContext(
-        epoch=0, num_epochs=1, model=None, device=torch.device("cpu"), amp_dtype=None, rank=0, world_size=1,
+        epoch=0, num_epochs=1, model=None, device=DEVICE, amp_dtype=None, rank=0, world_size=1,
         train_batches=lambda: iter(()),
     )
 
@@ -213,8 +214,8 @@ def test_precision_against_the_ground_truth_and_its_chance_rate():
     plugin = ICE(hidden_size=4, irm=False, tcp=False)
     b = batch()  # videos v0..v2; queries q0, q1 -> v0, q2 -> v1, q3, q4 -> v2
     relevant = torch.tensor(
-        [[1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 1], [0, 0, 1]], dtype=torch.bool
-    )  # (Nq, Nv): q0 also fits v2, q3 also fits v1
+        [[1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 1], [0, 0, 1]], dtype=torch.bool, device="cpu"
+    )  # (Nq, Nv): q0 also fits v2, q3 also fits v1; on the CPU, as GroundTruth.relevant's
     truth = SimpleNamespace(relevant=lambda qids, vids: relevant[[int(q[1:]) for q in qids]][:, [int(v[1:]) for v in vids]])
     aux = {"ice.pair_video": torch.tensor([2, 1, 0]), "ice.pair_text": torch.tensor([0, 3, 4])}  # right, right, wrong
     ctx = StepContext(epoch=0, step=0, global_step=0, batch=b, output=SimpleNamespace(aux=aux), terms={}, truth=truth)
@@ -272,7 +273,7 @@ def test_group_labels_by_hand():
 def test_shuffle_is_seeded_reproducible_and_moves_the_exact_fraction():
     lengths = torch.tensor([128, 8, 10, 5, 1, 0])
     mask = torch.arange(128)[None, :] < lengths[:, None]
-    draw = lambda seed: shuffle_sources(mask, 0.25, torch.Generator().manual_seed(seed))  # noqa: E731
+    draw = lambda seed: shuffle_sources(mask, 0.25, torch.Generator(DEVICE).manual_seed(seed))  # noqa: E731
     src = draw(7)
     assert torch.equal(src, draw(7)) and not torch.equal(src, draw(8))
     identity = torch.arange(128).expand_as(src)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from test_backbones import build, make_batch, standard_batch
 
 from prvrlab.models.blocks import AdditiveAttentionPooling, Packing
+from device_under_test import DEVICE
 
 
 def test_branches_and_default_alpha():
@@ -52,7 +53,7 @@ def test_additive_attention_pooling_matches_hand_computation():
         e = torch.stack([pool.score.weight[0] @ torch.tanh(pool.project(x[b, j])) for j in range(n)])
         expected = (torch.softmax(e, dim=0)[:, None] * x[b, :n]).sum(dim=0)
         torch.testing.assert_close(got[b], expected)
-    packing = Packing.from_mask(mask, 2, 3, "cpu")
+    packing = Packing.from_mask(mask, 2, 3, DEVICE)
     torch.testing.assert_close(pool.forward_packed(packing.pack(x), packing), got)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from prvrlab.models import mamba
 from prvrlab.models.blocks import Packing
 from prvrlab.models.mamba import (
     Mamba,
@@ -17,10 +18,11 @@ from prvrlab.models.mamba import (
     selective_scan_chunked,
     selective_scan_reference,
 )
+from device_under_test import DEVICE
 
 
 def scan_inputs(batch=2, length=11, channels=3, state=4, *, seed=0, dtype=torch.float64, big_steps=False):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)  # the device under test, or the CPU's in test_fused_scan
     x = torch.randn(batch, length, channels, generator=g, dtype=dtype)
     delta = F.softplus(torch.randn(batch, length, channels, generator=g, dtype=dtype) * (4.0 if big_steps else 1.0))
     A = -torch.exp(torch.randn(channels, state, generator=g, dtype=dtype) + (2.0 if big_steps else 0.0))
@@ -100,7 +102,7 @@ def test_gradcheck_of_the_chunked_scan():
 
 def test_dispatch_runs_fp32_under_autocast_and_rejects_unknown_kernels():
     args = scan_inputs(length=6, dtype=torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         y = selective_scan(*(a.bfloat16() for a in args))
     assert y.dtype == torch.float32
     with pytest.raises(ValueError, match="kernel"):
@@ -110,7 +112,7 @@ def test_dispatch_runs_fp32_under_autocast_and_rejects_unknown_kernels():
 def test_chunked_scan_fp32_gradients_match_the_float64_recurrence():
     """The hand-written backward in fp32 against autograd of the recurrence in float64, several chunks."""
     args = scan_inputs(batch=3, length=40, channels=6, state=16, seed=5, dtype=torch.float32)
-    weights = torch.randn(3, 40, 6, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(3, 40, 6, generator=torch.Generator(DEVICE).manual_seed(1))
     fast = [a.clone().requires_grad_() for a in args]
     ref = [a.double().requires_grad_() for a in args]
     got = torch.autograd.grad((selective_scan_chunked(*fast, chunk=16, block_elements=2 * 16 * 6 * 16) * weights).sum(), fast)
@@ -208,12 +210,27 @@ def test_mamba_layer_residual_norm_and_padding_switch():
     masked = MambaLayer(hidden_size=8, scan_chunk=4, mask_padding=True).eval()
     masked.load_state_dict(layer.state_dict())
     mask = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
-    packing = Packing.from_mask(mask, 2, 6, "cpu")
+    packing = Packing.from_mask(mask, 2, 6, DEVICE)
     x = torch.randn(packing.num_tokens, 8)
     out = layer.forward_packed(x, packing)
     expected = x + layer.norm(packing.pack(layer.mamba(packing.unpack(x))))
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(masked.forward_packed(x, packing), out)  # causal: the switch keeps real tokens
+
+
+def test_the_default_blocking_is_one_tvr_sequence_on_the_cpu_and_the_whole_batch_elsewhere(monkeypatch):
+    """TVR's Mamba scan (E = 768, N = 16, chunks of 32): cache-sized blocks of one sequence on the CPU; on
+    other devices (here: meta, standing for a GPU) blocks of >= 128 sequences, so a batch of 128 videos
+    runs its chunks' steps once instead of once per video (kernel launches, not arithmetic, bound a GPU)."""
+    rows_seen = []
+    blocks = mamba._blocks
+    monkeypatch.setattr(mamba, "_blocks", lambda batch, length, rows, chunk: rows_seen.append(rows) or blocks(batch, length, rows, chunk))
+    for device in ("cpu", "meta"):
+        x = torch.rand(2, 32, 768, device=device)
+        B = C = torch.rand(2, 32, 16, device=device)
+        y = selective_scan_chunked(x, x, -torch.ones(768, 16, device=device), B, C, chunk=32)
+        assert y.shape == (2, 32, 768) and y.device.type == device
+    assert rows_seen[0] == 1 and rows_seen[1] >= 128
 
 
 @pytest.mark.parametrize("block_elements", [1, 40, 100, 10**9])

@@ -12,6 +12,7 @@ from prvrlab.models.plugins.base import PluggedModel, PluginError
 from prvrlab.models.plugins.ral import RAL, confidence_scores, masked_softmax, sample_proxies
 from prvrlab.registry import BACKBONES, PLUGINS
 from tests.models.test_backbones import build, make_batch
+from device_under_test import DEVICE
 
 FRAME_BACKBONES = [n for n in ("gmmformer", "gmmformer_v2", "mssl") if n in BACKBONES.names()]
 HIDDEN = 16
@@ -77,7 +78,7 @@ def test_csa_word_weights_learned_and_average():
 
 
 def test_confidence_scores_match_a_hand_loop():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     words, frames = torch.randn(3, 4, 6, generator=g), torch.randn(5, 7, 6, generator=g)
     word_mask = torch.arange(4)[None] < torch.tensor([4, 1, 3])[:, None]
     frame_mask = torch.arange(7)[None] < torch.tensor([7, 2, 5, 1, 3])[:, None]
