@@ -52,6 +52,15 @@ from prvrlab.models.blocks import PackedLayer, Packing
 SCAN_KERNELS = ("auto", "fused", "torch")
 DEFAULT_SCAN_CHUNK = 32
 DEFAULT_BLOCK_ELEMENTS = 1 << 19  # state elements per block of the CPU scan (2 MiB in fp32: stays in cache)
+# On a GPU every step of a block is a few kernel launches: blocks of one sequence cost TVR's batch
+# (128 videos x 128 frames, E = 768, N = 16) 16,384 steps per scan; blocks of 2^26 elements (256 MiB in
+# fp32 per state-sized work tensor) hold the whole batch, 128 steps.
+DEVICE_BLOCK_ELEMENTS = 1 << 26
+
+
+def default_block_elements(device: torch.device) -> int:
+    """State elements per block of :func:`selective_scan_chunked` on ``device`` (cache-sized on the CPU)."""
+    return DEFAULT_BLOCK_ELEMENTS if device.type == "cpu" else DEVICE_BLOCK_ELEMENTS
 
 
 def _masked(x: Tensor, delta: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -176,13 +185,15 @@ def selective_scan_chunked(
     *,
     mask: Tensor | None = None,
     chunk: int = DEFAULT_SCAN_CHUNK,
-    block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    block_elements: int | None = None,
 ) -> Tensor:
     """The same result as :func:`selective_scan_reference`, computed in blocks of ``chunk`` steps and
     as many sequences as keep a block's states (sequences x chunk x E x N) within ``block_elements``
-    (at least one sequence), with a hand-written backward (:class:`_ChunkedScan`).  Memory: the
+    (at least one sequence; None: :func:`default_block_elements` of the inputs' device), with a hand-written backward (:class:`_ChunkedScan`).  Memory: the
     inputs, one block's work tensors and the states entering each chunk, O(B E N L / chunk)."""
     check_positive_int(chunk, "chunk")
+    if block_elements is None:
+        block_elements = default_block_elements(x.device)
     check_positive_int(block_elements, "block_elements")
     x, delta = _masked(x, delta, mask)
     batch, length, channels = x.shape
@@ -233,7 +244,7 @@ def selective_scan(
     *,
     mask: Tensor | None = None,
     chunk: int = DEFAULT_SCAN_CHUNK,
-    block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    block_elements: int | None = None,
     kernel: str = "auto",
 ) -> Tensor:
     """The selective scan in fp32 (autocast off) with ``kernel`` (module docstring): ``auto`` =
