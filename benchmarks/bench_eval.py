@@ -27,6 +27,7 @@ equality is tested in tests/evaluation/test_eval_sharding.py.
 
     .venv/bin/python benchmarks/bench_eval.py
     .venv/bin/python benchmarks/bench_eval.py --val-videos 200 --splits val --amp none   # a quick look
+    python3 benchmarks/bench_eval.py --device cuda --splits test --no-memory            # on a GPU (prints peak GPU memory)
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from prvrlab.platform.train.loop import seed_everything
 OFFICIAL_S = {"gmmformer": 21.5, "gmmformer_v2": 34.4}  # issue 16: 2,500 queries x 500 videos, quiet machine, fp32
 
 
-def naive(model, collection, split: str, eval_cfg, amp: str) -> EvalResult:
+def naive(model, collection, split: str, eval_cfg, amp: str, device: str = "cpu") -> EvalResult:
     """The evaluation before issue 16: split order, batches padded to their longest video, the plain
     attention path."""
     index = collection.split(split)
@@ -64,7 +65,7 @@ def naive(model, collection, split: str, eval_cfg, amp: str) -> EvalResult:
             video_batches(collection, split, eval_cfg.video_batch_size),
             query_batches(collection, split, eval_cfg.query_batch_size),
             video_ids=index.video_ids, query_ids=index.query_ids, query_video=index.query_video,
-            ratios=getattr(index, "ratios", None), chunk=int(eval_cfg.score_chunk), amp_dtype=amp,
+            ratios=getattr(index, "ratios", None), chunk=int(eval_cfg.score_chunk), amp_dtype=amp, device=device,
         )
     finally:
         GaussianAttention.fast = True
@@ -89,6 +90,7 @@ def main() -> None:
     p.add_argument("--test-videos", type=int, default=2179)
     p.add_argument("--config", default="gmmformer_tvr.yaml")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (peak-RSS runs are CPU-only; on cuda: peak GPU memory)")
     p.add_argument("--splits", nargs="+", default=["val", "test"])
     p.add_argument("--amp", nargs="+", default=["none", "bf16"], choices=["none", "bf16"])
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per path (best kept)")
@@ -111,11 +113,15 @@ def main() -> None:
     collection = open_collection(cfg.data)
     print(f"open + check collection: {time.perf_counter() - t0:.1f} s")
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    model.to(args.device)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        print(f"device: {torch.cuda.get_device_name(args.device)}")
     backbone = str(cfg.model["name"])
     official = OFFICIAL_S.get(backbone)
-    paths = {"fast": lambda split, amp: evaluate(model, collection, split, cfg.eval, device="cpu", amp_dtype=amp)}
+    paths = {"fast": lambda split, amp: evaluate(model, collection, split, cfg.eval, device=args.device, amp_dtype=amp)}
     if not args.no_naive:
-        paths["naive"] = lambda split, amp: naive(model, collection, split, cfg.eval, amp)
+        paths["naive"] = lambda split, amp: naive(model, collection, split, cfg.eval, amp, args.device)
     if args.peak_of is not None:
         before = peak_rss_gib()
         paths[args.peak_of](args.splits[0], args.amp[0])
@@ -124,6 +130,8 @@ def main() -> None:
     for amp in args.amp:
         for split in args.splits:
             best: dict[str, EvalResult] = {}
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(args.device)
             for _ in range(args.repeats):
                 for name, run in paths.items():  # alternating: both see the same load
                     res = run(split, amp)
@@ -145,7 +153,10 @@ def main() -> None:
             if official is not None and (fast.num_queries, fast.num_videos) == (2500, 500):
                 print(f"[{amp:>4}] fast over the official {backbone} ({official} s, quiet machine): "
                       f"{official / fast.seconds:.2f}x")
-            for name in () if args.no_memory else best:
+            if cuda:
+                print(f"[{amp:>4}] peak GPU memory (allocated, all paths): "
+                      f"{torch.cuda.max_memory_allocated(args.device) / 2**30:.2f} GiB")
+            for name in () if args.no_memory or cuda else best:
                 before, peak = peak_of(args, name, split, amp)
                 print(f"[{amp:>4}] {name:>5} {split:<4} peak RSS of one evaluation in a fresh process: {peak:.2f} GiB "
                       f"({before:.2f} GiB before it: interpreter, model, opened collection)")

@@ -1,0 +1,108 @@
+"""Train through the in-process worker -- what ``prvrlab train --no-ray`` runs -- on any device.
+
+For each config (GMMFormer and GMMFormer v2 at TVR's dimensions by default) on a
+TVR-shaped synthetic collection (the one benchmarks/bench_eval.py uses), runs
+the platform's training loop in this process (``run_local``: loader, model,
+losses, optimiser, per-epoch validation, checkpoints, the final evaluation) and
+prints, per epoch, the training loss, val SumR and seconds, then the median
+seconds per step and videos/s over the epochs after the first (warm-up), peak
+GPU memory on CUDA (peak RSS on CPU), and whether the loss fell.
+
+The worker's reports come to this script, not to MLflow: it needs neither Ray
+nor MLflow, so it also runs where they are not installed (the GPU image).
+
+    python3 benchmarks/bench_inprocess.py --device cuda --epochs 20            # 200 steps per model
+    .venv/bin/python benchmarks/bench_inprocess.py --train-videos 256 --val-videos 64 --test-videos 64 \\
+        --epochs 2 --amp none --configs gmmformer_tvr.yaml                     # a quick look on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from prvrlab.platform.train.loop import run_local
+
+
+def train_one(root: Path, config: str, args: argparse.Namespace) -> dict:
+    """Train ``config`` in this process; the per-epoch reports and the figures derived from them."""
+    cuda = torch.device(args.device).type == "cuda"
+    overrides = {
+        "train.epochs": args.epochs,
+        "train.amp": args.amp,
+        "train.use_gpu": cuda,
+        "data.loader_workers": args.loader_workers,
+        "eval.final_splits": ["val"],
+    }
+    if args.batch is not None:
+        overrides["train.batch_size"] = args.batch
+    cfg = tvr_config(root, config, **overrides)
+    epochs: list[dict] = []
+
+    def on_report(m: dict) -> None:
+        if m.get("kind") != "epoch":
+            return
+        epochs.append(m)
+        print(f"  epoch {m['epoch']:>3}/{args.epochs}  loss {m['train/loss']:.4f}  val SumR {m.get('val/sumr', float('nan')):6.1f}  "
+              f"train {m['time/train_s']:6.2f} s  epoch {m['time/epoch_s']:6.2f} s", flush=True)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(args.device)
+    with tempfile.TemporaryDirectory(prefix="bench_inprocess_") as run_dir:
+        run_local(cfg, run_dir, on_report=on_report)
+    steps = math.ceil(args.train_videos / cfg.train.batch_size)
+    timed = epochs[1:] or epochs
+    train_s = statistics.median(m["time/train_s"] for m in timed)
+    return {
+        "config": config,
+        "steps": steps * len(epochs),
+        "step_s": train_s / steps,
+        "videos_s": args.train_videos / train_s,
+        "peak_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if cuda else peak_rss_gib(),
+        "first_loss": epochs[0]["train/loss"],
+        "last_loss": epochs[-1]["train/loss"],
+        "best_sumr": max(m.get("val/sumr", float("nan")) for m in epochs),
+        "first_sumr": epochs[0].get("val/sumr", float("nan")),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default="data/bench_tvr", help="the TVR-shaped collection (written once)")
+    p.add_argument("--train-videos", type=int, default=1280)
+    p.add_argument("--val-videos", type=int, default=500)
+    p.add_argument("--test-videos", type=int, default=2179)
+    p.add_argument("--configs", nargs="+", default=["gmmformer_tvr.yaml", "gmmformer_v2_tvr.yaml"])
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch", type=int, default=None, help="train.batch_size (default: the config's, 128)")
+    p.add_argument("--amp", default="bf16", choices=["none", "bf16", "fp16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--loader-workers", type=int, default=0, help="data.loader_workers")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    root = tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)
+    print(f"machine: {machine()}")
+    if torch.device(args.device).type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(args.device)}")
+    rows = []
+    for config in args.configs:
+        print(f"{config}: {args.epochs} epochs of {args.train_videos} videos, amp {args.amp}, {args.device}", flush=True)
+        rows.append(train_one(root, config, args))
+    memory = "peak GPU memory (allocated)" if torch.device(args.device).type == "cuda" else "peak RSS"
+    for r in rows:
+        fell = "falls" if r["last_loss"] < r["first_loss"] else "DOES NOT FALL"
+        print(f"{r['config']}: {r['steps']} steps; {r['step_s'] * 1000:.0f} ms/step (data included, median epoch after the "
+              f"first), {r['videos_s']:.0f} videos/s; {memory} {r['peak_gib']:.2f} GiB; loss {r['first_loss']:.4f} -> "
+              f"{r['last_loss']:.4f} ({fell}); val SumR {r['first_sumr']:.1f} after epoch 1, best {r['best_sumr']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
