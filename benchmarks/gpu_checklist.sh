@@ -63,7 +63,7 @@ rows = []
 for name in sys.argv[3:]:  # every backbone at TVR's dimensions, with and without plug-ins
     cfg = load_config(f"configs/{name}.yaml")
     rows.append(profile_config(cfg, galleries=galleries, queries=50, video_dim=3072, query_dim=768, device=device, name=name))
-    print(f"{name}: {', '.join(f'{g}: {ms:.2f}' for g, ms in rows[-1].ms_per_query.items())} ms/query", flush=True)
+    print(profile_table(rows[-1:]), flush=True)  # each config as it is done: a stage cut short keeps them
 print(profile_table(rows))
 PROFILE
 
