@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import re
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 ERROR_FILE = "error.txt"  # the full text of every failure of a run, an artifact of its MLflow run
 TRAIN_HINT = "lower train.batch_size or train.num_workers"
@@ -85,6 +87,33 @@ def explain_failure(text: str, *, hint: str = TRAIN_HINT, origin: str = "the tra
 def explain_exception(exc: BaseException, *, hint: str = TRAIN_HINT, origin: str = "the training code") -> Failure:
     """:func:`explain_failure` on :func:`failure_text` of ``exc``."""
     return explain_failure(failure_text(exc), hint=hint, origin=origin)
+
+
+def carries_interrupt(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt (Ctrl-C, or SIGTERM through the CLI's handler) is in ``exc``'s chain.
+
+    Code can wrap the interrupt: Python 3.11 turns one raised while a class is created (a lazy
+    import) into ``RuntimeError: Error calling __set_name__ ...`` with the interrupt as its cause."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@contextmanager
+def interrupts_unwrapped() -> Iterator[None]:
+    """Re-raise an exception that carries an interrupt (:func:`carries_interrupt`) as KeyboardInterrupt,
+    so that a stopped run ends KILLED, is not retried, and records no failure."""
+    try:
+        yield
+    except Exception as exc:
+        if carries_interrupt(exc):
+            raise KeyboardInterrupt from exc
+        raise
 
 
 def failure_text(exc: BaseException) -> str:

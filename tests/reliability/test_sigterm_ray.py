@@ -59,6 +59,6 @@ def test_sigterm_on_ray_train_closes_the_run_as_killed(tiny_root, tmp_path, unde
     finally:
         proc.kill()
     assert rc not in (0, 134) and rc > 0, (rc, err[-2000:])
-    assert statuses(raw) == ["KILLED"]
+    assert statuses(raw) == ["KILLED"], err[-3000:]
     _, alive = psutil.wait_procs(started, timeout=20)
     assert not alive, [p.name() for p in alive]

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from prvrlab.platform.failures import interrupts_unwrapped
 from prvrlab.platform.search.outcome import STUDY_FILE, RunMap
 from prvrlab.platform.search.study import (
     StudyResult,
@@ -118,34 +119,35 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     status = "FAILED"
     interrupted = False
     try:
-        if todo or resumed:
-            prepare_environment()
-            ensure_ray()
-            study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
-            cells = [{"cell": c} for c in sorted(todo, key=list(all_cells).index)]
-            _, _, interrupted = run_study(
-                spec,
-                study,
-                tune_config_kwargs={"num_samples": len(todo), "search_alg": resumable(ListSearcher(cells), spec.slots)},
-                param_space={},
-                resume=resumed,
-                tracker=tracker,
-                total=len(todo),
-                progress=progress,
-                echo=echo,
-            )
-        summary = summarise(tracker, spec.name, spec.metric, all_cells, spec)
-        counts = _cell_counts(tracker, spec.name, all_cells, plain)
-        metrics: dict[str, float] = {f"cells/{k}": v for k, v in counts.items()}
-        if summary:
-            echo(f"{'variant':<24} {spec.metric + ' mean':>16} {'std':>8} {'seeds':>6}")
-            for variant, (mean, std, n) in summary.items():
-                echo(f"{variant:<24} {mean:16.2f} {std:8.2f} {n:6d}")
-                metrics[f"variant/{variant}/mean"] = mean
-                metrics[f"variant/{variant}/std"] = std
-        tracker.log_metrics(parent, metrics)
-        status = "KILLED" if interrupted else "FINISHED"
-        return StudyResult(study_dir, parent, counts, None, interrupted)
+        with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
+            if todo or resumed:
+                prepare_environment()
+                ensure_ray()
+                study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
+                cells = [{"cell": c} for c in sorted(todo, key=list(all_cells).index)]
+                _, _, interrupted = run_study(
+                    spec,
+                    study,
+                    tune_config_kwargs={"num_samples": len(todo), "search_alg": resumable(ListSearcher(cells), spec.slots)},
+                    param_space={},
+                    resume=resumed,
+                    tracker=tracker,
+                    total=len(todo),
+                    progress=progress,
+                    echo=echo,
+                )
+            summary = summarise(tracker, spec.name, spec.metric, all_cells, spec)
+            counts = _cell_counts(tracker, spec.name, all_cells, plain)
+            metrics: dict[str, float] = {f"cells/{k}": v for k, v in counts.items()}
+            if summary:
+                echo(f"{'variant':<24} {spec.metric + ' mean':>16} {'std':>8} {'seeds':>6}")
+                for variant, (mean, std, n) in summary.items():
+                    echo(f"{variant:<24} {mean:16.2f} {std:8.2f} {n:6d}")
+                    metrics[f"variant/{variant}/mean"] = mean
+                    metrics[f"variant/{variant}/std"] = std
+            tracker.log_metrics(parent, metrics)
+            status = "KILLED" if interrupted else "FINISHED"
+            return StudyResult(study_dir, parent, counts, None, interrupted)
     except KeyboardInterrupt:
         status = "KILLED"
         raise

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ray.tune.search.optuna import OptunaSearch
 
+from prvrlab.platform.failures import interrupts_unwrapped
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.resumable import RestoredTrial, resumable
 from prvrlab.platform.search.spec import SearchSpec
@@ -117,57 +118,58 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     parent = open_parent(tracker, runs, spec, "search", study_dir)
     status = "FAILED"
     try:
-        prepare_environment()
-        ensure_ray()
-        study = make_study(spec, "search", base, study_dir)
-        echo(
-            f"search '{spec.name}': {spec.trials} trials, {spec.slots} at a time, "
-            f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
-            + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
-            + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
-        )
-        searcher = _searcher(spec)
-        if spec.scheduler == "asha":
-            scheduler = ASHAScheduler(
-                time_attr="training_iteration",
-                max_t=spec.base.train.epochs + 1,  # the last round is the final evaluation
-                grace_period=spec.grace_period,
-                reduction_factor=spec.reduction_factor,
-                stop_last_trials=False,
+        with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
+            prepare_environment()
+            ensure_ray()
+            study = make_study(spec, "search", base, study_dir)
+            echo(
+                f"search '{spec.name}': {spec.trials} trials, {spec.slots} at a time, "
+                f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
+                + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
+                + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
             )
-        else:
-            scheduler = FIFOScheduler()
-        results, mlflow_cb, interrupted = run_study(
-            spec,
-            study,
-            tune_config_kwargs={
-                "search_alg": searcher,
-                "scheduler": scheduler,
-                "num_samples": spec.trials,
-                "time_budget_s": spec.time_limit_s,
-            },
-            param_space={},
-            resume=resumed,
-            tracker=tracker,
-            total=spec.trials,
-            progress=progress,
-            echo=echo,
-        )
-        trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
-        killed = killed_trials(study_dir)
-        counts = count_outcomes(trials, killed)
-        best = best_trial(trials, study, killed)
-        summary = {f"trials/{k}": v for k, v in counts.items()}
-        if best is not None:
-            path = write_best_config(study, best, spec)
-            study.push_files().push()  # object store: best_config.yaml beside the study
-            best["path"] = path
-            summary[f"best/{spec.metric}"] = best["value"]
-            tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
-            tracker.log_artifacts(parent, [path])
-        tracker.log_metrics(parent, summary)
-        status = "KILLED" if interrupted else "FINISHED"
-        return StudyResult(study_dir, parent, counts, best, interrupted)
+            searcher = _searcher(spec)
+            if spec.scheduler == "asha":
+                scheduler = ASHAScheduler(
+                    time_attr="training_iteration",
+                    max_t=spec.base.train.epochs + 1,  # the last round is the final evaluation
+                    grace_period=spec.grace_period,
+                    reduction_factor=spec.reduction_factor,
+                    stop_last_trials=False,
+                )
+            else:
+                scheduler = FIFOScheduler()
+            results, mlflow_cb, interrupted = run_study(
+                spec,
+                study,
+                tune_config_kwargs={
+                    "search_alg": searcher,
+                    "scheduler": scheduler,
+                    "num_samples": spec.trials,
+                    "time_budget_s": spec.time_limit_s,
+                },
+                param_space={},
+                resume=resumed,
+                tracker=tracker,
+                total=spec.trials,
+                progress=progress,
+                echo=echo,
+            )
+            trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
+            killed = killed_trials(study_dir)
+            counts = count_outcomes(trials, killed)
+            best = best_trial(trials, study, killed)
+            summary = {f"trials/{k}": v for k, v in counts.items()}
+            if best is not None:
+                path = write_best_config(study, best, spec)
+                study.push_files().push()  # object store: best_config.yaml beside the study
+                best["path"] = path
+                summary[f"best/{spec.metric}"] = best["value"]
+                tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
+                tracker.log_artifacts(parent, [path])
+            tracker.log_metrics(parent, summary)
+            status = "KILLED" if interrupted else "FINISHED"
+            return StudyResult(study_dir, parent, counts, best, interrupted)
     except KeyboardInterrupt:
         status = "KILLED"
         raise

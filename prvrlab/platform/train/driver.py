@@ -22,7 +22,14 @@ from typing import Any, Callable
 from prvrlab.models.component import DISTRIBUTIONS_DIR
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig
-from prvrlab.platform.failures import ERROR_FILE, Failure, explain_exception, failure_text, record_failure
+from prvrlab.platform.failures import (
+    ERROR_FILE,
+    Failure,
+    explain_exception,
+    failure_text,
+    interrupts_unwrapped,
+    record_failure,
+)
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
 from prvrlab.platform.train.live import LiveLine
 from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
@@ -155,7 +162,8 @@ def fit_with_ray(
     failures = 0
     while True:
         try:
-            _fit_once(cfg, run_dir, run_name, on_report, on_progress, sync_to)
+            with interrupts_unwrapped():  # a stop is neither retried nor recorded as a failure
+                _fit_once(cfg, run_dir, run_name, on_report, on_progress, sync_to)
             return
         except (ConfigError, TrainingError):
             raise
@@ -355,29 +363,30 @@ def train(
 
     status = "FAILED"
     try:
-        tracker.log_params(run_id, cfg.flat())
-        tracker.log_dataset(run_id, collection_dataset(collection, configured_splits(cfg.data)))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        on_progress = live.update if live is not None else None
-        if use_ray:
-            fit_with_ray(cfg, run_dir, name, recorder, on_retry, on_progress, sync_to)
-        else:
-            from prvrlab.platform.train.loop import run_local
+        with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the run KILLED
+            tracker.log_params(run_id, cfg.flat())
+            tracker.log_dataset(run_id, collection_dataset(collection, configured_splits(cfg.data)))
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+            on_progress = live.update if live is not None else None
+            if use_ray:
+                fit_with_ray(cfg, run_dir, name, recorder, on_retry, on_progress, sync_to)
+            else:
+                from prvrlab.platform.train.loop import run_local
 
-            run_local(cfg, run_dir, on_report=recorder, on_progress=on_progress, sync_to=sync_to)
-        run_files.pull(exclude=("config.yaml",))  # rank 0's files, when it ran on another node
-        if recorder.error:
-            raise TrainingError(recorder.error)
-        if not recorder.final:
-            raise TrainingError("training ended without its final report")
-        tracker.log_metrics(run_id, {"best/sumr": recorder.final["best/sumr"], "best/epoch": recorder.final["best/epoch"]})
-        tracker.log_artifacts(run_id, [run_dir / "config.yaml"])
-        tracker.log_artifacts(run_id, sorted(run_dir.glob("ranks_*.parquet")), "ranks")
-        tracker.log_artifacts(run_id, sorted((run_dir / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)
-        tracker.log_artifacts(run_id, [run_dir / "best_model.pt"], "checkpoints")
-        (run_dir / "history.json").write_text(json.dumps(recorder.history, indent=1))
-        status = "FINISHED"
+                run_local(cfg, run_dir, on_report=recorder, on_progress=on_progress, sync_to=sync_to)
+            run_files.pull(exclude=("config.yaml",))  # rank 0's files, when it ran on another node
+            if recorder.error:
+                raise TrainingError(recorder.error)
+            if not recorder.final:
+                raise TrainingError("training ended without its final report")
+            tracker.log_metrics(run_id, {"best/sumr": recorder.final["best/sumr"], "best/epoch": recorder.final["best/epoch"]})
+            tracker.log_artifacts(run_id, [run_dir / "config.yaml"])
+            tracker.log_artifacts(run_id, sorted(run_dir.glob("ranks_*.parquet")), "ranks")
+            tracker.log_artifacts(run_id, sorted((run_dir / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)
+            tracker.log_artifacts(run_id, [run_dir / "best_model.pt"], "checkpoints")
+            (run_dir / "history.json").write_text(json.dumps(recorder.history, indent=1))
+            status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise

@@ -20,9 +20,11 @@ import pytest
 from prvrlab.platform.failures import (
     STUDY_HINT,
     TRAIN_HINT,
+    carries_interrupt,
     explain_exception,
     explain_failure,
     failure_text,
+    interrupts_unwrapped,
     record_failure,
 )
 
@@ -151,3 +153,45 @@ def test_the_origin_of_a_plain_error_is_named():
     text = "Traceback (most recent call last):\n  File \"driver.py\", line 3, in train\nOSError: [Errno 28] No space left on device"
     failure = explain_failure(text, origin="the driver")
     assert failure.summary == "error in the driver: OSError: [Errno 28] No space left on device" and not failure.retryable
+
+
+class _StopsWhenNamed:
+    """A descriptor whose ``__set_name__`` is interrupted, as a SIGTERM can interrupt a lazy import."""
+
+    def __set_name__(self, owner, name):
+        raise KeyboardInterrupt
+
+
+def _class_creation_interrupted() -> BaseException:
+    try:
+        type("LiteralExpr", (), {"data_type": _StopsWhenNamed()})
+    except BaseException as exc:  # Python 3.11: RuntimeError from the interrupt; 3.12+: the interrupt itself
+        return exc
+    raise AssertionError("creating the class did not raise")
+
+
+def test_an_interrupt_is_found_through_causes_and_contexts_and_only_there():
+    wrapped = _class_creation_interrupted()
+    assert carries_interrupt(wrapped)
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ValueError("raised while handling it")  # context, not cause
+    except ValueError as exc:
+        assert carries_interrupt(exc)
+    loop = RuntimeError("a")
+    loop.__context__ = ValueError("b")
+    loop.__context__.__context__ = loop
+    assert not carries_interrupt(loop)
+    assert not carries_interrupt(RuntimeError("Error calling __set_name__ on 'Field'"))
+
+
+def test_interrupts_unwrapped_reraises_a_wrapped_interrupt_as_one_and_leaves_other_errors():
+    with pytest.raises(KeyboardInterrupt) as info:
+        with interrupts_unwrapped():
+            raise RuntimeError("Error calling __set_name__") from KeyboardInterrupt()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError, match="plain"):
+        with interrupts_unwrapped():
+            raise ValueError("plain")

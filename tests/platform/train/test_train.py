@@ -42,6 +42,27 @@ def runs(raw: dict):
     return tracker.client.search_runs([tracker.experiment_id])
 
 
+def test_a_stop_that_other_code_wrapped_still_ends_the_run_killed(tiny_root, tmp_path, monkeypatch):
+    """SIGTERM (Ctrl-C) can land inside a lazy import, where Python 3.11 wraps the interrupt in
+    ``RuntimeError: Error calling __set_name__``: the run is KILLED, the interrupt goes on, no error.txt."""
+    from prvrlab.platform.train import loop
+
+    class StopsWhenNamed:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    def interrupted_worker(*args, **kwargs):
+        type("LiteralExpr", (), {"data_type": StopsWhenNamed()})
+
+    monkeypatch.setattr(loop, "run_local", interrupted_worker)
+    raw = small_raw(tiny_root, tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        train(validate(raw), use_ray=False, echo=None)
+    (run,) = runs(raw)
+    assert run.info.status == "KILLED" and "error" not in run.data.tags
+    assert not list(tmp_path.rglob(ERROR_FILE))
+
+
 def test_in_process_training_learns_and_is_recorded(tiny_root, tmp_path):
     raw = small_raw(tiny_root, tmp_path)
     before = untrained_val_sumr(raw)
