@@ -2,8 +2,8 @@
 
 ``PRVRLAB_TEST_DEVICE`` (default ``cpu``): set it to ``cuda`` on a GPU machine and
 tests/conftest.py makes it torch's default device, so every tensor and module a
-test creates without naming a device lands there; tests that name a device or an
-autocast device type use :data:`DEVICE` instead of ``"cpu"``.
+test creates without naming a device lands there; tests that name a device, a
+generator's device or an autocast device type use :data:`DEVICE` instead of ``"cpu"``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,3 @@ import torch
 
 DEVICE = torch.device(os.environ.get("PRVRLAB_TEST_DEVICE") or "cpu")
 
-
-def autocast(*, enabled: bool = True, dtype: torch.dtype = torch.bfloat16) -> torch.autocast:
-    """bf16 (or ``dtype``) autocast on the device under test."""
-    return torch.autocast(DEVICE.type, dtype=dtype, enabled=enabled)

@@ -189,8 +189,9 @@ def selective_scan_chunked(
 ) -> Tensor:
     """The same result as :func:`selective_scan_reference`, computed in blocks of ``chunk`` steps and
     as many sequences as keep a block's states (sequences x chunk x E x N) within ``block_elements``
-    (at least one sequence; None: :func:`default_block_elements` of the inputs' device), with a hand-written backward (:class:`_ChunkedScan`).  Memory: the
-    inputs, one block's work tensors and the states entering each chunk, O(B E N L / chunk)."""
+    (at least one sequence; None: :func:`default_block_elements` of the inputs' device), with a
+    hand-written backward (:class:`_ChunkedScan`).  Memory: the inputs, one block's work tensors and
+    the states entering each chunk, O(B E N L / chunk)."""
     check_positive_int(chunk, "chunk")
     if block_elements is None:
         block_elements = default_block_elements(x.device)
