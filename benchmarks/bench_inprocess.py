@@ -38,6 +38,7 @@ def train_one(root: Path, config: str, args: argparse.Namespace) -> dict:
         "train.amp": args.amp,
         "train.use_gpu": cuda,
         "data.loader_workers": args.loader_workers,
+        "data.pin_memory": {"auto": None, "on": True, "off": False}[args.pin_memory],
         "eval.final_splits": ["val"],
     }
     if args.batch is not None:
@@ -84,6 +85,8 @@ def main() -> None:
     p.add_argument("--amp", default="bf16", choices=["none", "bf16", "fp16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--loader-workers", type=int, default=0, help="data.loader_workers")
+    p.add_argument("--pin-memory", choices=("auto", "on", "off"), default="auto",
+                   help="data.pin_memory (auto: page-locked batches when training on CUDA)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 
@@ -94,7 +97,8 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name(args.device)}")
     rows = []
     for config in args.configs:
-        print(f"{config}: {args.epochs} epochs of {args.train_videos} videos, amp {args.amp}, {args.device}", flush=True)
+        print(f"{config}: {args.epochs} epochs of {args.train_videos} videos, amp {args.amp}, {args.device}, "
+              f"{args.loader_workers} loader workers, pin_memory {args.pin_memory}", flush=True)
         rows.append(train_one(root, config, args))
     memory = "peak GPU memory (allocated)" if torch.device(args.device).type == "cuda" else "peak RSS"
     for r in rows:

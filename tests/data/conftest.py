@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from prvrlab.data.config import DataConfig
 
@@ -22,6 +23,14 @@ def write_bigfile(folder: Path, frame_ids: list[str], matrix: np.ndarray, video2
     (folder / "id.txt").write_bytes(" ".join(frame_ids).encode("latin-1"))
     (folder / "video2frames.txt").write_bytes(repr(video2frames).encode("latin-1"))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """The data layer makes CPU tensors only (the loop moves batches): its tests build their expectations on the CPU
+    whatever PRVRLAB_TEST_DEVICE names."""
+    with torch.device("cpu"):
+        yield
 
 
 def write_h5(path: Path, arrays: dict[str, np.ndarray]) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from prvrlab.data.collection import open_collection
@@ -79,6 +80,16 @@ def test_loader_workers_reopen_hdf5(tmp_path, files):
     (batch,) = list(loader)
     _check_batch(batch)
     assert batch.num_queries == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs a CUDA device")
+def test_pinned_loader_yields_page_locked_batches(toy_cfg):
+    col = open_collection(toy_cfg)
+    loader, _ = train_loader(col, "train", batch_size_per_rank=3, num_workers=1, pin_memory=True)
+    (batch,) = list(loader)
+    _check_batch(batch)
+    tensors = {name: value for name, value in vars(batch).items() if isinstance(value, torch.Tensor)}
+    assert tensors and all(t.is_pinned() for t in tensors.values()), [n for n, t in tensors.items() if not t.is_pinned()]
 
 
 def test_eval_iterators_follow_split_order(toy_cfg):

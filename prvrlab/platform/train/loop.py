@@ -93,6 +93,11 @@ def _union_of_names(names: list[str]) -> list[str]:
     return sorted(set().union(*gathered))
 
 
+def pin_batches(device: torch.device, setting: bool | None) -> bool:
+    """Whether the training loader page-locks its batches: only for a CUDA device, unless ``data.pin_memory`` is false."""
+    return device.type == "cuda" and setting is not False
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
@@ -216,6 +221,7 @@ class TrainingLoop:
             world_size=self.world,
             seed=cfg.train.seed,
             num_workers=cfg.data.loader_workers,
+            pin_memory=pin_batches(self.device, cfg.data.pin_memory),
         )
         self.optimizer, self.scheduler = build_optimizer(
             self.system,
