@@ -39,6 +39,7 @@ def train_one(root: Path, config: str, args: argparse.Namespace) -> dict:
         "train.use_gpu": cuda,
         "data.loader_workers": args.loader_workers,
         "data.pin_memory": {"auto": None, "on": True, "off": False}[args.pin_memory],
+        "data.resident": args.resident,
         "eval.final_splits": ["val"],
     }
     if args.batch is not None:
@@ -87,6 +88,8 @@ def main() -> None:
     p.add_argument("--loader-workers", type=int, default=0, help="data.loader_workers")
     p.add_argument("--pin-memory", choices=("auto", "on", "off"), default="auto",
                    help="data.pin_memory (auto: page-locked batches when training on CUDA)")
+    p.add_argument("--resident", action="store_true",
+                   help="data.resident: the training split held on the device, batched there (no loader per step)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 
@@ -98,7 +101,7 @@ def main() -> None:
     rows = []
     for config in args.configs:
         print(f"{config}: {args.epochs} epochs of {args.train_videos} videos, amp {args.amp}, {args.device}, "
-              f"{args.loader_workers} loader workers, pin_memory {args.pin_memory}", flush=True)
+              f"{args.loader_workers} loader workers, pin_memory {args.pin_memory}, resident {args.resident}", flush=True)
         rows.append(train_one(root, config, args))
     memory = "peak GPU memory (allocated)" if torch.device(args.device).type == "cuda" else "peak RSS"
     for r in rows:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training, profiles, evaluation,
+# The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident), profiles, evaluation,
 # backbone steps and packing. Needs torch with CUDA, h5py, scipy, numpy, pyarrow, pandas, pyyaml, tqdm,
 # pytest and pytest-xdist; neither Ray nor MLflow. Each stage's log goes to $OUT/<stage>.log.
 #
@@ -24,7 +24,7 @@ else
     TESTS=(tests/test_device_under_test.py tests/models tests/losses tests/evaluation tests/data tests/platform/train/test_pinning.py)
 fi
 
-want() { [[ " ${STAGES:-tests profile train eval backbones packing} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-tests profile train resident eval backbones packing} " == *" $1 "* ]]; }
 
 stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, print its tail
     local name=$1 limit=$2; shift 2
@@ -70,6 +70,8 @@ PROFILE
 wait $SYNTH; echo "synthesis exit $?"
 want train && stage train 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$EPOCHS" --amp bf16 --loader-workers 4 --threads 4
+want resident && stage resident 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
+    --epochs "$EPOCHS" --amp bf16 --loader-workers 4 --threads 4 --resident
 want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --splits val test --amp none bf16 --repeats 2 --no-memory --threads 4
 want backbones && stage backbones 150 $PY benchmarks/bench_backbones.py --device "$DEVICE" "${STEPS[@]}" --threads 4 --galleries "${GALLERY[@]}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from prvrlab.data.batch import Batch
 from prvrlab.data.collection import Collection, SplitIndex
 from prvrlab.data.preprocess import preprocess_clips, preprocess_frames, preprocess_query
+
+if TYPE_CHECKING:
+    from prvrlab.data.resident import ResidentSplit
 
 
 @dataclass
@@ -196,9 +199,14 @@ def train_loader(
     shuffle: bool = True,
     drop_last: bool = False,
     pin_memory: bool = False,
-) -> tuple[DataLoader, VideoBatchSampler]:
+    resident: "ResidentSplit | None" = None,
+) -> tuple["DataLoader | SampledBatches", VideoBatchSampler]:
     """A DataLoader of Batches over ``split`` for one DDP rank, and its sampler.
 
+    With ``resident`` (that split, held on a device) the batches are made
+    there by index instead: same videos, same values, no loader processes.
+    The loader draws its workers' seeds from its own generator, never from
+    torch's global one, so both ways leave the training's random stream alike.
     Call ``sampler.set_epoch(epoch)`` before each epoch.
     """
     dataset = VideoDataset(collection, split)
@@ -211,6 +219,10 @@ def train_loader(
         world_size=world_size,
         drop_last=drop_last,
     )
+    if resident is not None:
+        if len(resident) != len(dataset):
+            raise ValueError(f"the resident split holds {len(resident)} videos, {split!r} has {len(dataset)}")
+        return SampledBatches(resident.batch, sampler), sampler
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -218,8 +230,24 @@ def train_loader(
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory,
+        generator=torch.Generator("cpu").manual_seed(seed),
     )
     return loader, sampler
+
+
+class SampledBatches:
+    """``make(videos)`` for every list of videos a batch sampler yields; iterated like a DataLoader."""
+
+    def __init__(self, make: Callable[[list[int]], Batch], sampler: Sampler[list[int]]) -> None:
+        self.make = make
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for videos in self.sampler:
+            yield self.make(videos)
 
 
 class _EvalBatches(Dataset):

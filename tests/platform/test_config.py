@@ -71,6 +71,7 @@ def test_unknown_keys_and_names_suggest_the_closest(override, needle):
         ({"train.lr": -1.0}, "train.lr must be a finite number > 0"),
         ({"train.lr": float("inf")}, "train.lr must be a finite number > 0"),
         ({"train.use_gpu": "yes"}, "train.use_gpu: expected true/false"),
+        ({"data.resident": "yes"}, "data.resident: expected true/false"),
         ({"data.pin_memory": "auto"}, "data.pin_memory: 'auto' is not bool | None"),
         ({"train.checkpoint_activations": 1}, "train.checkpoint_activations: expected true/false"),
         ({"train.amp": "bf17"}, "train.amp"),

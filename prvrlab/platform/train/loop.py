@@ -195,6 +195,7 @@ class TrainingLoop:
         """Threads, device, seed, data, the training system, its DDP wrapper, the optimiser."""
         from prvrlab.allocator import set_host_allocator
         from prvrlab.data.dataset import train_loader
+        from prvrlab.data.resident import ResidentSplit
         from prvrlab.evaluation.retrieval import resolve_amp_dtype
         from prvrlab.models.base import set_activation_checkpointing
         from prvrlab.models.factory import build_system
@@ -213,6 +214,11 @@ class TrainingLoop:
         set_activation_checkpointing(self.system, cfg.train.checkpoint_activations)
         self.components = self.system.components()
         self.per_rank = max(1, cfg.train.batch_size // self.world)
+        self.resident = None  # the training split held on the device (data.resident)
+        if cfg.data.resident:
+            self.resident = ResidentSplit(
+                self.collection, cfg.data.train_split, device=self.device, num_workers=cfg.data.loader_workers
+            )
         self.loader, self.sampler = train_loader(
             self.collection,
             cfg.data.train_split,
@@ -222,6 +228,7 @@ class TrainingLoop:
             seed=cfg.train.seed,
             num_workers=cfg.data.loader_workers,
             pin_memory=pin_batches(self.device, cfg.data.pin_memory),
+            resident=self.resident,
         )
         self.optimizer, self.scheduler = build_optimizer(
             self.system,
@@ -273,6 +280,7 @@ class TrainingLoop:
                 rank=self.rank,
                 world_size=self.world,
                 shuffle=False,
+                resident=self.resident,
             )
             for batch in loader:
                 yield batch.to(self.device, non_blocking=True)

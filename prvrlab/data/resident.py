@@ -1,0 +1,142 @@
+"""A split's preprocessed features held on the training device, batched by index (``data.resident``).
+
+The training loader reads, preprocesses and collates every batch again each
+epoch and carries it to the device: at TVR's dimensions a batch of 128 videos
+is 240 MiB of float32, which bounds GPU training (README, "On a GPU").  A
+:class:`ResidentSplit` does that work once: every video's frames (at most
+``max_frames`` rows, as :func:`~prvrlab.data.preprocess.preprocess_frames`
+makes them), clips and query tokens are packed into three tensors on the
+device, and :meth:`ResidentSplit.batch` gathers and pads a batch there.
+Its batches equal :func:`~prvrlab.data.dataset.collate`'s, value for value.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from prvrlab.data.batch import Batch
+from prvrlab.data.collection import Collection, SplitIndex
+from prvrlab.data.dataset import VideoDataset
+from prvrlab.data.errors import DataError
+
+MEMORY_SHARE = 0.8  # the largest share of the device's free memory a split may take
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``starts[k] + t`` for ``t < lengths[k]``, with each row's segment ``k`` and position ``t``."""
+    seg = np.repeat(np.arange(len(lengths)), lengths)  # (R,)
+    pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # (R,)
+    return starts[seg] + pos, seg, pos
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """(n + 1,) int64 start of every segment and the end of the last."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` (CUDA: the driver's free bytes; CPU: the OS's available pages), None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+class _Videos(Dataset):
+    """Item ``i``: video ``i``'s preprocessed frames and clips and its queries' tokens, as tensors."""
+
+    def __init__(self, dataset: VideoDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        item = self.dataset[i]
+        return torch.from_numpy(item.frames), torch.from_numpy(item.clips), torch.from_numpy(np.concatenate(item.queries))
+
+
+class ResidentSplit:
+    """Every video of ``split`` preprocessed once and held on ``device``; :meth:`batch` makes a Batch there.
+
+    ``num_workers`` processes read the features while the split is loaded.
+    Raises DataError naming ``data.resident`` when the split would take more
+    than :data:`MEMORY_SHARE` of the device's free memory.
+    """
+
+    def __init__(self, collection: Collection, split: str | SplitIndex, *, device: torch.device | str,
+                 num_workers: int = 0) -> None:
+        self.device = torch.device(device)
+        dataset = VideoDataset(collection, split)
+        index = self.index = dataset.index
+        self.frame_len = np.minimum(index.frame_counts, collection.max_frames).astype(np.int64)  # (Nv,)
+        self.query_len = np.minimum(index.token_counts, collection.max_query_len).astype(np.int64)  # (Nq,)
+        self.frame_start = _offsets(self.frame_len)  # (Nv + 1,)
+        self.token_start = _offsets(self.query_len)  # (Nq + 1,)
+        dv, dq, nv = collection.video_dim, collection.query_dim, index.num_videos
+        self.nbytes = 4 * (int(self.frame_start[-1]) * dv + nv * collection.num_clips * dv + int(self.token_start[-1]) * dq)
+        free = available_bytes(self.device)
+        if free is not None and self.nbytes > MEMORY_SHARE * free:
+            raise DataError(
+                f"data.resident: the {index.name!r} split's preprocessed features need {self.nbytes / 2**30:.2f} GiB "
+                f"on {self.device}, and {free / 2**30:.2f} GiB is free (at most {MEMORY_SHARE:.0%} of it is used); "
+                "set data.resident: false to stream batches through the loader"
+            )
+        self.frames = torch.empty((int(self.frame_start[-1]), dv), device=self.device)  # (sum Lf, Dv)
+        self.clips = torch.empty((nv, collection.num_clips, dv), device=self.device)  # (Nv, Lc, Dv)
+        self.tokens = torch.empty((int(self.token_start[-1]), dq), device=self.device)  # (sum Lq, Dq)
+        loader = DataLoader(_Videos(dataset), batch_size=None, num_workers=num_workers,
+                            generator=torch.Generator("cpu").manual_seed(0))
+        for i, (frames, clips, tokens) in enumerate(loader):
+            span = index.queries_of(i)
+            if frames.shape[0] != self.frame_len[i] or tokens.shape[0] != self.token_start[span.stop] - self.token_start[span.start]:
+                raise DataError(f"{collection.visual!r}: video {index.video_ids[i]!r} has other frame or token "
+                                "counts than its split index recorded")
+            self.frames[self.frame_start[i] : self.frame_start[i + 1]] = frames
+            self.clips[i] = clips
+            self.tokens[self.token_start[span.start] : self.token_start[span.stop]] = tokens
+
+    def __len__(self) -> int:
+        return self.index.num_videos
+
+    def _padded(self, rows: Tensor, starts: np.ndarray, lengths: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Segments of ``rows`` zero-padded to the longest: (N, L, D) and its (N, L) mask of real rows."""
+        src, seg, pos = _segments(starts, lengths)
+        longest = int(lengths.max())
+        out = rows.new_zeros((len(lengths), longest, rows.shape[1]))  # (N, L, D)
+        put = torch.from_numpy(np.stack([seg, pos])).to(self.device)  # (2, R)
+        out[put[0], put[1]] = rows[torch.from_numpy(src).to(self.device)]
+        mask = torch.arange(longest, device=self.device)[None, :] < torch.from_numpy(lengths).to(self.device)[:, None]
+        return out, mask
+
+    def batch(self, videos: Sequence[int]) -> Batch:
+        """The Batch :func:`~prvrlab.data.dataset.collate` makes of these videos (split positions), on the device."""
+        if len(videos) == 0:
+            raise ValueError("a batch needs at least one video")
+        v = np.asarray(videos, dtype=np.int64)  # (B,)
+        index = self.index
+        frames, frame_mask = self._padded(self.frames, self.frame_start[v], self.frame_len[v])  # (B, Lf, Dv), (B, Lf)
+        counts = index.query_offsets[v + 1] - index.query_offsets[v]  # (B,)
+        q, _, _ = _segments(index.query_offsets[v], counts)  # (Nq,) split positions of the batch's queries
+        queries, query_mask = self._padded(self.tokens, self.token_start[q], self.query_len[q])  # (Nq, Lq, Dq), (Nq, Lq)
+        return Batch(
+            frames=frames,
+            frame_mask=frame_mask,
+            clips=self.clips[torch.from_numpy(v).to(self.device)],  # (B, Lc, Dv)
+            queries=queries,
+            query_mask=query_mask,
+            query_video=torch.from_numpy(np.repeat(np.arange(len(v)), counts)).to(self.device),  # (Nq,)
+            video_ids=[index.video_ids[i] for i in v],
+            query_ids=[index.query_ids[j] for j in q],
+        )
+

@@ -1,0 +1,100 @@
+"""ResidentSplit: a split held on a device gives the collated batches, value for value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from prvrlab.data import resident as resident_module
+from prvrlab.data.collection import open_collection
+from prvrlab.data.config import DataConfig
+from prvrlab.data.dataset import VideoDataset, collate, train_loader
+from prvrlab.data.errors import DataError
+from prvrlab.data.resident import ResidentSplit
+
+
+def assert_same_batch(got, want) -> None:
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape, (field.name, a.dtype, b.dtype, a.shape, b.shape)
+            assert torch.equal(a.cpu(), b), field.name
+        else:
+            assert a == b, field.name
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_batches_equal_the_collated_ones_of_the_hand_written_collection(toy_cfg, split):
+    col = open_collection(toy_cfg)
+    held = ResidentSplit(col, split, device="cpu")
+    ds = VideoDataset(col, split)
+    for videos in ([0], list(range(len(ds)))[::-1], list(range(len(ds)))):
+        assert_same_batch(held.batch(videos), collate([ds[i] for i in videos]))
+    if split == "val":
+        assert held.frame_len.tolist() == [128]  # 140 frames mean-pooled to max_frames
+        assert held.batch([0]).queries.shape[1] == 5
+
+
+def test_batches_equal_the_collated_ones_with_pooling_and_truncation(tiny_root):
+    """Short max_frames / max_query_len: most videos are pooled and most queries cut, in any order of videos."""
+    col = open_collection(DataConfig(root=str(tiny_root), max_frames=16, max_query_len=4))
+    held = ResidentSplit(col, "train", device="cpu", num_workers=1)
+    ds = VideoDataset(col, "train")
+    assert (held.frame_len == 16).mean() > 0.5 and (held.query_len == 4).mean() > 0.5
+    rng = np.random.default_rng(0)
+    for size in (1, 5, 17):
+        videos = rng.choice(len(ds), size=size, replace=False).tolist()
+        assert_same_batch(held.batch(videos), collate([ds[i] for i in videos]))
+    with pytest.raises(ValueError, match="at least one video"):
+        held.batch([])
+
+
+def test_the_train_loader_made_on_a_resident_split_yields_the_loader_batches(tiny_root):
+    col = open_collection(DataConfig(root=str(tiny_root)))
+    held = ResidentSplit(col, "train", device="cpu")
+    kwargs = dict(batch_size_per_rank=7, rank=1, world_size=2, seed=3)
+    streamed, streamed_sampler = train_loader(col, "train", **kwargs)
+    made, made_sampler = train_loader(col, "train", resident=held, **kwargs)
+    assert len(made) == len(streamed) > 1
+    for epoch in range(2):
+        streamed_sampler.set_epoch(epoch)
+        made_sampler.set_epoch(epoch)
+        pairs = list(zip(made, streamed, strict=True))
+        for got, want in pairs:
+            assert_same_batch(got, want)
+    with pytest.raises(ValueError, match="holds"):
+        train_loader(col, "val", batch_size_per_rank=4, resident=held)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_loader_leaves_the_global_random_stream_alone(toy_cfg, workers):
+    """Its workers' seeds come from its own generator, so a resident split's run draws what a streamed one draws."""
+    col = open_collection(toy_cfg)
+    loader, _ = train_loader(col, "train", batch_size_per_rank=2, num_workers=workers)
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    for _ in range(2):  # two epochs: a fresh iterator each time without workers
+        list(loader)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_split_larger_than_the_free_memory_is_refused_naming_the_key(toy_cfg, monkeypatch):
+    col = open_collection(toy_cfg)
+    need = ResidentSplit(col, "train", device="cpu").nbytes
+    frames = 5 + 40 + 3  # the toy train videos' frames, none pooled
+    tokens = 3 + 30 + 2 + 1 + 4  # its queries' tokens, 35 cut to max_query_len 30
+    assert need == 4 * (frames * 6 + 3 * 32 * 6 + tokens * 4)
+    monkeypatch.setattr(resident_module, "available_bytes", lambda device: int(need / 0.8) - 1)
+    with pytest.raises(DataError, match=r"data\.resident: the 'train' split's .* set data\.resident: false"):
+        ResidentSplit(col, "train", device="cpu")
+    monkeypatch.setattr(resident_module, "available_bytes", lambda device: int(need / 0.8) + 8)
+    ResidentSplit(col, "train", device="cpu")
+
+
+def test_the_free_memory_of_the_cpu_is_known():
+    free = resident_module.available_bytes(torch.device("cpu"))
+    assert free is not None and free > 0
