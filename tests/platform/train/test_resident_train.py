@@ -1,28 +1,51 @@
-"""Training on a resident split (``data.resident``) is training on the streamed one, to the bit."""
+"""Training on a resident split (``data.resident``) is training on the streamed one, to the bit; resumed runs with
+loader workers go on as the uninterrupted run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from prvrlab.platform.config import validate
-from prvrlab.platform.train.loop import run_local
+from prvrlab.platform.train.loop import run_local, train_worker
+from prvrlab.platform.train.session import LocalSession
 
 from train_helpers import small_raw
 
 
-def _reports(root, tmp, resident: bool) -> list[dict]:
+def _config(root, tmp, resident: bool):
     raw = small_raw(root, tmp, epochs=3)
     raw["model"]["dropout"] = 0.2  # the random stream matters: dropout draws from it every step
     raw["data"].update({"resident": resident, "loader_workers": 1})
-    session = run_local(validate(raw), tmp / ("resident" if resident else "streamed"))
+    return validate(raw)
+
+
+def _reports(root, tmp, resident: bool) -> list[dict]:
+    session = run_local(_config(root, tmp, resident), tmp / "run")
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in session.reports if r.get("kind") in ("epoch", "final")]
 
 
 def test_a_resident_split_trains_as_the_streamed_one(tiny_root, tmp_path):
     torch.manual_seed(123)  # run_local seeds from the config: what came before must not matter
-    streamed = _reports(tiny_root, tmp_path, resident=False)
+    streamed = _reports(tiny_root, tmp_path / "streamed", resident=False)
     torch.manual_seed(456)
-    resident = _reports(tiny_root, tmp_path, resident=True)
+    resident = _reports(tiny_root, tmp_path / "resident", resident=True)
     assert [r["kind"] for r in resident] == ["epoch"] * 3 + ["final"]
     assert streamed[0]["train/loss"] > streamed[2]["train/loss"]  # it learns
     assert resident == streamed
+
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_run_resumed_with_loader_workers_goes_on_as_the_uninterrupted_one(tiny_root, tmp_path, resident):
+    """The loader's persistent workers drew a seed from the global stream at their start only, so a resumed
+    attempt (fresh workers) drew once more than the uninterrupted run; they no longer draw from it at all."""
+    whole = _reports(tiny_root, tmp_path / "whole", resident=resident)
+    cfg = _config(tiny_root, tmp_path / "cut", resident)
+    run_dir = tmp_path / "cut" / "run"
+    fault = {"epoch": 0, "marker": str(tmp_path / "crashed"), "kind": "raise"}  # after epoch 1's checkpoint
+    with pytest.raises(RuntimeError, match="injected fault after epoch 0"):
+        train_worker({"experiment": cfg, "run_dir": str(run_dir), "fault": fault}, LocalSession(run_dir / "local_session"))
+    resumed = _reports(tiny_root, tmp_path / "cut", resident=resident)  # the same run folder: restores epoch 1
+    assert [r.get("epoch") for r in resumed] == [2, 3, None]
+    assert resumed == whole[1:]
