@@ -77,6 +77,12 @@ class SplitIndex:
         """Positions of the queries of video number ``video``."""
         return slice(int(self.query_offsets[video]), int(self.query_offsets[video + 1]))
 
+    def preprocessed_bytes(self, *, max_frames: int, num_clips: int, max_query_len: int, video_dim: int, query_dim: int) -> int:
+        """Bytes of the split's preprocessed float32 frames, clips and query tokens (what ``data.resident`` holds)."""
+        frames = int(np.minimum(self.frame_counts, max_frames).sum())
+        tokens = int(np.minimum(self.token_counts, max_query_len).sum())
+        return 4 * ((frames + self.num_videos * num_clips) * video_dim + tokens * query_dim)
+
 
 class Collection:
     """Open feature stores plus lazily built, cached split indexes.

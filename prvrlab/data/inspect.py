@@ -30,6 +30,7 @@ class SplitStats:
     tokens: tuple[int, float, int]  # raw tokens per query: min, mean, max
     queries_truncated: int  # queries longer than max_query_len
     ratio_groups: dict[str, int] | None  # queries per moment/video ratio group, None without timestamps
+    resident_bytes: int  # the preprocessed split in float32: what data.resident holds on the device
 
 
 @dataclass
@@ -69,6 +70,7 @@ class InspectReport:
             "tokens min/mean/max",
             f">{self.max_query_len} tok",
             "short/medium/long",
+            "resident GiB",
         )
         rows = [header]
         for s in self.splits:
@@ -84,6 +86,7 @@ class InspectReport:
                     _triple(s.tokens),
                     str(s.queries_truncated),
                     groups,
+                    f"{s.resident_bytes / 2**30:.2f}",
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -104,7 +107,9 @@ def _stats(values: np.ndarray) -> tuple[int, float, int]:
     return int(values.min()), float(values.mean()), int(values.max())
 
 
-def split_stats(index: SplitIndex, *, max_frames: int, max_query_len: int) -> SplitStats:
+def split_stats(
+    index: SplitIndex, *, max_frames: int, max_query_len: int, num_clips: int, video_dim: int, query_dim: int
+) -> SplitStats:
     """Summary statistics of one split index."""
     groups = None
     if index.ratios is not None:
@@ -121,6 +126,9 @@ def split_stats(index: SplitIndex, *, max_frames: int, max_query_len: int) -> Sp
         tokens=_stats(index.token_counts),
         queries_truncated=int((index.token_counts > max_query_len).sum()),
         ratio_groups=groups,
+        resident_bytes=index.preprocessed_bytes(
+            max_frames=max_frames, num_clips=num_clips, max_query_len=max_query_len, video_dim=video_dim, query_dim=query_dim
+        ),
     )
 
 
@@ -162,7 +170,17 @@ def inspect_collection(cfg: "DataConfig", splits: Sequence[str] | None = None) -
         query_features=len(collection.queries),
         max_frames=collection.max_frames,
         max_query_len=collection.max_query_len,
-        splits=[split_stats(i, max_frames=collection.max_frames, max_query_len=collection.max_query_len) for i in indexes],
+        splits=[
+            split_stats(
+                i,
+                max_frames=collection.max_frames,
+                max_query_len=collection.max_query_len,
+                num_clips=collection.num_clips,
+                video_dim=collection.video_dim,
+                query_dim=collection.query_dim,
+            )
+            for i in indexes
+        ],
         warnings=warnings,
         notes=collection.notes,
     )

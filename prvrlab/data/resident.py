@@ -84,7 +84,8 @@ class ResidentSplit:
         self.frame_start = _offsets(self.frame_len)  # (Nv + 1,)
         self.token_start = _offsets(self.query_len)  # (Nq + 1,)
         dv, dq, nv = collection.video_dim, collection.query_dim, index.num_videos
-        self.nbytes = 4 * (int(self.frame_start[-1]) * dv + nv * collection.num_clips * dv + int(self.token_start[-1]) * dq)
+        self.nbytes = index.preprocessed_bytes(max_frames=collection.max_frames, num_clips=collection.num_clips,
+                                               max_query_len=collection.max_query_len, video_dim=dv, query_dim=dq)
         free = available_bytes(self.device)
         if free is not None and self.nbytes > MEMORY_SHARE * free:
             raise DataError(

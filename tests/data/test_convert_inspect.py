@@ -50,9 +50,13 @@ def test_inspect_report(toy_cfg):
     assert train.tokens == (1, 9.0, 35) and train.queries_truncated == 1
     assert val.videos_pooled == 1 and train.videos_pooled == 0
     assert train.ratio_groups is None
+    # float32 rows held by data.resident: frames (none pooled in train; val's 140 pooled to 128), 32 clips a video
+    # (6-d), tokens (35 cut to 30; 4-d)
+    assert train.resident_bytes == 4 * ((5 + 40 + 3 + 3 * 32) * 6 + (3 + 2 + 30 + 1 + 4) * 4)
+    assert val.resident_bytes == 4 * ((128 + 32) * 6 + (2 + 5) * 4)
     assert (report.video_dim, report.query_dim, report.feature_videos, report.query_features) == (6, 4, 4, 7)
     text = report.format()
-    for needle in ("collection 'toy'", "bigfile", "train", "val", "3/16.0/40", "1/1.7/2", ">128 fr", ">30 tok"):
+    for needle in ("collection 'toy'", "bigfile", "train", "val", "3/16.0/40", "1/1.7/2", ">128 fr", ">30 tok", "resident GiB"):
         assert needle in text
     assert not report.warnings
 
