@@ -17,10 +17,10 @@ DATA=${DATA:-/tmp/prvrlab_gpu_data}
 if [ "${QUICK:-0}" = 1 ]; then
     SIZES=(--train-videos 128 --val-videos 32 --test-videos 48); EPOCHS=2
     STEPS=(--steps 1 --warmup 0 --videos 16 --queries 80 --amp none --encode-videos 32)
-    GALLERY=(500); PACK=(1 2); PACK_EPOCHS=1; TEST_T=900; XDIST=(); TESTS=(tests/test_device_under_test.py tests/evaluation)
+    GALLERY=(500); LOADERS=(1); PACK=(1 2); PACK_EPOCHS=1; TEST_T=900; XDIST=(); TESTS=(tests/test_device_under_test.py tests/evaluation)
 else
     SIZES=(--train-videos 1280 --val-videos 500 --test-videos 2179); EPOCHS=12; STEPS=(--steps 2 --warmup 1)
-    GALLERY=(500 1000 1500 2000 2500); PACK=(1 2 4 8); PACK_EPOCHS=2; TEST_T=100; XDIST=(-n 6)
+    GALLERY=(500 1000 1500 2000 2500); LOADERS=(4 12); PACK=(1 2 4 8); PACK_EPOCHS=2; TEST_T=100; XDIST=(-n 6)
     TESTS=(tests/test_device_under_test.py tests/models tests/losses tests/evaluation tests/data tests/platform/train/test_pinning.py)
 fi
 
@@ -70,6 +70,8 @@ PROFILE
 wait $SYNTH; echo "synthesis exit $?"
 want train && stage train 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$EPOCHS" --amp bf16 --loader-workers 4 --threads 4
+want resident && stage batches 90 $PY benchmarks/bench_batches.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
+    --loader-workers "${LOADERS[@]}" --threads 4
 want resident && stage resident 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$EPOCHS" --amp bf16 --loader-workers 4 --threads 4 --resident
 want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
