@@ -13,6 +13,7 @@ Its batches equal :func:`~prvrlab.data.dataset.collate`'s, value for value.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -26,6 +27,8 @@ from prvrlab.data.dataset import VideoDataset
 from prvrlab.data.errors import DataError
 
 MEMORY_SHARE = 0.8  # the largest share of the device's free memory a split may take
+
+_HELD: dict[tuple, "ResidentSplit"] = {}  # this process's last split held (at most one), for its next run
 
 
 def _segments(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -141,3 +144,36 @@ class ResidentSplit:
             query_ids=[index.query_ids[j] for j in q],
         )
 
+
+
+def _signature(path: Path) -> tuple:
+    """Size and modification time of a file, or of every file of a folder (a BigFile)."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+def held_split(collection: Collection, split: str, *, device: torch.device | str, num_workers: int = 0) -> ResidentSplit:
+    """``split`` held on ``device``, reused from this process's previous run where nothing it was made from changed.
+
+    A search's reused worker pool (``resources.reuse_workers``) runs one trial
+    after another in the same ranks: only the first loads the split. The key is
+    the feature, query and caption files (paths, sizes, modification times),
+    the preprocessing and the device; another key frees the held split first.
+    """
+    index = collection.split(split)
+    paths = (Path(collection.visual.path), Path(collection.queries.path), Path(index.caption_file))
+    key = (
+        tuple((str(p), _signature(p)) for p in paths),
+        split,
+        (collection.max_frames, collection.num_clips, collection.max_query_len, collection.last_bin),
+        str(torch.device(device)),
+    )
+    if key not in _HELD:
+        _HELD.clear()
+        _HELD[key] = ResidentSplit(collection, index, device=device, num_workers=num_workers)
+    return _HELD[key]
+
+
+def release_held() -> None:
+    """Let go of the split this process holds (a run without ``data.resident`` frees it for the model)."""
+    _HELD.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -98,3 +99,36 @@ def test_a_split_larger_than_the_free_memory_is_refused_naming_the_key(toy_cfg, 
 def test_the_free_memory_of_the_cpu_is_known():
     free = resident_module.available_bytes(torch.device("cpu"))
     assert free is not None and free > 0
+
+
+def test_a_process_reuses_the_split_it_holds_until_what_it_was_made_from_changes(toy_cfg, monkeypatch):
+    """Trials run one after another in a reused pool's ranks: only the first loads the split."""
+    monkeypatch.setattr(resident_module, "_HELD", {})
+    loads = []
+    real_init = ResidentSplit.__init__
+
+    def counting_init(self, *args, **kwargs):
+        loads.append(args[1] if len(args) > 1 else kwargs["split"])
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ResidentSplit, "__init__", counting_init)
+    first = resident_module.held_split(open_collection(toy_cfg), "train", device="cpu")
+    assert resident_module.held_split(open_collection(toy_cfg), "train", device="cpu") is first  # a fresh open, same files
+    assert len(loads) == 1
+    pooled = resident_module.held_split(open_collection(dataclasses.replace(toy_cfg, max_frames=4)), "train", device="cpu")
+    assert pooled is not first and pooled.frame_len.max() == 4 and len(resident_module._HELD) == 1  # the old one let go
+    again = resident_module.held_split(open_collection(dataclasses.replace(toy_cfg, max_frames=4)), "train", device="cpu")
+    assert again is pooled and len(loads) == 2
+    col = open_collection(dataclasses.replace(toy_cfg, max_frames=4))
+    captions = col.split("train").caption_file
+    stat = captions.stat()
+    os.utime(captions, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the captions rewritten
+    assert resident_module.held_split(col, "train", device="cpu") is not pooled and len(loads) == 3
+
+
+def test_releasing_lets_go_of_the_held_split(toy_cfg, monkeypatch):
+    monkeypatch.setattr(resident_module, "_HELD", {})
+    held = resident_module.held_split(open_collection(toy_cfg), "train", device="cpu")
+    resident_module.release_held()
+    assert resident_module._HELD == {}
+    assert resident_module.held_split(open_collection(toy_cfg), "train", device="cpu") is not held

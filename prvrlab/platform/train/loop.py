@@ -195,7 +195,7 @@ class TrainingLoop:
         """Threads, device, seed, data, the training system, its DDP wrapper, the optimiser."""
         from prvrlab.allocator import set_host_allocator
         from prvrlab.data.dataset import train_loader
-        from prvrlab.data.resident import ResidentSplit
+        from prvrlab.data.resident import held_split, release_held
         from prvrlab.evaluation.retrieval import resolve_amp_dtype
         from prvrlab.models.base import set_activation_checkpointing
         from prvrlab.models.factory import build_system
@@ -216,9 +216,11 @@ class TrainingLoop:
         self.per_rank = max(1, cfg.train.batch_size // self.world)
         self.resident = None  # the training split held on the device (data.resident)
         if cfg.data.resident:
-            self.resident = ResidentSplit(
+            self.resident = held_split(
                 self.collection, cfg.data.train_split, device=self.device, num_workers=cfg.data.loader_workers
             )
+        else:
+            release_held()
         self.loader, self.sampler = train_loader(
             self.collection,
             cfg.data.train_split,
