@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--pin-memory", choices=("auto", "on", "off"), default="auto",
                    help="data.pin_memory (auto: page-locked batches when training on CUDA)")
     p.add_argument("--resident", action="store_true",
-                   help="data.resident: the training split held on the device, batched there (no loader per step)")
+                   help="data.resident: the training and validation splits held on the device, batched there (no loader)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 

@@ -31,7 +31,7 @@ class DataConfig:
     synthesize: str | None = None  # synthetic preset written to `root` when it is missing
     synth_seed: int = 0
     loader_workers: int = 0
-    resident: bool = False  # hold the training split's preprocessed features on the training device, batched there
+    resident: bool = False  # hold the training and validation splits, preprocessed, on the training device; batch there
     pin_memory: bool | None = None  # page-locked training batches (faster copies to a GPU); None: on when training on CUDA
 
     def check(self) -> None:

@@ -261,15 +261,18 @@ class _EvalBatches(Dataset):
 
     def __init__(
         self, dataset: VideoDataset, kind: str, batch_size: int, *, by_length: bool = False,
-        rank: int = 0, world_size: int = 1,
+        rank: int = 0, world_size: int = 1, resident: "ResidentSplit | None" = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+        if resident is not None and len(resident) != len(dataset):
+            raise ValueError(f"the resident split holds {len(resident)} videos, {dataset.index.name!r} has {len(dataset)}")
         self.dataset = dataset
         self.kind = kind
         self.batch_size = batch_size
+        self.resident = resident
         index = dataset.index
         total = index.num_videos if kind == "videos" else index.num_queries
         order = np.arange(total, dtype=np.int64)
@@ -286,17 +289,20 @@ class _EvalBatches(Dataset):
     def __getitem__(self, k: int) -> tuple:
         items = self.batches[k].tolist()
         index = self.dataset.index
+        ids = [index.video_ids[i] for i in items] if self.kind == "videos" else [index.query_ids[j] for j in items]
+        if self.resident is not None:  # the same batch, gathered on the resident split's device
+            return (ids, *(self.resident.videos(items) if self.kind == "videos" else self.resident.queries(items)))
         if self.kind == "videos":
             loaded = [self.dataset.video(i) for i in items]
             frames, frame_mask = pad_sequences([f for f, _ in loaded])  # (B, Lf, Dv), (B, Lf)
             clips = torch.from_numpy(np.stack([c for _, c in loaded]))  # (B, Lc, Dv)
-            return [index.video_ids[i] for i in items], clips, frames, frame_mask
+            return ids, clips, frames, frame_mask
         queries, query_mask = pad_sequences([self.dataset.query(j) for j in items])  # (N, Lq, Dq), (N, Lq)
-        return [index.query_ids[j] for j in items], queries, query_mask
+        return ids, queries, query_mask
 
 
 def _iterate(batches: _EvalBatches, num_workers: int) -> Iterator[tuple]:
-    if num_workers == 0:
+    if num_workers == 0 or batches.resident is not None:
         for k in range(len(batches)):
             yield batches[k]
         return
@@ -305,28 +311,33 @@ def _iterate(batches: _EvalBatches, num_workers: int) -> Iterator[tuple]:
 
 def video_batches(
     collection: Collection, split: str, batch_size: int, *, num_workers: int = 0, by_length: bool = False,
-    rank: int = 0, world_size: int = 1,
+    rank: int = 0, world_size: int = 1, resident: "ResidentSplit | None" = None,
 ) -> Iterator[tuple[list[str], Tensor, Tensor, Tensor]]:
     """Yield ``(video_ids, clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` in split order.
 
     Frames are padded to the longest video of each batch.  ``by_length``:
     videos from the fewest to the most frames instead (little padding);
-    ``rank`` / ``world_size``: only this rank's batches, dealt round-robin.
+    ``rank`` / ``world_size``: only this rank's batches, dealt round-robin;
+    ``resident`` (that split held on a device): the same batches, made there.
     """
     batches = _EvalBatches(
-        VideoDataset(collection, split), "videos", batch_size, by_length=by_length, rank=rank, world_size=world_size
+        VideoDataset(collection, split), "videos", batch_size, by_length=by_length, rank=rank, world_size=world_size,
+        resident=resident,
     )
     return _iterate(batches, num_workers)
 
 
 def query_batches(
-    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0, rank: int = 0, world_size: int = 1
+    collection: Collection, split: str, batch_size: int, *, num_workers: int = 0, rank: int = 0, world_size: int = 1,
+    resident: "ResidentSplit | None" = None,
 ) -> Iterator[tuple[list[str], Tensor, Tensor]]:
     """Yield ``(query_ids, queries (N, Lq, Dq), query_mask (N, Lq))`` in split order.
 
     Split order groups queries by video (see :class:`SplitIndex`); tokens are
     padded to the longest query of each batch.  ``rank`` / ``world_size``:
-    only this rank's batches, dealt round-robin.
+    only this rank's batches, dealt round-robin; ``resident``: made on its device.
     """
-    batches = _EvalBatches(VideoDataset(collection, split), "queries", batch_size, rank=rank, world_size=world_size)
+    batches = _EvalBatches(
+        VideoDataset(collection, split), "queries", batch_size, rank=rank, world_size=world_size, resident=resident
+    )
     return _iterate(batches, num_workers)

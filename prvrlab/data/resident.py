@@ -28,7 +28,7 @@ from prvrlab.data.errors import DataError
 
 MEMORY_SHARE = 0.8  # the largest share of the device's free memory a split may take
 
-_HELD: dict[tuple, "ResidentSplit"] = {}  # this process's last split held (at most one), for its next run
+_HELD: dict[tuple, "ResidentSplit"] = {}  # the splits this process's last run held, for its next run
 
 
 def _segments(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -123,20 +123,31 @@ class ResidentSplit:
         mask = torch.arange(longest, device=self.device)[None, :] < torch.from_numpy(lengths).to(self.device)[:, None]
         return out, mask
 
+    def videos(self, positions: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """``(clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` of these videos, frames padded to the longest."""
+        if len(positions) == 0:
+            raise ValueError("a batch needs at least one video")
+        v = np.asarray(positions, dtype=np.int64)  # (B,)
+        frames, frame_mask = self._padded(self.frames, self.frame_start[v], self.frame_len[v])
+        return self.clips[torch.from_numpy(v).to(self.device)], frames, frame_mask
+
+    def queries(self, positions: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """``(queries (N, Lq, Dq), query_mask (N, Lq))`` of these queries (split positions), padded to the longest."""
+        q = np.asarray(positions, dtype=np.int64)  # (N,)
+        return self._padded(self.tokens, self.token_start[q], self.query_len[q])
+
     def batch(self, videos: Sequence[int]) -> Batch:
         """The Batch :func:`~prvrlab.data.dataset.collate` makes of these videos (split positions), on the device."""
-        if len(videos) == 0:
-            raise ValueError("a batch needs at least one video")
+        clips, frames, frame_mask = self.videos(videos)  # (B, Lc, Dv), (B, Lf, Dv), (B, Lf)
         v = np.asarray(videos, dtype=np.int64)  # (B,)
         index = self.index
-        frames, frame_mask = self._padded(self.frames, self.frame_start[v], self.frame_len[v])  # (B, Lf, Dv), (B, Lf)
         counts = index.query_offsets[v + 1] - index.query_offsets[v]  # (B,)
         q, _, _ = _segments(index.query_offsets[v], counts)  # (Nq,) split positions of the batch's queries
-        queries, query_mask = self._padded(self.tokens, self.token_start[q], self.query_len[q])  # (Nq, Lq, Dq), (Nq, Lq)
+        queries, query_mask = self.queries(q)  # (Nq, Lq, Dq), (Nq, Lq)
         return Batch(
             frames=frames,
             frame_mask=frame_mask,
-            clips=self.clips[torch.from_numpy(v).to(self.device)],  # (B, Lc, Dv)
+            clips=clips,
             queries=queries,
             query_mask=query_mask,
             query_video=torch.from_numpy(np.repeat(np.arange(len(v)), counts)).to(self.device),  # (Nq,)
@@ -152,28 +163,37 @@ def _signature(path: Path) -> tuple:
     return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
-def held_split(collection: Collection, split: str, *, device: torch.device | str, num_workers: int = 0) -> ResidentSplit:
-    """``split`` held on ``device``, reused from this process's previous run where nothing it was made from changed.
+def _key(collection: Collection, index: SplitIndex, device: torch.device) -> tuple:
+    """What a held split was made from: files (paths, sizes, modification times), split, preprocessing, device."""
+    paths = (Path(collection.visual.path), Path(collection.queries.path), Path(index.caption_file))
+    return (
+        tuple((str(p), _signature(p)) for p in paths),
+        index.name,
+        (collection.max_frames, collection.num_clips, collection.max_query_len, collection.last_bin),
+        str(device),
+    )
+
+
+def hold_splits(collection: Collection, splits: Sequence[str], *, device: torch.device | str,
+                num_workers: int = 0) -> dict[str, ResidentSplit]:
+    """``splits`` held on ``device``, each reused from this process's previous run where nothing it was made from changed.
 
     A search's reused worker pool (``resources.reuse_workers``) runs one trial
-    after another in the same ranks: only the first loads the split. The key is
+    after another in the same ranks: only the first loads the splits. The key is
     the feature, query and caption files (paths, sizes, modification times),
-    the preprocessing and the device; another key frees the held split first.
+    the split, the preprocessing and the device. Splits held for other keys are
+    let go before anything loads.
     """
-    index = collection.split(split)
-    paths = (Path(collection.visual.path), Path(collection.queries.path), Path(index.caption_file))
-    key = (
-        tuple((str(p), _signature(p)) for p in paths),
-        split,
-        (collection.max_frames, collection.num_clips, collection.max_query_len, collection.last_bin),
-        str(torch.device(device)),
-    )
-    if key not in _HELD:
-        _HELD.clear()
-        _HELD[key] = ResidentSplit(collection, index, device=device, num_workers=num_workers)
-    return _HELD[key]
+    device = torch.device(device)
+    keys = {name: _key(collection, collection.split(name), device) for name in dict.fromkeys(splits)}
+    for key in [k for k in _HELD if k not in keys.values()]:
+        del _HELD[key]
+    for name, key in keys.items():
+        if key not in _HELD:
+            _HELD[key] = ResidentSplit(collection, name, device=device, num_workers=num_workers)
+    return {name: _HELD[key] for name, key in keys.items()}
 
 
 def release_held() -> None:
-    """Let go of the split this process holds (a run without ``data.resident`` frees it for the model)."""
+    """Let go of the splits this process holds (a run without ``data.resident`` frees them for the model)."""
     _HELD.clear()

@@ -518,6 +518,7 @@ def evaluate(
     amp_dtype: torch.dtype | str | None = None,
     rank: int = 0,
     world_size: int = 1,
+    resident: Any = None,
 ) -> EvalResult | None:
     """Evaluate ``model`` on ``split`` of a data-layer ``Collection``; rows in the split's query order.
 
@@ -533,8 +534,9 @@ def evaluate(
     (where bf16 products are emulated and tens of times slower) bf16 falls
     back to float32, with one warning.  ``rank`` / ``world_size``: encoding
     and scoring sharded over DDP ranks (see ``evaluate_batches``; rank 0
-    returns the result, the others None).  The model's train/eval mode is
-    restored afterwards.
+    returns the result, the others None).  ``resident``: the split held on
+    the device (``data.resident``), whose batches are the same, made there.
+    The model's train/eval mode is restored afterwards.
     """
     from prvrlab.data.dataset import query_batches, video_batches
 
@@ -551,8 +553,8 @@ def evaluate(
         batch = video_batch_size(batch, collection.max_frames + collection.num_clips, collection.video_dim)
     return evaluate_batches(
         model,
-        video_batches(collection, split, batch, by_length=True, **shard),
-        query_batches(collection, split, eval_cfg.query_batch_size, **shard),
+        video_batches(collection, split, batch, by_length=True, resident=resident, **shard),
+        query_batches(collection, split, eval_cfg.query_batch_size, resident=resident, **shard),
         video_ids=index.video_ids,
         query_ids=index.query_ids,
         query_video=index.query_video,

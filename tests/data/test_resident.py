@@ -12,7 +12,7 @@ import torch
 from prvrlab.data import resident as resident_module
 from prvrlab.data.collection import open_collection
 from prvrlab.data.config import DataConfig
-from prvrlab.data.dataset import VideoDataset, collate, train_loader
+from prvrlab.data.dataset import VideoDataset, collate, query_batches, train_loader, video_batches
 from prvrlab.data.errors import DataError
 from prvrlab.data.resident import ResidentSplit
 
@@ -39,10 +39,15 @@ def test_batches_equal_the_collated_ones_of_the_hand_written_collection(toy_cfg,
         assert held.batch([0]).queries.shape[1] == 5
 
 
-def test_batches_equal_the_collated_ones_with_pooling_and_truncation(tiny_root):
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_batches_equal_the_collated_ones_with_pooling_and_truncation(tiny_root, device):
     """Short max_frames / max_query_len: most videos are pooled and most queries cut, in any order of videos."""
     col = open_collection(DataConfig(root=str(tiny_root), max_frames=16, max_query_len=4))
-    held = ResidentSplit(col, "train", device="cpu", num_workers=1)
+    held = ResidentSplit(col, "train", device=device, num_workers=1)
+    assert held.frames.device.type == held.batch([0]).frames.device.type == device
     ds = VideoDataset(col, "train")
     assert (held.frame_len == 16).mean() > 0.5 and (held.query_len == 4).mean() > 0.5
     rng = np.random.default_rng(0)
@@ -112,23 +117,43 @@ def test_a_process_reuses_the_split_it_holds_until_what_it_was_made_from_changes
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(ResidentSplit, "__init__", counting_init)
-    first = resident_module.held_split(open_collection(toy_cfg), "train", device="cpu")
-    assert resident_module.held_split(open_collection(toy_cfg), "train", device="cpu") is first  # a fresh open, same files
-    assert len(loads) == 1
-    pooled = resident_module.held_split(open_collection(dataclasses.replace(toy_cfg, max_frames=4)), "train", device="cpu")
-    assert pooled is not first and pooled.frame_len.max() == 4 and len(resident_module._HELD) == 1  # the old one let go
-    again = resident_module.held_split(open_collection(dataclasses.replace(toy_cfg, max_frames=4)), "train", device="cpu")
-    assert again is pooled and len(loads) == 2
-    col = open_collection(dataclasses.replace(toy_cfg, max_frames=4))
-    captions = col.split("train").caption_file
+    def hold(cfg, splits=("train", "val")):
+        return resident_module.hold_splits(open_collection(cfg), list(splits), device="cpu")
+
+    first = hold(toy_cfg)
+    assert sorted(first) == ["train", "val"] and loads == ["train", "val"]
+    assert hold(toy_cfg) == first  # a fresh open of the same files: the same held splits, nothing loaded
+    assert hold(toy_cfg, ["train"])["train"] is first["train"] and len(resident_module._HELD) == 1  # val let go
+    assert loads == ["train", "val"]
+    pooled = hold(dataclasses.replace(toy_cfg, max_frames=4))
+    assert pooled["train"] is not first["train"] and pooled["train"].frame_len.max() == 4
+    assert len(resident_module._HELD) == 2 and loads == ["train", "val", "train", "val"]  # the old train let go first
+    captions = open_collection(toy_cfg).split("train").caption_file
     stat = captions.stat()
-    os.utime(captions, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the captions rewritten
-    assert resident_module.held_split(col, "train", device="cpu") is not pooled and len(loads) == 3
+    os.utime(captions, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the train captions rewritten
+    again = hold(dataclasses.replace(toy_cfg, max_frames=4))
+    assert again["train"] is not pooled["train"] and again["val"] is pooled["val"]
+    assert loads[4:] == ["train"]
 
 
 def test_releasing_lets_go_of_the_held_split(toy_cfg, monkeypatch):
     monkeypatch.setattr(resident_module, "_HELD", {})
-    held = resident_module.held_split(open_collection(toy_cfg), "train", device="cpu")
+    (held,) = resident_module.hold_splits(open_collection(toy_cfg), ["train"], device="cpu").values()
     resident_module.release_held()
     assert resident_module._HELD == {}
-    assert resident_module.held_split(open_collection(toy_cfg), "train", device="cpu") is not held
+    assert resident_module.hold_splits(open_collection(toy_cfg), ["train"], device="cpu")["train"] is not held
+
+
+@pytest.mark.parametrize("rank, world", [(0, 1), (1, 2)])
+def test_evaluation_batches_of_a_resident_split_equal_the_read_ones(tiny_root, rank, world):
+    col = open_collection(DataConfig(root=str(tiny_root), max_frames=16, max_query_len=4))
+    held = ResidentSplit(col, "val", device="cpu")
+    shard = dict(rank=rank, world_size=world)
+    for made, read in zip(video_batches(col, "val", 5, by_length=True, resident=held, **shard),
+                          video_batches(col, "val", 5, by_length=True, **shard), strict=True):
+        assert made[0] == read[0] and all(torch.equal(a, b) for a, b in zip(made[1:], read[1:], strict=True))
+    for made, read in zip(query_batches(col, "val", 7, resident=held, **shard), query_batches(col, "val", 7, **shard),
+                          strict=True):
+        assert made[0] == read[0] and all(torch.equal(a, b) for a, b in zip(made[1:], read[1:], strict=True))
+    with pytest.raises(ValueError, match="holds"):
+        list(video_batches(col, "train", 5, resident=held))

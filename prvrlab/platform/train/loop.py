@@ -195,7 +195,7 @@ class TrainingLoop:
         """Threads, device, seed, data, the training system, its DDP wrapper, the optimiser."""
         from prvrlab.allocator import set_host_allocator
         from prvrlab.data.dataset import train_loader
-        from prvrlab.data.resident import held_split, release_held
+        from prvrlab.data.resident import hold_splits, release_held
         from prvrlab.evaluation.retrieval import resolve_amp_dtype
         from prvrlab.models.base import set_activation_checkpointing
         from prvrlab.models.factory import build_system
@@ -214,10 +214,11 @@ class TrainingLoop:
         set_activation_checkpointing(self.system, cfg.train.checkpoint_activations)
         self.components = self.system.components()
         self.per_rank = max(1, cfg.train.batch_size // self.world)
-        self.resident = None  # the training split held on the device (data.resident)
+        self.resident = {}  # the training and validation splits held on the device (data.resident)
         if cfg.data.resident:
-            self.resident = held_split(
-                self.collection, cfg.data.train_split, device=self.device, num_workers=cfg.data.loader_workers
+            self.resident = hold_splits(
+                self.collection, [cfg.data.train_split, cfg.data.val_split], device=self.device,
+                num_workers=cfg.data.loader_workers,
             )
         else:
             release_held()
@@ -230,7 +231,7 @@ class TrainingLoop:
             seed=cfg.train.seed,
             num_workers=cfg.data.loader_workers,
             pin_memory=pin_batches(self.device, cfg.data.pin_memory),
-            resident=self.resident,
+            resident=self.resident.get(cfg.data.train_split),
         )
         self.optimizer, self.scheduler = build_optimizer(
             self.system,
@@ -282,7 +283,7 @@ class TrainingLoop:
                 rank=self.rank,
                 world_size=self.world,
                 shuffle=False,
-                resident=self.resident,
+                resident=self.resident.get(self.cfg.data.train_split),
             )
             for batch in loader:
                 yield batch.to(self.device, non_blocking=True)
@@ -412,6 +413,7 @@ class TrainingLoop:
         result = evaluate(
             self.model, self.collection, self.cfg.data.val_split, self.cfg.eval, device=self.device,
             amp_dtype=self.amp_dtype, rank=self.rank, world_size=self.world,
+            resident=self.resident.get(self.cfg.data.val_split),
         )
         if self.rank == 0:
             metrics = {f"val/{k}": v for k, v in result.metrics.items()}
@@ -533,7 +535,7 @@ class TrainingLoop:
                 continue
             result = self.best_val[1] if self._validated_best(split) else evaluate(
                 self.model, self.collection, split, cfg.eval, device=self.device, amp_dtype=self.amp_dtype,
-                rank=self.rank, world_size=self.world,
+                rank=self.rank, world_size=self.world, resident=self.resident.get(split),
             )
             if result is not None:
                 out.update(result.flat(f"{split}/"))
