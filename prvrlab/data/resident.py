@@ -43,6 +43,11 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
+def _size(nbytes: int) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def available_bytes(device: torch.device) -> int | None:
     """Free memory of ``device`` (CUDA: the driver's free bytes; CPU: the OS's available pages), None if unknown."""
     if device.type == "cuda":
@@ -92,8 +97,8 @@ class ResidentSplit:
         free = available_bytes(self.device)
         if free is not None and self.nbytes > MEMORY_SHARE * free:
             raise DataError(
-                f"data.resident: the {index.name!r} split's preprocessed features need {self.nbytes / 2**30:.2f} GiB "
-                f"on {self.device}, and {free / 2**30:.2f} GiB is free (at most {MEMORY_SHARE:.0%} of it is used); "
+                f"data.resident: the {index.name!r} split's preprocessed features need {_size(self.nbytes)} "
+                f"on {self.device}, and {_size(free)} is free (at most {MEMORY_SHARE:.0%} of it is used); "
                 "set data.resident: false to stream batches through the loader"
             )
         self.frames = torch.empty((int(self.frame_start[-1]), dv), device=self.device)  # (sum Lf, Dv)

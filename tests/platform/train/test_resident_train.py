@@ -49,3 +49,20 @@ def test_a_run_resumed_with_loader_workers_goes_on_as_the_uninterrupted_one(tiny
     resumed = _reports(tiny_root, tmp_path / "cut", resident=resident)  # the same run folder: restores epoch 1
     assert [r.get("epoch") for r in resumed] == [2, 3, None]
     assert resumed == whole[1:]
+
+
+def test_splits_that_do_not_fit_fail_the_run_with_one_message_naming_the_key(tiny_root, tmp_path, monkeypatch):
+    from prvrlab.data import resident as resident_module
+    from prvrlab.platform.tracking.store import Tracker
+    from prvrlab.platform.train.driver import TrainingError, train
+
+    monkeypatch.setattr(resident_module, "_HELD", {})
+    monkeypatch.setattr(resident_module, "available_bytes", lambda device: 1 << 20)  # 1 MiB free
+    raw = small_raw(tiny_root, tmp_path)
+    raw["data"]["resident"] = True
+    refused = r"data\.resident: the 'train' split's preprocessed features need [0-9.]+ MiB on cpu, and 1.0 MiB is free"
+    with pytest.raises(TrainingError, match=refused):
+        train(validate(raw), use_ray=False, echo=None)
+    tracker = Tracker(raw["tracking"]["uri"], raw["tracking"]["experiment"])
+    (run,) = tracker.client.search_runs([tracker.experiment_id])
+    assert run.info.status == "FAILED" and "data.resident" in run.data.tags["error"]
