@@ -71,6 +71,8 @@ def train_one(root: Path, config: str, args: argparse.Namespace) -> dict:
         "last_loss": epochs[-1]["train/loss"],
         "best_sumr": max(m.get("val/sumr", float("nan")) for m in epochs),
         "first_sumr": epochs[0].get("val/sumr", float("nan")),
+        "setup_s": epochs[0].get("time/setup_s", float("nan")),  # data (a resident split's load), model, optimiser
+        "val_s": statistics.median(m["time/epoch_s"] - m["time/train_s"] for m in timed),
     }
 
 
@@ -108,7 +110,8 @@ def main() -> None:
         fell = "falls" if r["last_loss"] < r["first_loss"] else "DOES NOT FALL"
         print(f"{r['config']}: {r['steps']} steps; {r['step_s'] * 1000:.0f} ms/step (data included, median epoch after the "
               f"first), {r['videos_s']:.0f} videos/s; {memory} {r['peak_gib']:.2f} GiB; loss {r['first_loss']:.4f} -> "
-              f"{r['last_loss']:.4f} ({fell}); val SumR {r['first_sumr']:.1f} after epoch 1, best {r['best_sumr']:.1f}")
+              f"{r['last_loss']:.4f} ({fell}); val SumR {r['first_sumr']:.1f} after epoch 1, best {r['best_sumr']:.1f}; "
+              f"set-up {r['setup_s']:.1f} s, validation and checkpoints {r['val_s']:.2f} s per epoch")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def test_a_run_resumed_with_loader_workers_goes_on_as_the_uninterrupted_one(tiny
 
 
 def test_splits_that_do_not_fit_fail_the_run_with_one_message_naming_the_key(tiny_root, tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")  # the failed run is recorded
     from prvrlab.data import resident as resident_module
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.train.driver import TrainingError, train
