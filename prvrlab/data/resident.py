@@ -1,13 +1,16 @@
 """A split's preprocessed features held on the training device, batched by index (``data.resident``).
 
 The training loader reads, preprocesses and collates every batch again each
-epoch and carries it to the device: at TVR's dimensions a batch of 128 videos
-is 240 MiB of float32, which bounds GPU training (README, "On a GPU").  A
-:class:`ResidentSplit` does that work once: every video's frames (at most
-``max_frames`` rows, as :func:`~prvrlab.data.preprocess.preprocess_frames`
-makes them), clips and query tokens are packed into three tensors on the
-device, and :meth:`ResidentSplit.batch` gathers and pads a batch there.
-Its batches equal :func:`~prvrlab.data.dataset.collate`'s, value for value.
+epoch (and validation its split) and carries it to the device: at TVR's
+dimensions a batch of 128 videos is 240 MiB of float32, which bounds GPU
+training (README, "On a GPU").  A :class:`ResidentSplit` does that work once:
+every video's frames (at most ``max_frames`` rows, as
+:func:`~prvrlab.data.preprocess.preprocess_frames` makes them), clips and query
+tokens are packed into three tensors on the device, and
+:meth:`ResidentSplit.batch` gathers and pads a training batch there
+(:meth:`~ResidentSplit.videos` and :meth:`~ResidentSplit.queries` the
+evaluation batches).  Its batches equal :func:`~prvrlab.data.dataset.collate`'s
+(and the evaluation iterators'), value for value.
 """
 
 from __future__ import annotations
@@ -101,14 +104,16 @@ class ResidentSplit:
                 f"on {self.device}, and {_size(free)} is free (at most {MEMORY_SHARE:.0%} of it is used); "
                 "set data.resident: false to stream batches through the loader"
             )
-        self.frames = torch.empty((int(self.frame_start[-1]), dv), device=self.device)  # (sum Lf, Dv)
-        self.clips = torch.empty((nv, collection.num_clips, dv), device=self.device)  # (Nv, Lc, Dv)
-        self.tokens = torch.empty((int(self.token_start[-1]), dq), device=self.device)  # (sum Lq, Dq)
+        f32 = {"dtype": torch.float32, "device": self.device}
+        self.frames = torch.empty((int(self.frame_start[-1]), dv), **f32)  # (sum Lf, Dv)
+        self.clips = torch.empty((nv, collection.num_clips, dv), **f32)  # (Nv, Lc, Dv)
+        self.tokens = torch.empty((int(self.token_start[-1]), dq), **f32)  # (sum Lq, Dq)
         loader = DataLoader(_Videos(dataset), batch_size=None, num_workers=num_workers,
                             generator=torch.Generator("cpu").manual_seed(0))
         for i, (frames, clips, tokens) in enumerate(loader):
             span = index.queries_of(i)
-            if frames.shape[0] != self.frame_len[i] or tokens.shape[0] != self.token_start[span.stop] - self.token_start[span.start]:
+            tokens_expected = self.token_start[span.stop] - self.token_start[span.start]
+            if frames.shape[0] != self.frame_len[i] or tokens.shape[0] != tokens_expected:
                 raise DataError(f"{collection.visual!r}: video {index.video_ids[i]!r} has other frame or token "
                                 "counts than its split index recorded")
             self.frames[self.frame_start[i] : self.frame_start[i + 1]] = frames
@@ -159,7 +164,6 @@ class ResidentSplit:
             video_ids=[index.video_ids[i] for i in v],
             query_ids=[index.query_ids[j] for j in q],
         )
-
 
 
 def _signature(path: Path) -> tuple:
