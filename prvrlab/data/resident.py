@@ -105,9 +105,9 @@ class ResidentSplit:
                 "set data.resident: false to stream batches through the loader"
             )
         f32 = {"dtype": torch.float32, "device": self.device}
-        self.frames = torch.empty((int(self.frame_start[-1]), dv), **f32)  # (sum Lf, Dv)
+        self.frames = torch.zeros((int(self.frame_start[-1]) + 1, dv), **f32)  # (sum Lf + 1, Dv): last row zero, padding
         self.clips = torch.empty((nv, collection.num_clips, dv), **f32)  # (Nv, Lc, Dv)
-        self.tokens = torch.empty((int(self.token_start[-1]), dq), **f32)  # (sum Lq, Dq)
+        self.tokens = torch.zeros((int(self.token_start[-1]) + 1, dq), **f32)  # (sum Lq + 1, Dq): last row zero, padding
         loader = DataLoader(_Videos(dataset), batch_size=None, num_workers=num_workers,
                             generator=torch.Generator("cpu").manual_seed(0))
         for i, (frames, clips, tokens) in enumerate(loader):
@@ -124,14 +124,15 @@ class ResidentSplit:
         return self.index.num_videos
 
     def _padded(self, rows: Tensor, starts: np.ndarray, lengths: np.ndarray) -> tuple[Tensor, Tensor]:
-        """Segments of ``rows`` zero-padded to the longest: (N, L, D) and its (N, L) mask of real rows."""
-        src, seg, pos = _segments(starts, lengths)
+        """Segments of ``rows`` zero-padded to the longest: (N, L, D) and its (N, L) mask of real rows.
+
+        One gather: a padding slot reads the zero row that ends ``rows``.
+        """
         longest = int(lengths.max())
-        out = rows.new_zeros((len(lengths), longest, rows.shape[1]))  # (N, L, D)
-        put = torch.from_numpy(np.stack([seg, pos])).to(self.device)  # (2, R)
-        out[put[0], put[1]] = rows[torch.from_numpy(src).to(self.device)]
-        mask = torch.arange(longest, device=self.device)[None, :] < torch.from_numpy(lengths).to(self.device)[:, None]
-        return out, mask
+        real = np.arange(longest)[None, :] < lengths[:, None]  # (N, L)
+        source = np.where(real, starts[:, None] + np.arange(longest)[None, :], rows.shape[0] - 1)  # (N, L)
+        out = rows.index_select(0, torch.from_numpy(source.reshape(-1)).to(self.device))  # (N * L, D)
+        return out.view(len(lengths), longest, rows.shape[1]), torch.from_numpy(real).to(self.device)
 
     def videos(self, positions: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """``(clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` of these videos, frames padded to the longest."""
