@@ -37,6 +37,19 @@ def tvr_bench_collection(root: Path, train_videos: int, val_videos: int, test_vi
     return root
 
 
+def add_collection_options(p: argparse.ArgumentParser) -> None:
+    """``--root`` and the split sizes of the TVR-shaped collection (:func:`bench_collection` writes it once)."""
+    p.add_argument("--root", default="data/bench_tvr", help="the TVR-shaped collection (written once)")
+    p.add_argument("--train-videos", type=int, default=1280)
+    p.add_argument("--val-videos", type=int, default=500)
+    p.add_argument("--test-videos", type=int, default=2179)
+
+
+def bench_collection(args: argparse.Namespace) -> Path:
+    """The TVR-shaped collection that :func:`add_collection_options`' arguments name."""
+    return tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)
+
+
 def tvr_config(root: Path, config: str = "gmmformer_tvr.yaml", **overrides):
     """A TVR config from configs/ (GMMFormer by default) on the synthetic TVR-shaped collection."""
     raw = load_raw(REPO / "configs" / config)

@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from _common import add_collection_options, bench_collection, machine, peak_rss_gib, tvr_config
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.data.resident import ResidentSplit
@@ -53,10 +52,7 @@ def epoch_seconds(loader, sampler, device: torch.device, epochs: int) -> list[fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="data/bench_tvr", help="the TVR-shaped collection (written once)")
-    p.add_argument("--train-videos", type=int, default=1280)
-    p.add_argument("--val-videos", type=int, default=500)
-    p.add_argument("--test-videos", type=int, default=2179)
+    add_collection_options(p)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--epochs", type=int, default=3, help="passes over the split per way (the first is a warm-up)")
     p.add_argument("--device", default="cpu")
@@ -66,7 +62,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    root = tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)
+    root = bench_collection(args)
     collection = open_collection(tvr_config(root).data)
     print(f"machine: {machine()}")
     if device.type == "cuda":

@@ -37,11 +37,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from _common import add_host_allocator_option, machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from _common import (
+    add_collection_options, add_host_allocator_option, bench_collection, machine, peak_rss_gib, tvr_config,
+)
 from prvrlab.allocator import set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
@@ -84,10 +85,7 @@ def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="data/bench_tvr")
-    p.add_argument("--train-videos", type=int, default=1280)
-    p.add_argument("--val-videos", type=int, default=500)
-    p.add_argument("--test-videos", type=int, default=2179)
+    add_collection_options(p)
     p.add_argument("--config", default="gmmformer_tvr.yaml")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (peak-RSS runs are CPU-only; on cuda: peak GPU memory)")
@@ -103,7 +101,7 @@ def main() -> None:
     set_host_allocator(args.host_allocator)
 
     torch.set_num_threads(args.threads)
-    root = tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)
+    root = bench_collection(args)
     print(f"machine: {machine()}; native bf16 matrix units: {native_low_precision('cpu')}")
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     cfg = tvr_config(root, args.config, **({} if args.video_batch is None else

@@ -16,11 +16,12 @@ expected to cost the most.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
-from _common import bench_system, machine, peak_rss_gib, step_seconds, tvr_bench_collection, tvr_config
+from _common import (
+    add_collection_options, bench_collection, bench_system, machine, peak_rss_gib, step_seconds, tvr_config,
+)
 from prvrlab.data.collection import open_collection
 from prvrlab.reports.profile import profile_config, profile_table
 
@@ -40,10 +41,7 @@ def only(*parts: str) -> dict[str, object]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="data/bench_tvr")
-    p.add_argument("--train-videos", type=int, default=1280)
-    p.add_argument("--val-videos", type=int, default=500)
-    p.add_argument("--test-videos", type=int, default=2179)
+    add_collection_options(p)
     p.add_argument("--batch-size", type=int, default=128, help="videos per batch (the paper: 128)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -52,7 +50,7 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
-    root = tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)
+    root = bench_collection(args)
     print(f"machine: {machine()}")
     variants = {
         "base": only(),

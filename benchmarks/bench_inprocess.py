@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from _common import machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from _common import add_collection_options, bench_collection, machine, peak_rss_gib, tvr_config
 from prvrlab.platform.train.loop import run_local
 
 
@@ -78,10 +78,7 @@ def train_one(root: Path, config: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="data/bench_tvr", help="the TVR-shaped collection (written once)")
-    p.add_argument("--train-videos", type=int, default=1280)
-    p.add_argument("--val-videos", type=int, default=500)
-    p.add_argument("--test-videos", type=int, default=2179)
+    add_collection_options(p)
     p.add_argument("--configs", nargs="+", default=["gmmformer_tvr.yaml", "gmmformer_v2_tvr.yaml"])
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=None, help="train.batch_size (default: the config's, 128)")
@@ -96,7 +93,7 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
-    root = tvr_bench_collection(Path(args.root), args.train_videos, args.val_videos, args.test_videos)
+    root = bench_collection(args)
     print(f"machine: {machine()}")
     if torch.device(args.device).type == "cuda":
         print(f"device: {torch.cuda.get_device_name(args.device)}")
