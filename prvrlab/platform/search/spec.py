@@ -373,6 +373,12 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     gpus = float(_number(res_raw.get("gpus_per_worker", 1.0 if base.train.use_gpu else 0.0), f"{path}: resources.gpus_per_worker", minimum=0))
     if gpus > 1 and not float(gpus).is_integer():
         raise ConfigError(f"{path}: resources.gpus_per_worker: a fraction must be below 1, got {gpus!r}")
+    if workers > 1 and 0 < gpus < 1:
+        raise ConfigError(
+            f"{path}: resources.gpus_per_worker: {gpus:g} with workers_per_trial: {workers} could put two ranks of one "
+            "trial on one GPU, which NCCL refuses; give DDP trials whole GPUs (gpus_per_worker: 1), or pack "
+            "one-worker trials with the fraction"
+        )
     reuse = res_raw.get("reuse_workers", False)
     if not isinstance(reuse, bool):
         raise ConfigError(f"{path}: resources.reuse_workers: expected true or false, got {reuse!r}")

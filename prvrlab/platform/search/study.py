@@ -314,12 +314,14 @@ def _fit_trainer(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from prvrlab.platform.train.session import process_group_backend
+
     use_gpu = study.gpus_per_worker > 0
     resources = {"CPU": study.cpus_per_worker, **({"GPU": study.gpus_per_worker} if use_gpu else {})}
     trainer = TorchTrainer(
         placed_worker,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(num_workers=study.workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=trial_id,

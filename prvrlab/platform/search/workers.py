@@ -50,7 +50,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from prvrlab.platform.train.session import Session
+from prvrlab.platform.train.session import Session, process_group_backend
 
 if TYPE_CHECKING:
     from prvrlab.platform.config import ExperimentConfig
@@ -238,7 +238,7 @@ class WorkerPool:
             return
         workers, _, gpus = self.key
         host, port = ray.get(self.actors[0].address.remote())
-        backend = "nccl" if gpus > 0 else "gloo"
+        backend = process_group_backend(gpus > 0)
         joins = [
             a.join.remote(rank=r, world_size=workers, init_method=f"tcp://{host}:{port}", backend=backend)
             for r, a in enumerate(self.actors)

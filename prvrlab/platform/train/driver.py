@@ -32,6 +32,7 @@ from prvrlab.platform.failures import (
 )
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
 from prvrlab.platform.train.live import LiveLine
+from prvrlab.platform.train.session import process_group_backend
 from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
@@ -207,7 +208,7 @@ def _fit_once(
             "fault": fault_hook_from_env(),
             "sync_to": sync_to,
         },
-        torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=process_group_backend(cfg.train.use_gpu)),
         scaling_config=ScalingConfig(
             num_workers=cfg.train.num_workers,
             use_gpu=cfg.train.use_gpu,

@@ -33,9 +33,11 @@ def write_spec(tmp_path: Path, **fields) -> Path:
 
 
 def test_defaults_and_fields(base, tmp_path):
-    spec = load_search_spec(write_spec(tmp_path, budget={"trials": 4}, resources={"workers_per_trial": 2, "gpus_per_worker": 0.25}))
+    spec = load_search_spec(write_spec(tmp_path, budget={"trials": 4}, resources={"workers_per_trial": 1, "gpus_per_worker": 0.25}))
     assert (spec.metric, spec.mode, spec.trials, spec.sampler, spec.scheduler) == ("val/sumr", "max", 4, "tpe", "none")
-    assert spec.resources.workers_per_trial == 2 and spec.resources.gpus_per_worker == 0.25
+    assert spec.resources.workers_per_trial == 1 and spec.resources.gpus_per_worker == 0.25
+    ddp = load_search_spec(write_spec(tmp_path, resources={"workers_per_trial": 2, "gpus_per_worker": 1}))
+    assert ddp.resources.workers_per_trial == 2 and ddp.resources.gpus_per_worker == 1
     assert spec.space[0].kind == "loguniform" and spec.space[0].args == (1e-4, 1e-2)
 
 
@@ -59,6 +61,7 @@ def test_defaults_and_fields(base, tmp_path):
         ({"budget": {"trials": 0}}, "budget.trials"),
         ({"resources": {"workers_per_trial": 0}}, "resources.workers_per_trial"),
         ({"resources": {"gpus_per_worker": 1.5}}, "resources.gpus_per_worker"),
+        ({"resources": {"workers_per_trial": 2, "gpus_per_worker": 0.5}}, "resources.gpus_per_worker: 0.5 with workers_per_trial: 2"),
         ({"base_config": "missing.yaml"}, "base_config: file not found: missing.yaml"),
         (
             {"space": {"losses.query_diverse.alpha": {"choice": [16.0], "when": {"losses.query_diverse.wait": 0}}}},
