@@ -8,6 +8,10 @@ prints, per epoch, the training loss, val SumR and seconds, then the median
 seconds per step and videos/s over the epochs after the first (warm-up), peak
 GPU memory on CUDA (peak RSS on CPU), and whether the loss fell.
 
+``--compare-syncs`` trains each config a second time with the host waiting for the device
+after every forward and every optimiser step, as the loop did before it waited once per
+step (after the backward pass, for the non-finite-loss flag): a same-run baseline.
+
 The worker's reports come to this script, not to MLflow: it needs neither Ray
 nor MLflow, so it also runs where they are not installed (the GPU image).
 
@@ -22,6 +26,7 @@ import argparse
 import math
 import statistics
 import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -30,7 +35,36 @@ from _common import add_collection_options, bench_collection, machine, peak_rss_
 from prvrlab.platform.train.loop import run_local
 
 
-def train_one(root: Path, config: str, args: argparse.Namespace) -> dict:
+@contextmanager
+def synced_steps(device: torch.device):
+    """The host waits for ``device`` after each forward and each optimiser step (the loop's syncs before session 12)."""
+    from prvrlab.models.factory import TrainingSystem
+    from prvrlab.platform.train.loop import TrainingLoop
+
+    forward, step = TrainingSystem.forward, TrainingLoop.step
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def synced_forward(self, *a, **k):
+        out = forward(self, *a, **k)
+        wait()
+        return out
+
+    def synced_step(self, *a, **k):
+        out = step(self, *a, **k)
+        wait()
+        return out
+
+    TrainingSystem.forward, TrainingLoop.step = synced_forward, synced_step
+    try:
+        yield
+    finally:
+        TrainingSystem.forward, TrainingLoop.step = forward, step
+
+
+def train_one(root: Path, config: str, args: argparse.Namespace, *, synced: bool = False) -> dict:
     """Train ``config`` in this process; the per-epoch reports and the figures derived from them."""
     cuda = torch.device(args.device).type == "cuda"
     overrides = {
@@ -56,13 +90,14 @@ def train_one(root: Path, config: str, args: argparse.Namespace) -> dict:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(args.device)
-    with tempfile.TemporaryDirectory(prefix="bench_inprocess_") as run_dir:
+    with tempfile.TemporaryDirectory(prefix="bench_inprocess_") as run_dir, \
+            (synced_steps(torch.device(args.device)) if synced else nullcontext()):
         run_local(cfg, run_dir, on_report=on_report)
     steps = math.ceil(args.train_videos / cfg.train.batch_size)
     timed = epochs[1:] or epochs
     train_s = statistics.median(m["time/train_s"] for m in timed)
     return {
-        "config": config,
+        "config": config + (" (synced steps)" if synced else ""),
         "steps": steps * len(epochs),
         "step_s": train_s / steps,
         "videos_s": args.train_videos / train_s,
@@ -89,6 +124,9 @@ def main() -> None:
                    help="data.pin_memory (auto: page-locked batches when training on CUDA)")
     p.add_argument("--resident", action="store_true",
                    help="data.resident: the training and validation splits held on the device, batched there (no loader)")
+    p.add_argument("--compare-syncs", action="store_true",
+                   help="train each config again with the host waiting for the device after every forward and "
+                        "optimiser step (the loop before it waited once per step)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 
@@ -102,6 +140,9 @@ def main() -> None:
         print(f"{config}: {args.epochs} epochs of {args.train_videos} videos, amp {args.amp}, {args.device}, "
               f"{args.loader_workers} loader workers, pin_memory {args.pin_memory}, resident {args.resident}", flush=True)
         rows.append(train_one(root, config, args))
+        if args.compare_syncs:
+            print(f"{config}: again, the host waiting for the device after each forward and optimiser step", flush=True)
+            rows.append(train_one(root, config, args, synced=True))
     memory = "peak GPU memory (allocated)" if torch.device(args.device).type == "cuda" else "peak RSS"
     for r in rows:
         fell = "falls" if r["last_loss"] < r["first_loss"] else "DOES NOT FALL"
@@ -109,6 +150,11 @@ def main() -> None:
               f"first), {r['videos_s']:.0f} videos/s; {memory} {r['peak_gib']:.2f} GiB; loss {r['first_loss']:.4f} -> "
               f"{r['last_loss']:.4f} ({fell}); val SumR {r['first_sumr']:.1f} after epoch 1, best {r['best_sumr']:.1f}; "
               f"set-up {r['setup_s']:.1f} s, validation and checkpoints {r['val_s']:.2f} s per epoch")
+    if args.compare_syncs:
+        for loop, synced in zip(rows[::2], rows[1::2]):
+            print(f"{loop['config']}: synced / one wait per step = {synced['step_s'] / loop['step_s']:.3f} (ms/step "
+                  f"{synced['step_s'] * 1000:.1f} / {loop['step_s'] * 1000:.1f}); final loss {synced['last_loss']:.6f} / "
+                  f"{loop['last_loss']:.6f}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,19 @@ class LossResult:
     total: Tensor
     terms: dict[str, Tensor] = field(default_factory=dict)
 
+    def non_finite(self) -> Tensor:
+        """A (1,) float flag, 1 where the total is NaN or infinite; computed where the total lives
+        (no host sync), so ranks can all-reduce it before reading it once."""
+        return (~torch.isfinite(self.total.detach())).float().reshape(1)
+
+    def check_finite(self, epoch: int) -> None:
+        """Raise :class:`NonFiniteLossError`, naming the offending term(s), when the total is not finite."""
+        if bool(torch.isfinite(self.total.detach())):
+            return
+        values = {t: float(v) for t, v in self.terms.items()}
+        bad = [t for t, v in values.items() if not math.isfinite(v)] or list(values)
+        raise NonFiniteLossError(bad, values, epoch)
+
 
 class WeightedLoss(nn.Module):
     """``total = sum_t weights[t] * losses[t](out, batch, epoch=epoch)`` over named terms."""
@@ -73,7 +86,11 @@ class WeightedLoss(nn.Module):
         return cls(losses=modules, weights=weights)
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> LossResult:
-        """Compute every term of non-zero weight; raise NonFiniteLossError on a non-finite total."""
+        """Compute every term of non-zero weight.
+
+        A non-finite total is returned as is (checking it here would make the host wait for
+        the device at every step): the caller checks, with :meth:`LossResult.check_finite`, or
+        the training loop once per step for all ranks together."""
         total: Tensor | None = None
         terms: dict[str, Tensor] = {}
         for term, loss in self.losses.items():
@@ -85,8 +102,4 @@ class WeightedLoss(nn.Module):
             part = value * weight
             total = part if total is None else total + part
         assert total is not None  # the constructor guarantees a non-zero weight
-        if not bool(torch.isfinite(total)):
-            values = {t: float(v) for t, v in terms.items()}
-            bad = [t for t, v in values.items() if not math.isfinite(v)] or list(values)
-            raise NonFiniteLossError(bad, values, epoch)
         return LossResult(total=total, terms=terms)

@@ -157,12 +157,16 @@ class Component(nn.Module):
         return {}
 
     def log_metric(self, name: str, value: Tensor | float) -> None:
-        """Record a scalar for this step; the loop averages it over the epoch's steps and ranks."""
-        metrics = self.__dict__.setdefault("_step_metrics", {})
-        metrics[name] = float(value.detach()) if isinstance(value, Tensor) else float(value)
+        """Record a scalar for this step; the loop averages it over the epoch's steps and ranks.
 
-    def pop_step_metrics(self) -> dict[str, float]:
-        """The metrics logged since the last call (the loop calls this once per step)."""
+        A tensor stays where it is (detached): the loop sums it on its device, so logging
+        never makes the host wait for a GPU."""
+        metrics = self.__dict__.setdefault("_step_metrics", {})
+        metrics[name] = value.detach().reshape(()) if isinstance(value, Tensor) else float(value)
+
+    def pop_step_metrics(self) -> dict[str, Tensor | float]:
+        """The metrics logged since the last call (the loop calls this once per step): floats, or
+        0-d tensors for values logged as tensors."""
         return self.__dict__.pop("_step_metrics", {})
 
     def log_distribution(self, name: str, series: dict[str, Tensor], *, low: float, high: float, bins: int = 50) -> None:

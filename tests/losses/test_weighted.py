@@ -79,16 +79,31 @@ def test_zero_weight_term_from_config_needs_nothing():
     assert list(result.terms) == ["trip"]
 
 
-def test_non_finite_term_raises_with_its_name():
+def test_non_finite_term_is_flagged_and_named():
     weighted = WeightedLoss(
         losses={"fine": Constant(1.0), "broken": Constant(float("nan"))}, weights={"fine": 1.0, "broken": 0.1}
     )
     out, batch = inputs()
+    result = weighted(out, batch, epoch=7)  # returned as is: the caller checks (no host sync per step)
+    assert result.non_finite().tolist() == [1.0]
     with pytest.raises(NonFiniteLossError, match="broken") as info:
-        weighted(out, batch, epoch=7)
+        result.check_finite(epoch=7)
     assert info.value.terms == ["broken"]
     assert "fine" not in str(info.value).split("term(s)")[1].split("(")[0]
     assert "epoch 8" in str(info.value)  # the loop's epoch 7 (from 0) is epoch 8 to users
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_infinite_total_is_flagged_and_a_finite_one_is_not(value):
+    out, batch = inputs()
+    bad = WeightedLoss(losses={"a": Constant(1.0), "b": Constant(value)}, weights={"a": 1.0, "b": 1.0})(out, batch, epoch=0)
+    assert bad.non_finite().tolist() == [1.0]
+    with pytest.raises(NonFiniteLossError) as info:
+        bad.check_finite(epoch=0)
+    assert info.value.terms == ["b"]
+    good = WeightedLoss(losses={"a": Constant(1.0)}, weights={"a": 2.0})(out, batch, epoch=0)
+    assert good.non_finite().tolist() == [0.0]
+    good.check_finite(epoch=0)
 
 
 def test_invalid_construction():

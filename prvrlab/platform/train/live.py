@@ -25,6 +25,7 @@ EVERY_S_ENV = "PRVRLAB_PROGRESS_S"
 DEFAULT_EVERY_S = 10.0  # seconds between plain progress lines (not a terminal)
 TTY_REDRAW_S = 0.25  # at most this often on a terminal
 FILE_EVERY_S = 1.0  # a worker rewrites its progress file at most this often
+LOSS_EVERY_S = TTY_REDRAW_S  # rank 0 reads its running loss from the device at most this often
 
 
 def every_s_from_env() -> float:
@@ -43,15 +44,26 @@ class EpochTicker:
     ``clock`` is injectable for tests; ``emit`` receives a plain dict per step.
     """
 
-    def __init__(self, *, epoch: int, epochs: int, total: int, emit: Callable[[dict[str, Any]], None], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, epoch: int, epochs: int, total: int, emit: Callable[[dict[str, Any]], None],
+        clock: Callable[[], float] = time.monotonic, loss_every_s: float = LOSS_EVERY_S,
+    ) -> None:
         self.epoch, self.epochs, self.total, self.emit, self.clock = epoch, epochs, total, emit, clock
+        self.loss_every_s = loss_every_s
         self.t0 = clock()
         self.done = 0
+        self.loss, self.loss_at = math.nan, -math.inf
 
-    def step(self, mean_loss: float) -> None:
-        """One more batch done; ``mean_loss``: this rank's mean loss over the epoch so far."""
+    def step(self, mean_loss: Callable[[], float]) -> None:
+        """One more batch done; ``mean_loss()``: this rank's mean loss over the epoch so far.
+
+        It is called at most every ``loss_every_s`` and at the epoch's last batch (on a GPU each
+        call waits for the queued steps); the states in between repeat the last value."""
         self.done += 1
-        elapsed = self.clock() - self.t0
+        now = self.clock()
+        if now - self.loss_at >= self.loss_every_s or self.done >= self.total:
+            self.loss, self.loss_at = float(mean_loss()), now
+        elapsed = now - self.t0
         rate = self.done / elapsed if elapsed > 0 else 0.0
         self.emit(
             {
@@ -59,7 +71,7 @@ class EpochTicker:
                 "epochs": self.epochs,
                 "batch": self.done,
                 "batches": self.total,
-                "loss": mean_loss,
+                "loss": self.loss,
                 "rate": rate,
                 "elapsed_s": elapsed,
                 "eta_s": (self.total - self.done) / rate if rate > 0 else None,

@@ -134,25 +134,29 @@ class Progress:
 
 
 class MetricSums:
-    """Per-name sums and counts of per-step scalars, reduced over ranks at the epoch's end."""
+    """Per-name sums and counts of per-step scalars, reduced over ranks at the epoch's end.
+
+    A tensor value is summed where it lives, in float64 (the same sums as of its ``float()``s),
+    so a step never waits for the device to report its scalars."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.counts: dict[str, int] = {}
 
-    def add(self, name: str, value: float) -> None:
+    def add(self, name: str, value: float | torch.Tensor) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().reshape(()).double()
         self.sums[name] = self.sums.get(name, 0.0) + value
         self.counts[name] = self.counts.get(name, 0) + 1
 
-    @property
     def mean_loss(self) -> float:
-        """This rank's mean ``loss`` over the steps so far."""
-        return self.sums.get("loss", math.nan) / max(1, self.counts.get("loss", 0))
+        """This rank's mean ``loss`` over the steps so far (reading it waits for the device)."""
+        return float(self.sums.get("loss", math.nan)) / max(1, self.counts.get("loss", 0))
 
     def means(self) -> dict[str, float]:
         """Mean of every name over all steps of all ranks."""
         names = _union_of_names(list(self.sums))
-        values = [self.sums.get(n, 0.0) for n in names] + [float(self.counts.get(n, 0)) for n in names]
+        values = [float(self.sums.get(n, 0.0)) for n in names] + [float(self.counts.get(n, 0)) for n in names]
         totals = all_reduce(torch.tensor(values, dtype=torch.float64))
         k = len(names)
         return {n: float(totals[i] / max(1.0, float(totals[k + i]))) for i, n in enumerate(names)}
@@ -340,31 +344,36 @@ class TrainingLoop:
                 (folder / f"{prefix}.{name}.json").write_text(json.dumps(record, indent=1))
 
     def step(self, train_model: torch.nn.Module, batch, epoch: int, step: int, sums: "MetricSums") -> str:
-        """One optimiser step on every rank; returns a failure message ('' when the loss was finite)."""
+        """One optimiser step on every rank; returns a failure message ('' when the loss was finite).
+
+        The host waits for the device once per step: after the backward pass, for the ranks'
+        summed non-finite-loss flag, before any weight changes (a non-finite loss stops every
+        rank at the same step with the weights of the step before).  Losses and logged metrics
+        are summed on the device."""
         from prvrlab.losses.weighted import NonFiniteLossError
         from prvrlab.models.component import StepContext
 
         batch = batch.to(self.device, non_blocking=True)
-        failure, bad = "", 0.0
         dtype = self.amp_dtype
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            try:
-                result, out = train_model(batch, epoch=epoch)
-            except NonFiniteLossError as exc:
-                failure, bad = str(exc), 1.0
-        if all_reduce(torch.tensor([bad], device=self.device)).item() > 0:  # every rank stops at the same step
-            return failure or f"non-finite loss at epoch {epoch + 1} on another worker"
+            result, out = train_model(batch, epoch=epoch)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(result.total).backward()
+        if all_reduce(result.non_finite()).item() > 0:  # every rank stops at the same step
+            try:
+                result.check_finite(epoch)
+            except NonFiniteLossError as exc:
+                return str(exc)
+            return f"non-finite loss at epoch {epoch + 1} on another worker"
         if self.cfg.train.grad_clip > 0 and self.cfg.train.clip_grad == "global":  # per_tensor: in optimizer.step
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.system.parameters(), self.cfg.train.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        sums.add("loss", float(result.total.detach()))
+        sums.add("loss", result.total)
         for term, value in result.terms.items():
-            sums.add(term, float(value))
+            sums.add(term, value)
         ctx = StepContext(
             epoch=epoch,
             step=step,
@@ -392,7 +401,7 @@ class TrainingLoop:
             if failure:
                 return {}, failure
             if ticker is not None:
-                ticker.step(sums.mean_loss)
+                ticker.step(sums.mean_loss)  # read at most every few tenths of a second
         return {f"train/{name}": value for name, value in sums.means().items()}, ""
 
     def _ticker(self, epoch: int):

@@ -5,6 +5,8 @@
   embeddings, all-reduced over ranks; the real frames per video as the distribution ``frames``), a
   step counter, and metrics from the epoch end.
 - ``test_twin``: a plug-in holding a second backbone copy that contributes to retrieval scores.
+- ``test_nan_on_rank``: zero (with a graph) until ``from_step`` steps were taken, then NaN on one rank
+  (``rank``; -1: every rank).
 """
 
 from __future__ import annotations
@@ -119,6 +121,23 @@ class TwinEncoder(Plugin):
         return out
 
 
+class NanOnRank(Loss):
+    """0 x a score (a graph, no gradient) for the first ``from_step`` calls, then NaN on ``rank`` (-1: all)."""
+
+    def __init__(self, *, rank: int = -1, from_step: int = 1) -> None:
+        super().__init__()
+        self.rank, self.from_step, self.calls = rank, from_step, 0
+
+    def forward(self, out, batch, *, epoch: int) -> Tensor:
+        import torch.distributed as dist
+
+        here = dist.get_rank() if dist.is_initialized() else 0
+        self.calls += 1
+        broken = self.calls > self.from_step and self.rank in (-1, here)
+        return out.scores["clip"].sim.mean() * (float("nan") if broken else 0.0)
+
+
 TemperedNCE = _register(LOSSES, "test_tempered_nce", TemperedNCE)
+NanOnRank = _register(LOSSES, "test_nan_on_rank", NanOnRank)
 EpochProbe = _register(LOSSES, "test_epoch_probe", EpochProbe)
 TwinEncoder = _register(PLUGINS, "test_twin", TwinEncoder)

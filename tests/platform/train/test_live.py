@@ -29,12 +29,30 @@ def test_ticker_measures_rate_and_eta_from_its_clock():
     ticker = EpochTicker(epoch=1, epochs=5, total=10, emit=seen.append, clock=clock)
     for done in range(1, 5):
         clock.t += 0.5  # one batch every 0.5 s: 2 batches/s
-        ticker.step(mean_loss=1.0 / done)
+        ticker.step(mean_loss=lambda done=done: 1.0 / done)
     last = seen[-1]
     assert len(seen) == 4 and last["batch"] == 4 and last["batches"] == 10
     assert last["rate"] == pytest.approx(2.0)
     assert last["eta_s"] == pytest.approx((10 - 4) / 2.0)
     assert last["loss"] == pytest.approx(0.25) and last["epoch"] == 1 and last["epochs"] == 5
+
+
+def test_ticker_reads_the_running_loss_at_most_every_loss_every_s_and_at_the_last_batch():
+    """Each read waits for the device on a GPU: batches 0.1 s apart, a read every 0.25 s."""
+    clock, seen, reads = FakeClock(), [], []
+
+    def mean_loss() -> float:
+        reads.append(ticker.done)
+        return float(ticker.done)
+
+    ticker = EpochTicker(epoch=1, epochs=1, total=8, emit=seen.append, clock=clock, loss_every_s=0.25)
+    for _ in range(8):
+        clock.t += 0.1
+        ticker.step(mean_loss)
+    # read at t=0.1 (first), then once 0.25 s have passed: t=0.4 (batch 4), t=0.7 (batch 7), and the last batch
+    assert reads == [1, 4, 7, 8]
+    assert [s["loss"] for s in seen] == [1.0, 1.0, 1.0, 4.0, 4.0, 4.0, 7.0, 8.0]
+    assert len(seen) == 8  # a state per batch all the same
 
 
 def test_progress_line_format():

@@ -1,0 +1,105 @@
+"""One training step: a non-finite loss (checked once per step, after the backward pass) changes no
+weight and stops every rank at the same step; per-step scalars are summed where they live."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import seam_components  # noqa: F401  (registers test_nan_on_rank)
+from prvrlab.platform.config import validate
+from prvrlab.platform.train.loop import MetricSums, TrainingLoop
+from prvrlab.platform.train.session import LocalSession
+
+from train_helpers import small_raw
+
+
+def nan_raw(root: Path, tmp: Path, *, rank: int, from_step: int) -> dict:
+    raw = small_raw(root, tmp, batch_size=8, epochs=1, torch_threads=1)
+    raw["losses"]["broken"] = {"loss": "test_nan_on_rank", "weight": 1.0, "rank": rank, "from_step": from_step}
+    return raw
+
+
+def steps_until_failure(raw: dict, tmp: Path, *, rank: int = 0, world: int = 1, steps: int = 3) -> dict:
+    """Run ``steps`` steps of epoch 0; the messages, and the weights/optimiser/schedule before and after the last."""
+    session = LocalSession(tmp / f"session{rank}")
+    session.rank, session.world_size = rank, world
+    loop = TrainingLoop(validate(raw), session=session, run_dir=tmp / "run")
+    loop.setup()
+    model = loop.wrap()
+    model.train()
+    initial = {k: v.clone() for k, v in loop.system.state_dict().items()}
+    sums, batches, messages = MetricSums(), iter(loop.loader), []
+    for step in range(steps):
+        if step == steps - 1:
+            before = {k: v.clone() for k, v in loop.system.state_dict().items()}
+            optimizer, schedule, global_step = copy.deepcopy(loop.optimizer.state_dict()), loop.scheduler.last_epoch, loop.global_step
+        messages.append(loop.step(model, next(batches), 0, step, sums))
+    after = loop.system.state_dict()
+    return {
+        "messages": messages,
+        "trained": any(not torch.equal(initial[k], before[k]) for k in initial),
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "optimizer_unchanged": _same(optimizer, loop.optimizer.state_dict()),
+        "schedule_unchanged": schedule == loop.scheduler.last_epoch and global_step == loop.global_step,
+        "counts": dict(sums.counts),
+        "weights": [float(v.double().sum()) for v in after.values() if v.is_floating_point()],
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_non_finite_step_changes_no_weight_and_names_the_term(tiny_root, tmp_path):
+    got = steps_until_failure(nan_raw(tiny_root, tmp_path, rank=-1, from_step=2), tmp_path)
+    assert got["messages"][:2] == ["", ""] and got["trained"]  # two real steps moved the weights
+    assert got["messages"][2].startswith("non-finite loss at epoch 1: term(s) broken (broken=nan)")
+    assert got["unchanged"] and got["optimizer_unchanged"] and got["schedule_unchanged"]
+    assert got["counts"]["loss"] == 2  # the failed step's loss is not summed
+
+
+def _rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        got = steps_until_failure(raw, Path(out_dir), rank=rank, world=world)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_rank_stops_both_at_the_same_step(tiny_root, tmp_path):
+    raw = nan_raw(tiny_root, tmp_path, rank=1, from_step=2)
+    raw["train"]["num_workers"] = 2
+    mp.spawn(_rank, args=(2, str(tmp_path / "init"), raw, str(tmp_path)), nprocs=2, join=True)
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert zero["messages"] == ["", "", "non-finite loss at epoch 1 on another worker"]
+    assert one["messages"][:2] == ["", ""] and one["messages"][2].startswith("non-finite loss at epoch 1: term(s) broken")
+    for got in (zero, one):
+        assert got["trained"] and got["unchanged"] and got["optimizer_unchanged"] and got["schedule_unchanged"]
+    assert zero["weights"] == one["weights"]  # DDP kept the ranks equal, the failed step included
+
+
+def test_tensor_values_sum_to_the_same_means_as_their_floats():
+    values = [torch.tensor(v, dtype=torch.float32) for v in (0.1, 0.7, 1e-8, 3.3)]
+    as_tensors, as_floats = MetricSums(), MetricSums()
+    for v in values:
+        as_tensors.add("loss", v)
+        as_floats.add("loss", float(v))
+    as_tensors.add("only_float", 2.0)
+    assert isinstance(as_tensors.sums["loss"], torch.Tensor)  # stays a tensor: no read per step
+    assert as_tensors.means() == as_floats.means() | {"only_float": 2.0}
+    assert as_tensors.mean_loss() == sum(float(v) for v in values) / 4
