@@ -176,11 +176,13 @@ class Packing:
         mask = mask.to(device=device, dtype=torch.bool)
         lengths = mask.sum(dim=1)  # (B,)
         steps = torch.arange(length, device=device)
-        if not torch.equal(mask, steps[None, :] < lengths[:, None]):
+        prefix = (mask == (steps[None, :] < lengths[:, None])).all()
+        is_prefix, real = torch.stack([prefix.long(), lengths.sum()]).tolist()  # the one read from the device
+        if not is_prefix:
             raise ValueError("masks must put real tokens first (True...True False...False per row)")
-        if bool((lengths == length).all()):
+        if real == batch * length:
             return Packing.full(batch, length, device)
-        index = mask.reshape(-1).nonzero().squeeze(1)  # (N,)
+        index = mask.reshape(-1).nonzero_static(size=real).squeeze(1)  # (N,): its size known, no second read
         return Packing(batch, length, lengths, index % length, index, mask)
 
     @property
