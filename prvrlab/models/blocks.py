@@ -33,6 +33,9 @@ from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.scoring import max_scores, vector_scores
 
 
+CUDA_NONZERO_STATIC = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)  # CUDA kernel since torch 2.6
+
+
 def dropout_mask(x: Tensor, p: float) -> Tensor:
     """The inverted-dropout multiplier of ``x``: 0 with probability ``p``, else 1/(1-p) (x's shape and dtype).
 
@@ -182,7 +185,11 @@ class Packing:
             raise ValueError("masks must put real tokens first (True...True False...False per row)")
         if real == batch * length:
             return Packing.full(batch, length, device)
-        index = mask.reshape(-1).nonzero_static(size=real).squeeze(1)  # (N,): its size known, no second read
+        flat = mask.reshape(-1)  # (B*L,)
+        if flat.device.type == "cpu" or (flat.device.type == "cuda" and CUDA_NONZERO_STATIC):  # size known: no second read
+            index = flat.nonzero_static(size=real).squeeze(1)  # (N,)
+        else:
+            index = flat.nonzero().squeeze(1)  # (N,)
         return Packing(batch, length, lengths, index % length, index, mask)
 
     @property
