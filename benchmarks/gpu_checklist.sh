@@ -36,6 +36,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.
     local rc=$?
     grep -v -e 'video/s\]' -e '^\s*$' "$OUT/$name.log" | tail -n 40
     echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" = 0 ] || FAILED="${FAILED:-}$name "
 }
 
 {
@@ -83,3 +84,5 @@ want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr"
 want backbones && stage backbones 150 $PY benchmarks/bench_backbones.py --device "$DEVICE" "${STEPS[@]}" --threads 4 --galleries "${GALLERY[@]}"
 want packing && stage packing 100 $PY benchmarks/bench_packing.py --root "$DATA/pack_small" --device "$DEVICE" --counts "${PACK[@]}" \
     --epochs "$PACK_EPOCHS" --amp bf16 --threads 2
+
+[ -z "${FAILED:-}" ] || { echo "stages that failed or ran out of time: $FAILED"; exit 1; }
