@@ -17,10 +17,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DATA=${DATA:-/tmp/prvrlab_gpu_data}
 if [ "${QUICK:-0}" = 1 ]; then
     SIZES=(--train-videos 128 --val-videos 32 --test-videos 48); EPOCHS=2; SYNC_EPOCHS=2
+    AMP=none  # a CPU without bf16 units emulates it, tens of times slower
     STEPS=(--steps 1 --warmup 0 --videos 16 --queries 80 --amp none --encode-videos 32)
     GALLERY=(500); LOADERS=(1); PACK=(1 2); PACK_EPOCHS=1; TEST_T=900; XDIST=(); TESTS=(tests/test_device_under_test.py tests/evaluation)
 else
-    SIZES=(--train-videos 1280 --val-videos 500 --test-videos 2179); EPOCHS=12; SYNC_EPOCHS=6; STEPS=(--steps 2 --warmup 1)
+    SIZES=(--train-videos 1280 --val-videos 500 --test-videos 2179); EPOCHS=12; SYNC_EPOCHS=6; AMP=bf16; STEPS=(--steps 2 --warmup 1)
     GALLERY=(500 1000 1500 2000 2500); LOADERS=(4 12); PACK=(1 2 4 8); PACK_EPOCHS=2; TEST_T=100; XDIST=(-n 6)
     TESTS=(tests/test_device_under_test.py tests/models tests/losses tests/evaluation tests/data tests/platform/train/test_pinning.py
            tests/platform/train/test_resident_train.py tests/platform/train/test_process_group.py)
@@ -72,17 +73,17 @@ PROFILE
 
 wait $SYNTH; echo "synthesis exit $?"
 want train && stage train 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
-    --epochs "$EPOCHS" --amp bf16 --loader-workers 4 --threads 4
+    --epochs "$EPOCHS" --amp "$AMP" --loader-workers 4 --threads 4
 want resident && stage batches 90 $PY benchmarks/bench_batches.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --loader-workers "${LOADERS[@]}" --threads 4
 want resident && stage resident 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
-    --epochs "$EPOCHS" --amp bf16 --loader-workers 4 --threads 4 --resident
+    --epochs "$EPOCHS" --amp "$AMP" --loader-workers 4 --threads 4 --resident
 want syncs && stage syncs 200 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
-    --epochs "$SYNC_EPOCHS" --amp bf16 --threads 4 --resident --compare-syncs
+    --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --compare-syncs
 want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --splits val test --amp none bf16 --repeats 2 --no-memory --threads 4
 want backbones && stage backbones 150 $PY benchmarks/bench_backbones.py --device "$DEVICE" "${STEPS[@]}" --threads 4 --galleries "${GALLERY[@]}"
 want packing && stage packing 100 $PY benchmarks/bench_packing.py --root "$DATA/pack_small" --device "$DEVICE" --counts "${PACK[@]}" \
-    --epochs "$PACK_EPOCHS" --amp bf16 --threads 2
+    --epochs "$PACK_EPOCHS" --amp "$AMP" --threads 2
 
 [ -z "${FAILED:-}" ] || { echo "stages that failed or ran out of time: $FAILED"; exit 1; }
