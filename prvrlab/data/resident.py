@@ -34,11 +34,10 @@ MEMORY_SHARE = 0.8  # the largest share of the device's free memory a split may 
 _HELD: dict[tuple, "ResidentSplit"] = {}  # the splits this process's last run held, for its next run
 
 
-def _segments(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows ``starts[k] + t`` for ``t < lengths[k]``, with each row's segment ``k`` and position ``t``."""
-    seg = np.repeat(np.arange(len(lengths)), lengths)  # (R,)
-    pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # (R,)
-    return starts[seg] + pos, seg, pos
+def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """(R,) rows ``starts[k] + t`` for every segment ``k`` and ``t < lengths[k]``, in order."""
+    pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # (R,) t of each row
+    return np.repeat(starts, lengths) + pos
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -153,7 +152,7 @@ class ResidentSplit:
         v = np.asarray(videos, dtype=np.int64)  # (B,)
         index = self.index
         counts = index.query_offsets[v + 1] - index.query_offsets[v]  # (B,)
-        q, _, _ = _segments(index.query_offsets[v], counts)  # (Nq,) split positions of the batch's queries
+        q = _segments(index.query_offsets[v], counts)  # (Nq,) split positions of the batch's queries
         queries, query_mask = self.queries(q)  # (Nq, Lq, Dq), (Nq, Lq)
         return Batch(
             frames=frames,

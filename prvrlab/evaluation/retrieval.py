@@ -20,12 +20,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +35,9 @@ from prvrlab.checks import check_positive_int
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, tensors_of
 from prvrlab.models.blocks import native_low_precision
+
+if TYPE_CHECKING:
+    from prvrlab.data.resident import ResidentSplit
 
 __all__ = [
     "EvalResult",
@@ -232,10 +234,10 @@ ENCODE_BUDGET_BYTES = 128 << 20  # float32 input features (clips + frames) of on
 
 def _available_bytes() -> int:
     """Free physical memory (bytes), or a large number where the OS does not say."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
+    from prvrlab.data.resident import available_bytes
+
+    free = available_bytes(torch.device("cpu"))
+    return 1 << 40 if free is None else free
 
 
 def video_batch_size(configured: int, tokens_per_video: int, video_dim: int) -> int:
@@ -518,7 +520,7 @@ def evaluate(
     amp_dtype: torch.dtype | str | None = None,
     rank: int = 0,
     world_size: int = 1,
-    resident: Any = None,
+    resident: "ResidentSplit | None" = None,
 ) -> EvalResult | None:
     """Evaluate ``model`` on ``split`` of a data-layer ``Collection``; rows in the split's query order.
 

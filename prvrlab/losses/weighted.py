@@ -49,7 +49,7 @@ class LossResult:
 
     def check_finite(self, epoch: int) -> None:
         """Raise :class:`NonFiniteLossError`, naming the offending term(s), when the total is not finite."""
-        if bool(torch.isfinite(self.total.detach())):
+        if not self.non_finite().item():
             return
         values = {t: float(v) for t, v in self.terms.items()}
         bad = [t for t, v in values.items() if not math.isfinite(v)] or list(values)

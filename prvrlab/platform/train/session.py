@@ -13,9 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-GPU_BACKEND = "cpu:gloo,cuda:nccl"  # NCCL for CUDA tensors, gloo for the CPU tensors and objects ranks exchange
-
-
 def process_group_backend(use_gpu: bool) -> str:
     """The ``torch.distributed`` backend of a run's ranks.
 
@@ -24,7 +21,7 @@ def process_group_backend(use_gpu: bool) -> str:
     evaluation's embeddings) through GPU memory; so CUDA tensors go through
     NCCL and everything on the CPU through gloo.  CPU ranks: gloo.
     """
-    return GPU_BACKEND if use_gpu else "gloo"
+    return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
 
 
 class Session:
