@@ -17,11 +17,12 @@ from prvrlab.platform.config import validate
 from prvrlab.platform.train.loop import MetricSums, TrainingLoop
 from prvrlab.platform.train.session import LocalSession
 
+from device_under_test import DEVICE
 from train_helpers import small_raw
 
 
-def nan_raw(root: Path, tmp: Path, *, rank: int, from_step: int) -> dict:
-    raw = small_raw(root, tmp, batch_size=8, epochs=1, torch_threads=1)
+def nan_raw(root: Path, tmp: Path, *, rank: int, from_step: int, use_gpu: bool = False) -> dict:
+    raw = small_raw(root, tmp, batch_size=8, epochs=1, torch_threads=1, use_gpu=use_gpu)
     raw["losses"]["broken"] = {"loss": "test_nan_on_rank", "weight": 1.0, "rank": rank, "from_step": from_step}
     return raw
 
@@ -64,7 +65,8 @@ def _same(a, b) -> bool:
 
 
 def test_a_non_finite_step_changes_no_weight_and_names_the_term(tiny_root, tmp_path):
-    got = steps_until_failure(nan_raw(tiny_root, tmp_path, rank=-1, from_step=2), tmp_path)
+    raw = nan_raw(tiny_root, tmp_path, rank=-1, from_step=2, use_gpu=DEVICE.type == "cuda")  # on the device under test
+    got = steps_until_failure(raw, tmp_path)
     assert got["messages"][:2] == ["", ""] and got["trained"]  # two real steps moved the weights
     assert got["messages"][2].startswith("non-finite loss at epoch 1: term(s) broken (broken=nan)")
     assert got["unchanged"] and got["optimizer_unchanged"] and got["schedule_unchanged"]
