@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident; the loop's
+# The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident; every
+# other backbone and plug-in trained through the loop; the loop's
 # one host wait per step against a wait after every forward and optimiser step), profiles, evaluation,
 # backbone steps and packing. Needs torch with CUDA, h5py, scipy, numpy, pyarrow, pandas, pyyaml, tqdm,
 # pytest and pytest-xdist; neither Ray nor MLflow. Each stage's log goes to $OUT/<stage>.log.
@@ -28,7 +29,7 @@ else
            tests/platform/train/test_step.py)
 fi
 
-want() { [[ " ${STAGES:-tests profile train resident syncs eval backbones packing} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-tests profile train resident plugins syncs eval backbones packing} " == *" $1 "* ]]; }
 
 stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, print its tail
     local name=$1 limit=$2; shift 2
@@ -79,6 +80,9 @@ want resident && stage batches 90 $PY benchmarks/bench_batches.py --root "$DATA/
     --loader-workers "${LOADERS[@]}" --threads 4
 want resident && stage resident 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$EPOCHS" --amp "$AMP" --loader-workers 4 --threads 4 --resident
+PLUGIN_CONFIGS=${PLUGIN_CONFIGS:-gmmformer_v2_ral_tvr.yaml ice_base_ice_tvr.yaml arl_tvr.yaml mssl_tvr.yaml mamfusion_tvr.yaml}
+want plugins && stage plugins 200 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
+    --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --configs $PLUGIN_CONFIGS
 want syncs && stage syncs 200 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --compare-syncs
 want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \

@@ -14,3 +14,10 @@ import torch
 
 DEVICE = torch.device(os.environ.get("PRVRLAB_TEST_DEVICE") or "cpu")
 
+
+def as_a_program() -> torch.device:
+    """``with as_a_program():`` runs the platform's own code as ``prvrlab train`` runs it: torch's default
+    device the CPU, the device under test reached through the config (``train.use_gpu``) alone. Under a CUDA
+    default device torch's DataLoader draws its base seed on the GPU from the loader's CPU generator and fails."""
+    return torch.device("cpu")
+

@@ -1,4 +1,5 @@
-"""The ranks' torch.distributed backend: gloo on CPUs; on GPUs NCCL for CUDA tensors and gloo for CPU ones."""
+"""The ranks' torch.distributed backend: gloo on CPUs; on GPUs NCCL for CUDA tensors and gloo for CPU ones.
+The CPU tensors name their device: under ``PRVRLAB_TEST_DEVICE=cuda`` the default device is the GPU."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_gpu_backend_reduces_cpu_and_cuda_tensors_and_objects(tmp_path):
     """What the training loop exchanges on GPU ranks: CPU float64 sums (epoch means), CUDA tensors, objects."""
     _one_rank_group(process_group_backend(True), tmp_path)
     try:
-        sums = torch.tensor([1.5, 2.0], dtype=torch.float64)  # (2,) on the CPU, as MetricSums.means
+        sums = torch.tensor([1.5, 2.0], dtype=torch.float64, device="cpu")  # (2,) as MetricSums.means
         dist.all_reduce(sums)
         assert sums.tolist() == [1.5, 2.0]
         flag = torch.ones(1, device="cuda")
@@ -54,6 +55,6 @@ def test_nccl_alone_refuses_cpu_tensors(tmp_path):
     _one_rank_group("nccl", tmp_path)
     try:
         with pytest.raises(RuntimeError):
-            dist.all_reduce(torch.ones(2, dtype=torch.float64))
+            dist.all_reduce(torch.ones(2, dtype=torch.float64, device="cpu"))
     finally:
         dist.destroy_process_group()

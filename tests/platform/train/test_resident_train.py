@@ -10,7 +10,7 @@ from prvrlab.platform.config import validate
 from prvrlab.platform.train.loop import run_local, train_worker
 from prvrlab.platform.train.session import LocalSession
 
-from device_under_test import DEVICE
+from device_under_test import DEVICE, as_a_program
 from train_helpers import small_raw
 
 
@@ -34,7 +34,8 @@ def assert_same_reports(got: list[dict], want: list[dict]) -> None:
 
 
 def _reports(root, tmp, resident: bool) -> list[dict]:
-    session = run_local(_config(root, tmp, resident), tmp / "run")
+    with as_a_program():
+        session = run_local(_config(root, tmp, resident), tmp / "run")
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in session.reports if r.get("kind") in ("epoch", "final")]
 
 
@@ -57,7 +58,7 @@ def test_a_run_resumed_with_loader_workers_goes_on_as_the_uninterrupted_one(tiny
     cfg = _config(tiny_root, tmp_path / "cut", resident)
     run_dir = tmp_path / "cut" / "run"
     fault = {"epoch": 0, "marker": str(tmp_path / "crashed"), "kind": "raise"}  # after epoch 1's checkpoint
-    with pytest.raises(RuntimeError, match="injected fault after epoch 0"):
+    with as_a_program(), pytest.raises(RuntimeError, match="injected fault after epoch 0"):
         train_worker({"experiment": cfg, "run_dir": str(run_dir), "fault": fault}, LocalSession(run_dir / "local_session"))
     resumed = _reports(tiny_root, tmp_path / "cut", resident=resident)  # the same run folder: restores epoch 1
     assert [r.get("epoch") for r in resumed] == [2, 3, None]

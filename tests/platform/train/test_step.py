@@ -17,7 +17,7 @@ from prvrlab.platform.config import validate
 from prvrlab.platform.train.loop import MetricSums, TrainingLoop
 from prvrlab.platform.train.session import LocalSession
 
-from device_under_test import DEVICE
+from device_under_test import DEVICE, as_a_program
 from train_helpers import small_raw
 
 
@@ -66,7 +66,8 @@ def _same(a, b) -> bool:
 
 def test_a_non_finite_step_changes_no_weight_and_names_the_term(tiny_root, tmp_path):
     raw = nan_raw(tiny_root, tmp_path, rank=-1, from_step=2, use_gpu=DEVICE.type == "cuda")  # on the device under test
-    got = steps_until_failure(raw, tmp_path)
+    with as_a_program():
+        got = steps_until_failure(raw, tmp_path)
     assert got["messages"][:2] == ["", ""] and got["trained"]  # two real steps moved the weights
     assert got["messages"][2].startswith("non-finite loss at epoch 1: term(s) broken (broken=nan)")
     assert got["unchanged"] and got["optimizer_unchanged"] and got["schedule_unchanged"]
