@@ -59,6 +59,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def random_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators a resumed run continues: the CPU's and, on a GPU, the device's (dropout draws there)."""
+    state = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_random_state(saved: dict, device: torch.device) -> None:
+    """Set what :func:`random_state` saved; generators take CPU byte tensors, wherever ``torch.load`` put them."""
+    torch.set_rng_state(saved["rng"].cpu())
+    if device.type == "cuda" and "cuda_rng" in saved:  # checkpoints before 2026-11-27 hold the CPU's only
+        torch.cuda.set_rng_state(saved["cuda_rng"].cpu(), device)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -265,7 +280,7 @@ class TrainingLoop:
             self.scheduler.load_state_dict(saved["scheduler"])
             self.progress = Progress(**saved["progress"])
             self.global_step = int(saved.get("global_step", 0))
-            torch.set_rng_state(saved["rng"])
+            restore_random_state(saved, self.device)
 
     def wrap(self) -> torch.nn.Module:
         """The module the steps run: the system, in DDP when there are several ranks."""
@@ -464,8 +479,7 @@ class TrainingLoop:
                 "scheduler": self.scheduler.state_dict(),
                 "progress": asdict(self.progress),
                 "global_step": self.global_step,
-                "rng": torch.get_rng_state(),
-            }
+            } | random_state(self.device)
             torch.save(state, tmp / "state.pt")
             self.session.report(metrics, tmp)
 
