@@ -30,10 +30,13 @@ queries except those of V_j whose own k_hat is the same frame (its
 positives, left out as in Eq. 9).  Ambiguous frames / queries are the
 plug-in's text-frame mask at those pairs.
 
-Eq. 11-12 write one q_a, V_a, q_n, V_n per anchor; we take the hardest
-(highest-scoring) member of each set (VSE++, which the paper cites for the
-triplet); an empty set contributes 0.  Eq. 8 exponentiates the cosine s
-itself (no temperature), as written.
+Eq. 11-12 write one q_a, V_a, q_n, V_n per anchor; from epoch
+``hard_negative_start_epoch`` (0-based) we take the hardest (highest-scoring)
+member of each set (VSE++, which the paper cites for the triplet), before it
+one member drawn uniformly (the schedule of GMMFormer's triplet, whose
+"typical parameters" the paper adopts: hardest negatives from the first step
+leave a freshly initialised model at chance); an empty set contributes 0.
+Eq. 8 exponentiates the cosine s itself (no temperature), as written.
 
 ``ambiguous`` (Table 6): ``ours`` as above; ``positive``: a supervised
 contrastive term (Khosla et al.) with the ambiguous members as extra
@@ -55,10 +58,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from prvrlab.checks import check_choice, check_identifier, check_number
+from prvrlab.checks import check_choice, check_identifier, check_int, check_number
 from prvrlab.data.batch import Batch
 from prvrlab.losses._common import plugin_aux, positive_mask
 from prvrlab.losses.base import Loss
+from prvrlab.losses.triplet import sample_negatives
 from prvrlab.models.base import ModelOutput
 from prvrlab.registry import LOSSES
 
@@ -89,31 +93,53 @@ def ambiguity_nce(positive: Tensor, candidates: Tensor, ambiguous: Tensor, negat
     return denominator - numerator
 
 
-def _hardest_hinge(margin: float, positive: Tensor, candidates: Tensor, members: Tensor) -> Tensor:
-    """[margin + max_{members} candidates - positive]_+ per anchor, 0 without a member."""
-    hardest = _masked(candidates, members).amax(dim=1)  # (n,)
+def _member_hinge(margin: float, positive: Tensor, candidates: Tensor, members: Tensor, hard: bool) -> Tensor:
+    """[margin + s(member) - positive]_+ per anchor, 0 without a member: the hardest member when ``hard``,
+    else one drawn uniformly from the global RNG (as :class:`TripletLoss` before its hard-negative epoch)."""
+    if hard:
+        chosen = _masked(candidates, members).amax(dim=1)  # (n,)
+    else:
+        drawn = sample_negatives(candidates, members, None).clamp(min=0)  # (n,); -1 (no member) masked below
+        chosen = candidates.gather(1, drawn[:, None]).squeeze(1)  # (n,)
     some = members.any(dim=1)  # (n,)
-    hinge = (margin + torch.where(some, hardest, positive) - positive).clamp(min=0)
+    hinge = (margin + torch.where(some, chosen, positive) - positive).clamp(min=0)
     return hinge * some
 
 
 def ambiguity_triplet(
-    positive: Tensor, candidates: Tensor, ambiguous: Tensor, negative: Tensor, *, margin: float, ambiguous_margin: float, usage: str
+    positive: Tensor,
+    candidates: Tensor,
+    ambiguous: Tensor,
+    negative: Tensor,
+    *,
+    margin: float,
+    ambiguous_margin: float,
+    usage: str,
+    hard: bool = True,
 ) -> Tensor:
-    """Per-anchor dual triplet (Eqs. 11-12): ambiguous hinge (``ours`` only) + negative hinge -> (n,)."""
-    loss = _hardest_hinge(margin, positive, candidates, negative)
+    """Per-anchor dual triplet (Eqs. 11-12): ambiguous hinge (``ours`` only) + negative hinge -> (n,);
+    ``hard``: each set's hardest member, else a uniformly drawn one."""
+    loss = _member_hinge(margin, positive, candidates, negative, hard)
     if usage == "ours":
-        loss = loss + _hardest_hinge(ambiguous_margin, positive, candidates, ambiguous)
+        loss = loss + _member_hinge(ambiguous_margin, positive, candidates, ambiguous, hard)
     return loss
 
 
 def _level(
-    pairs: list[tuple[Tensor, Tensor, Tensor, Tensor]], *, lambda_nce: float, margin: float, ambiguous_margin: float, usage: str
+    pairs: list[tuple[Tensor, Tensor, Tensor, Tensor]],
+    *,
+    lambda_nce: float,
+    margin: float,
+    ambiguous_margin: float,
+    usage: str,
+    hard: bool,
 ) -> Tensor:
     """lambda_nce L_nce + L_a^trip + L_n^trip of one level from its two directions' anchor rows."""
     n = pairs[0][0].shape[0]
     nce = sum(ambiguity_nce(*p, usage) for p in pairs)  # (n,)
-    trip = sum(ambiguity_triplet(*p, margin=margin, ambiguous_margin=ambiguous_margin, usage=usage) for p in pairs)
+    trip = sum(
+        ambiguity_triplet(*p, margin=margin, ambiguous_margin=ambiguous_margin, usage=usage, hard=hard) for p in pairs
+    )
     return (lambda_nce * nce + trip).sum() / max(n, 1)
 
 
@@ -160,7 +186,10 @@ class ARLLoss(Loss):
 
     ``lambda_nce``: the NCE weight of both levels; ``margin`` m and
     ``ambiguous_margin`` m_a < m of the dual triplet; ``ambiguous``: how the
-    ambiguous sets are used (Table 6); ``plugin``: the plug-in's name.
+    ambiguous sets are used (Table 6); ``hard_negative_start_epoch``: the
+    first (0-based) epoch whose triplets take each set's hardest member
+    (before it a uniformly drawn one; 0: hardest throughout); ``plugin``: the
+    plug-in's name.
     """
 
     def __init__(
@@ -170,6 +199,7 @@ class ARLLoss(Loss):
         margin: float = 0.2,
         ambiguous_margin: float = 0.1,
         ambiguous: Usage = "ours",
+        hard_negative_start_epoch: int = 0,
         plugin: str = "arl",
     ) -> None:
         super().__init__()
@@ -179,6 +209,7 @@ class ARLLoss(Loss):
         if not self.ambiguous_margin < self.margin:
             raise ValueError(f"ambiguous_margin ({ambiguous_margin!r}) must be < margin ({margin!r}): m_a < m (Eq. 11-12)")
         self.ambiguous = check_choice(ambiguous, "ambiguous", USAGES)
+        self.hard_negative_start_epoch = check_int(hard_negative_start_epoch, "hard_negative_start_epoch", minimum=0)
         self.plugin = check_identifier(plugin, "plugin", "'arl'")
 
     def required_aux(self) -> tuple[str, ...]:
@@ -192,7 +223,10 @@ class ARLLoss(Loss):
         frame_mask, frame_on = plugin_aux(out, self.required_aux()[:2], "arl")
         frame_mask = frame_mask.to(torch.bool)
         query_video = batch.query_video.to(frame_mask.device)
-        kw = dict(lambda_nce=self.lambda_nce, margin=self.margin, ambiguous_margin=self.ambiguous_margin, usage=self.ambiguous)
+        kw = dict(
+            lambda_nce=self.lambda_nce, margin=self.margin, ambiguous_margin=self.ambiguous_margin, usage=self.ambiguous,
+            hard=epoch >= self.hard_negative_start_epoch,
+        )
         total = None
         for m in (0, 1):
             if m == 1 and f"{self.plugin}.frame_sim1" not in out.aux:

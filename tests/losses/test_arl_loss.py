@@ -179,10 +179,31 @@ def test_cross_model_sums_both_encoders_with_their_own_sets():
     assert float(both) == pytest.approx(float(first) + float(second))
 
 
+def test_before_the_hard_negative_epoch_each_set_gives_a_drawn_member():
+    """One query of V0 (s = 0.5), ambiguous V1 (0.48) and V2 (0.0), negatives V3 (0.45) and V4 (0.1); m = 0.2,
+    m_a = 0.1, no NCE, no other query (v2t empty). Hardest: [0.2 + 0.45 - 0.5]_+ + [0.1 + 0.48 - 0.5]_+ = 0.23;
+    drawn: the negative hinge 0.15 or 0, the ambiguous one 0.08 or 0, each pair of members as likely."""
+    frame_sim = torch.tensor([[[0.5], [0.48], [0.0], [0.45], [0.1]]])  # (1, 5, 1)
+    mask = torch.ones(5, 1, dtype=torch.bool)
+    video_sets = torch.tensor([[False, True, True, False, False]])
+    aux = aux_for(frame_sim, mask, video_sets, torch.zeros(1, 5, 1, dtype=torch.bool), frame_on=False)
+    loss = LOSSES.build("arl", lambda_nce=0.0, margin=0.2, ambiguous_margin=0.1, hard_negative_start_epoch=2)
+    batch = make_batch([0], 5)
+    assert float(loss(output(aux), batch, epoch=2)) == pytest.approx(0.23)
+    drawn = []
+    for seed in range(60):
+        torch.manual_seed(seed)
+        drawn.append(round(float(loss(output(aux), batch, epoch=1)), 6))
+    assert set(drawn) == {0.0, 0.08, 0.15, 0.23}
+    assert float(LOSSES.build("arl", lambda_nce=0.0, margin=0.2, ambiguous_margin=0.1)(output(aux), batch, epoch=0)) \
+        == pytest.approx(0.23)  # the default: hardest from the first epoch
+
+
 def test_margins_are_validated_at_config_time():
     with pytest.raises(ValueError, match=r"ambiguous_margin \(0\.2\) must be < margin \(0\.2\)"):
         ARLLoss(margin=0.2, ambiguous_margin=0.2)
-    for kwargs, name in [({"lambda_nce": -1}, "lambda_nce"), ({"ambiguous": "negative"}, "ambiguous"), ({"margin": -0.1}, "margin")]:
+    for kwargs, name in [({"lambda_nce": -1}, "lambda_nce"), ({"ambiguous": "negative"}, "ambiguous"), ({"margin": -0.1}, "margin"),
+                         ({"hard_negative_start_epoch": -1}, "hard_negative_start_epoch")]:
         with pytest.raises(ValueError, match=name):
             ARLLoss(**kwargs)
     raw = yaml.safe_load((CONFIGS / "arl_synth.yaml").read_text())
