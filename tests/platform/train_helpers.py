@@ -5,6 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def untrained_val_sumr(raw: dict) -> float:
+    """Validation SumR of the config's model, seeded as training seeds it, before any training step."""
+    import torch
+
+    from prvrlab.data.collection import open_collection
+    from prvrlab.evaluation.retrieval import evaluate
+    from prvrlab.models.factory import build_model
+    from prvrlab.platform.config import validate
+    from prvrlab.platform.train.loop import seed_everything
+
+    cfg = validate(raw)
+    seed_everything(cfg.train.seed)
+    collection = open_collection(cfg.data)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    return evaluate(model, collection, "val", cfg.eval, device=torch.device("cpu")).metrics["sumr"]
+
+
 def small_raw(root: Path, tmp: Path, **train) -> dict:
     """A fast GMMFormer config on the tiny synthetic collection."""
     return {

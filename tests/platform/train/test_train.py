@@ -13,28 +13,14 @@ from prvrlab.data.batch import Batch
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.platform.config import validate
-from prvrlab.evaluation.retrieval import evaluate
 from prvrlab.platform.failures import ERROR_FILE
 from prvrlab.platform.train import driver
 from prvrlab.platform.train.checkpoint_eval import checkpoint_epoch
 from prvrlab.platform.train.driver import TrainingError, train
 from prvrlab.platform.tracking.store import Tracker
-from prvrlab.models.factory import build_model
-from prvrlab.platform.train.loop import seed_everything
 from prvrlab.registry import LOSSES
 
-from train_helpers import small_raw
-
-
-def untrained_val_sumr(raw: dict) -> float:
-    """SumR of the same model, same seed, before any training step."""
-    from prvrlab.data.collection import open_collection
-
-    cfg = validate(raw)
-    seed_everything(cfg.train.seed)
-    collection = open_collection(cfg.data)
-    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
-    return evaluate(model, collection, "val", cfg.eval, device=torch.device("cpu")).metrics["sumr"]
+from train_helpers import small_raw, untrained_val_sumr
 
 
 def runs(raw: dict):
