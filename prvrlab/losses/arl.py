@@ -188,8 +188,8 @@ class ARLLoss(Loss):
     ``ambiguous_margin`` m_a < m of the dual triplet; ``ambiguous``: how the
     ambiguous sets are used (Table 6); ``hard_negative_start_epoch``: the
     first (0-based) epoch whose triplets take each set's hardest member
-    (before it a uniformly drawn one; 0: hardest throughout); ``plugin``: the
-    plug-in's name.
+    (before it a uniformly drawn one; 0: hardest throughout; default 20, the
+    ``triplet`` loss's); ``plugin``: the plug-in's name.
     """
 
     def __init__(
@@ -199,7 +199,7 @@ class ARLLoss(Loss):
         margin: float = 0.2,
         ambiguous_margin: float = 0.1,
         ambiguous: Usage = "ours",
-        hard_negative_start_epoch: int = 0,
+        hard_negative_start_epoch: int = 20,
         plugin: str = "arl",
     ) -> None:
         super().__init__()

@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from prvrlab.losses.arl import ARLLoss
+from prvrlab.losses.triplet import TripletLoss
 from prvrlab.models.base import ModelOutput, QueryEmbedding, VideoEmbedding
 from prvrlab.platform.config import ConfigError, validate
 from prvrlab.registry import LOSSES
@@ -18,6 +19,7 @@ from loss_helpers import make_batch
 from device_under_test import DEVICE
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+HARDEST = {"hard_negative_start_epoch": 0}  # triplets on each set's hardest member from the first epoch, as the hand loop
 
 
 def aux_for(frame_sim, frame_mask, video_sets, frame_sets, frame_on=True, encoder=0, aux=None):
@@ -97,7 +99,7 @@ def hand_loss(frame_sim, frame_mask, video_sets, frame_sets, query_video, *, lam
 def test_matches_the_hand_loop(usage, seed):
     query_video = [0, 0, 1, 2, 2, 2, 3]
     frame_sim, frame_mask, video_sets, frame_sets = case(seed, query_video, [4, 2, 1, 3])
-    loss = LOSSES.build("arl", lambda_nce=0.3, margin=0.4, ambiguous_margin=0.15, ambiguous=usage)
+    loss = LOSSES.build("arl", lambda_nce=0.3, margin=0.4, ambiguous_margin=0.15, ambiguous=usage, **HARDEST)
     got = loss(output(aux_for(frame_sim, frame_mask, video_sets, frame_sets)), make_batch(query_video, 4), epoch=0)
     expected = hand_loss(frame_sim, frame_mask, video_sets, frame_sets, query_video, lam=0.3, m=0.4, ma=0.15, usage=usage)
     assert float(got) == pytest.approx(expected, rel=1e-5)
@@ -108,7 +110,7 @@ def test_a_worked_example():
     frame_sim = torch.tensor([[[0.5], [0.3]], [[0.2], [0.6]]])
     mask = torch.ones(2, 1, dtype=torch.bool)
     video_sets = torch.tensor([[False, True], [False, False]])
-    loss = LOSSES.build("arl", lambda_nce=1.0, margin=0.2, ambiguous_margin=0.1)
+    loss = LOSSES.build("arl", lambda_nce=1.0, margin=0.2, ambiguous_margin=0.1, **HARDEST)
     got = loss(output(aux_for(frame_sim, mask, video_sets, torch.zeros(2, 2, 1, dtype=torch.bool), frame_on=False)),
                make_batch([0, 1], 2), epoch=0)
     # q0: t2v = 0 (its only unpaired video is in the numerator); v2t(V0) over q1: -log(e^.5 / (e^.5 + e^.2));
@@ -126,7 +128,7 @@ def test_empty_sets_are_the_base_losses_whatever_the_usage():
     none_f = torch.zeros(4, 3, 3, dtype=torch.bool)
     values = []
     for usage in ("ours", "positive", "ignore"):
-        loss = LOSSES.build("arl", ambiguous=usage)
+        loss = LOSSES.build("arl", ambiguous=usage, **HARDEST)
         values.append(float(loss(output(aux_for(frame_sim, frame_mask, none_v, none_f)), make_batch(query_video, 3), epoch=0)))
     assert values[0] == pytest.approx(values[1]) == pytest.approx(values[2])
     base = hand_loss(frame_sim, frame_mask, none_v, none_f, query_video, lam=0.02, m=0.2, ma=0.1, usage="ignore")
@@ -141,7 +143,7 @@ def test_ambiguous_members_are_pushed_as_negatives_ignored_or_pulled_as_positive
     ambiguous[0, 1] = True  # (q0, V1) only
 
     def grad_of_pair(usage: str, video_sets) -> torch.Tensor:
-        loss = LOSSES.build("arl", ambiguous=usage, lambda_nce=1.0, margin=0.9, ambiguous_margin=0.5)
+        loss = LOSSES.build("arl", ambiguous=usage, lambda_nce=1.0, margin=0.9, ambiguous_margin=0.5, **HARDEST)
         frame_sim.grad = None
         aux = aux_for(frame_sim, frame_mask, video_sets, torch.zeros(3, 3, 2, dtype=torch.bool), frame_on=False)
         loss(output(aux), make_batch(query_video, 3), epoch=0).backward()
@@ -157,7 +159,7 @@ def test_ambiguous_members_are_pushed_as_negatives_ignored_or_pulled_as_positive
 def test_frame_term_only_when_the_plugin_switches_it_on():
     query_video = [0, 0, 1]
     frame_sim, frame_mask, video_sets, frame_sets = case(3, query_video, [3, 2])
-    loss = LOSSES.build("arl")
+    loss = LOSSES.build("arl", **HARDEST)
     batch = make_batch(query_video, 2)
     off = loss(output(aux_for(frame_sim, frame_mask, video_sets, frame_sets, frame_on=False)), batch, epoch=0)
     assert float(loss.pop_step_metrics()["frame"]) == 0.0
@@ -171,7 +173,7 @@ def test_cross_model_sums_both_encoders_with_their_own_sets():
     query_video = [0, 1, 1, 2]
     a = case(11, query_video, [3, 1, 2])
     b = case(12, query_video, [3, 1, 2])
-    loss = LOSSES.build("arl")
+    loss = LOSSES.build("arl", **HARDEST)
     batch = make_batch(query_video, 3)
     both = loss(output(aux_for(*b, encoder=1, aux=aux_for(*a))), batch, epoch=0)
     first = loss(output(aux_for(*a)), batch, epoch=0)
@@ -195,8 +197,7 @@ def test_before_the_hard_negative_epoch_each_set_gives_a_drawn_member():
         torch.manual_seed(seed)
         drawn.append(round(float(loss(output(aux), batch, epoch=1)), 6))
     assert set(drawn) == {0.0, 0.08, 0.15, 0.23}
-    assert float(LOSSES.build("arl", lambda_nce=0.0, margin=0.2, ambiguous_margin=0.1)(output(aux), batch, epoch=0)) \
-        == pytest.approx(0.23)  # the default: hardest from the first epoch
+    assert ARLLoss().hard_negative_start_epoch == TripletLoss().hard_negative_start_epoch == 20  # one default
 
 
 def test_margins_are_validated_at_config_time():
