@@ -33,3 +33,22 @@ def test_a_checkpoint_without_the_device_state_restores_the_cpu_stream(tmp_path)
     want = torch.rand(4, device="cpu").tolist()
     restore_random_state(saved, DEVICE)
     assert torch.rand(4, device="cpu").tolist() == want
+
+
+class _OnTheGpu:
+    """A saved state as ``torch.load(map_location="cuda")`` returns it, for a CPU-only machine: not a CPU
+    tensor (``torch.set_rng_state`` refuses it), but ``.cpu()`` brings it back."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+
+    def cpu(self) -> torch.Tensor:
+        return self.state
+
+
+def test_a_state_that_map_location_moved_is_brought_back_to_the_cpu():
+    torch.manual_seed(5)
+    saved = {"rng": _OnTheGpu(torch.get_rng_state())}
+    want = torch.rand(4, device="cpu").tolist()
+    restore_random_state(saved, torch.device("cpu"))
+    assert torch.rand(4, device="cpu").tolist() == want
