@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident; every
-# other backbone and plug-in trained through the loop; the loop's
-# one host wait per step against a wait after every forward and optimiser step), profiles, evaluation,
-# backbone steps and packing. Needs torch with CUDA, h5py, scipy, numpy, pyarrow, pandas, pyyaml, tqdm,
-# pytest and pytest-xdist; neither Ray nor MLflow. Each stage's log goes to $OUT/<stage>.log.
+# The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident), every
+# other backbone and plug-in trained through the loop, the loop's one host wait per step against a wait after
+# every forward and optimiser step, profiles, evaluation, backbone steps and packing. Needs torch with CUDA,
+# h5py, scipy, numpy, pyarrow, pandas, pyyaml, tqdm, pytest and pytest-xdist; neither Ray nor MLflow. Each stage's log goes to $OUT/<stage>.log.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh
 #   QUICK=1 DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh   # rehearsal on a CPU, small sizes

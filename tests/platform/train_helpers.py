@@ -22,6 +22,15 @@ def untrained_val_sumr(raw: dict) -> float:
     return evaluate(model, collection, "val", cfg.eval, device=torch.device("cpu")).metrics["sumr"]
 
 
+def val_sumr_by_epoch(raw: dict, run_dir: Path) -> list[float]:
+    """Train ``raw`` in this process (no MLflow) and return each epoch's validation SumR."""
+    from prvrlab.platform.config import validate
+    from prvrlab.platform.train.loop import run_local
+
+    session = run_local(validate(raw), run_dir)
+    return [r["val/sumr"] for r in session.reports if r.get("kind") == "epoch"]
+
+
 def small_raw(root: Path, tmp: Path, **train) -> dict:
     """A fast GMMFormer config on the tiny synthetic collection."""
     return {

@@ -16,7 +16,9 @@ from prvrlab.data.dataset import train_loader
 from prvrlab.models.component import EpochContext
 from prvrlab.models.factory import build_model
 from prvrlab.platform.config import validate
-from prvrlab.platform.train.loop import all_reduce, run_local
+from prvrlab.platform.train.loop import all_reduce
+
+from train_helpers import val_sumr_by_epoch
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -116,11 +118,6 @@ def test_trains_switches_at_the_warmup_epoch_logs_metrics_and_checkpoints_both_e
         == pytest.approx(arl["train/arl.tau_s"], abs=1e-5)  # tau_s by the rule: the mean s of the positive pairs
 
 
-def _val_sumr(raw: dict, run_dir: Path) -> list[float]:
-    session = run_local(validate(raw), run_dir)
-    return [r["val/sumr"] for r in session.reports if r.get("kind") == "epoch"]
-
-
 @pytest.mark.slow
 def test_learns_with_random_members_first_and_not_with_hardest_members_from_the_first_step(tiny_root, tmp_path):
     """The triplets' hardest members from the first step left ARL at chance (its loss fell, retrieval did not
@@ -129,7 +126,7 @@ def test_learns_with_random_members_first_and_not_with_hardest_members_from_the_
         raw = arl_raw(tiny_root, tmp_path, warmup_epochs=1)
         raw["train"]["epochs"] = 4
         raw["losses"]["ambiguity"]["hard_negative_start_epoch"] = start
-        return _val_sumr(raw, tmp_path / f"start{start}")
+        return val_sumr_by_epoch(raw, tmp_path / f"start{start}")
 
     scheduled, hardest = sumr(5), sumr(0)
     assert scheduled[-1] > scheduled[0] + 10  # learns (163.7 -> 185.5 when written)

@@ -10,10 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prvrlab.platform.config import validate
-from prvrlab.platform.train.loop import run_local
-
-from train_helpers import untrained_val_sumr
+from train_helpers import untrained_val_sumr, val_sumr_by_epoch
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*_synth.yaml"))
 
@@ -38,6 +35,5 @@ def tiny_raw(path: Path, root: Path, tmp: Path) -> dict:
 def test_the_config_learns(path, tiny_root, tmp_path):
     raw = tiny_raw(path, tiny_root, tmp_path)
     before = untrained_val_sumr(raw)
-    session = run_local(validate(raw), tmp_path / "run")
-    sumr = [r["val/sumr"] for r in session.reports if r.get("kind") == "epoch"]
+    sumr = val_sumr_by_epoch(raw, tmp_path / "run")
     assert max(sumr) > before + 30, (before, sumr)
