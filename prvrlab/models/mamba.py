@@ -50,6 +50,7 @@ from prvrlab.models import fused_scan
 from prvrlab.models.blocks import PackedLayer, Packing
 
 SCAN_KERNELS = ("auto", "fused", "torch")
+MAMBA_INITS = ("official", "mamba_ssm")
 DEFAULT_SCAN_CHUNK = 32
 DEFAULT_BLOCK_ELEMENTS = 1 << 19  # state elements per block of the CPU scan (2 MiB in fp32: stays in cache)
 # On a GPU every step of a block is a few kernel launches: blocks of one sequence cost TVR's batch
@@ -288,8 +289,9 @@ class Mamba(nn.Module):
     ``A_log`` (E, N) initialised S4D-real (log 1..N in every channel); skip
     ``D`` (E,) initialised to 1; y = scan(x, delta, A, B, C, D) * SiLU(z) ->
     ``out_proj`` Linear(E, D) (no bias).  Linear weights get PyTorch's default
-    initialisation here; a backbone re-initialises them (MamFusion: N(0, 0.02),
-    zero biases, so delta starts at softplus(0)).  ``mask`` (B, L), where
+    initialisation here; a backbone re-initialises them (MamFusion's official
+    code: N(0, 0.02), zero biases, so delta starts at softplus(0) ~ 0.69), or
+    :meth:`init_like_mamba_ssm_` gives the package's own.  ``mask`` (B, L), where
     given, zeroes delta and x on padded steps (:func:`selective_scan`).
     """
 
@@ -321,6 +323,21 @@ class Mamba(nn.Module):
         self.D = nn.Parameter(torch.ones(E))
         self.out_proj = nn.Linear(E, hidden_size, bias=False)
 
+    @torch.no_grad()
+    def init_like_mamba_ssm_(self, *, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4) -> None:
+        """``mamba_ssm``'s own initialisation of this mixer (Gu & Dao's): ``in_proj`` / ``x_proj`` /
+        ``out_proj`` PyTorch's default, ``dt_proj`` weight U(-R^-1/2, R^-1/2) and its bias the inverse
+        softplus of a step drawn log-uniformly from [``dt_min``, ``dt_max``] (at least ``dt_floor``), so
+        delta starts there instead of at softplus(0) ~ 0.69; A_log, D and the conv as built."""
+        for linear in (self.in_proj, self.x_proj, self.out_proj):
+            linear.reset_parameters()
+        bound = self.dt_rank ** -0.5
+        nn.init.uniform_(self.dt_proj.weight, -bound, bound)
+        lo, hi = math.log(dt_min), math.log(dt_max)
+        u = torch.rand(self.inner, device=self.dt_proj.bias.device)  # (E,)
+        dt = torch.exp(u * (hi - lo) + lo).clamp_(min=dt_floor)  # (E,)
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(bias) = dt
+
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """(B, L, D) with an optional (B, L) mask -> (B, L, D)."""
         length = x.shape[1]
@@ -340,7 +357,10 @@ class MambaLayer(PackedLayer):
     The mixer runs on the padded layout (zeros on padding).  ``mask_padding``:
     False (the reference) scans padded steps like real ones; True zeroes delta
     and x there.  Both give the same real tokens: the conv and the scan are
-    causal and padding trails the real tokens.
+    causal and padding trails the real tokens.  ``zero_init``: the LayerNorm's
+    scale starts at 0 instead of 1, so the layer starts as the identity and
+    learns how much of the mixer to add (the reference adds a unit-variance
+    term of the untrained mixer from the first step).
     """
 
     def __init__(
@@ -351,6 +371,7 @@ class MambaLayer(PackedLayer):
         d_conv: int = 4,
         expand: int = 2,
         mask_padding: bool = False,
+        zero_init: bool = False,
         scan_chunk: int = DEFAULT_SCAN_CHUNK,
         scan_kernel: str = "auto",
     ) -> None:
@@ -358,6 +379,8 @@ class MambaLayer(PackedLayer):
         self.mamba = Mamba(hidden_size=hidden_size, d_state=d_state, d_conv=d_conv, expand=expand, scan_chunk=scan_chunk,
                            scan_kernel=scan_kernel)
         self.norm = nn.LayerNorm(hidden_size)
+        if zero_init:
+            nn.init.zeros_(self.norm.weight)
         self.mask_padding = bool(mask_padding)
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:

@@ -61,11 +61,12 @@ from prvrlab.models.blocks import (
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GMMBlock, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
-from prvrlab.models.mamba import DEFAULT_SCAN_CHUNK, MambaLayer
+from prvrlab.models.mamba import DEFAULT_SCAN_CHUNK, MAMBA_INITS, Mamba, MambaLayer
 from prvrlab.models.scoring import vector_scores
 from prvrlab.registry import BACKBONES
 
 FUSIONS: tuple[str, ...] = ("batch", "temporal")
+MAMBA_RESIDUALS: tuple[str, ...] = ("official", "zero_init")
 
 
 class GMMMambaBlock(PackedLayer):
@@ -119,7 +120,11 @@ class MamFusion(PooledFrameBackbone):
     None: ``dropout``, which always covers the residual branches: the
     reference's input_drop / drop),
     ``mamba`` (Mamba after every GMMBlock), ``d_state`` / ``d_conv`` /
-    ``expand`` (its sizes), ``mask_padding``, ``scan_chunk`` (the chunk
+    ``expand`` (its sizes), ``mamba_init`` (``official``: the reference's N(0, 0.02) for every
+    Linear with zero biases, Mamba's included; ``mamba_ssm``: the Mamba package's own,
+    :meth:`~prvrlab.models.mamba.Mamba.init_like_mamba_ssm_`), ``mamba_residual`` (``official``:
+    ``x + LN(Mamba(x))`` from the first step; ``zero_init``: the LN's scale starts at 0, so every
+    Mamba layer starts as the identity), ``mask_padding``, ``scan_chunk`` (the chunk
     length of the selective scan), ``scan_kernel`` (``auto``: mamba_ssm's
     CUDA kernel on GPU, the fused C++ kernel on CPU when it builds, else the
     PyTorch chunked scan; ``fused`` / ``torch`` force one:
@@ -154,6 +159,8 @@ class MamFusion(PooledFrameBackbone):
         d_state: int = 16,
         d_conv: int = 4,
         expand: int = 2,
+        mamba_init: Literal["official", "mamba_ssm"] = "official",
+        mamba_residual: Literal["official", "zero_init"] = "official",
         mask_padding: bool = False,
         scan_chunk: int = DEFAULT_SCAN_CHUNK,
         scan_kernel: Literal["auto", "fused", "torch"] = "auto",
@@ -182,6 +189,8 @@ class MamFusion(PooledFrameBackbone):
         for name, flag in (("mamba", mamba), ("mask_padding", mask_padding), ("t2v", t2v), ("v2t", v2t)):
             check_bool(flag, name)
         self.fusion = check_choice(fusion, "fusion", FUSIONS)
+        check_choice(mamba_init, "mamba_init", MAMBA_INITS)
+        zero_init = check_choice(mamba_residual, "mamba_residual", MAMBA_RESIDUALS) == "zero_init"
         if check_bool(fusion_at_retrieval, "fusion_at_retrieval") and fusion != "temporal":
             raise ValueError(
                 "fusion_at_retrieval: true needs fusion: temporal (the batch fusion depends on the whole "
@@ -199,11 +208,9 @@ class MamFusion(PooledFrameBackbone):
 
         def block(span: WindowLength) -> GMMMambaBlock:
             gmm = GMMBlock(**layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
-            args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "scan_chunk": scan_chunk,
-                    "scan_kernel": scan_kernel}
-            return GMMMambaBlock(
-                gmm=gmm, mamba=MambaLayer(hidden_size=hidden_size, mask_padding=mask_padding, **args) if mamba else None
-            )
+            args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "mask_padding": mask_padding,
+                    "zero_init": zero_init, "scan_chunk": scan_chunk, "scan_kernel": scan_kernel}
+            return GMMMambaBlock(gmm=gmm, mamba=MambaLayer(hidden_size=hidden_size, **args) if mamba else None)
 
         def pool() -> AttentionPooling:
             return AttentionPooling(hidden_size=hidden_size)
@@ -215,6 +222,9 @@ class MamFusion(PooledFrameBackbone):
         self.t2v = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if t2v else None
         self.v2t = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if v2t else None
         init_normal_(self)
+        if mamba_init == "mamba_ssm":
+            for mixer in (m for m in self.modules() if isinstance(m, Mamba)):
+                mixer.init_like_mamba_ssm_()
 
     @property
     def temporal(self) -> bool:

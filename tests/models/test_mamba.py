@@ -188,6 +188,32 @@ def test_mamba_block_matches_its_definition_and_shapes():
         torch.testing.assert_close(out[b].to(torch.float64), mamba_by_hand(m, x[b]), rtol=1e-5, atol=1e-6)
 
 
+def test_init_like_mamba_ssm_draws_the_step_log_uniformly_and_resets_the_projections():
+    torch.manual_seed(0)
+    m = Mamba(hidden_size=64)  # E = 128 channels, R = 4
+    frozen = {name: p.detach().clone() for name, p in m.named_parameters() if not name.startswith(
+        ("in_proj", "x_proj", "out_proj", "dt_proj"))}
+    for linear in (m.in_proj, m.x_proj, m.out_proj, m.dt_proj):
+        torch.nn.init.normal_(linear.weight, std=0.02)
+    torch.nn.init.zeros_(m.dt_proj.bias)
+    m.init_like_mamba_ssm_()
+    step = F.softplus(m.dt_proj.bias)  # delta where dt_proj's input is 0
+    assert step.min() >= 1e-3 * (1 - 1e-5) and step.max() <= 0.1 * (1 + 1e-5)
+    logs = torch.log10(step)  # log-uniform on [-3, -1]: every third of the range is drawn from
+    for lo in (-3.0, -2 - 1 / 3, -1 - 2 / 3):
+        assert ((logs >= lo) & (logs < lo + 2 / 3)).sum() > 128 / 3 / 2
+    bound = 4 ** -0.5
+    w = m.dt_proj.weight
+    assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
+    for linear in (m.in_proj, m.x_proj, m.out_proj):  # PyTorch's default: U(+-1 / sqrt(fan_in))
+        fan_in = linear.weight.shape[1]
+        assert linear.weight.abs().max() <= fan_in ** -0.5
+        assert linear.weight.std() > 0.8 * fan_in ** -0.5 / math.sqrt(3)
+    for name, p in m.named_parameters():
+        if name in frozen:
+            torch.testing.assert_close(p, frozen[name])
+
+
 def test_mamba_is_causal():
     torch.manual_seed(0)
     m = Mamba(hidden_size=8)
@@ -216,6 +242,20 @@ def test_mamba_layer_residual_norm_and_padding_switch():
     expected = x + layer.norm(packing.pack(layer.mamba(packing.unpack(x))))
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(masked.forward_packed(x, packing), out)  # causal: the switch keeps real tokens
+
+
+def test_a_zero_init_mamba_layer_starts_as_the_identity_and_learns_its_scale():
+    torch.manual_seed(0)
+    layer = MambaLayer(hidden_size=8, scan_chunk=4, zero_init=True)
+    assert torch.equal(layer.norm.weight, torch.zeros(8)) and torch.equal(layer.norm.bias, torch.zeros(8))
+    packing = Packing.from_mask(torch.tensor([[True] * 5, [True] * 2 + [False] * 3]), 2, 5, DEVICE)
+    x = torch.randn(packing.num_tokens, 8)
+    torch.testing.assert_close(layer.forward_packed(x, packing), x, rtol=0, atol=0)
+    target = torch.randn_like(x)
+    ((layer.forward_packed(x, packing) - target) ** 2).sum().backward()
+    normed = torch.nn.functional.layer_norm(packing.pack(layer.mamba(packing.unpack(x))), (8,))  # (N, D)
+    torch.testing.assert_close(layer.norm.weight.grad, (2 * (x - target) * normed).sum(0))  # d/d gamma
+    assert layer.norm.weight.grad.abs().min() > 0
 
 
 def test_the_default_blocking_is_one_tvr_sequence_on_the_cpu_and_the_whole_batch_elsewhere(monkeypatch):

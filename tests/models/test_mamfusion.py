@@ -58,6 +58,8 @@ def test_registered_with_a_fused_branch_of_weight_zero_by_default():
         ({"mamba": 1}, "mamba"),
         ({"t2v": "yes"}, "t2v"),
         ({"d_state": 0}, "d_state"),
+        ({"mamba_init": "mamba"}, "mamba_init"),
+        ({"mamba_residual": "zero"}, "mamba_residual"),
         ({"fusion_chunk": 0}, "fusion_chunk"),
         ({"input_dropout": 1.5}, "dropout"),
         ({"dropout": -0.1}, "dropout"),
@@ -74,6 +76,47 @@ def test_a_mamba_layer_follows_every_gmm_block_of_both_video_branches():
     assert sum(isinstance(m, MambaLayer) for m in model.frame.modules()) == 2
     assert not any(isinstance(m, MambaLayer) for m in model.query.modules())
     assert not any(isinstance(m, MambaLayer) for m in build("mamfusion", mamba=False).modules())
+
+
+def test_mamba_init_official_overwrites_the_mixers_and_mamba_ssm_keeps_the_packages_own():
+    models = {}
+    for init in ("official", "mamba_ssm"):
+        torch.manual_seed(0)
+        models[init] = build("mamfusion", mamba_init=init)
+    official, own = (dict(models[k].named_parameters()) for k in ("official", "mamba_ssm"))
+    redrawn = (".in_proj.", ".x_proj.", ".out_proj.", ".dt_proj.")
+    mixers = [name for name in official if any(part in name for part in redrawn)]
+    layers = sum(isinstance(m, MambaLayer) for m in models["official"].modules())
+    assert layers >= 2 and len(mixers) == layers * 5  # in, x, out weights + dt weight and bias
+    for name, p in official.items():
+        if name in mixers:
+            assert not torch.equal(p, own[name]), name
+            if name.endswith("dt_proj.bias"):
+                assert torch.equal(p, torch.zeros_like(p))  # delta starts at softplus(0)
+                assert float(torch.nn.functional.softplus(own[name]).max()) <= 0.1 + 1e-6
+            elif name.endswith("in_proj.weight"):
+                assert abs(float(p.std()) - 0.02) < 0.002 and float(own[name].std()) > 0.03
+        else:  # the rest draws the same numbers in the same order
+            torch.testing.assert_close(p, own[name])
+
+
+def test_zero_init_residual_starts_as_the_model_without_mamba():
+    torch.manual_seed(0)
+    model = build("mamfusion", mamba_residual="zero_init").eval()
+    plain = build("mamfusion", mamba=False).eval()
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all(".mamba." in k for k in unexpected)
+    batch = with_padding(standard_batch(), 3, 2)
+    with torch.no_grad():
+        (_, v), (_, pv) = encode(model, batch), encode(plain, batch)
+    torch.testing.assert_close(v.clip, pv.clip, rtol=0, atol=0)
+    torch.testing.assert_close(v.frame, pv.frame, rtol=0, atol=0)
+    official = build("mamfusion").eval()
+    official.load_state_dict(model.state_dict(), strict=False)
+    for layer in (m for m in official.modules() if isinstance(m, MambaLayer)):
+        torch.nn.init.ones_(layer.norm.weight)
+    with torch.no_grad():
+        assert not torch.allclose(encode(official, batch)[1].clip, v.clip)
 
 
 def test_without_mamba_the_clip_and_frame_branches_are_gmmformer():
