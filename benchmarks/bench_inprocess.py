@@ -12,6 +12,9 @@ GPU memory on CUDA (peak RSS on CPU), and whether the loss fell.
 after every forward and every optimiser step, as the loop did before it waited once per
 step (after the backward pass, for the non-finite-loss flag): a same-run baseline.
 
+A config may carry overrides after ``+`` (``mamfusion_tvr.yaml+model.mamba_residual=zero_init``;
+values read as YAML), so one run compares a recipe with and without a switch.
+
 The worker's reports come to this script, not to MLflow: it needs neither Ray
 nor MLflow, so it also runs where they are not installed (the GPU image).
 
@@ -30,6 +33,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+import yaml
 
 from _common import add_collection_options, bench_collection, machine, peak_rss_gib, tvr_config
 from prvrlab.platform.train.loop import run_local
@@ -64,6 +68,18 @@ def synced_steps(device: torch.device):
         TrainingSystem.forward, TrainingLoop.step = forward, step
 
 
+def split_config(spec: str) -> tuple[str, dict]:
+    """``name.yaml+key=value+...`` -> the config's file name and its overrides (values read as YAML)."""
+    name, *pairs = spec.split("+")
+    switches = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--configs {spec}: '{pair}' is not KEY=VALUE")
+        switches[key] = yaml.safe_load(value)
+    return name, switches
+
+
 def train_one(root: Path, config: str, args: argparse.Namespace, *, synced: bool = False) -> dict:
     """Train ``config`` in this process; the per-epoch reports and the figures derived from them."""
     cuda = torch.device(args.device).type == "cuda"
@@ -78,7 +94,8 @@ def train_one(root: Path, config: str, args: argparse.Namespace, *, synced: bool
     }
     if args.batch is not None:
         overrides["train.batch_size"] = args.batch
-    cfg = tvr_config(root, config, **overrides)
+    name, switches = split_config(config)
+    cfg = tvr_config(root, name, **overrides, **switches)
     epochs: list[dict] = []
 
     def on_report(m: dict) -> None:
@@ -114,7 +131,8 @@ def train_one(root: Path, config: str, args: argparse.Namespace, *, synced: bool
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_collection_options(p)
-    p.add_argument("--configs", nargs="+", default=["gmmformer_tvr.yaml", "gmmformer_v2_tvr.yaml"])
+    p.add_argument("--configs", nargs="+", default=["gmmformer_tvr.yaml", "gmmformer_v2_tvr.yaml"],
+                   help="config files in configs/, each optionally with +KEY=VALUE overrides")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=None, help="train.batch_size (default: the config's, 128)")
     p.add_argument("--amp", default="bf16", choices=["none", "bf16", "fp16"])
@@ -130,6 +148,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 
+    for config in args.configs:
+        split_config(config)  # a malformed override stops the run before any training
     torch.set_num_threads(args.threads)
     root = bench_collection(args)
     print(f"machine: {machine()}")

@@ -79,8 +79,8 @@ want resident && stage batches 90 $PY benchmarks/bench_batches.py --root "$DATA/
     --loader-workers "${LOADERS[@]}" --threads 4
 want resident && stage resident 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$EPOCHS" --amp "$AMP" --loader-workers 4 --threads 4 --resident
-PLUGIN_CONFIGS=${PLUGIN_CONFIGS:-gmmformer_v2_ral_tvr.yaml ice_base_ice_tvr.yaml arl_tvr.yaml mssl_tvr.yaml mamfusion_tvr.yaml}
-want plugins && stage plugins 200 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
+PLUGIN_CONFIGS=${PLUGIN_CONFIGS:-gmmformer_v2_ral_tvr.yaml ice_base_ice_tvr.yaml arl_tvr.yaml mssl_tvr.yaml mamfusion_tvr.yaml mamfusion_tvr.yaml+model.mamba_init=mamba_ssm+model.mamba_residual=zero_init}
+want plugins && stage plugins 240 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --configs $PLUGIN_CONFIGS
 want syncs && stage syncs 200 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --compare-syncs
