@@ -360,7 +360,9 @@ class MambaLayer(PackedLayer):
     causal and padding trails the real tokens.  ``zero_init``: the LayerNorm's
     scale starts at 0 instead of 1, so the layer starts as the identity and
     learns how much of the mixer to add (the reference adds a unit-variance
-    term of the untrained mixer from the first step).
+    term of the untrained mixer from the first step).  ``decay_norm_gain``: the
+    LayerNorm's gain is weight-decayed (``decayed_parameters``), as the
+    reference's name-based grouping does for this LayerNorm alone.
     """
 
     def __init__(
@@ -372,6 +374,7 @@ class MambaLayer(PackedLayer):
         expand: int = 2,
         mask_padding: bool = False,
         zero_init: bool = False,
+        decay_norm_gain: bool = False,
         scan_chunk: int = DEFAULT_SCAN_CHUNK,
         scan_kernel: str = "auto",
     ) -> None:
@@ -381,6 +384,8 @@ class MambaLayer(PackedLayer):
         self.norm = nn.LayerNorm(hidden_size)
         if zero_init:
             nn.init.zeros_(self.norm.weight)
+        if decay_norm_gain:
+            self.norm.decayed_parameters = ("weight",)
         self.mask_padding = bool(mask_padding)
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:

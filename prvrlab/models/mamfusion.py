@@ -124,7 +124,8 @@ class MamFusion(PooledFrameBackbone):
     Linear with zero biases, Mamba's included; ``mamba_ssm``: the Mamba package's own,
     :meth:`~prvrlab.models.mamba.Mamba.init_like_mamba_ssm_`), ``mamba_residual`` (``official``:
     ``x + LN(Mamba(x))`` from the first step; ``zero_init``: the LN's scale starts at 0, so every
-    Mamba layer starts as the identity), ``mask_padding``, ``scan_chunk`` (the chunk
+    Mamba layer starts as the identity), ``mamba_norm_decay`` (the Mamba layers' LayerNorm gains are
+    weight-decayed, as the reference's grouping by name does), ``mask_padding``, ``scan_chunk`` (the chunk
     length of the selective scan), ``scan_kernel`` (``auto``: mamba_ssm's
     CUDA kernel on GPU, the fused C++ kernel on CPU when it builds, else the
     PyTorch chunked scan; ``fused`` / ``torch`` force one:
@@ -161,6 +162,7 @@ class MamFusion(PooledFrameBackbone):
         expand: int = 2,
         mamba_init: Literal["official", "mamba_ssm"] = "official",
         mamba_residual: Literal["official", "zero_init"] = "official",
+        mamba_norm_decay: bool = True,
         mask_padding: bool = False,
         scan_chunk: int = DEFAULT_SCAN_CHUNK,
         scan_kernel: Literal["auto", "fused", "torch"] = "auto",
@@ -186,7 +188,9 @@ class MamFusion(PooledFrameBackbone):
         ffn = resolve_ffn_size(ffn_size, hidden_size)
         check_positive_int(num_gmm_blocks, "num_gmm_blocks")
         check_window(window, window_length)
-        for name, flag in (("mamba", mamba), ("mask_padding", mask_padding), ("t2v", t2v), ("v2t", v2t)):
+        flags = (("mamba", mamba), ("mask_padding", mask_padding), ("mamba_norm_decay", mamba_norm_decay), ("t2v", t2v),
+                 ("v2t", v2t))
+        for name, flag in flags:
             check_bool(flag, name)
         self.fusion = check_choice(fusion, "fusion", FUSIONS)
         check_choice(mamba_init, "mamba_init", MAMBA_INITS)
@@ -209,7 +213,8 @@ class MamFusion(PooledFrameBackbone):
         def block(span: WindowLength) -> GMMMambaBlock:
             gmm = GMMBlock(**layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
             args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "mask_padding": mask_padding,
-                    "zero_init": zero_init, "scan_chunk": scan_chunk, "scan_kernel": scan_kernel}
+                    "zero_init": zero_init, "decay_norm_gain": mamba_norm_decay, "scan_chunk": scan_chunk,
+                    "scan_kernel": scan_kernel}
             return GMMMambaBlock(gmm=gmm, mamba=MambaLayer(hidden_size=hidden_size, **args) if mamba else None)
 
         def pool() -> AttentionPooling:

@@ -194,6 +194,7 @@ MAMFUSION = {
     "model.mask_padding": (False, False, False, "src/Models/model_mamba.py Mamba(x) without the video mask"),
     "model.mamba_init": ("official",) * 3 + ("src/Models/model_mamba.py reset_parameters (re_init covers Mamba's Linears)",),
     "model.mamba_residual": ("official",) * 3 + ("src/Models/model_mamba.py nn.LayerNorm after Mamba, default scale 1",),
+    "model.mamba_norm_decay": (True, True, True, "src/Opts/builder.py no_decay names miss '*_mamba.1.weight'"),
     "model.fusion": ("batch",) * 3 + ("src/Models/model_mamba.py VisionLanguageFusionModule over the batch",),
     "model.t2v": (True, True, True, "src/Models/model_mamba.py v2t_fusion(tgt=videos, memory=queries)"),
     "model.v2t": (True, True, True, "src/Models/model_mamba.py t2v_fusion(tgt=queries, memory=videos)"),

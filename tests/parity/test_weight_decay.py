@@ -18,12 +18,19 @@ NORM_GAIN = re.compile(r"norm\d*_(weight|bias)$")  # LayerNorm affines kept as p
 DIMS = {"video_dim": 12, "query_dim": 10}
 
 
-def expected_no_decay(model: nn.Module) -> set[str]:
-    """Biases, LayerNorm module parameters, per-branch LayerNorm affines and 0-dim parameters."""
+MAMBA_NORM_GAIN = re.compile(r".*\.mamba\.norm\.weight$")  # MamFusion: nn.LayerNorm after Mamba, named "*_mamba.1"
+
+
+def expected_no_decay(model: nn.Module, *, mamba_norm_decay: bool = False) -> set[str]:
+    """Biases, LayerNorm module parameters, per-branch LayerNorm affines and 0-dim parameters; with
+    ``mamba_norm_decay`` (MamFusion's reference: its name filter "LayerNorm.weight" misses the Mamba
+    layers' LayerNorm), not the Mamba layers' LayerNorm gains."""
     out = set()
     for module_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             full = f"{module_name}.{name}" if module_name else name
+            if mamba_norm_decay and MAMBA_NORM_GAIN.fullmatch(full):
+                continue
             if name.endswith("bias") or isinstance(module, nn.LayerNorm) or NORM_GAIN.fullmatch(name) or p.dim() == 0:
                 out.add(full)
     return out
@@ -52,7 +59,7 @@ def test_decay_group_is_everything_but_biases_and_norm_affines(backbone, plugins
         model: nn.Module = build_system(cfg, plugins, losses, **DIMS)
     else:
         model = build_model(cfg, plugins, **DIMS)
-    no_decay = expected_no_decay(model)
+    no_decay = expected_no_decay(model, mamba_norm_decay=backbone == "mamfusion")
     assert decayed_names(model) == {n for n, _ in model.named_parameters()} - no_decay
     if backbone.startswith("gmmformer"):  # the per-branch LayerNorm gains exist and are exempt
         assert any(re.search(r"\.norm\d?_weight$", n) for n in no_decay)
@@ -80,3 +87,14 @@ def test_non_norm_vectors_and_matrices_still_decay():
     assert "clip.layers.0.summary.phi" in decayed  # the learned query token is a weight, not a norm gain
     assert "clip.layers.0.attention.qkv.weight" in decayed
     assert "clip.pos.embedding.weight" in decayed
+
+
+def test_mamfusion_decays_its_mamba_layernorm_gains_only_when_asked():
+    dims = {"name": "mamfusion", "hidden_size": 32, "num_heads": 4}
+    official, exempt = (build_model({**dims, "mamba_norm_decay": flag}, {}, **DIMS) for flag in (True, False))
+    gains = {n for n, _ in official.named_parameters() if MAMBA_NORM_GAIN.fullmatch(n)}
+    assert len(gains) == 4  # clip and frame branches x 2 GMMBlocks
+    assert gains <= decayed_names(official)
+    assert not gains & decayed_names(exempt)
+    assert decayed_names(official) - gains == decayed_names(exempt)
+    assert decayed_names(exempt) == {n for n, _ in exempt.named_parameters()} - expected_no_decay(exempt)

@@ -99,7 +99,11 @@ def no_decay(module: nn.Module, name: str, p: Tensor) -> bool:
     per-branch affines of GMMBlock); a 0-dim parameter (a learnable loss
     temperature or scale: decay would pull it towards 0, i.e. temperature 1
     for a log-temperature, which is no regularisation of the weights).
+    A name listed in the module's ``decayed_parameters`` is decayed whatever
+    the rules above say (a reference whose name-based grouping decays it).
     """
+    if name in getattr(module, "decayed_parameters", ()):
+        return False
     if isinstance(module, NORM_MODULES) or name.endswith("bias") or p.dim() == 0:
         return True
     return name in getattr(module, "norm_parameters", ())
