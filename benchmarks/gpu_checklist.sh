@@ -7,6 +7,8 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh
 #   QUICK=1 DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh   # rehearsal on a CPU, small sizes
 #   STAGES="eval packing" OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh # some stages only
+#   STAGES=plugins PLUGIN_CONFIGS="mamfusion_tvr.yaml mamfusion_tvr.yaml+model.mamba_residual=zero_init" \
+#       PLUGIN_EPOCHS=20 PLUGIN_LIMIT=400 OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh   # chosen configs, longer
 set -u
 OUT=${OUT:-/tmp/prvrlab_gpu}
 DEVICE=${DEVICE:-cuda}
@@ -80,8 +82,8 @@ want resident && stage batches 90 $PY benchmarks/bench_batches.py --root "$DATA/
 want resident && stage resident 140 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$EPOCHS" --amp "$AMP" --loader-workers 4 --threads 4 --resident
 PLUGIN_CONFIGS=${PLUGIN_CONFIGS:-gmmformer_v2_ral_tvr.yaml ice_base_ice_tvr.yaml arl_tvr.yaml mssl_tvr.yaml mamfusion_tvr.yaml mamfusion_tvr.yaml+model.mamba_init=mamba_ssm+model.mamba_residual=zero_init}
-want plugins && stage plugins 240 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
-    --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --configs $PLUGIN_CONFIGS
+want plugins && stage plugins "${PLUGIN_LIMIT:-240}" $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
+    --epochs "${PLUGIN_EPOCHS:-$SYNC_EPOCHS}" --amp "$AMP" --threads 4 --resident --configs $PLUGIN_CONFIGS
 want syncs && stage syncs 200 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --compare-syncs
 want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
