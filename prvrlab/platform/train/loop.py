@@ -272,12 +272,21 @@ class TrainingLoop:
         with self.session.checkpoint_dir() as ckpt:
             if ckpt is None:
                 return
-            saved = torch.load(Path(ckpt) / "state.pt", map_location=self.device, weights_only=True)
-            self.model.load_state_dict(saved["model"])
+            path = Path(ckpt) / "state.pt"
+            saved = torch.load(path, map_location=self.device, weights_only=True)
+            parts = [("model weights", self.model, "model"), ("optimiser state", self.optimizer, "optimizer"),
+                     ("schedule", self.scheduler, "scheduler")]
             if "losses" in saved:
-                self.system.losses.load_state_dict(saved["losses"])
-            self.optimizer.load_state_dict(saved["optimizer"])
-            self.scheduler.load_state_dict(saved["scheduler"])
+                parts.insert(1, ("loss-term state", self.system.losses, "losses"))
+            for what, target, key in parts:
+                try:
+                    target.load_state_dict(saved[key])
+                except (KeyError, RuntimeError, ValueError) as error:
+                    first_line = (str(error).splitlines() or [repr(error)])[0]
+                    raise RuntimeError(
+                        f"cannot resume from {path}: loading its {what} failed ({type(error).__name__}: {first_line}); "
+                        "it was written by another config or an older prvrlab: start a new run"
+                    ) from error
             self.progress = Progress(**saved["progress"])
             self.global_step = int(saved.get("global_step", 0))
             restore_random_state(saved, self.device)
