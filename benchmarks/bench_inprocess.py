@@ -12,6 +12,11 @@ GPU memory on CUDA (peak RSS on CPU), and whether the loss fell.
 after every forward and every optimiser step, as the loop did before it waited once per
 step (after the backward pass, for the non-finite-loss flag): a same-run baseline.
 
+``--sync-sites`` (CUDA) lists where the host waits for the device inside training steps: each
+step runs under ``torch.cuda.set_sync_debug_mode("warn")`` and every synchronising call is
+counted at the innermost line of prvrlab's own code on the stack (per step: the loop's one wait
+plus whatever a backbone, plug-in or loss adds).
+
 A config may carry overrides after ``+`` (``mamfusion_tvr.yaml+model.mamba_residual=zero_init``;
 values read as YAML), so one run compares a recipe with and without a switch.
 
@@ -27,8 +32,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import tempfile
+import traceback
+import warnings
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -68,6 +77,43 @@ def synced_steps(device: torch.device):
         TrainingSystem.forward, TrainingLoop.step = forward, step
 
 
+def innermost_own_frame(stack: list[traceback.FrameSummary]) -> str:
+    """``file:line`` of the innermost frame in prvrlab's package (else the innermost frame): where a sync is asked for."""
+    own = [f for f in stack if f"{os.sep}prvrlab{os.sep}" in f.filename]
+    frame = (own or stack)[-1]
+    path = frame.filename.split(f"{os.sep}prvrlab{os.sep}", 1)[-1] if own else frame.filename
+    return f"{path}:{frame.lineno}"
+
+
+@contextmanager
+def counted_syncs(sites: Counter, steps: list[int]):
+    """Count the host's waits for the CUDA device inside each training step by :func:`innermost_own_frame`."""
+    from prvrlab.platform.train.loop import TrainingLoop
+
+    step = TrainingLoop.step
+
+    def counted_step(self, *a, **k):
+        def record(message, category, *_args, **_kwargs):
+            if "synchroniz" in str(message):
+                sites[innermost_own_frame(traceback.extract_stack()[:-1])] += 1
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return step(self, *a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                steps[0] += 1
+
+    TrainingLoop.step = counted_step
+    try:
+        yield
+    finally:
+        TrainingLoop.step = step
+
+
 def split_config(spec: str) -> tuple[str, dict]:
     """``name.yaml+key=value+...`` -> the config's file name and its overrides (values read as YAML)."""
     name, *pairs = spec.split("+")
@@ -80,7 +126,7 @@ def split_config(spec: str) -> tuple[str, dict]:
     return name, switches
 
 
-def train_one(root: Path, config: str, args: argparse.Namespace, *, synced: bool = False) -> dict:
+def train_one(root: Path, config: str, args: argparse.Namespace, *, synced: bool = False, syncs: bool = False) -> dict:
     """Train ``config`` in this process; the per-epoch reports and the figures derived from them."""
     cuda = torch.device(args.device).type == "cuda"
     overrides = {
@@ -107,9 +153,17 @@ def train_one(root: Path, config: str, args: argparse.Namespace, *, synced: bool
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(args.device)
+    sites: Counter = Counter()
+    counted = [0]
     with tempfile.TemporaryDirectory(prefix="bench_inprocess_") as run_dir, \
-            (synced_steps(torch.device(args.device)) if synced else nullcontext()):
+            (synced_steps(torch.device(args.device)) if synced else nullcontext()), \
+            (counted_syncs(sites, counted) if syncs else nullcontext()):
         run_local(cfg, run_dir, on_report=on_report)
+    if syncs:
+        print(f"{config}: host waits inside {counted[0]} training steps, per step by where they are asked for:")
+        for site, n in sites.most_common():
+            print(f"  {n / max(counted[0], 1):6.2f}  {site}")
+        print(f"  {sum(sites.values()) / max(counted[0], 1):6.2f}  in all", flush=True)
     steps = math.ceil(args.train_videos / cfg.train.batch_size)
     timed = epochs[1:] or epochs
     train_s = statistics.median(m["time/train_s"] for m in timed)
@@ -145,8 +199,12 @@ def main() -> None:
     p.add_argument("--compare-syncs", action="store_true",
                    help="train each config again with the host waiting for the device after every forward and "
                         "optimiser step (the loop before it waited once per step)")
+    p.add_argument("--sync-sites", action="store_true",
+                   help="CUDA: count the host's waits for the device inside training steps, by prvrlab source line")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    if args.sync_sites and torch.device(args.device).type != "cuda":
+        raise SystemExit("--sync-sites counts waits for a CUDA device: add --device cuda")
 
     for config in args.configs:
         split_config(config)  # a malformed override stops the run before any training
@@ -159,7 +217,7 @@ def main() -> None:
     for config in args.configs:
         print(f"{config}: {args.epochs} epochs of {args.train_videos} videos, amp {args.amp}, {args.device}, "
               f"{args.loader_workers} loader workers, pin_memory {args.pin_memory}, resident {args.resident}", flush=True)
-        rows.append(train_one(root, config, args))
+        rows.append(train_one(root, config, args, syncs=args.sync_sites))
         if args.compare_syncs:
             print(f"{config}: again, the host waiting for the device after each forward and optimiser step", flush=True)
             rows.append(train_one(root, config, args, synced=True))
