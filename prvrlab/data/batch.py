@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """``array`` as a tensor on ``device``; to CUDA through page-locked memory, so the host does not wait."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -25,6 +34,19 @@ class Batch:
     query_video: Tensor  # (Nq,) long, index of each query's video in this batch
     video_ids: list[str]
     query_ids: list[str]
+    # (Nq,) int64, ``query_video`` as the host built it: read there without waiting for the device
+    query_video_host: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        host = self.query_video_host
+        if host is not None and host.shape != tuple(self.query_video.shape):
+            raise ValueError(f"query_video_host has shape {host.shape}, query_video {tuple(self.query_video.shape)}")
+
+    def host_query_video(self) -> np.ndarray:
+        """``query_video`` on the host, (Nq,) int64: the batch's host copy, else read from the tensor (a wait on a GPU)."""
+        if self.query_video_host is not None:
+            return self.query_video_host
+        return self.query_video.detach().cpu().numpy().astype(np.int64)
 
     @property
     def num_videos(self) -> int:

@@ -98,16 +98,17 @@ def collate(items: Sequence[VideoItem]) -> Batch:
     clips = torch.from_numpy(np.stack([it.clips for it in items]))  # (B, Lc, Dv)
     queries, query_mask = pad_sequences([q for it in items for q in it.queries])  # (Nq, Lq, Dq), (Nq, Lq)
     counts = [len(it.queries) for it in items]
-    query_video = torch.from_numpy(np.repeat(np.arange(len(items), dtype=np.int64), counts))  # (Nq,)
+    host = np.repeat(np.arange(len(items), dtype=np.int64), counts)  # (Nq,)
     return Batch(
         frames=frames,
         frame_mask=frame_mask,
         clips=clips,
         queries=queries,
         query_mask=query_mask,
-        query_video=query_video,
+        query_video=torch.from_numpy(host),
         video_ids=[it.video_id for it in items],
         query_ids=[q for it in items for q in it.query_ids],
+        query_video_host=host,
     )
 
 

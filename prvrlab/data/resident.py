@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from prvrlab.data.batch import Batch
+from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.data.collection import Collection, SplitIndex
 from prvrlab.data.dataset import VideoDataset
 from prvrlab.data.errors import DataError
@@ -154,15 +154,17 @@ class ResidentSplit:
         counts = index.query_offsets[v + 1] - index.query_offsets[v]  # (B,)
         q = _segments(index.query_offsets[v], counts)  # (Nq,) split positions of the batch's queries
         queries, query_mask = self.queries(q)  # (Nq, Lq, Dq), (Nq, Lq)
+        host = np.repeat(np.arange(len(v), dtype=np.int64), counts)  # (Nq,)
         return Batch(
             frames=frames,
             frame_mask=frame_mask,
             clips=clips,
             queries=queries,
             query_mask=query_mask,
-            query_video=torch.from_numpy(np.repeat(np.arange(len(v)), counts)).to(self.device),  # (Nq,)
+            query_video=host_to_device(host, self.device),  # (Nq,)
             video_ids=[index.video_ids[i] for i in v],
             query_ids=[index.query_ids[j] for j in q],
+            query_video_host=host,
         )
 
 

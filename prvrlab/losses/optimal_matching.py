@@ -18,10 +18,11 @@ flows through the assigned cosines.  A video with more queries than clips
 no video has two queries the loss is 0, still attached to the graph.
 
 Cost on an accelerator: the per-video cosine matrices are computed in one
-batched product on padded (B, M_max, Lc) query slots, copied to the host
-once; besides that copy the only host transfer is ``query_video`` (to size
-the padding).  The solver runs on the host, then the assigned cosines are
-gathered on the device with index tensors.
+batched product on padded (B, M_max, Lc) query slots and copied to the host
+once, the host's one wait per step; ``query_video`` is read from the batch's
+host copy (to size the padding).  The solver runs on the host, then the
+assigned cosines are gathered on the device with index tensors sent through
+page-locked memory (no wait).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prvrlab.data.batch import Batch
+from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.losses._common import check_branch
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
@@ -49,21 +50,22 @@ def group_queries(query_video: np.ndarray, num_videos: int) -> tuple[np.ndarray,
     return counts, slot
 
 
-def matching_cosines(vectors: Tensor, clips: Tensor, query_video: Tensor) -> tuple[Tensor, Tensor] | None:
+def matching_cosines(vectors: Tensor, clips: Tensor, query_video: Tensor | np.ndarray) -> tuple[Tensor, Tensor] | None:
     """The assigned (query, clip) cosines (P,) with grad and their query indices (P,); None if no video has 2 queries.
 
-    ``vectors`` (Nq, D), ``clips`` (B, Lc, D), ``query_video`` (Nq,) long.
+    ``vectors`` (Nq, D), ``clips`` (B, Lc, D), ``query_video`` (Nq,) long, on the host (a NumPy array) or a tensor.
     """
     nq = vectors.shape[0]
     num_videos, num_clips, _ = clips.shape
-    qv = query_video.detach().cpu().numpy().astype(np.int64)  # host transfer 1 (small)
+    if isinstance(query_video, Tensor):
+        query_video = query_video.detach().cpu().numpy()  # a wait on a GPU: pass the batch's host copy instead
+    qv = np.asarray(query_video, dtype=np.int64)  # (Nq,)
     counts, slot = group_queries(qv, num_videos)
     if nq == 0 or num_clips == 0 or counts.max(initial=0) < 2:
         return None
     width = int(counts.max())
     device = vectors.device
-    video_idx = torch.as_tensor(qv, device=device)
-    slot_idx = torch.as_tensor(slot, device=device)
+    video_idx, slot_idx = host_to_device(np.stack([qv, slot]), device)  # (Nq,) each
     with torch.autocast(device_type=device.type, enabled=False):
         q = F.normalize(vectors.float(), dim=-1)  # (Nq, D)
         c = F.normalize(clips.float(), dim=-1)  # (B, Lc, D)
@@ -72,21 +74,18 @@ def matching_cosines(vectors: Tensor, clips: Tensor, query_video: Tensor) -> tup
         cos = torch.bmm(padded, c.transpose(1, 2))  # (B, M_max, Lc)
     from scipy.optimize import linear_sum_assignment  # here: config checks load every loss module, scipy.optimize takes ~0.5 s
 
-    host = cos.detach().cpu().numpy()  # host transfer 2: every cost matrix at once
+    host = cos.detach().cpu().numpy()  # the one wait: every cost matrix at once
     vids, rows, cols = [], [], []
     for v in np.flatnonzero(counts >= 2):
         r, k = linear_sum_assignment(host[v, : counts[v]], maximize=True)
         vids.append(np.full(r.shape[0], v))
         rows.append(r)
         cols.append(k)
-    v_t = torch.as_tensor(np.concatenate(vids), device=device)
-    r_t = torch.as_tensor(np.concatenate(rows), device=device)
-    k_t = torch.as_tensor(np.concatenate(cols), device=device)
-    assigned = cos[v_t, r_t, k_t]  # (P,)
-    # query index of each assigned slot: invert (video, slot) -> query
-    lookup = torch.full((num_videos, width), -1, dtype=torch.long, device=device)
-    lookup[video_idx, slot_idx] = torch.arange(nq, device=device)
-    return assigned, lookup[v_t, r_t]
+    v_a, r_a, k_a = np.concatenate(vids), np.concatenate(rows), np.concatenate(cols)  # (P,) each
+    query_of = np.full((num_videos, width), -1, dtype=np.int64)  # (B, M_max): the query in each (video, slot)
+    query_of[qv, slot] = np.arange(nq)
+    v_t, r_t, k_t, queries = host_to_device(np.stack([v_a, r_a, k_a, query_of[v_a, r_a]]), device)  # (P,) each
+    return cos[v_t, r_t, k_t], queries
 
 
 @LOSSES.register("optimal_matching")
@@ -109,7 +108,7 @@ class OptimalMatchingLoss(Loss):
                 f"available: {', '.join(sorted(out.query.vectors))}"
             )
         clips, _ = out.video.moment_tokens()  # (B, Lc, D)
-        result = matching_cosines(vectors, clips, batch.query_video)
+        result = matching_cosines(vectors, clips, batch.host_query_video())
         if result is None:
             return (vectors.sum() + clips.sum()).float() * 0.0
         assigned, _ = result

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,9 @@ def test_collate_pads_and_indexes(toy_cfg):
     assert b.clips.shape == (3, 32, 6)
     assert b.queries.shape == (5, 30, 4) and b.query_mask.sum(1).tolist() == [3, 30, 2, 4, 1]
     assert b.query_video.dtype == torch.int64 and b.query_video.tolist() == [0, 0, 1, 1, 2]
+    assert b.query_video_host.dtype == np.int64 and b.query_video_host.tolist() == [0, 0, 1, 1, 2]  # read without a wait
+    moved = b.to("cpu")
+    assert moved.host_query_video() is b.query_video_host  # moving the tensors keeps the host copy
     assert not b.frames[~b.frame_mask].any() and not b.queries[~b.query_mask].any()  # zero padding
     assert b.frames[b.frame_mask].norm(dim=-1).allclose(torch.ones(48))
     np.testing.assert_allclose(b.frames[2, :3].numpy(), items[2].frames)
@@ -48,6 +53,14 @@ def test_collate_pads_and_indexes(toy_cfg):
     # a one-video batch
     one = collate([items[2]])
     assert one.frames.shape == (1, 3, 6) and one.queries.shape == (1, 1, 4) and one.query_video.tolist() == [0]
+
+
+def test_a_batch_without_a_host_copy_reads_query_video_and_a_wrong_copy_is_refused(toy_cfg):
+    b = collate([VideoDataset(open_collection(toy_cfg), "train")[i] for i in range(3)])
+    bare = dataclasses.replace(b, query_video_host=None)
+    assert bare.host_query_video().dtype == np.int64 and bare.host_query_video().tolist() == [0, 0, 1, 1, 2]
+    with pytest.raises(ValueError, match=r"query_video_host has shape \(4,\), query_video \(5,\)"):
+        dataclasses.replace(b, query_video_host=np.zeros(4, dtype=np.int64))
 
 
 def _check_batch(b):

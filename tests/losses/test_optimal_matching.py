@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -113,3 +114,20 @@ def test_registered_and_clear_errors():
     with pytest.raises(ValueError, match="moment"):
         OptimalMatchingLoss()(output(torch.randn(2, 3), None), make_batch([0, 0], 1), epoch=0)
 
+
+
+def test_the_loss_reads_the_batchs_host_copy_of_query_video():
+    """On a GPU reading ``query_video`` back is a wait: the loss takes the copy the host built the batch from."""
+    g = torch.Generator(DEVICE).manual_seed(11)
+    query_video = [0, 0, 1, 1, 1, 2]
+    vectors = torch.randn(6, 4, generator=g)
+    clips = torch.randn(3, 4, 4, generator=g)
+    plain = make_batch(query_video, 3)
+    with_host = dataclasses.replace(plain, query_video_host=np.array(query_video))
+    other = [2, 2, 1, 0, 0, 0]  # a different grouping, same shape: whichever the loss reads decides its value
+    misled = dataclasses.replace(make_batch(other, 3), query_video_host=np.array(query_video))
+    loss = OptimalMatchingLoss()
+    expected = brute_force(vectors, clips, query_video)
+    for batch in (plain, with_host, misled):
+        assert loss(output(vectors, clips), batch, epoch=0).item() == pytest.approx(expected, abs=1e-6)
+    assert brute_force(vectors, clips, other) != pytest.approx(expected, abs=1e-6)
