@@ -336,3 +336,36 @@ def test_unit_mean_normalises_the_means_before_sampling():
         expected = torch.nn.functional.normalize(raw.aux[f"ral.{side}_mu"], dim=-1)
         torch.testing.assert_close(unit.aux[f"ral.{side}_mu"], expected)  # the same head, normalised
         assert not torch.allclose(raw.aux[f"ral.{side}_mu"].norm(dim=-1), torch.ones_like(norms))
+
+
+def test_padding_slots_reach_no_gaussian_whatever_they_hold():
+    """The groups keep the padded layout (no boolean indexing): padding must count for nothing, NaN included."""
+    from prvrlab.models.plugins.ral import _groups
+
+    plugin = RAL(hidden_size=8, csa=False)
+    plugin.eval()
+    words = torch.randn(3, 4, 8, requires_grad=True)
+    mask = torch.arange(4)[None] < torch.tensor([4, 2, 3])[:, None]
+    rows = torch.tensor([0, 0, 1])
+    mu, lv = plugin.text_gaussian(*_groups(words, mask, rows, 2))
+    poisoned = words.detach().masked_fill(~mask[..., None], float("nan"))
+    mu_p, lv_p = plugin.text_gaussian(*_groups(poisoned, mask, rows, 2))
+    assert torch.allclose(mu, mu_p, atol=1e-6) and torch.allclose(lv, lv_p, atol=1e-6)
+    (mu.sum() + lv.sum()).backward()
+    assert torch.equal(words.grad[~mask], torch.zeros(int((~mask).sum()), 8)) and words.grad[mask].abs().sum() > 0
+    by_hand = plugin.text_gaussian(torch.cat([words[0, :4], words[1, :2]]).detach(), torch.ones(1, 6, dtype=torch.bool))
+    assert torch.allclose(mu[0], by_hand[0][0], atol=1e-5)  # group 0 = rows 0 and 1's real words
+
+
+def test_support_sets_follow_the_batchs_host_copy_and_skip_videos_without_queries():
+    import dataclasses
+
+    import numpy as np
+
+    b = batch()  # query_video [0, 0, 1, 2, 2]
+    host = np.array([0, 0, 2, 2, 2])  # as the host built it: video 1 has no query (the tensor is not read)
+    out = plugged(num_proxies=2)(dataclasses.replace(b, query_video_host=host))
+    assert out.aux["ral.text_video"].tolist() == [0, 2] and out.aux["ral.text_mu"].shape == (2, HIDDEN)
+    bare = dataclasses.replace(b, query_video=torch.tensor(host), query_video_host=None)
+    again = plugged(num_proxies=2)(bare)  # the same grouping read from the tensor: the same support sets
+    assert torch.allclose(out.aux["ral.text_mu"], again.aux["ral.text_mu"], atol=1e-6)

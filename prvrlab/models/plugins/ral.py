@@ -41,12 +41,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prvrlab.checks import check_bool, check_choice, check_identifier, check_int, check_number, check_positive_int
-from prvrlab.data.batch import Batch
+from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
@@ -79,7 +80,7 @@ class MultiGranularityAggregator(nn.Module):
         self.norm = nn.LayerNorm(hidden_size)
 
     def forward(self, tokens: Tensor, member: Tensor) -> Tensor:
-        """``tokens`` (N, D) real tokens, ``member`` (G, N) bool token-in-group -> (G, D)."""
+        """``tokens`` (N, D), ``member`` (G, N) bool token-in-group (a token in no group is ignored) -> (G, D)."""
         total = tokens.new_zeros(member.shape[0], tokens.shape[1])  # (G, D)
         if self.aggregation in ("both", "global"):
             counts = member.sum(dim=1, keepdim=True).clamp(min=1)  # (G, 1)
@@ -120,12 +121,13 @@ def sample_proxies(mu: Tensor, logvar: Tensor, num_proxies: int, sampling: bool,
 
 
 def _groups(tokens: Tensor, mask: Tensor, row_group: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
-    """Padded (R, L, D) rows assigned to groups -> real tokens (N, D) and (G, N) membership."""
-    flat_mask = mask.reshape(-1)  # (R*L,)
-    real = tokens.reshape(-1, tokens.shape[-1])[flat_mask]  # (N, D)
-    token_group = row_group.repeat_interleave(mask.shape[1])[flat_mask]  # (N,)
-    member = token_group[None, :] == torch.arange(num_groups, device=tokens.device)[:, None]  # (G, N)
-    return real, member
+    """Padded (R, L, D) rows assigned to groups -> every slot's token (R*L, D), padding zeroed, and the (G, R*L)
+    membership, padding in no group.  No boolean indexing: a GPU need not tell the host how many tokens are real."""
+    flat = torch.where(mask[..., None], tokens, 0).reshape(-1, tokens.shape[-1])  # (R*L, D)
+    token_group = row_group.repeat_interleave(mask.shape[1])  # (R*L,)
+    groups = torch.arange(num_groups, device=tokens.device)  # (G,)
+    member = (token_group[None, :] == groups[:, None]) & mask.reshape(1, -1)  # (G, R*L)
+    return flat, member
 
 
 def confidence_scores(
@@ -312,19 +314,19 @@ class RAL(Plugin):
         words_padded, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
         frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         num_videos = frames.shape[0]
-        query_video = batch.query_video.to(frames.device)
         if self.support == "set":
-            present = torch.bincount(query_video, minlength=num_videos) > 0  # (B,)
-            text_video = present.nonzero().squeeze(1)  # (T,) videos with queries in the batch
-            slot = torch.cumsum(present.long(), 0) - 1  # video -> its text unit
-            row_group = slot[query_video]  # (Nq,)
+            host = batch.host_query_video()  # (Nq,) read on the host: no wait for the device
+            present = np.bincount(host, minlength=num_videos) > 0  # (B,)
+            slot = np.cumsum(present) - 1  # video -> its text unit
+            layout = host_to_device(np.concatenate([np.flatnonzero(present), slot[host]]), frames.device)
+            text_video, row_group = layout.split([int(present.sum()), host.shape[0]])  # (T,) videos with queries, (Nq,)
         else:
-            text_video = query_video  # (T = Nq,)
-            row_group = torch.arange(query_video.shape[0], device=frames.device)
+            text_video = batch.query_video.to(frames.device)  # (T = Nq,)
+            row_group = torch.arange(text_video.shape[0], device=frames.device)
         words, member_q = _groups(words_padded, word_mask, row_group, text_video.shape[0])
         text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
-        real, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
-        video_mu, video_logvar = self.video_gaussian(real, member_v)  # (B, D) each
+        frame_slots, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
+        video_mu, video_logvar = self.video_gaussian(frame_slots, member_v)  # (B, D) each
         if self.unit_mean:
             text_mu, video_mu = F.normalize(text_mu, dim=-1), F.normalize(video_mu, dim=-1)
         aux = {
