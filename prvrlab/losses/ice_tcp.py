@@ -1,8 +1,9 @@
 """L_tcp (papers/002, Sec. 3.5, Eq. 7): group-label cross-entropy of the ICE plug-in's TCP classifier.
 
 Reads ``ice.tcp_logits`` (N, g), ``ice.tcp_labels`` (N,) and ``ice.tcp_part``
-(N,): every real position of every video, part 2l for the original and
-2l + 1 for the shuffled sequence of level l (video-level, moment-level)::
+(N,): every position of every video, padding labelled -1 (ignored), part 2l
+for the original and 2l + 1 for the shuffled sequence of level l
+(video-level, moment-level; so at most 4 parts)::
 
     L_tcp = sum_l [ CE(p_o, y_o) + CE(p_s, y_s) ]     each CE the mean over its part's positions
 
@@ -12,7 +13,6 @@ the video-level branch and moment-level branch").
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -23,13 +23,17 @@ from prvrlab.models.base import ModelOutput
 from prvrlab.registry import LOSSES
 
 
+PARTS = 4  # Eq. 7: (video level, moment level) x (original, shuffled)
+
+
 def part_cross_entropy(logits: Tensor, labels: Tensor, part: Tensor) -> Tensor:
-    """Sum over parts of the mean cross-entropy of each part's rows; (N, g), (N,), (N,)."""
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")  # (N,)
+    """Sum over parts of the mean cross-entropy of each part's rows whose label is not -1; (N, g), (N,), (N,) in
+    [0, PARTS).  Sized by PARTS, not by the parts present, so the host never reads a count from the device."""
+    ce = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=-1)  # (N,), 0 where ignored
     if ce.numel() == 0:
         return logits.float().sum() * 0.0
-    sums = torch.zeros(int(part.max()) + 1, device=ce.device).index_add(0, part, ce)  # (P,)
-    counts = torch.bincount(part, minlength=sums.shape[0]).clamp(min=1)  # (P,)
+    sums = ce.new_zeros(PARTS).index_add(0, part, ce)  # (P,)
+    counts = ce.new_zeros(PARTS).index_add(0, part, (labels >= 0).to(ce.dtype)).clamp(min=1)  # (P,)
     return (sums / counts).sum()
 
 

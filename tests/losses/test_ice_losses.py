@@ -136,6 +136,24 @@ def test_tcp_by_hand():
     assert float(TCPLoss()(uniform, make_batch([0], 1), epoch=0)) == pytest.approx(math.log(8))
 
 
+def test_tcp_ignores_padding_slots_labelled_minus_one():
+    """The plug-in hands over every slot, padding labelled -1: those neither add to a part's sum nor to its count."""
+    torch.manual_seed(1)
+    logits = torch.randn(9, 3, requires_grad=True)
+    labels = torch.tensor([0, -1, 1, 2, -1, -1, 1, -1, 0])
+    part = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3])
+    nll = [float(-torch.log_softmax(logits[i].detach(), 0)[labels[i]]) if labels[i] >= 0 else None for i in range(9)]
+    expected = (nll[0] + nll[2]) / 2 + nll[3] + nll[6] + nll[8]
+    got = TCPLoss()(output(tcp_logits=logits, tcp_labels=labels, tcp_part=part), make_batch([0], 1), epoch=0)
+    assert float(got) == pytest.approx(expected, rel=1e-6)
+    got.backward()
+    assert logits.grad[labels < 0].abs().sum() == 0 and logits.grad[labels >= 0].abs().sum() > 0
+    poisoned = logits.detach().clone()
+    poisoned[labels < 0] = 1e4  # whatever a padding slot's logits are
+    again = TCPLoss()(output(tcp_logits=poisoned, tcp_labels=labels, tcp_part=part), make_batch([0], 1), epoch=0)
+    assert float(again) == pytest.approx(expected, rel=1e-6)
+
+
 # ---------------------------------------------------------------- validation
 
 

@@ -308,12 +308,18 @@ def test_tcp_labels_and_logits_on_the_shuffled_encoding():
     y_frames, y_clips = group_labels(b.frame_mask, 2), group_labels(torch.ones(3, NUM_CLIPS, dtype=torch.bool), 2)
     part, labels, logits = out.aux["ice.tcp_part"], out.aux["ice.tcp_labels"], out.aux["ice.tcp_logits"]
     real = b.frame_mask
-    assert torch.equal(labels[part == 0], y_frames[real]) and torch.equal(labels[part == 1], y_frames.gather(1, frame_src)[real])
+    assert part.tolist() == sorted(part.tolist()) and torch.bincount(part).tolist() == [real.numel()] * 2 + [3 * NUM_CLIPS] * 2
+    assert torch.equal(labels[part == 0], y_frames.flatten()) and torch.equal(labels[part == 1], y_frames.gather(1, frame_src).flatten())
+    assert set(labels[part < 2][~real.flatten().repeat(2)].tolist()) == {-1}  # padding: ignored by the loss
     assert torch.equal(labels[part == 2], y_clips.flatten()) and torch.equal(labels[part == 3], y_clips.gather(1, clip_src).flatten())
-    assert torch.allclose(logits[part == 0], plugin.video_classifier(out.video.frame_tokens()[0][real]), atol=1e-6)
-    assert torch.allclose(logits[part == 1], plugin.video_classifier(shuffled.frame_tokens()[0][real]), atol=1e-5)
+    slots = real.flatten()
+    assert torch.allclose(logits[part == 0][slots], plugin.video_classifier(out.video.frame_tokens()[0][real]), atol=1e-6)
+    assert torch.allclose(logits[part == 1][slots], plugin.video_classifier(shuffled.frame_tokens()[0][real]), atol=1e-5)
     assert torch.allclose(logits[part == 3], plugin.moment_classifier(shuffled.moment_tokens()[0].flatten(0, 1)), atol=1e-5)
-    assert set(plugin.pop_step_metrics()) == {"tcp_accuracy"}
+    metrics = plugin.pop_step_metrics()
+    on_shuffled = [bool(logits[i].argmax() == labels[i]) for i in range(len(part)) if part[i] % 2 == 1 and labels[i] >= 0]
+    assert set(metrics) == {"tcp_accuracy"}
+    assert float(metrics["tcp_accuracy"]) == pytest.approx(sum(on_shuffled) / len(on_shuffled))
 
 
 def test_tcp_moment_level_needs_one_token_per_clip():

@@ -335,13 +335,15 @@ class ICE(Plugin):
             y_o = group_labels(mask, self.groups)  # (B, L)
             y_s = y_o.gather(1, src)  # (B, L) labels move with the features
             for part, (tokens, y) in enumerate(((original, y_o), (moved, y_s))):
-                logits.append(classifier(tokens[mask]))  # (N, g) real positions only
-                labels.append(y[mask])  # (N,)
+                # every slot, padding zeroed and labelled -1 (ignored): no boolean indexing, so no host wait on a GPU
+                logits.append(classifier(torch.where(mask[..., None], tokens, 0).flatten(0, 1)))  # (B*L, g)
+                labels.append(y.flatten())  # (B*L,)
                 parts.append(torch.full_like(labels[-1], 2 * level + part))
         out = {"tcp_logits": torch.cat(logits), "tcp_labels": torch.cat(labels), "tcp_part": torch.cat(parts)}
-        shuffled_part = out["tcp_part"] % 2 == 1
+        shuffled = (out["tcp_part"] % 2 == 1) & (out["tcp_labels"] >= 0)  # real positions of the shuffled sequences
         correct = out["tcp_logits"].detach().argmax(dim=1) == out["tcp_labels"]
-        self.log_metric("tcp_accuracy", correct[shuffled_part].float().mean() if shuffled_part.any() else 0.0)
+        hits = (correct & shuffled).sum().float()  # on the device
+        self.log_metric("tcp_accuracy", hits / shuffled.sum().clamp(min=1))  # 0 without shuffled positions
         return out
 
     # ------------------------------------------------------------ ICE diagnostics
