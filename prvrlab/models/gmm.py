@@ -121,7 +121,7 @@ def window_offsets(length: int, span: Tensor, window: Window) -> Tensor:
 @functools.lru_cache(maxsize=512)
 def _cached_window(length: int, span: int, sigma: float, window: Window, device: torch.device) -> Tensor:
     with torch.inference_mode(False), torch.no_grad():
-        offsets = window_offsets(length, torch.tensor(span, device=device), window)  # (L, L)
+        offsets = window_offsets(length, torch.full((), span, device=device), window)  # (L, L); a fill, no host copy
         return _window_from_offsets(offsets, sigma)
 
 
