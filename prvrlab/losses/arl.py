@@ -170,7 +170,7 @@ def frame_rows(
     positive = frame_sim[rows, query_video, own_k]  # (Nq,)
     own = frame_sim[rows, query_video]  # (Nq, Lf)
     others = frame_mask[query_video].clone()  # (Nq, Lf)
-    others[rows, own_k] = False
+    others.scatter_(1, own_k[:, None], False)  # a scatter: no host copy of the value on a GPU
     t2f_amb = sets[rows, query_video] & others
     t2f = (positive, own, t2f_amb, others & ~t2f_amb)
     cand = frame_sim[:, query_video, own_k].t()  # (Nq anchors, Nq candidates): s^f(q, v_j,k_hat_i)

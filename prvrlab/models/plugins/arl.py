@@ -89,12 +89,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from prvrlab.checks import check_bool, check_choice, check_identifier, check_int, check_number
-from prvrlab.data.batch import Batch
+from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.losses._common import positive_mask
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS, EpochContext, StepContext
@@ -176,10 +177,11 @@ class UncertaintyTables:
             v_rows = [self.video_rows[i] for i in video_ids]
         except KeyError as exc:
             raise PluginError(f"arl: {exc.args[0]!r} is not in the training split encoded at epoch start") from None
-        frame = self.frame[torch.tensor(v_rows, device=self.frame.device)]  # (Nv, L_max)
+        rows = host_to_device(np.asarray(q_rows + v_rows, dtype=np.int64), self.frame.device)  # no host wait
+        frame = self.frame[rows[len(q_rows):]]  # (Nv, L_max)
         if frame.shape[1] < length:
             frame = F.pad(frame, (0, length - frame.shape[1]))
-        return self.query[torch.tensor(q_rows, device=self.query.device)], frame[:, :length]
+        return self.query[rows[: len(q_rows)]], frame[:, :length]
 
 
 @dataclass
@@ -545,7 +547,7 @@ class ARL(Plugin):
         for m in range(len(views)):  # each encoder trains with the other's sets (cross-model), else its own
             video_sets, frame_sets = detected[1 - m] if self.cross_model else detected[m]
             aux[f"video_sets{m}"], aux[f"frame_sets{m}"] = video_sets, frame_sets
-        aux["frame_on"] = torch.tensor(bool(tables) and self.text_frame, device=mask.device)
+        aux["frame_on"] = torch.tensor(bool(tables) and self.text_frame)  # on the CPU: the loss reads it there
         self._log_counts(batch, detected[0], aux["best_frame0"])
         return aux
 
@@ -556,7 +558,7 @@ class ARL(Plugin):
         positive = positive_mask(query_video, video_sets.shape[1])  # (Nq, Nv)
         rows = torch.arange(query_video.shape[0], device=video_sets.device)
         own = frame_sets[rows, query_video]  # (Nq, Lf): frames of the query's own video
-        own[rows, k_hat[rows, query_video]] = False
+        own.scatter_(1, k_hat[rows, query_video][:, None], False)  # not the positive frame (a scatter: no host copy)
         self.log_metric("ambiguous_tv", (video_sets & ~positive).sum())
         self.log_metric("ambiguous_tf", own.sum())
 
