@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident), every
 # other backbone and plug-in trained through the loop, the loop's one host wait per step against a wait after
-# every forward and optimiser step, profiles, evaluation, backbone steps and packing. Needs torch with CUDA,
+# every forward and optimiser step, where the host still waits inside a step (by source line), profiles,
+# evaluation, backbone steps and packing. Needs torch with CUDA,
 # h5py, scipy, numpy, pyarrow, pandas, pyyaml, tqdm, pytest and pytest-xdist; neither Ray nor MLflow. Each stage's log goes to $OUT/<stage>.log.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh
@@ -30,7 +31,7 @@ else
            tests/platform/train/test_step.py tests/platform/train/test_random_state.py)
 fi
 
-want() { [[ " ${STAGES:-tests profile train resident plugins syncs eval backbones packing} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-tests profile train resident plugins syncs waits eval backbones packing} " == *" $1 "* ]]; }
 
 stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, print its tail
     local name=$1 limit=$2; shift 2
@@ -86,6 +87,9 @@ want plugins && stage plugins "${PLUGIN_LIMIT:-240}" $PY benchmarks/bench_inproc
     --epochs "${PLUGIN_EPOCHS:-$SYNC_EPOCHS}" --amp "$AMP" --threads 4 --resident --configs $PLUGIN_CONFIGS
 want syncs && stage syncs 200 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --epochs "$SYNC_EPOCHS" --amp "$AMP" --threads 4 --resident --compare-syncs
+WAIT_CONFIGS=${WAIT_CONFIGS:-gmmformer_tvr.yaml gmmformer_v2_tvr.yaml gmmformer_v2_ral_tvr.yaml ice_base_ice_tvr.yaml arl_tvr.yaml+plugins.arl.warmup_epochs=1 mssl_tvr.yaml mamfusion_tvr.yaml}
+want waits && [ "$DEVICE" = cuda ] && stage waits 180 $PY benchmarks/bench_inprocess.py --root "$DATA/bench_tvr" "${SIZES[@]}" \
+    --device cuda --epochs 2 --amp "$AMP" --threads 4 --resident --sync-sites --configs $WAIT_CONFIGS
 want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --splits val test --amp none bf16 --repeats 2 --no-memory --threads 4
 want backbones && stage backbones 150 $PY benchmarks/bench_backbones.py --device "$DEVICE" "${STEPS[@]}" --threads 4 --galleries "${GALLERY[@]}"
