@@ -338,8 +338,10 @@ def test_unit_mean_normalises_the_means_before_sampling():
         assert not torch.allclose(raw.aux[f"ral.{side}_mu"].norm(dim=-1), torch.ones_like(norms))
 
 
-def test_padding_slots_reach_no_gaussian_whatever_they_hold():
-    """The groups keep the padded layout (no boolean indexing): padding must count for nothing, NaN included."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_padding_slots_reach_no_gaussian_whatever_they_hold(padded):
+    """Both layouts (every slot with a membership mask, the GPU's; real tokens only, the CPU's): padding counts
+    for nothing, NaN included, and both give the Gaussians of the real words by hand."""
     from prvrlab.models.plugins.ral import _groups
 
     plugin = RAL(hidden_size=8, csa=False)
@@ -347,14 +349,17 @@ def test_padding_slots_reach_no_gaussian_whatever_they_hold():
     words = torch.randn(3, 4, 8, requires_grad=True)
     mask = torch.arange(4)[None] < torch.tensor([4, 2, 3])[:, None]
     rows = torch.tensor([0, 0, 1])
-    mu, lv = plugin.text_gaussian(*_groups(words, mask, rows, 2))
+    tokens, member = _groups(words, mask, rows, 2, padded=padded)
+    assert tokens.shape[0] == (12 if padded else 9) and member.shape == (2, tokens.shape[0])
+    mu, lv = plugin.text_gaussian(tokens, member)
     poisoned = words.detach().masked_fill(~mask[..., None], float("nan"))
-    mu_p, lv_p = plugin.text_gaussian(*_groups(poisoned, mask, rows, 2))
+    mu_p, lv_p = plugin.text_gaussian(*_groups(poisoned, mask, rows, 2, padded=padded))
     assert torch.allclose(mu, mu_p, atol=1e-6) and torch.allclose(lv, lv_p, atol=1e-6)
     (mu.sum() + lv.sum()).backward()
     assert torch.equal(words.grad[~mask], torch.zeros(int((~mask).sum()), 8)) and words.grad[mask].abs().sum() > 0
-    by_hand = plugin.text_gaussian(torch.cat([words[0, :4], words[1, :2]]).detach(), torch.ones(1, 6, dtype=torch.bool))
-    assert torch.allclose(mu[0], by_hand[0][0], atol=1e-5)  # group 0 = rows 0 and 1's real words
+    for group, real in ((0, torch.cat([words[0, :4], words[1, :2]])), (1, words[2, :3])):
+        by_hand = plugin.text_gaussian(real.detach(), torch.ones(1, real.shape[0], dtype=torch.bool))
+        assert torch.allclose(mu[group], by_hand[0][0], atol=1e-5) and torch.allclose(lv[group], by_hand[1][0], atol=1e-5)
 
 
 def test_support_sets_follow_the_batchs_host_copy_and_skip_videos_without_queries():

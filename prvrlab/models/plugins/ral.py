@@ -120,14 +120,24 @@ def sample_proxies(mu: Tensor, logvar: Tensor, num_proxies: int, sampling: bool,
     return torch.cat([mu[:, None], samples], dim=1) if mean_proxy else samples
 
 
-def _groups(tokens: Tensor, mask: Tensor, row_group: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
-    """Padded (R, L, D) rows assigned to groups -> every slot's token (R*L, D), padding zeroed, and the (G, R*L)
-    membership, padding in no group.  No boolean indexing: a GPU need not tell the host how many tokens are real."""
-    flat = torch.where(mask[..., None], tokens, 0).reshape(-1, tokens.shape[-1])  # (R*L, D)
+def _groups(
+    tokens: Tensor, mask: Tensor, row_group: Tensor, num_groups: int, *, padded: bool | None = None
+) -> tuple[Tensor, Tensor]:
+    """Padded (R, L, D) rows assigned to groups -> tokens (N, D) and their (G, N) group membership.
+
+    ``padded`` (None: on any device but the CPU): every slot is kept (N = R*L), padding zeroed and in no
+    group, so a GPU never tells the host how many tokens are real (boolean indexing would make it wait,
+    forward and backward).  Else only the real tokens (fewer products: on a CPU nothing waits).  The
+    Gaussians are the same either way, up to summation order."""
+    if padded is None:
+        padded = tokens.device.type != "cpu"
     token_group = row_group.repeat_interleave(mask.shape[1])  # (R*L,)
     groups = torch.arange(num_groups, device=tokens.device)  # (G,)
-    member = (token_group[None, :] == groups[:, None]) & mask.reshape(1, -1)  # (G, R*L)
-    return flat, member
+    if padded:
+        flat = torch.where(mask[..., None], tokens, 0).reshape(-1, tokens.shape[-1])  # (R*L, D)
+        return flat, (token_group[None, :] == groups[:, None]) & mask.reshape(1, -1)  # (G, R*L)
+    real = mask.reshape(-1)  # (R*L,)
+    return tokens.reshape(-1, tokens.shape[-1])[real], token_group[real][None, :] == groups[:, None]  # (N, D), (G, N)
 
 
 def confidence_scores(
