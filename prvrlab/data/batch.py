@@ -17,6 +17,48 @@ def host_to_device(array: np.ndarray, device: torch.device) -> Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+_HOST_LENGTHS = "_prvrlab_host_lengths"  # the attribute a prefix mask carries its host-side row lengths in
+
+
+def tag_lengths(mask: Tensor, lengths: np.ndarray) -> Tensor:
+    """Mark the prefix mask ``mask`` (N, L) with its rows' real lengths (N,) as the host knows them; returns ``mask``.
+
+    Whoever reads the mask's layout (:meth:`prvrlab.models.blocks.Packing.from_mask`) then takes it from
+    these lengths instead of reading the mask back from the device (a wait on a GPU).  The caller
+    vouches that row ``i`` is True on exactly its first ``lengths[i]`` slots.  The mark is a Python
+    attribute: it stays with this tensor object only (:func:`mask_to` carries it over a move; a
+    :class:`Batch` keeps the lengths as fields and marks its masks again).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if mask.dim() != 2 or lengths.shape != (mask.shape[0],):
+        raise ValueError(f"lengths of shape {lengths.shape} do not describe a mask of shape {tuple(mask.shape)}")
+    if len(lengths) and (int(lengths.min()) < 0 or int(lengths.max()) > mask.shape[1]):
+        raise ValueError(f"lengths must lie in [0, {mask.shape[1]}], got [{int(lengths.min())}, {int(lengths.max())}]")
+    setattr(mask, _HOST_LENGTHS, lengths)
+    return mask
+
+
+def host_lengths(mask: Tensor | None) -> np.ndarray | None:
+    """The host-side row lengths (N,) int64 ``mask`` was marked with by :func:`tag_lengths`, else None."""
+    return getattr(mask, _HOST_LENGTHS, None)
+
+
+def prefix_mask(lengths: np.ndarray, length: int | None = None) -> Tensor:
+    """(N, L) bool CPU mask, True on the first ``lengths[i]`` slots of row ``i`` (L: ``length``, else the
+    longest), marked with ``lengths`` (:func:`tag_lengths`)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    longest = int(lengths.max(initial=0)) if length is None else int(length)
+    real = np.arange(longest)[None, :] < lengths[:, None]  # (N, L)
+    return tag_lengths(torch.from_numpy(real), lengths)
+
+
+def mask_to(mask: Tensor, device: torch.device | str, non_blocking: bool = False) -> Tensor:
+    """``mask.to(device)``, keeping the host-side lengths it was marked with."""
+    moved = mask.to(device, non_blocking=non_blocking)
+    lengths = host_lengths(mask)
+    return moved if lengths is None or moved is mask else tag_lengths(moved, lengths)
+
+
 @dataclass
 class Batch:
     """A batch of videos, each with all of its queries (queries contiguous per video).
@@ -36,11 +78,27 @@ class Batch:
     query_ids: list[str]
     # (Nq,) int64, ``query_video`` as the host built it: read there without waiting for the device
     query_video_host: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # (B,) / (Nq,) int64, real frames / tokens per row as the host built the masks (default: the masks' marks,
+    # see :func:`tag_lengths`); the masks are marked with them, so no encoder reads the masks back
+    frame_lengths_host: np.ndarray | None = field(default=None, compare=False, repr=False)
+    query_lengths_host: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         host = self.query_video_host
         if host is not None and host.shape != tuple(self.query_video.shape):
             raise ValueError(f"query_video_host has shape {host.shape}, query_video {tuple(self.query_video.shape)}")
+        for mask_name, lengths_name in (("frame_mask", "frame_lengths_host"), ("query_mask", "query_lengths_host")):
+            mask, lengths = getattr(self, mask_name), getattr(self, lengths_name)
+            if lengths is None:
+                setattr(self, lengths_name, host_lengths(mask))
+            else:
+                tag_lengths(mask, lengths)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (e.g. from a loader worker, whose tensors travel without their Python attributes):
+        the masks are marked again."""
+        self.__dict__.update(state)
+        self.__post_init__()
 
     def host_query_video(self) -> np.ndarray:
         """``query_video`` on the host, (Nq,) int64: the batch's host copy, else read from the tensor (a wait on a GPU)."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from prvrlab.data.batch import Batch
+from prvrlab.data.batch import Batch, prefix_mask
 from prvrlab.data.collection import Collection, SplitIndex
 from prvrlab.data.preprocess import preprocess_clips, preprocess_frames, preprocess_query
 
@@ -75,14 +75,14 @@ class VideoDataset(Dataset):
 
 
 def pad_sequences(arrays: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
-    """Stack (L_i, D) arrays into zero-padded (N, L, D) float32 and a (N, L) bool mask."""
+    """Stack (L_i, D) arrays into zero-padded (N, L, D) float32 and a (N, L) bool mask marked with
+    its lengths (:func:`~prvrlab.data.batch.tag_lengths`)."""
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))  # (N,)
     longest = int(lengths.max())
     out = np.zeros((len(arrays), longest, arrays[0].shape[1]), dtype=np.float32)  # (N, L, D)
     for i, a in enumerate(arrays):
         out[i, : a.shape[0]] = a
-    mask = np.arange(longest)[None, :] < lengths[:, None]  # (N, L)
-    return torch.from_numpy(out), torch.from_numpy(mask)
+    return torch.from_numpy(out), prefix_mask(lengths, longest)
 
 
 def collate(items: Sequence[VideoItem]) -> Batch:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from prvrlab.data.batch import Batch, host_to_device
+from prvrlab.data.batch import Batch, host_to_device, tag_lengths
 from prvrlab.data.collection import Collection, SplitIndex
 from prvrlab.data.dataset import VideoDataset
 from prvrlab.data.errors import DataError
@@ -123,7 +123,8 @@ class ResidentSplit:
         return self.index.num_videos
 
     def _padded(self, rows: Tensor, starts: np.ndarray, lengths: np.ndarray) -> tuple[Tensor, Tensor]:
-        """Segments of ``rows`` zero-padded to the longest: (N, L, D) and its (N, L) mask of real rows.
+        """Segments of ``rows`` zero-padded to the longest: (N, L, D) and its (N, L) mask of real rows
+        (marked with ``lengths``: :func:`~prvrlab.data.batch.tag_lengths`).
 
         One gather: a padding slot reads the zero row that ends ``rows``.
         """
@@ -131,7 +132,7 @@ class ResidentSplit:
         real = np.arange(longest)[None, :] < lengths[:, None]  # (N, L)
         source = np.where(real, starts[:, None] + np.arange(longest)[None, :], rows.shape[0] - 1)  # (N, L)
         out = rows.index_select(0, torch.from_numpy(source.reshape(-1)).to(self.device))  # (N * L, D)
-        return out.view(len(lengths), longest, rows.shape[1]), torch.from_numpy(real).to(self.device)
+        return out.view(len(lengths), longest, rows.shape[1]), tag_lengths(host_to_device(real, self.device), lengths)
 
     def videos(self, positions: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """``(clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` of these videos, frames padded to the longest."""

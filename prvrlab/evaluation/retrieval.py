@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from prvrlab.checks import check_positive_int
+from prvrlab.data.batch import mask_to
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, tensors_of
 from prvrlab.models.blocks import native_low_precision
@@ -176,7 +177,7 @@ def encode_videos(
                 raise ValueError(f"a video batch has {len(video_ids)} ids but {clips.shape[0]} rows")
             clips = clips.to(device, non_blocking=True)
             frames = frames.to(device, non_blocking=True)
-            frame_mask = frame_mask.to(device, non_blocking=True)
+            frame_mask = mask_to(frame_mask, device, non_blocking=True)
             with _autocast(device, amp_dtype):
                 emb = model.encode_videos(clips, frames, frame_mask)
             parts.append(_float32(emb))
@@ -213,7 +214,7 @@ def encode_queries(
             if len(query_ids) != queries.shape[0]:
                 raise ValueError(f"a query batch has {len(query_ids)} ids but {queries.shape[0]} rows")
             queries = queries.to(device, non_blocking=True)
-            query_mask = query_mask.to(device, non_blocking=True)
+            query_mask = mask_to(query_mask, device, non_blocking=True)
             with _autocast(device, amp_dtype):
                 emb = model.encode_queries(queries, query_mask)
             parts.append(_float32(emb))

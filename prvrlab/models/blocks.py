@@ -22,12 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
+from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.scoring import max_scores, vector_scores
@@ -176,11 +178,12 @@ class Packing:
             return Packing.full(batch, length, device)
         if mask.shape != (batch, length):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {(batch, length)}")
+        host = host_lengths(mask)
         mask = mask.to(device=device, dtype=torch.bool)
+        if host is not None:  # the host built this mask from these lengths: nothing to read back
+            return Packing.from_lengths(host, length, device, mask=mask)
         lengths = mask.sum(dim=1)  # (B,)
-        steps = torch.arange(length, device=device)
-        prefix = (mask == (steps[None, :] < lengths[:, None])).all()
-        is_prefix, real = torch.stack([prefix.long(), lengths.sum()]).tolist()  # the one read from the device
+        is_prefix, real = _read_layout(mask, lengths)
         if not is_prefix:
             raise ValueError("masks must put real tokens first (True...True False...False per row)")
         if real == batch * length:
@@ -191,6 +194,25 @@ class Packing:
         else:
             index = flat.nonzero().squeeze(1)  # (N,)
         return Packing(batch, length, lengths, index % length, index, mask)
+
+    @staticmethod
+    def from_lengths(
+        lengths: np.ndarray, length: int, device: torch.device | str, *, mask: Tensor | None = None
+    ) -> "Packing":
+        """The packing of rows with ``lengths`` (B,) real tokens first out of ``length``, laid out on the
+        host and copied to ``device`` without waiting; ``mask``: that (B, L) prefix mask on ``device``
+        where the caller has it (else it is copied too)."""
+        lengths = np.asarray(lengths, dtype=np.int64)  # (B,)
+        batch = len(lengths)
+        if lengths.ndim != 1 or (batch and (int(lengths.min()) < 0 or int(lengths.max()) > length)):
+            raise ValueError(f"lengths must be (B,) values in [0, {length}], got {lengths!r}")
+        if int(lengths.sum()) == batch * length:
+            return Packing.full(batch, length, device)
+        real = np.arange(length)[None, :] < lengths[:, None]  # (B, L)
+        index = host_to_device(np.flatnonzero(real), device)  # (N,)
+        if mask is None:
+            mask = host_to_device(real, device)
+        return Packing(batch, length, host_to_device(lengths, device), index % length, index, mask)
 
     @property
     def is_full(self) -> bool:
@@ -218,6 +240,15 @@ class Packing:
             return x.reshape(self.batch, self.length, *x.shape[1:])
         out = x.new_zeros(self.batch * self.length, *x.shape[1:])  # (B*L, *F)
         return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])  # in place: one pass
+
+
+def _read_layout(mask: Tensor, lengths: Tensor) -> tuple[bool, int]:
+    """Whether the (B, L) ``mask`` puts real tokens first, and how many it has: one read from its device
+    (a wait on a GPU; masks marked with their host lengths skip it)."""
+    steps = torch.arange(mask.shape[1], device=mask.device)
+    prefix = (mask == (steps[None, :] < lengths[:, None])).all()
+    is_prefix, real = torch.stack([prefix.long(), lengths.sum()]).tolist()
+    return bool(is_prefix), int(real)
 
 
 class PackedLayer(nn.Module):

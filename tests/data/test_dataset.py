@@ -55,6 +55,48 @@ def test_collate_pads_and_indexes(toy_cfg):
     assert one.frames.shape == (1, 3, 6) and one.queries.shape == (1, 1, 4) and one.query_video.tolist() == [0]
 
 
+def test_collated_and_evaluation_masks_carry_their_host_lengths(toy_cfg):
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from prvrlab.data.batch import host_lengths, mask_to
+
+    col = open_collection(toy_cfg)
+    b = collate([VideoDataset(col, "train")[i] for i in range(3)])
+    assert b.frame_lengths_host.tolist() == b.frame_mask.sum(1).tolist() == [5, 40, 3]
+    assert b.query_lengths_host.tolist() == b.query_mask.sum(1).tolist() == [3, 30, 2, 4, 1]
+    assert host_lengths(b.frame_mask) is b.frame_lengths_host and host_lengths(b.query_mask) is b.query_lengths_host
+    # a new mask object (as a move to a device makes) is marked again by the batch
+    moved = dataclasses.replace(b, frame_mask=b.frame_mask.clone(), query_mask=b.query_mask.clone())
+    assert host_lengths(moved.frame_mask).tolist() == [5, 40, 3]
+    assert host_lengths(moved.query_mask).tolist() == [3, 30, 2, 4, 1]
+    # a loader worker sends tensors without their Python attributes; the unpickled batch marks them again
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(b)
+    received = pickle.loads(buffer.getvalue())
+    assert host_lengths(received.frame_mask).tolist() == [5, 40, 3]
+    assert host_lengths(received.query_mask).tolist() == [3, 30, 2, 4, 1]
+    for ids, clips, frames, frame_mask in video_batches(col, "val", 2):
+        assert host_lengths(frame_mask).tolist() == frame_mask.sum(1).tolist()
+        assert host_lengths(mask_to(frame_mask.clone(), "cpu")) is None  # a copy without the mark
+        copy = frame_mask.clone()
+        copy._prvrlab_host_lengths = host_lengths(frame_mask)
+        assert mask_to(copy, "meta").device.type == "meta" and host_lengths(mask_to(copy, "meta")) is host_lengths(frame_mask)
+    for ids, queries, query_mask in query_batches(col, "val", 2):
+        assert host_lengths(query_mask).tolist() == query_mask.sum(1).tolist()
+
+
+def test_marking_a_mask_with_lengths_that_cannot_describe_it_is_refused():
+    from prvrlab.data.batch import prefix_mask, tag_lengths
+
+    assert prefix_mask(np.array([2, 0, 1])).tolist() == [[True, True], [False, False], [True, False]]
+    with pytest.raises(ValueError, match=r"lengths of shape \(2,\) do not describe a mask of shape \(3, 2\)"):
+        tag_lengths(torch.zeros(3, 2, dtype=torch.bool), np.array([1, 1]))
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 2\], got \[0, 3\]"):
+        tag_lengths(torch.zeros(2, 2, dtype=torch.bool), np.array([0, 3]))
+
+
 def test_a_batch_without_a_host_copy_reads_query_video_and_a_wrong_copy_is_refused(toy_cfg):
     b = collate([VideoDataset(open_collection(toy_cfg), "train")[i] for i in range(3)])
     bare = dataclasses.replace(b, query_video_host=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -109,6 +110,40 @@ def test_forward_shapes_finite_and_gradients(name):
     for pname, param in model.named_parameters():
         assert param.grad is not None, f"{pname} received no gradient"
         assert torch.isfinite(param.grad).all(), pname
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_masks_marked_with_host_lengths_are_never_read_back(name, monkeypatch):
+    """A batch whose masks carry the host's lengths (as the loaders' do) trains with no read of a mask's
+    layout from the device, and gives exactly what the same masks read back give."""
+    import dataclasses
+
+    import prvrlab.models.blocks as blocks
+
+    model = build(name).eval()
+    bare = standard_batch()
+    marked = dataclasses.replace(
+        bare,
+        frame_mask=bare.frame_mask.clone(),
+        query_mask=bare.query_mask.clone(),
+        frame_lengths_host=np.array([7, 3, 1, 5]),
+        query_lengths_host=np.array([4, 2, 6, 1, 3, 5, 2]),
+    )
+    with torch.no_grad():
+        expected = model(bare)
+
+    def refuse(*args):
+        raise AssertionError("a marked mask was read back from its device")
+
+    monkeypatch.setattr(blocks, "_read_layout", refuse)
+    with torch.no_grad():
+        got = model(marked)
+    for branch in expected.scores:
+        torch.testing.assert_close(got.scores[branch].sim, expected.scores[branch].sim, atol=0, rtol=0)
+    model.train()
+    model.fuse(model(marked).scores).sum().backward()
+    with pytest.raises(AssertionError, match="read back"):
+        model(bare)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from prvrlab.data.batch import prefix_mask, tag_lengths
 from prvrlab.models.blocks import AttentionPooling, InputProjection, Packing, PositionalEmbedding
 from prvrlab.models.gmm import (
     GaussianAttention,
@@ -216,6 +218,41 @@ def test_packing_round_trip_and_prefix_check():
     assert Packing.from_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3, DEVICE).is_full
     with pytest.raises(ValueError, match="real tokens first"):
         Packing.from_mask(torch.tensor([[0, 1, 1]], dtype=torch.bool), 1, 3, DEVICE)
+
+
+@pytest.mark.parametrize("lengths, length", [([2, 0, 3, 1], 3), ([4, 4], 4), ([1], 5), ([0, 0], 2)])
+def test_packing_from_host_lengths_equals_the_one_read_from_the_mask(lengths, length):
+    mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).to(DEVICE)  # (B, L), unmarked
+    read = Packing.from_mask(mask, len(lengths), length, DEVICE)
+    marked = tag_lengths(mask.clone(), np.array(lengths))
+    for packing in (Packing.from_mask(marked, len(lengths), length, DEVICE), Packing.from_lengths(np.array(lengths), length, DEVICE)):
+        assert (packing.batch, packing.length, packing.is_full) == (read.batch, read.length, read.is_full)
+        assert packing.num_tokens == sum(lengths)
+        for name in ("lengths", "positions", "index", "mask"):
+            a, b = getattr(packing, name), getattr(read, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.device == b.device and torch.equal(a.cpu(), b.cpu()), name
+    expected_positions = [t for n in lengths for t in range(n)]
+    assert read.positions.tolist() == expected_positions
+
+
+def test_a_marked_mask_is_taken_at_its_host_lengths_without_a_read(monkeypatch):
+    import prvrlab.models.blocks as blocks
+
+    def refuse(*args):
+        raise AssertionError("read back")
+
+    monkeypatch.setattr(blocks, "_read_layout", refuse)
+    mask = prefix_mask(np.array([2, 1, 3]), 3).to(DEVICE).clone()  # a copy: the mark stays behind
+    with pytest.raises(AssertionError, match="read back"):
+        Packing.from_mask(mask, 3, 3, DEVICE)
+    # the host's lengths are what counts (the caller vouches that the mask agrees): a wrong mark shows it
+    misleading = tag_lengths(torch.ones(3, 3, dtype=torch.bool, device=DEVICE), np.array([2, 1, 3]))
+    packing = Packing.from_mask(misleading, 3, 3, DEVICE)
+    assert packing.positions.tolist() == [0, 1, 0, 0, 1, 2] and packing.index.tolist() == [0, 1, 3, 6, 7, 8]
+    with pytest.raises(ValueError, match=r"lengths must be \(B,\) values in \[0, 3\]"):
+        Packing.from_lengths(np.array([4, 1]), 3, DEVICE)
 
 
 def test_input_projection_and_positional_embedding():
