@@ -26,8 +26,9 @@ def tag_lengths(mask: Tensor, lengths: np.ndarray) -> Tensor:
     Whoever reads the mask's layout (:meth:`prvrlab.models.blocks.Packing.from_mask`) then takes it from
     these lengths instead of reading the mask back from the device (a wait on a GPU).  The caller
     vouches that row ``i`` is True on exactly its first ``lengths[i]`` slots.  The mark is a Python
-    attribute: it stays with this tensor object only (:func:`mask_to` carries it over a move; a
-    :class:`Batch` keeps the lengths as fields and marks its masks again).
+    attribute: it stays with this tensor object only (:func:`mask_to` and :meth:`Batch.to` carry it over a
+    move, a pickled :class:`Batch` carries it over to the process that unpickles it; a mask made anew,
+    e.g. ``dataclasses.replace(batch, frame_mask=...)``, has none and is read back).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if mask.dim() != 2 or lengths.shape != (mask.shape[0],):
@@ -52,11 +53,19 @@ def prefix_mask(lengths: np.ndarray, length: int | None = None) -> Tensor:
     return tag_lengths(torch.from_numpy(real), lengths)
 
 
+def _keep_mark(source: Tensor, copy: Tensor) -> Tensor:
+    """``copy`` (a move or page-locked copy of ``source``) marked with ``source``'s host lengths, if any."""
+    lengths = host_lengths(source)
+    return copy if lengths is None or copy is source else tag_lengths(copy, lengths)
+
+
 def mask_to(mask: Tensor, device: torch.device | str, non_blocking: bool = False) -> Tensor:
     """``mask.to(device)``, keeping the host-side lengths it was marked with."""
-    moved = mask.to(device, non_blocking=non_blocking)
-    lengths = host_lengths(mask)
-    return moved if lengths is None or moved is mask else tag_lengths(moved, lengths)
+    return _keep_mark(mask, mask.to(device, non_blocking=non_blocking))
+
+
+_MASKS = ("frame_mask", "query_mask")  # the Batch fields that may carry host lengths
+_MARKS = "_mask_lengths"  # their lengths in a pickled Batch
 
 
 @dataclass
@@ -78,27 +87,33 @@ class Batch:
     query_ids: list[str]
     # (Nq,) int64, ``query_video`` as the host built it: read there without waiting for the device
     query_video_host: np.ndarray | None = field(default=None, compare=False, repr=False)
-    # (B,) / (Nq,) int64, real frames / tokens per row as the host built the masks (default: the masks' marks,
-    # see :func:`tag_lengths`); the masks are marked with them, so no encoder reads the masks back
-    frame_lengths_host: np.ndarray | None = field(default=None, compare=False, repr=False)
-    query_lengths_host: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         host = self.query_video_host
         if host is not None and host.shape != tuple(self.query_video.shape):
             raise ValueError(f"query_video_host has shape {host.shape}, query_video {tuple(self.query_video.shape)}")
-        for mask_name, lengths_name in (("frame_mask", "frame_lengths_host"), ("query_mask", "query_lengths_host")):
-            mask, lengths = getattr(self, mask_name), getattr(self, lengths_name)
-            if lengths is None:
-                setattr(self, lengths_name, host_lengths(mask))
-            else:
-                tag_lengths(mask, lengths)
+
+    def __getstate__(self) -> dict:
+        """Pickled with the masks' host lengths: a loader worker's tensors travel without their Python attributes."""
+        return {**self.__dict__, _MARKS: {name: host_lengths(getattr(self, name)) for name in _MASKS}}
 
     def __setstate__(self, state: dict) -> None:
-        """Unpickled (e.g. from a loader worker, whose tensors travel without their Python attributes):
-        the masks are marked again."""
+        state = dict(state)
+        marks = state.pop(_MARKS, {})
         self.__dict__.update(state)
-        self.__post_init__()
+        for name, lengths in marks.items():
+            if lengths is not None:
+                tag_lengths(getattr(self, name), lengths)
+
+    @property
+    def frame_lengths_host(self) -> np.ndarray | None:
+        """(B,) int64 real frames per video as the host built ``frame_mask`` (:func:`tag_lengths`), else None."""
+        return host_lengths(self.frame_mask)
+
+    @property
+    def query_lengths_host(self) -> np.ndarray | None:
+        """(Nq,) int64 real tokens per query as the host built ``query_mask`` (:func:`tag_lengths`), else None."""
+        return host_lengths(self.query_mask)
 
     def host_query_video(self) -> np.ndarray:
         """``query_video`` on the host, (Nq,) int64: the batch's host copy, else read from the tensor (a wait on a GPU)."""
@@ -117,7 +132,7 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         """A copy with every tensor moved to ``device``."""
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            f.name: _keep_mark(getattr(self, f.name), getattr(self, f.name).to(device, non_blocking=non_blocking))
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
@@ -126,7 +141,7 @@ class Batch:
     def pin_memory(self) -> "Batch":
         """A copy with every tensor in pinned memory (used by DataLoader)."""
         pinned = {
-            f.name: getattr(self, f.name).pin_memory()
+            f.name: _keep_mark(getattr(self, f.name), getattr(self, f.name).pin_memory())
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }

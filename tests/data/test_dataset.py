@@ -67,10 +67,13 @@ def test_collated_and_evaluation_masks_carry_their_host_lengths(toy_cfg):
     assert b.frame_lengths_host.tolist() == b.frame_mask.sum(1).tolist() == [5, 40, 3]
     assert b.query_lengths_host.tolist() == b.query_mask.sum(1).tolist() == [3, 30, 2, 4, 1]
     assert host_lengths(b.frame_mask) is b.frame_lengths_host and host_lengths(b.query_mask) is b.query_lengths_host
-    # a new mask object (as a move to a device makes) is marked again by the batch
-    moved = dataclasses.replace(b, frame_mask=b.frame_mask.clone(), query_mask=b.query_mask.clone())
-    assert host_lengths(moved.frame_mask).tolist() == [5, 40, 3]
-    assert host_lengths(moved.query_mask).tolist() == [3, 30, 2, 4, 1]
+    # moving the batch keeps the marks on the moved masks ("meta": a device where every move is a new tensor)
+    moved = b.to("meta")
+    assert moved.frame_mask.device.type == "meta" and moved.frame_lengths_host is b.frame_lengths_host
+    assert moved.query_lengths_host is b.query_lengths_host
+    # a mask put in by hand has no mark (it is read back), whatever the batch held before
+    swapped = dataclasses.replace(b, frame_mask=b.frame_mask.clone())
+    assert swapped.frame_lengths_host is None and swapped.query_lengths_host is b.query_lengths_host
     # a loader worker sends tensors without their Python attributes; the unpickled batch marks them again
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(b)
@@ -80,9 +83,8 @@ def test_collated_and_evaluation_masks_carry_their_host_lengths(toy_cfg):
     for ids, clips, frames, frame_mask in video_batches(col, "val", 2):
         assert host_lengths(frame_mask).tolist() == frame_mask.sum(1).tolist()
         assert host_lengths(mask_to(frame_mask.clone(), "cpu")) is None  # a copy without the mark
-        copy = frame_mask.clone()
-        copy._prvrlab_host_lengths = host_lengths(frame_mask)
-        assert mask_to(copy, "meta").device.type == "meta" and host_lengths(mask_to(copy, "meta")) is host_lengths(frame_mask)
+        assert mask_to(frame_mask, "meta").device.type == "meta"
+        assert host_lengths(mask_to(frame_mask, "meta")) is host_lengths(frame_mask)
     for ids, queries, query_mask in query_batches(col, "val", 2):
         assert host_lengths(query_mask).tolist() == query_mask.sum(1).tolist()
 
@@ -110,6 +112,9 @@ def _check_batch(b):
     assert qv == sorted(qv)  # contiguous per video
     assert [b.video_ids[v] for v in qv] == [video_id_of(q) for q in b.query_ids]
     assert len(set(b.video_ids)) == b.num_videos
+    # the masks reach the model marked with their lengths, also from a worker process and through pinning
+    assert b.frame_lengths_host.tolist() == b.frame_mask.sum(1).tolist()
+    assert b.query_lengths_host.tolist() == b.query_mask.sum(1).tolist()
 
 
 def test_train_loader_covers_split(toy_cfg):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from prvrlab.data.batch import Batch
+from prvrlab.data.batch import Batch, tag_lengths
 from prvrlab.models.base import ModelOutput, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.registry import BACKBONES
 from device_under_test import DEVICE
@@ -124,10 +124,8 @@ def test_masks_marked_with_host_lengths_are_never_read_back(name, monkeypatch):
     bare = standard_batch()
     marked = dataclasses.replace(
         bare,
-        frame_mask=bare.frame_mask.clone(),
-        query_mask=bare.query_mask.clone(),
-        frame_lengths_host=np.array([7, 3, 1, 5]),
-        query_lengths_host=np.array([4, 2, 6, 1, 3, 5, 2]),
+        frame_mask=tag_lengths(bare.frame_mask.clone(), np.array([7, 3, 1, 5])),
+        query_mask=tag_lengths(bare.query_mask.clone(), np.array([4, 2, 6, 1, 3, 5, 2])),
     )
     with torch.no_grad():
         expected = model(bare)
