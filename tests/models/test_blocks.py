@@ -255,6 +255,21 @@ def test_a_marked_mask_is_taken_at_its_host_lengths_without_a_read(monkeypatch):
         Packing.from_lengths(np.array([4, 1]), 3, DEVICE)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_marked_mask_packs_without_a_host_wait_on_a_gpu():
+    from prvrlab.data.batch import mask_to
+
+    cuda = torch.device("cuda")
+    mask = mask_to(prefix_mask(np.array([2, 0, 3]), 3), cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the GPU raises
+    try:
+        packing = Packing.from_mask(mask, 3, 3, cuda)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert packing.positions.tolist() == [0, 1, 0, 1, 2] and packing.index.tolist() == [0, 1, 6, 7, 8]
+
+
 def test_input_projection_and_positional_embedding():
     proj = InputProjection(in_dim=5, out_dim=4, dropout=0.0)
     y = proj(torch.randn(2, 3, 5))
