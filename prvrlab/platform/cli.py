@@ -173,7 +173,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     uri, parent = _report_parent(args)
     options = Options(
         split=args.split, n_boot=args.bootstrap, seed=args.seed, profile=args.profile,
-        galleries=tuple(args.gallery) if args.gallery else None, read_config=validate,
+        galleries=tuple(args.gallery) if args.gallery else None, read_config=validate, adjust=args.adjust,
     )
     path = report(tracking_uri=uri, parent_id=parent, out=args.out, options=options, log_artifact=not args.no_log)
     print(f"wrote {written_text(path)}; " + ("not logged" if args.no_log else f"logged as artifact report/ of run {parent}"))
@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when logged, else val)")
     p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the resampling and importances (default 0)")
+    p.add_argument("--adjust", choices=["holm", "none"], default="holm",
+                   help="adjust a table's p-values for its number of comparisons (default holm: Holm-Bonferroni)")
     p.add_argument("--profile", action="store_true", help="add an efficiency table (prvrlab profile of each variant's config)")
     p.add_argument("--gallery", type=int, nargs="+", default=None, help="gallery sizes for --profile (default 500 to 2500 by 500)")
     p.add_argument("--no-log", action="store_true", help="do not log the report as an artifact of the parent run")

@@ -62,6 +62,11 @@ class Options:
     profile: bool = False
     galleries: Sequence[int] | None = None  # None: prvrlab.reports.profile.DEFAULT_GALLERIES
     read_config: Callable[[dict[str, Any]], Any] | None = None
+    adjust: str = "holm"  # a table's query-level p-values adjusted for its number of comparisons: holm | none
+
+    def __post_init__(self) -> None:
+        if self.adjust not in stats.ADJUSTMENTS:
+            raise ValueError(f"adjust must be one of {', '.join(stats.ADJUSTMENTS)}, got {self.adjust!r}")
 
 
 @dataclass
@@ -191,28 +196,27 @@ def _ci_headers() -> list[str]:
 
 
 def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, baseline: str, split: str, opt: Options) -> dict[str, bool]:
-    """Bootstrap CIs per variant and paired tests vs the baseline; returns variant -> significant."""
+    """Bootstrap CIs per variant and paired tests vs the baseline (p adjusted over the table's comparisons:
+    ``opt.adjust``); returns variant -> significant."""
     ok_runs = {r.name: [chosen[r.name][s] for s in r.seeds_ok] for r in rows}
     base_hits = _seed_hits(study, ok_runs.get(baseline, []), split)
     base_row = next((r for r in rows if r.name == baseline), None)
-    table_rows, significance = [], {}
+    table_rows, tested = [], {}
     for r in rows:
         h = _seed_hits(study, ok_runs[r.name], split)
         if h is None:
-            table_rows.append([escape(r.name), *([DASH] * len(CI_METRICS)), DASH, DASH, DASH, DASH, DASH])
+            table_rows.append([escape(r.name), *([DASH] * len(CI_METRICS)), DASH, DASH, DASH, DASH, DASH, DASH])
             continue
         ids, mat = h
         ci = stats.bootstrap_ci(hit_matrix=mat, n_boot=opt.n_boot, seed=opt.seed)
         cells = [_ci_cell(ci[m]) for m in CI_METRICS]
         delta = p_q = p_s = p_t = DASH
-        sig = DASH
         if r.name != baseline and base_hits is not None:
             a, b = stats.align(ids, mat, base_hits[0], base_hits[1])
             pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
             delta = f"{fmt(pr.delta, signed=True)} [{fmt(pr.low, signed=True)}, {fmt(pr.high, signed=True)}]"
             p_q = fmt_p(pr.p_value)
-            significance[r.name] = pr.significant
-            sig = "yes" if pr.significant else f"no {NOT_SIGNIFICANT}"
+            tested[len(table_rows)] = (r.name, pr.p_value)
             shared = [s for s in r.seeds_ok if base_row is not None and s in base_row.seeds_ok]
             if shared:
                 v_s = [chosen[r.name][s].final(split, "sumr") for s in shared]
@@ -220,18 +224,49 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
                 st = stats.seed_test(v_s, b_s)
                 p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)})" if st.n else "")
                 p_t = fmt_p(st.p_ttest)
-        table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, p_s, p_t, sig])
-    header = ["Variant", *_ci_headers(), "ΔSumR [95% CI]", "p (queries)", "p (seeds, exact)", "p (seeds, t-test)", "Significant"]
+        table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, DASH, p_s, p_t, DASH])
+    significance = _adjusted_cells(table_rows, tested, opt.adjust, p_col=-4)
+    header = ["Variant", *_ci_headers(), "ΔSumR [95% CI]", "p (queries)", _adjusted_header(opt.adjust),
+              "p (seeds, exact)", "p (seeds, t-test)", "Significant"]
     doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
     doc.add(md_table(header, table_rows))
     doc.add(
         f"Intervals: percentile bootstrap over the {split} queries ({opt.n_boot} resamples, seed {opt.seed}) of the "
         "metric averaged over the variant's finished seeds (per-query hits averaged first). ΔSumR: variant minus "
         "baseline on the queries both share, with a paired-bootstrap interval; p (queries): two-sided sign-flip "
-        f"permutation test on the per-query SumR differences ({opt.n_boot} resamples); p (seeds): exact two-sided "
-        "sign-flip test over the per-seed SumR differences (min = smallest p attainable with that many seeds) and a "
-        f"paired t-test. {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} (queries test)."
+        f"permutation test on the per-query SumR differences ({opt.n_boot} resamples); "
+        + _adjusted_legend(opt.adjust, len(tested), "comparisons with the baseline")
+        + " p (seeds): exact two-sided sign-flip test over the per-seed SumR differences (min = smallest p "
+        f"attainable with that many seeds) and a paired t-test. {NOT_SIGNIFICANT} = not significant at "
+        f"α = {stats.ALPHA} ({_adjusted_name(opt.adjust)})."
     )
+    return significance
+
+
+def _adjusted_name(method: str) -> str:
+    return "queries test, Holm-adjusted" if method == "holm" else "queries test, unadjusted"
+
+
+def _adjusted_header(method: str) -> str:
+    return "p (Holm)" if method == "holm" else "p (unadjusted)"
+
+
+def _adjusted_legend(method: str, m: int, family: str) -> str:
+    if method == "holm":
+        return (f"p (Holm): the same p-values adjusted by Holm–Bonferroni over the table's {m} {family}, so that "
+                f"the chance of any false \"significant\" in the table stays below α = {stats.ALPHA}.")
+    return f"p (unadjusted): not adjusted for the table's {m} {family} (`--adjust none`)."
+
+
+def _adjusted_cells(table_rows: list[list[str]], tested: dict[int, tuple[str, float]], method: str, p_col: int) -> dict[str, bool]:
+    """Fill the adjusted-p column (``p_col``) and the last (Significant) column of the tested rows;
+    returns name -> significant.  ``tested``: table row -> (name, raw p)."""
+    adjusted = stats.adjust([p for _, p in tested.values()], method)
+    significance = {}
+    for (row, (name, _)), p in zip(tested.items(), adjusted):
+        significance[name] = p < stats.ALPHA
+        table_rows[row][p_col] = fmt_p(p)
+        table_rows[row][-1] = "yes" if significance[name] else f"no {NOT_SIGNIFICANT}"
     return significance
 
 
@@ -463,7 +498,8 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     legend = [f"{'Mean ± std over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
               f"ΔSumR against the baseline; a unique best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
     if significance:
-        legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries).")
+        legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries, "
+                      f"{'Holm-adjusted over the table' if opt.adjust == 'holm' else 'unadjusted'}).")
     legend.append(saturation_note([v for r in rows for v in r.values.get("r100") or []]))
     doc.add(" ".join(x for x in legend if x))
     doc.parts.extend(conf.parts)
@@ -674,22 +710,27 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
     if not loaded:
         return
     best_run, best = loaded[0]
-    rows = []
+    rows, tested = [], {}
     for r, x in loaded:
         h = stats.hits(x["rank"])
         ci = stats.bootstrap_ci(hit_matrix=h, n_boot=opt.n_boot, seed=opt.seed)
         cells = [_ci_cell(ci[m]) for m in CI_METRICS]
-        delta = p = sig = DASH
+        delta = p = DASH
         if r is not best_run:
             a, b = stats.align(x["query_id"], h, best["query_id"], stats.hits(best["rank"]))
             pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
             delta = f"{fmt(pr.delta, signed=True)} [{fmt(pr.low, signed=True)}, {fmt(pr.high, signed=True)}]"
-            p, sig = fmt_p(pr.p_value), ("yes" if pr.significant else f"no {NOT_SIGNIFICANT}")
-        rows.append([f"`{r.trial_id}`" + (" (best)" if r is best_run else ""), *cells, delta, p, sig])
+            p = fmt_p(pr.p_value)
+            tested[len(rows)] = (r.trial_id, pr.p_value)
+        rows.append([f"`{r.trial_id}`" + (" (best)" if r is best_run else ""), *cells, delta, p, DASH, DASH])
+    _adjusted_cells(rows, tested, opt.adjust, p_col=-2)
     doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
-    doc.add(md_table(["Trial", *_ci_headers(), "ΔSumR vs best [95% CI]", "p (queries)", "Significant"], rows))
+    doc.add(md_table(["Trial", *_ci_headers(), "ΔSumR vs best [95% CI]", "p (queries)", _adjusted_header(opt.adjust),
+                      "Significant"], rows))
     doc.add(f"Percentile bootstrap over queries ({opt.n_boot} resamples, seed {opt.seed}); each trial against the best "
-            f"one with a two-sided paired sign-flip test on per-query SumR; {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA}.")
+            f"one with a two-sided paired sign-flip test on per-query SumR. "
+            + _adjusted_legend(opt.adjust, len(tested), "comparisons with the best trial")
+            + f" {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)}).")
 
 
 # ---------------------------------------------------------------- shared

@@ -19,6 +19,12 @@ row sums (the query's SumR contribution).  So:
   (variant seed s minus baseline seed s), exact two-sided sign-flip test over
   all 2^S sign vectors (S <= 16) and a paired t-test (S >= 2, SciPy).  With two
   seeds the smallest attainable exact p is 0.5: say so rather than over-claim.
+- :func:`holm`: Holm–Bonferroni adjusted p-values of a family of tests (a
+  table's comparisons with its baseline): sorted ascending, the k-th smallest
+  (k = 1..m) becomes max over j <= k of min(1, (m - j + 1) p_(j)); a test is
+  significant at level alpha when its adjusted p is below alpha, which controls
+  the chance of any false claim in the table at alpha (each row's own p would
+  let one of 7 null variants look significant about 30% of the time).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 from prvrlab.evaluation.metrics import DEFAULT_KS, METRIC_KEYS
 
 ALPHA = 0.05
+ADJUSTMENTS = ("holm", "none")  # how a table's p-values are adjusted for its number of comparisons
 _TOL = 1e-9  # ties of resampled statistics with the observed one count as "as extreme"
 
 
@@ -199,6 +206,28 @@ def seed_test(variant: Sequence[float], baseline: Sequence[float]) -> SeedResult
     elif s >= 2 and observed <= _TOL:
         p_t = 1.0
     return SeedResult(tuple(float(x) for x in d), float(p_exact), p_t if not math.isnan(p_t) else float("nan"))
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm–Bonferroni adjusted p-values, in the order given (NaN: not tested, stays NaN and is not counted)."""
+    p = [float(x) for x in p_values]
+    tested = sorted((i for i, x in enumerate(p) if not math.isnan(x)), key=lambda i: p[i])
+    m = len(tested)
+    adjusted = [float("nan")] * len(p)
+    running = 0.0
+    for k, i in enumerate(tested):
+        running = max(running, min(1.0, (m - k) * p[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def adjust(p_values: Sequence[float], method: str) -> list[float]:
+    """``p_values`` adjusted by ``method`` (one of :data:`ADJUSTMENTS`; ``none`` returns them unchanged)."""
+    if method == "holm":
+        return holm(p_values)
+    if method == "none":
+        return [float(x) for x in p_values]
+    raise ValueError(f"unknown p-value adjustment {method!r}; use one of {', '.join(ADJUSTMENTS)}")
 
 
 def histogram_quantile(edges: Sequence[float], counts: Sequence[float], q: float) -> float:

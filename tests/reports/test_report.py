@@ -51,7 +51,8 @@ def test_ablation_table_equals_mlflow(studies, tmp_path):
     # confidence section: CI around the same SumR, a p-value for the variant
     conf = md_rows(md, "## Confidence (val")
     assert conf[2][1].startswith(f"{statistics.fmean(values['full']['sumr']):.1f} [")
-    assert conf[3][7] not in ("—", "") and "(n=2, min 0.500)" in conf[3][8]
+    assert conf[3][7] not in ("—", "") and "(n=2, min 0.500)" in conf[3][9]
+    assert conf[0][8] == "p (Holm)" and conf[3][8] == conf[3][7]  # one comparison: Holm changes nothing
     assert "## Moment/video-ratio breakdown (val)" in md
 
 

@@ -65,3 +65,30 @@ def test_seed_test_exact_enumeration_and_ttest():
     assert res.p_ttest == pytest.approx(sps.ttest_rel(v, b).pvalue)
     same = stats.seed_test([5.0, 6.0], [5.0, 6.0])
     assert same.p_exact == 1.0 and same.p_ttest == 1.0 and same.min_p == 0.5
+
+
+def test_holm_on_a_worked_example():
+    # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> raised to 0.06 (monotone)
+    got = stats.holm([0.01, 0.04, 0.03, 0.005])
+    assert got == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.5, float("nan"), 0.4]) == pytest.approx([0.8, float("nan"), 0.8], nan_ok=True)  # m = 2
+    assert stats.holm([0.9, 0.8]) == [1.0, 1.0] and stats.holm([]) == []
+    assert stats.adjust([0.01, 0.04], "none") == [0.01, 0.04]
+    with pytest.raises(ValueError, match="unknown p-value adjustment 'bh'; use one of holm, none"):
+        stats.adjust([0.1], "bh")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_holm_rejects_what_the_step_down_procedure_rejects(seed):
+    """Holm's procedure as written: sort ascending, reject H_(1), H_(2), ... while p_(k) <= alpha / (m - k + 1)."""
+    rng = np.random.default_rng(seed)
+    p = rng.uniform(0, 0.1, size=8) ** rng.uniform(1, 3)
+    adjusted = stats.holm(p)
+    for alpha in (0.01, 0.02, 0.05, 0.1):
+        rejected = set()
+        for k, i in enumerate(np.argsort(p, kind="stable")):
+            if p[i] > alpha / (len(p) - k):
+                break
+            rejected.add(int(i))
+        assert {i for i, a in enumerate(adjusted) if a <= alpha} == rejected
+    assert all(a >= x for a, x in zip(adjusted, p))  # never below the raw p

@@ -1,0 +1,62 @@
+"""The confidence tables adjust their query-level p-values over the table's comparisons (Holm by default)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from prvrlab.reports import report, stats
+from prvrlab.reports.report import Doc, Options, confidence_section
+from prvrlab.reports.tables import VariantRow
+
+from report_helpers import md_rows
+
+RAW = {"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005}  # Holm: a 0.03, b 0.06, c 0.06, d 0.02
+
+
+@pytest.fixture
+def table(monkeypatch):
+    hits = stats.hits(np.arange(1, 41))  # any (n, 4) hit matrix
+    ids = np.array([f"q{i}" for i in range(40)])
+    monkeypatch.setattr(report, "_seed_hits", lambda study, runs, split: (ids, hits))
+    monkeypatch.setattr(
+        stats, "paired_test",
+        lambda a, b, n_perm, seed: stats.PairedResult(1.0, 0.0, 2.0, RAW[current.pop(0)], len(a)),
+    )
+    names = ["base", *RAW]
+    current = list(RAW)  # the order in which the rows are tested
+    rows = [VariantRow(name=n, components=None, seeds_expected=(0,), seeds_ok=(0,)) for n in names]
+    chosen = {n: {0: SimpleNamespace(final=lambda split, metric: 100.0)} for n in names}
+    return rows, chosen
+
+
+@pytest.mark.parametrize("method", ["holm", "none"])
+def test_significance_follows_the_adjusted_p_values(table, tmp_path, method):
+    rows, chosen = table
+    doc = Doc(tmp_path)
+    significance = confidence_section(doc, None, rows, chosen, "base", "val", Options(n_boot=10, adjust=method))
+    expected = dict(zip(RAW, stats.adjust(list(RAW.values()), method)))
+    assert significance == {n: p < stats.ALPHA for n, p in expected.items()}
+    if method == "holm":
+        assert significance == {"a": True, "b": False, "c": False, "d": True}  # b and c pass only unadjusted
+    else:
+        assert all(significance.values())
+    md = "".join(doc.parts)
+    table_rows = md_rows(md, "## Confidence (val")
+    header = table_rows[0]
+    adjusted_col = header.index("p (Holm)" if method == "holm" else "p (unadjusted)")
+    assert header[adjusted_col - 1] == "p (queries)" and header[-1] == "Significant"
+    body = {r[0]: r for r in table_rows[2:]}
+    for name, p in expected.items():
+        assert body[name][adjusted_col - 1] == f"{RAW[name]:.3f}"
+        assert body[name][adjusted_col] == f"{p:.3f}"
+        assert body[name][-1] == ("yes" if p < stats.ALPHA else "no †")
+    assert body["base (baseline)"][adjusted_col] == "—"
+    assert "the table's 4 comparisons with the baseline" in md
+
+
+def test_an_unknown_adjustment_is_refused():
+    with pytest.raises(ValueError, match="adjust must be one of holm, none, got 'bh'"):
+        Options(adjust="bh")
