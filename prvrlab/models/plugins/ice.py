@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prvrlab.checks import check_bool, check_choice, check_identifier, check_int, check_number, check_positive_int
-from prvrlab.data.batch import Batch
+from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.losses._common import positive_mask
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import init_normal_
@@ -97,7 +97,8 @@ def mutual_pairs(sim: Tensor, own: Tensor, threshold: float) -> tuple[Tensor, Te
     texts = torch.arange(s.shape[1], device=s.device)  # (Nq,)
     mutual = best_text[best_moment] == texts  # (Nq,)
     keep = mutual & (s[best_moment, texts] > threshold) & ~own[best_moment, texts]  # (Nq,)
-    return best_moment[keep], texts[keep]
+    picked = keep.nonzero().squeeze(1)  # (n_c,) the texts of the pairs: their count is the one read from the device
+    return best_moment.index_select(0, picked), picked
 
 
 def cosine_matrix(a: Tensor, b: Tensor) -> Tensor:
@@ -359,10 +360,12 @@ class ICE(Plugin):
         counts = self.__dict__["_counts"]
         counts["mined"] += float(videos.numel())
         truth = ctx.truth
-        if truth is not None:
-            relevant = truth.relevant(list(ctx.batch.query_ids), list(ctx.batch.video_ids))  # (Nq, Nv) bool
-            unpaired = ~positive_mask(ctx.batch.query_video.cpu(), relevant.shape[1])  # (Nq, Nv)
-            counts["correct"] += float(relevant[texts.cpu(), videos.cpu()].sum())
+        if truth is not None:  # on the host, but for the mined pairs' hits (summed on their device: no wait)
+            relevant = truth.relevant(list(ctx.batch.query_ids), list(ctx.batch.video_ids))  # (Nq, Nv) bool, CPU
+            query_video = torch.from_numpy(ctx.batch.host_query_video())  # (Nq,)
+            unpaired = ~positive_mask(query_video, relevant.shape[1])  # (Nq, Nv)
+            hits = host_to_device(relevant.numpy(), videos.device)[texts, videos]  # (n_c,)
+            counts["correct"] = counts["correct"] + hits.sum(dtype=torch.float64)
             counts["judged"] += float(videos.numel())
             counts["chance_hits"] += float((relevant & unpaired).sum())
             counts["chance_pairs"] += float(unpaired.sum())
@@ -371,7 +374,9 @@ class ICE(Plugin):
         if not self.ice:
             return {}
         counts = self.__dict__["_counts"]
-        totals = ctx.all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64, device=ctx.device))
+        totals = ctx.all_reduce(
+            torch.stack([torch.as_tensor(v, dtype=torch.float64).to(ctx.device) for v in counts.values()])
+        )
         mined, correct, judged, chance_hits, chance_pairs = (float(t) for t in totals)
         out = {"mined_total": mined}
         if judged > 0:
