@@ -32,7 +32,15 @@ def tiny_raw(path: Path, root: Path, tmp: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_the_config_learns(path, tiny_root, tmp_path):
+def test_the_config_learns(path, tiny_root, tmp_path, monkeypatch):
+    """... and trains and evaluates without reading a mask's layout back from the device (a wait on a GPU):
+    the loader's masks, also through its worker process, carry their host lengths."""
+    import prvrlab.models.blocks as blocks
+
+    def refuse(*args):
+        raise AssertionError("a mask's layout was read back from the device")
+
+    monkeypatch.setattr(blocks, "_read_layout", refuse)
     raw = tiny_raw(path, tiny_root, tmp_path)
     before = untrained_val_sumr(raw)
     sumr = val_sumr_by_epoch(raw, tmp_path / "run")
