@@ -113,6 +113,7 @@ def _ddp_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) ->
             "reports": [r for r in session.reports if r.get("kind") == "epoch"],
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # neither rank closes its gloo connections while the other may still use them
     finally:
         dist.destroy_process_group()
 
