@@ -313,6 +313,7 @@ def compute_ranks(
 
     ranks = np.empty(num_queries, dtype=np.int64)
     with _eval_mode(model), torch.inference_mode():
+        video_emb = model.index_videos(video_emb)  # what every query chunk reuses
         for start in range(0, num_queries, chunk):
             stop = min(start + chunk, num_queries)
             query_part = query_emb.index(slice(start, stop))

@@ -304,6 +304,12 @@ class RetrievalModel(nn.Module):
         """Per-branch (Nq, Nv) scores of every query against every video."""
         raise NotImplementedError
 
+    def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
+        """The gallery as retrieval scores it: ``video`` plus per-video values that every query reuses,
+        computed once per gallery (in inference) instead of once per query chunk; scores of the indexed
+        gallery equal those of ``video``.  ``video`` itself by default."""
+        return video
+
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
         """Training-only (Nq, D) query vectors computed from the whole batch (e.g. queries fused with
         the batch's videos), added to ``query.vectors`` before scoring; none by default."""

@@ -26,6 +26,14 @@ batched over chunks of videos: best proposal index (Nq, C) -> gathered key
 clips (Nq, C, D) -> masked attention logits (C, Nq, Lf) -> attended vectors
 (C, Nq, D), with the chunk size bounding the largest of these tensors.
 
+Retrieval reuses what does not depend on the query (same scores, float32
+rounding apart): the proposals are linear in the clips (``P = A X``, ``A``
+the (P, Lc) window-averaging matrix), so a query's proposal dots are its
+Lc clip dots times ``A^T`` (12x fewer multiply-adds for 32 clips, in
+training too); :meth:`MSSL.index_videos` (once per gallery) stores every
+proposal's norm and attended frame vector, so the frame score of a pair is a
+gather and a dot instead of an attention over the video's frames.
+
 Differences from the reference code: the reference (whose latest commit
 crashes, REFERENCE.md section 9) computes the frame branch in training only
 for each query's own video and compares it with every other query's
@@ -36,6 +44,7 @@ frame score, in training as in retrieval.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -73,6 +82,17 @@ def _window_bounds(length: int, max_window: int, device: torch.device) -> tuple[
         return start, end, (end - start).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=64)
+def _window_matrix(length: int, max_window: int, device: torch.device) -> Tensor:
+    """(P, length) float32: row p averages the items of window p (``1 / k`` over its k items), so the
+    proposals of items ``x`` (B, length, D) are ``A @ x``, in :func:`sliding_window_proposals`' order."""
+    start, end, size = _window_bounds(length, max_window, device)
+    with torch.inference_mode(False), torch.no_grad():
+        items = torch.arange(length, device=device)  # (L,)
+        inside = (items[None, :] >= start[:, None]) & (items[None, :] < end[:, None])  # (P, L)
+        return inside.to(torch.float32) / size[:, None]
+
+
 def num_proposals(length: int, max_window: int) -> int:
     """How many sliding windows of 1..max_window items fit in ``length`` items."""
     k = min(max_window, length)
@@ -91,6 +111,18 @@ def sliding_window_proposals(x: Tensor, max_window: int) -> Tensor:
         csum = torch.cat([x.new_zeros(B, 1, D, dtype=torch.float32), x.float().cumsum(dim=1)], dim=1)  # (B, L+1, D)
         sums = csum[:, end] - csum[:, start]  # (B, P, D)
         return (sums / size[None, :, None]).to(x.dtype)  # (B, P, D)
+
+
+def _attend(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """Key-clip guided attention: (C, R, D) key clips over (C, Lf, D) keys / values with a (C, Lf) mask ->
+    (C, R, D) ``sum_j softmax_j(row . key_j) value_j`` over the real frames (unscaled, as the reference);
+    a video without real frames attends to nothing (zeros)."""
+    att = torch.bmm(rows, keys.transpose(1, 2))  # (C, R, Lf)
+    if mask is None:
+        return torch.bmm(torch.softmax(att, dim=-1), values)  # (C, R, D)
+    real = mask.to(torch.bool)[:, None, :]  # (C, 1, Lf)
+    att = att.masked_fill(~real, torch.finfo(att.dtype).min)
+    return torch.bmm(torch.softmax(att, dim=-1) * real, values)  # (C, R, D)
 
 
 class ModularPooling(nn.Module):
@@ -181,25 +213,70 @@ class MSSL(RetrievalModel):
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
         """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> proposals (B, P, D), frame values/keys (B, Lf, D)."""
-        proposals = sliding_window_proposals(self.clip(clips), self.max_window)  # (B, P, D)
+        items = self.clip(clips)  # (B, Lc, D)
+        proposals = sliding_window_proposals(items, self.max_window)  # (B, P, D)
         f, frame_packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
         key, value = self.frame_key_value(f).chunk(2, dim=-1)  # (Nf, D) each
         return VideoEmbedding(
             clip=proposals,
             frame=frame_packing.unpack(value),  # (B, Lf, D), zeros on padding
             frame_mask=frame_packing.mask,  # (B, Lf)
-            extra={"frame_key": frame_packing.unpack(key)},  # (B, Lf, D)
+            extra={"frame_key": frame_packing.unpack(key), "clip_items": items},  # (B, Lf, D), (B, Lc, D)
         )
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> clip and frame query vectors (Nq, D) each."""
         return self.query.embed(queries, query_mask, branches=("clip", "frame"))
 
+    def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
+        """Adds every proposal's norm and, where memory allows, every proposal's attended frame vector.
+
+        ``extra["proposal_norm"]`` (Nv, P); ``extra["attended"]`` (Nv, P, D): for every proposal p of a
+        video the unit vector of ``z_p = sum_j softmax_j(p . key_j) value_j``, with ``attended_norm``
+        (Nv, P) its norm -- the frame branch's vector for every (query, video) pair whose key clip is p,
+        computed once per proposal (Nv P Lf D work instead of Nq Nv Lf D per gallery), so scoring
+        gathers it instead of attending.  ``frame_key`` is dropped once ``attended`` is there.  The
+        attended vectors are left out (scoring attends per pair) where they would take more than a
+        quarter of the free memory.
+        """
+        from prvrlab.data.resident import available_bytes
+
+        if video.clip is None or video.frame is None or "frame_key" not in video.extra:
+            return video
+        nv, num_props, dim = video.clip.shape
+        extra = dict(video.extra)
+        with torch.autocast(device_type=video.clip.device.type, enabled=False):
+            extra["proposal_norm"] = video.clip.float().norm(dim=-1).clamp(min=_EPS)  # (Nv, P)
+            free = available_bytes(video.clip.device)
+            if free is not None and 4 * nv * num_props * dim > free // 4:
+                return replace(video, extra=extra)
+            length = video.frame.shape[1]
+            chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, num_props * (length + dim)))
+            unit = video.clip.new_empty((nv, num_props, dim), dtype=torch.float32)  # (Nv, P, D)
+            norm = video.clip.new_empty((nv, num_props), dtype=torch.float32)  # (Nv, P)
+            for start in range(0, nv, chunk):
+                stop = min(start + chunk, nv)
+                props = video.clip[start:stop].float()  # (C, P, D)
+                keys = video.extra["frame_key"][start:stop].float()  # (C, Lf, D)
+                mask = None if video.frame_mask is None else video.frame_mask[start:stop]
+                z = _attend(props, keys, video.frame[start:stop].float(), mask)  # (C, P, D)
+                torch.clamp(z.norm(dim=-1), min=_EPS, out=norm[start:stop])
+                torch.div(z, norm[start:stop, :, None], out=unit[start:stop])
+        extra["attended"], extra["attended_norm"] = unit, norm
+        del extra["frame_key"]
+        return replace(video, extra=extra)
+
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
     ) -> dict[str, BranchScores]:
-        """Clip: max over proposals; frame: key-clip guided attention (cosine; logits: raw dots). fp32."""
-        if video.clip is None or video.frame is None or "frame_key" not in video.extra:
+        """Clip: max over proposals; frame: key-clip guided attention (cosine; logits: raw dots). fp32.
+
+        Proposal dots come from the clip items' dots through the window matrix where
+        ``extra["clip_items"]`` is there (``q . A x = (q . x) A^T``: Lc, not P, dots of length D per
+        pair); the frame branch reads :meth:`index_videos`' attended vectors where they are there.
+        """
+        indexed = "attended" in video.extra
+        if video.clip is None or video.frame is None or not (indexed or "frame_key" in video.extra):
             raise ValueError("MSSL.score needs VideoEmbedding.clip (proposals), .frame and extra['frame_key']")
         q_clip, q_frame = query.vectors["clip"], query.vectors["frame"]
         nq = q_clip.shape[0]
@@ -209,6 +286,12 @@ class MSSL(RetrievalModel):
             empty = q_clip.new_full((nq, nv), -1.0, dtype=torch.float32)  # (Nq, Nv)
             out = BranchScores(sim=empty, logits=empty.clone() if with_logits else None)
             return {"clip": out, "frame": BranchScores(sim=empty.clone(), logits=out.logits)}
+        items = video.extra.get("clip_items")
+        window = None
+        if items is not None and items.dim() == 3:
+            window = _window_matrix(items.shape[1], self.max_window, items.device)  # (P, Lc)
+            window = window if window.shape[0] == num_props else None
+        prop_norm = video.extra.get("proposal_norm")
         per_video = max(1, nq * (num_props + length + 2 * dim))
         chunk = max(1, _MAX_CHUNK_ELEMENTS // per_video)
         parts: dict[str, list[Tensor]] = {"clip_sim": [], "clip_logit": [], "frame_sim": [], "frame_logit": []}
@@ -220,26 +303,43 @@ class MSSL(RetrievalModel):
             mask_all = video.frame_mask
             for start in range(0, nv, chunk):
                 props = video.clip[start : start + chunk].float()  # (C, P, D)
+                c = props.shape[0]
+                if prop_norm is not None:
+                    p_norm = prop_norm[start : start + chunk].float()  # (C, P)
+                else:
+                    p_norm = props.norm(dim=-1).clamp(min=_EPS)  # (C, P)
+                if window is not None and not with_logits:  # retrieval: 1/|p| folded into each video's window
+                    item_dots = (qc @ items[start : start + chunk].float().reshape(-1, dim).t()).view(nq, c, -1)
+                    scaled = window[None] / p_norm[:, :, None]  # (C, P, Lc)
+                    top, best = torch.bmm(item_dots.transpose(0, 1), scaled.transpose(1, 2)).max(dim=-1)  # (C, Nq)
+                    clip_sim, best = top.t() / qc_norm[:, None], best.t()  # (Nq, C) each
+                else:
+                    if window is not None:
+                        it = items[start : start + chunk].float()  # (C, Lc, D)
+                        item_dots = (qc @ it.reshape(-1, dim).t()).view(nq * c, -1)  # (Nq C, Lc)
+                        dots = (item_dots @ window.t()).view(nq, c, num_props)  # (Nq, C, P)
+                    else:
+                        dots = (qc @ props.reshape(c * num_props, dim).t()).view(nq, c, num_props)  # (Nq, C, P)
+                    cos = dots / (qc_norm[:, None, None] * p_norm[None])  # (Nq, C, P)
+                    clip_sim, best = cos.max(dim=-1)  # (Nq, C) each
+                    if with_logits:
+                        parts["clip_logit"].append(dots.amax(dim=-1))  # (Nq, C)
+                parts["clip_sim"].append(clip_sim)
+                videos = torch.arange(c, device=props.device)[None, :].expand(nq, c)  # (Nq, C)
+                if indexed:  # the key clip's attended vector, computed once per proposal
+                    unit = video.extra["attended"][start : start + chunk].float()[videos, best]  # (Nq, C, D)
+                    f_unit = torch.bmm(unit, qf[:, :, None]).squeeze(-1)  # (Nq, C)
+                    parts["frame_sim"].append(f_unit / qf_norm[:, None])
+                    if with_logits:
+                        norm = video.extra["attended_norm"][start : start + chunk].float()[videos, best]  # (Nq, C)
+                        parts["frame_logit"].append(f_unit * norm)
+                    continue
+                # key clip of every (query, video) pair
+                key_clip = props[videos, best].transpose(0, 1)  # (C, Nq, D)
                 keys = video.extra["frame_key"][start : start + chunk].float()  # (C, Lf, D)
                 values = video.frame[start : start + chunk].float()  # (C, Lf, D)
-                c = props.shape[0]
-                dots = (qc @ props.reshape(c * num_props, dim).t()).view(nq, c, num_props)  # (Nq, C, P)
-                cos = dots / (qc_norm[:, None, None] * props.norm(dim=-1).clamp(min=_EPS)[None])  # (Nq, C, P)
-                clip_sim, best = cos.max(dim=-1)  # (Nq, C) each
-                parts["clip_sim"].append(clip_sim)
-                if with_logits:
-                    parts["clip_logit"].append(dots.amax(dim=-1))  # (Nq, C)
-                # key clip of every (query, video) pair
-                videos = torch.arange(c, device=props.device)[None, :].expand(nq, c)  # (Nq, C)
-                key_clip = props[videos, best].transpose(0, 1)  # (C, Nq, D)
-                att = torch.bmm(key_clip, keys.transpose(1, 2))  # (C, Nq, Lf)
-                if mask_all is not None:
-                    real = mask_all[start : start + chunk].to(torch.bool)[:, None, :]  # (C, 1, Lf)
-                    att = att.masked_fill(~real, torch.finfo(att.dtype).min)
-                    probs = torch.softmax(att, dim=-1) * real  # (C, Nq, Lf); no real frame -> zeros
-                else:
-                    probs = torch.softmax(att, dim=-1)  # (C, Nq, Lf)
-                attended = torch.bmm(probs, values)  # (C, Nq, D)
+                mask = None if mask_all is None else mask_all[start : start + chunk]
+                attended = _attend(key_clip, keys, values, mask)  # (C, Nq, D)
                 f_dots = (attended * qf[None]).sum(dim=-1).t()  # (Nq, C)
                 f_norm = attended.norm(dim=-1).clamp(min=_EPS).t()  # (Nq, C)
                 parts["frame_sim"].append(f_dots / (qf_norm[:, None] * f_norm))  # (Nq, C)

@@ -10,8 +10,9 @@
   inputs shaped like the config's data); per query = encode the query + fuse
   the branch scores against the first N videos; the median over ``queries``
   single-query runs after a warm-up.
-- **Memory (MB)**: the offline video index (all tensors of the encoded gallery)
-  at the largest gallery size, plus the CUDA peak when profiling on a GPU.
+- **Memory (MB)**: the offline video index (all tensors of the encoded gallery
+  as the backbone indexes it for retrieval, ``index_videos``) at the largest
+  gallery size, plus the CUDA peak when profiling on a GPU.
 
 Inputs are random (seeded); only the shapes matter for cost.
 """
@@ -120,7 +121,7 @@ def profile_model(
             parts.append(model.encode_videos(*videos(min(video_batch, largest - start))))
         from prvrlab.models.base import VideoEmbedding
 
-        index = VideoEmbedding.cat(parts) if len(parts) > 1 else parts[0]
+        index = model.index_videos(VideoEmbedding.cat(parts) if len(parts) > 1 else parts[0])  # as retrieval scores it
         index_mb = _tensor_bytes(index) / 2**20
 
         def online(gallery) -> None:

@@ -125,6 +125,34 @@ def test_compute_ranks_matches_brute_force(chunk):
     assert sum(model.score_rows) == nq
 
 
+class IndexingModel(MatrixModel):
+    """A MatrixModel whose index adds a marker; its scores read the marker, counting the chunks that do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.indexed = 0
+        self.scored_indexed = 0
+
+    def index_videos(self, video):
+        self.indexed += 1
+        return VideoEmbedding(extra={**video.extra, "marker": torch.ones(video.extra["id"].shape[0])})
+
+    def score(self, query, video, *, with_logits=False):
+        self.scored_indexed += int("marker" in video.extra)
+        return super().score(query, video, with_logits=with_logits)
+
+
+def test_compute_ranks_indexes_the_gallery_once_for_every_chunk():
+    gen = torch.Generator(DEVICE).manual_seed(2)
+    nq, nv = 11, 6
+    a, b = torch.randn(nq, nv, generator=gen), torch.randn(nq, nv, generator=gen)
+    model = IndexingModel(a, b)
+    query_video = torch.randint(0, nv, (nq,), generator=gen).cpu().numpy()
+    ranks = ev.compute_ranks(model, query_ids_emb(nq), video_ids_emb(nv), query_video, chunk=4)
+    assert model.indexed == 1 and model.scored_indexed == len(model.score_rows) == math.ceil(nq / 4)
+    np.testing.assert_array_equal(ranks, brute_force_ranks(1.0 * a + 0.5 * b, query_video))
+
+
 def test_compute_ranks_continuous_scores_and_tensor_query_video():
     gen = torch.Generator(DEVICE).manual_seed(1)
     nq, nv = 12, 30

@@ -1,6 +1,9 @@
-"""MS-SL specifics: proposals against a brute-force loop, scores against their per-pair definition."""
+"""MS-SL specifics: proposals against a brute-force loop, scores against their per-pair definition, and the
+retrieval shortcuts (proposal dots through the clip items, the indexed gallery) against the plain paths."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -92,6 +95,105 @@ def test_frame_branch_gets_gradients_through_the_key_clip():
     out.scores["frame"].sim.sum().backward()
     assert model.clip.layers[0].attention.qkv.weight.grad.abs().sum() > 0  # via the gathered key clip
     assert model.frame_key_value.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("length, max_window", [(8, 8), (8, 3), (5, 32), (1, 1), (32, 32)])
+def test_window_matrix_times_items_gives_the_proposals(length, max_window):
+    x = torch.randn(2, length, 6)
+    window = mssl._window_matrix(length, max_window, x.device)  # (P, L)
+    assert window.shape == (num_proposals(length, max_window), length)
+    torch.testing.assert_close(window @ x, loop_proposals(x, max_window), atol=1e-5, rtol=1e-5)
+
+
+def without(video, *keys):
+    return replace(video, extra={k: v for k, v in video.extra.items() if k not in keys})
+
+
+def encoded(model, batch):
+    video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+    return model.encode_queries(batch.queries, batch.query_mask), video
+
+
+def assert_same_scores(got, expected, *, logits=True):
+    for branch in ("clip", "frame"):
+        torch.testing.assert_close(got[branch].sim, expected[branch].sim, atol=1e-5, rtol=1e-5)
+        if logits:
+            torch.testing.assert_close(got[branch].logits, expected[branch].logits, atol=1e-5, rtol=1e-5)
+
+
+def test_proposal_dots_through_the_clip_items_equal_the_dots_with_the_proposals():
+    model = build("mssl").eval()
+    b = make_batch([5, 3, 7, 1], [4, 2, 3, 5, 2], [0, 0, 1, 2, 3], frame_pad=2)
+    with torch.no_grad():
+        query, video = encoded(model, b)
+        assert video.extra["clip_items"].shape == (4, b.clips.shape[1], 16)
+        through_items = model.score(query, video, with_logits=True)
+        with_proposals = model.score(query, without(video, "clip_items"), with_logits=True)
+        retrieval = model.score(query, video)  # no logits: 1/|p| folded into every video's window
+    assert_same_scores(through_items, with_proposals)
+    assert_same_scores(retrieval, with_proposals, logits=False)
+    assert retrieval["clip"].logits is None and retrieval["frame"].logits is None
+
+
+def test_training_gradients_through_the_clip_items_equal_those_through_the_proposals():
+    torch.manual_seed(0)
+    model = build("mssl", dropout=0.0).train()
+    b = make_batch([5, 3, 7], [4, 2, 3, 5], [0, 0, 1, 2], frame_pad=1)
+    grads = []
+    for drop in ((), ("clip_items",)):
+        model.zero_grad()
+        query, video = encoded(model, b)
+        scores = model.score(query, without(video, *drop), with_logits=True)
+        sum(s.sim.sum() + s.logits.sum() for s in scores.values()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_indexed_gallery_scores_equal_the_per_pair_attention():
+    model = build("mssl").eval()
+    b = make_batch([5, 3, 7, 1], [4, 2, 3, 5, 2], [0, 0, 1, 2, 3], frame_pad=2)
+    with torch.inference_mode():
+        query, video = encoded(model, b)
+        index = model.index_videos(video)
+        props, nv = video.clip.shape[1], video.clip.shape[0]
+        assert index.extra["attended"].shape == (nv, props, 16)
+        assert index.extra["attended_norm"].shape == index.extra["proposal_norm"].shape == (nv, props)
+        assert "frame_key" not in index.extra and "frame_key" in video.extra  # the input is left as it was
+        torch.testing.assert_close(index.extra["attended"].norm(dim=-1), torch.ones(nv, props))
+        plain = model.score(query, without(video, "clip_items"), with_logits=True)  # attention per pair
+        assert_same_scores(model.score(query, index, with_logits=True), plain)
+        assert_same_scores(model.score(query, index), plain, logits=False)
+        # a slice of the index (a video chunk) scores as the same slice of the gallery
+        part = model.score(query, index.index(slice(1, 3)))
+        assert_same_scores(part, model.score(query, without(video, "clip_items").index(slice(1, 3))), logits=False)
+
+
+def test_index_keeps_the_per_pair_attention_where_memory_is_short(monkeypatch):
+    import prvrlab.data.resident as resident
+
+    model = build("mssl").eval()
+    b = make_batch([5, 3], [4, 2, 3], [0, 0, 1])
+    with torch.inference_mode():
+        query, video = encoded(model, b)
+        monkeypatch.setattr(resident, "available_bytes", lambda device: 1024)
+        index = model.index_videos(video)
+        assert "attended" not in index.extra and "frame_key" in index.extra and "proposal_norm" in index.extra
+        assert_same_scores(model.score(query, index, with_logits=True), model.score(query, video, with_logits=True))
+
+
+def test_plugged_mssl_indexes_through_its_backbone():
+    from test_ice import plugged
+
+    model = plugged("mssl").eval()
+    b = make_batch([5, 3, 4], [4, 2, 3, 5, 2], [0, 0, 1, 2, 2], frame_pad=2)
+    with torch.inference_mode():
+        query, video = encoded(model, b)
+        video.extra["ice.marker"] = torch.arange(3.0)  # a plug-in's per-video entry
+        index = model.index_videos(video)
+        assert "attended" in index.extra and index.extra["ice.marker"] is video.extra["ice.marker"]
+        assert_same_scores(model.score(query, index), model.score(query, video), logits=False)
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,10 @@ class PluggedModel(RetrievalModel):
                 query.extra[f"{name}.{key}"] = value
         return query
 
+    def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
+        """The backbone's (its ``score`` reads the index; plug-in entries of ``extra`` are kept)."""
+        return self.backbone.index_videos(video)
+
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
     ) -> dict[str, BranchScores]:
