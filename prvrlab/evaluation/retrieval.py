@@ -34,7 +34,7 @@ from torch import Tensor
 from prvrlab.checks import check_positive_int
 from prvrlab.data.batch import mask_to
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
-from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, tensors_of
+from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, video_tokens
 from prvrlab.models.blocks import native_low_precision
 
 if TYPE_CHECKING:
@@ -251,15 +251,16 @@ def video_batch_size(configured: int, tokens_per_video: int, video_dim: int) -> 
     return max(1, min(int(configured), budget // max(1, 4 * tokens_per_video * video_dim)))
 
 
-def score_chunk(video_emb: VideoEmbedding, chunk: int) -> int:
-    """Queries to score at once: ``chunk``, lowered so that one float32 score per (query, video token)
-    of every embedding tensor of ``video_emb`` (its ``(Nv, ..., D)`` rows, all branches) fits
-    min(:data:`SCORE_BUDGET_BYTES`, 1/8 of the free memory).  E.g. GMMFormer v2 at TVR's test size
-    (2,179 videos x (32 clips + 128 frames)) scores 192 queries at a time instead of 2,048 (a 2.9 GB
-    frame-score matrix).  Ranks do not depend on the chunk."""
-    tokens = sum(t.numel() // t.shape[-1] for t in tensors_of(video_emb) if t.is_floating_point() and t.dim() >= 2)
+def score_chunk(video_emb: VideoEmbedding, chunk: int, *, elements: int | None = None) -> int:
+    """Queries to score at once: ``chunk``, lowered so that ``elements`` float32 values per query (what
+    the model's scoring holds at once, :meth:`RetrievalModel.score_elements`; by default one score per
+    (query, video token) of every embedding tensor of ``video_emb``: its ``(Nv, ..., D)`` rows, all
+    branches) fit min(:data:`SCORE_BUDGET_BYTES`, 1/8 of the free memory).  E.g. GMMFormer v2 at TVR's
+    test size (2,179 videos x (32 clips + 128 frames)) scores 192 queries at a time instead of 2,048 (a
+    2.9 GB frame-score matrix).  Ranks do not depend on the chunk."""
+    per_query = video_tokens(video_emb) if elements is None else int(elements)
     budget = min(SCORE_BUDGET_BYTES, _available_bytes() // 8)
-    return max(1, min(int(chunk), budget // max(1, 4 * tokens)))
+    return max(1, min(int(chunk), budget // max(1, 4 * per_query)))
 
 
 def compute_ranks(
@@ -476,7 +477,8 @@ def evaluate_batches(
         t0 = time.perf_counter()
         ranks = np.empty(0, dtype=np.int64)
         if query_emb is not None:
-            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=score_chunk(video_emb, chunk))
+            per_query = model.score_elements(video_emb)
+            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=score_chunk(video_emb, chunk, elements=per_query))
         _sync(device)
         timings["score"] = time.perf_counter() - t0
 

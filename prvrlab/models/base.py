@@ -54,6 +54,11 @@ def tensors_of(obj) -> list[Tensor]:
     return found
 
 
+def video_tokens(video) -> int:
+    """Rows of every float (Nv, ..., D) tensor of an embedding: one per video, clip or frame token."""
+    return sum(t.numel() // t.shape[-1] for t in tensors_of(video) if t.is_floating_point() and t.dim() >= 2)
+
+
 def _ones_mask(tokens: Tensor) -> Tensor:
     return torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
 
@@ -303,6 +308,12 @@ class RetrievalModel(nn.Module):
     ) -> dict[str, BranchScores]:
         """Per-branch (Nq, Nv) scores of every query against every video."""
         raise NotImplementedError
+
+    def score_elements(self, video: VideoEmbedding) -> int:
+        """Float32 values that scoring one query against ``video`` holds at once, at most (evaluation sizes
+        its query chunks from it).  Default: one per video token of every embedding tensor, as a
+        per-token score matrix would."""
+        return video_tokens(video)
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """The gallery as retrieval scores it: ``video`` plus per-video values that every query reuses,

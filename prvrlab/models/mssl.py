@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from prvrlab.checks import check_positive_int
+from prvrlab.models import window_best
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     BackboneSizes,
@@ -91,12 +92,6 @@ def _window_matrix(length: int, max_window: int, device: torch.device) -> Tensor
         items = torch.arange(length, device=device)  # (L,)
         inside = (items[None, :] >= start[:, None]) & (items[None, :] < end[:, None])  # (P, L)
         return inside.to(torch.float32) / size[:, None]
-
-
-def num_proposals(length: int, max_window: int) -> int:
-    """How many sliding windows of 1..max_window items fit in ``length`` items."""
-    k = min(max_window, length)
-    return k * length - k * (k - 1) // 2
 
 
 def sliding_window_proposals(x: Tensor, max_window: int) -> Tensor:
@@ -228,6 +223,12 @@ class MSSL(RetrievalModel):
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> clip and frame query vectors (Nq, D) each."""
         return self.query.embed(queries, query_mask, branches=("clip", "frame"))
 
+    def score_elements(self, video: VideoEmbedding) -> int:
+        """Per query: its branch scores against every video and their sums, about 8 floats a video;
+        :meth:`score` bounds its per-chunk tensors by its video chunk (``_MAX_CHUNK_ELEMENTS``), not by
+        the number of queries."""
+        return 8 * video.clip.shape[0] if video.clip is not None else super().score_elements(video)
+
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds every proposal's norm and, where memory allows, every proposal's attended frame vector.
 
@@ -264,6 +265,10 @@ class MSSL(RetrievalModel):
                 torch.div(z, norm[start:stop, :, None], out=unit[start:stop])
         extra["attended"], extra["attended_norm"] = unit, norm
         del extra["frame_key"]
+        finite = torch.isfinite(norm).all(dim=1) & torch.isfinite(extra["proposal_norm"]).all(dim=1)  # (Nv,)
+        if "clip_items" in extra:
+            finite &= torch.isfinite(extra["clip_items"]).flatten(1).all(dim=1)
+        extra["finite"] = finite  # what the fused kernel may take (window_best)
         return replace(video, extra=extra)
 
     def score(
@@ -292,6 +297,11 @@ class MSSL(RetrievalModel):
             window = _window_matrix(items.shape[1], self.max_window, items.device)  # (P, Lc)
             window = window if window.shape[0] == num_props else None
         prop_norm = video.extra.get("proposal_norm")
+        # retrieval of an indexed gallery on a CPU: the fused kernel (window_best) where it can be had
+        fused = (
+            not with_logits and indexed and window is not None and "finite" in video.extra
+            and window_best.usable(q_clip.float(), q_frame.float()) and bool(video.extra["finite"].all())
+        )
         per_video = max(1, nq * (num_props + length + 2 * dim))
         chunk = max(1, _MAX_CHUNK_ELEMENTS // per_video)
         parts: dict[str, list[Tensor]] = {"clip_sim": [], "clip_logit": [], "frame_sim": [], "frame_logit": []}
@@ -310,6 +320,13 @@ class MSSL(RetrievalModel):
                     p_norm = props.norm(dim=-1).clamp(min=_EPS)  # (C, P)
                 if window is not None and not with_logits:  # retrieval: 1/|p| folded into each video's window
                     item_dots = (qc @ items[start : start + chunk].float().reshape(-1, dim).t()).view(nq, c, -1)
+                    if fused and bool(torch.isfinite(item_dots).all()):
+                        scale = window.amax(dim=1)[None] / p_norm  # (C, P): 1 / (k |p|)
+                        unit = video.extra["attended"][start : start + chunk]  # (C, P, D)
+                        top, _, f_unit = window_best.window_best(item_dots, scale, self.max_window, unit, qf)
+                        parts["clip_sim"].append(top / qc_norm[:, None])  # (Nq, C)
+                        parts["frame_sim"].append(f_unit / qf_norm[:, None])  # (Nq, C)
+                        continue
                     scaled = window[None] / p_norm[:, :, None]  # (C, P, Lc)
                     top, best = torch.bmm(item_dots.transpose(0, 1), scaled.transpose(1, 2)).max(dim=-1)  # (C, Nq)
                     clip_sim, best = top.t() / qc_norm[:, None], best.t()  # (Nq, C) each

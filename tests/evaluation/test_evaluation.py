@@ -444,6 +444,34 @@ def test_score_chunk_fits_the_memory_budget(monkeypatch):
     assert ev.score_chunk(emb, 2048) == 2
     monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 1)
     assert ev.score_chunk(emb, 2048) == 1
+    # a model that holds fewer values per query than one per token says so (score_elements)
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 5 * per_query + 7)
+    assert ev.score_chunk(emb, 2048, elements=nv) == (5 * per_query + 7) // (4 * nv)
+
+
+def test_evaluation_sizes_query_chunks_from_the_models_score_elements(monkeypatch):
+    video_ids, clips, frames, mask, query_ids, queries, query_video, ratios = toy_split()
+    qmask = torch.ones(len(query_ids), 2, dtype=torch.bool)
+    model = VectorModel(5)
+    tokens = clips.shape[0] * (clips.shape[1] + frames.shape[1])  # the default: one value per video token
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 4 * tokens * 3)  # 3 queries at a time by default
+    chunks: list[int] = []
+    compute_ranks = ev.compute_ranks
+    monkeypatch.setattr(ev, "compute_ranks", lambda *a, chunk, **k: chunks.append(chunk) or compute_ranks(*a, chunk=chunk, **k))
+
+    def run():
+        return ev.evaluate_batches(
+            model, [(video_ids, clips, frames, mask)], [(query_ids, queries, qmask)],
+            video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=2048, device=DEVICE,
+        )
+
+    default = run()
+    model.score_elements = lambda video: tokens // 2  # half the default: twice the queries
+    halved = run()
+    assert chunks == [3, 6]
+    np.testing.assert_array_equal(halved.ranks, default.ranks)
 
 
 def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 from test_backbones import NAMES, NUM_CLIPS, build, make_batch
 
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
-from prvrlab.models.mssl import num_proposals
+from prvrlab.models.window_best import num_proposals
 from prvrlab.registry import BACKBONES
 
 CASES = [(name, cap) for name in NAMES for cap in sorted(BACKBONES.get(name).provides)]

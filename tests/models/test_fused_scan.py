@@ -108,7 +108,7 @@ def fresh_build(tmp_path, monkeypatch):
     """A private cache folder and a cleared ``load`` cache (restored afterwards)."""
     monkeypatch.setenv("PRVRLAB_CACHE_DIR", str(tmp_path / "cache"))
     fused_scan.load.cache_clear()
-    yield tmp_path / "cache" / "scan"
+    yield tmp_path / "cache" / "native"
     fused_scan.load.cache_clear()
 
 

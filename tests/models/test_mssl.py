@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from test_backbones import build, make_batch, standard_batch
 
 import prvrlab.models.mssl as mssl
-from prvrlab.models.mssl import num_proposals, sliding_window_proposals
+from prvrlab.models.mssl import sliding_window_proposals
+from prvrlab.models.window_best import num_proposals
 
 
 def loop_proposals(x: torch.Tensor, max_window: int) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Small C++ kernels (``*.cpp`` beside this module) built on first use and loaded through ctypes.
+
+Build: the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``)
+with ``-O3 -march=native -ffast-math``, no PyTorch headers (a few seconds),
+into ``$PRVRLAB_CACHE_DIR/native`` (default ``~/.cache/prvrlab/native``), one
+library per source, flags, compiler and CPU (``-march=native`` code must not
+run on another CPU kind).  A library is written to a private temporary file
+and renamed into place, so concurrent builds are safe, and it is loaded only
+when it is owned by this user and writable by nobody else (a library is
+code: nothing else may plant one).  Every failure (no compiler, a failed
+build, an untrusted file, another interface version) raises
+:class:`Unavailable` with the reason; callers fall back to PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from prvrlab.cache import cache_root
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c++17", "-pthread")
+
+
+class Unavailable(OSError):
+    """A kernel library could not be built or loaded (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``native`` in :func:`prvrlab.cache.cache_root`."""
+    return cache_root() / "native"
+
+
+def _compiler() -> str | None:
+    for name in filter(None, (os.environ.get("CXX"), "c++", "g++", "clang++")):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_identity() -> str:
+    """The CPU kind -march=native compiles for: model name and feature flags where Linux lists them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(keep)) or f"{platform.machine()} {platform.processor()}"
+
+
+def _version(compiler: str) -> str:
+    out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else compiler
+
+
+def _trusted(path: Path) -> bool:
+    """Owned by this user and writable by nobody else."""
+    st = path.stat()
+    return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
+
+
+def _build(compiler: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not _trusted(target.parent):
+        raise Unavailable(f"{target.parent} is not owned by this user or is writable by others")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([compiler, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=600)
+        if run.returncode != 0:
+            raise Unavailable(f"{compiler} failed: {(run.stderr or run.stdout).strip()[-2000:]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_and_load(source: Path, *, abi_symbol: str, abi: int) -> ctypes.CDLL:
+    """The library built from ``source`` (built now unless cached) whose ``abi_symbol()`` returns ``abi``;
+    raises :class:`Unavailable` with the reason otherwise."""
+    compiler = _compiler()
+    if compiler is None:
+        raise Unavailable("no C++ compiler found (set $CXX or install g++/clang++)")
+    try:
+        key = hashlib.sha256(
+            "\0".join([source.read_text(), " ".join(FLAGS), _version(compiler), _cpu_identity()]).encode()
+        ).hexdigest()[:16]
+        target = cache_dir() / f"{source.stem}-{key}.so"
+        if not target.exists():
+            _build(compiler, source, target)
+        if not _trusted(target):
+            raise Unavailable(f"{target} is not owned by this user or is writable by others; not loaded")
+        lib = ctypes.CDLL(str(target))
+        if getattr(lib, abi_symbol)() != abi:
+            raise Unavailable(f"{target}: unexpected interface version")
+    except Unavailable:
+        raise
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        raise Unavailable(str(exc)) from exc
+    return lib
+
+
+def loader(
+    source: Path, *, abi_symbol: str, abi: int, declare: Callable[[ctypes.CDLL], None]
+) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], str | None]]:
+    """``(load, unavailable_reason)`` for one kernel source: ``load()`` builds the library on first use
+    and returns it with ``declare`` applied (its functions' argument types), or None when it cannot be
+    had; ``unavailable_reason()`` says why (None when it could).  ``load`` is cached
+    (``load.cache_clear()`` forgets it)."""
+    reasons: list[str] = []
+
+    @functools.lru_cache(maxsize=None)
+    def load() -> ctypes.CDLL | None:
+        try:
+            lib = build_and_load(source, abi_symbol=abi_symbol, abi=abi)
+        except Unavailable as exc:
+            reasons.append(str(exc))
+            return None
+        declare(lib)
+        return lib
+
+    def unavailable_reason() -> str | None:
+        return reasons[-1] if load() is None and reasons else None
+
+    return load, unavailable_reason
