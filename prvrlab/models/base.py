@@ -279,8 +279,11 @@ class RetrievalModel(nn.Module):
         requested = self.__dict__.get("_requested")
         if requested is None:
             return False
-        training = self.__dict__.get("_forced_mode", self.training)
-        return capability in requested[training]
+        return capability in requested[self.training_time()]
+
+    def training_time(self) -> bool:
+        """Whether ``encode_*`` runs for training: the training forward, or training mode."""
+        return bool(self.__dict__.get("_forced_mode", self.training))
 
     @contextlib.contextmanager
     def training_exposure(self) -> Iterator[None]:
@@ -318,7 +321,8 @@ class RetrievalModel(nn.Module):
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """The gallery as retrieval scores it: ``video`` plus per-video values that every query reuses,
         computed once per gallery (in inference) instead of once per query chunk; scores of the indexed
-        gallery equal those of ``video``.  ``video`` itself by default."""
+        gallery equal those of ``video``, and an indexed gallery is returned as it is.  ``video`` itself
+        by default."""
         return video
 
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from prvrlab.checks import check_positive_int
 from prvrlab.models import window_best
+from prvrlab.models.window_best import num_proposals
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     BackboneSizes,
@@ -207,13 +208,14 @@ class MSSL(RetrievalModel):
         init_normal_(self)
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
-        """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> proposals (B, P, D), frame values/keys (B, Lf, D)."""
+        """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> proposals (B, P, D) (in retrieval only
+        where a component asks for moment tokens), clip items (B, Lc, D), frame values/keys (B, Lf, D)."""
         items = self.clip(clips)  # (B, Lc, D)
-        proposals = sliding_window_proposals(items, self.max_window)  # (B, P, D)
+        keep = self.training_time() or self.exposes(MOMENT_TOKENS)
         f, frame_packing = self.frame.encode(frames, frame_mask)  # (Nf, D)
         key, value = self.frame_key_value(f).chunk(2, dim=-1)  # (Nf, D) each
         return VideoEmbedding(
-            clip=proposals,
+            clip=sliding_window_proposals(items, self.max_window) if keep else None,  # (B, P, D)
             frame=frame_packing.unpack(value),  # (B, Lf, D), zeros on padding
             frame_mask=frame_packing.mask,  # (B, Lf)
             extra={"frame_key": frame_packing.unpack(key), "clip_items": items},  # (B, Lf, D), (B, Lc, D)
@@ -223,11 +225,27 @@ class MSSL(RetrievalModel):
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> clip and frame query vectors (Nq, D) each."""
         return self.query.embed(queries, query_mask, branches=("clip", "frame"))
 
+    def _sizes(self, video: VideoEmbedding) -> tuple[int, int, int]:
+        """(Nv, P, D) of the proposals, stored or not."""
+        if video.clip is not None:
+            nv, num_props, dim = video.clip.shape
+            return nv, num_props, dim
+        nv, length, dim = video.extra["clip_items"].shape
+        return nv, num_proposals(length, self.max_window), dim
+
+    def _proposals(self, video: VideoEmbedding, start: int, stop: int) -> Tensor:
+        """(C, P, D) float32 proposals of videos [start, stop): the stored ones, else the clip items'
+        window means."""
+        if video.clip is not None:
+            return video.clip[start:stop].float()
+        items = video.extra["clip_items"][start:stop].float()  # (C, Lc, D)
+        return torch.matmul(_window_matrix(items.shape[1], self.max_window, items.device), items)  # (C, P, D)
+
     def score_elements(self, video: VideoEmbedding) -> int:
         """Per query: its branch scores against every video and their sums, about 8 floats a video;
         :meth:`score` bounds its per-chunk tensors by its video chunk (``_MAX_CHUNK_ELEMENTS``), not by
         the number of queries."""
-        return 8 * video.clip.shape[0] if video.clip is not None else super().score_elements(video)
+        return 8 * self._sizes(video)[0]
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds every proposal's norm and, where memory allows, every proposal's attended frame vector.
@@ -236,39 +254,47 @@ class MSSL(RetrievalModel):
         video the unit vector of ``z_p = sum_j softmax_j(p . key_j) value_j``, with ``attended_norm``
         (Nv, P) its norm -- the frame branch's vector for every (query, video) pair whose key clip is p,
         computed once per proposal (Nv P Lf D work instead of Nq Nv Lf D per gallery), so scoring
-        gathers it instead of attending.  ``frame_key`` is dropped once ``attended`` is there.  The
-        attended vectors are left out (scoring attends per pair) where they would take more than a
-        quarter of the free memory.
+        gathers it instead of attending.  ``frame_key`` is dropped once ``attended`` is there, and
+        ``extra["finite"]`` (Nv,) marks the videos whose values are all finite (what the fused kernel
+        may take).  The attended vectors are left out (scoring attends per pair) where they would take
+        more than a quarter of the free memory.  An indexed gallery is returned as it is.
         """
         from prvrlab.data.resident import available_bytes
 
-        if video.clip is None or video.frame is None or "frame_key" not in video.extra:
+        if "proposal_norm" in video.extra or video.frame is None or "frame_key" not in video.extra:
             return video
-        nv, num_props, dim = video.clip.shape
-        extra = dict(video.extra)
-        with torch.autocast(device_type=video.clip.device.type, enabled=False):
-            extra["proposal_norm"] = video.clip.float().norm(dim=-1).clamp(min=_EPS)  # (Nv, P)
-            free = available_bytes(video.clip.device)
-            if free is not None and 4 * nv * num_props * dim > free // 4:
-                return replace(video, extra=extra)
-            length = video.frame.shape[1]
-            chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, num_props * (length + dim)))
-            unit = video.clip.new_empty((nv, num_props, dim), dtype=torch.float32)  # (Nv, P, D)
-            norm = video.clip.new_empty((nv, num_props), dtype=torch.float32)  # (Nv, P)
+        if video.clip is None and "clip_items" not in video.extra:
+            return video
+        nv, num_props, dim = self._sizes(video)
+        length = video.frame.shape[1]
+        device = video.frame.device
+        free = available_bytes(device)
+        attend = free is None or 4 * nv * num_props * dim <= free // 4
+        chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, num_props * (length + 2 * dim)))
+        p_norm = torch.empty((nv, num_props), dtype=torch.float32, device=device)  # (Nv, P)
+        unit = torch.empty((nv, num_props, dim) if attend else (0,), dtype=torch.float32, device=device)
+        norm = torch.empty((nv, num_props) if attend else (0,), dtype=torch.float32, device=device)
+        with torch.autocast(device_type=device.type, enabled=False):
             for start in range(0, nv, chunk):
                 stop = min(start + chunk, nv)
-                props = video.clip[start:stop].float()  # (C, P, D)
+                props = self._proposals(video, start, stop)  # (C, P, D)
+                torch.clamp(props.norm(dim=-1), min=_EPS, out=p_norm[start:stop])
+                if not attend:
+                    continue
                 keys = video.extra["frame_key"][start:stop].float()  # (C, Lf, D)
                 mask = None if video.frame_mask is None else video.frame_mask[start:stop]
                 z = _attend(props, keys, video.frame[start:stop].float(), mask)  # (C, P, D)
                 torch.clamp(z.norm(dim=-1), min=_EPS, out=norm[start:stop])
                 torch.div(z, norm[start:stop, :, None], out=unit[start:stop])
+        extra = {**video.extra, "proposal_norm": p_norm}
+        if not attend:
+            return replace(video, extra=extra)
         extra["attended"], extra["attended_norm"] = unit, norm
         del extra["frame_key"]
-        finite = torch.isfinite(norm).all(dim=1) & torch.isfinite(extra["proposal_norm"]).all(dim=1)  # (Nv,)
+        finite = torch.isfinite(norm).all(dim=1) & torch.isfinite(p_norm).all(dim=1)  # (Nv,)
         if "clip_items" in extra:
             finite &= torch.isfinite(extra["clip_items"]).flatten(1).all(dim=1)
-        extra["finite"] = finite  # what the fused kernel may take (window_best)
+        extra["finite"] = finite
         return replace(video, extra=extra)
 
     def score(
@@ -281,17 +307,20 @@ class MSSL(RetrievalModel):
         pair); the frame branch reads :meth:`index_videos`' attended vectors where they are there.
         """
         indexed = "attended" in video.extra
-        if video.clip is None or video.frame is None or not (indexed or "frame_key" in video.extra):
-            raise ValueError("MSSL.score needs VideoEmbedding.clip (proposals), .frame and extra['frame_key']")
+        items = video.extra.get("clip_items")
+        if (video.clip is None and items is None) or video.frame is None or not (indexed or "frame_key" in video.extra):
+            raise ValueError(
+                "MSSL.score needs the proposals (VideoEmbedding.clip) or extra['clip_items'], .frame and "
+                "extra['frame_key']"
+            )
         q_clip, q_frame = query.vectors["clip"], query.vectors["frame"]
         nq = q_clip.shape[0]
-        nv, num_props, dim = video.clip.shape
+        nv, num_props, dim = self._sizes(video)
         length = video.frame.shape[1]
         if nv == 0 or num_props == 0 or length == 0:
             empty = q_clip.new_full((nq, nv), -1.0, dtype=torch.float32)  # (Nq, Nv)
             out = BranchScores(sim=empty, logits=empty.clone() if with_logits else None)
             return {"clip": out, "frame": BranchScores(sim=empty.clone(), logits=out.logits)}
-        items = video.extra.get("clip_items")
         window = None
         if items is not None and items.dim() == 3:
             window = _window_matrix(items.shape[1], self.max_window, items.device)  # (P, Lc)
@@ -312,17 +341,18 @@ class MSSL(RetrievalModel):
             qf_norm = qf.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
             mask_all = video.frame_mask
             for start in range(0, nv, chunk):
-                props = video.clip[start : start + chunk].float()  # (C, P, D)
-                c = props.shape[0]
+                stop = min(start + chunk, nv)
+                c = stop - start
+                props = None if prop_norm is not None and window is not None else self._proposals(video, start, stop)
                 if prop_norm is not None:
-                    p_norm = prop_norm[start : start + chunk].float()  # (C, P)
+                    p_norm = prop_norm[start:stop].float()  # (C, P)
                 else:
                     p_norm = props.norm(dim=-1).clamp(min=_EPS)  # (C, P)
                 if window is not None and not with_logits:  # retrieval: 1/|p| folded into each video's window
-                    item_dots = (qc @ items[start : start + chunk].float().reshape(-1, dim).t()).view(nq, c, -1)
+                    item_dots = (qc @ items[start:stop].float().reshape(-1, dim).t()).view(nq, c, -1)
                     if fused and bool(torch.isfinite(item_dots).all()):
                         scale = window.amax(dim=1)[None] / p_norm  # (C, P): 1 / (k |p|)
-                        unit = video.extra["attended"][start : start + chunk]  # (C, P, D)
+                        unit = video.extra["attended"][start:stop]  # (C, P, D)
                         top, _, f_unit = window_best.window_best(item_dots, scale, self.max_window, unit, qf)
                         parts["clip_sim"].append(top / qc_norm[:, None])  # (Nq, C)
                         parts["frame_sim"].append(f_unit / qf_norm[:, None])  # (Nq, C)
@@ -332,7 +362,7 @@ class MSSL(RetrievalModel):
                     clip_sim, best = top.t() / qc_norm[:, None], best.t()  # (Nq, C) each
                 else:
                     if window is not None:
-                        it = items[start : start + chunk].float()  # (C, Lc, D)
+                        it = items[start:stop].float()  # (C, Lc, D)
                         item_dots = (qc @ it.reshape(-1, dim).t()).view(nq * c, -1)  # (Nq C, Lc)
                         dots = (item_dots @ window.t()).view(nq, c, num_props)  # (Nq, C, P)
                     else:
@@ -342,20 +372,22 @@ class MSSL(RetrievalModel):
                     if with_logits:
                         parts["clip_logit"].append(dots.amax(dim=-1))  # (Nq, C)
                 parts["clip_sim"].append(clip_sim)
-                videos = torch.arange(c, device=props.device)[None, :].expand(nq, c)  # (Nq, C)
+                videos = torch.arange(c, device=qc.device)[None, :].expand(nq, c)  # (Nq, C)
                 if indexed:  # the key clip's attended vector, computed once per proposal
-                    unit = video.extra["attended"][start : start + chunk].float()[videos, best]  # (Nq, C, D)
+                    unit = video.extra["attended"][start:stop].float()[videos, best]  # (Nq, C, D)
                     f_unit = torch.bmm(unit, qf[:, :, None]).squeeze(-1)  # (Nq, C)
                     parts["frame_sim"].append(f_unit / qf_norm[:, None])
                     if with_logits:
-                        norm = video.extra["attended_norm"][start : start + chunk].float()[videos, best]  # (Nq, C)
+                        norm = video.extra["attended_norm"][start:stop].float()[videos, best]  # (Nq, C)
                         parts["frame_logit"].append(f_unit * norm)
                     continue
+                if props is None:
+                    props = self._proposals(video, start, stop)  # (C, P, D)
                 # key clip of every (query, video) pair
                 key_clip = props[videos, best].transpose(0, 1)  # (C, Nq, D)
-                keys = video.extra["frame_key"][start : start + chunk].float()  # (C, Lf, D)
-                values = video.frame[start : start + chunk].float()  # (C, Lf, D)
-                mask = None if mask_all is None else mask_all[start : start + chunk]
+                keys = video.extra["frame_key"][start:stop].float()  # (C, Lf, D)
+                values = video.frame[start:stop].float()  # (C, Lf, D)
+                mask = None if mask_all is None else mask_all[start:stop]
                 attended = _attend(key_clip, keys, values, mask)  # (C, Nq, D)
                 f_dots = (attended * qf[None]).sum(dim=-1).t()  # (Nq, C)
                 f_norm = attended.norm(dim=-1).clamp(min=_EPS).t()  # (Nq, C)

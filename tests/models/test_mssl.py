@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from test_backbones import build, make_batch, standard_batch
 
 import prvrlab.models.mssl as mssl
+from prvrlab.models.component import MOMENT_TOKENS
 from prvrlab.models.mssl import sliding_window_proposals
 from prvrlab.models.window_best import num_proposals
 
@@ -110,9 +111,35 @@ def without(video, *keys):
     return replace(video, extra={k: v for k, v in video.extra.items() if k not in keys})
 
 
-def encoded(model, batch):
-    video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+def encoded(model, batch, *, proposals=True):
+    """Query and video embeddings; with the proposals stored (as in training) unless ``proposals=False``
+    (retrieval without a request for moment tokens)."""
+    if proposals:
+        with model.training_exposure():
+            video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+    else:
+        video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
     return model.encode_queries(batch.queries, batch.query_mask), video
+
+
+def test_retrieval_keeps_no_proposals_unless_asked_and_scores_the_same():
+    model = build("mssl").eval()
+    b = make_batch([5, 3, 7, 1], [4, 2, 3, 5, 2], [0, 0, 1, 2, 3], frame_pad=2)
+    with torch.no_grad():
+        query, stored = encoded(model, b)
+        _, derived = encoded(model, b, proposals=False)
+        assert derived.clip is None and stored.clip.shape == (4, num_proposals(b.clips.shape[1], 32), 16)
+        for with_logits in (True, False):
+            assert_same_scores(model.score(query, derived, with_logits=with_logits),
+                               model.score(query, stored, with_logits=with_logits), logits=with_logits)
+        index = model.index_videos(derived)
+        assert index.clip is None and "attended" in index.extra
+        assert_same_scores(model.score(query, index), model.score(query, model.index_videos(stored)), logits=False)
+        with pytest.raises(ValueError, match="moment"):
+            derived.moment_tokens()
+        model.request(retrieval=[MOMENT_TOKENS])  # a component that reads moment tokens in retrieval
+        _, asked = encoded(model, b, proposals=False)
+    torch.testing.assert_close(asked.clip, stored.clip)
 
 
 def assert_same_scores(got, expected, *, logits=True):
@@ -158,6 +185,7 @@ def test_indexed_gallery_scores_equal_the_per_pair_attention():
     with torch.inference_mode():
         query, video = encoded(model, b)
         index = model.index_videos(video)
+        assert model.index_videos(index) is index  # an indexed gallery is returned as it is
         props, nv = video.clip.shape[1], video.clip.shape[0]
         assert index.extra["attended"].shape == (nv, props, 16)
         assert index.extra["attended_norm"].shape == index.extra["proposal_norm"].shape == (nv, props)
