@@ -9,8 +9,11 @@ transformer layer -> multi-scale sliding-window proposals: every window of
 k = 1..``max_window`` consecutive clips (stride 1) averaged, i.e.
 Lc (Lc + 1) / 2 = 528 proposals for 32 clips when ``max_window >= Lc``
 (computed from a cumulative sum in one gather).  ``VideoEmbedding.clip``
-holds the proposals (Nv, P, D), ordered by window length then start.  Clip
-score = max cosine over the proposals (logits: max raw dot product).
+holds the proposals (Nv, P, D), ordered by window length then start, and
+``extra["clip_items"]`` the encoded clips (Nv, Lc, D); in retrieval the
+proposals are left out unless a component asks for moment tokens (scoring
+derives them from the items).  Clip score = max cosine over the proposals
+(logits: max raw dot product).
 
 Frame branch: frames -> InputProjection -> positional embedding ->
 transformer layer (padding skipped) -> key and value maps
@@ -32,7 +35,9 @@ the (P, Lc) window-averaging matrix), so a query's proposal dots are its
 Lc clip dots times ``A^T`` (12x fewer multiply-adds for 32 clips, in
 training too); :meth:`MSSL.index_videos` (once per gallery) stores every
 proposal's norm and attended frame vector, so the frame score of a pair is a
-gather and a dot instead of an attention over the video's frames.
+gather and a dot instead of an attention over the video's frames; on a CPU
+the fused kernel of :mod:`prvrlab.models.window_best` then computes each
+pair's best proposal and frame dot without the (Nq, Nv, P) proposal scores.
 
 Differences from the reference code: the reference (whose latest commit
 crashes, REFERENCE.md section 9) computes the frame branch in training only
