@@ -1,0 +1,59 @@
+"""max_scores (prvrlab/models/scoring.py) against hand loops: the mask, videos without a real frame,
+zero vectors, negative maxima, chunking; with and without logits and autograd."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prvrlab.models.scoring import max_scores
+
+
+def hand_max(query, video, mask):
+    out = torch.full((query.shape[0], video.shape[0]), -1.0)
+    for i in range(query.shape[0]):
+        for v in range(video.shape[0]):
+            real = [j for j in range(video.shape[1]) if mask is None or bool(mask[v, j])]
+            if real:
+                out[i, v] = max(float(F.cosine_similarity(query[i], video[v, j], dim=0)) for j in real)
+    return out
+
+
+def test_max_scores_equal_the_hand_loop():
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(5, 6, generator=gen)
+    video = torch.randn(4, 7, 6, generator=gen)
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[2] = False  # no real frame: -1
+    video[3] = -query[0] * torch.rand(7, 1, generator=gen)  # query 0: every frame of video 3 at cos -1
+    video[0, 5:] = 0.0  # zero vectors: cos 0
+    expected = hand_max(query, video, mask)
+    with torch.no_grad():
+        retrieval = max_scores(query, video, mask).sim
+    training = max_scores(query.requires_grad_(), video, mask, with_logits=True).sim
+    torch.testing.assert_close(retrieval, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(training.detach(), expected, atol=1e-6, rtol=1e-6)
+    assert retrieval[:, 2].eq(-1.0).all() and abs(retrieval[0, 3].item() + 1.0) < 1e-6
+
+
+def test_padding_never_wins_against_negative_scores():
+    query = torch.tensor([[1.0, 0.0]])
+    video = torch.tensor([[[-1.0, 0.2], [0.0, 0.0], [5.0, 5.0]]])  # real: cos -0.98; then padding
+    mask = torch.tensor([[True, False, False]])
+    with torch.no_grad():
+        got = max_scores(query, video, mask).sim
+    assert abs(got.item() - float(F.cosine_similarity(query[0], video[0, 0], dim=0))) < 1e-6
+
+
+def test_chunked_retrieval_equals_one_chunk(monkeypatch):
+    import prvrlab.models.scoring as scoring
+
+    gen = torch.Generator().manual_seed(1)
+    query, video = torch.randn(3, 4, generator=gen), torch.randn(6, 5, 4, generator=gen)
+    mask = torch.rand(6, 5, generator=gen) > 0.3
+    with torch.no_grad():
+        whole = max_scores(query, video, mask).sim
+        monkeypatch.setattr(scoring, "_MAX_CHUNK_ELEMENTS", 1)  # one video per chunk
+        chunked = max_scores(query, video, mask).sim
+    torch.testing.assert_close(chunked, whole)
