@@ -479,8 +479,8 @@ def evaluate_batches(
         if query_emb is not None:
             with torch.inference_mode():  # indexed here so that the plain gallery can be let go
                 video_emb = model.index_videos(video_emb)
-            per_query = model.score_elements(video_emb)
-            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=score_chunk(video_emb, chunk, elements=per_query))
+            at_once = score_chunk(video_emb, chunk, elements=model.score_elements(video_emb))
+            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=at_once)
         _sync(device)
         timings["score"] = time.perf_counter() - t0
 

@@ -65,8 +65,9 @@ def window_best(
         raise RuntimeError(f"the fused window kernel is unavailable: {unavailable_reason()}")
     nq, nv, length = dots.shape
     dim = 0 if unit is None else unit.shape[-1]
-    if tuple(scale.shape) != (nv, num_proposals(length, int(max_window))):
-        raise ValueError(f"scale must be (V, P) = {(nv, num_proposals(length, int(max_window)))}, got {tuple(scale.shape)}")
+    expected = (nv, num_proposals(length, int(max_window)))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"scale must be (V, P) = {expected}, got {tuple(scale.shape)}")
     if unit is not None and (q_frame is None or unit.shape[:2] != scale.shape or q_frame.shape != (nq, dim)):
         raise ValueError("unit must be (V, P, D) with q_frame (Q, D)")
     dots, scale = dots.contiguous(), scale.contiguous()

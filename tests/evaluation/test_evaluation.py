@@ -459,7 +459,11 @@ def test_evaluation_sizes_query_chunks_from_the_models_score_elements(monkeypatc
     monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 4 * tokens * 3)  # 3 queries at a time by default
     chunks: list[int] = []
     compute_ranks = ev.compute_ranks
-    monkeypatch.setattr(ev, "compute_ranks", lambda *a, chunk, **k: chunks.append(chunk) or compute_ranks(*a, chunk=chunk, **k))
+    def recording(*args, chunk, **kwargs):
+        chunks.append(chunk)
+        return compute_ranks(*args, chunk=chunk, **kwargs)
+
+    monkeypatch.setattr(ev, "compute_ranks", recording)
 
     def run():
         return ev.evaluate_batches(
