@@ -2,7 +2,7 @@
 # The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident), every
 # other backbone and plug-in trained through the loop, the loop's one host wait per step against a wait after
 # every forward and optimiser step, where the host still waits inside a step (by source line), profiles,
-# evaluation, backbone steps and packing. Needs torch with CUDA,
+# evaluation (GMMFormer; MS-SL's indexed gallery), backbone steps and packing. Needs torch with CUDA,
 # h5py, scipy, numpy, pyarrow, pandas, pyyaml, tqdm, pytest and pytest-xdist; neither Ray nor MLflow. Each stage's log goes to $OUT/<stage>.log.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh
@@ -31,7 +31,7 @@ else
            tests/platform/train/test_step.py tests/platform/train/test_random_state.py)
 fi
 
-want() { [[ " ${STAGES:-tests profile train resident plugins syncs waits eval backbones packing} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-tests profile train resident plugins syncs waits eval eval_mssl backbones packing} " == *" $1 "* ]]; }
 
 stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, print its tail
     local name=$1 limit=$2; shift 2
@@ -92,6 +92,8 @@ want waits && [ "$DEVICE" = cuda ] && stage waits 180 $PY benchmarks/bench_inpro
     --device cuda --epochs 2 --amp "$AMP" --threads 4 --resident --sync-sites --configs $WAIT_CONFIGS
 want eval && stage eval 70 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
     --splits val test --amp none bf16 --repeats 2 --no-memory --threads 4
+want eval_mssl && stage eval_mssl 60 $PY benchmarks/bench_eval.py --root "$DATA/bench_tvr" "${SIZES[@]}" --device "$DEVICE" \
+    --config mssl_tvr.yaml --splits val test --amp none bf16 --no-naive --no-memory --threads 4
 want backbones && stage backbones 150 $PY benchmarks/bench_backbones.py --device "$DEVICE" "${STEPS[@]}" --threads 4 --galleries "${GALLERY[@]}"
 want packing && stage packing 100 $PY benchmarks/bench_packing.py --root "$DATA/pack_small" --device "$DEVICE" --counts "${PACK[@]}" \
     --epochs "$PACK_EPOCHS" --amp "$AMP" --threads 2
