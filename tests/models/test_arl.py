@@ -281,6 +281,21 @@ def test_cross_model_retrieval_averages_the_encoders_and_survives_a_checkpoint()
     torch.testing.assert_close(again, fused)
 
 
+def test_cross_model_retrieval_indexes_the_second_encoders_gallery():
+    model = arl_model({"name": "mssl", "hidden_size": 16, "num_heads": 2, "dropout": 0.0}, cross_model=True).eval()
+    batch = split_batches()[0]
+    with torch.inference_mode():
+        video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+        query = model.encode_queries(batch.queries, batch.query_mask)
+        index = model.index_videos(video)
+        assert "attended" in index.extra and "attended" in index.extra["arl.video"].extra  # both encoders'
+        assert "attended" not in video.extra["arl.video"].extra  # the input is left as it was
+        assert model.index_videos(index) is index
+        indexed, plain = model.score(query, index), model.score(query, video)
+    for name in plain:
+        torch.testing.assert_close(indexed[name].sim, plain[name].sim, atol=1e-5, rtol=1e-5)
+
+
 def test_the_arl_backbone_scores_by_the_best_real_frame():
     model = arl_model(cross_model=False).eval()
     batch = split_batches()[0]

@@ -407,6 +407,12 @@ class ARL(Plugin):
             return {}
         return {"query": self.peer.encode_queries(queries, query_mask)}
 
+    def index_videos(self, video: VideoEmbedding) -> dict[str, Any]:
+        """With ``cross_model``: the second encoder's gallery, indexed by that encoder."""
+        if not self.cross_model or "arl.video" not in video.extra:
+            return {}
+        return {"video": self.peer.index_videos(video.extra["arl.video"])}
+
     def adjust_scores(
         self, query: QueryEmbedding, video: VideoEmbedding, scores: dict[str, BranchScores], *, with_logits: bool
     ) -> dict[str, BranchScores]:

@@ -20,6 +20,9 @@ backbone.  Besides the component hooks it can
   retrieval may use them;
 - ``adjust_scores``: replace or change branch scores (training and
   retrieval, :meth:`PluggedModel.score`);
+- ``index_videos``: replace its own ``extra`` entries in the indexed
+  gallery of retrieval (e.g. a second encoder's embedding, indexed by that
+  encoder);
 - ``aux_keys`` / ``training_aux``: training-only extras written into
   ``ModelOutput.aux`` under ``"<plugin>.<key>"`` (never called by
   evaluation; config validation checks that losses reading them have them).
@@ -28,6 +31,7 @@ backbone.  Besides the component hooks it can
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor, nn
@@ -78,6 +82,12 @@ class Plugin(Component):
     ) -> dict[str, BranchScores]:
         """Branch scores after this plug-in (training and retrieval)."""
         return scores
+
+    def index_videos(self, video: VideoEmbedding) -> dict[str, Any]:
+        """Replacements (keys without the prefix) for this plug-in's entries of ``video.extra`` in the
+        indexed gallery (:meth:`RetrievalModel.index_videos`), e.g. a second encoder's embedding indexed
+        by that encoder; none by default."""
+        return {}
 
     def training_aux(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Any]:
         """Training-only extras (keys without the plug-in prefix)."""
@@ -136,8 +146,15 @@ class PluggedModel(RetrievalModel):
         return query
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
-        """The backbone's (its ``score`` reads the index; plug-in entries of ``extra`` are kept)."""
-        return self.backbone.index_videos(video)
+        """The backbone's index (plug-in entries of ``extra`` kept), then every plug-in's replacements."""
+        video = self.backbone.index_videos(video)
+        updates = {
+            f"{name}.{key}": value
+            for name, plugin in self.plugins.items()
+            for key, value in plugin.index_videos(video).items()
+            if video.extra.get(f"{name}.{key}") is not value
+        }
+        return replace(video, extra={**video.extra, **updates}) if updates else video
 
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
