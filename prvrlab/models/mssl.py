@@ -331,11 +331,6 @@ class MSSL(RetrievalModel):
             window = _window_matrix(items.shape[1], self.max_window, items.device)  # (P, Lc)
             window = window if window.shape[0] == num_props else None
         prop_norm = video.extra.get("proposal_norm")
-        # retrieval of an indexed gallery on a CPU: the fused kernel (window_best) where it can be had
-        fused = (
-            not with_logits and indexed and window is not None and "finite" in video.extra
-            and window_best.usable(q_clip.float(), q_frame.float()) and bool(video.extra["finite"].all())
-        )
         per_video = max(1, nq * (num_props + length + 2 * dim))
         chunk = max(1, _MAX_CHUNK_ELEMENTS // per_video)
         parts: dict[str, list[Tensor]] = {"clip_sim": [], "clip_logit": [], "frame_sim": [], "frame_logit": []}
@@ -345,6 +340,11 @@ class MSSL(RetrievalModel):
             qc_norm = qc.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
             qf_norm = qf.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
             mask_all = video.frame_mask
+            # retrieval of an indexed gallery on a CPU: the fused kernel (window_best) where it can be had
+            fused = (
+                not with_logits and indexed and window is not None and "finite" in video.extra
+                and window_best.usable(qc, qf) and bool(video.extra["finite"].all())
+            )
             for start in range(0, nv, chunk):
                 stop = min(start + chunk, nv)
                 c = stop - start

@@ -450,6 +450,19 @@ def test_score_chunk_fits_the_memory_budget(monkeypatch):
     assert ev.score_chunk(emb, 2048, elements=nv) == (5 * per_query + 7) // (4 * nv)
 
 
+def record_chunks(monkeypatch) -> list[int]:
+    """The ``chunk`` of every compute_ranks call that evaluation makes from now on (in call order)."""
+    chunks: list[int] = []
+    compute_ranks = ev.compute_ranks
+
+    def recording(*args, chunk, **kwargs):
+        chunks.append(chunk)
+        return compute_ranks(*args, chunk=chunk, **kwargs)
+
+    monkeypatch.setattr(ev, "compute_ranks", recording)
+    return chunks
+
+
 def test_evaluation_sizes_query_chunks_from_the_models_score_elements(monkeypatch):
     video_ids, clips, frames, mask, query_ids, queries, query_video, ratios = toy_split()
     qmask = torch.ones(len(query_ids), 2, dtype=torch.bool)
@@ -457,13 +470,7 @@ def test_evaluation_sizes_query_chunks_from_the_models_score_elements(monkeypatc
     tokens = clips.shape[0] * (clips.shape[1] + frames.shape[1])  # the default: one value per video token
     monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
     monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 4 * tokens * 3)  # 3 queries at a time by default
-    chunks: list[int] = []
-    compute_ranks = ev.compute_ranks
-    def recording(*args, chunk, **kwargs):
-        chunks.append(chunk)
-        return compute_ranks(*args, chunk=chunk, **kwargs)
-
-    monkeypatch.setattr(ev, "compute_ranks", recording)
+    chunks = record_chunks(monkeypatch)
 
     def run():
         return ev.evaluate_batches(
@@ -488,13 +495,7 @@ def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):
             video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=2048, device=DEVICE,
         )
 
-    calls: list[int] = []
-    compute_ranks = ev.compute_ranks
-    def recording(*args, chunk, **kwargs):
-        calls.append(chunk)
-        return compute_ranks(*args, chunk=chunk, **kwargs)
-
-    monkeypatch.setattr(ev, "compute_ranks", recording)
+    calls = record_chunks(monkeypatch)
     wide = run()
     monkeypatch.setattr(ev, "SCORE_BUDGET_BYTES", 1)
     narrow = run()
