@@ -357,6 +357,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     """Turn a raw nested mapping into an ExperimentConfig, or raise ConfigError."""
     if not isinstance(raw, dict):
         raise ConfigError("a config must be a mapping at the top level")
+    if "extends" in raw or "unset" in raw:
+        raise ConfigError("extends/unset: resolved when a config file is loaded (load_config / load_raw), not here")
     _check_keys(raw, TOP_LEVEL, "")
     name = raw.get("name", "experiment")
     if not isinstance(name, str) or not name:
@@ -564,15 +566,113 @@ def read_yaml(path: Path) -> Any:
     return parse_yaml(text, str(path))
 
 
-def load_raw(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """Read a YAML mapping (a config, or a spec with ``what="spec file"``); one error naming the file when it is bad."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{what} not found: {path}")
+def _read_mapping(path: Path) -> dict[str, Any]:
     raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return raw
+
+
+def load_raw(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """Read a YAML mapping (a config, or a spec with ``what="spec file"``); one error naming the file when it is bad.
+
+    A config's ``extends`` / ``unset`` are resolved here (:func:`resolve_extends`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    raw = _read_mapping(path)
+    return resolve_extends(raw, path) if what == "config file" else raw
+
+
+def find_next_to(owner: Path, value: Any, key: str, what: str = "an experiment YAML") -> Path:
+    """The file ``value`` names, looked up next to ``owner`` and then in the current directory
+    (absolute, resolved); a ConfigError naming ``owner`` and ``key`` otherwise."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{owner}: {key}: expected a path to {what}, got {value!r}")
+    for candidate in (owner.parent / value, Path(value)):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(
+        f"{owner}: {key}: file not found: {value} (looked next to {owner.name} and in the current directory)"
+    )
+
+
+EXTENDS_DEPTH = 8  # configs in one extends chain, the file itself included
+
+
+def resolve_extends(raw: dict[str, Any], path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config with its ``extends`` resolved: the parent config(s) merged under this file's keys.
+
+    ``extends: parent.yaml`` (or a list, merged left to right) names YAML files next to ``path`` or in
+    the current directory; a parent may extend others (at most :data:`EXTENDS_DEPTH` deep, no cycle).
+    Merging: a mapping merges key by key into the parent's, anything else (lists included) replaces
+    the parent's value; a mapping whose ``name`` (``model``) or ``loss`` (a loss term) differs from the
+    parent's replaces it whole.  ``unset: [losses.clip_nce, plugins.ral]`` removes dotted keys from the
+    merged parents first.  ``name`` is never inherited: without its own, a config is named after its
+    file.  Only YAML is read (safe loader); nothing in a parent can run code."""
+    path = path.resolve()
+    chain = (*chain, path)
+    if "extends" not in raw:
+        if "unset" in raw:
+            raise ConfigError(f"{path}: unset: only a config that extends another can unset keys")
+        return raw
+    if len(chain) >= EXTENDS_DEPTH:
+        raise ConfigError(f"{chain[0]}: extends: more than {EXTENDS_DEPTH - 1} configs deep: "
+                          + " -> ".join(p.name for p in chain))
+    refs = raw["extends"] if isinstance(raw["extends"], list) else [raw["extends"]]
+    if not refs:
+        raise ConfigError(f"{path}: extends: expected a path to a config YAML or a list of them, got []")
+    merged: dict[str, Any] = {}
+    for ref in refs:
+        parent = find_next_to(path, ref, "extends", "a config YAML")
+        if parent in chain:
+            raise ConfigError(f"{path}: extends: a cycle: " + " -> ".join(p.name for p in (*chain, parent)))
+        resolved = resolve_extends(_read_mapping(parent), parent, chain)
+        resolved.pop("name", None)
+        merged = merge_config(merged, resolved)
+    for dotted in _unset_keys(raw.get("unset", []), path):
+        _remove_key(merged, dotted, path)
+    merged = merge_config(merged, {k: v for k, v in raw.items() if k not in ("extends", "unset")})
+    merged.setdefault("name", path.stem)
+    return merged
+
+
+def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into a copy of ``base`` by the rules of :func:`resolve_extends`."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        old = out.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and not _replaces(old, value):
+            out[key] = merge_config(old, value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _replaces(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """A mapping naming another component (backbone ``name``, loss term ``loss``) replaces the old one."""
+    return any(k in old and k in new and old[k] != new[k] for k in ("name", "loss"))
+
+
+def _unset_keys(value: Any, path: Path) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{path}: unset: expected a list of dotted keys (e.g. [losses.clip_nce]), got {value!r}")
+    return value
+
+
+def _remove_key(raw: dict[str, Any], dotted: str, path: Path) -> None:
+    node: Any = raw
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, dict) or part not in node:
+            keys = list(node) if isinstance(node, dict) else []
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(
+                f"{path}: unset: {dotted}: the parent config has no '{part}' in {where}{did_you_mean(part, keys)}"
+            )
+        if i < len(parts) - 1:
+            node = node[part]
+    del node[parts[-1]]
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, preset: str | None = None) -> ExperimentConfig:

@@ -37,6 +37,7 @@ from prvrlab.platform.config import (
     ConfigError,
     ExperimentConfig,
     apply_overrides,
+    find_next_to,
     load_raw,
     validate,
 )
@@ -317,16 +318,6 @@ def _check_keys(raw: dict[str, Any], valid: tuple[str, ...], where: str) -> None
             raise ConfigError(f"{where}: unknown key '{key}'{did_you_mean(str(key), valid)}; valid: {', '.join(valid)}")
 
 
-def _resolve_base(spec_path: Path, value: Any) -> Path:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{spec_path}: base_config: expected a path to an experiment YAML")
-    candidates = [spec_path.parent / value, Path(value)]
-    for path in candidates:
-        if path.is_file():
-            return path.resolve()
-    raise ConfigError(f"{spec_path}: base_config: file not found: {value} (looked next to the spec and in the current directory)")
-
-
 def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
     return path, load_raw(path, what="spec file")
@@ -340,7 +331,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
             f"{path}: name: {name!r} is not a plain folder name; use letters, digits, '_', '.' and '-' "
             "(not '.' or '..')"
         )
-    base_path = _resolve_base(path, raw.get("base_config"))
+    base_path = find_next_to(path, raw.get("base_config"), "base_config")
     base_raw = load_raw(base_path)
     overrides = {**_mapping(raw.get("overrides"), f"{path}: overrides"), **(extra_overrides or {})}
     try:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
+
+from prvrlab.platform.config import load_raw
 
 from train_helpers import untrained_val_sumr, val_sumr_by_epoch
 
@@ -17,7 +18,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*_synth
 
 def tiny_raw(path: Path, root: Path, tmp: Path) -> dict:
     """The config with its model shrunk (width 32, 2 heads, no dropout) and 6 short epochs on ``root``."""
-    raw = yaml.safe_load(path.read_text())
+    raw = load_raw(path)  # its extends resolved
     raw["data"] = {"root": str(root), "collection": "synth", "visual_feature": "synth_feat"}
     raw["model"].update(hidden_size=32, num_heads=2, dropout=0.0)
     if "ffn_size" in raw["model"]:
