@@ -50,13 +50,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"best val SumR {result.best_sumr:.1f} at epoch {result.best_epoch}; run {result.run_id}")
     for split in ("val", "test"):
         if f"{split}/sumr" in metrics:
-            print(
-                f"  {split:<5} R@1 {metrics[f'{split}/r1']:.1f}  R@5 {metrics[f'{split}/r5']:.1f}  "
-                f"R@10 {metrics[f'{split}/r10']:.1f}  R@100 {metrics[f'{split}/r100']:.1f}  "
-                f"SumR {metrics[f'{split}/sumr']:.1f}"
-            )
+            print(f"  {split:<5} " + _recalls({k: metrics.get(f"{split}/{k}") for k in RECALL_NAMES}))
+    for line in _published_lines(cfg.published, metrics):
+        print(f"  {line}")
     print(f"  files: {result.run_dir}")
     return 0
+
+
+RECALL_NAMES = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "r100": "R@100", "sumr": "SumR"}
+
+
+def _recalls(values: dict[str, float | None], fmt: str = ".1f") -> str:
+    """``R@1 13.9  R@5 33.3 ...`` for the metrics given (keys ``r1`` ... ``sumr``)."""
+    return "  ".join(f"{RECALL_NAMES[k]} {v:{fmt}}" for k, v in values.items() if v is not None)
+
+
+def _published_lines(published, final: dict[str, float]) -> list[str]:
+    """The published result and the run's difference to it, when ``final`` has its split."""
+    deltas = published.compare(final)
+    if not deltas:
+        return []
+    given = published.metrics()
+    split = published.split
+    return [
+        f"published ({published.source}; {split}): {_recalls(given)}",
+        f"this run - published:  {_recalls({k: deltas.get(f'{split}/{k}_vs_published') for k in given}, '+.1f')}",
+    ]
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -106,7 +125,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from prvrlab.platform import storage
-    from prvrlab.platform.train.checkpoint_eval import checkpoint_epoch, evaluate_checkpoint, load_checkpoint
+    from prvrlab.platform.train.checkpoint_eval import (
+        checkpoint_config,
+        checkpoint_epoch,
+        evaluate_checkpoint,
+        load_checkpoint,
+    )
 
     checkpoint = storage.fetch(args.checkpoint, key="checkpoint")  # s3:// or gs://: a staged local copy
     ranks = args.ranks
@@ -116,14 +140,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if ranks != args.ranks:
         storage.put(ranks, args.ranks)
     m = result.metrics
-    epoch = checkpoint_epoch(load_checkpoint(checkpoint))
+    blob = load_checkpoint(checkpoint)
+    epoch = checkpoint_epoch(blob)
     print(
         (f"model of epoch {epoch}  " if epoch is not None else "")
         + f"{args.split}: {result.num_queries} queries x {result.num_videos} videos  "
-        f"R@1 {m['r1']:.1f}  R@5 {m['r5']:.1f}  R@10 {m['r10']:.1f}  R@100 {m['r100']:.1f}  SumR {m['sumr']:.1f}"
+        + _recalls({k: m[k] for k in RECALL_NAMES})
     )
     for group, values in (result.by_group or {}).items():
         print(f"  {group:<7} ({int(values.get('count', 0))} queries)  SumR {values['sumr']:.1f}")
+    published = checkpoint_config(blob, checkpoint).published
+    for line in _published_lines(published, {f"{args.split}/{k}": v for k, v in m.items()}):
+        print(f"  {line}")
     if args.json:
         print(json.dumps({"metrics": m, "by_group": result.by_group}, indent=1))
     return 0

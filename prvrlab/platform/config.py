@@ -113,13 +113,72 @@ class TrackingConfig:
         normalize(self.storage_path)  # unknown scheme, no bucket, a query: ConfigError naming the key
 
 
+PUBLISHED_METRICS = ("r1", "r5", "r10", "r100", "sumr")
+PUBLISHED_SUM_TOLERANCE = 0.25  # published R@K are rounded to 0.1: their sum may miss the printed SumR by 0.2
+
+
+@dataclass
+class PublishedConfig:
+    """A published result the config reproduces (a paper's table row), in percent.
+
+    It changes nothing in training: the run's final metrics on ``split`` are printed and logged
+    beside it (``final/<split>/<metric>_vs_published``: the run's minus the published value), and it
+    is not part of the config's fingerprint.  Empty (the default): no comparison."""
+
+    source: str | None = None  # where the numbers are printed, e.g. "papers/002 Table 1, GMMFormer"
+    split: str | None = None  # the split they were reported on (compared when eval.final_splits has it)
+    r1: float | None = None
+    r5: float | None = None
+    r10: float | None = None
+    r100: float | None = None
+    sumr: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """The published values given, by metric key (``r1`` ... ``sumr``)."""
+        return {k: float(v) for k in PUBLISHED_METRICS if (v := getattr(self, k)) is not None}
+
+    def check(self) -> None:
+        given = self.metrics()
+        if not given and self.source is None and self.split is None:
+            return
+        if not given:
+            raise ConfigError(f"published: give at least one of {', '.join(PUBLISHED_METRICS)}")
+        for key in ("source", "split"):
+            if not (getattr(self, key) or "").strip():
+                raise ConfigError(f"published.{key}: required with published metrics (where they are printed / "
+                                  "the split they were reported on)")
+        for key, value in given.items():
+            top = 400.0 if key == "sumr" else 100.0
+            if not (math.isfinite(value) and 0.0 <= value <= top):
+                raise ConfigError(f"published.{key}: a percentage in [0, {top:g}], got {value!r}")
+        recalls = [(k, given[k]) for k in PUBLISHED_METRICS[:-1] if k in given]
+        for (a, va), (b, vb) in zip(recalls, recalls[1:]):
+            if va > vb:
+                raise ConfigError(f"published.{a}: {va:g} is above published.{b}: {vb:g}; R@K cannot fall as K grows")
+        if len(recalls) == 4 and "sumr" in given:
+            total = sum(v for _, v in recalls)
+            if abs(total - given["sumr"]) > PUBLISHED_SUM_TOLERANCE:
+                raise ConfigError(f"published.sumr: {given['sumr']:g}, but r1 + r5 + r10 + r100 = {total:.1f}")
+
+    def compare(self, final: dict[str, Any]) -> dict[str, float]:
+        """The run's final metrics minus the published ones, ``{"<split>/<metric>_vs_published": delta}``,
+        for the metrics both have (``final`` as the trainer reports it: ``"<split>/<metric>"`` keys)."""
+        out = {}
+        for key, value in self.metrics().items():
+            ours = final.get(f"{self.split}/{key}")
+            if isinstance(ours, (int, float)):
+                out[f"{self.split}/{key}_vs_published"] = float(ours) - value
+        return out
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "train": TrainConfig,
     "eval": EvalConfig,
     "tracking": TrackingConfig,
+    "published": PublishedConfig,
 }
-TOP_LEVEL = ("name", "data", "model", "plugins", "losses", "train", "eval", "tracking")
+TOP_LEVEL = ("name", "data", "model", "plugins", "losses", "train", "eval", "tracking", "published")
 
 
 @dataclass
@@ -134,6 +193,7 @@ class ExperimentConfig:
     eval: EvalConfig
     tracking: TrackingConfig
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # plug-in name -> constructor params
+    published: PublishedConfig = field(default_factory=PublishedConfig)  # a result to compare with, not a setting
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON serialisable)."""
@@ -146,13 +206,16 @@ class ExperimentConfig:
             "train": dataclasses.asdict(self.train),
             "eval": dataclasses.asdict(self.eval),
             "tracking": dataclasses.asdict(self.tracking),
+            "published": dataclasses.asdict(self.published),
         }
 
     def flat(self) -> dict[str, Any]:
-        """Dotted key -> value (lists kept as values); no ``plugins`` entry when none is enabled."""
+        """Dotted key -> value (lists kept as values); no ``plugins`` / ``published`` entries when empty."""
         d = self.to_dict()
         if not d["plugins"]:
             d.pop("plugins")
+        if all(v is None for v in d["published"].values()):
+            d.pop("published")
         return flatten(d)
 
     def to_yaml(self) -> str:
@@ -162,6 +225,7 @@ class ExperimentConfig:
         """Stable hash of everything that affects results (tracking excluded)."""
         d = self.to_dict()
         d.pop("tracking")
+        d.pop("published")
         d.pop("name")
         if not d["plugins"]:
             d.pop("plugins")  # configs without plug-ins keep the fingerprint they had before plug-ins existed
@@ -367,6 +431,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     sections = {key: _build_section(cls, raw.get(key), key) for key, cls in SECTIONS.items()}
     if isinstance(raw.get("eval"), dict) and "final_splits" in raw["eval"]:
         _check_final_splits(sections["eval"].final_splits, sections["data"])
+    _check_published_split(sections["published"], sections["data"])
 
     model_raw = raw.get("model")
     if not isinstance(model_raw, dict) or "name" not in model_raw:
@@ -411,6 +476,17 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     cfg = ExperimentConfig(name=name, model=model, losses=losses, plugins=plugins, **sections)
     _instantiate_check(cfg)
     return cfg
+
+
+def _check_published_split(published: PublishedConfig, data: DataConfig) -> None:
+    """The published result's split is one of the data section's (it is compared when
+    ``eval.final_splits`` evaluates it, and skipped otherwise)."""
+    known = [s for s in (data.train_split, data.val_split, data.test_split) if s is not None]
+    if published.split is not None and published.split not in known:
+        raise ConfigError(
+            f"published.split: {published.split!r} is not a split of the data section ({', '.join(known)})"
+            f"{did_you_mean(published.split, known)}; --set published=null drops the published result"
+        )
 
 
 def _check_final_splits(splits: list[str], data: DataConfig) -> None:

@@ -19,8 +19,9 @@ TINY_OVERRIDES = {
 }
 
 
-def tiny_spec(tmp: Path, tiny_root: Path, name: str = "tiny", **fields) -> Path:
-    """A search (or, with ``variants``, ablation) spec on the tiny collection, tracked under ``tmp``."""
+def tiny_spec(tmp: Path, tiny_root: Path, name: str = "tiny", overrides: dict | None = None, **fields) -> Path:
+    """A search (or, with ``variants``, ablation) spec on the tiny collection, tracked under ``tmp``
+    (``overrides``: more of the spec's config overrides)."""
     spec = {
         "name": name,
         "base_config": str(REPO / "configs" / "gmmformer_synth.yaml"),
@@ -31,6 +32,7 @@ def tiny_spec(tmp: Path, tiny_root: Path, name: str = "tiny", **fields) -> Path:
             "tracking.uri": f"sqlite:///{tmp / 'mlflow.db'}",
             "tracking.storage_path": str(tmp / "results"),
             "tracking.experiment": "tests",
+            **(overrides or {}),
         },
         "concurrency": 1,
         "resources": {"workers_per_trial": 1},

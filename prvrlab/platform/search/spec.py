@@ -23,7 +23,7 @@ import math
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +246,7 @@ class AblationSpec(StudySpec):
 def valid_keys(cfg: ExperimentConfig) -> list[str]:
     """Every settable dotted key of ``cfg``, including constructor parameters at their default."""
     keys = dict.fromkeys(cfg.flat())
+    keys.update(dict.fromkeys(f"published.{f.name}" for f in fields(cfg.published)))
     for name in BACKBONES.params(cfg.backbone):
         if name not in DATA_DERIVED:
             keys[f"model.{name}"] = None

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from prvrlab.data.errors import DataError
-from prvrlab.platform.config import ConfigError, validate
+from prvrlab.platform.config import ConfigError, ExperimentConfig, validate
 from prvrlab.platform.presets import PRE_PARITY, apply_switches
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -32,6 +32,18 @@ def checkpoint_epoch(blob: dict) -> int | None:
     return int(blob["epoch"]) + (1 if blob.get("format", 1) < 3 else 0)
 
 
+def checkpoint_config(blob: dict, path: str | Path) -> ExperimentConfig:
+    """The validated config a model file was trained with (files written before the parity switches:
+    the switches as they were then)."""
+    stored = blob["config"]
+    if blob.get("format", 1) < 2:
+        stored = apply_switches(stored, PRE_PARITY, keep_given=True)
+    try:
+        return validate(stored)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: stored config is invalid: {exc}") from None
+
+
 def evaluate_checkpoint(
     path: str | Path,
     *,
@@ -48,13 +60,7 @@ def evaluate_checkpoint(
     from prvrlab.models.factory import build_model
 
     blob = load_checkpoint(path)
-    stored = blob["config"]
-    if blob.get("format", 1) < 2:  # written before the parity switches: evaluate as it was trained
-        stored = apply_switches(stored, PRE_PARITY, keep_given=True)
-    try:
-        cfg = validate(stored)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: stored config is invalid: {exc}") from None
+    cfg = checkpoint_config(blob, path)
     if data_root is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(Path(data_root).resolve())))
     collection = open_collection(cfg.data)

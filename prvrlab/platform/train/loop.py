@@ -21,7 +21,8 @@ Reported rounds (every rank reports the same number of times):
 - one at the end: ``kind="final"`` with the best model's metrics on
   ``eval.final_splits`` and the run files written (the validation split's
   are the best epoch's own validation when this attempt ran it: the same
-  weights, data and settings, so it is not encoded again).
+  weights, data and settings, so it is not encoded again), plus
+  ``<split>/<metric>_vs_published`` (the run's minus the config's ``published`` result).
 A non-finite loss ends training on every rank at the same step and is
 reported as ``kind="nonfinite"`` (no retry: retrying cannot fix it).
 """
@@ -497,6 +498,7 @@ class TrainingLoop:
         t0 = time.perf_counter()
         final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch + 1}
         final.update(self._evaluate_best())
+        final.update(self.cfg.published.compare(final))  # <split>/<metric>_vs_published, when configured
         if self.rank == 0:
             self.mirror.push()
         final["time/final_s"] = time.perf_counter() - t0
