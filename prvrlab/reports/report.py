@@ -501,6 +501,7 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
         legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries, "
                       f"{'Holm-adjusted over the table' if opt.adjust == 'holm' else 'unadjusted'}).")
     legend.append(saturation_note([v for r in rows for v in r.values.get("r100") or []]))
+    legend.append(published_note(next((r for r in rows if r.name == baseline), None), chosen, split))
     doc.add(" ".join(x for x in legend if x))
     doc.parts.extend(conf.parts)
     if _has_groups([chosen[r.name][s] for r in rows for s in r.seeds_ok], split):
@@ -513,6 +514,19 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     if opt.profile:
         _profile_section(doc, study, [(r.name, chosen[r.name][r.seeds_ok[0]] if r.seeds_ok else next(iter(chosen[r.name].values()), None)) for r in rows], opt)
     problems_section(doc, study.runs, missing)
+
+
+def published_note(row: VariantRow | None, chosen: dict[str, dict[int, TrialRun]], split: str) -> str:
+    """The baseline config's published result on ``split`` beside the baseline's mean ('' without one)."""
+    published = next((chosen[row.name][s].published(split) for s in row.seeds_ok), None) if row else None
+    if published is None:
+        return ""
+    source, values = published
+    parts = []
+    for m, v in values.items():
+        ours = row.mean(m)
+        parts.append(f"{METRIC_NAMES[m]} {fmt(v)}" + (f" (baseline {ours - v:+.1f})" if ours is not None else ""))
+    return f"Published ({escape(source)}, {split}): {', '.join(parts)}."
 
 
 def _fmt_value(value: Any) -> str:
@@ -620,6 +634,20 @@ def importance_caveat(n_trials: int) -> str:
     return f" **Based on {n_trials} trial{'' if n_trials == 1 else 's'} only; treat as indicative.**"
 
 
+def published_pairs(run: TrialRun, split: str) -> list[tuple[str, str]]:
+    """Rows for the published result of the run's config on ``split`` and the run's difference to it."""
+    published = run.published(split)
+    if published is None:
+        return []
+    source, values = published
+    shown = "  ".join(f"{METRIC_NAMES[m]} {fmt(v)}" for m, v in values.items())
+    deltas = []
+    for m, v in values.items():
+        ours = run.final(split, m)
+        deltas.append(f"{METRIC_NAMES[m]} {ours - v:+.1f}" if ours is not None else f"{METRIC_NAMES[m]} {DASH}")
+    return [(f"Published ({escape(source)})", shown), ("This run − published", "  ".join(deltas))]
+
+
 def search_report(doc: Doc, study: Study, opt: Options) -> None:
     split = pick_split(study, opt.split)
     space = _space(study)
@@ -647,6 +675,7 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
         pairs = [("Trial", f"`{best.trial_id}`"), ("Run", f"`{best.run_id}`"), (study.metric, fmt(value, 2))]
         pairs += [(f"`{escape(k)}`", fmt_param(v)) for k, v in _active(space, best).items()]
         pairs += [(f"{split} {METRIC_NAMES[m]}", fmt(best.final(split, m))) for m in METRIC_KEYS]
+        pairs += published_pairs(best, split)
         doc.add(kv_table(pairs))
         doc.add(f"Full config: artifact `config.yaml` of run `{best.run_id}`.")
     if ranked:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.reports.errors import ReportError
 
 STUDY_KINDS = ("search", "ablation")
@@ -80,6 +81,17 @@ class TrialRun:
     @property
     def error(self) -> str:
         return self.tags.get("error", self.tags.get("prvrlab.stop_reason", ""))
+
+    def published(self, split: str) -> tuple[str, dict[str, float]] | None:
+        """``(source, {metric: value})`` of the run config's ``published`` result on ``split``, if any."""
+        if self.params.get("published.split") != split:
+            return None
+        values = {}
+        for key in METRIC_KEYS:
+            text = self.params.get(f"published.{key}")
+            if text not in (None, "None"):
+                values[key] = float(text)
+        return (self.params.get("published.source", ""), values) if values else None
 
     def final(self, split: str, metric: str) -> float | None:
         """``final/<split>/<metric>`` when logged and finite."""

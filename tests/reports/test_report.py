@@ -54,6 +54,9 @@ def test_ablation_table_equals_mlflow(studies, tmp_path):
     assert conf[3][7] not in ("—", "") and "(n=2, min 0.500)" in conf[3][9]
     assert conf[0][8] == "p (Holm)" and conf[3][8] == conf[3][7]  # one comparison: Holm changes nothing
     assert "## Moment/video-ratio breakdown (val)" in md
+    full_sumr = statistics.fmean(values["full"]["sumr"])
+    assert "Published (a made-up table, val): R@1 1.0 (baseline " in md
+    assert f"SumR 56.0 (baseline {full_sumr - 56.0:+.1f})." in md
 
 
 def test_report_is_byte_identical_when_rerun(studies, tmp_path):
@@ -118,6 +121,11 @@ def test_search_summary(studies, tmp_path):
     assert summary["Trial"] == f"`{best.data.tags['prvrlab.trial_id']}`"
     assert summary["val SumR"] == f"{best.data.metrics['final/val/sumr']:.1f}"
     assert summary["`train.lr`"] == f"{float(best.data.params['train.lr']):.4g}"
+    assert summary["Published (a made-up table)"] == "R@1 1.0  R@5 2.0  R@10 3.0  R@100 50.0  SumR 56.0"
+    published = {"r1": 1.0, "r5": 2.0, "r10": 3.0, "r100": 50.0, "sumr": 56.0}
+    names = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "r100": "R@100", "sumr": "SumR"}
+    assert summary["This run − published"] == "  ".join(
+        f"{names[m]} {best.data.metrics[f'final/val/{m}'] - v:+.1f}" for m, v in published.items())
     top = md_rows(md, "## Top trials")[2:]
     assert len(top) == 3 and [r[8] for r in top] == sorted([r[8] for r in top], key=float, reverse=True)
     imp = md_rows(md, "## Parameter importances")
