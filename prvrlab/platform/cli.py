@@ -222,6 +222,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from prvrlab.platform.recipes import catalogue
+
+    print(catalogue(Path(args.dir)), end="")
+    return 0
+
+
 def cmd_data_synth(args: argparse.Namespace) -> int:
     from prvrlab.data.synth import synthesize
 
@@ -323,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-dim", type=int, default=None, help="query token feature size (default: read from the data)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when train.use_gpu and available)")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("recipes", help="the shipped configs by dataset: official / paper / synthetic, the published number")
+    p.add_argument("--dir", default="configs", help="folder of experiment YAMLs (default configs)")
+    p.set_defaults(func=cmd_recipes)
 
     data = sub.add_parser("data", help="synthetic data, conversion and checks").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("synth", help="write a synthetic PRVR collection in the public release layout")
