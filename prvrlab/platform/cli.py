@@ -208,6 +208,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from prvrlab.platform.tracking.store import resolve_tracking_uri
+    from prvrlab.reports.compare import compare_runs
+
+    text = compare_runs(resolve_tracking_uri(args.tracking_uri), args.run_ids, split=args.split,
+                        n_boot=args.bootstrap, seed=args.seed, adjust=args.adjust)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text, end="")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import load_config
     from prvrlab.platform.runtime import resolve_config_paths
@@ -320,6 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gallery", type=int, nargs="+", default=None, help="gallery sizes for --profile (default 500 to 2500 by 500)")
     p.add_argument("--no-log", action="store_true", help="do not log the report as an artifact of the parent run")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("compare", help="runs side by side on one split: R@K, ΔSumR against the first, query-level significance")
+    p.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="MLflow run ids of training runs; the first is the reference")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when every run logged it, else val)")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the resampling (default 0)")
+    p.add_argument("--adjust", choices=["holm", "none"], default="holm", help="adjust the p-values over the table's comparisons (default holm)")
+    p.add_argument("--out", default=None, help="also write the markdown to this file")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("profile", help="parameters, FLOPs, ms per query at several gallery sizes and memory of a config's model")
     p.add_argument("config", help="experiment YAML")

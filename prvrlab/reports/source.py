@@ -140,29 +140,8 @@ class Study:
         return self._cache
 
     def ranks(self, run: TrialRun, split: str) -> dict[str, Any] | None:
-        """Per-query ranks of ``run`` on ``split``: {"query_id", "rank", "ratio"} arrays sorted by query id, or None."""
-        from prvrlab.evaluation.metrics import load_ranks
-
-        dst = self.cache_dir() / run.run_id
-        local = dst / "ranks" / f"ranks_{split}.parquet"
-        if not local.is_file() and (dst / f"ranks_{split}.parquet").is_file():
-            local = dst / f"ranks_{split}.parquet"
-        if not local.is_file():
-            try:
-                names = {f.path for f in self.client.list_artifacts(run.run_id, "ranks")}
-            except Exception:
-                return None
-            if f"ranks/ranks_{split}.parquet" not in names:
-                return None
-            dst.mkdir(parents=True, exist_ok=True)
-            local = Path(self.client.download_artifacts(run.run_id, f"ranks/ranks_{split}.parquet", str(dst)))
-        table = load_ranks(local)
-        qid = np.asarray(table.column("query_id").to_pylist(), dtype=object)
-        order = np.argsort(qid.astype(str), kind="stable")
-        out = {"query_id": qid[order].astype(str), "rank": np.asarray(table.column("rank").to_numpy(), dtype=np.int64)[order]}
-        if "ratio" in table.column_names:
-            out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
-        return out
+        """Per-query ranks of ``run`` on ``split`` (:func:`run_ranks`), cached for the study."""
+        return run_ranks(self.client, run.run_id, split, self.cache_dir())
 
     def distributions(self, run: TrialRun) -> dict[str, dict[str, Any]]:
         """``<component>.<name>`` -> the record of every ``distributions/*.json`` artifact of ``run``
@@ -198,7 +177,47 @@ class Study:
 # ---------------------------------------------------------------- finding the parent run
 
 
-def _client(uri: str):
+def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, Any] | None:
+    """Per-query ranks a run logged for ``split`` (artifact ``ranks/ranks_<split>.parquet``, downloaded once
+    into ``cache``): {"query_id", "rank", "ratio"} arrays sorted by query id, or None without that artifact."""
+    from prvrlab.evaluation.metrics import load_ranks
+
+    dst = cache / run_id
+    local = dst / "ranks" / f"ranks_{split}.parquet"
+    if not local.is_file() and (dst / f"ranks_{split}.parquet").is_file():
+        local = dst / f"ranks_{split}.parquet"
+    if not local.is_file():
+        try:
+            names = {f.path for f in client.list_artifacts(run_id, "ranks")}
+        except Exception:
+            return None
+        if f"ranks/ranks_{split}.parquet" not in names:
+            return None
+        dst.mkdir(parents=True, exist_ok=True)
+        local = Path(client.download_artifacts(run_id, f"ranks/ranks_{split}.parquet", str(dst)))
+    table = load_ranks(local)
+    qid = np.asarray(table.column("query_id").to_pylist(), dtype=object)
+    order = np.argsort(qid.astype(str), kind="stable")
+    out = {"query_id": qid[order].astype(str), "rank": np.asarray(table.column("rank").to_numpy(), dtype=np.int64)[order]}
+    if "ratio" in table.column_names:
+        out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
+    return out
+
+
+def trial_run(r: Any) -> TrialRun:
+    """A :class:`TrialRun` of an MLflow run entity (any prvrlab training run: a trial or a standalone one)."""
+    return TrialRun(
+        run_id=r.info.run_id,
+        name=r.info.run_name or "",
+        run_status=r.info.status,
+        start_time=int(r.info.start_time or 0),
+        tags=dict(r.data.tags),
+        params=dict(r.data.params),
+        metrics=dict(r.data.metrics),
+    )
+
+
+def mlflow_client(uri: str):
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -226,7 +245,7 @@ def find_parent(
     """The parent run id of the study named by ``run_id`` or by ``experiment`` (and ``study``, its name there)."""
     if (run_id is None) == (experiment is None) or (study is not None and experiment is None):
         raise ReportError("name the study with exactly one of a run id or an experiment (and optionally a study name)")
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     if run_id is not None:
         from mlflow.exceptions import MlflowException
 
@@ -277,7 +296,7 @@ def _sort_key(run: TrialRun) -> tuple:
 
 def load_study(uri: str, parent_id: str) -> Study:
     """The parent run and every child run (all statuses) of a study."""
-    client = _client(uri)
+    client = mlflow_client(uri)
     parent = client.get_run(parent_id)
     kind = parent.data.tags.get("prvrlab.kind", "")
     if kind not in STUDY_KINDS:
@@ -294,18 +313,7 @@ def load_study(uri: str, parent_id: str) -> Study:
         token = page.token
         if not token:
             break
-    runs = [
-        TrialRun(
-            run_id=r.info.run_id,
-            name=r.info.run_name or "",
-            run_status=r.info.status,
-            start_time=int(r.info.start_time or 0),
-            tags=dict(r.data.tags),
-            params=dict(r.data.params),
-            metrics=dict(r.data.metrics),
-        )
-        for r in children
-    ]
+    runs = [trial_run(r) for r in children]
     return Study(
         tracking_uri=uri,
         parent_id=parent_id,
