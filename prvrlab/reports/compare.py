@@ -75,8 +75,12 @@ def compare_runs(
             if run_ranks_ is None or ref_ranks is None:
                 notes.append(f"{_label(run if run_ranks_ is None else reference)} logged no ranks for {split}: no test.")
             else:
-                a, b = stats.align(run_ranks_["query_id"], stats.hits(run_ranks_["rank"]),
-                                   ref_ranks["query_id"], stats.hits(ref_ranks["rank"]))
+                try:
+                    a, b = stats.align(run_ranks_["query_id"], stats.hits(run_ranks_["rank"]),
+                                       ref_ranks["query_id"], stats.hits(ref_ranks["rank"]))
+                except ValueError:
+                    raise ReportError(f"runs '{run.run_id}' and '{reference.run_id}' ranked no common {split} query: "
+                                      "they were evaluated on different collections") from None
                 result = stats.paired_test(a, b, n_perm=n_boot, seed=seed)
                 delta = f"{fmt(result.delta, signed=True)} [{fmt(result.low, signed=True)}, {fmt(result.high, signed=True)}]"
                 p = fmt_p(result.p_value)

@@ -85,6 +85,24 @@ def test_the_split_defaults_to_test_when_every_run_has_it_and_a_run_without_rank
     assert f"`{bare[:8]}` bare logged no ranks for val: no test." in md
 
 
+def test_runs_of_different_collections_are_refused(three_runs, tmp_path):
+    """A run whose ranks share no query id with the reference's (another collection) is one clear error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from prvrlab.reports.errors import ReportError
+
+    tracker = three_runs["tracker"]
+    other = tracker.start_run("other", tags={})
+    tracker.log_metrics(other, {f"final/val/{m}": 1.0 for m in METRICS})
+    ranks = tmp_path / "ranks_val.parquet"
+    pq.write_table(pa.table({"query_id": ["elsewhere#0"], "video_id": ["v"], "rank": [1]}), ranks)
+    tracker.log_artifacts(other, [ranks], "ranks")
+    tracker.end_run(other, "FINISHED")
+    with pytest.raises(ReportError, match=f"runs '{other}' and '{three_runs['ids'][0]}' ranked no common val query"):
+        compare_runs(three_runs["uri"], [three_runs["ids"][0], other], split="val", n_boot=20)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
