@@ -38,8 +38,10 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from prvrlab.evaluation.metrics import METRIC_KEYS
     from prvrlab.platform.config import load_config
     from prvrlab.platform.train.driver import train
+    from prvrlab.reports.tables import recall_text
 
     cfg = load_config(args.config, _overrides(args.set), preset=args.preset)
     if args.check:
@@ -50,31 +52,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"best val SumR {result.best_sumr:.1f} at epoch {result.best_epoch}; run {result.run_id}")
     for split in ("val", "test"):
         if f"{split}/sumr" in metrics:
-            print(f"  {split:<5} " + _recalls({k: metrics.get(f"{split}/{k}") for k in RECALL_NAMES}))
+            print(f"  {split:<5} " + recall_text({k: metrics.get(f"{split}/{k}") for k in METRIC_KEYS}))
     for line in _published_lines(cfg.published, metrics):
         print(f"  {line}")
     print(f"  files: {result.run_dir}")
     return 0
 
 
-RECALL_NAMES = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "r100": "R@100", "sumr": "SumR"}
-
-
-def _recalls(values: dict[str, float | None], fmt: str = ".1f") -> str:
-    """``R@1 13.9  R@5 33.3 ...`` for the metrics given (keys ``r1`` ... ``sumr``)."""
-    return "  ".join(f"{RECALL_NAMES[k]} {v:{fmt}}" for k, v in values.items() if v is not None)
-
-
 def _published_lines(published, final: dict[str, float]) -> list[str]:
     """The published result and the run's difference to it, when ``final`` has its split."""
+    from prvrlab.reports.tables import recall_text
+
     deltas = published.compare(final)
     if not deltas:
         return []
     given = published.metrics()
     split = published.split
     return [
-        f"published ({published.source}; {split}): {_recalls(given)}",
-        f"this run - published:  {_recalls({k: deltas.get(f'{split}/{k}_vs_published') for k in given}, '+.1f')}",
+        f"published ({published.source}; {split}): {recall_text(given)}",
+        f"this run - published:  {recall_text({k: deltas[f'{split}/{k}_vs_published'] for k in given}, signed=True)}",
     ]
 
 
@@ -124,6 +120,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from prvrlab.evaluation.metrics import METRIC_KEYS
     from prvrlab.platform import storage
     from prvrlab.platform.train.checkpoint_eval import (
         checkpoint_config,
@@ -131,6 +128,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         evaluate_checkpoint,
         load_checkpoint,
     )
+    from prvrlab.reports.tables import recall_text
 
     checkpoint = storage.fetch(args.checkpoint, key="checkpoint")  # s3:// or gs://: a staged local copy
     ranks = args.ranks
@@ -145,7 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(
         (f"model of epoch {epoch}  " if epoch is not None else "")
         + f"{args.split}: {result.num_queries} queries x {result.num_videos} videos  "
-        + _recalls({k: m[k] for k in RECALL_NAMES})
+        + recall_text({k: m[k] for k in METRIC_KEYS})
     )
     for group, values in (result.by_group or {}).items():
         print(f"  {group:<7} ({int(values.get('count', 0))} queries)  SumR {values['sumr']:.1f}")

@@ -113,7 +113,7 @@ class TrackingConfig:
         normalize(self.storage_path)  # unknown scheme, no bucket, a query: ConfigError naming the key
 
 
-PUBLISHED_METRICS = ("r1", "r5", "r10", "r100", "sumr")
+PUBLISHED_METRICS = ("r1", "r5", "r10", "r100", "sumr")  # = evaluation.metrics.METRIC_KEYS (which would load pyarrow here)
 PUBLISHED_SUM_TOLERANCE = 0.25  # published R@K are rounded to 0.1: their sum may miss the printed SumR by 0.2
 
 
@@ -481,7 +481,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
 def _check_published_split(published: PublishedConfig, data: DataConfig) -> None:
     """The published result's split is one of the data section's (it is compared when
     ``eval.final_splits`` evaluates it, and skipped otherwise)."""
-    known = [s for s in (data.train_split, data.val_split, data.test_split) if s is not None]
+    known = _data_splits(data)
     if published.split is not None and published.split not in known:
         raise ConfigError(
             f"published.split: {published.split!r} is not a split of the data section ({', '.join(known)})"
@@ -489,9 +489,14 @@ def _check_published_split(published: PublishedConfig, data: DataConfig) -> None
         )
 
 
+def _data_splits(data: DataConfig) -> list[str]:
+    """The data section's splits that are set (train, val, test)."""
+    return [s for s in (data.train_split, data.val_split, data.test_split) if s is not None]
+
+
 def _check_final_splits(splits: list[str], data: DataConfig) -> None:
     """Every split given in ``eval.final_splits`` is one of the data section's splits."""
-    known = [s for s in (data.train_split, data.val_split, data.test_split) if s is not None]
+    known = _data_splits(data)
     for i, split in enumerate(splits):
         if split not in known:
             raise ConfigError(

@@ -18,7 +18,19 @@ from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.reports import stats
 from prvrlab.reports.errors import ReportError
 from prvrlab.reports.source import TrialRun, mlflow_client, run_ranks, trial_run
-from prvrlab.reports.tables import DASH, METRIC_NAMES, NOT_SIGNIFICANT, escape, fmt, fmt_p, md_table
+from prvrlab.reports.tables import (
+    DASH,
+    METRIC_NAMES,
+    adjusted_cells,
+    adjusted_header,
+    adjusted_legend,
+    delta_cell,
+    escape,
+    fmt,
+    fmt_p,
+    md_table,
+    recall_text,
+)
 
 
 def load_runs(uri: str, run_ids: Sequence[str]) -> tuple[object, list[TrialRun]]:
@@ -64,7 +76,9 @@ def compare_runs(
     with tempfile.TemporaryDirectory(prefix="prvrlab-compare-") as cache:
         ranks = [run_ranks(client, r.run_id, split, Path(cache)) for r in runs]
     reference, ref_ranks = runs[0], ranks[0]
-    rows, tests, notes = [], [], []
+    ref_hits = None if ref_ranks is None else stats.hits(ref_ranks["rank"])  # (n, 4)
+    rows, notes = [], []
+    tested: dict[int, tuple[str, float]] = {}  # table row -> (run id, raw p)
     for i, (run, run_ranks_) in enumerate(zip(runs, ranks)):
         cells = [fmt(run.final(split, m)) for m in METRIC_KEYS]
         delta = p = DASH
@@ -77,33 +91,28 @@ def compare_runs(
             else:
                 try:
                     a, b = stats.align(run_ranks_["query_id"], stats.hits(run_ranks_["rank"]),
-                                       ref_ranks["query_id"], stats.hits(ref_ranks["rank"]))
+                                       ref_ranks["query_id"], ref_hits)
                 except ValueError:
                     raise ReportError(f"runs '{run.run_id}' and '{reference.run_id}' ranked no common {split} query: "
                                       "they were evaluated on different collections") from None
                 result = stats.paired_test(a, b, n_perm=n_boot, seed=seed)
-                delta = f"{fmt(result.delta, signed=True)} [{fmt(result.low, signed=True)}, {fmt(result.high, signed=True)}]"
+                delta = delta_cell(result.delta, result.low, result.high)
                 p = fmt_p(result.p_value)
-                tests.append((len(rows), result.p_value))
+                tested[len(rows)] = (run.run_id, result.p_value)
                 shared = result.n_queries
                 if shared != len(run_ranks_["rank"]) or shared != len(ref_ranks["rank"]):
                     notes.append(f"{_label(run)}: tested on the {shared} queries both runs ranked.")
         rows.append([label, *cells, delta, p, DASH, DASH])
-    adjusted = stats.adjust([p for _, p in tests], adjust)
-    for (row, _), p_adj in zip(tests, adjusted):
-        rows[row][-2] = fmt_p(p_adj)
-        rows[row][-1] = "yes" if p_adj < stats.ALPHA else f"no {NOT_SIGNIFICANT}"
-    adjusted_name = "p (Holm)" if adjust == "holm" else "p (unadjusted)"
-    header = ["Run", *(METRIC_NAMES[m] for m in METRIC_KEYS), "ΔSumR [95% CI]", "p (queries)", adjusted_name, "Significant"]
+    adjusted_cells(rows, tested, adjust, p_col=-2)
+    header = ["Run", *(METRIC_NAMES[m] for m in METRIC_KEYS), "ΔSumR [95% CI]", "p (queries)", adjusted_header(adjust),
+              "Significant"]
     out = [f"# Runs compared on {split}", "", md_table(header, rows).rstrip("\n"), ""]
     out.append(
         f"R@K in %, as logged (final/{split}/*). ΔSumR: the run minus the reference on the queries both ranked, "
         f"with a paired-bootstrap 95% interval; p (queries): two-sided sign-flip permutation test on the per-query "
         f"SumR differences ({n_boot} resamples, seed {seed}); "
-        + (f"{adjusted_name} adjusts over the table's {len(tests)} comparison{'' if len(tests) == 1 else 's'} "
-           "(Holm–Bonferroni). "
-           if adjust == "holm" else "each row judged on its own p. ")
-        + f"Significant: p < {stats.ALPHA}."
+        + adjusted_legend(adjust, len(tested), "comparisons with the reference")
+        + f" Significant: p < {stats.ALPHA}."
     )
     published = {}
     for run in runs:
@@ -111,7 +120,7 @@ def compare_runs(
         if row is not None:
             published.setdefault(row[0], (row[1], []))[1].append(run)
     for source, (values, who) in published.items():
-        shown = "  ".join(f"{METRIC_NAMES[m]} {fmt(v)}" for m, v in values.items())
+        shown = recall_text(values)
         deltas = "; ".join(f"{_label(r)} {fmt(r.final(split, 'sumr') - values['sumr'], signed=True)}"
                            for r in who if "sumr" in values)
         out.append("")

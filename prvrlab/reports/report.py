@@ -31,7 +31,11 @@ from prvrlab.reports.tables import (
     NOT_SIGNIFICANT,
     VariantRow,
     ablation_table,
+    adjusted_cells,
+    adjusted_header,
+    adjusted_legend,
     bold_best,
+    delta_cell,
     escape,
     fmt,
     fmt_p,
@@ -41,6 +45,7 @@ from prvrlab.reports.tables import (
     md_table,
     mean_std,
     metric_table,
+    recall_text,
     variant_label,
 )
 
@@ -214,7 +219,7 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
         if r.name != baseline and base_hits is not None:
             a, b = stats.align(ids, mat, base_hits[0], base_hits[1])
             pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
-            delta = f"{fmt(pr.delta, signed=True)} [{fmt(pr.low, signed=True)}, {fmt(pr.high, signed=True)}]"
+            delta = delta_cell(pr.delta, pr.low, pr.high)
             p_q = fmt_p(pr.p_value)
             tested[len(table_rows)] = (r.name, pr.p_value)
             shared = [s for s in r.seeds_ok if base_row is not None and s in base_row.seeds_ok]
@@ -225,8 +230,8 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
                 p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)})" if st.n else "")
                 p_t = fmt_p(st.p_ttest)
         table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, DASH, p_s, p_t, DASH])
-    significance = _adjusted_cells(table_rows, tested, opt.adjust, p_col=-4)
-    header = ["Variant", *_ci_headers(), "ΔSumR [95% CI]", "p (queries)", _adjusted_header(opt.adjust),
+    significance = adjusted_cells(table_rows, tested, opt.adjust, p_col=-4)
+    header = ["Variant", *_ci_headers(), "ΔSumR [95% CI]", "p (queries)", adjusted_header(opt.adjust),
               "p (seeds, exact)", "p (seeds, t-test)", "Significant"]
     doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
     doc.add(md_table(header, table_rows))
@@ -235,7 +240,7 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
         "metric averaged over the variant's finished seeds (per-query hits averaged first). ΔSumR: variant minus "
         "baseline on the queries both share, with a paired-bootstrap interval; p (queries): two-sided sign-flip "
         f"permutation test on the per-query SumR differences ({opt.n_boot} resamples); "
-        + _adjusted_legend(opt.adjust, len(tested), "comparisons with the baseline")
+        + adjusted_legend(opt.adjust, len(tested), "comparisons with the baseline")
         + " p (seeds): exact two-sided sign-flip test over the per-seed SumR differences (min = smallest p "
         f"attainable with that many seeds) and a paired t-test. {NOT_SIGNIFICANT} = not significant at "
         f"α = {stats.ALPHA} ({_adjusted_name(opt.adjust)})."
@@ -245,29 +250,6 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
 
 def _adjusted_name(method: str) -> str:
     return "queries test, Holm-adjusted" if method == "holm" else "queries test, unadjusted"
-
-
-def _adjusted_header(method: str) -> str:
-    return "p (Holm)" if method == "holm" else "p (unadjusted)"
-
-
-def _adjusted_legend(method: str, m: int, family: str) -> str:
-    if method == "holm":
-        return (f"p (Holm): the same p-values adjusted by Holm–Bonferroni over the table's {m} {family}, so that "
-                f"the chance of any false \"significant\" in the table stays below α = {stats.ALPHA}.")
-    return f"p (unadjusted): not adjusted for the table's {m} {family} (`--adjust none`)."
-
-
-def _adjusted_cells(table_rows: list[list[str]], tested: dict[int, tuple[str, float]], method: str, p_col: int) -> dict[str, bool]:
-    """Fill the adjusted-p column (``p_col``) and the last (Significant) column of the tested rows;
-    returns name -> significant.  ``tested``: table row -> (name, raw p)."""
-    adjusted = stats.adjust([p for _, p in tested.values()], method)
-    significance = {}
-    for (row, (name, _)), p in zip(tested.items(), adjusted):
-        significance[name] = p < stats.ALPHA
-        table_rows[row][p_col] = fmt_p(p)
-        table_rows[row][-1] = "yes" if significance[name] else f"no {NOT_SIGNIFICANT}"
-    return significance
 
 
 def ratio_section(doc: Doc, entries: list[tuple[str, list[TrialRun]]], split: str, what: str = "Variant") -> None:
@@ -525,7 +507,7 @@ def published_note(row: VariantRow | None, chosen: dict[str, dict[int, TrialRun]
     parts = []
     for m, v in values.items():
         ours = row.mean(m)
-        parts.append(f"{METRIC_NAMES[m]} {fmt(v)}" + (f" (baseline {ours - v:+.1f})" if ours is not None else ""))
+        parts.append(f"{METRIC_NAMES[m]} {fmt(v)}" + (f" (baseline {fmt(ours - v, signed=True)})" if ours is not None else ""))
     return f"Published ({escape(source)}, {split}): {', '.join(parts)}."
 
 
@@ -640,12 +622,8 @@ def published_pairs(run: TrialRun, split: str) -> list[tuple[str, str]]:
     if published is None:
         return []
     source, values = published
-    shown = "  ".join(f"{METRIC_NAMES[m]} {fmt(v)}" for m, v in values.items())
-    deltas = []
-    for m, v in values.items():
-        ours = run.final(split, m)
-        deltas.append(f"{METRIC_NAMES[m]} {ours - v:+.1f}" if ours is not None else f"{METRIC_NAMES[m]} {DASH}")
-    return [(f"Published ({escape(source)})", shown), ("This run − published", "  ".join(deltas))]
+    deltas = {m: None if (ours := run.final(split, m)) is None else ours - v for m, v in values.items()}
+    return [(f"Published ({escape(source)})", recall_text(values)), ("This run − published", recall_text(deltas, signed=True))]
 
 
 def search_report(doc: Doc, study: Study, opt: Options) -> None:
@@ -748,17 +726,17 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
         if r is not best_run:
             a, b = stats.align(x["query_id"], h, best["query_id"], stats.hits(best["rank"]))
             pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
-            delta = f"{fmt(pr.delta, signed=True)} [{fmt(pr.low, signed=True)}, {fmt(pr.high, signed=True)}]"
+            delta = delta_cell(pr.delta, pr.low, pr.high)
             p = fmt_p(pr.p_value)
             tested[len(rows)] = (r.trial_id, pr.p_value)
         rows.append([f"`{r.trial_id}`" + (" (best)" if r is best_run else ""), *cells, delta, p, DASH, DASH])
-    _adjusted_cells(rows, tested, opt.adjust, p_col=-2)
+    adjusted_cells(rows, tested, opt.adjust, p_col=-2)
     doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
-    doc.add(md_table(["Trial", *_ci_headers(), "ΔSumR vs best [95% CI]", "p (queries)", _adjusted_header(opt.adjust),
+    doc.add(md_table(["Trial", *_ci_headers(), "ΔSumR vs best [95% CI]", "p (queries)", adjusted_header(opt.adjust),
                       "Significant"], rows))
     doc.add(f"Percentile bootstrap over queries ({opt.n_boot} resamples, seed {opt.seed}); each trial against the best "
             f"one with a two-sided paired sign-flip test on per-query SumR. "
-            + _adjusted_legend(opt.adjust, len(tested), "comparisons with the best trial")
+            + adjusted_legend(opt.adjust, len(tested), "comparisons with the best trial")
             + f" {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)}).")
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from prvrlab.evaluation.metrics import METRIC_KEYS
+from prvrlab.reports import stats
 
 METRIC_NAMES: dict[str, str] = {m: f"R@{m[1:]}" if m != "sumr" else "SumR" for m in METRIC_KEYS}
 CHECK, CROSS = "✓", "–"
@@ -62,6 +63,41 @@ def fmt_param(value: Any) -> str:
 def escape(text: str) -> str:
     """Make free text safe inside a table cell."""
     return str(text).replace("|", "\\|").replace("\n", " ").strip()
+
+
+def recall_text(values: dict[str, float | None], signed: bool = False) -> str:
+    """``R@1 13.9  R@5 33.3 ...`` for the metrics given (keys ``r1`` ... ``sumr``), signed for differences."""
+    return "  ".join(f"{METRIC_NAMES[k]} {fmt(v, signed=signed)}" for k, v in values.items())
+
+
+def delta_cell(delta: float, low: float, high: float) -> str:
+    """A signed difference with its interval: ``+1.2 [-0.3, +2.8]``."""
+    return f"{fmt(delta, signed=True)} [{fmt(low, signed=True)}, {fmt(high, signed=True)}]"
+
+
+def adjusted_header(method: str) -> str:
+    """The column of p-values adjusted over a table's comparisons (``stats.ADJUSTMENTS``)."""
+    return "p (Holm)" if method == "holm" else "p (unadjusted)"
+
+
+def adjusted_legend(method: str, m: int, family: str) -> str:
+    """The legend sentence of :func:`adjusted_header`'s column, for ``m`` comparisons named ``family``."""
+    if method == "holm":
+        return (f"p (Holm): the same p-values adjusted by Holm–Bonferroni over the table's {m} {family}, so that "
+                f"the chance of any false \"significant\" in the table stays below α = {stats.ALPHA}.")
+    return f"p (unadjusted): not adjusted for the table's {m} {family} (`--adjust none`)."
+
+
+def adjusted_cells(table_rows: list[list[str]], tested: dict[int, tuple[str, float]], method: str, p_col: int) -> dict[str, bool]:
+    """Fill the adjusted-p column (``p_col``) and the last (Significant) column of the tested rows;
+    returns name -> significant.  ``tested``: table row -> (name, raw p)."""
+    adjusted = stats.adjust([p for _, p in tested.values()], method)
+    significance = {}
+    for (row, (name, _)), p in zip(tested.items(), adjusted):
+        significance[name] = p < stats.ALPHA
+        table_rows[row][p_col] = fmt_p(p)
+        table_rows[row][-1] = "yes" if significance[name] else f"no {NOT_SIGNIFICANT}"
+    return significance
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None) -> str:
