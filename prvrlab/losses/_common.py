@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from prvrlab.checks import check_identifier
+from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, ModelOutput
 
 
@@ -22,6 +23,12 @@ def branch_scores(out: ModelOutput, branch: str, loss: str) -> BranchScores:
         raise ValueError(
             f"{loss}: branch={branch!r} is not produced by the model; available: {', '.join(sorted(out.scores))}"
         ) from None
+
+
+def positives(scores: BranchScores, batch: Batch) -> Tensor:
+    """(Nq,) long column of each query's positive: ``scores.targets`` where the branch sets them,
+    else the batch's ``query_video`` (the columns are the batch's videos)."""
+    return batch.query_video if scores.targets is None else scores.targets
 
 
 def positive_mask(query_video: Tensor, num_videos: int) -> Tensor:

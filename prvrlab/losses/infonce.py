@@ -8,30 +8,53 @@ With ``s = out.scores[branch].logits`` (Nq, Nv) and P_v the queries of video v::
 
 i.e. the sum of the two directions' means, as the reference code reduces it
 (it averages over all videos of the batch, each of which has queries there;
-a video without queries in the batch is left out of the mean here).
+a video without queries in the batch is left out of the mean here).  This is
+``form: two_sided``, the default (MS-SL's ``clip_nce``, GMMFormer's NCE).
+
+``form: joint`` is MS-SL's official ``frame_nce``: one softmax per query over
+its row and its positive's column together (the positive counted in both)::
+
+    joint_i = logsumexp( s[i, :] ++ s[:, video(i)] ) - s[i, video(i)]
+    loss    = mean_i joint_i
+
+The positive columns come from the branch's ``targets`` where it sets them
+(MS-SL's official training frame scores, a square matrix with its positives
+on the diagonal, :class:`~prvrlab.models.base.BranchScores`), else from the
+batch's ``query_video``.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from prvrlab.data.batch import Batch
-from prvrlab.losses._common import branch_scores, check_branch, positive_mask
+from prvrlab.checks import check_choice
+from prvrlab.losses._common import branch_scores, check_branch, positive_mask, positives
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.registry import LOSSES
 
 
-def infonce(logits: Tensor, query_video: Tensor) -> Tensor:
-    """Bidirectional multi-positive InfoNCE of (Nq, Nv) logits; ``query_video`` (Nq,)."""
+FORMS = ("two_sided", "joint")
+
+
+def infonce(logits: Tensor, query_video: Tensor, *, form: str = "two_sided") -> Tensor:
+    """Bidirectional InfoNCE of (Nq, Nv) logits; ``query_video`` (Nq,): each query's positive column;
+    ``form``: ``two_sided`` (multi-positive, the two directions' means summed) or ``joint``."""
     logits = logits.float()
     nq, nv = logits.shape
     if nq == 0 or nv == 0:
         return logits.sum() * 0.0
-    pos = positive_mask(query_video, nv)  # (Nq, Nv)
     rows = torch.arange(nq, device=logits.device)
-    t2v = torch.logsumexp(logits, dim=1) - logits[rows, query_video]  # (Nq,)
+    positive = logits[rows, query_video]  # (Nq,)
+    if form == "joint":
+        column = logits[:, query_video].t()  # (Nq, Nq): row i holds s[k, video(i)] for every query k
+        return (torch.logsumexp(torch.cat([logits, column], dim=1), dim=1) - positive).mean()
+    pos = positive_mask(query_video, nv)  # (Nq, Nv)
+    t2v = torch.logsumexp(logits, dim=1) - positive  # (Nq,)
 
     has_pos = pos.any(dim=0)  # (Nv,)
     # Columns without positives keep their logits (finite, then ignored) so no -inf reaches the gradient.
@@ -45,9 +68,10 @@ def infonce(logits: Tensor, query_video: Tensor) -> Tensor:
 class InfoNCELoss(Loss):
     """Query->video and video->query InfoNCE on ``out.scores[branch].logits``."""
 
-    def __init__(self, *, branch: str = "clip") -> None:
+    def __init__(self, *, branch: str = "clip", form: Literal["two_sided", "joint"] = "two_sided") -> None:
         super().__init__()
         self.branch = check_branch(branch)
+        self.form = check_choice(form, "form", FORMS)
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
         scores = branch_scores(out, self.branch, "infonce")
@@ -56,4 +80,4 @@ class InfoNCELoss(Loss):
                 f"infonce: branch={self.branch!r} has no logits (unnormalised scores); "
                 "this backbone does not support InfoNCE on that branch"
             )
-        return infonce(scores.logits, batch.query_video)
+        return infonce(scores.logits, positives(scores, batch), form=self.form)

@@ -14,7 +14,9 @@ the hardest, as the reference code does).  With hinge
     loss = sum_i h_i / N_q + sum_v h_v / N_v
 
 An item without any non-matching candidate (e.g. a batch of one video)
-contributes 0.  Sampling uses the global torch RNG (seeded by the trainer)
+contributes 0.  Where the branch sets ``targets`` (MS-SL's official training
+frame scores: (Nq, Nq), each column one query's own-video vector) they are the
+positives instead of the batch's ``query_video``, one per column.  Sampling uses the global torch RNG (seeded by the trainer)
 unless :meth:`TripletLoss.compute` is given a ``torch.Generator``.
 """
 
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from prvrlab.data.batch import Batch
 from prvrlab.checks import check_int, check_number
-from prvrlab.losses._common import branch_scores, check_branch, positive_mask
+from prvrlab.losses._common import branch_scores, check_branch, positive_mask, positives
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.registry import LOSSES
@@ -86,8 +88,8 @@ class TripletLoss(Loss):
         self.v2t_hard_pool_size = check_int(v2t_hard_pool_size, "v2t_hard_pool_size", minimum=1)
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
-        sim = branch_scores(out, self.branch, "triplet").sim  # (Nq, B)
-        return self.compute(sim, batch.query_video, epoch=epoch).loss
+        scores = branch_scores(out, self.branch, "triplet")
+        return self.compute(scores.sim, positives(scores, batch), epoch=epoch).loss  # sim (Nq, B)
 
     def compute(
         self, sim: Tensor, query_video: Tensor, *, epoch: int, generator: torch.Generator | None = None

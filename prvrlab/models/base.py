@@ -131,13 +131,16 @@ class QueryEmbedding:
     ``vectors`` maps a branch name to its (Nq, D) query vector (a backbone may
     use one shared vector for all branches).  ``tokens`` (Nq, Lq, D) and
     ``token_mask`` (Nq, Lq) keep the word-level encodings (capability
-    ``word_tokens``, read through :meth:`word_tokens`).
+    ``word_tokens``, read through :meth:`word_tokens`).  ``own_video`` (Nq,)
+    long: each query's video among the videos it is scored against, set by
+    the training forward (the batch's ``query_video``); None in retrieval.
     """
 
     vectors: dict[str, Tensor] = field(default_factory=dict)
     tokens: Tensor | None = None
     token_mask: Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    own_video: Tensor | None = None
 
     def word_tokens(self) -> tuple[Tensor, Tensor]:
         """Per-word embeddings (Nq, Lq, D) and their (Nq, Lq) bool mask (capability ``word_tokens``)."""
@@ -201,10 +204,16 @@ class BranchScores:
     ``sim``: (Nq, Nv) cosine similarities used for ranking and triplet losses.
     ``logits``: (Nq, Nv) unnormalised dot products used by InfoNCE (None when a
     backbone has no such notion; losses needing it then raise).
+    ``targets``: None when the columns are the scored videos (query i's
+    positive is its video's column, the batch's ``query_video``); otherwise
+    (Nq,) long, the column of each query's one positive, for training scores
+    whose columns are something else (MS-SL's official frame branch: (Nq, Nq),
+    column j the vector query j attends in its own video; targets 0..Nq-1).
     """
 
     sim: Tensor
     logits: Tensor | None = None
+    targets: Tensor | None = None
 
 
 @dataclass
@@ -336,6 +345,11 @@ class RetrievalModel(nn.Module):
         for name, weight in self.score_weights.items():
             if weight == 0.0:
                 continue
+            if scores[name].targets is not None:
+                raise ValueError(
+                    f"branch {name!r} holds training scores whose columns are not the videos (targets set); "
+                    "fuse retrieval scores (model.score outside the training forward)"
+                )
             part = weight * scores[name].sim
             total = part if total is None else total + part
         if total is None:
@@ -349,5 +363,6 @@ class RetrievalModel(nn.Module):
             video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
             query = self.encode_queries(batch.queries, batch.query_mask)
             query.vectors.update(self.batch_vectors(batch, query, video))
+        query.own_video = batch.query_video
         scores = self.score(query, video, with_logits=True)
         return ModelOutput(scores=scores, query=query, video=video)

@@ -39,22 +39,30 @@ gather and a dot instead of an attention over the video's frames; on a CPU
 the fused kernel of :mod:`prvrlab.models.window_best` then computes each
 pair's best proposal and frame dot without the (Nq, Nv, P) proposal scores.
 
-Differences from the reference code: the reference (whose latest commit
-crashes, REFERENCE.md section 9) computes the frame branch in training only
-for each query's own video and compares it with every other query's
-attended vector; here every (query, video) pair of the batch gets its true
-frame score, in training as in retrieval.
+Training frame scores, ``frame_training`` (retrieval always scores every
+pair):
+
+* ``official`` (default; the reference's ``key_clip_guided_attention``, whose
+  latest commit crashes, REFERENCE.md section 9): each query attends only in
+  its own video (``QueryEmbedding.own_video``), with its own key clip, and
+  the frame branch is the (Nq, Nq) matrix of query i against query j's
+  attended vector, positives on the diagonal (``BranchScores.targets``).
+  Another query of the same video is a negative there, as in the reference.
+* ``all_pairs``: every (query, video) pair of the batch gets its true frame
+  score, (Nq, Nv), as in retrieval; the other queries of a video are not
+  negatives (Nq x Nv attentions instead of Nq).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from prvrlab.checks import check_positive_int
+from prvrlab.checks import check_choice, check_positive_int
 from prvrlab.models import window_best
 from prvrlab.models.window_best import num_proposals
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
@@ -159,7 +167,9 @@ class MSSL(RetrievalModel):
     layers; None: 4 * hidden_size); ``dropout``: input, positional and
     residual dropout; ``attention_dropout``: on attention probabilities;
     ``clip_weight`` / ``frame_weight``: the branches' weights in the retrieval
-    score (0.7 / 0.3; 0.5 / 0.5 on Charades, REFERENCE.md section 1).
+    score (0.7 / 0.3; 0.5 / 0.5 on Charades, REFERENCE.md section 1);
+    ``frame_training``: the training frame scores, ``official`` or
+    ``all_pairs`` (module docstring).
     Encoders: ``query``, ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
@@ -185,6 +195,7 @@ class MSSL(RetrievalModel):
         max_query_len: int = 30,
         clip_weight: float = 0.7,
         frame_weight: float = 0.3,
+        frame_training: Literal["official", "all_pairs"] = "official",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -199,6 +210,7 @@ class MSSL(RetrievalModel):
         )
         ffn = resolve_ffn_size(ffn_size, hidden_size)
         self.max_window = check_positive_int(max_window, "max_window")
+        self.frame_training = check_choice(frame_training, "frame_training", ("official", "all_pairs"))
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
@@ -310,6 +322,8 @@ class MSSL(RetrievalModel):
         Proposal dots come from the clip items' dots through the window matrix where
         ``extra["clip_items"]`` is there (``q . A x = (q . x) A^T``: Lc, not P, dots of length D per
         pair); the frame branch reads :meth:`index_videos`' attended vectors where they are there.
+        With ``frame_training: official`` and the queries' own videos known (the training forward),
+        the frame branch is the (Nq, Nq) own-video matrix of the module docstring.
         """
         indexed = "attended" in video.extra
         items = video.extra.get("clip_items")
@@ -331,6 +345,8 @@ class MSSL(RetrievalModel):
             window = _window_matrix(items.shape[1], self.max_window, items.device)  # (P, Lc)
             window = window if window.shape[0] == num_props else None
         prop_norm = video.extra.get("proposal_norm")
+        own = query.own_video if self.frame_training == "official" else None
+        bests: list[Tensor] = []  # (Nq, C) key clip of every pair, for the own-video frame branch
         per_video = max(1, nq * (num_props + length + 2 * dim))
         chunk = max(1, _MAX_CHUNK_ELEMENTS // per_video)
         parts: dict[str, list[Tensor]] = {"clip_sim": [], "clip_logit": [], "frame_sim": [], "frame_logit": []}
@@ -377,6 +393,9 @@ class MSSL(RetrievalModel):
                     if with_logits:
                         parts["clip_logit"].append(dots.amax(dim=-1))  # (Nq, C)
                 parts["clip_sim"].append(clip_sim)
+                if own is not None:
+                    bests.append(best)
+                    continue
                 videos = torch.arange(c, device=qc.device)[None, :].expand(nq, c)  # (Nq, C)
                 if indexed:  # the key clip's attended vector, computed once per proposal
                     unit = video.extra["attended"][start:stop].float()[videos, best]  # (Nq, C, D)
@@ -405,7 +424,32 @@ class MSSL(RetrievalModel):
                 return None
             return parts[name][0] if len(parts[name]) == 1 else torch.cat(parts[name], dim=1)  # (Nq, Nv)
 
-        return {
-            "clip": BranchScores(sim=cat("clip_sim"), logits=cat("clip_logit")),
-            "frame": BranchScores(sim=cat("frame_sim"), logits=cat("frame_logit")),
-        }
+        clip = BranchScores(sim=cat("clip_sim"), logits=cat("clip_logit"))
+        if own is not None:
+            frame = self._own_video_scores(video, qf, own, torch.cat(bests, dim=1), with_logits=with_logits)
+            return {"clip": clip, "frame": frame}
+        return {"clip": clip, "frame": BranchScores(sim=cat("frame_sim"), logits=cat("frame_logit"))}
+
+    def _own_video_scores(
+        self, video: VideoEmbedding, q_frame: Tensor, own: Tensor, best: Tensor, *, with_logits: bool
+    ) -> BranchScores:
+        """The official training frame branch: query i's key clip (its best proposal of its own video,
+        ``best`` (Nq, Nv)) attends over that video's real frames -> z_i; scores (Nq, Nq) of query i
+        against z_j, positives on the diagonal."""
+        nq = q_frame.shape[0]
+        rows = torch.arange(nq, device=q_frame.device)
+        own = own.to(q_frame.device)
+        key_index = best[rows, own]  # (Nq,)
+        with torch.autocast(device_type=q_frame.device.type, enabled=False):
+            if video.clip is not None:
+                key_clip = video.clip[own, key_index].float()  # (Nq, D)
+            else:
+                items = video.extra["clip_items"][own].float()  # (Nq, Lc, D)
+                window = _window_matrix(items.shape[1], self.max_window, items.device)[key_index]  # (Nq, Lc)
+                key_clip = torch.bmm(window[:, None], items)[:, 0]  # (Nq, D)
+            mask = None if video.frame_mask is None else video.frame_mask[own]  # (Nq, Lf)
+            keys = video.extra["frame_key"][own].float()  # (Nq, Lf, D)
+            attended = _attend(key_clip[:, None], keys, video.frame[own].float(), mask)[:, 0]  # (Nq, D)
+            dots = q_frame @ attended.t()  # (Nq, Nq)
+            norms = q_frame.norm(dim=-1).clamp(min=_EPS)[:, None] * attended.norm(dim=-1).clamp(min=_EPS)[None]
+        return BranchScores(sim=dots / norms, logits=dots if with_logits else None, targets=rows)

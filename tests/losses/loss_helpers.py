@@ -27,7 +27,8 @@ def make_output(
     logits: torch.Tensor | None = None,
     vectors: torch.Tensor | None = None,
     branch: str = "clip",
+    targets: torch.Tensor | None = None,
 ) -> ModelOutput:
-    scores = {} if sim is None else {branch: BranchScores(sim=sim, logits=logits)}
+    scores = {} if sim is None else {branch: BranchScores(sim=sim, logits=logits, targets=targets)}
     query = QueryEmbedding(vectors={} if vectors is None else {branch: vectors})
     return ModelOutput(scores=scores, query=query, video=VideoEmbedding())

@@ -55,3 +55,56 @@ def test_missing_logits_or_branch_is_a_clear_error():
         InfoNCELoss(branch="frame")(make_output(torch.zeros(2, 2), torch.zeros(2, 2)), batch, epoch=0)
     with pytest.raises(ValueError, match="branch"):
         InfoNCELoss(branch="not a name")
+
+
+def loop_joint(logits, query_video):
+    """MS-SL's official frame_nce, generalised: per query one softmax over its row and its video's column."""
+    nq = len(logits)
+    total = 0.0
+    for i in range(nq):
+        v = query_video[i]
+        denom = sum(math.exp(x) for x in logits[i]) + sum(math.exp(logits[k][v]) for k in range(nq))
+        total += -math.log(math.exp(logits[i][v]) / denom)
+    return total / nq
+
+
+def test_joint_form_on_a_square_matrix_is_the_official_frame_nce():
+    """MS-SL's frame_nce on (N, N) scores: x.view(N, N, 1); numerator = the diagonal; denominator =
+    logsumexp of row i and column i concatenated (2N entries); mean over i."""
+    torch.manual_seed(3)
+    x = (torch.randn(5, 5) * 2).requires_grad_()
+    targets = torch.arange(5)
+    # the batch says queries 0, 1 share video 0: the targets, not the batch, decide the positives
+    batch = make_batch([0, 0, 1, 2, 2], 3)
+    loss = InfoNCELoss(branch="frame", form="joint")(
+        make_output(torch.zeros(5, 5), x, branch="frame", targets=targets), batch, epoch=0
+    )
+    rows = x.tolist()
+    official = sum(
+        -rows[i][i] + math.log(sum(math.exp(rows[i][j]) + math.exp(rows[j][i]) for j in range(5))) for i in range(5)
+    ) / 5
+    assert loss.item() == pytest.approx(official, rel=1e-6)
+    loss.backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_joint_form_with_video_columns_matches_loop(seed):
+    torch.manual_seed(seed)
+    query_video = [0, 0, 0, 1, 2, 2, 3]
+    logits = torch.randn(len(query_video), 5) * 3
+    loss = InfoNCELoss(form="joint")(make_output(torch.zeros(7, 5), logits), make_batch(query_video, 5), epoch=0)
+    assert loss.item() == pytest.approx(loop_joint(logits.tolist(), query_video), rel=1e-5)
+
+
+def test_two_sided_form_reads_the_branch_targets():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 4)
+    out = make_output(torch.zeros(4, 4), logits, targets=torch.arange(4))
+    loss = InfoNCELoss()(out, make_batch([0, 0, 1, 1], 2), epoch=0)
+    assert loss.item() == pytest.approx(loop_infonce(logits.tolist(), [0, 1, 2, 3]), rel=1e-5)
+
+
+def test_unknown_form_names_the_choices():
+    with pytest.raises(ValueError, match="form.*two_sided.*joint"):
+        InfoNCELoss(form="both")

@@ -76,6 +76,22 @@ def test_forward_uses_the_branch_sim():
         TripletLoss(branch="clip")(out, batch, epoch=0)
 
 
+def test_branch_targets_replace_the_batch_videos_as_positives():
+    """MS-SL's official frame scores: (Nq, Nq), query j's own-video vector in column j, positive on the
+    diagonal; another query of the same video is a negative (get_frame_trip_loss)."""
+    sim = torch.rand(5, 5) * 2 - 1
+    batch = make_batch([0, 0, 1, 2, 2], 3)  # queries 0 and 1 share video 0
+    loss_fn = TripletLoss(branch="frame", margin=0.2, v2t_hard_pool_size=20)
+    torch.manual_seed(7)
+    got = loss_fn(make_output(sim, branch="frame", targets=torch.arange(5)), batch, epoch=0)
+    torch.manual_seed(7)
+    terms = loss_fn.compute(sim, torch.arange(5), epoch=0)
+    assert got.item() == pytest.approx(terms.loss.item())
+    expected = loop_triplet(sim.tolist(), list(range(5)), terms.t2v_negative.tolist(), terms.v2t_negative.tolist(), 0.2)
+    assert terms.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert terms.t2v_negative.tolist() != [-1] * 5 and (terms.t2v_negative != torch.arange(5)).all()
+
+
 def test_hard_mode_samples_only_from_the_hardest():
     torch.manual_seed(0)
     nq, nv, pool = 200, 10, 3

@@ -296,6 +296,24 @@ def test_cross_model_retrieval_indexes_the_second_encoders_gallery():
         torch.testing.assert_close(indexed[name].sim, plain[name].sim, atol=1e-5, rtol=1e-5)
 
 
+def test_cross_model_mean_keeps_official_mssls_own_video_frame_matrix():
+    """Eq. 13 on MS-SL's official training frame branch: both encoders score the same (query, own-video
+    vector) pairs, so the mean keeps the (Nq, Nq) columns and their targets."""
+    model = arl_model({"name": "mssl", "hidden_size": 16, "num_heads": 2, "dropout": 0.0}, cross_model=True).eval()
+    batch = split_batches()[0]
+    nq = batch.num_queries
+    with torch.no_grad():
+        out = model(batch)
+        own = model.backbone.score(out.query, out.video, with_logits=True)["frame"]
+        peer_query = replace(out.query.extra["arl.query"], own_video=batch.query_video)
+        peer = model.plugins["arl"].peer.score(peer_query, out.video.extra["arl.video"], with_logits=True)["frame"]
+    frame = out.scores["frame"]
+    assert frame.sim.shape == own.sim.shape == peer.sim.shape == (nq, nq)
+    assert frame.targets.tolist() == list(range(nq))
+    torch.testing.assert_close(frame.sim, 0.5 * (own.sim + peer.sim))
+    torch.testing.assert_close(frame.logits, 0.5 * (own.logits + peer.logits))
+
+
 def test_the_arl_backbone_scores_by_the_best_real_frame():
     model = arl_model(cross_model=False).eval()
     batch = split_batches()[0]
@@ -316,7 +334,8 @@ BACKBONE_LOSSES = {
     "arl": {},
     "gmmformer": {"clip_triplet": {"loss": "triplet", "branch": "clip"}, "frame_triplet": {"loss": "triplet", "branch": "frame"}},
     "gmmformer_v2": {"clip_triplet": {"loss": "triplet", "branch": "clip"}},
-    "mssl": {"clip_triplet": {"loss": "triplet", "branch": "clip"}},
+    "mssl": {"clip_triplet": {"loss": "triplet", "branch": "clip"}, "frame_triplet": {"loss": "triplet", "branch": "frame"},
+             "frame_nce": {"loss": "infonce", "branch": "frame", "form": "joint"}},
 }
 
 

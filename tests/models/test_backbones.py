@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -79,6 +80,12 @@ def standard_batch() -> Batch:
     return make_batch([7, 3, 1, 5], [4, 2, 6, 1, 3, 5, 2], [0, 0, 1, 2, 2, 2, 3])
 
 
+def training_total(out: ModelOutput) -> torch.Tensor:
+    """Every training score summed (sims and logits): a scalar that reaches every scoring parameter.
+    ``fuse`` is for retrieval scores; a training branch may have other columns (``targets``)."""
+    return sum(s.sim.sum() + (0.0 if s.logits is None else s.logits.sum()) for s in out.scores.values())
+
+
 NAMES = BACKBONES.names()
 
 
@@ -95,15 +102,17 @@ def test_forward_shapes_finite_and_gradients(name):
     assert isinstance(out.query, QueryEmbedding) and isinstance(out.video, VideoEmbedding)
     assert set(model.score_weights) <= set(out.scores)
     nq, nv = batch.num_queries, batch.num_videos
-    loss = model.fuse(out.scores).sum()
+    loss = training_total(out)
     for branch, scores in out.scores.items():
-        assert scores.sim.shape == (nq, nv), branch
+        columns = nv if scores.targets is None else nq  # targets: one positive column per query
+        assert scores.sim.shape == (nq, columns), branch
+        if scores.targets is not None:
+            assert scores.targets.shape == (nq,) and int(scores.targets.max()) < columns, branch
         assert torch.isfinite(scores.sim).all(), branch
         assert (scores.sim.abs() <= 1 + 1e-5).all(), f"{branch}: sim must be a cosine"
         if scores.logits is not None:
-            assert scores.logits.shape == (nq, nv)
+            assert scores.logits.shape == (nq, columns)
             assert torch.isfinite(scores.logits).all()
-            loss = loss + scores.logits.sum()
     for vector in out.query.vectors.values():
         assert vector.shape[0] == nq
     loss.backward()
@@ -116,7 +125,6 @@ def test_forward_shapes_finite_and_gradients(name):
 def test_masks_marked_with_host_lengths_are_never_read_back(name, monkeypatch):
     """A batch whose masks carry the host's lengths (as the loaders' do) trains with no read of a mask's
     layout from the device, and gives exactly what the same masks read back give."""
-    import dataclasses
 
     import prvrlab.models.blocks as blocks
 
@@ -139,7 +147,7 @@ def test_masks_marked_with_host_lengths_are_never_read_back(name, monkeypatch):
     for branch in expected.scores:
         torch.testing.assert_close(got.scores[branch].sim, expected.scores[branch].sim, atol=0, rtol=0)
     model.train()
-    model.fuse(model(marked).scores).sum().backward()
+    training_total(model(marked)).backward()
     with pytest.raises(AssertionError, match="read back"):
         model(bare)
 
@@ -201,7 +209,8 @@ def test_one_video_one_query_keeps_batch_dims(name):
         assert vector.dim() == 2 and vector.shape[0] == 1
     for scores in out.scores.values():
         assert scores.sim.shape == (1, 1)
-    assert model.fuse(out.scores).shape == (1, 1)
+    retrieval = model.score(dataclasses.replace(out.query, own_video=None), out.video)
+    assert model.fuse(retrieval).shape == (1, 1)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -209,7 +218,7 @@ def test_bf16_autocast_forward_is_finite(name):
     model = build(name).train()
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         out = model(standard_batch())
-        loss = model.fuse(out.scores).sum()
+        loss = training_total(out)
     loss.backward()
     for scores in out.scores.values():
         assert scores.sim.dtype == torch.float32 and torch.isfinite(scores.sim).all()

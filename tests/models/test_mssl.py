@@ -27,6 +27,80 @@ def loop_proposals(x: torch.Tensor, max_window: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def test_official_training_frame_scores_are_the_own_video_matrix():
+    """The reference's key_clip_guided_attention: query j's key clip is its best proposal (cosine) of
+    its OWN video, which attends over that video's real frames -> z_j; frame score [i, j] =
+    cos(q_i, z_j) (logits: the dot); positives on the diagonal; query 1 (same video as query 0) is a
+    negative of query 0."""
+    model = build("mssl").eval()  # frame_training: official is the default
+    batch = standard_batch()
+    with torch.no_grad():
+        out = model(batch)
+    qc, qf = out.query.vectors["clip"], out.query.vectors["frame"]
+    frame = out.scores["frame"]
+    nq = batch.num_queries
+    assert frame.sim.shape == frame.logits.shape == (nq, nq)
+    assert frame.targets.tolist() == list(range(nq))
+    assert out.scores["clip"].targets is None and out.scores["clip"].sim.shape == (nq, batch.num_videos)
+    lengths = batch.frame_mask.sum(dim=1)
+    for j in range(nq):
+        v = int(batch.query_video[j])
+        props = out.video.clip[v]
+        key_clip = props[F.cosine_similarity(qc[j][None], props, dim=-1).argmax()]
+        n = int(lengths[v])
+        keys, values = out.video.extra["frame_key"][v, :n], out.video.frame[v, :n]
+        z = (torch.softmax(keys @ key_clip, dim=0)[:, None] * values).sum(dim=0)
+        for i in range(nq):
+            assert frame.sim[i, j].item() == pytest.approx(F.cosine_similarity(qf[i], z, dim=0).item(), abs=1e-5)
+            assert frame.logits[i, j].item() == pytest.approx((qf[i] @ z).item(), abs=1e-4)
+
+
+def test_official_diagonal_is_the_all_pairs_score_of_each_querys_own_video():
+    model = build("mssl").eval()
+    batch = make_batch([5, 3, 7], [4, 2, 3, 5, 1], [0, 0, 1, 2, 2], frame_pad=2)
+    with torch.no_grad():
+        official = model(batch).scores
+        model.frame_training = "all_pairs"
+        every_pair = model(batch).scores
+    rows = torch.arange(batch.num_queries)
+    torch.testing.assert_close(official["frame"].sim.diagonal(), every_pair["frame"].sim[rows, batch.query_video])
+    torch.testing.assert_close(official["frame"].logits.diagonal(), every_pair["frame"].logits[rows, batch.query_video])
+    torch.testing.assert_close(official["clip"].sim, every_pair["clip"].sim)
+    torch.testing.assert_close(official["clip"].logits, every_pair["clip"].logits)
+    assert every_pair["frame"].targets is None
+
+
+def test_official_own_video_scores_without_stored_proposals_are_the_same():
+    model = build("mssl").eval()
+    batch = standard_batch()
+    with torch.no_grad():
+        query, video = encoded(model, batch)
+        query.own_video = batch.query_video
+        stored = model.score(query, video, with_logits=True)
+        derived = model.score(query, replace(video, clip=None), with_logits=True)  # key clips from the items
+    assert_same_scores(derived, stored)
+    torch.testing.assert_close(derived["frame"].targets, stored["frame"].targets)
+
+
+def test_retrieval_scores_every_pair_whatever_the_training_frame_scores():
+    batch = standard_batch()
+    got = []
+    for frame_training in ("official", "all_pairs"):
+        torch.manual_seed(0)
+        model = build("mssl", frame_training=frame_training).eval()
+        with torch.no_grad():
+            query, video = encoded(model, batch, proposals=False)
+            got.append(model.score(query, video))
+    assert got[0]["frame"].targets is None and got[0]["frame"].sim.shape == (batch.num_queries, batch.num_videos)
+    assert_same_scores(got[0], got[1], logits=False)
+
+
+def test_fusing_training_scores_with_other_columns_is_a_clear_error():
+    model = build("mssl").train()
+    with pytest.raises(ValueError, match="branch 'frame' holds training scores"):
+        model.fuse(model(standard_batch()).scores)
+
+
 @pytest.mark.parametrize("length, max_window", [(8, 8), (8, 3), (5, 32), (1, 1), (32, 32)])
 def test_proposals_are_window_averages(length, max_window):
     x = torch.randn(2, length, 6)
@@ -54,7 +128,7 @@ def test_model_exposes_proposals_and_two_query_vectors():
 
 
 def test_scores_match_their_per_pair_definition():
-    model = build("mssl").eval()
+    model = build("mssl", frame_training="all_pairs").eval()
     batch = standard_batch()
     with torch.no_grad():
         out = model(batch)
@@ -91,8 +165,9 @@ def test_chunked_scoring_equals_one_chunk(monkeypatch):
         torch.testing.assert_close(chunked[branch].logits, whole[branch].logits)
 
 
-def test_frame_branch_gets_gradients_through_the_key_clip():
-    model = build("mssl").train()
+@pytest.mark.parametrize("frame_training", ["official", "all_pairs"])
+def test_frame_branch_gets_gradients_through_the_key_clip(frame_training):
+    model = build("mssl", frame_training=frame_training).train()
     out = model(make_batch([3, 2], [2, 2], [0, 1]))
     out.scores["frame"].sim.sum().backward()
     assert model.clip.layers[0].attention.qkv.weight.grad.abs().sum() > 0  # via the gathered key clip
@@ -233,6 +308,7 @@ def test_plugged_mssl_indexes_through_its_backbone():
         ({"hidden_size": 10, "num_heads": 4}, "num_heads"),
         ({"dropout": 1.0}, "dropout"),
         ({"frame_weight": -1.0}, "frame_weight"),
+        ({"frame_training": "diagonal"}, "frame_training"),
     ],
 )
 def test_rejects_bad_hyperparameters(kwargs, param):

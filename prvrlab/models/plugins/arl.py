@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -419,12 +419,13 @@ class ARL(Plugin):
         """Eq. 13 with ``cross_model``: every branch's score is the mean of the two encoders'."""
         if not self.cross_model:
             return scores
-        other = self.peer.score(query.extra["arl.query"], video.extra["arl.video"], with_logits=with_logits)
+        peer_query = replace(query.extra["arl.query"], own_video=query.own_video)  # the same training pairs
+        other = self.peer.score(peer_query, video.extra["arl.video"], with_logits=with_logits)
         out = dict(scores)
         for name, own in scores.items():
             peer = other[name]
             logits = None if own.logits is None or peer.logits is None else 0.5 * (own.logits + peer.logits)
-            out[name] = BranchScores(sim=0.5 * (own.sim + peer.sim), logits=logits)
+            out[name] = BranchScores(sim=0.5 * (own.sim + peer.sim), logits=logits, targets=own.targets)
         return out
 
     def encoder_views(self, query: QueryEmbedding, video: VideoEmbedding) -> list[tuple[Tensor, Tensor, Tensor]]:

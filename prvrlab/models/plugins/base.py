@@ -173,6 +173,7 @@ class PluggedModel(RetrievalModel):
             video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
             query = self.encode_queries(batch.queries, batch.query_mask)
             query.vectors.update(self.backbone.batch_vectors(batch, query, video))
+        query.own_video = batch.query_video
         scores = self.score(query, video, with_logits=True)
         aux: dict[str, Any] = {}
         for name, plugin in self.plugins.items():
