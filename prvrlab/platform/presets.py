@@ -4,7 +4,8 @@
 official code's differ (docs/parity.md); the shipped dataset configs keep the
 official behaviour, so ``prvrlab train configs/gmmformer_tvr.yaml --preset
 corrected`` trains the same recipe with the corrections.  ``PRE_PARITY`` is the
-behaviour a config meant before these switches existed (used to evaluate old
+behaviour a config meant before these switches existed, and ``BEFORE_FORMAT``
+what it meant before each later checkpoint format (used to evaluate old
 checkpoints as they were trained).
 
 A switch applies only where it exists: ``model`` keys when the backbone has
@@ -23,7 +24,7 @@ Switches = dict[str, dict[str, Any]]
 
 PRESETS: dict[str, Switches] = {
     "corrected": {
-        "model": {"window": "centred", "window_length": "real", "frame_padding": "masked"},
+        "model": {"window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs"},
         "data": {"last_bin": "inclusive"},
         "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
         "loss:ral_pm": {"formulation": "paper"},
@@ -39,6 +40,22 @@ PRE_PARITY: Switches = {
     "loss:ral_pm": {"formulation": "paper"},
     "loss:ral_da": {"formulation": "paper"},
 }
+
+
+# What a config stored in a checkpoint meant before a checkpoint format existed: a file of format
+# f gets the switches of every key above f, oldest first (a value stored in the file wins).
+BEFORE_FORMAT: dict[int, Switches] = {
+    2: PRE_PARITY,
+    4: {"model": {"frame_training": "all_pairs"}, "plugins.ral": {"heads": "paper"}},
+}
+
+
+def stored_behaviour(raw: dict[str, Any], file_format: int) -> dict[str, Any]:
+    """``raw`` (a checkpoint's stored config) with the switches of every format newer than the file's."""
+    for introduced in sorted(BEFORE_FORMAT):
+        if file_format < introduced:
+            raw = apply_switches(raw, BEFORE_FORMAT[introduced], keep_given=True)
+    return raw
 
 
 def apply_switches(raw: dict[str, Any], switches: Switches, *, keep_given: bool) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from prvrlab.models.base import VideoEmbedding
 from prvrlab.models.plugins.base import PluggedModel, PluginError
@@ -30,6 +31,17 @@ def plugged(backbone: str = "gmmformer", seed: int = 0, **params) -> PluggedMode
 
 def batch(**kw):
     return make_batch([5, 3, 4], [4, 2, 3, 5, 2], [0, 0, 1, 2, 2], frame_pad=2, query_pad=1, **kw)
+
+
+def test_csa_scores_every_pair_of_official_mssl_in_training():
+    """On MS-SL's official own-video frame branch (Nq x Nq, targets), CSA scores the videos anew:
+    (Nq, Nv) word-frame scores, positives from the batch again."""
+    b = batch()
+    bare = build("mssl", dropout=0.0).train()
+    assert bare(b).scores["frame"].targets is not None
+    out = plugged("mssl", csa=True, msra=False).train()(b)
+    assert out.scores["frame"].targets is None
+    assert out.scores["frame"].sim.shape == (b.num_queries, b.num_videos)
 
 
 def test_registered_and_validates_params():
@@ -269,9 +281,75 @@ def test_support_set_is_the_concatenation_of_the_videos_queries():
 
 @pytest.mark.parametrize("aggregation", ["both", "local", "global"])
 def test_aggregation_variants_build_only_their_parts(aggregation):
-    agg = RAL(hidden_size=8, csa=False, aggregation=aggregation).text_gaussian.aggregate
+    agg = RAL(hidden_size=8, csa=False, aggregation=aggregation, heads="paper").text_gaussian.aggregate
     assert hasattr(agg, "global_fc") == (aggregation != "local")
     assert hasattr(agg, "gate_hidden") == (aggregation != "global")
+    official = RAL(hidden_size=8, csa=False, aggregation=aggregation).video_gaussian
+    assert hasattr(official, "sigma_pool_fc") == (aggregation != "local")
+    assert hasattr(official, "mu_gate_hidden") == hasattr(official, "sigma_gate_hidden") == (aggregation != "global")
+
+
+def hand_attention(x: torch.Tensor, hidden: torch.nn.Linear, score: torch.nn.Linear) -> torch.Tensor:
+    """softmax_n(w2 . tanh(W1 x_n)) . X for one group's (n, D) tokens, one token at a time."""
+    logits = torch.stack([score(torch.tanh(hidden(row))).squeeze() for row in x])  # (n,)
+    return (torch.softmax(logits, dim=0)[:, None] * x).sum(dim=0)
+
+
+def group_tokens(n: int = 5, dim: int = 8, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("aggregation", ["both", "local", "global"])
+def test_paper_heads_are_eqs_6_and_7(aggregation):
+    torch.manual_seed(0)
+    encoder = RAL(hidden_size=8, csa=False, heads="paper", aggregation=aggregation).text_gaussian
+    x = group_tokens()
+    mu, logvar = encoder(x, torch.ones(1, 5, dtype=torch.bool))
+    agg = encoder.aggregate
+    total = torch.zeros(8)
+    if aggregation != "local":
+        total = total + agg.global_fc(x.mean(dim=0))  # x^g = FC(MeanPool(X))
+    if aggregation != "global":
+        total = total + hand_attention(x, agg.gate_hidden, agg.gate_score)  # x^l
+    g = F.layer_norm(total, (8,), agg.norm.weight, agg.norm.bias)  # Eq. 7
+    torch.testing.assert_close(mu[0], encoder.mean(g), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logvar[0], encoder.logvar(g).clamp(-10, 10), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["both", "local", "global"])
+@pytest.mark.parametrize("side", ["text", "video"])
+def test_official_heads_are_the_ral_prvr_codes(side, aggregation):
+    """PIENet: mu = LayerNorm(p + sigmoid(FC(att_mu(X)))); UncertaintyModuleImage: log sigma =
+    FC(att_sigma(X)) + FC2(p); p = the plain mean of the support set's words (text), the normalised mean
+    of the normalised frames (video); logvar = 2 log sigma."""
+    torch.manual_seed(1)
+    plugin = RAL(hidden_size=8, csa=False, aggregation=aggregation)
+    encoder = getattr(plugin, f"{side}_gaussian")
+    x = group_tokens(seed=2)
+    mu, logvar = encoder(x, torch.ones(1, 5, dtype=torch.bool))
+    if side == "video":
+        pooled = F.normalize(F.normalize(x, dim=-1).mean(dim=0), dim=0)
+    else:
+        pooled = x.mean(dim=0)
+    mu_in, log_sigma = torch.zeros(8), torch.zeros(8)
+    if aggregation != "local":
+        mu_in, log_sigma = mu_in + pooled, log_sigma + encoder.sigma_pool_fc(pooled)
+    if aggregation != "global":
+        mu_in = mu_in + torch.sigmoid(encoder.mu_fc(hand_attention(x, encoder.mu_gate_hidden, encoder.mu_gate_score)))
+        log_sigma = log_sigma + encoder.sigma_fc(hand_attention(x, encoder.sigma_gate_hidden, encoder.sigma_gate_score))
+    expected_mu = F.layer_norm(mu_in, (8,), encoder.mu_norm.weight, encoder.mu_norm.bias)
+    torch.testing.assert_close(mu[0], expected_mu, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logvar[0], 2 * log_sigma, atol=1e-5, rtol=1e-5)
+    assert encoder.mu_norm.weight.shape == (8,)
+    if aggregation != "global":
+        assert encoder.mu_gate_hidden.weight.shape == encoder.sigma_gate_hidden.weight.shape == (4, 8)  # width D/2
+
+
+def test_the_official_heads_are_the_default():
+    assert RAL(hidden_size=8).heads == "official"
+    assert type(RAL(hidden_size=8).video_gaussian).__name__ == "OfficialGaussianEncoder"
+    with pytest.raises(ValueError, match="heads"):
+        RAL(hidden_size=8, heads="pie")
 
 
 def test_rejects_a_backbone_without_frame_branch():

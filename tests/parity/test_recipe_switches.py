@@ -9,7 +9,7 @@ import torch
 from prvrlab.data.collection import open_collection
 from prvrlab.models.factory import build_model
 from prvrlab.platform.config import validate
-from prvrlab.platform.presets import PRE_PARITY, apply_preset, apply_switches
+from prvrlab.platform.presets import PRE_PARITY, apply_preset, apply_switches, stored_behaviour
 from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 from prvrlab.platform.train.loop import Progress, TrainingLoop
 from prvrlab.platform.train.session import LocalSession
@@ -72,6 +72,40 @@ def test_the_corrected_preset_switches_only_what_exists(tiny_root, tmp_path):
         "clip_triplet": {"loss": "triplet", "branch": "clip"}, "pm": {"loss": "ral_pm", "weight": 0.0}})
     out = apply_preset(mssl, "corrected")
     assert "window" not in out["model"]  # MS-SL has no Gaussian window
+    assert out["model"]["frame_training"] == "all_pairs" and "frame_training" not in apply_preset(raw, "corrected")["model"]
     assert out["losses"]["pm"]["formulation"] == "paper" and "formulation" not in out["losses"]["clip_triplet"]
     with pytest.raises(ValueError, match="did you mean 'corrected'"):
         apply_preset(raw, "corected")
+
+
+def ral_raw(tiny_root, tmp_path) -> dict:
+    raw = small_raw(tiny_root, tmp_path)
+    raw["plugins"] = {"ral": {"csa": False}}
+    raw["losses"] = {**raw["losses"], "pm": {"loss": "ral_pm", "weight": 0.001}, "da": {"loss": "ral_da", "weight": 0.001}}
+    return raw
+
+
+def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_root, tmp_path):
+    """Format 4 added plugins.ral.heads (official) and MS-SL's frame_training (official); a file written
+    before stored neither key and was trained with the paper heads and all-pairs frame scores."""
+    raw = ral_raw(tiny_root, tmp_path)
+    paper = validate(apply_switches(raw, {"plugins.ral": {"heads": "paper"}}, keep_given=False))
+    collection = open_collection(paper.data)
+    torch.manual_seed(0)
+    model = build_model(paper.model, paper.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    stored = validate(raw).to_dict()
+    del stored["plugins"]["ral"]["heads"]  # what format 3 wrote: the key did not exist
+    old = tmp_path / "old.pt"
+    torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": 3}, old)
+    from prvrlab.evaluation.retrieval import evaluate
+
+    expected = evaluate(model, collection, "val", paper.eval, device=torch.device("cpu")).ranks
+    assert (evaluate_checkpoint(old, split="val").ranks == expected).all()
+    new = tmp_path / "new.pt"
+    torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": 4}, new)
+    with pytest.raises(Exception, match="weights do not fit"):  # format 4 without the key: the official heads
+        evaluate_checkpoint(new, split="val")
+    mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
+    assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"
+    assert "frame_training" not in stored_behaviour(mssl, 4)["model"]
+    assert stored_behaviour(dict(mssl, model={**mssl["model"], "frame_training": "official"}), 3)["model"]["frame_training"] == "official"

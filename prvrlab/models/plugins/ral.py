@@ -12,7 +12,11 @@ MSRA (training only)
         g   = LayerNorm(x_g + x_l)                   ("local"/"global": one term only)
 
     then ``mu = h_mu(g)``, ``logvar = clamp(h_logvar(g), logvar_min, logvar_max)``
-    (variances in log space; sigma = exp(logvar / 2)).  Proxies (Eq. 9, as the
+    (variances in log space; sigma = exp(logvar / 2)).  That is ``heads:
+    paper``; the default ``heads: official`` is the RAL-PRVR code's
+    (:class:`OfficialGaussianEncoder`: a sigmoid-gated attention added to the
+    pooled vector under LayerNorm for mu, its own attention plus the pooled
+    vector for log sigma).  Proxies (Eq. 9, as the
     official code): ``num_proxies`` samples mu + sigma * eps, eps ~ N(0, I),
     i.e. (n, K, D); ``mean_proxy=True`` puts mu in front of them (n, K + 1, D);
     ``sampling=False`` uses the mean alone (n, 1, D).  The aux output also
@@ -66,6 +70,19 @@ def masked_softmax(logits: Tensor, mask: Tensor) -> Tensor:
     return weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-12)
 
 
+def group_mean(tokens: Tensor, member: Tensor) -> Tensor:
+    """(N, D) tokens, (G, N) bool membership -> (G, D) mean of each group's tokens (0 for an empty group)."""
+    counts = member.sum(dim=1, keepdim=True).clamp(min=1)  # (G, 1)
+    return (member.to(tokens.dtype) @ tokens) / counts  # (G, D)
+
+
+def gated_attention(tokens: Tensor, member: Tensor, hidden: nn.Linear, score: nn.Linear) -> Tensor:
+    """softmax over each group's tokens of ``score(tanh(hidden(x)))``, times the tokens: (G, D)."""
+    gate = score(torch.tanh(hidden(tokens))).squeeze(-1)  # (N,)
+    att = masked_softmax(gate[None, :].expand_as(member), member)  # (G, N)
+    return att.to(tokens.dtype) @ tokens  # (G, D)
+
+
 class MultiGranularityAggregator(nn.Module):
     """Groups of tokens -> one LayerNorm(global + local) vector per group (Eqs. 6-7)."""
 
@@ -83,13 +100,9 @@ class MultiGranularityAggregator(nn.Module):
         """``tokens`` (N, D), ``member`` (G, N) bool token-in-group (a token in no group is ignored) -> (G, D)."""
         total = tokens.new_zeros(member.shape[0], tokens.shape[1])  # (G, D)
         if self.aggregation in ("both", "global"):
-            counts = member.sum(dim=1, keepdim=True).clamp(min=1)  # (G, 1)
-            mean = (member.to(tokens.dtype) @ tokens) / counts  # (G, D)
-            total = total + self.global_fc(mean)
+            total = total + self.global_fc(group_mean(tokens, member))
         if self.aggregation in ("both", "local"):
-            gate = self.gate_score(torch.tanh(self.gate_hidden(tokens))).squeeze(-1)  # (N,)
-            att = masked_softmax(gate[None, :].expand_as(member), member)  # (G, N)
-            total = total + att.to(tokens.dtype) @ tokens  # (G, D)
+            total = total + gated_attention(tokens, member, self.gate_hidden, self.gate_score)
         return self.norm(total)
 
 
@@ -107,6 +120,54 @@ class GaussianEncoder(nn.Module):
         """(N, D) tokens, (G, N) membership -> mu (G, D), logvar (G, D)."""
         g = self.aggregate(tokens, member)
         return self.mean(g), self.logvar(g).clamp(self.logvar_min, self.logvar_max)
+
+
+class OfficialGaussianEncoder(nn.Module):
+    """The RAL-PRVR code's heads for one modality (``heads: official``): two gated attentions of width
+    D/2 over the group's tokens, one for each head, and a pooled vector p (video: the mean of the
+    L2-normalised frames, normalised again; text: the plain mean of the support set's words)::
+
+        mu       = LayerNorm(p + sigmoid(FC(att_mu(X))))      (PIENet)
+        log sigma = FC(att_sigma(X)) + FC2(p)                  (UncertaintyModuleImage)
+
+    returned as mu and logvar = 2 log sigma, clamped like the paper heads' (the official code has
+    no clamp).  ``aggregation``: ``local`` drops p from both heads, ``global`` the attentions."""
+
+    def __init__(
+        self, *, hidden_size: int, aggregation: str, unit_pool: bool, logvar_min: float, logvar_max: float
+    ) -> None:
+        super().__init__()
+        width = max(1, hidden_size // 2)
+        self.aggregation, self.unit_pool = aggregation, unit_pool
+        if aggregation in ("both", "local"):
+            self.mu_gate_hidden = nn.Linear(hidden_size, width, bias=False)
+            self.mu_gate_score = nn.Linear(width, 1, bias=False)
+            self.mu_fc = nn.Linear(hidden_size, hidden_size)
+            self.sigma_gate_hidden = nn.Linear(hidden_size, width, bias=False)
+            self.sigma_gate_score = nn.Linear(width, 1, bias=False)
+            self.sigma_fc = nn.Linear(hidden_size, hidden_size)
+        if aggregation in ("both", "global"):
+            self.sigma_pool_fc = nn.Linear(hidden_size, hidden_size)
+        self.mu_norm = nn.LayerNorm(hidden_size)
+        self.logvar_min, self.logvar_max = logvar_min, logvar_max
+
+    def forward(self, tokens: Tensor, member: Tensor) -> tuple[Tensor, Tensor]:
+        """(N, D) tokens, (G, N) membership -> mu (G, D), logvar (G, D)."""
+        mu_in = tokens.new_zeros(member.shape[0], tokens.shape[1])  # (G, D)
+        log_sigma = torch.zeros_like(mu_in)  # (G, D)
+        if self.aggregation in ("both", "global"):
+            if self.unit_pool:
+                pooled = F.normalize(group_mean(F.normalize(tokens, dim=-1), member), dim=-1)  # (G, D)
+            else:
+                pooled = group_mean(tokens, member)  # (G, D)
+            mu_in = mu_in + pooled
+            log_sigma = log_sigma + self.sigma_pool_fc(pooled)
+        if self.aggregation in ("both", "local"):
+            attended = gated_attention(tokens, member, self.mu_gate_hidden, self.mu_gate_score)  # (G, D)
+            mu_in = mu_in + torch.sigmoid(self.mu_fc(attended))
+            attended = gated_attention(tokens, member, self.sigma_gate_hidden, self.sigma_gate_score)  # (G, D)
+            log_sigma = log_sigma + self.sigma_fc(attended)
+        return self.mu_norm(mu_in), (2.0 * log_sigma).clamp(self.logvar_min, self.logvar_max)
 
 
 def sample_proxies(mu: Tensor, logvar: Tensor, num_proxies: int, sampling: bool, *, mean_proxy: bool = False) -> Tensor:
@@ -196,7 +257,9 @@ class RAL(Plugin):
     ``aggregation``: "both" | "local" | "global"; ``logvar_min/max``: the clamp
     of log sigma^2; ``csa_weighting``: "learned" | "average"; ``csa_hidden``:
     width of the confidence MLP (0: the backbone's hidden size);
-    ``csa_input``: "normalized" (official) or "raw" words into that MLP.  With
+    ``csa_input``: "normalized" (official) or "raw" words into that MLP;
+    ``heads``: the Gaussian heads, "official" (:class:`OfficialGaussianEncoder`)
+    or "paper" (Eqs. 6-7, :class:`GaussianEncoder`).  With
     ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
     score (the baseline cell of an ablation: the bare backbone's results).
     """
@@ -220,6 +283,7 @@ class RAL(Plugin):
         csa_weighting: Literal["learned", "average"] = "learned",
         csa_hidden: int = 0,
         csa_input: Literal["normalized", "raw"] = "normalized",
+        heads: Literal["official", "paper"] = "official",
         branch: str = "frame",
     ) -> None:
         super().__init__()
@@ -234,6 +298,7 @@ class RAL(Plugin):
         self.aggregation = check_choice(aggregation, "aggregation", ("both", "local", "global"))
         self.csa_weighting = check_choice(csa_weighting, "csa_weighting", ("learned", "average"))
         self.csa_input = check_choice(csa_input, "csa_input", ("normalized", "raw"))
+        self.heads = check_choice(heads, "heads", ("official", "paper"))
         check_number(logvar_min, "logvar_min")
         check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
@@ -242,8 +307,12 @@ class RAL(Plugin):
         self.branch = check_identifier(branch, "branch", "'frame'")
         if self.msra:
             kw = dict(hidden_size=hidden_size, aggregation=self.aggregation, logvar_min=float(logvar_min), logvar_max=float(logvar_max))
-            self.text_gaussian = GaussianEncoder(**kw)
-            self.video_gaussian = GaussianEncoder(**kw)
+            if self.heads == "official":
+                self.text_gaussian = OfficialGaussianEncoder(**kw, unit_pool=False)
+                self.video_gaussian = OfficialGaussianEncoder(**kw, unit_pool=True)
+            else:
+                self.text_gaussian = GaussianEncoder(**kw)
+                self.video_gaussian = GaussianEncoder(**kw)
         if self.csa and self.csa_weighting == "learned":
             width = csa_hidden or hidden_size
             self.confidence = nn.Sequential(nn.Linear(hidden_size, width), nn.ReLU(), nn.Linear(width, 1))

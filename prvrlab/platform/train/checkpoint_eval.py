@@ -9,7 +9,7 @@ import torch
 
 from prvrlab.data.errors import DataError
 from prvrlab.platform.config import ConfigError, ExperimentConfig, validate
-from prvrlab.platform.presets import PRE_PARITY, apply_switches
+from prvrlab.platform.presets import stored_behaviour
 
 def load_checkpoint(path: str | Path) -> dict:
     """Read a model file written by training; a clear error when it is not one."""
@@ -33,11 +33,9 @@ def checkpoint_epoch(blob: dict) -> int | None:
 
 
 def checkpoint_config(blob: dict, path: str | Path) -> ExperimentConfig:
-    """The validated config a model file was trained with (files written before the parity switches:
-    the switches as they were then)."""
-    stored = blob["config"]
-    if blob.get("format", 1) < 2:
-        stored = apply_switches(stored, PRE_PARITY, keep_given=True)
+    """The validated config a model file was trained with (files written before a switch existed: the
+    behaviour they were trained with, ``presets.BEFORE_FORMAT``)."""
+    stored = stored_behaviour(blob["config"], int(blob.get("format", 1)))
     try:
         return validate(stored)
     except ConfigError as exc:
