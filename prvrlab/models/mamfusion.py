@@ -96,6 +96,17 @@ class MultiplicativeCrossAttention(nn.Module):
         self.key_value = nn.Linear(hidden_size, 2 * hidden_size)
         self.out = nn.Linear(hidden_size, hidden_size)
 
+    def init_like_multihead_attention_(self) -> None:
+        """``nn.MultiheadAttention``'s own start for the Q/K/V projections: its packed (3D, D) in-projection
+        drawn xavier-uniform as one matrix (bound sqrt(6 / (D + 3D))), zero biases; the output
+        projection is left as it is."""
+        hidden = self.query.weight.shape[1]
+        bound = math.sqrt(6.0 / (hidden + 3 * hidden))
+        with torch.no_grad():
+            for linear in (self.query, self.key_value):
+                nn.init.uniform_(linear.weight, -bound, bound)
+                nn.init.zeros_(linear.bias)
+
     def _heads(self, t: Tensor) -> Tensor:
         return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-2, -3)  # (..., H, L, Dh)
 
@@ -132,7 +143,10 @@ class MamFusion(PooledFrameBackbone):
     :mod:`prvrlab.models.mamba`); ``t2v`` / ``v2t`` (the two fusions),
     ``fusion`` (``batch`` | ``temporal``), ``fusion_at_retrieval`` and
     ``fused_weight`` (the fused branch in the retrieval score), ``fusion_chunk``
-    (max elements of one intermediate tensor of the pairwise fusion).
+    (max elements of one intermediate tensor of the pairwise fusion), ``fusion_init``
+    (``official``: the fusions' Q/K/V projections start as ``nn.MultiheadAttention``'s, which the
+    reference's re-initialisation of ``nn.Linear`` never reaches; ``normal``: N(0, 0.02) like the
+    rest of the model).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
@@ -172,6 +186,7 @@ class MamFusion(PooledFrameBackbone):
         fusion_at_retrieval: bool = False,
         fused_weight: float = 0.3,
         fusion_chunk: int = 1 << 24,
+        fusion_init: Literal["official", "normal"] = "official",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -227,6 +242,9 @@ class MamFusion(PooledFrameBackbone):
         self.t2v = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if t2v else None
         self.v2t = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if v2t else None
         init_normal_(self)
+        if check_choice(fusion_init, "fusion_init", ("official", "normal")) == "official":
+            for attention in (a for a in (self.t2v, self.v2t) if a is not None):
+                attention.init_like_multihead_attention_()
         if mamba_init == "mamba_ssm":
             for mixer in (m for m in self.modules() if isinstance(m, Mamba)):
                 mixer.init_like_mamba_ssm_()

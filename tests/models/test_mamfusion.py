@@ -61,6 +61,7 @@ def test_registered_with_a_fused_branch_of_weight_zero_by_default():
         ({"mamba_init": "mamba"}, "mamba_init"),
         ({"mamba_residual": "zero"}, "mamba_residual"),
         ({"fusion_chunk": 0}, "fusion_chunk"),
+        ({"fusion_init": "xavier"}, "fusion_init"),
         ({"input_dropout": 1.5}, "dropout"),
         ({"dropout": -0.1}, "dropout"),
     ],
@@ -98,6 +99,29 @@ def test_mamba_init_official_overwrites_the_mixers_and_mamba_ssm_keeps_the_packa
                 assert abs(float(p.std()) - 0.02) < 0.002 and float(own[name].std()) > 0.03
         else:  # the rest draws the same numbers in the same order
             torch.testing.assert_close(p, own[name])
+
+
+def test_fusion_init_official_starts_the_qkv_as_multihead_attention_does():
+    """The reference's fusion is an nn.MultiheadAttention: its packed (3D, D) in-projection starts
+    xavier-uniform (bound sqrt(6 / 4D)) with zero biases, and the model's N(0, 0.02) re-initialisation
+    only reaches its output projection (an nn.Linear)."""
+    hidden = 128
+    bound = math.sqrt(6.0 / (4 * hidden))
+    models = {}
+    for init in ("official", "normal"):
+        torch.manual_seed(0)
+        models[init] = build("mamfusion", hidden_size=hidden, num_heads=4, fusion_init=init)
+    for name in ("t2v", "v2t"):
+        official, normal = getattr(models["official"], name), getattr(models["normal"], name)
+        packed = torch.cat([official.query.weight, official.key_value.weight])  # (3D, D)
+        assert packed.shape == (3 * hidden, hidden)
+        assert float(packed.abs().max()) <= bound
+        assert float(packed.std()) == pytest.approx(bound / math.sqrt(3), rel=0.05)  # uniform(-b, b)
+        assert float(torch.cat([official.query.bias, official.key_value.bias]).abs().max()) == 0.0
+        assert float(torch.cat([normal.query.weight, normal.key_value.weight]).std()) == pytest.approx(0.02, rel=0.05)
+        for model in (official, normal):
+            assert float(model.out.weight.std()) == pytest.approx(0.02, rel=0.1)
+    assert build("mamfusion", t2v=False, v2t=False).t2v is None  # nothing to start
 
 
 def test_zero_init_residual_starts_as_the_model_without_mamba():

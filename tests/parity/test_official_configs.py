@@ -202,6 +202,7 @@ MAMFUSION = {
     "model.mamba_residual": ("official",) * 3 + ("src/Models/model_mamba.py nn.LayerNorm after Mamba, default scale 1",),
     "model.mamba_norm_decay": (True, True, True, "src/Opts/builder.py no_decay names miss '*_mamba.1.weight'"),
     "model.fusion": ("batch",) * 3 + ("src/Models/model_mamba.py VisionLanguageFusionModule over the batch",),
+    "model.fusion_init": ("official",) * 3 + ("src/Models/model_mamba.py nn.MultiheadAttention (reset_parameters: nn.Linear only)",),
     "model.t2v": (True, True, True, "src/Models/model_mamba.py v2t_fusion(tgt=videos, memory=queries)"),
     "model.v2t": (True, True, True, "src/Models/model_mamba.py t2v_fusion(tgt=queries, memory=videos)"),
     "model.fusion_at_retrieval": (False, False, False, "src/Models/model_mamba.py scores use unfused queries"),
