@@ -25,7 +25,7 @@ import numpy as np
 
 from prvrlab.data.errors import DataError
 from prvrlab.data.features import VisualFeatures, open_visual_features
-from prvrlab.data.preprocess import LastBin
+from prvrlab.data.preprocess import LastBin, Normalize
 from prvrlab.data.truth import RelevanceTruth, truth_file_name
 from prvrlab.data.text import (
     QueryFeatures,
@@ -103,6 +103,7 @@ class Collection:
         num_clips: int = 32,
         max_query_len: int = 30,
         last_bin: LastBin = "official",
+        normalize: Normalize = "official",
     ) -> None:
         self.name = name
         self.root = root
@@ -111,6 +112,7 @@ class Collection:
         self.num_clips = num_clips
         self.max_query_len = max_query_len
         self.last_bin: LastBin = last_bin
+        self.normalize: Normalize = normalize
         self.visual: VisualFeatures = open_visual_features(visual_path)
         self.queries = QueryFeatures(query_path)
         self._splits: dict[str, SplitIndex] = {}
@@ -288,6 +290,7 @@ def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_sy
         num_clips=cfg.num_clips,
         max_query_len=cfg.max_query_len,
         last_bin=cfg.last_bin,
+        normalize=cfg.normalize,
     )
     collection.notes = [n for n in [visual_feature_of(cfg, root)[1]] if n]
     if validate_splits:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from prvrlab.checks import check_choice, check_int, check_positive_int
-from prvrlab.data.preprocess import LAST_BIN_CHOICES
+from prvrlab.data.preprocess import LAST_BIN_CHOICES, NORMALIZE_CHOICES
 
 
 @dataclass
@@ -28,6 +28,7 @@ class DataConfig:
     num_clips: int = 32
     max_query_len: int = 30
     last_bin: Literal["official", "inclusive"] = "official"  # official drops the final frame of a multi-frame last bin
+    normalize: Literal["official", "exact"] = "official"  # official: rows / (L2 norm + 1e-5); exact: / L2 norm
     synthesize: str | None = None  # synthetic preset written to `root` when it is missing
     synth_seed: int = 0
     loader_workers: int = 0
@@ -39,4 +40,5 @@ class DataConfig:
         for name in ("max_frames", "num_clips", "max_query_len"):
             check_positive_int(getattr(self, name), f"data.{name}")
         check_choice(self.last_bin, "data.last_bin", LAST_BIN_CHOICES)
+        check_choice(self.normalize, "data.normalize", NORMALIZE_CHOICES)
         check_int(self.loader_workers, "data.loader_workers", minimum=0)

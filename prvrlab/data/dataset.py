@@ -53,14 +53,14 @@ class VideoDataset(Dataset):
         c = self.collection
         raw = c.visual.frames(self.index.video_ids[i])  # (n, Dv)
         return (
-            preprocess_frames(raw, c.max_frames, last_bin=c.last_bin),
-            preprocess_clips(raw, c.num_clips, last_bin=c.last_bin),
+            preprocess_frames(raw, c.max_frames, last_bin=c.last_bin, normalize=c.normalize),
+            preprocess_clips(raw, c.num_clips, last_bin=c.last_bin, normalize=c.normalize),
         )
 
     def query(self, j: int) -> np.ndarray:
         """Preprocessed tokens (Lq, Dq) of query ``j`` of the split."""
         c = self.collection
-        return preprocess_query(c.queries.tokens(self.index.query_ids[j]), c.max_query_len)
+        return preprocess_query(c.queries.tokens(self.index.query_ids[j]), c.max_query_len, normalize=c.normalize)
 
     def __getitem__(self, i: int) -> VideoItem:
         frames, clips = self.video(i)

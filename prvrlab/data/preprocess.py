@@ -11,8 +11,10 @@
   ``uniform_feature_sampling``) clamps every edge to ``n - 1``, so the last bin
   ends one frame early and the final frame is dropped whenever that bin spans
   several frames; ``last_bin="inclusive"`` keeps it (edges run to ``n``).
-- Every frame / clip row and every query token is L2-normalised after pooling;
-  all-zero rows stay zero.  Queries are truncated to ``max_query_len`` tokens.
+- Every frame / clip row and every query token is L2-normalised after pooling:
+  ``normalize="official"`` (every reference's ``l2_normalize_np_array``)
+  divides by ``|x| + 1e-5``, ``normalize="exact"`` by ``|x|``; all-zero rows
+  stay zero either way.  Queries are truncated to ``max_query_len`` tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import numpy as np
 
 LastBin = Literal["official", "inclusive"]
 LAST_BIN_CHOICES: tuple[str, ...] = ("official", "inclusive")
+Normalize = Literal["official", "exact"]
+NORMALIZE_CHOICES: tuple[str, ...] = ("official", "exact")
+OFFICIAL_NORM_EPS = 1e-5  # l2_normalize_np_array(np_array, eps=1e-5): np_array / (norm + eps)
 
 
 def bin_edges(n: int, num_bins: int) -> np.ndarray:
@@ -66,32 +71,41 @@ def mean_pool_bins(x: np.ndarray, num_bins: int, *, last_bin: LastBin = "officia
     return out
 
 
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-    """Rows of ``x`` (..., D) scaled to unit L2 norm, float32; zero rows stay zero."""
+def l2_normalize(x: np.ndarray, normalize: Normalize = "official") -> np.ndarray:
+    """Rows of ``x`` (..., D) divided by their L2 norm (``exact``) or by norm + 1e-5 (``official``),
+    float32; zero rows stay zero."""
+    if normalize not in NORMALIZE_CHOICES:
+        raise ValueError(f"normalize must be one of {NORMALIZE_CHOICES}, got {normalize!r}")
     x = np.asarray(x, dtype=np.float32)
     norms = np.linalg.norm(x, axis=-1, keepdims=True)  # (..., 1)
+    if normalize == "official":
+        return x / (norms + np.float32(OFFICIAL_NORM_EPS))
     return x / np.where(norms > 0, norms, 1.0).astype(np.float32)
 
 
-def preprocess_frames(frames: np.ndarray, max_frames: int, *, last_bin: LastBin = "official") -> np.ndarray:
+def preprocess_frames(
+    frames: np.ndarray, max_frames: int, *, last_bin: LastBin = "official", normalize: Normalize = "official"
+) -> np.ndarray:
     """Frame features (n, D) -> (min(n, max_frames), D), mean-pooled if n > max_frames, L2-normalised."""
     _check_frames(frames)
     if frames.shape[0] > max_frames:
         frames = mean_pool_bins(frames, max_frames, last_bin=last_bin)  # (max_frames, D)
-    return l2_normalize(frames)
+    return l2_normalize(frames, normalize)
 
 
-def preprocess_clips(frames: np.ndarray, num_clips: int, *, last_bin: LastBin = "official") -> np.ndarray:
+def preprocess_clips(
+    frames: np.ndarray, num_clips: int, *, last_bin: LastBin = "official", normalize: Normalize = "official"
+) -> np.ndarray:
     """Frame features (n, D) -> (num_clips, D) clip features, L2-normalised."""
     _check_frames(frames)
-    return l2_normalize(mean_pool_bins(frames, num_clips, last_bin=last_bin))  # (num_clips, D)
+    return l2_normalize(mean_pool_bins(frames, num_clips, last_bin=last_bin), normalize)  # (num_clips, D)
 
 
-def preprocess_query(tokens: np.ndarray, max_query_len: int) -> np.ndarray:
+def preprocess_query(tokens: np.ndarray, max_query_len: int, *, normalize: Normalize = "official") -> np.ndarray:
     """Token features (n, Dq) -> (min(n, max_query_len), Dq), each token L2-normalised."""
     if tokens.ndim != 2 or tokens.shape[0] == 0:
         raise ValueError(f"query tokens must be (n >= 1, Dq), got shape {tokens.shape}")
-    return l2_normalize(tokens[:max_query_len])
+    return l2_normalize(tokens[:max_query_len], normalize)
 
 
 def _check_frames(frames: np.ndarray) -> None:

@@ -181,7 +181,7 @@ def _key(collection: Collection, index: SplitIndex, device: torch.device) -> tup
     return (
         tuple((str(p), _signature(p)) for p in paths),
         index.name,
-        (collection.max_frames, collection.num_clips, collection.max_query_len, collection.last_bin),
+        (collection.max_frames, collection.num_clips, collection.max_query_len, collection.last_bin, collection.normalize),
         str(device),
     )
 

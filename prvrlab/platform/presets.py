@@ -25,7 +25,7 @@ Switches = dict[str, dict[str, Any]]
 PRESETS: dict[str, Switches] = {
     "corrected": {
         "model": {"window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs"},
-        "data": {"last_bin": "inclusive"},
+        "data": {"last_bin": "inclusive", "normalize": "exact"},
         "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
         "loss:ral_pm": {"formulation": "paper"},
         "loss:ral_da": {"formulation": "paper"},
@@ -46,7 +46,7 @@ PRE_PARITY: Switches = {
 # f gets the switches of every key above f, oldest first (a value stored in the file wins).
 BEFORE_FORMAT: dict[int, Switches] = {
     2: PRE_PARITY,
-    4: {"model": {"frame_training": "all_pairs"}, "plugins.ral": {"heads": "paper"}},
+    4: {"model": {"frame_training": "all_pairs"}, "plugins.ral": {"heads": "paper"}, "data": {"normalize": "exact"}},
 }
 
 

@@ -14,7 +14,8 @@ from prvrlab.data.text import video_id_of
 
 
 def _unit(x):
-    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    """The official normalisation (the default): x / (|x| + 1e-5)."""
+    return x / (np.linalg.norm(x, axis=-1, keepdims=True) + 1e-5)
 
 
 def test_item_is_a_preprocessed_video_with_its_queries(toy_cfg, files):
@@ -25,11 +26,23 @@ def test_item_is_a_preprocessed_video_with_its_queries(toy_cfg, files):
     assert item.video_id == "vA" and item.query_ids == ["vA#0", "vA#1"]
     np.testing.assert_allclose(item.frames, _unit(files.video_frames(5, 6, 1)), rtol=1e-6)
     assert item.clips.shape == (32, 6)
-    np.testing.assert_allclose(np.linalg.norm(item.clips, axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(item.clips, axis=1), 1.0, rtol=1e-4)
     assert [q.shape for q in item.queries] == [(3, 4), (30, 4)]  # 35 tokens truncated to 30
-    np.testing.assert_allclose(item.queries[0], 0.5)  # constant tokens, unit norm
+    np.testing.assert_allclose(item.queries[0], 0.5, rtol=1e-4)  # constant tokens, unit norm (to 1e-5 / |x|)
     val = VideoDataset(col, "val")[0]
     assert val.frames.shape == (128, 6)  # 140 frames mean-pooled
+
+
+def test_data_normalize_reaches_every_row(toy_cfg, files):
+    exact = VideoDataset(open_collection(dataclasses.replace(toy_cfg, normalize="exact")), "train")[0]
+    official = VideoDataset(open_collection(toy_cfg), "train")[0]
+    raw = files.video_frames(5, 6, 1)
+    np.testing.assert_allclose(exact.frames, raw / np.linalg.norm(raw, axis=-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(official.frames, _unit(raw), rtol=1e-6)
+    np.testing.assert_allclose(exact.queries[0], 0.5, rtol=1e-6)
+    assert not np.array_equal(exact.queries[0], official.queries[0])  # small tokens: |x| / (|x| + 1e-5) shows
+    for a, b in ((exact.frames, official.frames), (exact.clips, official.clips), (exact.queries[0], official.queries[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4)
 
 
 def test_collate_pads_and_indexes(toy_cfg):

@@ -42,7 +42,7 @@ def test_one_frame_fills_every_clip():
     x = np.array([[3.0, 4.0]], dtype=np.float32)
     clips = preprocess_clips(x, 32)
     assert clips.shape == (32, 2)
-    np.testing.assert_allclose(clips, np.tile([[0.6, 0.8]], (32, 1)), rtol=1e-6)
+    np.testing.assert_allclose(clips, np.tile([[3.0, 4.0]], (32, 1)) / (5.0 + 1e-5), rtol=1e-6)  # official: / (|x| + 1e-5)
 
 
 def test_300_frames_to_128_bins_matches_explicit_loop():
@@ -53,7 +53,7 @@ def test_300_frames_to_128_bins_matches_explicit_loop():
     assert edges[-1] == 300  # the last frame belongs to the last bin
     for i in range(128):
         np.testing.assert_allclose(pooled[i], x[edges[i] : edges[i + 1]].mean(axis=0), rtol=1e-5, atol=1e-6)
-    frames = preprocess_frames(x, 128, last_bin="inclusive")
+    frames = preprocess_frames(x, 128, last_bin="inclusive", normalize="exact")
     np.testing.assert_allclose(frames, pooled / np.linalg.norm(pooled, axis=1, keepdims=True), rtol=1e-5)
 
 
@@ -71,7 +71,7 @@ def test_frames_kept_up_to_max_frames():
     x = np.random.default_rng(1).standard_normal((128, 4)).astype(np.float32)
     out = preprocess_frames(x, 128)
     assert out.shape == (128, 4)
-    np.testing.assert_allclose(out, x / np.linalg.norm(x, axis=1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(out, x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-5), rtol=1e-6)
     assert preprocess_frames(x[:10], 128).shape == (10, 4)
     assert preprocess_frames(np.vstack([x, x]), 128).shape == (128, 4)
 
@@ -79,19 +79,36 @@ def test_frames_kept_up_to_max_frames():
 def test_rows_have_unit_norm_and_zero_rows_stay_zero():
     x = np.random.default_rng(2).standard_normal((40, 5)).astype(np.float32) * 7
     x[3] = 0
-    out = l2_normalize(x)
+    out = l2_normalize(x, "exact")
     norms = np.linalg.norm(out, axis=1)
     assert norms[3] == 0 and np.isfinite(out).all()
     np.testing.assert_allclose(np.delete(norms, 3), 1.0, rtol=1e-6)
-    clips = preprocess_clips(np.zeros((4, 5), np.float32), 32)
-    assert np.isfinite(clips).all() and not clips.any()
+    for normalize in ("official", "exact"):
+        clips = preprocess_clips(np.zeros((4, 5), np.float32), 32, normalize=normalize)
+        assert np.isfinite(clips).all() and not clips.any()
+
+
+@pytest.mark.parity
+def test_official_normalisation_divides_by_the_norm_plus_1e_5():
+    """Every reference's l2_normalize_np_array(x, eps=1e-5) = x / (|x| + eps): rows fall short of unit
+    norm by eps / (|x| + eps), which matters only for small rows."""
+    x = np.array([[3.0, 4.0], [3e-5, 4e-5], [0.0, 0.0]], dtype=np.float32)
+    out = l2_normalize(x)
+    np.testing.assert_allclose(out[0], [3 / (5 + 1e-5), 4 / (5 + 1e-5)], rtol=1e-6)
+    np.testing.assert_allclose(out[1], [3e-5 / (5e-5 + 1e-5), 4e-5 / (5e-5 + 1e-5)], rtol=1e-5)  # norm 5/6
+    assert not out[2].any()
+    np.testing.assert_allclose(np.linalg.norm(l2_normalize(x[:2], "exact"), axis=1), 1.0, rtol=1e-6)
+    with pytest.raises(ValueError, match="normalize"):
+        l2_normalize(x, "unit")
 
 
 def test_query_tokens_normalised_and_truncated():
     tokens = np.arange(1, 41, dtype=np.float32)[:, None] * np.array([[3.0, 4.0]], np.float32)  # (40, 2)
     out = preprocess_query(tokens, 30)
     assert out.shape == (30, 2) and out.dtype == np.float32
-    np.testing.assert_allclose(out, np.tile([[0.6, 0.8]], (30, 1)), rtol=1e-6)
+    norms = 5.0 * np.arange(1, 31)[:, None]  # token i is (i + 1) * [3, 4]
+    np.testing.assert_allclose(out, tokens[:30] / (norms + 1e-5), rtol=1e-6)
+    np.testing.assert_allclose(preprocess_query(tokens, 30, normalize="exact"), np.tile([[0.6, 0.8]], (30, 1)), rtol=1e-6)
     assert preprocess_query(tokens[:3], 30).shape == (3, 2)
 
 
@@ -151,7 +168,8 @@ def test_bins_not_divisible_by_hand():
 def test_frames_pool_only_above_128(last_bin):
     # n <= 128 is kept untouched whatever the last-bin rule.
     x = _frame_index(128) + 1.0
-    np.testing.assert_array_equal(preprocess_frames(x, 128, last_bin=last_bin), np.ones((128, 1), np.float32))
+    kept = preprocess_frames(x, 128, last_bin=last_bin, normalize="exact")
+    np.testing.assert_array_equal(kept, np.ones((128, 1), np.float32))
     # n = 129: edges round(i * 129 / 128); the last bin is [128, 129), one frame, so both rules agree.
     x = _frame_index(129)
     assert mean_pool_bins(x, 128, last_bin=last_bin)[-1, 0] == 128.0

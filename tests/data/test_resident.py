@@ -136,6 +136,8 @@ def test_a_process_reuses_the_split_it_holds_until_what_it_was_made_from_changes
     again = hold(dataclasses.replace(toy_cfg, max_frames=4))
     assert again["train"] is not pooled["train"] and again["val"] is pooled["val"]
     assert loads[4:] == ["train"]
+    exact = hold(dataclasses.replace(toy_cfg, max_frames=4, normalize="exact"))  # other rows: not the held ones
+    assert exact["train"] is not again["train"] and loads[5:] == ["train", "val"]
 
 
 def test_releasing_lets_go_of_the_held_split(toy_cfg, monkeypatch):

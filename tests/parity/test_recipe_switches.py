@@ -68,6 +68,7 @@ def test_the_corrected_preset_switches_only_what_exists(tiny_root, tmp_path):
     corrected = validate(apply_preset(raw, "corrected"))
     assert corrected.model["window"] == "centred" and corrected.model["window_length"] == "real"  # a preset wins
     assert corrected.data.last_bin == "inclusive" and corrected.train.clip_grad == "global"
+    assert corrected.data.normalize == "exact" and validate(raw).data.normalize == "official"
     mssl = dict(raw, model={"name": "mssl", "hidden_size": 32, "num_heads": 2}, losses={
         "clip_triplet": {"loss": "triplet", "branch": "clip"}, "pm": {"loss": "ral_pm", "weight": 0.0}})
     out = apply_preset(mssl, "corrected")
@@ -107,5 +108,6 @@ def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_r
         evaluate_checkpoint(new, split="val")
     mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
     assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"
+    assert stored_behaviour(mssl, 3)["data"]["normalize"] == "exact" and "normalize" not in stored_behaviour(mssl, 4)["data"]
     assert "frame_training" not in stored_behaviour(mssl, 4)["model"]
     assert stored_behaviour(dict(mssl, model={**mssl["model"], "frame_training": "official"}), 3)["model"]["frame_training"] == "official"
