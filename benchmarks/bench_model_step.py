@@ -8,6 +8,8 @@ GMMFormer on this kind of 2-core machine is 12.8 s (fp32, frames padded to 128).
     .venv/bin/python benchmarks/bench_model_step.py --min-frames 32 # variable lengths (padding skipped)
     .venv/bin/python benchmarks/bench_model_step.py --backbone gmmformer_v2 --paths plain fast
                                                                     # attention paths side by side
+    .venv/bin/python benchmarks/bench_model_step.py --backbone mssl --amp none \
+        --variants frame_training=official,all_pairs                # values of one model key side by side
 
 ``--paths``: ``fast`` is GaussianAttention's fast paths (SDPA for plain
 branches, float32 windowed products where bf16 is emulated), ``plain`` the
@@ -68,9 +70,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backbone", default="gmmformer", help="a registered backbone (gmmformer, gmmformer_v2, ...)")
     p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
                    help="attention paths to time side by side")
+    p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                   help="a backbone hyperparameter (YAML value), repeatable")
+    p.add_argument("--variants", metavar="KEY=V1,V2,...",
+                   help="one runner per value of this backbone key, alternating with the others")
     p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
                    help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
     return p.parse_args()
+
+
+def key_values(items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` strings -> a mapping, values read as YAML (``0.5``, ``true``, ``official``)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--model takes KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def synthetic_batch(args: argparse.Namespace, g: torch.Generator) -> Batch:
@@ -117,16 +136,18 @@ def gemm_roof(dtype: torch.dtype, repeats: int = 3) -> float:
 class Runner:
     """A model, its losses and AdamW, trained on one batch under one precision."""
 
-    def __init__(self, args: argparse.Namespace, amp: str, path: str = "fast") -> None:
+    def __init__(self, args: argparse.Namespace, amp: str, path: str = "fast", variant: tuple[str, object] | None = None) -> None:
         torch.manual_seed(args.seed)
-        self.amp, self.path = amp, path
+        self.amp, self.path, self.variant = amp, path, variant
         self.name = f"{'fp32' if amp == 'none' else 'bf16 autocast'} {path}"
+        if variant is not None:
+            self.name += f" {variant[0]}={variant[1]}"
         sizes = {"hidden_size": args.hidden, "max_frames": max(args.frames, args.clips), "max_query_len": args.query_len}
         params = BACKBONES.params(args.backbone)
-        self.model = BACKBONES.build(
-            args.backbone, video_dim=args.video_dim, query_dim=args.query_dim,
-            **{k: v for k, v in sizes.items() if k in params},
-        ).train()
+        chosen = {**{k: v for k, v in sizes.items() if k in params}, **key_values(args.model)}
+        if variant is not None:
+            chosen[variant[0]] = variant[1]
+        self.model = BACKBONES.build(args.backbone, video_dim=args.video_dim, query_dim=args.query_dim, **chosen).train()
         self.criterion = WeightedLoss.from_config(LOSSES)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.01)
         self.times: dict[str, list[float]] = {"forward": [], "losses": [], "backward": [], "AdamW": [], "step": []}
@@ -169,7 +190,11 @@ def main() -> None:
     print(f"GEMM roof now: fp32 {roofs['none']:.1f} GFLOP/s, bf16 {roofs['bf16']:.1f} GFLOP/s")
     print(f"native bf16 matrix units on this CPU: {native_low_precision('cpu')}")
     amps = ["none", "bf16"] if args.amp == "both" else [args.amp]
-    runners = [Runner(args, amp, path) for amp in amps for path in args.paths]
+    variants: list[tuple[str, object] | None] = [None]
+    if args.variants:
+        key, _, values = args.variants.partition("=")
+        variants = [(key, key_values([f"{key}={v}"])[key]) for v in values.split(",")]
+    runners = [Runner(args, amp, path, variant) for amp in amps for path in args.paths for variant in variants]
     counter = FlopCounterMode(display=False)
     with counter:  # one untimed step, counting the FLOPs of forward + losses + backward
         runners[0].step(batch, record=False)
@@ -186,7 +211,8 @@ def main() -> None:
     best = {}
     for runner in runners:
         t = runner.times
-        best[(runner.amp, runner.path)] = min(t["step"])
+        if runner.variant is None or runner.variant == variants[0]:
+            best[(runner.amp, runner.path)] = min(t["step"])
         parts = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in t.items() if k != "step")
         print(
             f"{runner.name:>18}: step min {min(t['step']):6.2f} s, "
@@ -198,6 +224,12 @@ def main() -> None:
     for path in args.paths:
         if ("none", path) in best and ("bf16", path) in best:
             print(f"bf16 speed-up over fp32 ({path}): {best[('none', path)] / best[('bf16', path)]:.2f}x")
+    if args.variants:
+        first = {(r.amp, r.path): min(r.times["step"]) for r in runners if r.variant == variants[0]}
+        for runner in runners:
+            if runner.variant != variants[0]:
+                ratio = min(runner.times["step"]) / first[(runner.amp, runner.path)]
+                print(f"{runner.name}: step {ratio:.2f}x that of {variants[0][0]}={variants[0][1]}")
     if "plain" in args.paths and "fast" in args.paths:
         for amp in amps:
             print(f"fast over plain attention ({'fp32' if amp == 'none' else 'bf16'}): "

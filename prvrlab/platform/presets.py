@@ -27,6 +27,7 @@ PRESETS: dict[str, Switches] = {
         "model": {"window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs"},
         "data": {"last_bin": "inclusive", "normalize": "exact"},
         "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
+        "plugins.ral": {"csa_padding": "masked"},
         "loss:ral_pm": {"formulation": "paper"},
         "loss:ral_da": {"formulation": "paper"},
     },
@@ -46,7 +47,11 @@ PRE_PARITY: Switches = {
 # f gets the switches of every key above f, oldest first (a value stored in the file wins).
 BEFORE_FORMAT: dict[int, Switches] = {
     2: PRE_PARITY,
-    4: {"model": {"frame_training": "all_pairs"}, "plugins.ral": {"heads": "paper"}, "data": {"normalize": "exact"}},
+    4: {
+        "model": {"frame_training": "all_pairs"},
+        "plugins.ral": {"heads": "paper", "csa_padding": "masked"},
+        "data": {"normalize": "exact"},
+    },
 }
 
 

@@ -89,14 +89,21 @@ def test_csa_word_weights_learned_and_average():
     assert torch.allclose(avg[1], torch.tensor([0.5, 0.5, 0, 0, 0]))
 
 
-def test_confidence_scores_match_a_hand_loop():
+@pytest.mark.parametrize("official_padding", [False, True])
+def test_confidence_scores_match_a_hand_loop(official_padding):
+    """Masked: each word's max over the video's real frames.  Official padding (the code pads every video to
+    max_frames = 7 here and its padded positions score 0): a video with fewer real frames than 7 takes
+    max(0, that max) per word, so padding wins when every real frame scores below 0."""
     g = torch.Generator(DEVICE).manual_seed(0)
     words, frames = torch.randn(3, 4, 6, generator=g), torch.randn(5, 7, 6, generator=g)
     word_mask = torch.arange(4)[None] < torch.tensor([4, 1, 3])[:, None]
-    frame_mask = torch.arange(7)[None] < torch.tensor([7, 2, 5, 1, 3])[:, None]
+    lengths = [7, 2, 5, 1, 3]
+    frame_mask = torch.arange(7)[None] < torch.tensor(lengths)[:, None]
     frames = frames.masked_fill(~frame_mask[..., None], 50.0)  # padding that would win a max
     weights = masked_softmax(torch.randn(3, 4, generator=g), word_mask)
-    out = confidence_scores(words, weights, frames, frame_mask, with_logits=True)
+    floor = torch.tensor([n < 7 for n in lengths]) if official_padding else None
+    out = confidence_scores(words, weights, frames, frame_mask, with_logits=True, floor=floor)
+    floored = 0
     for q in range(3):
         for v in range(5):
             sim = logit = 0.0
@@ -105,10 +112,31 @@ def test_confidence_scores_match_a_hand_loop():
                     continue
                 cos = [float(torch.cosine_similarity(words[q, i], frames[v, j], dim=0)) for j in range(7) if frame_mask[v, j]]
                 dot = [float(words[q, i] @ frames[v, j]) for j in range(7) if frame_mask[v, j]]
+                if official_padding and lengths[v] < 7:
+                    floored += max(cos) < 0
+                    cos, dot = cos + [0.0], dot + [0.0]  # a padded position
                 sim += float(weights[q, i]) * max(cos)
                 logit += float(weights[q, i]) * max(dot)
             assert out.sim[q, v].item() == pytest.approx(sim, abs=1e-5)
             assert out.logits[q, v].item() == pytest.approx(logit, abs=1e-4)
+    assert floored > 0 or not official_padding  # the case the switch is about happens here
+
+
+def test_csa_official_padding_floors_the_videos_shorter_than_max_frames():
+    b = batch()  # real frames 5, 3, 4, padded to 6 in the batch; the backbone's max_frames is larger
+    model = plugged(msra=False).eval()
+    assert model.plugins["ral"].csa_padding == "official"
+    with torch.no_grad():
+        out = model(b)
+        q, v = model.encode_queries(b.queries, b.query_mask), model.encode_videos(b.clips, b.frames, b.frame_mask)
+        frames, fmask = v.frame_tokens()
+        g = model.plugins["ral"].word_weights(q.tokens, q.token_mask)
+        shorter = fmask.sum(dim=1) < model.backbone.max_frames
+        assert shorter.all()
+        expected = confidence_scores(q.tokens, g, frames, fmask, floor=shorter)
+        masked = confidence_scores(q.tokens, g, frames, fmask)
+    torch.testing.assert_close(out.scores["frame"].sim, expected.sim)
+    assert not torch.allclose(expected.sim, masked.sim)  # some word's real frames all score below 0 here
 
 
 def test_csa_input_normalized_differs_from_raw_and_sums_to_one():
@@ -138,7 +166,7 @@ def test_csa_normalized_scores_with_normalized_weights_and_logits_with_raw_ones(
     """Official: the cosine score weights words by MLP(normalised q), the raw-dot logits by MLP(q)."""
     b = batch()
     for csa_input in ("normalized", "raw"):
-        model = plugged(msra=False, csa_input=csa_input)
+        model = plugged(msra=False, csa_input=csa_input, csa_padding="masked")
         model.eval()
         ral = model.plugins["ral"]
         with torch.no_grad():
@@ -204,7 +232,7 @@ def test_csa_off_leaves_the_backbone_scores_and_msra_off_adds_nothing():
 
 def test_csa_replaces_only_the_frame_branch():
     b = batch()
-    model = plugged(msra=False)
+    model = plugged(msra=False, csa_padding="masked")
     model.eval()
     with torch.no_grad():
         out, bare = model(b), model.backbone(b)

@@ -39,6 +39,11 @@ CSA (training and retrieval)
     ``csa_input="raw"`` feeds it the raw words for both.
     q_i are the backbone's word tokens (``QueryEmbedding.tokens``), v_j its
     per-frame tokens, both in the backbone's hidden space.
+    ``csa_padding="official"`` (the official code pads every video to the
+    backbone's ``max_frames`` and scores its padded positions 0) floors each
+    word's max at 0 for a video shorter than ``max_frames``, so padding wins
+    when every real frame scores below 0; ``csa_padding="masked"``: the max
+    over real frames only.
 """
 
 from __future__ import annotations
@@ -209,14 +214,16 @@ def confidence_scores(
     *,
     with_logits: bool = False,
     logit_weights: Tensor | None = None,
+    floor: Tensor | None = None,
 ) -> BranchScores:
     """S(q, v) = sum_i weights[q, i] * max over v's real frames j of cos(words[q, i], frames[v, j]).
 
     ``words`` (Nq, Lq, D), ``weights`` (Nq, Lq) (0 on padding), ``frames``
     (Nv, Lf, D), ``frame_mask`` (Nv, Lf) -> (Nq, Nv); logits use raw dots,
     weighted by ``logit_weights`` (Nq, Lq) when given, else by ``weights``.
-    A video without real frames scores -1 (sim) and 0 (logits).  fp32, chunked
-    over videos.
+    A video without real frames scores -1 (sim) and 0 (logits).  ``floor``
+    (Nv,) bool: those videos' word maxima (sim and logits) are at least 0, as
+    if padded positions scoring 0 took part.  fp32, chunked over videos.
     """
     nq, lq, dim = words.shape
     nv, lf, _ = frames.shape
@@ -235,12 +242,16 @@ def confidence_scores(
             c = v.shape[0]
             pad = ~frame_mask[start : start + chunk].to(torch.bool)  # (C, Lf)
             vn = F.normalize(v, dim=-1, eps=_EPS).reshape(c * lf, dim)
+            low = None if floor is None else floor[start : start + chunk][None, None, :]  # (1, 1, C)
             cos = (qn @ vn.t()).view(nq, lq, c, lf).masked_fill(pad[None, None], -1.0)  # (Nq, Lq, C, Lf)
-            sims.append((cos.max(dim=-1).values * w[:, :, None]).sum(dim=1))  # (Nq, C)
+            top = cos.max(dim=-1).values  # (Nq, Lq, C)
+            top = top if low is None else torch.where(low, top.clamp(min=0.0), top)
+            sims.append((top * w[:, :, None]).sum(dim=1))  # (Nq, C)
             if with_logits:
                 dots = (q @ v.reshape(c * lf, dim).t()).view(nq, lq, c, lf)  # (Nq, Lq, C, Lf)
                 best = dots.masked_fill(pad[None, None], torch.finfo(torch.float32).min).max(dim=-1).values
                 best = torch.where(pad.all(dim=1)[None, None, :], torch.zeros_like(best), best)  # (Nq, Lq, C)
+                best = best if low is None else torch.where(low, best.clamp(min=0.0), best)
                 logits.append((best * wl[:, :, None]).sum(dim=1))  # (Nq, C)
         sim = torch.cat(sims, dim=1)  # (Nq, Nv)
         return BranchScores(sim=sim, logits=torch.cat(logits, dim=1) if with_logits else None)
@@ -259,7 +270,9 @@ class RAL(Plugin):
     width of the confidence MLP (0: the backbone's hidden size);
     ``csa_input``: "normalized" (official) or "raw" words into that MLP;
     ``heads``: the Gaussian heads, "official" (:class:`OfficialGaussianEncoder`)
-    or "paper" (Eqs. 6-7, :class:`GaussianEncoder`).  With
+    or "paper" (Eqs. 6-7, :class:`GaussianEncoder`); ``csa_padding``:
+    "official" (a video shorter than the backbone's ``max_frames`` scores each
+    word at least 0) or "masked" (module docstring).  With
     ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
     score (the baseline cell of an ablation: the bare backbone's results).
     """
@@ -284,6 +297,7 @@ class RAL(Plugin):
         csa_hidden: int = 0,
         csa_input: Literal["normalized", "raw"] = "normalized",
         heads: Literal["official", "paper"] = "official",
+        csa_padding: Literal["official", "masked"] = "official",
         branch: str = "frame",
     ) -> None:
         super().__init__()
@@ -299,6 +313,7 @@ class RAL(Plugin):
         self.csa_weighting = check_choice(csa_weighting, "csa_weighting", ("learned", "average"))
         self.csa_input = check_choice(csa_input, "csa_input", ("normalized", "raw"))
         self.heads = check_choice(heads, "heads", ("official", "paper"))
+        self.csa_padding = check_choice(csa_padding, "csa_padding", ("official", "masked"))
         check_number(logvar_min, "logvar_min")
         check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
@@ -327,6 +342,11 @@ class RAL(Plugin):
                 f"RAL works on a frame-level branch with per-frame embeddings; backbone '{backbone_name}' "
                 f"has no '{self.branch}' branch (branches: {', '.join(branches)}); "
                 "use it with gmmformer, gmmformer_v2 or mssl, or set plugins.ral.branch"
+            )
+        if self.csa and self.csa_padding == "official" and not isinstance(getattr(backbone, "max_frames", None), int):
+            raise PluginError(
+                f"plugins.ral.csa_padding: official pads every video to the backbone's max_frames, which "
+                f"backbone '{backbone_name}' does not have; set plugins.ral.csa_padding: masked"
             )
 
     def needs(self, *, training: bool) -> frozenset[str]:
@@ -379,9 +399,12 @@ class RAL(Plugin):
         logit_weights = None
         if with_logits and self.csa_input == "normalized":
             logit_weights = self.word_weights(words, word_mask, normalize=False)  # (Nq, Lq) official: raw words
+        floor = None
+        if self.csa_padding == "official":  # the official code's padded positions (up to max_frames) score 0
+            floor = frame_mask.sum(dim=1) < self.host.max_frames  # (Nv,)
         out = dict(scores)
         out[self.branch] = confidence_scores(
-            words, weights, frames, frame_mask, with_logits=with_logits, logit_weights=logit_weights
+            words, weights, frames, frame_mask, with_logits=with_logits, logit_weights=logit_weights, floor=floor
         )
         return out
 
