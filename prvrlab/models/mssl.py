@@ -345,7 +345,7 @@ class MSSL(RetrievalModel):
             window = _window_matrix(items.shape[1], self.max_window, items.device)  # (P, Lc)
             window = window if window.shape[0] == num_props else None
         prop_norm = video.extra.get("proposal_norm")
-        own = query.own_video if self.frame_training == "official" else None
+        own = query.own_video if self.frame_training == "official" and not indexed else None  # training never indexes
         bests: list[Tensor] = []  # (Nq, C) key clip of every pair, for the own-video frame branch
         per_video = max(1, nq * (num_props + length + 2 * dim))
         chunk = max(1, _MAX_CHUNK_ELEMENTS // per_video)
