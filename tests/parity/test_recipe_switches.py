@@ -9,7 +9,7 @@ import torch
 from prvrlab.data.collection import open_collection
 from prvrlab.models.factory import build_model
 from prvrlab.platform.config import validate
-from prvrlab.platform.presets import PRE_PARITY, apply_preset, apply_switches, stored_behaviour
+from prvrlab.platform.presets import BEFORE_FORMAT, PRE_PARITY, PRESETS, apply_preset, apply_switches, stored_behaviour
 from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 from prvrlab.platform.train.loop import Progress, TrainingLoop
 from prvrlab.platform.train.session import LocalSession
@@ -113,3 +113,37 @@ def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_r
     assert stored_behaviour(mssl, 3)["data"]["normalize"] == "exact" and "normalize" not in stored_behaviour(mssl, 4)["data"]
     assert "frame_training" not in stored_behaviour(mssl, 4)["model"]
     assert stored_behaviour(dict(mssl, model={**mssl["model"], "frame_training": "official"}), 3)["model"]["frame_training"] == "official"
+
+
+@pytest.mark.parametrize("switches", [PRESETS["corrected"], PRE_PARITY, *BEFORE_FORMAT.values()],
+                         ids=["corrected", "pre_parity", *(f"before_format_{f}" for f in BEFORE_FORMAT)])
+def test_every_switch_names_an_existing_key_and_value(switches):
+    """A misspelt switch would silently do nothing: every key exists somewhere and every value is allowed."""
+    import dataclasses
+    import typing
+
+    from prvrlab.data.config import DataConfig
+    from prvrlab.platform.config import TrainConfig
+    from prvrlab.registry import BACKBONES, LOSSES, PLUGINS
+
+    def allowed(annotation, value) -> bool:
+        choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+        return choices is None or value in choices
+
+    for section, values in switches.items():
+        for key, value in values.items():
+            if section in ("data", "train"):
+                fields = {f.name: f for f in dataclasses.fields(DataConfig if section == "data" else TrainConfig)}
+                hints = typing.get_type_hints(DataConfig if section == "data" else TrainConfig)
+                assert key in fields and allowed(hints[key], value), f"{section}.{key}={value!r}"
+                continue
+            if section == "model":
+                owners = [BACKBONES.params(n)[key] for n in BACKBONES.names() if key in BACKBONES.params(n)]
+            elif section.startswith("plugins."):
+                params = PLUGINS.params(section.split(".", 1)[1])
+                owners = [params[key]] if key in params else []
+            else:
+                params = LOSSES.params(section.split(":", 1)[1])
+                owners = [params[key]] if key in params else []
+            assert owners, f"{section}: no component has {key!r}"
+            assert any(allowed(p.annotation, value) for p in owners), f"{section}.{key}={value!r}"
