@@ -334,6 +334,23 @@ class RetrievalModel(nn.Module):
         by default."""
         return video
 
+    def fresh_word_encoder(self) -> nn.Module:
+        """A newly initialised encoder of the architecture that gives this backbone's word tokens, without
+        its pooling head: ``encode(queries (Nq, Lq, Dq), query_mask) -> ((N, D) packed tokens, packing)``.
+        For a component with a text encoder of its own (RAL's official frame-branch query encoder).
+        Default: a copy of ``self.query`` (the built-in backbones' query encoder) re-drawn from N(0, 0.02)."""
+        import copy
+
+        from prvrlab.models.blocks import init_normal_
+
+        query = getattr(self, "query", None)
+        if not isinstance(query, nn.Module) or not hasattr(query, "encode"):
+            raise ValueError(f"{type(self).__name__} has no query encoder to copy (an nn.Module 'query' with encode())")
+        fresh = copy.deepcopy(query)
+        fresh.pool = None
+        init_normal_(fresh)
+        return fresh
+
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
         """Training-only (Nq, D) query vectors computed from the whole batch (e.g. queries fused with
         the batch's videos), added to ``query.vectors`` before scoring; none by default."""

@@ -49,7 +49,7 @@ BEFORE_FORMAT: dict[int, Switches] = {
     2: PRE_PARITY,
     4: {
         "model": {"frame_training": "all_pairs"},
-        "plugins.ral": {"heads": "paper", "csa_padding": "masked"},
+        "plugins.ral": {"heads": "paper", "csa_padding": "masked", "word_encoder": "backbone"},
         "data": {"normalize": "exact"},
     },
 }

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from prvrlab.models.base import VideoEmbedding
+from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
 from prvrlab.models.plugins.base import PluggedModel, PluginError
 from prvrlab.models.plugins.ral import RAL, confidence_scores, masked_softmax, sample_proxies
 from prvrlab.registry import BACKBONES, PLUGINS
@@ -130,11 +131,12 @@ def test_csa_official_padding_floors_the_videos_shorter_than_max_frames():
         out = model(b)
         q, v = model.encode_queries(b.queries, b.query_mask), model.encode_videos(b.clips, b.frames, b.frame_mask)
         frames, fmask = v.frame_tokens()
-        g = model.plugins["ral"].word_weights(q.tokens, q.token_mask)
+        words, word_mask = model.plugins["ral"].word_tokens(q)  # the plug-in's own text encoder's
+        g = model.plugins["ral"].word_weights(words, word_mask)
         shorter = fmask.sum(dim=1) < model.backbone.max_frames
         assert shorter.all()
-        expected = confidence_scores(q.tokens, g, frames, fmask, floor=shorter)
-        masked = confidence_scores(q.tokens, g, frames, fmask)
+        expected = confidence_scores(words, g, frames, fmask, floor=shorter)
+        masked = confidence_scores(words, g, frames, fmask)
     torch.testing.assert_close(out.scores["frame"].sim, expected.sim)
     assert not torch.allclose(expected.sim, masked.sim)  # some word's real frames all score below 0 here
 
@@ -173,10 +175,11 @@ def test_csa_normalized_scores_with_normalized_weights_and_logits_with_raw_ones(
             out = model(b)
             q, v = model.encode_queries(b.queries, b.query_mask), model.encode_videos(b.clips, b.frames, b.frame_mask)
             frames, fmask = v.frame_tokens()
-            g_sim = ral.word_weights(q.tokens, q.token_mask, normalize=csa_input == "normalized")
-            g_logit = ral.word_weights(q.tokens, q.token_mask, normalize=False)
-            sim = confidence_scores(q.tokens, g_sim, frames, fmask).sim
-            logits = confidence_scores(q.tokens, g_logit, frames, fmask, with_logits=True).logits
+            words, word_mask = ral.word_tokens(q)
+            g_sim = ral.word_weights(words, word_mask, normalize=csa_input == "normalized")
+            g_logit = ral.word_weights(words, word_mask, normalize=False)
+            sim = confidence_scores(words, g_sim, frames, fmask).sim
+            logits = confidence_scores(words, g_logit, frames, fmask, with_logits=True).logits
         assert torch.allclose(out.scores["frame"].sim, sim, atol=1e-6)
         assert torch.allclose(out.scores["frame"].logits, logits, atol=1e-5)
 
@@ -239,8 +242,9 @@ def test_csa_replaces_only_the_frame_branch():
         assert torch.equal(out.scores["clip"].sim, bare.scores["clip"].sim)
         q, v = model.encode_queries(b.queries, b.query_mask), model.encode_videos(b.clips, b.frames, b.frame_mask)
         frames, fmask = v.frame_tokens()
-        g = model.plugins["ral"].word_weights(q.tokens, q.token_mask)
-        expected = confidence_scores(q.tokens, g, frames, fmask)
+        words, word_mask = model.plugins["ral"].word_tokens(q)
+        g = model.plugins["ral"].word_weights(words, word_mask)
+        expected = confidence_scores(words, g, frames, fmask)
         assert torch.allclose(out.scores["frame"].sim, expected.sim)
         assert torch.allclose(model.fuse(out.scores), 0.7 * out.scores["clip"].sim + 0.3 * expected.sim)
 
@@ -480,3 +484,39 @@ def test_support_sets_follow_the_batchs_host_copy_and_skip_videos_without_querie
     bare = dataclasses.replace(b, query_video=torch.tensor(host), query_video_host=None)
     again = plugged(num_proxies=2)(bare)  # the same grouping read from the tensor: the same support sets
     assert torch.allclose(out.aux["ral.text_mu"], again.aux["ral.text_mu"], atol=1e-6)
+
+
+@pytest.mark.parametrize("backbone", FRAME_BACKBONES)
+def test_own_word_encoder_is_a_fresh_copy_of_the_backbones_query_encoder(backbone):
+    """The official RAL model encodes the frame branch's words with a second text encoder
+    (frame_branch_query_proj + frame_branch_query_encoder); word_encoder: own builds it from the backbone's
+    query encoder: same layout, no pooling head, its own N(0, 0.02) draw."""
+    model = plugged(backbone, msra=True, csa=True)
+    ral = model.plugins["ral"]
+    own = dict(ral.words.named_parameters())
+    theirs = {k: v for k, v in model.backbone.query.named_parameters() if not k.startswith("pool.")}
+    assert own.keys() == theirs.keys() and ral.words.pool is None
+    assert all(own[k].shape == theirs[k].shape for k in own)
+    drawn = [f"{n}.weight" for n, m in ral.words.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    assert drawn and not any(torch.equal(own[k], theirs[k]) for k in drawn)  # re-drawn, not copied
+    assert WORD_TOKENS not in ral.needs(training=True) and FRAME_TOKENS in ral.needs(training=False)
+    b = batch()
+    out = model.train()(b)
+    t, packing = ral.words.eval().encode(b.queries, b.query_mask)
+    ral.words.train()
+    assert out.query.extra["ral.words"].shape == packing.unpack(t).shape
+    (out.scores["frame"].sim.sum() + out.aux["ral.text_mu"].sum()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in ral.words.named_parameters() if "layers" in n)
+
+
+def test_frame_scores_read_the_plugins_words_or_the_backbones_by_the_switch():
+    b = batch()
+    for word_encoder in ("own", "backbone"):
+        model = plugged(msra=False, word_encoder=word_encoder).eval()
+        with torch.no_grad():
+            before = model(b).scores["frame"].sim
+            for p in model.backbone.query.layers.parameters():
+                p.add_(0.1)  # the backbone's text encoder changes
+            after = model(b).scores["frame"].sim
+        assert torch.equal(before, after) == (word_encoder == "own")
+        assert ("words" in dict(model.plugins["ral"].named_children())) == (word_encoder == "own")

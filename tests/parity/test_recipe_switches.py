@@ -106,7 +106,8 @@ def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_r
     torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": 4}, new)
     with pytest.raises(Exception, match="weights do not fit"):  # format 4 without the key: the official heads
         evaluate_checkpoint(new, split="val")
-    assert stored_behaviour(raw, 3)["plugins"]["ral"] == {"csa": False, "heads": "paper", "csa_padding": "masked"}
+    assert stored_behaviour(raw, 3)["plugins"]["ral"] == {
+        "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone"}
     assert apply_preset(raw, "corrected")["plugins"]["ral"]["csa_padding"] == "masked"
     mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
     assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"

@@ -37,8 +37,14 @@ CSA (training and retrieval)
     ``csa_input="normalized"`` (the official code) feeds the MLP the
     L2-normalised words for the score and the raw words for the logits;
     ``csa_input="raw"`` feeds it the raw words for both.
-    q_i are the backbone's word tokens (``QueryEmbedding.tokens``), v_j its
-    per-frame tokens, both in the backbone's hidden space.
+    q_i are word tokens, v_j the backbone's per-frame tokens, both in its
+    hidden space.  ``word_encoder="own"`` (the official code's
+    ``frame_branch_query_proj`` + ``frame_branch_query_encoder``: a second
+    text encoder for the frame branch) encodes the words with the plug-in's
+    own copy of the backbone's query encoder (freshly initialised, no pooling
+    head, :meth:`RetrievalModel.fresh_word_encoder`), for CSA and MSRA alike;
+    ``word_encoder="backbone"`` reads the backbone's word tokens
+    (``QueryEmbedding.tokens``).
     ``csa_padding="official"`` (the official code pads every video to the
     backbone's ``max_frames`` and scores its padded positions 0) floors each
     word's max at 0 for a video shorter than ``max_frames``, so padding wins
@@ -272,7 +278,9 @@ class RAL(Plugin):
     ``heads``: the Gaussian heads, "official" (:class:`OfficialGaussianEncoder`)
     or "paper" (Eqs. 6-7, :class:`GaussianEncoder`); ``csa_padding``:
     "official" (a video shorter than the backbone's ``max_frames`` scores each
-    word at least 0) or "masked" (module docstring).  With
+    word at least 0) or "masked"; ``word_encoder``: "own" (a text encoder of
+    the plug-in's, as the official code) or "backbone" (the backbone's word
+    tokens) (module docstring).  With
     ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
     score (the baseline cell of an ablation: the bare backbone's results).
     """
@@ -298,6 +306,7 @@ class RAL(Plugin):
         csa_input: Literal["normalized", "raw"] = "normalized",
         heads: Literal["official", "paper"] = "official",
         csa_padding: Literal["official", "masked"] = "official",
+        word_encoder: Literal["own", "backbone"] = "own",
         branch: str = "frame",
     ) -> None:
         super().__init__()
@@ -314,6 +323,7 @@ class RAL(Plugin):
         self.csa_input = check_choice(csa_input, "csa_input", ("normalized", "raw"))
         self.heads = check_choice(heads, "heads", ("official", "paper"))
         self.csa_padding = check_choice(csa_padding, "csa_padding", ("official", "masked"))
+        self.word_encoder = check_choice(word_encoder, "word_encoder", ("own", "backbone"))
         check_number(logvar_min, "logvar_min")
         check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
@@ -349,9 +359,35 @@ class RAL(Plugin):
                 f"backbone '{backbone_name}' does not have; set plugins.ral.csa_padding: masked"
             )
 
+    @property
+    def uses_words(self) -> bool:
+        return self.csa or self.msra
+
+    def attach(self, backbone: RetrievalModel, *, make_backbone=None) -> None:
+        """Keeps the backbone; with ``word_encoder: own``, builds the plug-in's text encoder from it."""
+        super().attach(backbone, make_backbone=make_backbone)
+        if self.uses_words and self.word_encoder == "own":
+            self.words = backbone.fresh_word_encoder()  # a sub-module: optimised and checkpointed
+
     def needs(self, *, training: bool) -> frozenset[str]:
-        """Word and frame tokens for CSA (always) and MSRA (training only)."""
-        return frozenset({WORD_TOKENS, FRAME_TOKENS}) if self.csa or (self.msra and training) else frozenset()
+        """Frame tokens (and the backbone's word tokens unless the plug-in has its own encoder) for CSA
+        (always) and MSRA (training only)."""
+        if not (self.csa or (self.msra and training)):
+            return frozenset()
+        return frozenset({FRAME_TOKENS}) if self.word_encoder == "own" else frozenset({WORD_TOKENS, FRAME_TOKENS})
+
+    def encode_queries(self, queries: Tensor, query_mask: Tensor, query: QueryEmbedding) -> dict[str, Tensor]:
+        """With ``word_encoder: own``: the plug-in's word tokens ``ral.words`` (Nq, Lq, D) and their mask."""
+        if "words" not in self._modules:
+            return {}
+        t, packing = self.words.encode(queries, query_mask)  # (Nt, D)
+        return {"words": packing.unpack(t), "word_mask": packing.mask}
+
+    def word_tokens(self, query: QueryEmbedding) -> tuple[Tensor, Tensor]:
+        """(Nq, Lq, D) word tokens and their (Nq, Lq) bool mask: the plug-in's own, else the backbone's."""
+        if "ral.words" in query.extra:
+            return query.extra["ral.words"], query.extra["ral.word_mask"].to(torch.bool)
+        return query.word_tokens()
 
     def metric_names(self) -> tuple[str, ...]:
         return ("sigma_query", "sigma_video") if self.msra else ()
@@ -393,7 +429,7 @@ class RAL(Plugin):
     ) -> dict[str, BranchScores]:
         if not self.csa:
             return scores
-        words, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
+        words, word_mask = self.word_tokens(query)  # (Nq, Lq, D), (Nq, Lq)
         frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         weights = self.word_weights(words, word_mask)  # (Nq, Lq)
         logit_weights = None
@@ -413,7 +449,7 @@ class RAL(Plugin):
     def training_aux(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
         if not self.msra:
             return {}
-        words_padded, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
+        words_padded, word_mask = self.word_tokens(query)  # (Nq, Lq, D), (Nq, Lq)
         frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         num_videos = frames.shape[0]
         if self.support == "set":
