@@ -350,3 +350,19 @@ def test_ffn_size_means_the_same_in_every_backbone(name):
         assert set(ffn_widths(build(name, ffn_size=0))) == {0}
     with pytest.raises(ValueError, match="ffn_size"):
         build(name, ffn_size=-1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fresh_word_encoder_gives_word_tokens_like_the_backbones(name):
+    """RetrievalModel.fresh_word_encoder: the query encoder's layout, no head, drawn anew: tokens of the same
+    shape as the backbone's word tokens, different values."""
+    model = build(name).eval()
+    batch = standard_batch()
+    fresh = model.fresh_word_encoder().eval()
+    assert fresh.pool is None
+    with torch.no_grad():
+        t, packing = fresh.encode(batch.queries, batch.query_mask)
+        mine = packing.unpack(t)
+        theirs = model.encode_queries(batch.queries, batch.query_mask).tokens
+    assert mine.shape == theirs.shape and not torch.allclose(mine, theirs)
+    assert torch.equal(packing.mask, batch.query_mask)
