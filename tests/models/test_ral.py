@@ -520,3 +520,13 @@ def test_frame_scores_read_the_plugins_words_or_the_backbones_by_the_switch():
             after = model(b).scores["frame"].sim
         assert torch.equal(before, after) == (word_encoder == "own")
         assert ("words" in dict(model.plugins["ral"].named_children())) == (word_encoder == "own")
+
+
+def test_msra_only_encodes_its_words_in_training_alone():
+    model = plugged(msra=True, csa=False).eval()
+    b = batch()
+    with torch.no_grad():
+        retrieval = model.encode_queries(b.queries, b.query_mask)
+        training = model(b)  # the training forward, whatever the module mode
+    assert "ral.words" not in retrieval.extra  # nothing at retrieval reads them
+    assert "ral.words" in training.query.extra and "ral.text_mu" in training.aux

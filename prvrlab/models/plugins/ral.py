@@ -54,6 +54,7 @@ CSA (training and retrieval)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -359,14 +360,10 @@ class RAL(Plugin):
                 f"backbone '{backbone_name}' does not have; set plugins.ral.csa_padding: masked"
             )
 
-    @property
-    def uses_words(self) -> bool:
-        return self.csa or self.msra
-
-    def attach(self, backbone: RetrievalModel, *, make_backbone=None) -> None:
+    def attach(self, backbone: RetrievalModel, *, make_backbone: Callable[[], RetrievalModel] | None) -> None:
         """Keeps the backbone; with ``word_encoder: own``, builds the plug-in's text encoder from it."""
         super().attach(backbone, make_backbone=make_backbone)
-        if self.uses_words and self.word_encoder == "own":
+        if (self.csa or self.msra) and self.word_encoder == "own":
             self.words = backbone.fresh_word_encoder()  # a sub-module: optimised and checkpointed
 
     def needs(self, *, training: bool) -> frozenset[str]:
@@ -377,8 +374,9 @@ class RAL(Plugin):
         return frozenset({FRAME_TOKENS}) if self.word_encoder == "own" else frozenset({WORD_TOKENS, FRAME_TOKENS})
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor, query: QueryEmbedding) -> dict[str, Tensor]:
-        """With ``word_encoder: own``: the plug-in's word tokens ``ral.words`` (Nq, Lq, D) and their mask."""
-        if "words" not in self._modules:
+        """With ``word_encoder: own``: the plug-in's word tokens ``ral.words`` (Nq, Lq, D) and their mask
+        (for CSA, and in the training forward for MSRA)."""
+        if "words" not in self._modules or not (self.csa or self.host.training_time()):
             return {}
         t, packing = self.words.encode(queries, query_mask)  # (Nt, D)
         return {"words": packing.unpack(t), "word_mask": packing.mask}
