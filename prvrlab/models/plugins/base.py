@@ -167,16 +167,14 @@ class PluggedModel(RetrievalModel):
     def fuse(self, scores: dict[str, BranchScores]) -> Tensor:
         return self.backbone.fuse(scores)
 
+    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+        return self.backbone.batch_vectors(batch, query, video)
+
     def forward(self, batch: Batch) -> ModelOutput:
-        """The training path (whatever the module mode): scores plus every plug-in's aux."""
-        with self.backbone.training_exposure():
-            video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
-            query = self.encode_queries(batch.queries, batch.query_mask)
-            query.vectors.update(self.backbone.batch_vectors(batch, query, video))
-        query.own_video = batch.query_video
-        scores = self.score(query, video, with_logits=True)
-        aux: dict[str, Any] = {}
+        """The training path (whatever the module mode): :meth:`RetrievalModel.forward` through the
+        plug-ins' encoding and scoring, plus every plug-in's aux."""
+        out = super().forward(batch)
         for name, plugin in self.plugins.items():
-            for key, value in plugin.training_aux(batch, query, video).items():
-                aux[f"{name}.{key}"] = value
-        return ModelOutput(scores=scores, query=query, video=video, aux=aux)
+            for key, value in plugin.training_aux(batch, out.query, out.video).items():
+                out.aux[f"{name}.{key}"] = value
+        return out
