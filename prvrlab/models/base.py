@@ -240,6 +240,24 @@ def rename_legacy_keys(state_dict: dict[str, Any], prefix: str, renames: Mapping
                 break
 
 
+def check_shared_entries(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Raise RuntimeError when keys that name one tensor of ``model`` (a module shared by two owners)
+    hold different values in ``state_dict``: the file was written by a model where they were separate,
+    and loading it would keep whichever came last."""
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, Tensor) and key in state_dict:
+            groups.setdefault(id(value), []).append(key)
+    for keys in groups.values():
+        first = state_dict[keys[0]]
+        for other in keys[1:]:
+            if not (state_dict[other].shape == first.shape and torch.equal(state_dict[other], first)):
+                raise RuntimeError(
+                    f"{keys[0]!r} and {other!r} are one shared tensor in this model but differ in the weights "
+                    "loaded (written by a model where they were separate)"
+                )
+
+
 def set_activation_checkpointing(module: nn.Module, enabled: bool) -> int:
     """Set ``checkpoint_activations`` on every submodule that declares it (``train.checkpoint_activations``).
 
@@ -274,6 +292,12 @@ class RetrievalModel(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         rename_legacy_keys(state_dict, prefix, self.legacy_keys)  # before the sub-modules read their keys
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, refusing weights whose entries for one shared tensor differ
+        (:func:`check_shared_entries`)."""
+        check_shared_entries(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def request(self, *, training: Iterable[str] = (), retrieval: Iterable[str] = ()) -> None:
         """Ask for capabilities in training mode and in eval (retrieval) mode (an unknown name is a
@@ -334,10 +358,12 @@ class RetrievalModel(nn.Module):
         by default."""
         return video
 
-    def fresh_word_encoder(self) -> nn.Module:
+    def fresh_word_encoder(self, *, share_positions: bool = False) -> nn.Module:
         """A newly initialised encoder of the architecture that gives this backbone's word tokens, without
         its pooling head: ``encode(queries (Nq, Lq, Dq), query_mask) -> ((N, D) packed tokens, packing)``.
         For a component with a text encoder of its own (RAL's official frame-branch query encoder).
+        ``share_positions``: the copy uses this backbone's positional embedding module itself (one set of
+        parameters, trained by both encoders) instead of a fresh one.
         Default: a copy of ``self.query`` (the built-in backbones' query encoder) re-drawn from N(0, 0.02)."""
         import copy
 
@@ -349,6 +375,10 @@ class RetrievalModel(nn.Module):
         fresh = copy.deepcopy(query)
         fresh.pool = None
         init_normal_(fresh)
+        if share_positions:
+            if not isinstance(getattr(query, "pos", None), nn.Module):
+                raise ValueError(f"{type(self).__name__}'s query encoder has no positional embedding module 'pos' to share")
+            fresh.pos = query.pos
         return fresh
 
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:

@@ -52,6 +52,7 @@ BEFORE_FORMAT: dict[int, Switches] = {
         "plugins.ral": {"heads": "paper", "csa_padding": "masked", "word_encoder": "backbone"},
         "data": {"normalize": "exact"},
     },
+    5: {"plugins.ral": {"word_positions": "own"}},
 }
 
 

@@ -353,6 +353,18 @@ def test_ffn_size_means_the_same_in_every_backbone(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_fresh_word_encoder_can_share_the_positional_embedding(name):
+    """share_positions: the copy's ``pos`` is the backbone's module itself; every other parameter is new."""
+    model = build(name)
+    fresh = model.fresh_word_encoder(share_positions=True)
+    assert fresh.pos is model.query.pos
+    mine = {id(p) for p in fresh.parameters()}
+    theirs = {id(p) for p in model.query.parameters()}
+    assert mine & theirs == {id(p) for p in model.query.pos.parameters()}
+    assert model.fresh_word_encoder().pos is not model.query.pos
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_fresh_word_encoder_gives_word_tokens_like_the_backbones(name):
     """RetrievalModel.fresh_word_encoder: the query encoder's layout, no head, drawn anew: tokens of the same
     shape as the backbone's word tokens, different values."""

@@ -85,3 +85,30 @@ def test_a_key_already_in_the_new_layout_is_not_overwritten():
     legacy["clip.pos.norm.weight"] = state["clip.pos.norm.weight"]  # both layouts: ambiguous
     with pytest.raises(RuntimeError, match="Unexpected key.*clip_pos.norm.weight"):
         build("mssl").load_state_dict(legacy)
+
+
+def test_weights_that_split_a_shared_tensor_are_refused():
+    """Two keys naming one shared tensor (RAL's word encoder with the backbone's positional embedding)
+    must hold equal values in the file: otherwise it came from a model where they were separate, and
+    loading would silently keep the last one."""
+    torch.manual_seed(0)
+    backbone = build("gmmformer")
+    plugin = PLUGINS.build("ral", hidden_size=16, msra=False, word_positions="shared")
+    model = PluggedModel(backbone=backbone, plugins={"ral": plugin})
+    state = model.state_dict()
+    shared = ("backbone.query.pos.embedding.weight", "plugins.ral.words.pos.embedding.weight")
+    assert state[shared[0]].data_ptr() == state[shared[1]].data_ptr()
+    model.load_state_dict(state)  # one tensor twice: fine
+    split = OrderedDict((k, v.clone()) for k, v in state.items())
+    split[shared[1]] += 1.0
+    for key in split:
+        if key != shared[1]:
+            split[key] += 0.5  # every other entry differs from the model's: a partial load would show
+    kept = {k: v.clone() for k, v in state.items()}
+    with pytest.raises(RuntimeError, match="one shared tensor") as error:
+        model.load_state_dict(split)
+    assert shared[0] in str(error.value) and shared[1] in str(error.value)
+    assert all(torch.equal(v, kept[k]) for k, v in model.state_dict().items())  # nothing was loaded
+    del split[shared[1]]
+    with pytest.raises(RuntimeError, match="Missing key"):  # strict loading still names the key
+        model.load_state_dict(split)

@@ -490,15 +490,20 @@ def test_support_sets_follow_the_batchs_host_copy_and_skip_videos_without_querie
 def test_own_word_encoder_is_a_fresh_copy_of_the_backbones_query_encoder(backbone):
     """The official RAL model encodes the frame branch's words with a second text encoder
     (frame_branch_query_proj + frame_branch_query_encoder); word_encoder: own builds it from the backbone's
-    query encoder: same layout, no pooling head, its own N(0, 0.02) draw."""
+    query encoder: same layout, no pooling head, its own N(0, 0.02) draw, with the backbone's positional
+    embedding (word_positions: shared, the official query_pos_embed) or one of its own."""
+    for positions in ("own", "shared"):
+        ral = plugged(backbone, msra=True, csa=True, word_positions=positions).plugins["ral"]
+        own = dict(ral.words.named_parameters())
+        theirs = {k: v for k, v in ral.host.query.named_parameters() if not k.startswith("pool.")}
+        assert own.keys() == theirs.keys() and ral.words.pool is None
+        assert all(own[k].shape == theirs[k].shape for k in own)
+        drawn = [f"{n}.weight" for n, m in ral.words.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+        assert len(drawn) > 1 and not any(torch.equal(own[k], theirs[k]) for k in drawn if not k.startswith("pos."))
+        assert (ral.words.pos is ral.host.query.pos) == (positions == "shared")
+        assert torch.equal(own["pos.embedding.weight"], theirs["pos.embedding.weight"]) == (positions == "shared")
     model = plugged(backbone, msra=True, csa=True)
     ral = model.plugins["ral"]
-    own = dict(ral.words.named_parameters())
-    theirs = {k: v for k, v in model.backbone.query.named_parameters() if not k.startswith("pool.")}
-    assert own.keys() == theirs.keys() and ral.words.pool is None
-    assert all(own[k].shape == theirs[k].shape for k in own)
-    drawn = [f"{n}.weight" for n, m in ral.words.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
-    assert drawn and not any(torch.equal(own[k], theirs[k]) for k in drawn)  # re-drawn, not copied
     assert WORD_TOKENS not in ral.needs(training=True) and FRAME_TOKENS in ral.needs(training=False)
     b = batch()
     out = model.train()(b)
@@ -520,6 +525,38 @@ def test_frame_scores_read_the_plugins_words_or_the_backbones_by_the_switch():
             after = model(b).scores["frame"].sim
         assert torch.equal(before, after) == (word_encoder == "own")
         assert ("words" in dict(model.plugins["ral"].named_children())) == (word_encoder == "own")
+
+
+def test_shared_positions_are_one_parameter_trained_by_both_text_encoders():
+    """word_positions: shared: the plug-in's word tokens move with the backbone's positional embedding (and
+    with nothing else of its query encoder); the optimiser holds the table once; its gradient is the sum
+    of what the clip branch's query encoder and the plug-in's words send it."""
+    from prvrlab.platform.train.optim import param_groups
+
+    b = batch()
+    for positions in ("shared", "own"):
+        model = plugged(msra=False, word_positions=positions).eval()
+        with torch.no_grad():
+            before = model.encode_queries(b.queries, b.query_mask).extra["ral.words"]
+            model.backbone.query.pos.embedding.weight.add_(0.5)
+            after = model.encode_queries(b.queries, b.query_mask).extra["ral.words"]
+        assert torch.equal(before, after) == (positions == "own")
+        grouped = [p for group in param_groups(model, 0.01) for p in group["params"]]
+        assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
+    model = plugged(msra=False).eval()
+    table = model.backbone.query.pos.embedding.weight
+    ral = model.plugins["ral"]
+
+    def grad_of(loss) -> torch.Tensor:
+        table.grad = None
+        loss().backward()
+        return table.grad.clone()
+
+    clip_side = lambda: model.backbone.encode_queries(b.queries, b.query_mask).vectors["clip"].pow(2).sum()  # noqa: E731
+    word_side = lambda: ral.words.encode(b.queries, b.query_mask)[0].pow(3).sum()  # noqa: E731
+    both = grad_of(lambda: clip_side() + word_side())
+    assert torch.allclose(both, grad_of(clip_side) + grad_of(word_side), atol=1e-6)
+    assert grad_of(word_side).abs().sum() > 0 and grad_of(clip_side).abs().sum() > 0
 
 
 def test_msra_only_encodes_its_words_in_training_alone():

@@ -86,34 +86,58 @@ def ral_raw(tiny_root, tmp_path) -> dict:
     return raw
 
 
+def check_an_old_format(tiny_root, tmp_path, *, key: str, trained_with: str, old_format: int, tweak=None) -> dict:
+    """A RAL model trained with ``plugins.ral.<key>: trained_with`` saved as a file of ``old_format``, whose
+    stored config lacks the key (it did not exist yet): evaluated as it was trained; the same file claimed
+    as the next format (the key's current default) is refused. Returns the raw config."""
+    from prvrlab.evaluation.retrieval import evaluate
+
+    raw = ral_raw(tiny_root, tmp_path)
+    trained = validate(apply_switches(raw, {"plugins.ral": {key: trained_with}}, keep_given=False))
+    collection = open_collection(trained.data)
+    torch.manual_seed(0)
+    model = build_model(trained.model, trained.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    if tweak is not None:
+        tweak(model)
+    stored = validate(raw).to_dict()
+    del stored["plugins"]["ral"][key]
+    for fmt, name in ((old_format, "old.pt"), (old_format + 1, "new.pt")):
+        torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": fmt}, tmp_path / name)
+    expected = evaluate(model, collection, "val", trained.eval, device=torch.device("cpu")).ranks
+    assert (evaluate_checkpoint(tmp_path / "old.pt", split="val").ranks == expected).all()
+    with pytest.raises(Exception, match="weights do not fit"):
+        evaluate_checkpoint(tmp_path / "new.pt", split="val")
+    return raw
+
+
 def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_root, tmp_path):
     """Format 4 added plugins.ral.heads (official) and MS-SL's frame_training (official); a file written
     before stored neither key and was trained with the paper heads and all-pairs frame scores."""
-    raw = ral_raw(tiny_root, tmp_path)
-    paper = validate(apply_switches(raw, {"plugins.ral": {"heads": "paper"}}, keep_given=False))
-    collection = open_collection(paper.data)
-    torch.manual_seed(0)
-    model = build_model(paper.model, paper.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
-    stored = validate(raw).to_dict()
-    del stored["plugins"]["ral"]["heads"]  # what format 3 wrote: the key did not exist
-    old = tmp_path / "old.pt"
-    torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": 3}, old)
-    from prvrlab.evaluation.retrieval import evaluate
-
-    expected = evaluate(model, collection, "val", paper.eval, device=torch.device("cpu")).ranks
-    assert (evaluate_checkpoint(old, split="val").ranks == expected).all()
-    new = tmp_path / "new.pt"
-    torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": 4}, new)
-    with pytest.raises(Exception, match="weights do not fit"):  # format 4 without the key: the official heads
-        evaluate_checkpoint(new, split="val")
+    raw = check_an_old_format(tiny_root, tmp_path, key="heads", trained_with="paper", old_format=3)
     assert stored_behaviour(raw, 3)["plugins"]["ral"] == {
-        "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone"}
+        "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone", "word_positions": "own"}
     assert apply_preset(raw, "corrected")["plugins"]["ral"]["csa_padding"] == "masked"
     mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
     assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"
     assert stored_behaviour(mssl, 3)["data"]["normalize"] == "exact" and "normalize" not in stored_behaviour(mssl, 4)["data"]
     assert "frame_training" not in stored_behaviour(mssl, 4)["model"]
     assert stored_behaviour(dict(mssl, model={**mssl["model"], "frame_training": "official"}), 3)["model"]["frame_training"] == "official"
+
+
+def test_a_format_4_checkpoint_keeps_rals_own_word_positions(tiny_root, tmp_path):
+    """Format 5 added plugins.ral.word_positions (shared, the official layout); a format-4 file's second
+    text encoder had a positional embedding of its own, which a shared model cannot hold: the file is
+    evaluated as it was trained, and the same weights claimed as format 5 are refused (the two tables
+    differ), not half-loaded."""
+
+    def as_after_training(model) -> None:
+        with torch.no_grad():
+            model.plugins["ral"].words.pos.embedding.weight.add_(1.0)  # unlike the backbone's table
+
+    raw = check_an_old_format(tiny_root, tmp_path, key="word_positions", trained_with="own", old_format=4,
+                              tweak=as_after_training)
+    assert stored_behaviour(raw, 4)["plugins"]["ral"]["word_positions"] == "own"
+    assert "word_positions" not in stored_behaviour(raw, 5)["plugins"]["ral"]
 
 
 @pytest.mark.parametrize("switches", [PRESETS["corrected"], PRE_PARITY, *BEFORE_FORMAT.values()],

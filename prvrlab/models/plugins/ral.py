@@ -43,7 +43,9 @@ CSA (training and retrieval)
     text encoder for the frame branch) encodes the words with the plug-in's
     own copy of the backbone's query encoder (freshly initialised, no pooling
     head, :meth:`RetrievalModel.fresh_word_encoder`), for CSA and MSRA alike;
-    ``word_encoder="backbone"`` reads the backbone's word tokens
+    its positional embedding is the backbone query encoder's own module
+    (``word_positions="shared"``, as the official ``query_pos_embed``) or a
+    fresh one (``"own"``); ``word_encoder="backbone"`` reads the backbone's word tokens
     (``QueryEmbedding.tokens``).
     ``csa_padding="official"`` (the official code pads every video to the
     backbone's ``max_frames`` and scores its padded positions 0) floors each
@@ -281,7 +283,9 @@ class RAL(Plugin):
     "official" (a video shorter than the backbone's ``max_frames`` scores each
     word at least 0) or "masked"; ``word_encoder``: "own" (a text encoder of
     the plug-in's, as the official code) or "backbone" (the backbone's word
-    tokens) (module docstring).  With
+    tokens) (module docstring); ``word_positions``: that encoder's positional
+    embedding, "shared" with the backbone's query encoder (the official
+    layout) or its "own".  With
     ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
     score (the baseline cell of an ablation: the bare backbone's results).
     """
@@ -308,6 +312,7 @@ class RAL(Plugin):
         heads: Literal["official", "paper"] = "official",
         csa_padding: Literal["official", "masked"] = "official",
         word_encoder: Literal["own", "backbone"] = "own",
+        word_positions: Literal["shared", "own"] = "shared",
         branch: str = "frame",
     ) -> None:
         super().__init__()
@@ -325,6 +330,7 @@ class RAL(Plugin):
         self.heads = check_choice(heads, "heads", ("official", "paper"))
         self.csa_padding = check_choice(csa_padding, "csa_padding", ("official", "masked"))
         self.word_encoder = check_choice(word_encoder, "word_encoder", ("own", "backbone"))
+        self.word_positions = check_choice(word_positions, "word_positions", ("shared", "own"))
         check_number(logvar_min, "logvar_min")
         check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
@@ -364,7 +370,8 @@ class RAL(Plugin):
         """Keeps the backbone; with ``word_encoder: own``, builds the plug-in's text encoder from it."""
         super().attach(backbone, make_backbone=make_backbone)
         if (self.csa or self.msra) and self.word_encoder == "own":
-            self.words = backbone.fresh_word_encoder()  # a sub-module: optimised and checkpointed
+            shared = self.word_positions == "shared"
+            self.words = backbone.fresh_word_encoder(share_positions=shared)  # optimised and checkpointed
 
     def needs(self, *, training: bool) -> frozenset[str]:
         """Frame tokens (and the backbone's word tokens unless the plug-in has its own encoder) for CSA
