@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from prvrlab.models.base import VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
 from prvrlab.models.plugins.base import PluggedModel, PluginError
-from prvrlab.models.plugins.ral import RAL, confidence_scores, masked_softmax, sample_proxies
+from prvrlab.models.plugins.ral import RAL, confidence_scores, gated_attention, masked_softmax, sample_proxies
 from prvrlab.registry import BACKBONES, PLUGINS
 from tests.models.test_backbones import build, make_batch
 from device_under_test import DEVICE
@@ -375,6 +375,89 @@ def test_official_heads_are_the_ral_prvr_codes(side, aggregation):
     assert encoder.mu_norm.weight.shape == (8,)
     if aggregation != "global":
         assert encoder.mu_gate_hidden.weight.shape == encoder.sigma_gate_hidden.weight.shape == (4, 8)  # width D/2
+
+
+def test_masked_softmax_counts_zero_slots_in_the_normaliser():
+    """zero_slots: softmax over the row with that many more logits 0 appended, those entries dropped."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 9.0], [-3.0, -4.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False], [False, False, False, False]])
+    slots = torch.tensor([3, 2, 4])
+    got = masked_softmax(logits, mask, zero_slots=slots)
+    for r in range(3):
+        real = [float(logits[r, j]) for j in range(4) if mask[r, j]]
+        full = torch.softmax(torch.tensor(real + [0.0] * int(slots[r])), dim=0) if real else torch.zeros(0)
+        expected = torch.zeros(4)
+        expected[mask[r]] = full[: len(real)]
+        torch.testing.assert_close(got[r], expected)
+    assert torch.equal(masked_softmax(logits, mask, zero_slots=torch.zeros(3)), masked_softmax(logits, mask))
+    big = masked_softmax(torch.tensor([[-200.0, -201.0]]), torch.ones(1, 2, dtype=torch.bool), zero_slots=torch.tensor([1]))
+    assert float(big.sum()) < 1e-30 and torch.isfinite(big).all()  # the zero slots take all the weight, no overflow
+
+
+@pytest.mark.parametrize("aggregation", ["both", "local"])
+def test_official_heads_attend_over_zero_slots_as_over_zero_tokens(aggregation):
+    """A zero token gives the bias-free gates logit 0 and adds nothing to the weighted sum: the heads'
+    attentions with ``zero_slots`` equal those over the group with that many zero tokens appended
+    (with ``aggregation: local``, where the pooled vector does not see them, the whole output)."""
+    torch.manual_seed(3)
+    encoder = RAL(hidden_size=8, csa=False, aggregation=aggregation).video_gaussian
+    x = group_tokens(n=7, seed=4)  # two groups: tokens 0-3 and 4-6
+    member = torch.tensor([[True] * 4 + [False] * 3, [False] * 4 + [True] * 3])
+    slots = torch.tensor([2, 5])
+    for g, (start, stop) in enumerate(((0, 4), (4, 7))):
+        padded = torch.cat([x[start:stop], torch.zeros(int(slots[g]), 8)])
+        for hidden, score in ((encoder.mu_gate_hidden, encoder.mu_gate_score), (encoder.sigma_gate_hidden, encoder.sigma_gate_score)):
+            got = gated_attention(x, member, hidden, score, zero_slots=slots)[g]
+            torch.testing.assert_close(got, hand_attention(padded, hidden, score), atol=1e-6, rtol=1e-5)
+    mu, logvar = encoder(x, member, zero_slots=slots)
+    plain_mu, plain_logvar = encoder(x, member)
+    assert not torch.allclose(mu, plain_mu) and not torch.allclose(logvar, plain_logvar)
+    if aggregation == "local":
+        tokens = torch.cat([x[:4], torch.zeros(2, 8), x[4:], torch.zeros(5, 8)])
+        groups = torch.tensor([[True] * 6 + [False] * 8, [False] * 6 + [True] * 8])
+        want_mu, want_logvar = encoder(tokens, groups)
+        torch.testing.assert_close(mu, want_mu, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(logvar, want_logvar, atol=1e-6, rtol=1e-5)
+
+
+def test_official_heads_padding_pads_the_videos_to_max_frames_in_training():
+    """heads_padding: official: each video's Gaussian heads see max_frames - length zero slots (the
+    official code zero-pads every video to 128 frames and runs the heads' attentions unmasked), whatever
+    the batch's padded length; ``masked``: the real frames only; the text side is not padded."""
+    b = make_batch([6, 3, 4], [4, 2, 3, 5, 2], [0, 0, 1, 2, 2])  # padded to 6 in the batch
+    out, models = {}, {}
+    for padding in ("official", "masked"):
+        torch.manual_seed(0)
+        backbone = build("gmmformer", dropout=0.0, max_frames=9)
+        torch.manual_seed(1)
+        plugin = PLUGINS.build("ral", hidden_size=HIDDEN, csa=False, heads_padding=padding)
+        models[padding] = model = PluggedModel(backbone=backbone, plugins={"ral": plugin})
+        model.request(training=plugin.needs(training=True), retrieval=plugin.needs(training=False))
+        out[padding] = model.train()(b).aux
+    assert RAL(hidden_size=8).heads_padding == "official"
+    model = models["official"]
+    with torch.no_grad():
+        frames, mask = model.encode_videos(b.clips, b.frames, b.frame_mask).frame_tokens()  # training mode
+    for padding, slots in (("official", [3, 6, 5]), ("masked", [0, 0, 0])):
+        for v, n in enumerate([6, 3, 4]):
+            mu, _ = model.plugins["ral"].video_gaussian(frames[v, :n], torch.ones(1, n, dtype=torch.bool),
+                                                        zero_slots=torch.tensor([slots[v]]))
+            torch.testing.assert_close(out[padding]["ral.video_mu"][v], F.normalize(mu[0], dim=-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["official"]["ral.text_mu"], out["masked"]["ral.text_mu"])
+    with pytest.raises(ValueError, match="heads_padding"):
+        RAL(hidden_size=8, heads_padding="zero")
+
+
+def test_official_padding_needs_a_backbone_with_max_frames():
+    """Both official paddings pad to the backbone's max_frames: a backbone without it is refused, naming the
+    key to switch, unless that part of RAL is off or masked."""
+    model = build("gmmformer")
+    model.max_frames = None
+    for params, key in (({"csa": False}, "heads_padding"), ({"msra": False}, "csa_padding")):
+        with pytest.raises(PluginError, match=f"plugins.ral.{key}: official .* set plugins.ral.{key}: masked"):
+            RAL(hidden_size=8, **params).check_backbone(model, "nameless")
+        RAL(hidden_size=8, **params, **{key: "masked"}).check_backbone(model, "nameless")
+    RAL(hidden_size=8, csa=False, heads="paper").check_backbone(model, "nameless")  # no official heads
 
 
 def test_the_official_heads_are_the_default():

@@ -174,6 +174,7 @@ RAL_GMMFORMER_V2 = {
     "plugins.ral.csa_padding": ("official", "official", None, "src/Models/RAL4gmmv2/model.py weighted_token_wise_intersection (padding to 128 scores 0)"),
     "plugins.ral.word_encoder": ("own", "own", None, "src/Models/RAL4gmmv2/model.py frame_branch_query_proj + frame_branch_query_encoder"),
     "plugins.ral.word_positions": ("shared", "shared", None, "src/Models/RAL4gmmv2/model.py encode_frame_query(..., self.query_pos_embed)"),
+    "plugins.ral.heads_padding": ("official", "official", None, "src/Models/RAL4gmmv2/model.py encode_context (zero frames up to 128) -> probabilistic_video"),
     "plugins.ral.heads": ("official", "official", None, "src/Models/RAL4gmmv2/prob_models/pie_model.py, uncertainty_module.py"),
     "plugins.ral.msra": (True, True, None, "src/Models/RAL4gmmv2/model.py (probabilistic embeddings, MIL/vib losses)"),
     "plugins.ral.csa": (True, True, None, "src/Models/RAL4gmmv2/model.py (word-confidence frame scores)"),

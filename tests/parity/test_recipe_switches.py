@@ -115,7 +115,8 @@ def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_r
     before stored neither key and was trained with the paper heads and all-pairs frame scores."""
     raw = check_an_old_format(tiny_root, tmp_path, key="heads", trained_with="paper", old_format=3)
     assert stored_behaviour(raw, 3)["plugins"]["ral"] == {
-        "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone", "word_positions": "own"}
+        "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone", "word_positions": "own",
+        "heads_padding": "masked"}
     assert apply_preset(raw, "corrected")["plugins"]["ral"]["csa_padding"] == "masked"
     mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
     assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"

@@ -76,12 +76,21 @@ _MAX_CHUNK_ELEMENTS = 1 << 26  # bound on the (Nq, Lq, chunk, Lf) similarity ten
 _EPS = 1e-6
 
 
-def masked_softmax(logits: Tensor, mask: Tensor) -> Tensor:
-    """Softmax over the last dim restricted to ``mask``; rows without a True are all zero."""
+def masked_softmax(logits: Tensor, mask: Tensor, *, zero_slots: Tensor | None = None) -> Tensor:
+    """Softmax over the last dim restricted to ``mask``; rows without a True are all zero.
+    ``zero_slots`` (R,): per row, that many more entries of logit 0 in the normaliser (slots whose
+    weights are not returned: the official RAL heads' zero-padded frames)."""
     logits = logits.float().masked_fill(~mask, float("-inf"))
-    peak = logits.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    peak = logits.amax(dim=-1, keepdim=True)  # (R, 1)
+    if zero_slots is not None:
+        extra = zero_slots.to(logits.dtype)[:, None]  # (R, 1)
+        peak = torch.where(extra > 0, peak.clamp(min=0.0), peak)
+    peak = peak.clamp(min=torch.finfo(torch.float32).min)
     weights = torch.exp(logits - peak) * mask  # exp(-inf) = 0 on padding
-    return weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-12)
+    total = weights.sum(dim=-1, keepdim=True)  # (R, 1)
+    if zero_slots is not None:
+        total = total + extra * torch.exp(-peak.clamp(min=0.0))  # peak >= 0 wherever extra > 0
+    return weights / total.clamp(min=1e-12)
 
 
 def group_mean(tokens: Tensor, member: Tensor) -> Tensor:
@@ -90,10 +99,14 @@ def group_mean(tokens: Tensor, member: Tensor) -> Tensor:
     return (member.to(tokens.dtype) @ tokens) / counts  # (G, D)
 
 
-def gated_attention(tokens: Tensor, member: Tensor, hidden: nn.Linear, score: nn.Linear) -> Tensor:
-    """softmax over each group's tokens of ``score(tanh(hidden(x)))``, times the tokens: (G, D)."""
+def gated_attention(
+    tokens: Tensor, member: Tensor, hidden: nn.Linear, score: nn.Linear, *, zero_slots: Tensor | None = None
+) -> Tensor:
+    """softmax over each group's tokens of ``score(tanh(hidden(x)))``, times the tokens: (G, D).
+    ``zero_slots`` (G,): that many zero tokens more per group (bias-free layers give them logit 0; they
+    add to the normaliser, not to the sum)."""
     gate = score(torch.tanh(hidden(tokens))).squeeze(-1)  # (N,)
-    att = masked_softmax(gate[None, :].expand_as(member), member)  # (G, N)
+    att = masked_softmax(gate[None, :].expand_as(member), member, zero_slots=zero_slots)  # (G, N)
     return att.to(tokens.dtype) @ tokens  # (G, D)
 
 
@@ -145,7 +158,9 @@ class OfficialGaussianEncoder(nn.Module):
         log sigma = FC(att_sigma(X)) + FC2(p)                  (UncertaintyModuleImage)
 
     returned as mu and logvar = 2 log sigma, clamped like the paper heads' (the official code has
-    no clamp).  ``aggregation``: ``local`` drops p from both heads, ``global`` the attentions."""
+    no clamp).  ``aggregation``: ``local`` drops p from both heads, ``global`` the attentions.
+    ``zero_slots`` (G,) in ``forward``: zero tokens each group's attentions also run over (the
+    official video heads see every video zero-padded to 128 frames)."""
 
     def __init__(
         self, *, hidden_size: int, aggregation: str, unit_pool: bool, logvar_min: float, logvar_max: float
@@ -165,7 +180,7 @@ class OfficialGaussianEncoder(nn.Module):
         self.mu_norm = nn.LayerNorm(hidden_size)
         self.logvar_min, self.logvar_max = logvar_min, logvar_max
 
-    def forward(self, tokens: Tensor, member: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor, member: Tensor, *, zero_slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(N, D) tokens, (G, N) membership -> mu (G, D), logvar (G, D)."""
         mu_in = tokens.new_zeros(member.shape[0], tokens.shape[1])  # (G, D)
         log_sigma = torch.zeros_like(mu_in)  # (G, D)
@@ -177,9 +192,11 @@ class OfficialGaussianEncoder(nn.Module):
             mu_in = mu_in + pooled
             log_sigma = log_sigma + self.sigma_pool_fc(pooled)
         if self.aggregation in ("both", "local"):
-            attended = gated_attention(tokens, member, self.mu_gate_hidden, self.mu_gate_score)  # (G, D)
-            mu_in = mu_in + torch.sigmoid(self.mu_fc(attended))
-            attended = gated_attention(tokens, member, self.sigma_gate_hidden, self.sigma_gate_score)  # (G, D)
+            attended = gated_attention(tokens, member, self.mu_gate_hidden, self.mu_gate_score, zero_slots=zero_slots)
+            mu_in = mu_in + torch.sigmoid(self.mu_fc(attended))  # (G, D)
+            attended = gated_attention(
+                tokens, member, self.sigma_gate_hidden, self.sigma_gate_score, zero_slots=zero_slots
+            )  # (G, D)
             log_sigma = log_sigma + self.sigma_fc(attended)
         return self.mu_norm(mu_in), (2.0 * log_sigma).clamp(self.logvar_min, self.logvar_max)
 
@@ -279,7 +296,11 @@ class RAL(Plugin):
     width of the confidence MLP (0: the backbone's hidden size);
     ``csa_input``: "normalized" (official) or "raw" words into that MLP;
     ``heads``: the Gaussian heads, "official" (:class:`OfficialGaussianEncoder`)
-    or "paper" (Eqs. 6-7, :class:`GaussianEncoder`); ``csa_padding``:
+    or "paper" (Eqs. 6-7, :class:`GaussianEncoder`); ``heads_padding``: the
+    official video heads' attentions also run over the zero frames that pad
+    each video to the backbone's ``max_frames`` ("official": each adds logit 0
+    to the normaliser) or over the real frames only ("masked"); only with
+    ``heads: official``; ``csa_padding``:
     "official" (a video shorter than the backbone's ``max_frames`` scores each
     word at least 0) or "masked"; ``word_encoder``: "own" (a text encoder of
     the plug-in's, as the official code) or "backbone" (the backbone's word
@@ -310,6 +331,7 @@ class RAL(Plugin):
         csa_hidden: int = 0,
         csa_input: Literal["normalized", "raw"] = "normalized",
         heads: Literal["official", "paper"] = "official",
+        heads_padding: Literal["official", "masked"] = "official",
         csa_padding: Literal["official", "masked"] = "official",
         word_encoder: Literal["own", "backbone"] = "own",
         word_positions: Literal["shared", "own"] = "shared",
@@ -328,6 +350,7 @@ class RAL(Plugin):
         self.csa_weighting = check_choice(csa_weighting, "csa_weighting", ("learned", "average"))
         self.csa_input = check_choice(csa_input, "csa_input", ("normalized", "raw"))
         self.heads = check_choice(heads, "heads", ("official", "paper"))
+        self.heads_padding = check_choice(heads_padding, "heads_padding", ("official", "masked"))
         self.csa_padding = check_choice(csa_padding, "csa_padding", ("official", "masked"))
         self.word_encoder = check_choice(word_encoder, "word_encoder", ("own", "backbone"))
         self.word_positions = check_choice(word_positions, "word_positions", ("shared", "own"))
@@ -360,11 +383,12 @@ class RAL(Plugin):
                 f"has no '{self.branch}' branch (branches: {', '.join(branches)}); "
                 "use it with gmmformer, gmmformer_v2 or mssl, or set plugins.ral.branch"
             )
-        if self.csa and self.csa_padding == "official" and not isinstance(getattr(backbone, "max_frames", None), int):
-            raise PluginError(
-                f"plugins.ral.csa_padding: official pads every video to the backbone's max_frames, which "
-                f"backbone '{backbone_name}' does not have; set plugins.ral.csa_padding: masked"
-            )
+        for key, used in (("csa_padding", self.csa), ("heads_padding", self.msra and self.heads == "official")):
+            if used and getattr(self, key) == "official" and not isinstance(getattr(backbone, "max_frames", None), int):
+                raise PluginError(
+                    f"plugins.ral.{key}: official pads every video to the backbone's max_frames, which "
+                    f"backbone '{backbone_name}' does not have; set plugins.ral.{key}: masked"
+                )
 
     def attach(self, backbone: RetrievalModel, *, make_backbone: Callable[[], RetrievalModel] | None) -> None:
         """Keeps the backbone; with ``word_encoder: own``, builds the plug-in's text encoder from it."""
@@ -469,7 +493,10 @@ class RAL(Plugin):
         words, member_q = _groups(words_padded, word_mask, row_group, text_video.shape[0])
         text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
         frame_slots, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
-        video_mu, video_logvar = self.video_gaussian(frame_slots, member_v)  # (B, D) each
+        padding = {}
+        if self.heads == "official" and self.heads_padding == "official":  # every video padded to max_frames
+            padding["zero_slots"] = (self.host.max_frames - frame_mask.sum(dim=1)).clamp(min=0)  # (B,)
+        video_mu, video_logvar = self.video_gaussian(frame_slots, member_v, **padding)  # (B, D) each
         if self.unit_mean:
             text_mu, video_mu = F.normalize(text_mu, dim=-1), F.normalize(video_mu, dim=-1)
         aux = {

@@ -48,8 +48,8 @@ from prvrlab.platform.train.session import LocalSession, RaySession, Session, sc
 # best_model.pt layout: 2 = resolved config (every default written) + loss-term state;
 # 3 = its "epoch" counts from 1 (as every report does; format 2 counted from 0);
 # 4 = model.frame_training (MS-SL), plugins.ral.heads / csa_padding / word_encoder and data.normalize
-# exist (older files: all_pairs, paper, masked, backbone, exact); 5 = plugins.ral.word_positions exists
-# (older files: own).
+# exist (older files: all_pairs, paper, masked, backbone, exact); 5 = plugins.ral.word_positions and
+# heads_padding exist (older files: own, masked).
 CHECKPOINT_FORMAT = 5
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
