@@ -56,3 +56,15 @@ def truly_relevant_by_hand(truth: dict, query_id: str, video_id: str) -> bool:
     return any(
         (action is None or action == a) and (obj is None or obj == o) for a, o in truth["videos"][video_id]
     )
+
+
+def rank_loop(raw: dict, out_dir: Path, *, rank: int, world: int):
+    """A TrainingLoop of ``raw`` for DDP rank ``rank`` of ``world`` (a local session in ``out_dir``); the
+    caller has joined the process group."""
+    from prvrlab.platform.config import validate
+    from prvrlab.platform.train.loop import TrainingLoop
+    from prvrlab.platform.train.session import LocalSession
+
+    session = LocalSession(Path(out_dir) / f"session{rank}")
+    session.rank, session.world_size = rank, world
+    return TrainingLoop(validate(raw), session=session, run_dir=Path(out_dir) / "run")

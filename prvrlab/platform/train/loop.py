@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,6 +77,27 @@ def restore_random_state(saved: dict, device: torch.device) -> None:
     torch.set_rng_state(saved["rng"].cpu())
     if device.type == "cuda" and "cuda_rng" in saved:  # checkpoints before 2026-11-27 hold the CPU's only
         torch.cuda.set_rng_state(saved["cuda_rng"].cpu(), device)
+
+
+class Sealed:
+    """A value DDP does not search for tensors (not a tensor, list, dict or dataclass)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+class LossView(torch.nn.Module):
+    """The training system as DDP wraps it: the forward's model output (embeddings, scores, aux)
+    comes back :class:`Sealed`, so DDP's search for unused parameters starts from the loss alone; an
+    embedding no loss reads (GMMFormer's pooled frame vector under RAL's CSA) then counts as unused."""
+
+    def __init__(self, system: torch.nn.Module) -> None:
+        super().__init__()
+        self.system = system
+
+    def forward(self, batch, *, epoch: int):
+        result, out = self.system(batch, epoch=epoch)
+        return result, Sealed(out)
 
 
 def _distributed() -> bool:
@@ -209,6 +231,7 @@ class TrainingLoop:
         self.rank, self.world = session.rank, session.world_size
         self.progress = Progress()
         self.global_step = 0
+        self.ddp_unused: list[str] | None = None  # wrap(): the probe's unused parameters (None: not probed)
         self.setup_s: float | None = None  # setup + restore + DDP wrap, reported once per attempt as time/setup_s
         self.best_val: tuple[int, Any] | None = None  # (epoch, its validation EvalResult: rank 0, else None) of the best model
 
@@ -296,11 +319,32 @@ class TrainingLoop:
             restore_random_state(saved, self.device)
 
     def wrap(self) -> torch.nn.Module:
-        """The module the steps run: the system, in DDP when there are several ranks."""
+        """The module the steps run: the system, in DDP when there are several ranks.
+
+        A configuration can leave parameters out of every training step (a branch of weight 0, a
+        fusion switched off, the GMMFormer frame pooling whose scores RAL's CSA replaces); DDP then
+        has to look for them (``find_unused_parameters``) or it refuses the second step.  Whether
+        to look is decided by a probe step (:mod:`prvrlab.platform.train.unused`; a probe that fails
+        means look), agreed by all ranks; the unused parameters keep no gradient, as on one rank.
+        DDP sees only the loss among the forward's outputs (:class:`LossView`), so its search starts
+        where the backward does."""
         if self.world == 1:
             return self.system
+        from prvrlab.platform.train.unused import probe_batch, unused_parameters
+
+        try:
+            batch = probe_batch(video_dim=self.collection.video_dim, query_dim=self.collection.query_dim,
+                                num_clips=self.cfg.data.num_clips, device=self.device)
+            unused: list[str] | None = unused_parameters(self.system, batch)
+        except Exception:  # noqa: BLE001 - any failure of the probe: let DDP search every step
+            unused = None
+        search = bool(all_reduce(torch.tensor([0.0 if unused == [] else 1.0], device=self.device), "max").item())
+        if search and self.rank == 0:
+            what = "could not be probed" if unused is None else f"{len(unused)} unused: {', '.join(unused[:4])}"
+            print(f"DDP looks for unused parameters every step (the parameters {what})", file=sys.stderr, flush=True)
+        self.ddp_unused = unused
         kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
-        return torch.nn.parallel.DistributedDataParallel(self.system, **kwargs)
+        return torch.nn.parallel.DistributedDataParallel(LossView(self.system), find_unused_parameters=search, **kwargs)
 
     def epoch_context(self, epoch: int):
         """The :class:`EpochContext` handed to the components' epoch hooks."""
@@ -385,6 +429,8 @@ class TrainingLoop:
         dtype = self.amp_dtype
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             result, out = train_model(batch, epoch=epoch)
+        if isinstance(out, Sealed):
+            out = out.value
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(result.total).backward()
         if all_reduce(result.non_finite()).item() > 0:  # every rank stops at the same step

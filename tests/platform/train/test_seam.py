@@ -23,7 +23,7 @@ from prvrlab.platform.train.optim import build_optimizer
 from prvrlab.platform.train.session import LocalSession
 from prvrlab.registry import BACKBONES
 
-from train_helpers import small_raw, truly_relevant_by_hand
+from train_helpers import rank_loop, small_raw, truly_relevant_by_hand
 
 
 def seam_raw(root: Path, tmp: Path, **train) -> dict:
@@ -104,13 +104,11 @@ def _ddp_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) ->
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        session = LocalSession(Path(out_dir) / f"session{rank}")
-        session.rank, session.world_size = rank, world
-        loop = TrainingLoop(validate(raw), session=session, run_dir=Path(out_dir) / "run")
+        loop = rank_loop(raw, Path(out_dir), rank=rank, world=world)
         loop.run()
         result = {
             "log_t": loop.system.losses.losses["temp"].log_temperature.item(),
-            "reports": [r for r in session.reports if r.get("kind") == "epoch"],
+            "reports": [r for r in loop.session.reports if r.get("kind") == "epoch"],
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()  # neither rank closes its gloo connections while the other may still use them

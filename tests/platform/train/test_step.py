@@ -13,12 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import seam_components  # noqa: F401  (registers test_nan_on_rank)
-from prvrlab.platform.config import validate
-from prvrlab.platform.train.loop import MetricSums, TrainingLoop
-from prvrlab.platform.train.session import LocalSession
+from prvrlab.platform.train.loop import MetricSums
 
 from device_under_test import DEVICE, as_a_program
-from train_helpers import small_raw
+from train_helpers import rank_loop, small_raw
 
 
 def nan_raw(root: Path, tmp: Path, *, rank: int, from_step: int, use_gpu: bool = False) -> dict:
@@ -29,9 +27,7 @@ def nan_raw(root: Path, tmp: Path, *, rank: int, from_step: int, use_gpu: bool =
 
 def steps_until_failure(raw: dict, tmp: Path, *, rank: int = 0, world: int = 1, steps: int = 3) -> dict:
     """Run ``steps`` steps of epoch 0; the messages, and the weights/optimiser/schedule before and after the last."""
-    session = LocalSession(tmp / f"session{rank}")
-    session.rank, session.world_size = rank, world
-    loop = TrainingLoop(validate(raw), session=session, run_dir=tmp / "run")
+    loop = rank_loop(raw, tmp, rank=rank, world=world)
     loop.setup()
     model = loop.wrap()
     model.train()
@@ -94,6 +90,51 @@ def test_a_non_finite_loss_on_one_rank_stops_both_at_the_same_step(tiny_root, tm
     for got in (zero, one):
         assert got["trained"] and got["unchanged"] and got["optimizer_unchanged"] and got["schedule_unchanged"]
     assert zero["weights"] == one["weights"]  # DDP kept the ranks equal, the failed step included
+
+
+def _unused_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        loop = rank_loop(raw, Path(out_dir), rank=rank, world=world)
+        loop.setup()
+        model = loop.wrap()
+        model.train()
+        initial = {k: v.clone() for k, v in loop.system.state_dict().items()}
+        sums, batches = MetricSums(), iter(loop.loader)
+        messages = [loop.step(model, next(batches), 0, step, sums) for step in range(3)]
+        after = loop.system.state_dict()
+        moved = sorted(k for k in initial if not torch.equal(initial[k], after[k]))
+        grads = {n: p.grad is None for n, p in loop.system.named_parameters()}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+            "messages": messages, "probe": loop.ddp_unused, "search": model.find_unused_parameters, "moved": moved, "no_grad": sorted(n for n, none in grads.items() if none),
+            "weights": [float(v.double().sum()) for v in after.values() if v.is_floating_point()],
+        }))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_trains_a_configuration_that_leaves_parameters_unused(tiny_root, tmp_path):
+    """RAL's CSA replaces GMMFormer's frame scores, so the frame branch's pooling takes no part in a step;
+    DDP (which refuses such a second step unless told to look for unused parameters) trains on, the unused
+    parameter keeps its value and no gradient, as on one rank, and the ranks stay equal."""
+    raw = small_raw(tiny_root, tmp_path, batch_size=8, epochs=1, torch_threads=1, num_workers=2)
+    raw["plugins"] = {"ral": {"msra": False}}
+    mp.spawn(_unused_rank, args=(2, str(tmp_path / "init"), raw, str(tmp_path)), nprocs=2, join=True)
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    plain = small_raw(tiny_root, tmp_path / "plain", batch_size=8, epochs=1, torch_threads=1, num_workers=2)
+    mp.spawn(_unused_rank, args=(2, str(tmp_path / "plain_init"), plain, str(tmp_path / "plain")), nprocs=2, join=True)
+    for rank in range(2):  # nothing to find: DDP does not search (no walk per step, no warning)
+        got = json.loads((tmp_path / "plain" / f"rank{rank}.json").read_text())
+        assert got["probe"] == [] and not got["search"] and got["no_grad"] == [] and got["messages"] == ["", "", ""]
+    unused = "model.backbone.frame.pool.score.weight"
+    for got in (zero, one):
+        assert got["messages"] == ["", "", ""]
+        assert got["probe"] == [unused] and got["search"]
+        assert got["no_grad"] == [unused] and unused not in got["moved"]
+        assert any(k.startswith("model.backbone.frame.") for k in got["moved"])  # the rest of the branch trains
+        assert any(k.startswith("model.plugins.ral.") for k in got["moved"])
+    assert zero["weights"] == one["weights"]
 
 
 def test_tensor_values_sum_to_the_same_means_as_their_floats():
