@@ -333,8 +333,10 @@ class TrainingLoop:
         from prvrlab.platform.train.unused import probe_batch, unused_parameters
 
         try:
+            data = self.cfg.data
             batch = probe_batch(video_dim=self.collection.video_dim, query_dim=self.collection.query_dim,
-                                num_clips=self.cfg.data.num_clips, device=self.device)
+                                num_clips=data.num_clips, device=self.device, max_frames=data.max_frames,
+                                max_query_len=data.max_query_len)
             unused: list[str] | None = unused_parameters(self.system, batch)
         except Exception:  # noqa: BLE001 - any failure of the probe: let DDP search every step
             unused = None

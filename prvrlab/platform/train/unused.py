@@ -23,16 +23,21 @@ FRAMES = (8, 5, 3)  # real frames of the probe's three videos
 QUERIES = ((0, 4), (0, 2), (1, 3), (2, 5), (2, 1))  # (video, real tokens) of its five queries
 
 
-def probe_batch(*, video_dim: int, query_dim: int, num_clips: int, device: torch.device) -> Batch:
-    """Three videos with five queries (two videos with several, padding on both sides), random features."""
+def probe_batch(
+    *, video_dim: int, query_dim: int, num_clips: int, device: torch.device, max_frames: int = 8, max_query_len: int = 5
+) -> Batch:
+    """Three videos with five queries (two videos with several, padding on both sides), random features;
+    lengths capped by the data's ``max_frames`` / ``max_query_len``."""
     g = torch.Generator().manual_seed(0)
-    frames_len, query_len = max(FRAMES), max(n for _, n in QUERIES)
+    frames = torch.tensor(FRAMES).clamp(max=max_frames)  # (B,)
+    words = torch.tensor([n for _, n in QUERIES]).clamp(max=max_query_len)  # (Nq,)
+    frames_len, query_len = int(frames.max()), int(words.max())
     return Batch(
         frames=torch.randn(len(FRAMES), frames_len, video_dim, generator=g).to(device),  # (B, Lf, Dv)
-        frame_mask=(torch.arange(frames_len)[None] < torch.tensor(FRAMES)[:, None]).to(device),  # (B, Lf)
+        frame_mask=(torch.arange(frames_len)[None] < frames[:, None]).to(device),  # (B, Lf)
         clips=torch.randn(len(FRAMES), num_clips, video_dim, generator=g).to(device),  # (B, Lc, Dv)
         queries=torch.randn(len(QUERIES), query_len, query_dim, generator=g).to(device),  # (Nq, Lq, Dq)
-        query_mask=(torch.arange(query_len)[None] < torch.tensor([n for _, n in QUERIES])[:, None]).to(device),
+        query_mask=(torch.arange(query_len)[None] < words[:, None]).to(device),  # (Nq, Lq)
         query_video=torch.tensor([v for v, _ in QUERIES], device=device),  # (Nq,)
         video_ids=[f"probe-v{i}" for i in range(len(FRAMES))],
         query_ids=[f"probe-q{i}" for i in range(len(QUERIES))],

@@ -71,3 +71,10 @@ def test_a_forward_that_fails_raises_and_still_restores_the_random_streams():
     with pytest.raises(RuntimeError):
         unused_parameters(sys_, b)
     assert torch.equal(torch.rand(2), expected)
+
+
+def test_the_probe_batch_fits_the_datas_limits():
+    small = probe_batch(video_dim=4, query_dim=3, num_clips=2, device=torch.device("cpu"), max_frames=4, max_query_len=2)
+    assert small.frame_mask.sum(dim=1).tolist() == [4, 4, 3] and small.frames.shape == (3, 4, 4)
+    assert small.query_mask.sum(dim=1).tolist() == [2, 2, 2, 2, 1] and small.queries.shape == (5, 2, 3)
+    assert small.clips.shape == (3, 2, 4) and small.query_video.tolist() == [0, 0, 1, 2, 2]
