@@ -384,7 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _terminate(signum, frame) -> None:
-    """SIGTERM ends a command like Ctrl-C: open MLflow runs are closed as KILLED."""
+    """SIGTERM ends a command like Ctrl-C: open MLflow runs are closed as KILLED (at once, by a
+    detached process, in case this one is killed before it winds down; see tracking/closer.py)."""
+    from prvrlab.platform.tracking.closer import stop_requested
+
+    stop_requested("stopped by SIGTERM")
     raise KeyboardInterrupt
 
 

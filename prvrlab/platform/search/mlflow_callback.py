@@ -99,9 +99,11 @@ class MlflowStudyCallback(Callback):
             if self.runs.closed.get(trial_id) in ("FINISHED", "FAILED"):  # ended: replayed, never reopened
                 return run_id
             if trial_id not in self._open and not INTERRUPTED.is_set():  # a stopping study reopens nothing
-                self.tracker.client.update_run(run_id, status="RUNNING")
-                if self.runs.closed.pop(trial_id, None) == "KILLED":
-                    self.tracker.client.delete_tag(run_id, "prvrlab.stop_reason")
+                before = self.tracker.reopen_run(run_id)
+                killed = self.runs.closed.pop(trial_id, None) == "KILLED" or before.info.status == "KILLED"  # the closer's are unmapped
+                if killed:
+                    if "prvrlab.stop_reason" in before.data.tags:
+                        self.tracker.client.delete_tag(run_id, "prvrlab.stop_reason")
                     self.tracker.set_tags(run_id, {"prvrlab.status": "resumed"})
                 self._save()
                 self._open.add(trial_id)
@@ -164,19 +166,6 @@ class MlflowStudyCallback(Callback):
         self._open.discard(trial_id)
         self.runs.closed[trial_id] = status
         self._save()
-
-    def close_open_runs(self, reason: str) -> None:
-        """Close every open child run and the parent as KILLED now, logging nothing else.
-
-        For a driver about to be killed: a later graceful close (or ``--resume``)
-        overwrites these statuses with the real outcome.
-        """
-        killed = {"prvrlab.status": "killed", "prvrlab.stop_reason": reason}
-        for trial_id in sorted(self._open):
-            self.close_id(trial_id, "KILLED", killed)
-        if self.runs.parent:
-            self.tracker.set_tags(self.runs.parent, {"prvrlab.stop_reason": reason})
-            self.tracker.end_run(self.runs.parent, "KILLED")
 
     def close_lost(self, trials) -> None:
         """Close KILLED the open child runs of trials that Tune's restored state does not hold.

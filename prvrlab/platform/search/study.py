@@ -35,7 +35,6 @@ import os
 import re
 import signal
 import stat
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -576,7 +575,7 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
 
     run_id = runs.parent or parent_run_id
     if run_id is not None:
-        tracker.client.update_run(run_id, status="RUNNING")
+        tracker.reopen_run(run_id)
     else:
         tags = {
             "prvrlab.kind": kind,
@@ -659,7 +658,7 @@ def run_study(
     INTERRUPTED.clear()
     location = storage.Location(study.storage or study.study_dir)
     location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
-    previous = _sigterm_as_sigint(mlflow_cb.close_open_runs)
+    previous = _sigterm_as_sigint()
     try:
         with ray_logs_to(Path(study.study_dir) / STUDY_LOG), mlflow_cb.mirror.every(SYNC_S):  # warnings off the console
             results = tuner.fit()
@@ -713,25 +712,23 @@ def _start_admission(study: StudyContext, callbacks: list[Any], echo: Callable[[
     return lambda: stop_ledger(study.admission)
 
 
-def _sigterm_as_sigint(close_runs: Callable[[str], None]):
+def _sigterm_as_sigint():
     """Make SIGTERM stop Tune like Ctrl-C (state saved, trials stopped); returns the old handler.
 
-    The study's open MLflow runs are closed KILLED first, at once: ``ray job
-    stop`` follows its SIGTERM with a SIGKILL after ``RAY_JOB_STOP_WAIT_TIME_S``
-    (3 s by default), often before Tune has wound down.  The graceful path then
-    closes them again with their final state.
+    The study's open MLflow runs are closed KILLED at once by a detached process
+    (:func:`~prvrlab.platform.tracking.closer.stop_requested`): ``ray job stop``
+    follows its SIGTERM with a SIGKILL after ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s by
+    default), often before Tune has wound down.  The graceful path then closes
+    them again with their final state.
     """
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def forward(signum, frame) -> None:
-        first = not INTERRUPTED.is_set()
+        from prvrlab.platform.tracking.closer import stop_requested
+
         INTERRUPTED.set()
-        if first:
-            try:
-                close_runs("stopped by SIGTERM")
-            except Exception as exc:  # the store may be unreachable: Tune's shutdown still runs
-                print(f"prvrlab: could not close the study's runs at once: {exc}", file=sys.stderr)
+        stop_requested("stopped by SIGTERM")
         os.kill(os.getpid(), signal.SIGINT)
 
     return signal.signal(signal.SIGTERM, forward)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 
 from prvrlab.checks import is_number
 from prvrlab.platform.config import ConfigError
+from prvrlab.platform.tracking import closer
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
@@ -146,7 +147,15 @@ class Tracker:
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        closer.opened(self.uri, run.info.run_id)
         return run.info.run_id
+
+    def reopen_run(self, run_id: str):
+        """Set a closed run RUNNING again (a resumed study); returns the run as it was (``mlflow.entities.Run``)."""
+        before = self.client.get_run(run_id)
+        self.client.update_run(run_id, status="RUNNING")
+        closer.opened(self.uri, run_id)
+        return before
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -166,6 +175,7 @@ class Tracker:
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
+        closer.wait_for_closer()  # a stopped driver's final word comes after the detached closer's
         self.client.log_batch(run_id, tags=[RunTag(k, _clean_value(v)) for k, v in tags.items()])
 
     def log_dataset(self, run_id: str, dataset, context: str = "training") -> None:
@@ -187,4 +197,6 @@ class Tracker:
         """Close a run as FINISHED, FAILED or KILLED."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"bad run status {status!r}")
+        closer.wait_for_closer()
         self.client.set_terminated(run_id, status=status)
+        closer.closed(run_id)
