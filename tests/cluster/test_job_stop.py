@@ -1,8 +1,8 @@
 """`ray job stop` of a submitted search leaves no MLflow run RUNNING.
 
 Ray's job supervisor sends SIGTERM to the job's processes and SIGKILL
-``RAY_JOB_STOP_WAIT_TIME_S`` (3 s) later; the study closes its runs KILLED at
-the SIGTERM, before Tune winds down.
+``RAY_JOB_STOP_WAIT_TIME_S`` (3 s) later; at the SIGTERM the study starts a
+detached process that closes its runs KILLED, which the SIGKILL does not reach.
 """
 
 from __future__ import annotations
@@ -55,8 +55,13 @@ def test_ray_job_stop_closes_the_parent_and_children(tiny_root, tmp_path):
         assert "stopped" in status.lower(), status
         logs = head.ray("job", "logs", "--address", head.url, job, timeout=60).stdout
 
-    parents, children = study_runs(tmp_path)
-    (parent,) = parents
+    deadline = time.monotonic() + 90  # the detached closer may still be importing MLflow
+    while True:
+        parents, children = study_runs(tmp_path)
+        (parent,) = parents
+        if parent.info.status != "RUNNING" or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert parent.info.status == "KILLED", logs[-3000:]
     assert parent.data.tags.get("prvrlab.stop_reason") == "stopped by SIGTERM"
     assert children and all(c.info.status in ("KILLED", "FINISHED") for c in children), [c.info.status for c in children]

@@ -54,7 +54,12 @@ def test_sigterm_on_ray_train_closes_the_run_as_killed(tiny_root, tmp_path, unde
         wait_until_running(raw, proc)
         started = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
+        try:
+            rc = proc.wait(timeout=60)  # a stopped driver exits within STOP_GRACE_S (30 s)
+        except subprocess.TimeoutExpired:
+            for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                child.kill()
+            raise AssertionError(f"the driver did not exit: {proc.stderr.read()[-3000:]}") from None
         err = proc.stderr.read()
     finally:
         proc.kill()
