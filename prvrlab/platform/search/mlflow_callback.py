@@ -100,10 +100,7 @@ class MlflowStudyCallback(Callback):
                 return run_id
             if trial_id not in self._open and not INTERRUPTED.is_set():  # a stopping study reopens nothing
                 before = self.tracker.reopen_run(run_id)
-                killed = self.runs.closed.pop(trial_id, None) == "KILLED" or before.info.status == "KILLED"  # the closer's are unmapped
-                if killed:
-                    if "prvrlab.stop_reason" in before.data.tags:
-                        self.tracker.client.delete_tag(run_id, "prvrlab.stop_reason")
+                if self.runs.closed.pop(trial_id, None) == "KILLED" or before.info.status == "KILLED":  # the closer's are unmapped
                     self.tracker.set_tags(run_id, {"prvrlab.status": "resumed"})
                 self._save()
                 self._open.add(trial_id)

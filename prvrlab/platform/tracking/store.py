@@ -24,6 +24,7 @@ PARAM_MAX = 6000
 # (runs table, metrics) rather than GenAI (traces); the value is one of the UI's ExperimentKind names.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
+STOP_TAGS = ("prvrlab.status", "prvrlab.stop_reason")  # how a run ended; a reopened run drops them
 
 
 def artifact_location(uri: str, experiment: str) -> str | None:
@@ -151,9 +152,13 @@ class Tracker:
         return run.info.run_id
 
     def reopen_run(self, run_id: str):
-        """Set a closed run RUNNING again (a resumed study); returns the run as it was (``mlflow.entities.Run``)."""
+        """Set a closed run RUNNING again (a resumed study), without the tags that described its stop;
+        returns the run as it was (``mlflow.entities.Run``)."""
         before = self.client.get_run(run_id)
         self.client.update_run(run_id, status="RUNNING")
+        for stale in STOP_TAGS:
+            if stale in before.data.tags:
+                self.client.delete_tag(run_id, stale)
         closer.opened(self.uri, run_id)
         return before
 

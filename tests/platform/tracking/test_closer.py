@@ -20,10 +20,13 @@ def test_the_tracker_notes_what_this_process_has_open(tmp_path):
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "notes")
     run_id = tracker.start_run("a")
     assert closer.open_runs()[run_id] == tracker.uri
+    tracker.set_tags(run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": "stopped by SIGTERM", "kept": "1"})
     tracker.end_run(run_id, "KILLED")
     assert run_id not in closer.open_runs()
     before = tracker.reopen_run(run_id)
-    assert before.info.status == "KILLED" and _status(tracker, run_id)[0] == "RUNNING"
+    assert before.info.status == "KILLED" and before.data.tags["prvrlab.stop_reason"] == "stopped by SIGTERM"
+    status, tags = _status(tracker, run_id)
+    assert status == "RUNNING" and "prvrlab.status" not in tags and "prvrlab.stop_reason" not in tags and tags["kept"] == "1"
     assert closer.open_runs()[run_id] == tracker.uri
     tracker.end_run(run_id, "FINISHED")
     assert run_id not in closer.open_runs()
