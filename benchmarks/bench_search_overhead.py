@@ -21,8 +21,10 @@ time, each rank on half a group's share), prints:
   (and its parts before the first trial and after the last: the driver's study
   set-up, Tune's start, the end-of-study records);
 - for the reused pool: its build time (rank actors + process group, paid by
-  the first trial) and the largest difference of any trial's final metrics
-  from the per-trial TorchTrainer row (same sampler seed, same configs).
+  the first trial; for ranks adopted from the driver's spares, which start
+  with the study, the wait from their adoption), how many pools were
+  adopted, and the largest difference of any trial's final metrics from the
+  per-trial TorchTrainer row (same sampler seed, same configs).
 
 Ray is started and the MLflow store created before the first row (their
 times are printed apart: each is paid once per cluster or store, not per
@@ -103,7 +105,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
     children = tracker.client.search_runs(
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
     )
-    startups, train_s, finals, builds, spans, trial_spans = [], 0.0, {}, [], [], []
+    startups, train_s, finals, builds, spans, trial_spans, adopted = [], 0.0, {}, [], [], [], 0
     phases: dict[str, list[float]] = {name: [] for name in PHASES}
     children = sorted(children, key=lambda c: c.info.start_time)
     for child in children:
@@ -112,7 +114,9 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         }
         pool_log = result.study_dir / "trials" / child.data.tags["prvrlab.trial_id"] / "pool.jsonl"
         if pool_log.exists():
-            builds += [json.loads(line)["build_s"] for line in pool_log.read_text().splitlines()]
+            attempts = [json.loads(line) for line in pool_log.read_text().splitlines()]
+            builds += [a["build_s"] for a in attempts if a["trials_before"] == 0]
+            adopted += sum(1 for a in attempts if a["trials_before"] == 0 and a.get("adopted"))
         epochs = tracker.client.get_metric_history(child.info.run_id, "time/epoch_s")
         if not epochs:
             continue
@@ -139,6 +143,8 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "train_s": train_s,
         "outside_share": 1 - covered(spans) / wall,
         "pool_build_s": sum(builds),
+        "pools": len(builds),
+        "adopted": adopted,
         "finals": finals,
         "phases": {name: statistics.fmean(v) if v else float("nan") for name, v in phases.items()},
         "phase_lists": phases,
@@ -203,7 +209,10 @@ def main() -> None:
             print(f"{label:>20} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
         for row in (r for r in rows if r.endswith(("r", "p"))):
             m = measured[row]
-            print(f"reused pool ({row}): pools built in {m['pool_build_s']:.1f} s in all (rank actors + process group)")
+            print(
+                f"reused pool ({row}): {m['pools']} pool(s), {m['adopted']} of them the driver's spares; built in "
+                f"{m['pool_build_s']:.1f} s in all (rank actors + process group; a spare's from its adoption)"
+            )
             print(f"reused pool ({row}): start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
             for phase in ("to loop start", "setup", "final eval"):
                 print(f"reused pool ({row}): {phase} per trial, in start order: {', '.join(f'{s:.2f}' for s in m['phase_lists'][phase])} s")

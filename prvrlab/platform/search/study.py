@@ -37,9 +37,10 @@ import signal
 import stat
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
@@ -241,15 +242,17 @@ def _report_callback(filler: MetricFiller):
     return FilledTuneReport()
 
 
-def run_trial(config: dict[str, Any], study: StudyContext) -> None:
-    """Tune function trainable: train one config (in-actor for 1 worker, TorchTrainer DDP otherwise)."""
+def run_trial(config: dict[str, Any], study: StudyContext, spares: list[list[Any]] | None = None) -> None:
+    """Tune function trainable: train one config (in-actor for 1 worker, TorchTrainer DDP otherwise;
+    ``spares``: the driver's pool ranks this trial actor may adopt)."""
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
     check = validate
-    if study.workers > 1 and study.reuse_workers:  # the slot's pool starts now and checks the config
-        from prvrlab.platform.search.workers import prestart, validate_on_pool
+    if study.workers > 1 and study.reuse_workers:  # the slot's pool starts now (or is adopted) and checks the config
+        from prvrlab.platform.search.workers import offer, prestart, validate_on_pool
 
+        offer(spares or [])
         prestart(study.workers, study.cpus_per_worker, study.gpus_per_worker)
         check = validate_on_pool
     try:
@@ -515,10 +518,34 @@ def prepare_environment() -> None:
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
 
-def _trainable(study: StudyContext, resources: dict[str, float]):
+def _trainable(study: StudyContext, resources: dict[str, float], spares: list[list[Any]]):
     from ray import tune
 
-    return tune.with_resources(tune.with_parameters(run_trial, study=study), resources)
+    return tune.with_resources(tune.with_parameters(run_trial, study=study, spares=spares), resources)
+
+
+@contextmanager
+def spare_ranks(spec: StudySpec, trials: int) -> Iterator[list[list[Any]]]:
+    """CPU studies on reused pools (``resources.reuse_workers``) on a one-node cluster: one group of pool
+    ranks per slot, started now, so that their processes start and import torch while Tune starts its
+    trial actors (see :mod:`.workers`); killed when the block ends.  Otherwise no spares."""
+    import ray
+
+    res = spec.resources
+    groups = min(spec.slots, trials)
+    if res.workers_per_trial < 2 or not res.reuse_workers or res.gpus_per_worker > 0 or groups < 1:
+        yield []
+        return
+    if sum(1 for node in ray.nodes() if node.get("Alive")) != 1:  # a spare's node could hold no trial's CPUs
+        yield []
+        return
+    from prvrlab.platform.search.workers import start_spares, stop_spares
+
+    spares = start_spares(groups, res.workers_per_trial)
+    try:
+        yield spares
+    finally:
+        stop_spares(spares)
 
 
 @dataclass
@@ -627,48 +654,53 @@ def run_study(
 
         resources = pool_resources(study.workers, study.cpus_per_worker, study.gpus_per_worker, TRIAL_ACTOR_CPU)
     reuse_actors = study.workers == 1 or study.reuse_workers  # a reused trial actor keeps its slot's pool
-    trainable = _trainable(study, resources)
-    tune_path = study.where("tune")
-    mlflow_cb = MlflowStudyCallback(study)
-    callbacks: list[Any] = [mlflow_cb]
-    if progress:
-        callbacks.append(
-            ProgressCallback(spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress, ended=study.trial_ended)
-        )
-    stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
-    if resume and tune.Tuner.can_restore(tune_path):
-        tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
-        tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
-    else:
-        tuner = tune.Tuner(
-            trainable,
-            param_space=param_space,
-            tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, reuse_actors=reuse_actors, **tune_config_kwargs),
-            run_config=tune.RunConfig(
-                name="tune",
-                storage_path=study.storage or str(study.study_dir),
-                verbose=0,
-                callbacks=callbacks,
-                failure_config=tune.FailureConfig(max_failures=spec.max_retries),
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                log_to_file=True,
-            ),
-        )
-    interrupted = False
-    INTERRUPTED.clear()
-    location = storage.Location(study.storage or study.study_dir)
-    location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
-    previous = _sigterm_as_sigint()
-    try:
-        with ray_logs_to(Path(study.study_dir) / STUDY_LOG), mlflow_cb.mirror.every(SYNC_S):  # warnings off the console
-            results = tuner.fit()
-    except KeyboardInterrupt:
-        interrupted = True
-        results = None
-    finally:
-        stop_admission()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    with spare_ranks(spec, total) as spares:  # killed once Tune's trials have ended
+        trainable = _trainable(study, resources, spares)
+        tune_path = study.where("tune")
+        mlflow_cb = MlflowStudyCallback(study)
+        callbacks: list[Any] = [mlflow_cb]
+        if progress:
+            callbacks.append(
+                ProgressCallback(
+                    spec.metric, spec.mode, total, study.label, progress_of=study.trial_progress, ended=study.trial_ended
+                )
+            )
+        stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
+        if resume and tune.Tuner.can_restore(tune_path):
+            tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
+            tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space=param_space,
+                tune_config=tune.TuneConfig(
+                    metric=spec.metric, mode=spec.mode, reuse_actors=reuse_actors, **tune_config_kwargs
+                ),
+                run_config=tune.RunConfig(
+                    name="tune",
+                    storage_path=study.storage or str(study.study_dir),
+                    verbose=0,
+                    callbacks=callbacks,
+                    failure_config=tune.FailureConfig(max_failures=spec.max_retries),
+                    checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+                    log_to_file=True,
+                ),
+            )
+        interrupted = False
+        INTERRUPTED.clear()
+        location = storage.Location(study.storage or study.study_dir)
+        location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
+        previous = _sigterm_as_sigint()
+        try:
+            with ray_logs_to(Path(study.study_dir) / STUDY_LOG), mlflow_cb.mirror.every(SYNC_S):  # warnings off the console
+                results = tuner.fit()
+        except KeyboardInterrupt:
+            interrupted = True
+            results = None
+        finally:
+            stop_admission()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     location.child("tune").pull(exclude=("checkpoint_*",), fresh=True)  # object store: the state to record
     record_state(Path(study.study_dir))
     mlflow_cb.mirror.push()

@@ -11,6 +11,14 @@ the pool's ranks; rank 0's reports come back through its actor and reach Tune
 from the trial actor (checkpoints included, so a retried trial resumes).  DDP
 is built per trial on the existing process group; the group stays up.
 
+Spares: on a one-node cluster the driver starts one group of rank actors per
+slot when a CPU study begins (:func:`start_spares`, no CPUs reserved: the
+trial's placement group holds them), so their processes start and import
+torch while Tune starts its trial actors; each trial actor adopts the first
+group it claims instead of starting its own.  Spares are the driver's
+actors, so an adopted rank follows its trial actor itself (it exits when
+that actor has died) and the driver kills every spare at the study's end.
+
 Failures: any error or stop of a trial while it trains (a rank's actor died,
 an exception in the loop, Tune stopping the trial) kills the pool, so the next
 trial of the slot builds a fresh one; Tune retries a dead-actor trial from
@@ -55,6 +63,7 @@ from prvrlab.platform.train.session import Session, process_group_backend
 if TYPE_CHECKING:
     from prvrlab.platform.config import ExperimentConfig
 
+FOLLOW_S = 2.0  # how often an adopted spare checks that its trial actor is alive
 POLL_S = 0.5  # how often the trial actor looks for rank 0's reports and for failed ranks
 PG_TIMEOUT = timedelta(minutes=30)  # collective timeout, Ray Train's default
 STAGE_DIR = "pool_reports"  # next to a trial's files: rank 0's checkpoints until Tune persists them
@@ -142,9 +151,23 @@ class PoolWorker:
         self.outbox: queue.Queue = queue.Queue()
         self.rank, self.world_size = 0, 1
         self.opened: tuple[Any, Any] | None = None  # (DataConfig, its Collection): the last trial's data
+        self.claimed = threading.Lock()  # a spare goes to one trial actor
         # imports start now, in the background; join and run wait for them (one importing thread at a time)
         self.preloading = threading.Thread(target=preload, name="prvrlab-preload", daemon=True)
         self.preloading.start()
+
+    def claim(self) -> str | None:
+        """Hand this spare to the first trial actor that asks: this rank's Ray node id; None to any later one."""
+        if not self.claimed.acquire(blocking=False):
+            return None
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def follow(self, owner: Any) -> None:
+        """Exit once ``owner`` (the trial actor that adopted this spare) has died, as an actor it had
+        started would: the driver owns a spare, so Ray would keep it and its trial's loop running."""
+        threading.Thread(target=_follow, args=(owner,), name="prvrlab-follow", daemon=True).start()
 
     def collection(self, data_cfg: Any) -> Any:
         """The collection of ``data_cfg``, opened again only when it differs from the last trial's
@@ -207,12 +230,30 @@ class PoolWorker:
             return None
 
 
+def _follow(owner: Any) -> None:
+    import ray
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    while True:
+        try:
+            ray.get(owner.__ray_ready__.remote())  # waits while the owner is busy; raises once it has died
+        except ActorDiedError:
+            os._exit(1)
+        except RayActorError:  # unavailable for now: ask again
+            pass
+        time.sleep(FOLLOW_S)
+
+
+RANK_OPTIONS = {"max_concurrency": 2}  # a rank's Ray actor options besides its resources (run and next_report overlap)
+
+
 class WorkerPool:
     """``workers`` :class:`PoolWorker` actors joined in one process group, in the caller's placement group.
 
-    The actors start (and preload) at construction; :meth:`ready` joins them in the process group."""
+    The actors start (and preload) at construction, or are ``actors`` (adopted spares);
+    :meth:`ready` joins them in the process group."""
 
-    def __init__(self, *, workers: int, cpus: float, gpus: float, name: str) -> None:
+    def __init__(self, *, workers: int, cpus: float, gpus: float, name: str, actors: list[Any] | None = None) -> None:
         import ray
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -221,11 +262,15 @@ class WorkerPool:
         self.key, self.name, self.trials = (workers, cpus, gpus), name, 0
         self.pids: list[int] = []
         self.build_s = 0.0
+        self.adopted = actors is not None
+        if actors is not None:
+            self.actors = list(actors)
+            return
         group = get_current_placement_group()
         remote = ray.remote(PoolWorker)
         self.actors = []
         for rank in range(workers):
-            options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_concurrency": 2, "name": f"{name}-rank{rank}"}
+            options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "name": f"{name}-rank{rank}", **RANK_OPTIONS}
             if group is not None:  # bundle 0 is the trial actor's
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank + 1)
             self.actors.append(remote.options(**options).remote())
@@ -278,6 +323,60 @@ class WorkerPool:
 
 _POOL: WorkerPool | None = None  # the pool of this trial actor (one per concurrent trial slot)
 _BUILT = 0  # pools built in this process (names stay unique while a killed pool's names are released)
+_SPARES: list[list[Any]] = []  # the driver's spare rank groups offered to this trial actor (start_spares)
+
+
+def start_spares(groups: int, workers: int) -> list[list[Any]]:
+    """``groups`` groups of ``workers`` CPU ranks, started now without a CPU reservation (an adopting
+    trial's placement group holds their CPUs): only for a one-node cluster, where that is the same node."""
+    import ray
+
+    remote = ray.remote(PoolWorker).options(num_cpus=0, **RANK_OPTIONS)
+    return [[remote.remote() for _ in range(workers)] for _ in range(groups)]
+
+
+def stop_spares(groups: list[list[Any]]) -> None:
+    """Kill every spare, adopted or not (the study has ended)."""
+    import ray
+
+    for actor in (a for group in groups for a in group):
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def offer(groups: list[list[Any]]) -> None:
+    """The driver's spares this trial actor may adopt when it needs a pool (once per process)."""
+    global _SPARES
+    if groups and not _SPARES:
+        _SPARES = [list(group) for group in groups]
+
+
+def _adopt(workers: int) -> list[Any] | None:
+    """The first spare group of ``workers`` ranks this trial actor claims, on the node its placement group
+    reserved for them (a group elsewhere is killed: nothing holds its CPUs there); None when there is none."""
+    import ray
+    from ray.exceptions import RayActorError
+    from ray.util import get_current_placement_group, placement_group_table
+
+    group = get_current_placement_group()
+    nodes = set(placement_group_table(group)["bundles_to_node_id"].values()) if group is not None else None
+    while _SPARES:
+        actors = _SPARES.pop(0)
+        try:
+            node = ray.get(actors[0].claim.remote()) if len(actors) == workers else None
+        except RayActorError:
+            continue
+        if node is None:  # another trial actor's
+            continue
+        if nodes is not None and nodes != {node}:
+            stop_spares([actors])
+            continue
+        owner = ray.get_runtime_context().current_actor
+        ray.get([a.follow.remote(owner) for a in actors])
+        return actors
+    return None
 
 
 def _acquire(workers: int, cpus: float, gpus: float, *, ready: bool = True) -> WorkerPool:
@@ -290,7 +389,8 @@ def _acquire(workers: int, cpus: float, gpus: float, *, ready: bool = True) -> W
 
         _BUILT += 1
         slot = ray.get_runtime_context().get_actor_id() or "driver"
-        _POOL = WorkerPool(workers=workers, cpus=cpus, gpus=gpus, name=f"prvrlab-pool-{slot[:12]}-{_BUILT}")
+        actors = _adopt(workers) if _SPARES and gpus == 0 else None
+        _POOL = WorkerPool(workers=workers, cpus=cpus, gpus=gpus, name=f"prvrlab-pool-{slot[:12]}-{_BUILT}", actors=actors)
     if ready:
         try:
             _POOL.ready()
@@ -348,6 +448,7 @@ def train_on_pool(
         "pids": pool.pids,
         "trials_before": pool.trials,
         "build_s": 0.0 if pool.trials else pool.build_s,
+        "adopted": pool.adopted,  # the driver's spares (build_s: from their adoption)
         "actor_torch": "torch" in sys.modules,  # the trial actor loaded torch (it needs not: its ranks validate)
     }
     with (trial_dir / POOL_LOG).open("a") as fh:

@@ -148,6 +148,41 @@ def test_validate_on_pool_raises_the_ranks_config_error_and_discards_a_pool_that
     assert workers._POOL is None and dead.down  # a dead rank: the next attempt builds a new pool
 
 
+def _spec_stub(*, workers=2, reuse=True, gpus=0.0, concurrency=1, pack=1):
+    from types import SimpleNamespace
+
+    resources = SimpleNamespace(workers_per_trial=workers, reuse_workers=reuse, gpus_per_worker=gpus, pack=pack)
+    return SimpleNamespace(resources=resources, slots=concurrency * pack)
+
+
+def test_spares_only_for_cpu_studies_on_reused_pools_on_a_one_node_cluster(monkeypatch):
+    import ray
+
+    from prvrlab.platform.search import study as study_module
+
+    started = []
+    monkeypatch.setattr(workers, "start_spares", lambda groups, ranks: started.append((groups, ranks)) or [["spare"] * ranks] * groups)
+    monkeypatch.setattr(workers, "stop_spares", lambda groups: started.append(("stopped", len(groups))))
+    nodes = [{"Alive": True}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    for stub, trials in [
+        (_spec_stub(workers=1), 3),  # one worker: trains in the trial actor
+        (_spec_stub(reuse=False), 3),  # a TorchTrainer per trial
+        (_spec_stub(gpus=0.5), 3),  # a spare sees no GPU
+        (_spec_stub(), 0),  # nothing to run
+    ]:
+        with study_module.spare_ranks(stub, trials) as spares:
+            assert spares == []
+    nodes.append({"Alive": True})  # two nodes: a spare could sit where no trial holds CPUs
+    with study_module.spare_ranks(_spec_stub(), 3) as spares:
+        assert spares == []
+    nodes[1]["Alive"] = False  # a dead node does not count
+    assert started == []
+    with study_module.spare_ranks(_spec_stub(concurrency=2, pack=2), 3) as spares:  # min(4 slots, 3 trials) groups
+        assert len(spares) == 3 and all(len(group) == 2 for group in spares)
+    assert started == [(3, 2), ("stopped", 3)]
+
+
 def test_what_a_trial_actor_loads_does_not_import_torch():
     probe = """
 import sys
@@ -186,6 +221,46 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+def test_a_spare_goes_to_one_claimant_and_exits_when_its_adopter_dies(ray_shutdown):
+    import ray
+    from ray.exceptions import ActorDiedError
+
+    from prvrlab.platform.runtime import ensure_ray
+
+    ensure_ray()
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def pid(self) -> int:
+            return os.getpid()
+
+    (group,) = workers.start_spares(1, 2)
+    try:
+        node = ray.get(group[0].claim.remote())
+        assert node == ray.get_runtime_context().get_node_id()  # one node: the driver's
+        assert ray.get(group[0].claim.remote()) is None  # a second trial actor does not get it
+        owner, bystander = Owner.remote(), Owner.remote()
+        ray.get([owner.pid.remote(), bystander.pid.remote()])
+        ray.get(group[0].follow.remote(owner))
+        ray.get(group[1].follow.remote(bystander))
+        ray.kill(owner)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                ray.get(group[0].claim.remote(), timeout=5)
+            except ActorDiedError:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the spare outlived the trial actor that adopted it")
+        assert ray.get(group[1].claim.remote()) is not None  # its bystander lives: this one stays
+    finally:
+        workers.stop_spares([group])
+    with pytest.raises(ActorDiedError):
+        ray.get(group[1].claim.remote(), timeout=30)
+
+
+@pytest.mark.slow
 def test_reused_pool_gives_the_per_trial_trainers_results(tiny_root, tmp_path, ray_shutdown):
     from prvrlab.platform.search.tuning import search
 
@@ -205,6 +280,7 @@ def test_reused_pool_gives_the_per_trial_trainers_results(tiny_root, tmp_path, r
     assert lines[second][0]["pids"] == lines[first][0]["pids"]  # the same two ranks trained both trials
     assert [lines[lr][0]["trials_before"] for lr in (first, second)] == [0, 1]
     assert lines[first][0]["build_s"] > 0 and lines[second][0]["build_s"] == 0
+    assert lines[first][0]["adopted"]  # a one-node CPU study: the driver's spare ranks, started before Tune's trial actor
     assert not any(a["actor_torch"] for attempts in lines.values() for a in attempts)  # the ranks validated
 
     # the reference: the config that ran on the reused pool, alone on a TorchTrainer of its own
@@ -237,7 +313,9 @@ def test_dead_rank_retries_the_trial_on_a_new_pool_and_search_end_kills_it(tiny_
     assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [1, 2]  # resumed, not restarted
     crashed, retried = _pool_lines(result.study_dir, child.data.tags["prvrlab.trial_id"])
     assert set(crashed["pids"]).isdisjoint(retried["pids"]) and retried["build_s"] > 0  # a fresh pool
+    assert crashed["adopted"] and not retried["adopted"]  # the one spare group went to the first attempt
     deadline = time.time() + 30
-    while any(_alive(p) for p in retried["pids"]) and time.time() < deadline:
+    pids = crashed["pids"] + retried["pids"]
+    while any(_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.5)
-    assert not any(_alive(p) for p in retried["pids"]), "the pool's ranks outlived the search"
+    assert not any(_alive(p) for p in pids), "the pools' ranks outlived the search"
