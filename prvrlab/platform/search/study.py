@@ -533,10 +533,10 @@ def spare_ranks(spec: StudySpec, trials: int) -> Iterator[list[list[Any]]]:
 
     res = spec.resources
     groups = min(spec.slots, trials)
-    if res.workers_per_trial < 2 or not res.reuse_workers or res.gpus_per_worker > 0 or groups < 1:
-        yield []
-        return
-    if sum(1 for node in ray.nodes() if node.get("Alive")) != 1:  # a spare's node could hold no trial's CPUs
+    if (
+        res.workers_per_trial < 2 or not res.reuse_workers or res.gpus_per_worker > 0 or groups < 1
+        or sum(1 for node in ray.nodes() if node.get("Alive")) != 1  # on several, a spare's node could hold no trial's CPUs
+    ):
         yield []
         return
     from prvrlab.platform.search.workers import start_spares, stop_spares
