@@ -154,6 +154,8 @@ class Packing:
     ``lengths`` (B,) real tokens per row; ``positions`` (N,) position of each
     real token in its row; ``index`` (N,) flat index ``b * L + t`` of each real
     token, or None when nothing is padded (packing is then a free reshape).
+    ``keys`` (B, L) bool, only in a :meth:`grid`: every slot is a token, but
+    attention looks at these only.
     """
 
     batch: int
@@ -162,6 +164,24 @@ class Packing:
     positions: Tensor
     index: Tensor | None
     mask: Tensor
+    keys: Tensor | None = None
+
+    @staticmethod
+    def grid(mask: Tensor) -> "Packing":
+        """Every slot of a padded ``(B, L)`` batch a token, attention restricted to the real ones of
+        ``mask``: the layout of a reference encoder that runs over the padding and keeps its outputs there
+        (each computed from the row's real tokens)."""
+        batch, length = mask.shape
+        full = Packing.full(batch, length, mask.device)
+        keys = mask.to(torch.bool)
+        return Packing(batch, length, full.lengths, full.positions, None, full.mask, keys)
+
+    @property
+    def key_mask(self) -> Tensor | None:
+        """(B, L) bool: the tokens attention may look at; None: all of them."""
+        if self.keys is not None:
+            return self.keys
+        return None if self.is_full else self.mask
 
     @staticmethod
     def full(batch: int, length: int, device: torch.device | str) -> "Packing":
@@ -435,6 +455,14 @@ class SequenceEncoder(PackedLayer):
         real tokens, and their packing."""
         packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
         return self.forward_packed(packing.pack(x), packing), packing
+
+    def encode_padded(self, x: Tensor, mask: Tensor) -> Tensor:
+        """(B, L, in_dim) features with a (B, L) mask -> (B, L, D) encodings at every slot, the padded ones
+        too, each from the row's real tokens (:meth:`Packing.grid`): what a reference encoder run over the
+        padding outputs there.  The real slots equal :meth:`encode`'s, up to rounding."""
+        packing = Packing.grid(mask)
+        t = self.forward_packed(x.reshape(packing.num_tokens, -1), packing)  # (B*L, D)
+        return t.view(packing.batch, packing.length, -1)  # (B, L, D)
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, in_dim) packed features -> (N, D)."""

@@ -241,9 +241,10 @@ class GaussianAttention(nn.Module):
 
     @staticmethod
     def _key_bias(packing: Packing, dtype: torch.dtype) -> Tensor:
-        """(B, L): 0 on real keys, a huge negative on padding keys."""
-        key_bias = torch.zeros(packing.mask.shape, dtype=dtype, device=packing.mask.device)
-        return key_bias.masked_fill_(~packing.mask, torch.finfo(dtype).min / 2)
+        """(B, L): 0 on the keys attention may look at, a huge negative on the others (padding)."""
+        keys = packing.key_mask
+        key_bias = torch.zeros(keys.shape, dtype=dtype, device=keys.device)
+        return key_bias.masked_fill_(~keys, torch.finfo(dtype).min / 2)
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None = None
@@ -254,7 +255,7 @@ class GaussianAttention(nn.Module):
         attention dropout (else it is drawn here)."""
         logits = torch.matmul(q, k.transpose(-1, -2))  # (B, k, H, L, L)
         scale = self._logit_scale(packing, logits.dtype, sigmas)
-        if packing.is_full:
+        if packing.key_mask is None:
             logits = logits.mul_(scale)
         else:  # one pass: window * logits + key bias
             key_bias = self._key_bias(packing, logits.dtype)[:, None, None, None, :]  # (B, 1, 1, 1, L)
@@ -283,7 +284,7 @@ class GaussianAttention(nn.Module):
         """Plain (sigma = inf) branches on the fused kernel: (B, k, H, L, Dh) each -> (B, k, H, L, Dh)."""
         B, nk, H, L, Dh = q.shape
         q, k, v = (t.reshape(B, nk * H, L, Dh) for t in (q, k, v))  # (B, k*H, L, Dh)
-        mask = None if packing.is_full else self._key_bias(packing, q.dtype)[:, None, None, :]  # (B, 1, 1, L)
+        mask = None if packing.key_mask is None else self._key_bias(packing, q.dtype)[:, None, None, :]  # (B, 1, 1, L)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, k*H, L, Dh)
         return out.view(B, nk, H, L, Dh)
 

@@ -390,6 +390,6 @@ class MambaLayer(PackedLayer):
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, D) packed tokens -> (N, D)."""
-        mask = packing.mask if self.mask_padding and not packing.is_full else None
+        mask = packing.key_mask if self.mask_padding else None
         mixed = self.mamba(packing.unpack(x), mask)  # (B, L, D)
         return x + self.norm(packing.pack(mixed))  # (N, D)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prvrlab.data.batch import prefix_mask, tag_lengths
-from prvrlab.models.blocks import AttentionPooling, InputProjection, Packing, PositionalEmbedding
+from prvrlab.models.blocks import AttentionPooling, InputProjection, Packing, PositionalEmbedding, SequenceEncoder
 from prvrlab.models.gmm import (
     GaussianAttention,
     GMMBlock,
@@ -178,6 +178,43 @@ def test_transformer_layer_is_plain_attention_with_ffn():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="ffn_size"):
             GMMBlock(hidden_size=8, ffn_size=bad)
+
+
+def test_encode_padded_runs_over_the_padding_with_the_real_tokens_as_keys():
+    """SequenceEncoder.encode_padded: every slot's output, a padded one's from its own input and the row's
+    real tokens only, as a reference encoder run over zero-padded rows with a key mask computes it (hand
+    loop: one head at a time, query slots 0..L-1, key slots 0..n-1); the real slots equal encode's."""
+    torch.manual_seed(0)
+    layer = lambda: TransformerLayer(hidden_size=8, num_heads=2, dropout=0.0, ffn_size=0)  # noqa: E731
+    enc = SequenceEncoder(in_dim=6, hidden_size=8, max_len=6, dropout=0.0, layer=layer)
+    randomise(enc)
+    enc.eval()
+    lengths, L = [5, 2, 3], 5
+    mask = prefix_mask(np.array(lengths), L)
+    x = torch.randn(3, L, 6) * mask[..., None]  # zero features on padding, as a collate pads them
+    got = enc.encode_padded(x, mask)  # (B, L, D)
+    attn, block = enc.layers[0].attention, enc.layers[0]
+    h = enc.pos(enc.proj(x))  # (B, L, D) token-wise, positions 0..L-1
+    wq, wk, wv = attn.qkv.weight.split(8)
+    bq, bk, bv = attn.qkv.bias.split(8)
+    want = torch.zeros_like(got)
+    for b, n in enumerate(lengths):
+        heads = []
+        for head in range(2):
+            rows = slice(4 * head, 4 * head + 4)
+            q = h[b] @ wq[rows].T + bq[rows]  # (L, 4) every slot asks
+            k = h[b, :n] @ wk[rows].T + bk[rows]  # (n, 4) only the real tokens answer
+            v = h[b, :n] @ wv[rows].T + bv[rows]
+            heads.append(torch.softmax(q @ k.T / 2.0, dim=-1) @ v)  # (L, 4)
+        out = torch.cat(heads, dim=-1) @ attn.out.weight[0].T + attn.out.bias[0]  # (L, D)
+        want[b] = torch.nn.functional.layer_norm(h[b] + out, (8,), block.norm_weight[0], block.norm_bias[0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    t, packing = enc.encode(x, mask)
+    torch.testing.assert_close(got[mask], t, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got[1, 2:], torch.zeros(3, 8))  # the padded slots hold outputs, not zeros
+    grid = Packing.grid(mask)
+    assert grid.is_full and grid.num_tokens == 3 * L and torch.equal(grid.key_mask, mask)
+    assert Packing.from_mask(mask, 3, L, "cpu").key_mask is not None and Packing.full(3, L, "cpu").key_mask is None
 
 
 def test_attention_pooling_one_token_returns_it():

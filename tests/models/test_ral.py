@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -446,6 +447,84 @@ def test_official_heads_padding_pads_the_videos_to_max_frames_in_training():
     torch.testing.assert_close(out["official"]["ral.text_mu"], out["masked"]["ral.text_mu"])
     with pytest.raises(ValueError, match="heads_padding"):
         RAL(hidden_size=8, heads_padding="zero")
+
+
+def hand_official_text_heads(heads, tokens: torch.Tensor, real: torch.Tensor, zero_rows: int):
+    """The official PIENet / UncertaintyModuleImage on one support set: (n, D) rows (``real``: the words
+    the pooled mean reads) plus ``zero_rows`` zero rows, attentions unmasked; -> unit mu, logvar."""
+    rows = torch.cat([tokens, torch.zeros(zero_rows, tokens.shape[1])])
+    pooled = tokens[real].mean(dim=0)
+    mu = heads.mu_norm(pooled + torch.sigmoid(heads.mu_fc(hand_attention(rows, heads.mu_gate_hidden, heads.mu_gate_score))))
+    log_sigma = heads.sigma_fc(hand_attention(rows, heads.sigma_gate_hidden, heads.sigma_gate_score)) + heads.sigma_pool_fc(pooled)
+    return F.normalize(mu, dim=-1), (2 * log_sigma).clamp(-10.0, 10.0)
+
+
+@pytest.mark.parametrize("support", ["set", "single"])
+def test_official_text_heads_read_the_encoders_outputs_at_padded_words(support):
+    """text_heads_padding: official (the RAL-PRVR code's support_set + probabilistic_text): a unit's rows
+    are Lo slots per query (Lo: the batch's longest query, here 5 with the batch padded to 6), the slots past
+    a query's end holding the word encoder's outputs there from zero features; with support: set,
+    (support_pad_queries - n) * Lo zero rows more; the pooled mean reads the real words only.  ``masked``:
+    the real words alone.  Garbage in the padded features changes nothing."""
+    b = batch()  # query lengths 4 2 3 5 2, padded to 6; videos 0 0 1 2 2
+    lengths = [4, 2, 3, 5, 2]
+    aux = {}
+    for padding in ("official", "masked"):
+        model = plugged(csa=False, support=support, support_pad_queries=4, text_heads_padding=padding)
+        aux[padding] = model.train()(b).aux
+    ral = model.plugins["ral"]
+    assert RAL(hidden_size=8).text_heads_padding == "official" and RAL(hidden_size=8).support_pad_queries == 26
+    with torch.no_grad():
+        zeroed = torch.where(b.query_mask[..., None], b.queries, 0)
+        grid = ral.words.encode_padded(zeroed, b.query_mask)[:, :5]  # (Nq, Lo, D)
+        units = [[0, 1], [2], [3, 4]] if support == "set" else [[j] for j in range(5)]
+        for g, queries in enumerate(units):
+            for padding, rows in (("official", [grid[j] for j in queries]),
+                                  ("masked", [grid[j, : lengths[j]] for j in queries])):
+                tokens = torch.cat(rows)
+                real = torch.cat([torch.arange(len(r)) < lengths[j] for r, j in zip(rows, queries)])
+                zero_rows = (4 - len(queries)) * 5 if padding == "official" and support == "set" else 0
+                mu, logvar = hand_official_text_heads(ral.text_gaussian, tokens, real, zero_rows)
+                torch.testing.assert_close(aux[padding]["ral.text_mu"][g], mu, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(aux[padding]["ral.text_logvar"][g], logvar, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(aux["official"]["ral.text_mu"], aux["masked"]["ral.text_mu"])
+    torch.testing.assert_close(aux["official"]["ral.video_mu"], aux["masked"]["ral.video_mu"])
+    garbage = b.queries + 5.0 * (~b.query_mask[..., None])  # other values in the padded features
+    again = plugged(csa=False, support=support, support_pad_queries=4).train()
+    assert torch.equal(again(dataclasses.replace(b, queries=garbage)).aux["ral.text_mu"], again(b).aux["ral.text_mu"])
+
+
+def test_official_text_heads_need_the_plugins_own_word_encoder():
+    """The backbone's word tokens have no outputs at padded positions: word_encoder: backbone with the official
+    text padding is refused, naming the key; masked, the paper heads or MSRA off are fine; a bad
+    support_pad_queries names itself."""
+    model = build("gmmformer")
+    with pytest.raises(PluginError, match="plugins.ral.text_heads_padding: official .* set plugins.ral.text_heads_padding: masked"):
+        RAL(hidden_size=8, word_encoder="backbone").check_backbone(model, "gmmformer")
+    for params in ({"text_heads_padding": "masked"}, {"heads": "paper"}, {"msra": False}):
+        RAL(hidden_size=8, word_encoder="backbone", **params).check_backbone(model, "gmmformer")
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="support_pad_queries"):
+            RAL(hidden_size=8, support_pad_queries=bad)
+    with pytest.raises(ValueError, match="text_heads_padding"):
+        RAL(hidden_size=8, text_heads_padding="zero")
+
+
+def test_the_word_grid_is_a_training_forward_extra_and_leaves_csas_words_alone():
+    """Only the training forward runs the word encoder over the padding; CSA reads the same words either way
+    (zeros on padding), so the frame scores of the training forward are those of the masked setting."""
+    b = batch()
+    scores, extras = {}, {}
+    for padding in ("official", "masked"):
+        model = plugged(text_heads_padding=padding).eval()  # dropout off; model(b) is the training forward
+        with torch.no_grad():
+            out = model(b)
+            retrieval = model.encode_queries(b.queries, b.query_mask)
+        scores[padding], extras[padding] = out.scores["frame"].sim, set(out.query.extra)
+        assert "ral.word_grid" not in retrieval.extra
+        assert torch.equal(out.query.extra["ral.words"][~b.query_mask], torch.zeros(int((~b.query_mask).sum()), HIDDEN))
+    assert "ral.word_grid" in extras["official"] and "ral.word_grid" not in extras["masked"]
+    torch.testing.assert_close(scores["official"], scores["masked"], atol=1e-5, rtol=1e-5)
 
 
 def test_official_padding_needs_a_backbone_with_max_frames():

@@ -175,6 +175,8 @@ RAL_GMMFORMER_V2 = {
     "plugins.ral.word_encoder": ("own", "own", None, "src/Models/RAL4gmmv2/model.py frame_branch_query_proj + frame_branch_query_encoder"),
     "plugins.ral.word_positions": ("shared", "shared", None, "src/Models/RAL4gmmv2/model.py encode_frame_query(..., self.query_pos_embed)"),
     "plugins.ral.heads_padding": ("official", "official", None, "src/Models/RAL4gmmv2/model.py encode_context (zero frames up to 128) -> probabilistic_video"),
+    "plugins.ral.text_heads_padding": ("official", "official", None, "src/Models/RAL4gmmv2/model.py encode_frame_query (outputs at padded words kept) -> support_set -> probabilistic_text"),
+    "plugins.ral.support_pad_queries": (26, 26, None, "src/Models/RAL4gmmv2/model.py support_set num = query_matrix.shape[1] * 26"),
     "plugins.ral.heads": ("official", "official", None, "src/Models/RAL4gmmv2/prob_models/pie_model.py, uncertainty_module.py"),
     "plugins.ral.msra": (True, True, None, "src/Models/RAL4gmmv2/model.py (probabilistic embeddings, MIL/vib losses)"),
     "plugins.ral.csa": (True, True, None, "src/Models/RAL4gmmv2/model.py (word-confidence frame scores)"),

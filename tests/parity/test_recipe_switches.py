@@ -116,7 +116,7 @@ def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_r
     raw = check_an_old_format(tiny_root, tmp_path, key="heads", trained_with="paper", old_format=3)
     assert stored_behaviour(raw, 3)["plugins"]["ral"] == {
         "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone", "word_positions": "own",
-        "heads_padding": "masked"}
+        "heads_padding": "masked", "text_heads_padding": "masked"}
     assert apply_preset(raw, "corrected")["plugins"]["ral"]["csa_padding"] == "masked"
     mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
     assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"
@@ -139,6 +139,17 @@ def test_a_format_4_checkpoint_keeps_rals_own_word_positions(tiny_root, tmp_path
                               tweak=as_after_training)
     assert stored_behaviour(raw, 4)["plugins"]["ral"]["word_positions"] == "own"
     assert "word_positions" not in stored_behaviour(raw, 5)["plugins"]["ral"]
+
+
+def test_a_format_5_file_was_trained_with_text_heads_over_the_real_words():
+    """Format 6 added plugins.ral.text_heads_padding (official); a format-5 file's stored config means masked
+    (it acts in training only: such a file evaluates the same either way); a value the file stores wins."""
+    raw = {"model": {"name": "gmmformer_v2"}, "plugins": {"ral": {"csa": False}}}
+    assert stored_behaviour(raw, 5)["plugins"]["ral"]["text_heads_padding"] == "masked"
+    assert "text_heads_padding" not in stored_behaviour(raw, 6)["plugins"]["ral"]
+    given = {**raw, "plugins": {"ral": {"text_heads_padding": "official"}}}
+    assert stored_behaviour(given, 5)["plugins"]["ral"]["text_heads_padding"] == "official"
+    assert apply_preset(raw, "corrected")["plugins"]["ral"]["text_heads_padding"] == "masked"
 
 
 @pytest.mark.parametrize("switches", [PRESETS["corrected"], PRE_PARITY, *BEFORE_FORMAT.values()],

@@ -22,6 +22,11 @@ MSRA (training only)
     ``sampling=False`` uses the mean alone (n, 1, D).  The aux output also
     holds each unit's sample mean (mu without sampling), which the official
     L_DA uses in place of mu.
+    With ``heads: official`` the attentions also run over the official
+    support set's padding: every video's zero frames up to ``max_frames``
+    (``heads_padding``) and, on the text side (``text_heads_padding``), each
+    query's padded word positions holding the word encoder's outputs there
+    plus zero rows up to ``support_pad_queries`` queries.
     Modules are separate per modality.  The aux outputs (``ral.*``) feed the
     ``ral_da`` and ``ral_pm`` losses; MSRA changes no score — its losses shape
     the backbone's frame and word tokens (the "robust Q and V_f" of appendix A).
@@ -160,7 +165,9 @@ class OfficialGaussianEncoder(nn.Module):
     returned as mu and logvar = 2 log sigma, clamped like the paper heads' (the official code has
     no clamp).  ``aggregation``: ``local`` drops p from both heads, ``global`` the attentions.
     ``zero_slots`` (G,) in ``forward``: zero tokens each group's attentions also run over (the
-    official video heads see every video zero-padded to 128 frames)."""
+    official video heads see every video zero-padded to 128 frames); ``attend`` (G, N): the tokens the
+    attentions run over where they are more than the pooled mean's ``member`` (the official text heads
+    also attend over the text encoder's outputs at padded word positions)."""
 
     def __init__(
         self, *, hidden_size: int, aggregation: str, unit_pool: bool, logvar_min: float, logvar_max: float
@@ -180,8 +187,11 @@ class OfficialGaussianEncoder(nn.Module):
         self.mu_norm = nn.LayerNorm(hidden_size)
         self.logvar_min, self.logvar_max = logvar_min, logvar_max
 
-    def forward(self, tokens: Tensor, member: Tensor, *, zero_slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, tokens: Tensor, member: Tensor, *, zero_slots: Tensor | None = None, attend: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(N, D) tokens, (G, N) membership -> mu (G, D), logvar (G, D)."""
+        attend = member if attend is None else attend  # (G, N)
         mu_in = tokens.new_zeros(member.shape[0], tokens.shape[1])  # (G, D)
         log_sigma = torch.zeros_like(mu_in)  # (G, D)
         if self.aggregation in ("both", "global"):
@@ -192,10 +202,10 @@ class OfficialGaussianEncoder(nn.Module):
             mu_in = mu_in + pooled
             log_sigma = log_sigma + self.sigma_pool_fc(pooled)
         if self.aggregation in ("both", "local"):
-            attended = gated_attention(tokens, member, self.mu_gate_hidden, self.mu_gate_score, zero_slots=zero_slots)
+            attended = gated_attention(tokens, attend, self.mu_gate_hidden, self.mu_gate_score, zero_slots=zero_slots)
             mu_in = mu_in + torch.sigmoid(self.mu_fc(attended))  # (G, D)
             attended = gated_attention(
-                tokens, member, self.sigma_gate_hidden, self.sigma_gate_score, zero_slots=zero_slots
+                tokens, attend, self.sigma_gate_hidden, self.sigma_gate_score, zero_slots=zero_slots
             )  # (G, D)
             log_sigma = log_sigma + self.sigma_fc(attended)
         return self.mu_norm(mu_in), (2.0 * log_sigma).clamp(self.logvar_min, self.logvar_max)
@@ -300,7 +310,13 @@ class RAL(Plugin):
     official video heads' attentions also run over the zero frames that pad
     each video to the backbone's ``max_frames`` ("official": each adds logit 0
     to the normaliser) or over the real frames only ("masked"); only with
-    ``heads: official``; ``csa_padding``:
+    ``heads: official``; ``text_heads_padding``: the official text heads'
+    attentions also run over the plug-in's word encoder's outputs at the
+    padded word positions of each query (padded to the batch's longest) and,
+    with ``support: set``, over zero rows that pad each support set to
+    ``support_pad_queries`` queries' worth ("official"), or over the real words
+    only ("masked"); only with ``heads: official`` and ``word_encoder: own``;
+    ``csa_padding``:
     "official" (a video shorter than the backbone's ``max_frames`` scores each
     word at least 0) or "masked"; ``word_encoder``: "own" (a text encoder of
     the plug-in's, as the official code) or "backbone" (the backbone's word
@@ -332,6 +348,8 @@ class RAL(Plugin):
         csa_input: Literal["normalized", "raw"] = "normalized",
         heads: Literal["official", "paper"] = "official",
         heads_padding: Literal["official", "masked"] = "official",
+        text_heads_padding: Literal["official", "masked"] = "official",
+        support_pad_queries: int = 26,
         csa_padding: Literal["official", "masked"] = "official",
         word_encoder: Literal["own", "backbone"] = "own",
         word_positions: Literal["shared", "own"] = "shared",
@@ -351,6 +369,8 @@ class RAL(Plugin):
         self.csa_input = check_choice(csa_input, "csa_input", ("normalized", "raw"))
         self.heads = check_choice(heads, "heads", ("official", "paper"))
         self.heads_padding = check_choice(heads_padding, "heads_padding", ("official", "masked"))
+        self.text_heads_padding = check_choice(text_heads_padding, "text_heads_padding", ("official", "masked"))
+        self.support_pad_queries = check_positive_int(support_pad_queries, "support_pad_queries")
         self.csa_padding = check_choice(csa_padding, "csa_padding", ("official", "masked"))
         self.word_encoder = check_choice(word_encoder, "word_encoder", ("own", "backbone"))
         self.word_positions = check_choice(word_positions, "word_positions", ("shared", "own"))
@@ -375,7 +395,18 @@ class RAL(Plugin):
 
     # ------------------------------------------------------------ contract
 
+    @property
+    def text_grid(self) -> bool:
+        """Whether the text heads read the word encoder's outputs at padded positions (the official layout)."""
+        return self.msra and self.heads == "official" and self.text_heads_padding == "official"
+
     def check_backbone(self, backbone: RetrievalModel, backbone_name: str) -> None:
+        if self.text_grid and self.word_encoder != "own":
+            raise PluginError(
+                "plugins.ral.text_heads_padding: official reads the plug-in's own word encoder's outputs at "
+                "padded word positions, which word_encoder: backbone does not have; set "
+                "plugins.ral.text_heads_padding: masked (or word_encoder: own)"
+            )
         branches = list(getattr(backbone, "score_weights", {}))
         if self.branch not in branches:
             raise PluginError(
@@ -396,6 +427,12 @@ class RAL(Plugin):
         if (self.csa or self.msra) and self.word_encoder == "own":
             shared = self.word_positions == "shared"
             self.words = backbone.fresh_word_encoder(share_positions=shared)  # optimised and checkpointed
+            if self.text_grid and not callable(getattr(self.words, "encode_padded", None)):
+                raise PluginError(
+                    f"plugins.ral.text_heads_padding: official needs outputs at padded word positions, which "
+                    f"{type(self.words).__name__} (the backbone's fresh_word_encoder) cannot give (no "
+                    "encode_padded); set plugins.ral.text_heads_padding: masked"
+                )
 
     def needs(self, *, training: bool) -> frozenset[str]:
         """Frame tokens (and the backbone's word tokens unless the plug-in has its own encoder) for CSA
@@ -406,9 +443,16 @@ class RAL(Plugin):
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor, query: QueryEmbedding) -> dict[str, Tensor]:
         """With ``word_encoder: own``: the plug-in's word tokens ``ral.words`` (Nq, Lq, D) and their mask
-        (for CSA, and in the training forward for MSRA)."""
-        if "words" not in self._modules or not (self.csa or self.host.training_time()):
+        (for CSA, and in the training forward for MSRA); with the official text padding, in the training
+        forward, also ``ral.word_grid`` (Nq, Lq, D): the encoder's outputs at every slot, padding included."""
+        training = self.host.training_time()
+        if "words" not in self._modules or not (self.csa or training):
             return {}
+        if training and self.text_grid:
+            mask = query_mask.to(torch.bool)  # (Nq, Lq)
+            zeroed = torch.where(mask[..., None], queries, 0)  # the official collate pads with zero features
+            grid = self.words.encode_padded(zeroed, mask)  # (Nq, Lq, D)
+            return {"words": torch.where(mask[..., None], grid, 0), "word_mask": mask, "word_grid": grid}
         t, packing = self.words.encode(queries, query_mask)  # (Nt, D)
         return {"words": packing.unpack(t), "word_mask": packing.mask}
 
@@ -483,15 +527,21 @@ class RAL(Plugin):
         num_videos = frames.shape[0]
         if self.support == "set":
             host = batch.host_query_video()  # (Nq,) read on the host: no wait for the device
-            present = np.bincount(host, minlength=num_videos) > 0  # (B,)
+            counts = np.bincount(host, minlength=num_videos)  # (B,) queries per video
+            present = counts > 0
             slot = np.cumsum(present) - 1  # video -> its text unit
-            layout = host_to_device(np.concatenate([np.flatnonzero(present), slot[host]]), frames.device)
-            text_video, row_group = layout.split([int(present.sum()), host.shape[0]])  # (T,) videos with queries, (Nq,)
+            layout = host_to_device(np.concatenate([np.flatnonzero(present), slot[host], counts[present]]), frames.device)
+            num_units = int(present.sum())
+            text_video, row_group, unit_size = layout.split([num_units, host.shape[0], num_units])  # (T,), (Nq,), (T,)
         else:
             text_video = batch.query_video.to(frames.device)  # (T = Nq,)
             row_group = torch.arange(text_video.shape[0], device=frames.device)
-        words, member_q = _groups(words_padded, word_mask, row_group, text_video.shape[0])
-        text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
+            unit_size = None  # one query per unit, no zero rows
+        if self.text_grid:
+            text_mu, text_logvar = self._text_heads_on_the_grid(batch, query, word_mask, row_group, unit_size)
+        else:
+            words, member_q = _groups(words_padded, word_mask, row_group, text_video.shape[0])
+            text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
         frame_slots, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
         padding = {}
         if self.heads == "official" and self.heads_padding == "official":  # every video padded to max_frames
@@ -515,3 +565,26 @@ class RAL(Plugin):
         self.log_metric("sigma_query", torch.exp(0.5 * text_logvar.detach().float().mean()))
         self.log_metric("sigma_video", torch.exp(0.5 * video_logvar.detach().float().mean()))
         return aux
+
+    def _text_heads_on_the_grid(
+        self, batch: Batch, query: QueryEmbedding, word_mask: Tensor, row_group: Tensor, unit_size: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """The official text heads: each unit's pooled mean over its real words; its attentions over all
+        Lo slots of each of its n queries (Lo: the batch's longest query; the slots past a query's end hold
+        the encoder's outputs there) and, given ``unit_size`` (T,) = n (``support: set``),
+        (support_pad_queries - n) * Lo zero rows more (the official support set is zero-padded to 26 * Lo
+        rows).  ``row_group`` (Nq,): each query's unit.  -> mu, logvar (T, D) each."""
+        if "ral.word_grid" not in query.extra:
+            raise PluginError("RAL's official text heads need ral.word_grid from the training forward's encode_queries")
+        host = batch.query_lengths_host
+        longest = int(host.max(initial=0)) if host is not None else int(word_mask.sum(dim=1).max())
+        grid = query.extra["ral.word_grid"][:, :longest]  # (Nq, Lo, D)
+        tokens = grid.reshape(-1, grid.shape[-1])  # (Nq*Lo, D)
+        num_units = row_group.shape[0] if unit_size is None else unit_size.shape[0]
+        units = torch.arange(num_units, device=tokens.device)  # (T,)
+        attend = row_group.repeat_interleave(longest)[None, :] == units[:, None]  # (T, Nq*Lo)
+        member = attend & word_mask[:, :longest].reshape(1, -1)  # (T, Nq*Lo) the real words
+        padding = {}
+        if unit_size is not None:
+            padding["zero_slots"] = ((self.support_pad_queries - unit_size) * longest).clamp(min=0)  # (T,)
+        return self.text_gaussian(tokens, member, attend=attend, **padding)
