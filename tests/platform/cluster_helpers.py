@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -80,6 +81,31 @@ class Head:
         return done
 
 
+# argv: the owner's pid, the head's process group, its temp dir.  Polls the owner; once it is gone,
+# stops the head's process group (SIGTERM, SIGKILL after 30 s) and removes the temp dir.
+_WATCHDOG = """
+import os, shutil, signal, sys, time
+owner, group, temp_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+while alive(owner):
+    time.sleep(1)
+for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 0)):
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        break
+    deadline = time.time() + wait
+    while time.time() < deadline and alive(group):
+        time.sleep(0.5)
+shutil.rmtree(temp_dir, ignore_errors=True)
+"""
+
+
 @contextmanager
 def head_node(num_cpus: int = 2) -> Iterator[Head]:
     """A ``ray start --head --block`` child process bound to 127.0.0.1; stopped on exit."""
@@ -97,11 +123,17 @@ def head_node(num_cpus: int = 2) -> Iterator[Head]:
         f"--metrics-export-port={metrics}", f"--node-manager-port={node_mgr}", f"--object-manager-port={obj_mgr}",
     ]  # fmt: skip: every port free, so that another cluster on the machine cannot collide
     head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    watchdog = subprocess.Popen(  # stops the head if this process dies without running the teardown below
+        [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(head.pid), str(temp_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
     url = f"http://127.0.0.1:{dash}"
     try:
         wait_for_dashboard(url, head)
         yield Head(url=url, env=env, bin=bin_dir)
     finally:
+        watchdog.kill()
+        watchdog.wait()
         os.killpg(head.pid, signal.SIGTERM)
         try:
             head.wait(timeout=60)
