@@ -401,8 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prvrlab.registry import RegistryError
     from prvrlab.reports.errors import ReportError
 
+    from prvrlab.platform.tracking import closer
+
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    closer.guard_process()  # a sentinel closes this process's runs if it is killed outright
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError, RegistryError) as exc:

@@ -16,19 +16,30 @@ from pathlib import Path
 HOST_TAG, PID_TAG, START_TAG = "prvrlab.driver_host", "prvrlab.driver_pid", "prvrlab.driver_start"
 
 
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot (Linux), '' where unknown."""
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (stat(5) field 3 onwards), [] where unknown."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[19]  # field 22 of stat(5), counted after the command name
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
 
 
-def driver_tags() -> dict[str, str]:
-    """Tags naming this process as a run's driver."""
-    pid = os.getpid()
-    return {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), START_TAG: _start_time(pid)}
+def start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), '' where unknown."""
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else ""  # field 22 of stat(5)
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter ("R", "S", "Z" for a zombie, ...), '' where unknown."""
+    fields = _stat(pid)
+    return fields[0] if fields else ""
+
+
+def driver_tags(pid: int | None = None, start: str | None = None) -> dict[str, str]:
+    """Tags naming this process (or process ``pid`` of this host, started at ``start``) as a run's driver."""
+    pid = os.getpid() if pid is None else pid
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), START_TAG: start_time(pid) if start is None else start}
 
 
 def driver_alive(tags: dict[str, str]) -> bool | None:
@@ -42,8 +53,10 @@ def driver_alive(tags: dict[str, str]) -> bool | None:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
+    if process_state(pid) == "Z":
+        return False  # dead, not yet reaped by its parent
     recorded = tags.get(START_TAG, "")
-    return not recorded or _start_time(pid) in ("", recorded)
+    return not recorded or start_time(pid) in ("", recorded)
 
 
 def close_dead_runs(tracker, kind: str = "train") -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator
 from prvrlab.checks import is_number
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking.drivers import driver_tags
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
@@ -144,7 +145,7 @@ class Tracker:
 
     def start_run(self, name: str, *, tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> str:
         """Create a RUNNING run and return its id."""
-        all_tags = dict(tags or {})
+        all_tags = {**driver_tags(), **(tags or {})}  # which process drives it: the closers close only its own
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
@@ -154,7 +155,11 @@ class Tracker:
     def reopen_run(self, run_id: str):
         """Set a closed run RUNNING again (a resumed study), without the tags that described its stop;
         returns the run as it was (``mlflow.entities.Run``)."""
+        from mlflow.entities import RunTag
+
         before = self.client.get_run(run_id)
+        # this process drives it from now on (tagged first: a dead driver's closer then leaves it alone)
+        self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in driver_tags().items()])
         self.client.update_run(run_id, status="RUNNING")
         for stale in STOP_TAGS:
             if stale in before.data.tags:

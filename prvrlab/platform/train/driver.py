@@ -33,7 +33,7 @@ from prvrlab.platform.failures import (
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
 from prvrlab.platform.train.live import LiveLine
 from prvrlab.platform.train.session import process_group_backend
-from prvrlab.platform.tracking.drivers import close_dead_runs, driver_tags
+from prvrlab.platform.tracking.drivers import close_dead_runs
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
 
@@ -346,7 +346,7 @@ def train(
         for orphan in close_dead_runs(tracker):
             if echo:
                 echo(f"closed run {orphan} as KILLED: its driver died without closing it")
-        run_id = tracker.start_run(name, tags={**run_tags(cfg), **driver_tags()}, parent_run_id=parent_run_id)
+        run_id = tracker.start_run(name, tags=run_tags(cfg), parent_run_id=parent_run_id)  # with its driver's tags
     run_files = storage.Location(cfg.tracking.storage_path).child(name, "files")
     run_dir = run_files.local  # the folder itself, or the object store's staging mirror
     sync_to = run_files.uri if run_files.remote else None

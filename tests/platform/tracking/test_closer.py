@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking.drivers import driver_tags
 from prvrlab.platform.tracking.store import Tracker
 
 
@@ -81,3 +84,90 @@ def test_a_stopped_driver_that_hangs_exits_after_the_grace_period():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert done.returncode == 143 and time.monotonic() - started < 45
     assert "exiting now" in done.stderr
+
+
+GUARDED = """
+import json, os, signal, sys, time
+from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking.store import Tracker
+closer.guard_process()
+tracker = Tracker(sys.argv[1], "guarded")
+ids = [tracker.start_run("parent"), tracker.start_run("child")]
+tracker.end_run(ids[1], "FINISHED")
+sentinel, ledger = closer._GUARD["sentinel"], closer._GUARD["ledger"]
+print(" ".join(ids), sentinel.pid, ledger, json.dumps(json.loads(ledger.read_text())), flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # no stop signal first: nothing of this process runs
+tracker.end_run(ids[0], "FINISHED")
+"""
+
+
+def _gone(pid: int) -> bool:
+    return closer.process_state(pid) in ("", "Z")
+
+
+def test_a_guarded_driver_killed_outright_has_its_open_runs_closed_by_its_sentinel(tmp_path):
+    """SIGKILL with no stop signal (as the OOM killer): the sentinel sees its driver gone, a zombie here
+    (nothing reaps it), and closes the run the ledger still lists; the run the driver closed stays."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "guarded")
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(GUARDED), uri, "kill"], stdout=subprocess.PIPE, text=True)
+    parent, child, sentinel, ledger, listed = proc.stdout.readline().split(maxsplit=4)
+    assert json.loads(listed) == {parent: uri}  # the child was closed before the ledger was read
+    deadline = time.monotonic() + 90  # the sentinel imports MLflow once its driver is gone, closes, ends
+    while not _gone(int(sentinel)):  # read the store once its writer is done (SQLite locks)
+        assert time.monotonic() < deadline, "the sentinel did not end"
+        time.sleep(0.2)
+    assert closer.process_state(proc.pid) == "Z"  # not reaped: the sentinel took the zombie for dead
+    assert proc.wait(timeout=10) == -9
+    status, tags = _status(tracker, parent)
+    assert status == "KILLED" and "died without closing it" in tags["prvrlab.stop_reason"], tags
+    assert str(proc.pid) in tags["prvrlab.stop_reason"]
+    assert _status(tracker, child)[0] == "FINISHED"
+    assert not Path(ledger).exists()
+
+
+def test_a_guarded_driver_that_ends_normally_ends_its_sentinel_and_closes_nothing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "guarded")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(GUARDED), uri, "end"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    parent, child, sentinel, ledger, _ = done.stdout.split(maxsplit=4)
+    assert not Path(ledger).exists()  # removed at exit
+    deadline = time.monotonic() + 30
+    while not _gone(int(sentinel)):  # it polls once a second
+        assert time.monotonic() < deadline, "the sentinel outlived its driver's normal exit"
+        time.sleep(0.2)
+    for run_id in (parent, child):
+        status, tags = _status(tracker, run_id)
+        assert status == "FINISHED" and "prvrlab.stop_reason" not in tags
+
+
+def test_the_sentinel_is_off_without_guard_or_with_the_env_switch(monkeypatch):
+    monkeypatch.setitem(closer._GUARD, "on", False)
+    monkeypatch.setenv(closer.SENTINEL_ENV, "0")
+    closer.guard_process()
+    assert closer._GUARD["on"] is False
+    monkeypatch.delenv(closer.SENTINEL_ENV)
+    closer.guard_process()
+    assert closer._GUARD["on"] is True
+
+
+def test_the_closers_close_only_the_runs_their_driver_still_drives(tmp_path):
+    """Every run records its driver (host, pid, start time), re-recorded when a run is reopened: a dead
+    driver's closer or sentinel leaves alone a run that ``--resume`` has reopened in the meantime."""
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "owners")
+    mine, theirs, untagged = tracker.start_run("mine"), tracker.start_run("theirs"), tracker.start_run("untagged")
+    me = driver_tags()
+    assert {k: _status(tracker, mine)[1][k] for k in me} == me
+    dead = driver_tags(pid=1, start="0")
+    tracker.set_tags(theirs, dead)  # as if a driver now dead had opened it
+    for key in me:
+        tracker.client.delete_tag(untagged, key)  # a run from before the driver tags
+    assert closer.close_runs({theirs: tracker.uri}, "by the new driver", driver=me) == []  # not its run
+    tracker.reopen_run(theirs)
+    assert {k: _status(tracker, theirs)[1][k] for k in me} == me  # reopened: this process drives it now
+    runs = {mine: tracker.uri, theirs: tracker.uri, untagged: tracker.uri}
+    assert closer.close_runs(runs, "by the dead driver", driver=dead) == [untagged]
+    assert _status(tracker, mine)[0] == _status(tracker, theirs)[0] == "RUNNING"
+    assert sorted(closer.close_runs(runs, "by this driver", driver=me)) == sorted([mine, theirs])
