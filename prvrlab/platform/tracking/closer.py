@@ -13,9 +13,9 @@ may take to wind down.
 
 A driver killed without a stop signal (SIGKILL, the OOM killer) runs nothing.  A
 process that calls :func:`guard_process` (the ``prvrlab`` command does) therefore
-starts, with its first run, a *sentinel*: a small process in its own session that
-polls the driver and, once the driver is gone (or a zombie), closes KILLED the runs
-the driver's ledger file still lists open.  The driver rewrites the ledger at each
+starts, with its first run, a *sentinel*: a small process in its own session and
+outside the driver's process tree that polls the driver and, once the driver is
+gone (or a zombie), closes KILLED the runs the driver's ledger file still lists open.  The driver rewrites the ledger at each
 run it opens or closes and removes it at a normal exit, which ends the sentinel.
 Only killing the sentinel too (a cgroup kill) leaves runs RUNNING; the next
 ``prvrlab train`` then closes them (``drivers.close_dead_runs``).
@@ -78,22 +78,29 @@ def _write_ledger() -> None:
 
 
 def _start_sentinel() -> None:
-    """Start the sentinel unless one is watching (called holding ``_LOCK``)."""
+    """Start the sentinel unless one is watching (called holding ``_LOCK``).  It forks away from the
+    process started here, so it is no descendant of the driver: ``ray job stop`` signals the job's
+    whole process tree, which would end it with the driver."""
     sentinel = _GUARD["sentinel"]
-    if sentinel is not None and sentinel.poll() is None:
+    if sentinel is not None and not _gone(sentinel, ""):
         return
-    fd, name = tempfile.mkstemp(prefix="prvrlab-open-runs-", suffix=".json")
-    os.close(fd)
-    ledger = Path(name)
-    _GUARD["ledger"] = ledger
-    _GUARD["sentinel"] = subprocess.Popen(
-        [sys.executable, "-m", "prvrlab.platform.tracking.closer", "--watch", str(os.getpid()), start_time(os.getpid()), name],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,  # a group kill of the driver does not reach it
-    )
-    if sentinel is None:
+    if _GUARD["ledger"] is None:
+        fd, name = tempfile.mkstemp(prefix="prvrlab-open-runs-", suffix=".json")
+        os.close(fd)
+        _GUARD["ledger"] = Path(name)
         atexit.register(_release_ledger)
+    starter = subprocess.Popen(
+        [sys.executable, "-m", "prvrlab.platform.tracking.closer", "--watch", str(os.getpid()), start_time(os.getpid()),
+         str(_GUARD["ledger"])],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        start_new_session=True,  # a group kill of the driver does not reach it
+        text=True,
+    )
+    line = starter.stdout.readline()  # the sentinel's pid, from the process that forked it and exits
+    starter.stdout.close()
+    starter.wait()
+    _GUARD["sentinel"] = int(line) if line.strip().isdigit() else None
 
 
 def _release_ledger() -> None:
@@ -252,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
     if args[:1] == ["--watch"]:
         pid, start, ledger = args[1:]
+        child = os.fork()
+        if child:  # the starter: say the sentinel's pid and leave it an orphan of no one's tree
+            print(child, flush=True)
+            os._exit(0)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         return watch(int(pid), start, Path(ledger))
     (job,) = args
     path = Path(job)

@@ -95,7 +95,9 @@ tracker = Tracker(sys.argv[1], "guarded")
 ids = [tracker.start_run("parent"), tracker.start_run("child")]
 tracker.end_run(ids[1], "FINISHED")
 sentinel, ledger = closer._GUARD["sentinel"], closer._GUARD["ledger"]
-print(" ".join(ids), sentinel.pid, ledger, json.dumps(json.loads(ledger.read_text())), flush=True)
+ppid = open(f"/proc/{sentinel}/stat").read().rsplit(")", 1)[1].split()[1]
+assert int(ppid) != os.getpid(), "the sentinel must not be the driver's descendant"
+print(" ".join(ids), sentinel, ledger, json.dumps(json.loads(ledger.read_text())), flush=True)
 if sys.argv[2] == "kill":
     os.kill(os.getpid(), signal.SIGKILL)  # no stop signal first: nothing of this process runs
 tracker.end_run(ids[0], "FINISHED")
