@@ -535,12 +535,13 @@ class RAL(Plugin):
             text_video, row_group, unit_size = layout.split([num_units, host.shape[0], num_units])  # (T,), (Nq,), (T,)
         else:
             text_video = batch.query_video.to(frames.device)  # (T = Nq,)
-            row_group = torch.arange(text_video.shape[0], device=frames.device)
+            num_units = text_video.shape[0]
+            row_group = torch.arange(num_units, device=frames.device)
             unit_size = None  # one query per unit, no zero rows
         if self.text_grid:
-            text_mu, text_logvar = self._text_heads_on_the_grid(batch, query, word_mask, row_group, unit_size)
+            text_mu, text_logvar = self._text_heads_on_the_grid(batch, query, word_mask, row_group, num_units, unit_size)
         else:
-            words, member_q = _groups(words_padded, word_mask, row_group, text_video.shape[0])
+            words, member_q = _groups(words_padded, word_mask, row_group, num_units)
             text_mu, text_logvar = self.text_gaussian(words, member_q)  # (T, D) each
         frame_slots, member_v = _groups(frames, frame_mask, torch.arange(num_videos, device=frames.device), num_videos)
         padding = {}
@@ -567,20 +568,25 @@ class RAL(Plugin):
         return aux
 
     def _text_heads_on_the_grid(
-        self, batch: Batch, query: QueryEmbedding, word_mask: Tensor, row_group: Tensor, unit_size: Tensor | None
+        self,
+        batch: Batch,
+        query: QueryEmbedding,
+        word_mask: Tensor,
+        row_group: Tensor,
+        num_units: int,
+        unit_size: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         """The official text heads: each unit's pooled mean over its real words; its attentions over all
         Lo slots of each of its n queries (Lo: the batch's longest query; the slots past a query's end hold
         the encoder's outputs there) and, given ``unit_size`` (T,) = n (``support: set``),
         (support_pad_queries - n) * Lo zero rows more (the official support set is zero-padded to 26 * Lo
-        rows).  ``row_group`` (Nq,): each query's unit.  -> mu, logvar (T, D) each."""
+        rows).  ``row_group`` (Nq,): each query's unit of the ``num_units`` (T).  -> mu, logvar (T, D) each."""
         if "ral.word_grid" not in query.extra:
             raise PluginError("RAL's official text heads need ral.word_grid from the training forward's encode_queries")
         host = batch.query_lengths_host
         longest = int(host.max(initial=0)) if host is not None else int(word_mask.sum(dim=1).max())
         grid = query.extra["ral.word_grid"][:, :longest]  # (Nq, Lo, D)
         tokens = grid.reshape(-1, grid.shape[-1])  # (Nq*Lo, D)
-        num_units = row_group.shape[0] if unit_size is None else unit_size.shape[0]
         units = torch.arange(num_units, device=tokens.device)  # (T,)
         attend = row_group.repeat_interleave(longest)[None, :] == units[:, None]  # (T, Nq*Lo)
         member = attend & word_mask[:, :longest].reshape(1, -1)  # (T, Nq*Lo) the real words

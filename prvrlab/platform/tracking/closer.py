@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from prvrlab.platform.tracking.drivers import driver_tags, process_state, start_time
+from prvrlab.platform.tracking.drivers import driver_tags, process_alive, start_time
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
 _LOCK = threading.Lock()
@@ -82,7 +82,7 @@ def _start_sentinel() -> None:
     process started here, so it is no descendant of the driver: ``ray job stop`` signals the job's
     whole process tree, which would end it with the driver."""
     sentinel = _GUARD["sentinel"]
-    if sentinel is not None and not _gone(sentinel, ""):
+    if sentinel is not None and process_alive(sentinel):
         return
     if _GUARD["ledger"] is None:
         fd, name = tempfile.mkstemp(prefix="prvrlab-open-runs-", suffix=".json")
@@ -111,22 +111,10 @@ def _release_ledger() -> None:
             ledger.unlink(missing_ok=True)
 
 
-def _gone(pid: int, start: str) -> bool:
-    """Whether process ``pid`` (started at ``start``, '' if unknown) has ended: no such process, a
-    zombie, or another process under a reused pid."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return process_state(pid) == "Z" or bool(start and start_time(pid) not in ("", start))
-
-
 def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
     """The sentinel: wait until driver ``pid`` is gone, then close the runs its ``ledger`` lists; end
     without closing anything when the ledger disappears (the driver's normal exit)."""
-    while not _gone(pid, start):
+    while process_alive(pid, start):
         if not ledger.exists():
             return 0
         time.sleep(poll_s)

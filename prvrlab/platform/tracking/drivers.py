@@ -46,7 +46,12 @@ def driver_alive(tags: dict[str, str]) -> bool | None:
     """Whether the driver named by ``tags`` still runs (None: another host, or no driver tags)."""
     if tags.get(HOST_TAG) != socket.gethostname() or not tags.get(PID_TAG, "").isdigit():
         return None
-    pid = int(tags[PID_TAG])
+    return process_alive(int(tags[PID_TAG]), tags.get(START_TAG, ""))
+
+
+def process_alive(pid: int, start: str = "") -> bool:
+    """Whether process ``pid`` of this host, started at ``start`` ('' if unknown), still runs: not gone,
+    not a zombie, and its pid not reused by another process."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,8 +60,7 @@ def driver_alive(tags: dict[str, str]) -> bool | None:
         pass  # exists, owned by someone else
     if process_state(pid) == "Z":
         return False  # dead, not yet reaped by its parent
-    recorded = tags.get(START_TAG, "")
-    return not recorded or start_time(pid) in ("", recorded)
+    return not start or start_time(pid) in ("", start)
 
 
 def close_dead_runs(tracker, kind: str = "train") -> list[str]:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from prvrlab.platform.tracking import closer
-from prvrlab.platform.tracking.drivers import driver_tags
+from prvrlab.platform.tracking.drivers import driver_tags, process_state
 from prvrlab.platform.tracking.store import Tracker
 
 
@@ -105,7 +105,7 @@ tracker.end_run(ids[0], "FINISHED")
 
 
 def _gone(pid: int) -> bool:
-    return closer.process_state(pid) in ("", "Z")
+    return process_state(pid) in ("", "Z")
 
 
 def test_a_guarded_driver_killed_outright_has_its_open_runs_closed_by_its_sentinel(tmp_path):
@@ -120,7 +120,7 @@ def test_a_guarded_driver_killed_outright_has_its_open_runs_closed_by_its_sentin
     while not _gone(int(sentinel)):  # read the store once its writer is done (SQLite locks)
         assert time.monotonic() < deadline, "the sentinel did not end"
         time.sleep(0.2)
-    assert closer.process_state(proc.pid) == "Z"  # not reaped: the sentinel took the zombie for dead
+    assert process_state(proc.pid) == "Z"  # not reaped: the sentinel took the zombie for dead
     assert proc.wait(timeout=10) == -9
     status, tags = _status(tracker, parent)
     assert status == "KILLED" and "died without closing it" in tags["prvrlab.stop_reason"], tags
