@@ -27,7 +27,10 @@ PRESETS: dict[str, Switches] = {
         "model": {"window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs"},
         "data": {"last_bin": "inclusive", "normalize": "exact"},
         "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
-        "plugins.ral": {"csa_padding": "masked", "heads_padding": "masked", "text_heads_padding": "masked"},
+        "plugins.ral": {
+            "csa_padding": "masked", "heads_padding": "masked", "text_heads_padding": "masked",
+            "logvar_range": "clamped",
+        },
         "loss:ral_pm": {"formulation": "paper"},
         "loss:ral_da": {"formulation": "paper"},
     },
@@ -54,6 +57,7 @@ BEFORE_FORMAT: dict[int, Switches] = {
     },
     5: {"plugins.ral": {"word_positions": "own", "heads_padding": "masked"}},
     6: {"plugins.ral": {"text_heads_padding": "masked"}},
+    7: {"plugins.ral": {"logvar_range": "clamped"}},
 }
 
 

@@ -288,7 +288,7 @@ def test_msra_aux_support_set_and_single_query():
     assert torch.allclose(with_mean.aux["ral.video_sample_mean"], with_mean.aux["ral.video_proxies"][:, 1:].mean(1))
     assert out.aux["ral.text_video"].tolist() == [0, 1, 2]
     metrics = model.plugins["ral"].pop_step_metrics()
-    assert set(metrics) == {"sigma_query", "sigma_video"} and metrics["sigma_video"] > 0
+    assert set(metrics) == {"sigma_query", "sigma_video", "logvar_outside"} and metrics["sigma_video"] > 0
     assert model.plugins["ral"].pop_step_metrics() == {}  # popped once per step
     single = plugged(support="single", sampling=False)(b)
     assert single.aux["ral.text_mu"].shape == (5, HIDDEN)
@@ -346,7 +346,7 @@ def test_paper_heads_are_eqs_6_and_7(aggregation):
         total = total + hand_attention(x, agg.gate_hidden, agg.gate_score)  # x^l
     g = F.layer_norm(total, (8,), agg.norm.weight, agg.norm.bias)  # Eq. 7
     torch.testing.assert_close(mu[0], encoder.mean(g), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logvar[0], encoder.logvar(g).clamp(-10, 10), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logvar[0], encoder.logvar(g), atol=1e-5, rtol=1e-5)  # unbounded by default
 
 
 @pytest.mark.parametrize("aggregation", ["both", "local", "global"])
@@ -537,6 +537,57 @@ def test_official_padding_needs_a_backbone_with_max_frames():
             RAL(hidden_size=8, **params).check_backbone(model, "nameless")
         RAL(hidden_size=8, **params, **{key: "masked"}).check_backbone(model, "nameless")
     RAL(hidden_size=8, csa=False, heads="paper").check_backbone(model, "nameless")  # no official heads
+
+
+@pytest.mark.parametrize("heads", ["official", "paper"])
+def test_log_variance_is_unbounded_as_the_official_code_or_clamped_by_the_switch(heads):
+    """The official heads have no clamp: a log-variance head driven to 2 log sigma = 60 stays 60 and passes its
+    gradient; ``logvar_range: clamped`` gives logvar_min / logvar_max there (and no gradient)."""
+    x, member = group_tokens(), torch.ones(1, 5, dtype=torch.bool)
+    results = {}
+    for logvar_range in ("official", "clamped"):
+        torch.manual_seed(3)
+        plugin = RAL(hidden_size=8, csa=False, heads=heads, logvar_range=logvar_range, logvar_min=-4.0, logvar_max=7.0)
+        encoder = plugin.text_gaussian
+        last = encoder.sigma_fc if heads == "official" else encoder.logvar
+        with torch.no_grad():
+            last.weight.zero_()
+            last.bias.copy_(torch.tensor([30.0, -30.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]) / (2 if heads == "official" else 1))
+            if heads == "official":
+                encoder.sigma_pool_fc.weight.zero_()
+                encoder.sigma_pool_fc.bias.zero_()
+        _, logvar = encoder(x, member)
+        logvar.sum().backward()
+        results[logvar_range] = (logvar[0].detach(), last.bias.grad.clone())
+    unbounded, grad = results["official"]
+    torch.testing.assert_close(unbounded[:3], torch.tensor([30.0, -30.0, 1.0]))
+    assert (grad != 0).all()
+    clamped, grad = results["clamped"]
+    torch.testing.assert_close(clamped[:3], torch.tensor([7.0, -4.0, 1.0]))
+    assert grad[0] == 0 and grad[1] == 0 and grad[2] != 0
+    assert RAL(hidden_size=8).logvar_range == "official"
+    with pytest.raises(ValueError, match="logvar_range"):
+        RAL(hidden_size=8, logvar_range="bounded")
+
+
+@pytest.mark.parametrize("logvar_range", ["official", "clamped"])
+def test_the_share_of_log_variances_outside_the_clamp_is_logged(logvar_range):
+    """``ral.logvar_outside``: the share of the step's log sigma^2 values (text and video units) at or beyond
+    [logvar_min, logvar_max], i.e. what the clamp cuts, under either setting.  Two of the 16 text dimensions
+    driven to +-30 (3 support sets, 3 videos) -> 2 * 3 of 2 * 3 * 16 values."""
+    b = batch()
+    model = plugged(csa=False, logvar_range=logvar_range).train()
+    text = model.plugins["ral"].text_gaussian
+    with torch.no_grad():
+        text.sigma_fc.weight.zero_()
+        text.sigma_pool_fc.weight.zero_()
+        text.sigma_pool_fc.bias.zero_()
+        text.sigma_fc.bias.zero_()
+        text.sigma_fc.bias[:2] = torch.tensor([15.0, -15.0])  # logvar = 2 log sigma = +-30
+    out = model(b)
+    video = out.aux["ral.video_logvar"]
+    assert video.abs().max() < 10  # the video heads stay inside
+    assert model.plugins["ral"].pop_step_metrics()["logvar_outside"].item() == pytest.approx(6 / 96)
 
 
 def test_the_official_heads_are_the_default():

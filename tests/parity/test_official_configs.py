@@ -177,6 +177,7 @@ RAL_GMMFORMER_V2 = {
     "plugins.ral.heads_padding": ("official", "official", None, "src/Models/RAL4gmmv2/model.py encode_context (zero frames up to 128) -> probabilistic_video"),
     "plugins.ral.text_heads_padding": ("official", "official", None, "src/Models/RAL4gmmv2/model.py encode_frame_query (outputs at padded words kept) -> support_set -> probabilistic_text"),
     "plugins.ral.support_pad_queries": (26, 26, None, "src/Models/RAL4gmmv2/model.py support_set num = query_matrix.shape[1] * 26"),
+    "plugins.ral.logvar_range": ("official", "official", None, "src/Models/RAL4gmmv2/prob_models/uncertainty_module.py UncertaintyModuleImage: logsigma = fc(residual) + fc2(out), no clamp"),
     "plugins.ral.heads": ("official", "official", None, "src/Models/RAL4gmmv2/prob_models/pie_model.py, uncertainty_module.py"),
     "plugins.ral.msra": (True, True, None, "src/Models/RAL4gmmv2/model.py (probabilistic embeddings, MIL/vib losses)"),
     "plugins.ral.csa": (True, True, None, "src/Models/RAL4gmmv2/model.py (word-confidence frame scores)"),

@@ -116,7 +116,7 @@ def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_r
     raw = check_an_old_format(tiny_root, tmp_path, key="heads", trained_with="paper", old_format=3)
     assert stored_behaviour(raw, 3)["plugins"]["ral"] == {
         "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone", "word_positions": "own",
-        "heads_padding": "masked", "text_heads_padding": "masked"}
+        "heads_padding": "masked", "text_heads_padding": "masked", "logvar_range": "clamped"}
     assert apply_preset(raw, "corrected")["plugins"]["ral"]["csa_padding"] == "masked"
     mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
     assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"
@@ -141,15 +141,20 @@ def test_a_format_4_checkpoint_keeps_rals_own_word_positions(tiny_root, tmp_path
     assert "word_positions" not in stored_behaviour(raw, 5)["plugins"]["ral"]
 
 
-def test_a_format_5_file_was_trained_with_text_heads_over_the_real_words():
-    """Format 6 added plugins.ral.text_heads_padding (official); a format-5 file's stored config means masked
-    (it acts in training only: such a file evaluates the same either way); a value the file stores wins."""
+@pytest.mark.parametrize(("new_format", "key", "official", "before"), [
+    (6, "text_heads_padding", "official", "masked"),  # acts in training only: the file evaluates the same
+    (7, "logvar_range", "official", "clamped"),  # training only
+])
+def test_a_file_before_a_training_switch_means_prvrlabs_earlier_behaviour(new_format, key, official, before):
+    """A format added a plugins.ral switch whose default is the official behaviour; a file of the format
+    before stored no value and was trained with prvrlab's earlier one; a value the file stores wins; the
+    corrected preset sets the earlier (prvrlab) behaviour."""
     raw = {"model": {"name": "gmmformer_v2"}, "plugins": {"ral": {"csa": False}}}
-    assert stored_behaviour(raw, 5)["plugins"]["ral"]["text_heads_padding"] == "masked"
-    assert "text_heads_padding" not in stored_behaviour(raw, 6)["plugins"]["ral"]
-    given = {**raw, "plugins": {"ral": {"text_heads_padding": "official"}}}
-    assert stored_behaviour(given, 5)["plugins"]["ral"]["text_heads_padding"] == "official"
-    assert apply_preset(raw, "corrected")["plugins"]["ral"]["text_heads_padding"] == "masked"
+    assert stored_behaviour(raw, new_format - 1)["plugins"]["ral"][key] == before
+    assert key not in stored_behaviour(raw, new_format)["plugins"]["ral"]
+    given = {**raw, "plugins": {"ral": {key: official}}}
+    assert stored_behaviour(given, new_format - 1)["plugins"]["ral"][key] == official
+    assert apply_preset(raw, "corrected")["plugins"]["ral"][key] == before
 
 
 @pytest.mark.parametrize("switches", [PRESETS["corrected"], PRE_PARITY, *BEFORE_FORMAT.values()],

@@ -11,8 +11,9 @@ MSRA (training only)
         x_l = softmax_n(w2 . tanh(W1 X_n)) . X       local (gated attention)
         g   = LayerNorm(x_g + x_l)                   ("local"/"global": one term only)
 
-    then ``mu = h_mu(g)``, ``logvar = clamp(h_logvar(g), logvar_min, logvar_max)``
-    (variances in log space; sigma = exp(logvar / 2)).  That is ``heads:
+    then ``mu = h_mu(g)``, ``logvar = h_logvar(g)`` (variances in log space;
+    sigma = exp(logvar / 2); ``logvar_range: clamped`` clamps it to
+    [``logvar_min``, ``logvar_max``], the official code does not).  That is ``heads:
     paper``; the default ``heads: official`` is the RAL-PRVR code's
     (:class:`OfficialGaussianEncoder`: a sigmoid-gated attention added to the
     pooled vector under LayerNorm for mu, its own attention plus the pooled
@@ -31,7 +32,10 @@ MSRA (training only)
     ``ral_da`` and ``ral_pm`` losses; MSRA changes no score — its losses shape
     the backbone's frame and word tokens (the "robust Q and V_f" of appendix A).
     The geometric mean of sigma over units and dimensions is logged per epoch
-    as ``train/ral.sigma_query`` / ``train/ral.sigma_video`` (Fig. 10).
+    as ``train/ral.sigma_query`` / ``train/ral.sigma_video`` (Fig. 10), and
+    the share of log sigma^2 values at or beyond [``logvar_min``,
+    ``logvar_max``] (what ``logvar_range: clamped`` cuts) as
+    ``train/ral.logvar_outside``.
 
 CSA (training and retrieval)
     Word confidences g = masked softmax over the query's valid words of
@@ -138,20 +142,25 @@ class MultiGranularityAggregator(nn.Module):
         return self.norm(total)
 
 
-class GaussianEncoder(nn.Module):
-    """Aggregator + mean and log-variance heads for one modality."""
+def bound_logvar(logvar: Tensor, clamp: tuple[float, float] | None) -> Tensor:
+    """``logvar`` clamped to ``clamp`` = (min, max), or unchanged with ``None`` (the official code)."""
+    return logvar if clamp is None else logvar.clamp(*clamp)
 
-    def __init__(self, *, hidden_size: int, aggregation: str, logvar_min: float, logvar_max: float) -> None:
+
+class GaussianEncoder(nn.Module):
+    """Aggregator + mean and log-variance heads for one modality; ``logvar_clamp``: (min, max) or None."""
+
+    def __init__(self, *, hidden_size: int, aggregation: str, logvar_clamp: tuple[float, float] | None) -> None:
         super().__init__()
         self.aggregate = MultiGranularityAggregator(hidden_size=hidden_size, aggregation=aggregation)
         self.mean = nn.Linear(hidden_size, hidden_size)
         self.logvar = nn.Linear(hidden_size, hidden_size)
-        self.logvar_min, self.logvar_max = logvar_min, logvar_max
+        self.logvar_clamp = logvar_clamp
 
     def forward(self, tokens: Tensor, member: Tensor) -> tuple[Tensor, Tensor]:
         """(N, D) tokens, (G, N) membership -> mu (G, D), logvar (G, D)."""
         g = self.aggregate(tokens, member)
-        return self.mean(g), self.logvar(g).clamp(self.logvar_min, self.logvar_max)
+        return self.mean(g), bound_logvar(self.logvar(g), self.logvar_clamp)
 
 
 class OfficialGaussianEncoder(nn.Module):
@@ -162,15 +171,15 @@ class OfficialGaussianEncoder(nn.Module):
         mu       = LayerNorm(p + sigmoid(FC(att_mu(X))))      (PIENet)
         log sigma = FC(att_sigma(X)) + FC2(p)                  (UncertaintyModuleImage)
 
-    returned as mu and logvar = 2 log sigma, clamped like the paper heads' (the official code has
-    no clamp).  ``aggregation``: ``local`` drops p from both heads, ``global`` the attentions.
+    returned as mu and logvar = 2 log sigma, unbounded as in the official code (``logvar_clamp``:
+    (min, max) clamps it like the paper heads').  ``aggregation``: ``local`` drops p from both heads, ``global`` the attentions.
     ``zero_slots`` (G,) in ``forward``: zero tokens each group's attentions also run over (the
     official video heads see every video zero-padded to 128 frames); ``attend`` (G, N): the tokens the
     attentions run over where they are more than the pooled mean's ``member`` (the official text heads
     also attend over the text encoder's outputs at padded word positions)."""
 
     def __init__(
-        self, *, hidden_size: int, aggregation: str, unit_pool: bool, logvar_min: float, logvar_max: float
+        self, *, hidden_size: int, aggregation: str, unit_pool: bool, logvar_clamp: tuple[float, float] | None
     ) -> None:
         super().__init__()
         width = max(1, hidden_size // 2)
@@ -185,7 +194,7 @@ class OfficialGaussianEncoder(nn.Module):
         if aggregation in ("both", "global"):
             self.sigma_pool_fc = nn.Linear(hidden_size, hidden_size)
         self.mu_norm = nn.LayerNorm(hidden_size)
-        self.logvar_min, self.logvar_max = logvar_min, logvar_max
+        self.logvar_clamp = logvar_clamp
 
     def forward(
         self, tokens: Tensor, member: Tensor, *, zero_slots: Tensor | None = None, attend: Tensor | None = None
@@ -208,7 +217,7 @@ class OfficialGaussianEncoder(nn.Module):
                 tokens, attend, self.sigma_gate_hidden, self.sigma_gate_score, zero_slots=zero_slots
             )  # (G, D)
             log_sigma = log_sigma + self.sigma_fc(attended)
-        return self.mu_norm(mu_in), (2.0 * log_sigma).clamp(self.logvar_min, self.logvar_max)
+        return self.mu_norm(mu_in), bound_logvar(2.0 * log_sigma, self.logvar_clamp)
 
 
 def sample_proxies(mu: Tensor, logvar: Tensor, num_proxies: int, sampling: bool, *, mean_proxy: bool = False) -> Tensor:
@@ -301,8 +310,9 @@ class RAL(Plugin):
     extra first proxy; ``unit_mean``: L2-normalise each mean before sampling
     (the official code does; its raw-dot-product L_PM relies on it); ``sampling=False``: the mean only; ``support``: "set"
     (all of a video's queries) or "single";
-    ``aggregation``: "both" | "local" | "global"; ``logvar_min/max``: the clamp
-    of log sigma^2; ``csa_weighting``: "learned" | "average"; ``csa_hidden``:
+    ``aggregation``: "both" | "local" | "global"; ``logvar_range``: log sigma^2
+    unbounded ("official", as the RAL-PRVR code) or "clamped" to
+    [``logvar_min``, ``logvar_max``]; ``csa_weighting``: "learned" | "average"; ``csa_hidden``:
     width of the confidence MLP (0: the backbone's hidden size);
     ``csa_input``: "normalized" (official) or "raw" words into that MLP;
     ``heads``: the Gaussian heads, "official" (:class:`OfficialGaussianEncoder`)
@@ -341,6 +351,7 @@ class RAL(Plugin):
         unit_mean: bool = True,
         support: Literal["set", "single"] = "set",
         aggregation: Literal["both", "local", "global"] = "both",
+        logvar_range: Literal["official", "clamped"] = "official",
         logvar_min: float = -10.0,
         logvar_max: float = 10.0,
         csa_weighting: Literal["learned", "average"] = "learned",
@@ -378,10 +389,13 @@ class RAL(Plugin):
         check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
             raise ValueError(f"logvar_min ({logvar_min!r}) must be < logvar_max ({logvar_max!r})")
+        self.logvar_range = check_choice(logvar_range, "logvar_range", ("official", "clamped"))
+        self.logvar_bounds = (float(logvar_min), float(logvar_max))
+        clamp = self.logvar_bounds if self.logvar_range == "clamped" else None
         check_int(csa_hidden, "csa_hidden", minimum=0)  # 0: hidden_size
         self.branch = check_identifier(branch, "branch", "'frame'")
         if self.msra:
-            kw = dict(hidden_size=hidden_size, aggregation=self.aggregation, logvar_min=float(logvar_min), logvar_max=float(logvar_max))
+            kw = dict(hidden_size=hidden_size, aggregation=self.aggregation, logvar_clamp=clamp)
             if self.heads == "official":
                 self.text_gaussian = OfficialGaussianEncoder(**kw, unit_pool=False)
                 self.video_gaussian = OfficialGaussianEncoder(**kw, unit_pool=True)
@@ -463,7 +477,7 @@ class RAL(Plugin):
         return query.word_tokens()
 
     def metric_names(self) -> tuple[str, ...]:
-        return ("sigma_query", "sigma_video") if self.msra else ()
+        return ("sigma_query", "sigma_video", "logvar_outside") if self.msra else ()
 
     def aux_keys(self) -> tuple[str, ...]:
         if not self.msra:
@@ -565,6 +579,9 @@ class RAL(Plugin):
         # geometric mean of sigma = exp(mean(log sigma)) over units and dimensions (Fig. 10)
         self.log_metric("sigma_query", torch.exp(0.5 * text_logvar.detach().float().mean()))
         self.log_metric("sigma_video", torch.exp(0.5 * video_logvar.detach().float().mean()))
+        lo, hi = self.logvar_bounds
+        both = torch.cat([text_logvar.detach().reshape(-1), video_logvar.detach().reshape(-1)])  # (T*D + B*D,)
+        self.log_metric("logvar_outside", ((both <= lo) | (both >= hi)).float().mean())
         return aux
 
     def _text_heads_on_the_grid(
