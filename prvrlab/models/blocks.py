@@ -147,6 +147,23 @@ def init_normal_(module: nn.Module, std: float = 0.02) -> None:
             nn.init.zeros_(m.bias)
 
 
+def decay_norm_gains(module: nn.Module, decayed: bool = True) -> None:
+    """Mark the LayerNorm gains under ``module`` weight-decayed (``decayed_parameters``, read by the
+    trainer's grouping), or, with ``decayed=False``, drop such marks: the ``weight`` of every LayerNorm
+    module and the gains among a module's ``norm_parameters`` (plain (K, D) affines; names not ending in
+    ``bias``).  Biases stay exempt.  For references whose name-based grouping (``no_decay`` =
+    ``LayerNorm.weight``, ...) misses LayerNorms named otherwise (``norm1``, ``layer_norm``)."""
+    for m in module.modules():
+        if isinstance(m, nn.LayerNorm):
+            gains: tuple[str, ...] = ("weight",) if m.weight is not None else ()
+        else:
+            gains = tuple(n for n in getattr(m, "norm_parameters", ()) if not n.endswith("bias"))
+        if gains and decayed:
+            m.decayed_parameters = gains
+        elif "decayed_parameters" in m.__dict__:
+            del m.decayed_parameters
+
+
 @dataclass(frozen=True)
 class Packing:
     """Where the real tokens of a padded ``(B, L)`` batch are.

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from prvrlab.checks import check_number, check_positive_int
+from prvrlab.checks import check_bool, check_number, check_positive_int
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
@@ -64,6 +64,7 @@ from prvrlab.models.blocks import (
     autocast_input,
     branch_layer_norm,
     check_score_weights,
+    decay_norm_gains,
     dropout_draw,
     init_normal_,
     mask_from_draw,
@@ -301,7 +302,13 @@ class GMMFormerV2(RetrievalModel):
     :mod:`prvrlab.models.gmm`; ``frame_padding``: ``official`` scores the
     frame branch as the reference, a max over all ``max_frames`` positions
     where padding scores 0 (so padding wins whenever every real frame scores
-    below 0), ``masked``: a max over real frames only.  Encoders: ``query``, ``clip``
+    below 0), ``masked``: a max over real frames only; ``norm_decay``: the
+    LayerNorm gains of the attention layers (the query encoder's two, each
+    branch's two, the temporal consolidation's cross-attention's two) are
+    weight-decayed, as the reference's optimiser groups them (its no-decay
+    names, ``LayerNorm.weight``, miss its modules named ``norm1`` / ``norm2``);
+    False exempts them like the input projections' and positional
+    embeddings' norms (exempt under both).  Encoders: ``query``, ``clip``
     and ``frame`` (:class:`SequenceEncoder`).
     """
 
@@ -333,6 +340,7 @@ class GMMFormerV2(RetrievalModel):
         window: Window = "official",
         window_length: Literal["padded", "real"] = "padded",
         frame_padding: Literal["official", "masked"] = "official",
+        norm_decay: bool = True,
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -380,6 +388,9 @@ class GMMFormerV2(RetrievalModel):
         clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
         self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_blocks)  # clips are never padded
         self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_blocks)
+        self.norm_decay = check_bool(norm_decay, "norm_decay")
+        for encoder in (self.query, self.clip, self.frame):
+            decay_norm_gains(encoder.layers, self.norm_decay)
         init_normal_(self)  # Linear/Embedding/BranchLinear only: phi keeps its N(0, 1) draw
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:

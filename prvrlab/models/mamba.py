@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from prvrlab.checks import check_choice, check_positive_int
 from prvrlab.models import fused_scan
-from prvrlab.models.blocks import PackedLayer, Packing
+from prvrlab.models.blocks import PackedLayer, Packing, decay_norm_gains
 
 SCAN_KERNELS = ("auto", "fused", "torch")
 MAMBA_INITS = ("official", "mamba_ssm")
@@ -384,8 +384,7 @@ class MambaLayer(PackedLayer):
         self.norm = nn.LayerNorm(hidden_size)
         if zero_init:
             nn.init.zeros_(self.norm.weight)
-        if decay_norm_gain:
-            self.norm.decayed_parameters = ("weight",)
+        decay_norm_gains(self.norm, decay_norm_gain)
         self.mask_padding = bool(mask_padding)
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:

@@ -24,12 +24,15 @@ Switches = dict[str, dict[str, Any]]
 
 PRESETS: dict[str, Switches] = {
     "corrected": {
-        "model": {"window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs"},
+        "model": {
+            "window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs",
+            "norm_decay": False, "mamba_norm_decay": False,
+        },
         "data": {"last_bin": "inclusive", "normalize": "exact"},
         "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
         "plugins.ral": {
             "csa_padding": "masked", "heads_padding": "masked", "text_heads_padding": "masked",
-            "logvar_range": "clamped",
+            "logvar_range": "clamped", "norm_decay": False,
         },
         "loss:ral_pm": {"formulation": "paper"},
         "loss:ral_da": {"formulation": "paper"},
@@ -57,7 +60,7 @@ BEFORE_FORMAT: dict[int, Switches] = {
     },
     5: {"plugins.ral": {"word_positions": "own", "heads_padding": "masked"}},
     6: {"plugins.ral": {"text_heads_padding": "masked"}},
-    7: {"plugins.ral": {"logvar_range": "clamped"}},
+    7: {"model": {"norm_decay": False}, "plugins.ral": {"logvar_range": "clamped", "norm_decay": False}},
 }
 
 

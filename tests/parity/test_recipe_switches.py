@@ -116,7 +116,7 @@ def test_a_format_3_checkpoint_keeps_the_paper_heads_and_all_pairs_frames(tiny_r
     raw = check_an_old_format(tiny_root, tmp_path, key="heads", trained_with="paper", old_format=3)
     assert stored_behaviour(raw, 3)["plugins"]["ral"] == {
         "csa": False, "heads": "paper", "csa_padding": "masked", "word_encoder": "backbone", "word_positions": "own",
-        "heads_padding": "masked", "text_heads_padding": "masked", "logvar_range": "clamped"}
+        "heads_padding": "masked", "text_heads_padding": "masked", "logvar_range": "clamped", "norm_decay": False}
     assert apply_preset(raw, "corrected")["plugins"]["ral"]["csa_padding"] == "masked"
     mssl = dict(raw, plugins={}, model={"name": "mssl", "hidden_size": 32, "num_heads": 2})
     assert stored_behaviour(mssl, 3)["model"]["frame_training"] == "all_pairs"
@@ -144,6 +144,7 @@ def test_a_format_4_checkpoint_keeps_rals_own_word_positions(tiny_root, tmp_path
 @pytest.mark.parametrize(("new_format", "key", "official", "before"), [
     (6, "text_heads_padding", "official", "masked"),  # acts in training only: the file evaluates the same
     (7, "logvar_range", "official", "clamped"),  # training only
+    (7, "norm_decay", True, False),  # the optimiser's groups only
 ])
 def test_a_file_before_a_training_switch_means_prvrlabs_earlier_behaviour(new_format, key, official, before):
     """A format added a plugins.ral switch whose default is the official behaviour; a file of the format
@@ -155,6 +156,12 @@ def test_a_file_before_a_training_switch_means_prvrlabs_earlier_behaviour(new_fo
     given = {**raw, "plugins": {"ral": {key: official}}}
     assert stored_behaviour(given, new_format - 1)["plugins"]["ral"][key] == official
     assert apply_preset(raw, "corrected")["plugins"]["ral"][key] == before
+    if key == "norm_decay":  # the backbone's switch of the same format and name
+        assert stored_behaviour(raw, new_format - 1)["model"]["norm_decay"] is False
+        assert "norm_decay" not in stored_behaviour(raw, new_format)["model"]
+        assert apply_preset(raw, "corrected")["model"]["norm_decay"] is False
+        assert "norm_decay" not in stored_behaviour({"model": {"name": "gmmformer"}}, new_format - 1)["model"]
+        assert apply_preset({"model": {"name": "mamfusion"}}, "corrected")["model"]["mamba_norm_decay"] is False
 
 
 @pytest.mark.parametrize("switches", [PRESETS["corrected"], PRE_PARITY, *BEFORE_FORMAT.values()],

@@ -76,7 +76,7 @@ from torch import Tensor, nn
 from prvrlab.checks import check_bool, check_choice, check_identifier, check_int, check_number, check_positive_int
 from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.models.blocks import init_normal_
+from prvrlab.models.blocks import decay_norm_gains, init_normal_
 from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
 from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS
@@ -332,7 +332,12 @@ class RAL(Plugin):
     the plug-in's, as the official code) or "backbone" (the backbone's word
     tokens) (module docstring); ``word_positions``: that encoder's positional
     embedding, "shared" with the backbone's query encoder (the official
-    layout) or its "own".  With
+    layout) or its "own"; ``norm_decay``: the LayerNorm gains of the Gaussian
+    heads and of the own word encoder's layers are weight-decayed, as the
+    official optimiser groups them (its no-decay names, ``LayerNorm.weight``,
+    miss PIENet's ``layer_norm`` and the encoder's ``norm1`` / ``norm2``);
+    False exempts them (the word encoder's input projection and positional
+    embedding norms are exempt under both).  With
     ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
     score (the baseline cell of an ablation: the bare backbone's results).
     """
@@ -364,6 +369,7 @@ class RAL(Plugin):
         csa_padding: Literal["official", "masked"] = "official",
         word_encoder: Literal["own", "backbone"] = "own",
         word_positions: Literal["shared", "own"] = "shared",
+        norm_decay: bool = True,
         branch: str = "frame",
     ) -> None:
         super().__init__()
@@ -385,6 +391,7 @@ class RAL(Plugin):
         self.csa_padding = check_choice(csa_padding, "csa_padding", ("official", "masked"))
         self.word_encoder = check_choice(word_encoder, "word_encoder", ("own", "backbone"))
         self.word_positions = check_choice(word_positions, "word_positions", ("shared", "own"))
+        self.norm_decay = check_bool(norm_decay, "norm_decay")
         check_number(logvar_min, "logvar_min")
         check_number(logvar_max, "logvar_max")
         if not logvar_min < logvar_max:
@@ -406,6 +413,7 @@ class RAL(Plugin):
             width = csa_hidden or hidden_size
             self.confidence = nn.Sequential(nn.Linear(hidden_size, width), nn.ReLU(), nn.Linear(width, 1))
         init_normal_(self)
+        decay_norm_gains(self, self.norm_decay)  # the heads' (the word encoder's: attach)
 
     # ------------------------------------------------------------ contract
 
@@ -441,6 +449,8 @@ class RAL(Plugin):
         if (self.csa or self.msra) and self.word_encoder == "own":
             shared = self.word_positions == "shared"
             self.words = backbone.fresh_word_encoder(share_positions=shared)  # optimised and checkpointed
+            if isinstance(getattr(self.words, "layers", None), nn.Module):  # the plug-in's switch, not the copy's
+                decay_norm_gains(self.words.layers, self.norm_decay)
             if self.text_grid and not callable(getattr(self.words, "encode_padded", None)):
                 raise PluginError(
                     f"plugins.ral.text_heads_padding: official needs outputs at padded word positions, which "

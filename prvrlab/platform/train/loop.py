@@ -51,7 +51,8 @@ from prvrlab.platform.train.session import LocalSession, RaySession, Session, sc
 # 4 = model.frame_training (MS-SL), plugins.ral.heads / csa_padding / word_encoder and data.normalize
 # exist (older files: all_pairs, paper, masked, backbone, exact); 5 = plugins.ral.word_positions and
 # heads_padding exist (older files: own, masked); 6 = plugins.ral.text_heads_padding exists (older files:
-# masked; it acts in training only); 7 = plugins.ral.logvar_range exists (older files: clamped; training only).
+# masked; it acts in training only); 7 = plugins.ral.logvar_range, model.norm_decay (gmmformer_v2) and
+# plugins.ral.norm_decay exist (older files: clamped, false, false; all act in training only).
 CHECKPOINT_FORMAT = 7
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
