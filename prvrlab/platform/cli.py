@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prvrlab.platform.tracking import closer
 
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     closer.guard_process()  # a sentinel closes this process's runs if it is killed outright
     try:
         return int(args.func(args) or 0)
@@ -420,6 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("prvrlab: interrupted", file=sys.stderr)
         return 130
+    finally:  # a process that goes on (tests, notebooks) gets its handler back and no more sentinels
+        closer.unguard_process()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,19 @@ starts, with its first run, a *sentinel*: a small process in its own session and
 outside the driver's process tree that polls the driver and, once the driver is
 gone (or a zombie), closes KILLED the runs the driver's ledger file still lists open.  The driver rewrites the ledger at each
 run it opens or closes and removes it at a normal exit, which ends the sentinel.
-Only killing the sentinel too (a cgroup kill) leaves runs RUNNING; the next
-``prvrlab train`` then closes them (``drivers.close_dead_runs``).
+Only killing the sentinel too (a cgroup kill: a container whose main process
+is the driver, Slurm's step teardown, a Kubernetes OOM kill) leaves runs
+RUNNING; the next ``prvrlab train`` on the same host then closes them
+(``drivers.close_dead_runs``).
+
+The helper processes start from ``/`` with the working directory kept off
+``sys.path`` (nothing in the folder a command was started from is imported),
+write nothing to the driver's stdout or stderr (a pipe reading them ends with
+the driver), and give up on an unreachable tracking server after a bounded
+number of retries.  Their bookkeeping (sentinel, ledger) is best-effort: a
+failure there warns once and never fails the run it concerns.  The ledger
+(its runs' tracking URIs, which may hold credentials) is readable by its owner
+only.
 """
 
 from __future__ import annotations
@@ -36,14 +47,16 @@ from pathlib import Path
 from prvrlab.platform.tracking.drivers import driver_tags, process_alive, start_time
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a stop signal's handler runs in the main thread, which may hold it
+_SPAWN = threading.Lock()  # one sentinel start at a time
 _CLOSER: subprocess.Popen | None = None
 _STOPPING = threading.Event()
 WAIT_S = 30.0  # how long the driver's own closing waits for the detached closer
 STOP_GRACE_S = 30.0  # how long a stopped driver may take to wind down before it exits anyway
 SENTINEL_ENV = "PRVRLAB_RUN_SENTINEL"  # "0": no sentinel (tests of the next-train fallback)
 POLL_S = 1.0  # how often the sentinel looks at its driver
-_GUARD = {"on": False, "ledger": None, "sentinel": None}  # this process's sentinel, once started
+_GUARD = {"on": False, "ledger": None, "sentinel": None, "warned": False}  # this process's sentinel, once started
+HTTP_RETRIES, HTTP_TIMEOUT_S = "2", "10"  # the helpers' MLflow client against an unreachable server (unless set)
 
 
 def guard_process() -> None:
@@ -51,56 +64,108 @@ def guard_process() -> None:
     _GUARD["on"] = os.environ.get(SENTINEL_ENV, "1") != "0"
 
 
+def unguard_process() -> None:
+    """The end of a guarded command in a process that goes on (tests, notebooks): start no more sentinels,
+    and end this one by removing its ledger when nothing is open (runs still open stay watched)."""
+    _GUARD["on"] = False
+    with _LOCK:
+        if _GUARD["ledger"] is not None and not _OPEN:
+            _GUARD["ledger"].unlink(missing_ok=True)
+            _GUARD["ledger"] = _GUARD["sentinel"] = None
+
+
 def opened(uri: str, run_id: str) -> None:
-    """Note a run this process opened (or reopened)."""
+    """Note a run this process opened (or reopened); a relative store is noted by its absolute path (the
+    helpers start elsewhere)."""
+    from prvrlab.platform.tracking.store import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(uri, cwd=os.getcwd())
     with _LOCK:
         _OPEN[run_id] = uri
-        if _GUARD["on"]:
-            _start_sentinel()
-        _write_ledger()
+    if _GUARD["on"]:
+        _best_effort(_start_sentinel)
+    with _LOCK:
+        _best_effort(_write_ledger)
 
 
 def closed(run_id: str) -> None:
     """Note a run this process closed."""
     with _LOCK:
         _OPEN.pop(run_id, None)
-        _write_ledger()
+        _best_effort(_write_ledger)
+
+
+def _best_effort(step) -> None:
+    """Run a bookkeeping ``step``; a failure (no process or file can be made) warns once, never fails a run."""
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - the run itself is unaffected
+        if not _GUARD["warned"]:
+            _GUARD["warned"] = True
+            print(f"prvrlab: warning: the run sentinel is not working ({type(exc).__name__}: {exc}); a run left "
+                  "open by a killed driver is closed by the next prvrlab train instead", file=sys.stderr)
 
 
 def _write_ledger() -> None:
-    """The open runs to the sentinel's ledger (atomically; called holding ``_LOCK``)."""
+    """The open runs to the sentinel's ledger: a private temporary file renamed over it (called holding
+    ``_LOCK``)."""
     ledger = _GUARD["ledger"]
     if ledger is None:
         return
-    tmp = ledger.with_name(ledger.name + ".tmp")
-    tmp.write_text(json.dumps(_OPEN), encoding="utf-8")
-    os.replace(tmp, ledger)
+    fd, tmp = tempfile.mkstemp(dir=ledger.parent, prefix=ledger.name + ".")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(dict(_OPEN), fh)
+        os.replace(tmp, ledger)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def helper_command(*args: str) -> dict:
+    """``subprocess.Popen`` arguments for a helper process (``python -m prvrlab.platform.tracking.closer
+    ARGS``): started from ``/``, the working directory off ``sys.path`` (``-P`` where Python has it) and
+    this prvrlab's folder on ``PYTHONPATH``; MLflow's HTTP retries bounded unless the caller set them."""
+    package_root = str(Path(__file__).resolve().parents[3])  # the folder that holds prvrlab/
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_RETRIES)
+    env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
+    flags = ["-P"] if sys.version_info >= (3, 11) else []
+    return {
+        "args": [sys.executable, *flags, "-m", "prvrlab.platform.tracking.closer", *args],
+        "cwd": "/",
+        "env": env,
+        "stdin": subprocess.DEVNULL,
+        "start_new_session": True,  # outside the driver's process group: a group kill does not reach it
+    }
 
 
 def _start_sentinel() -> None:
-    """Start the sentinel unless one is watching (called holding ``_LOCK``).  It forks away from the
-    process started here, so it is no descendant of the driver: ``ray job stop`` signals the job's
-    whole process tree, which would end it with the driver."""
-    sentinel = _GUARD["sentinel"]
-    if sentinel is not None and process_alive(sentinel):
-        return
-    if _GUARD["ledger"] is None:
-        fd, name = tempfile.mkstemp(prefix="prvrlab-open-runs-", suffix=".json")
-        os.close(fd)
-        _GUARD["ledger"] = Path(name)
-        atexit.register(_release_ledger)
-    starter = subprocess.Popen(
-        [sys.executable, "-m", "prvrlab.platform.tracking.closer", "--watch", str(os.getpid()), start_time(os.getpid()),
-         str(_GUARD["ledger"])],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        start_new_session=True,  # a group kill of the driver does not reach it
-        text=True,
-    )
-    line = starter.stdout.readline()  # the sentinel's pid, from the process that forked it and exits
-    starter.stdout.close()
-    starter.wait()
-    _GUARD["sentinel"] = int(line) if line.strip().isdigit() else None
+    """Start the sentinel unless one is watching.  It forks away from the process started here, so it
+    is no descendant of the driver: ``ray job stop`` signals the job's whole process tree, which would
+    end it with the driver."""
+    with _SPAWN:
+        sentinel = _GUARD["sentinel"]
+        if sentinel is not None and process_alive(*sentinel):
+            return
+        with _LOCK:
+            if _GUARD["ledger"] is None:
+                fd, name = tempfile.mkstemp(prefix="prvrlab-open-runs-", suffix=".json")
+                os.close(fd)
+                _GUARD["ledger"] = Path(name)
+                atexit.register(_release_ledger)
+            ledger = _GUARD["ledger"]
+        pid = str(os.getpid())
+        starter = subprocess.Popen(
+            **helper_command("--watch", pid, start_time(os.getpid()), str(ledger)),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        line = starter.stdout.readline()  # the sentinel's pid, from the process that forked it and exits
+        starter.stdout.close()
+        starter.wait()
+        child = int(line) if line.strip().isdigit() else None
+        _GUARD["sentinel"] = None if child is None else (child, start_time(child))
 
 
 def _release_ledger() -> None:
@@ -126,7 +191,7 @@ def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
         ledger.unlink(missing_ok=True)
     if not runs:
         return 0
-    reason = f"its driver (pid {pid}) died without closing it (SIGKILL or the OOM killer)"
+    reason = f"its driver (pid {pid}) died without closing it"  # killed outright, or exited with it open
     done = close_runs(dict(runs), reason, driver=driver_tags(pid, start))
     if done:
         print(f"prvrlab: closed {len(done)} run(s) KILLED ({reason})", file=sys.stderr)
@@ -149,12 +214,7 @@ def close_in_background(reason: str) -> subprocess.Popen | None:
     fd, job = tempfile.mkstemp(prefix="prvrlab-close-", suffix=".json")
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump({"reason": reason, "runs": runs, "driver": driver_tags()}, fh)
-    _CLOSER = subprocess.Popen(
-        [sys.executable, "-m", "prvrlab.platform.tracking.closer", job],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,  # outside the driver's process group: a group kill does not reach it
-    )
+    _CLOSER = subprocess.Popen(**helper_command(job), stdout=subprocess.DEVNULL)  # its stderr: the driver's log
     return _CLOSER
 
 
@@ -190,11 +250,11 @@ def stop_requested(reason: str, *, grace_s: float = STOP_GRACE_S, code: int = 14
     if _STOPPING.is_set():
         return False
     _STOPPING.set()
+    exit_after(grace_s, code)  # first: whatever happens below, the process ends
     try:
         close_in_background(reason)
     except Exception as exc:  # noqa: BLE001 - the driver's own closing still runs
         print(f"prvrlab: could not start the run closer: {type(exc).__name__}: {exc}", file=sys.stderr)
-    exit_after(grace_s, code)
     return True
 
 
@@ -225,11 +285,15 @@ def close_runs(runs: dict[str, str], reason: str, *, driver: dict[str, str] | No
             continue
         client = MlflowClient(tracking_uri=uri)
         for run_id in ids:
-            run = client.get_run(run_id)
-            if run.info.status != "RUNNING" or not _driven_by(run.data.tags, driver):
+            try:
+                run = client.get_run(run_id)
+                if run.info.status != "RUNNING" or not _driven_by(run.data.tags, driver):
+                    continue
+                client.set_terminated(run_id, status="KILLED")
+                client.log_batch(run_id, tags=[RunTag("prvrlab.status", "killed"), RunTag("prvrlab.stop_reason", reason)])
+            except Exception as exc:  # noqa: BLE001 - the other runs are still closed
+                print(f"prvrlab: could not close run {run_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
-            client.set_terminated(run_id, status="KILLED")
-            client.log_batch(run_id, tags=[RunTag("prvrlab.status", "killed"), RunTag("prvrlab.stop_reason", reason)])
             done.append(run_id)
     return done
 
@@ -251,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         if child:  # the starter: say the sentinel's pid and leave it an orphan of no one's tree
             print(child, flush=True)
             os._exit(0)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)  # the driver's streams are not held open after it ends
+        os.dup2(devnull, 2)
+        os.close(devnull)
         return watch(int(pid), start, Path(ledger))
     (job,) = args
     path = Path(job)

@@ -94,9 +94,12 @@ closer.guard_process()
 tracker = Tracker(sys.argv[1], "guarded")
 ids = [tracker.start_run("parent"), tracker.start_run("child")]
 tracker.end_run(ids[1], "FINISHED")
-sentinel, ledger = closer._GUARD["sentinel"], closer._GUARD["ledger"]
+sentinel, ledger = closer._GUARD["sentinel"][0], closer._GUARD["ledger"]
 ppid = open(f"/proc/{sentinel}/stat").read().rsplit(")", 1)[1].split()[1]
 assert int(ppid) != os.getpid(), "the sentinel must not be the driver's descendant"
+assert [os.readlink(f"/proc/{sentinel}/fd/{fd}") for fd in (1, 2)] == [os.devnull] * 2, "holds the driver's streams"
+assert os.readlink(f"/proc/{sentinel}/cwd") == "/", "pins the driver's working directory"
+assert ledger.stat().st_mode & 0o777 == 0o600, "the ledger (tracking URIs) must be private"
 print(" ".join(ids), sentinel, ledger, json.dumps(json.loads(ledger.read_text())), flush=True)
 if sys.argv[2] == "kill":
     os.kill(os.getpid(), signal.SIGKILL)  # no stop signal first: nothing of this process runs
@@ -173,3 +176,82 @@ def test_the_closers_close_only_the_runs_their_driver_still_drives(tmp_path):
     assert closer.close_runs(runs, "by the dead driver", driver=dead) == [untagged]
     assert _status(tracker, mine)[0] == _status(tracker, theirs)[0] == "RUNNING"
     assert sorted(closer.close_runs(runs, "by this driver", driver=me)) == sorted([mine, theirs])
+
+
+def test_the_helpers_import_nothing_from_the_working_directory(tmp_path):
+    """A dataset or config folder's ``json.py`` must not run in the sentinel or closer: they start from /
+    and, where the working directory would be first on sys.path (``python -m``), leave it off (-P)."""
+    (tmp_path / "json.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    job = tmp_path / "job.json"
+    job.write_text('{"reason": "test", "runs": {}}')
+    kwargs = closer.helper_command(str(job))
+    assert kwargs["cwd"] == "/"
+    assert subprocess.run(**{**kwargs, "cwd": str(tmp_path)}, capture_output=True, timeout=120).returncode == 0
+    assert not (tmp_path / "ran").exists() and not job.exists()
+
+
+SIGTERM_IN_BOOKKEEPING = """
+import signal, sys, time
+from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking.store import Tracker
+
+def terminate(signum, frame):
+    closer.stop_requested("stopped by SIGTERM", grace_s=60)
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGTERM, terminate)
+write = closer._write_ledger
+def write_then_stop():  # the stop signal arrives while the bookkeeping holds its lock
+    write()
+    signal.raise_signal(signal.SIGTERM)
+closer._write_ledger = write_then_stop
+closer.guard_process()
+tracker = Tracker(sys.argv[1], "stop")
+try:
+    tracker.start_run("parent")
+except KeyboardInterrupt:
+    closer.wait_for_closer()
+    print("stopped", list(closer.open_runs()), flush=True)
+"""
+
+
+def test_a_stop_signal_during_the_bookkeeping_does_not_deadlock(tmp_path):
+    """The handler runs in the main thread, which may hold the bookkeeping's lock (it was a plain lock:
+    the driver hung); the stop still closes the run KILLED from the detached closer."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "stop")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SIGTERM_IN_BOOKKEEPING), uri],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    word, listed = done.stdout.split(maxsplit=1)
+    (run_id,) = eval(listed)  # noqa: S307 - the script's own printout of a list of ids
+    assert word == "stopped"
+    status, tags = _status(tracker, run_id)
+    assert status == "KILLED" and tags["prvrlab.stop_reason"] == "stopped by SIGTERM"
+
+
+def test_close_runs_goes_on_past_a_run_it_cannot_close(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "bad")
+    good = tracker.start_run("good")
+    assert closer.close_runs({"0" * 32: uri, good: uri}, "test") == [good]
+    assert "could not close run 0000" in capsys.readouterr().err
+    assert _status(tracker, good)[0] == "KILLED"
+    closer.closed(good)
+
+
+def test_the_ledger_is_private_and_unguarding_ends_the_sentinel_when_nothing_is_open(tmp_path, monkeypatch):
+    ledger = tmp_path / "ledger.json"
+    monkeypatch.setitem(closer._GUARD, "on", False)
+    monkeypatch.setitem(closer._GUARD, "ledger", ledger)
+    monkeypatch.setitem(closer._GUARD, "sentinel", None)
+    monkeypatch.setattr(closer, "_OPEN", {})
+    closer.opened("sqlite:///relative.db", "r1")
+    assert ledger.stat().st_mode & 0o777 == 0o600
+    assert json.loads(ledger.read_text()) == {"r1": f"sqlite:///{Path.cwd().resolve() / 'relative.db'}"}  # absolute
+    closer.unguard_process()
+    assert ledger.exists()  # a run is still open: still watched
+    closer.closed("r1")
+    assert json.loads(ledger.read_text()) == {} and sorted(p.name for p in tmp_path.iterdir()) == ["ledger.json"]
+    closer.unguard_process()
+    assert not ledger.exists() and closer._GUARD["ledger"] is None
