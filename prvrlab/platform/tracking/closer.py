@@ -126,9 +126,11 @@ def helper_command(*args: str) -> dict:
     """``subprocess.Popen`` arguments for a helper process (``python -m prvrlab.platform.tracking.closer
     ARGS``): started from ``/``, the working directory off ``sys.path`` (``-P`` where Python has it) and
     this prvrlab's folder on ``PYTHONPATH``; MLflow's HTTP retries bounded unless the caller set them."""
-    package_root = str(Path(__file__).resolve().parents[3])  # the folder that holds prvrlab/
+    package_root = Path(__file__).resolve().parents[3]  # the folder that holds prvrlab/
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    if package_root.name not in ("site-packages", "dist-packages"):  # an installed prvrlab needs no help (and a
+        # site folder first on the path would put its packages before the standard library)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(package_root), env.get("PYTHONPATH", "")) if p)
     env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_RETRIES)
     env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
     flags = ["-P"] if sys.version_info >= (3, 11) else []
