@@ -15,8 +15,11 @@ A driver killed without a stop signal (SIGKILL, the OOM killer) runs nothing.  A
 process that calls :func:`guard_process` (the ``prvrlab`` command does) therefore
 starts, with its first run, a *sentinel*: a small process in its own session and
 outside the driver's process tree that polls the driver and, once the driver is
-gone (or a zombie), closes KILLED the runs the driver's ledger file still lists open.  The driver rewrites the ledger at each
-run it opens or closes and removes it at a normal exit, which ends the sentinel.
+gone (or a zombie), closes KILLED the runs the driver's ledger file still lists open, and the
+RUNNING runs its driver tags name in the stores the ledger lists (a run created in the instant
+before the driver could list it).  The sentinel starts, and the store is listed, before the first
+run is created.  The driver rewrites the ledger at each run it opens or closes and removes it at a
+normal exit, which ends the sentinel.
 Only killing the sentinel too (a cgroup kill: a container whose main process
 is the driver, Slurm's step teardown, a Kubernetes OOM kill) leaves runs
 RUNNING; the next ``prvrlab train`` on the same host then closes them
@@ -44,9 +47,10 @@ import threading
 import time
 from pathlib import Path
 
-from prvrlab.platform.tracking.drivers import driver_tags, process_alive, start_time
+from prvrlab.platform.tracking.drivers import PID_TAG, driver_tags, process_alive, start_time
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
+_STORES: set[tuple[str, str]] = set()  # (tracking URI, experiment id) where this process creates runs
 _LOCK = threading.RLock()  # re-entrant: a stop signal's handler runs in the main thread, which may hold it
 _SPAWN = threading.Lock()  # one sentinel start at a time
 _CLOSER: subprocess.Popen | None = None
@@ -74,12 +78,28 @@ def unguard_process() -> None:
             _GUARD["ledger"] = _GUARD["sentinel"] = None
 
 
-def opened(uri: str, run_id: str) -> None:
-    """Note a run this process opened (or reopened); a relative store is noted by its absolute path (the
-    helpers start elsewhere)."""
+def _absolute(uri: str) -> str:
+    """A relative store by its absolute path (the helpers start elsewhere)."""
     from prvrlab.platform.tracking.store import resolve_tracking_uri
 
-    uri = resolve_tracking_uri(uri, cwd=os.getcwd())
+    return resolve_tracking_uri(uri, cwd=os.getcwd())
+
+
+def opening(uri: str, experiment_id: str) -> None:
+    """Before this process creates or reopens a run in ``experiment_id`` of store ``uri``: have its sentinel
+    watching already (a guarded process) and the store in its ledger, so a kill in the instant between the
+    run turning RUNNING and :func:`opened` listing it is still caught (the sentinel also closes the RUNNING
+    runs its driver's tags name there)."""
+    if _GUARD["on"]:
+        _best_effort(_start_sentinel)
+    with _LOCK:
+        _STORES.add((_absolute(uri), str(experiment_id)))
+        _best_effort(_write_ledger)
+
+
+def opened(uri: str, run_id: str) -> None:
+    """Note a run this process opened (or reopened)."""
+    uri = _absolute(uri)
     with _LOCK:
         _OPEN[run_id] = uri
     if _GUARD["on"]:
@@ -115,7 +135,7 @@ def _write_ledger() -> None:
     fd, tmp = tempfile.mkstemp(dir=ledger.parent, prefix=ledger.name + ".")  # mode 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(dict(_OPEN), fh)
+            json.dump({"runs": dict(_OPEN), "stores": sorted(_STORES)}, fh)
         os.replace(tmp, ledger)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -186,15 +206,19 @@ def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
             return 0
         time.sleep(poll_s)
     try:
-        runs = json.loads(ledger.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        listed = json.loads(ledger.read_text(encoding="utf-8"))
+        runs, stores = dict(listed["runs"]), [tuple(store) for store in listed["stores"]]
+    except (OSError, ValueError, KeyError, TypeError):
         return 0  # removed at the driver's exit, or never written
     finally:
         ledger.unlink(missing_ok=True)
+    driver = driver_tags(pid, start)
+    for uri, experiment_id in stores:  # runs created but not yet listed when the driver died
+        runs.update(dict.fromkeys(_driven_runs(uri, experiment_id, driver), uri))
     if not runs:
         return 0
     reason = f"its driver (pid {pid}) died without closing it"  # killed outright, or exited with it open
-    done = close_runs(dict(runs), reason, driver=driver_tags(pid, start))
+    done = close_runs(runs, reason, driver=driver)
     if done:
         print(f"prvrlab: closed {len(done)} run(s) KILLED ({reason})", file=sys.stderr)
     return 0
@@ -298,6 +322,23 @@ def close_runs(runs: dict[str, str], reason: str, *, driver: dict[str, str] | No
                 continue
             done.append(run_id)
     return done
+
+
+def _driven_runs(uri: str, experiment_id: str, driver: dict[str, str]) -> list[str]:
+    """The RUNNING runs of ``experiment_id`` in store ``uri`` whose driver tags name ``driver``."""
+    from mlflow.tracking import MlflowClient
+
+    if not _store_exists(uri):
+        return []
+    try:
+        found = MlflowClient(tracking_uri=uri).search_runs(
+            [experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{PID_TAG}` = '{driver[PID_TAG]}'",
+            max_results=1000,
+        )
+    except Exception as exc:  # noqa: BLE001 - the listed runs are still closed
+        print(f"prvrlab: could not search {uri} for the driver's runs: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return []
+    return [run.info.run_id for run in found if all(run.data.tags.get(k) == v for k, v in driver.items())]
 
 
 def _driven_by(tags: dict[str, str], driver: dict[str, str] | None) -> bool:

@@ -148,6 +148,7 @@ class Tracker:
         all_tags = {**driver_tags(), **(tags or {})}  # which process drives it: the closers close only its own
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
+        closer.opening(self.uri, self.experiment_id)
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         closer.opened(self.uri, run.info.run_id)
         return run.info.run_id
@@ -158,6 +159,7 @@ class Tracker:
         from mlflow.entities import RunTag
 
         before = self.client.get_run(run_id)
+        closer.opening(self.uri, before.info.experiment_id)
         # this process drives it from now on (tagged first: a dead driver's closer then leaves it alone)
         self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in driver_tags().items()])
         self.client.update_run(run_id, status="RUNNING")

@@ -118,7 +118,7 @@ def test_a_guarded_driver_killed_outright_has_its_open_runs_closed_by_its_sentin
     tracker = Tracker(uri, "guarded")
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(GUARDED), uri, "kill"], stdout=subprocess.PIPE, text=True)
     parent, child, sentinel, ledger, listed = proc.stdout.readline().split(maxsplit=4)
-    assert json.loads(listed) == {parent: uri}  # the child was closed before the ledger was read
+    assert json.loads(listed)["runs"] == {parent: uri}  # the child was closed before the ledger was read
     deadline = time.monotonic() + 90  # the sentinel imports MLflow once its driver is gone, closes, ends
     while not _gone(int(sentinel)):  # read the store once its writer is done (SQLite locks)
         assert time.monotonic() < deadline, "the sentinel did not end"
@@ -130,6 +130,41 @@ def test_a_guarded_driver_killed_outright_has_its_open_runs_closed_by_its_sentin
     assert str(proc.pid) in tags["prvrlab.stop_reason"]
     assert _status(tracker, child)[0] == "FINISHED"
     assert not Path(ledger).exists()
+
+
+KILLED_BEFORE_LISTING = """
+import os, signal, sys
+from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking.store import Tracker
+closer.guard_process()
+tracker = Tracker(sys.argv[1], "window")
+
+def killed_before_listing(uri, run_id):  # the instant after create_run, before the ledger lists the run
+    print(run_id, closer._GUARD["sentinel"][0], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+closer.opened = killed_before_listing
+tracker.start_run("parent")
+"""
+
+
+def test_a_driver_killed_before_its_new_run_is_listed_still_has_it_closed(tmp_path):
+    """The sentinel is started and the store noted before the run is created; a kill between the run turning
+    RUNNING and the ledger listing it is caught by the sentinel's search for its driver's RUNNING runs."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "window")
+    other = tracker.start_run("another driver's")  # this test process's: left alone
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_BEFORE_LISTING), uri], stdout=subprocess.PIPE, text=True)
+    run_id, sentinel = proc.stdout.readline().split()
+    assert proc.wait(timeout=30) == -9
+    deadline = time.monotonic() + 90
+    while not _gone(int(sentinel)):
+        assert time.monotonic() < deadline, "the sentinel did not end"
+        time.sleep(0.2)
+    status, tags = _status(tracker, run_id)
+    assert status == "KILLED" and f"driver (pid {proc.pid}) died" in tags["prvrlab.stop_reason"], tags
+    assert _status(tracker, other)[0] == "RUNNING"
+    tracker.end_run(other, "FINISHED")
 
 
 def test_a_guarded_driver_that_ends_normally_ends_its_sentinel_and_closes_nothing(tmp_path):
@@ -201,9 +236,10 @@ def terminate(signum, frame):
 
 signal.signal(signal.SIGTERM, terminate)
 write = closer._write_ledger
-def write_then_stop():  # the stop signal arrives while the bookkeeping holds its lock
+def write_then_stop():  # the stop signal arrives while the bookkeeping holds its lock, a run listed
     write()
-    signal.raise_signal(signal.SIGTERM)
+    if closer._OPEN:
+        signal.raise_signal(signal.SIGTERM)
 closer._write_ledger = write_then_stop
 closer.guard_process()
 tracker = Tracker(sys.argv[1], "stop")
@@ -248,10 +284,10 @@ def test_the_ledger_is_private_and_unguarding_ends_the_sentinel_when_nothing_is_
     monkeypatch.setattr(closer, "_OPEN", {})
     closer.opened("sqlite:///relative.db", "r1")
     assert ledger.stat().st_mode & 0o777 == 0o600
-    assert json.loads(ledger.read_text()) == {"r1": f"sqlite:///{Path.cwd().resolve() / 'relative.db'}"}  # absolute
+    assert json.loads(ledger.read_text())["runs"] == {"r1": f"sqlite:///{Path.cwd().resolve() / 'relative.db'}"}
     closer.unguard_process()
     assert ledger.exists()  # a run is still open: still watched
     closer.closed("r1")
-    assert json.loads(ledger.read_text()) == {} and sorted(p.name for p in tmp_path.iterdir()) == ["ledger.json"]
+    assert json.loads(ledger.read_text())["runs"] == {} and sorted(p.name for p in tmp_path.iterdir()) == ["ledger.json"]
     closer.unguard_process()
     assert not ledger.exists() and closer._GUARD["ledger"] is None
