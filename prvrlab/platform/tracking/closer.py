@@ -98,13 +98,10 @@ def opening(uri: str, experiment_id: str) -> None:
 
 
 def opened(uri: str, run_id: str) -> None:
-    """Note a run this process opened (or reopened)."""
+    """Note a run this process opened (or reopened); :func:`opening` came first."""
     uri = _absolute(uri)
     with _LOCK:
         _OPEN[run_id] = uri
-    if _GUARD["on"]:
-        _best_effort(_start_sentinel)
-    with _LOCK:
         _best_effort(_write_ledger)
 
 
@@ -325,7 +322,8 @@ def close_runs(runs: dict[str, str], reason: str, *, driver: dict[str, str] | No
 
 
 def _driven_runs(uri: str, experiment_id: str, driver: dict[str, str]) -> list[str]:
-    """The RUNNING runs of ``experiment_id`` in store ``uri`` whose driver tags name ``driver``."""
+    """The RUNNING runs of ``experiment_id`` in store ``uri`` tagged with ``driver``'s pid (:func:`close_runs`
+    checks the rest of its tags)."""
     from mlflow.tracking import MlflowClient
 
     if not _store_exists(uri):
@@ -338,7 +336,7 @@ def _driven_runs(uri: str, experiment_id: str, driver: dict[str, str]) -> list[s
     except Exception as exc:  # noqa: BLE001 - the listed runs are still closed
         print(f"prvrlab: could not search {uri} for the driver's runs: {type(exc).__name__}: {exc}", file=sys.stderr)
         return []
-    return [run.info.run_id for run in found if all(run.data.tags.get(k) == v for k, v in driver.items())]
+    return [run.info.run_id for run in found]
 
 
 def _driven_by(tags: dict[str, str], driver: dict[str, str] | None) -> bool:
