@@ -170,9 +170,10 @@ class MlflowStudyCallback(Callback):
         Tune saves its state every few seconds; a trial started just before the driver was
         killed is unknown after ``--resume`` (the searcher samples that slot again, as a new
         trial), so its child run would otherwise stay RUNNING forever. With an object store the
-        run map itself can lag (the kill cut its push short): a RUNNING child run of the parent
-        that the map does not hold is entered in the map, and closed the same way unless Tune
-        holds its trial (which then reattaches to it).
+        run map itself can lag (the kill cut its push short): a child run of the parent that the
+        map does not hold is entered in the map. Unless Tune holds its trial (which then
+        reattaches to it) a RUNNING one is closed KILLED as lost, and a KILLED one (closed by the
+        run sentinel when the driver died) is re-tagged lost; an ended one is kept as ended.
         """
         known = {t.trial_id for t in trials}
         lost = {"prvrlab.status": "killed", "prvrlab.stop_reason": "lost: the driver was killed before Tune saved this trial; its slot was sampled again"}
@@ -181,19 +182,23 @@ class MlflowStudyCallback(Callback):
                 self.close_id(trial_id, "KILLED", lost)
         if not self.runs.parent:
             return
-        running = self.tracker.client.search_runs(
+        children = self.tracker.client.search_runs(
             [self.tracker.experiment_id],
-            filter_string=f"tags.`mlflow.parentRunId` = '{self.runs.parent}' and attributes.status = 'RUNNING'",
+            filter_string=f"tags.`mlflow.parentRunId` = '{self.runs.parent}'",
             max_results=5000,
         )
-        for run in running:
+        for run in children:
             trial_id = run.data.tags.get("prvrlab.trial_id")
             if not trial_id or trial_id in self.runs.trials:  # a mapped run's trial is in the map
                 continue
             self.runs.trials[trial_id] = run.info.run_id
-            if trial_id not in known:
+            status = run.info.status
+            if status in ("FINISHED", "FAILED"):  # ended: replayed, never reopened or run again
+                self.runs.closed[trial_id] = status
+            elif trial_id not in known:
                 self.tracker.set_tags(run.info.run_id, lost)
-                self.tracker.end_run(run.info.run_id, "KILLED")
+                if status != "KILLED":
+                    self.tracker.end_run(run.info.run_id, "KILLED")
                 self.runs.closed[trial_id] = "KILLED"
             self._save()
 

@@ -96,3 +96,34 @@ def test_running_child_runs_the_run_map_never_saved_are_adopted_or_closed(tmp_pa
     assert client.get_run(unsaved["tuned"]).info.status == "RUNNING"
     children = client.search_runs([tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
     assert len(children) == 5
+
+
+def test_unmapped_child_runs_the_sentinel_already_closed_are_marked_lost_or_reattached(tmp_path):
+    """The run sentinel closes a dead driver's RUNNING runs KILLED before ``--resume`` looks for them."""
+    study, runs, client = _study(tmp_path)
+    tracker = Tracker(study.tracking_uri, "lost")
+    parent = json.loads((tmp_path / "study" / STUDY_FILE).read_text())["parent"]
+    unsaved = {t: tracker.start_run(f"trial {t}", tags={"prvrlab.trial_id": t}, parent_run_id=parent) for t in ("gone", "tuned", "done")}
+    died = {"prvrlab.status": "killed", "prvrlab.stop_reason": "its driver (pid 1) died without closing it"}
+    for trial in ("gone", "tuned"):
+        tracker.set_tags(unsaved[trial], died)
+        tracker.end_run(unsaved[trial], "KILLED")
+    tracker.end_run(unsaved["done"], "FINISHED")
+    callback = MlflowStudyCallback(study)
+    restored = [SimpleNamespace(trial_id=t) for t in ("known", "ended", "tuned", "done")]
+    callback.on_step_begin(0, restored)
+    gone = client.get_run(unsaved["gone"])
+    assert gone.info.status == "KILLED" and gone.data.tags["prvrlab.stop_reason"].startswith("lost:")
+    saved = json.loads((tmp_path / "study" / STUDY_FILE).read_text())
+    assert {t: saved["trials"][t] for t in unsaved} == unsaved
+    assert saved["closed"] == {"ended": "FINISHED", "lost": "KILLED", "gone": "KILLED", "done": "FINISHED"}
+
+    tuned = SimpleNamespace(trial_id="tuned", config={})
+    callback.on_trial_start(0, restored, tuned)  # reattached and reopened, its stop reason dropped
+    run = client.get_run(unsaved["tuned"])
+    assert run.info.status == "RUNNING" and run.data.tags["prvrlab.status"] == "resumed"
+    assert "prvrlab.stop_reason" not in run.data.tags
+    callback.on_trial_start(0, restored, SimpleNamespace(trial_id="done", config={}))  # ended: not reopened
+    assert client.get_run(unsaved["done"]).info.status == "FINISHED"
+    children = client.search_runs([tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert len(children) == 6
