@@ -28,6 +28,7 @@ from prvrlab.platform.search.study import (
     prepare_environment,
 )
 from prvrlab.platform.search.spec import AblationSpec
+from prvrlab.platform.tracking.drivers import driver_alive
 
 
 def finished_hashes(tracker, name: str) -> dict[str, str]:
@@ -46,17 +47,23 @@ def finished_hashes(tracker, name: str) -> dict[str, str]:
 
 def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
     """Close as KILLED this ablation's child runs left RUNNING by a driver that died (every RUNNING
-    child run the current study does not own); their cells then count as not finished and run again."""
+    child run the current study does not own and no live process on this host drives); their cells
+    then count as not finished and run again."""
     found = tracker.client.search_runs(
         [tracker.experiment_id],
         filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'RUNNING'",
         max_results=5000,
     )
     own = set(runs.trials.values())
-    orphans = [r.info.run_id for r in found if r.info.run_id not in own]
-    for run_id in orphans:
-        tracker.set_tags(run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": "orphaned: its driver died"})
-        tracker.end_run(run_id, "KILLED")
+    orphans = []
+    for run in found:
+        if run.info.run_id in own or driver_alive(run.data.tags):
+            continue
+        if tracker.take_over(run.info.run_id).info.status != "RUNNING":  # its driver's sentinel closed it meanwhile
+            continue
+        tracker.set_tags(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": "orphaned: its driver died"})
+        tracker.end_run(run.info.run_id, "KILLED")
+        orphans.append(run.info.run_id)
     return orphans
 
 

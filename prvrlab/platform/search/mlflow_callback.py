@@ -28,6 +28,7 @@ from ray.tune import Callback
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import ERROR_FILE, record_failure
 from prvrlab.platform import storage
+from prvrlab.platform.tracking.drivers import driver_alive
 from prvrlab.platform.search.outcome import (
     INTERRUPTED,
     OUTCOME_FILE,
@@ -100,7 +101,9 @@ class MlflowStudyCallback(Callback):
                 return run_id
             if trial_id not in self._open and not INTERRUPTED.is_set():  # a stopping study reopens nothing
                 before = self.tracker.reopen_run(run_id)
-                if self.runs.closed.pop(trial_id, None) == "KILLED" or before.info.status == "KILLED":  # the closer's are unmapped
+                was_killed = self.runs.closed.pop(trial_id, None) == "KILLED" or before.info.status == "KILLED"
+                if was_killed or driver_alive(before.data.tags) is False:  # the closers' are unmapped; a dead
+                    # driver's run is resumed whether or not its sentinel closed it first
                     self.tracker.set_tags(run_id, {"prvrlab.status": "resumed"})
                 self._save()
                 self._open.add(trial_id)
@@ -179,6 +182,7 @@ class MlflowStudyCallback(Callback):
         lost = {"prvrlab.status": "killed", "prvrlab.stop_reason": "lost: the driver was killed before Tune saved this trial; its slot was sampled again"}
         for trial_id in list(self.runs.trials):
             if trial_id not in known and self.runs.closed.get(trial_id) is None:
+                self.tracker.take_over(self.runs.trials[trial_id])  # the dead driver's sentinel then leaves it
                 self.close_id(trial_id, "KILLED", lost)
         if not self.runs.parent:
             return
@@ -196,6 +200,7 @@ class MlflowStudyCallback(Callback):
             if status in ("FINISHED", "FAILED"):  # ended: replayed, never reopened or run again
                 self.runs.closed[trial_id] = status
             elif trial_id not in known:
+                status = self.tracker.take_over(run.info.run_id).info.status  # as the dead driver's sentinel left it
                 self.tracker.set_tags(run.info.run_id, lost)
                 if status != "KILLED":
                     self.tracker.end_run(run.info.run_id, "KILLED")

@@ -25,6 +25,10 @@ is the driver, Slurm's step teardown, a Kubernetes OOM kill) leaves runs
 RUNNING; the next ``prvrlab train`` on the same host then closes them
 (``drivers.close_dead_runs``).
 
+The sentinel and the stop-signal closer check and close a driver's runs holding that driver's lock
+(``drivers.driver_lock``), which ``Tracker.take_over`` holds too while it re-tags a dead driver's run
+with the process taking it over: each either finishes first or finds the run driven by another process.
+
 The helper processes start from ``/`` with the working directory kept off
 ``sys.path`` (nothing in the folder a command was started from is imported),
 write nothing to the driver's stdout or stderr (a pipe reading them ends with
@@ -47,7 +51,7 @@ import threading
 import time
 from pathlib import Path
 
-from prvrlab.platform.tracking.drivers import PID_TAG, driver_tags, process_alive, start_time
+from prvrlab.platform.tracking.drivers import PID_TAG, driver_lock, driver_tags, lock_path, process_alive, start_time
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
 _STORES: set[tuple[str, str]] = set()  # (tracking URI, experiment id) where this process creates runs
@@ -212,10 +216,11 @@ def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
     driver = driver_tags(pid, start)
     for uri, experiment_id in stores:  # runs created but not yet listed when the driver died
         runs.update(dict.fromkeys(_driven_runs(uri, experiment_id, driver), uri))
-    if not runs:
-        return 0
     reason = f"its driver (pid {pid}) died without closing it"  # killed outright, or exited with it open
-    done = close_runs(runs, reason, driver=driver)
+    done = close_runs(runs, reason, driver=driver) if runs else []
+    lock = lock_path(driver)
+    if lock is not None:  # nothing of the driver's is decided after this
+        lock.unlink(missing_ok=True)
     if done:
         print(f"prvrlab: closed {len(done)} run(s) KILLED ({reason})", file=sys.stderr)
     return 0
@@ -295,7 +300,16 @@ def _store_exists(uri: str) -> bool:
 def close_runs(runs: dict[str, str], reason: str, *, driver: dict[str, str] | None = None) -> list[str]:
     """Close KILLED with ``reason`` those of ``runs`` (id -> URI) that are still RUNNING; their ids.
     ``driver`` (its ``drivers.driver_tags``): only the runs that process still drives (a run another
-    driver reopened since, e.g. ``--resume`` right after a kill, is left alone)."""
+    driver reopened since, e.g. ``--resume`` right after a kill, is left alone), checked and closed
+    holding that driver's lock (``drivers.driver_lock``), which a process taking a run over holds too."""
+    if driver is None:
+        return _close_runs(runs, reason, driver)
+    with driver_lock(driver):
+        return _close_runs(runs, reason, driver)
+
+
+def _close_runs(runs: dict[str, str], reason: str, driver: dict[str, str] | None) -> list[str]:
+    """:func:`close_runs` (holding the driver's lock where it has one)."""
     from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
@@ -312,8 +326,9 @@ def close_runs(runs: dict[str, str], reason: str, *, driver: dict[str, str] | No
                 run = client.get_run(run_id)
                 if run.info.status != "RUNNING" or not _driven_by(run.data.tags, driver):
                     continue
-                client.set_terminated(run_id, status="KILLED")
+                # the reason first: whoever sees the run KILLED also sees why
                 client.log_batch(run_id, tags=[RunTag("prvrlab.status", "killed"), RunTag("prvrlab.stop_reason", reason)])
+                client.set_terminated(run_id, status="KILLED")
             except Exception as exc:  # noqa: BLE001 - the other runs are still closed
                 print(f"prvrlab: could not close run {run_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue

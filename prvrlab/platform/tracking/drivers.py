@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 HOST_TAG, PID_TAG, START_TAG = "prvrlab.driver_host", "prvrlab.driver_pid", "prvrlab.driver_start"
+LOCK_WAIT_S = 60.0  # how long a process taking over a dead driver's run waits for that driver's closers
 
 
 def _stat(pid: int) -> list[str]:
@@ -63,6 +68,46 @@ def process_alive(pid: int, start: str = "") -> bool:
     return not start or start_time(pid) in ("", start)
 
 
+def lock_path(tags: dict[str, str]) -> Path | None:
+    """The lock file of the driver named by a run's ``tags`` (None: another host, or no driver tags)."""
+    if tags.get(HOST_TAG) != socket.gethostname() or not tags.get(PID_TAG, "").isdigit():
+        return None
+    start = "".join(c for c in tags.get(START_TAG, "") if c.isdigit())
+    return Path(tempfile.gettempdir()) / f"prvrlab-driver-{tags[PID_TAG]}-{start}.lock"
+
+
+@contextmanager
+def driver_lock(tags: dict[str, str], *, wait_s: float = LOCK_WAIT_S) -> Iterator[bool]:
+    """Hold the lock of the driver that ``tags`` name (this host only) while deciding about its runs.
+
+    The driver's sentinel and its stop-signal closer hold it while they check and close the driver's runs;
+    a process taking a dead driver's run over (``Tracker.take_over``: a ``--resume``, a lost-trial or
+    orphan closer) holds it while it checks the run and re-tags it with itself, so a closer either
+    finishes first or then sees the run driven by another process and leaves it alone.  Yields whether
+    the lock was taken (False: another host, or still held after ``wait_s``, when the caller goes on).
+    """
+    import fcntl
+
+    path = lock_path(tags)
+    if path is None:
+        yield False
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline, held = time.monotonic() + wait_s, False
+        while not held:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        yield held
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def close_dead_runs(tracker, kind: str = "train") -> list[str]:
     """Close this experiment's RUNNING ``kind`` runs whose driver on this host is gone; their ids."""
     runs = tracker.client.search_runs(
@@ -73,6 +118,9 @@ def close_dead_runs(tracker, kind: str = "train") -> list[str]:
     closed = []
     for run in runs:
         if driver_alive(run.data.tags) is False:
+            run = tracker.take_over(run.info.run_id)
+            if run.info.status != "RUNNING":  # its sentinel closed it meanwhile
+                continue
             reason = f"its driver (pid {run.data.tags[PID_TAG]} on {run.data.tags[HOST_TAG]}) died without closing it"
             tracker.set_tags(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": reason})
             tracker.end_run(run.info.run_id, "KILLED")

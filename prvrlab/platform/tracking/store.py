@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 from prvrlab.checks import is_number
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking import closer
-from prvrlab.platform.tracking.drivers import driver_tags
+from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
@@ -153,15 +153,30 @@ class Tracker:
         closer.opened(self.uri, run.info.run_id)
         return run.info.run_id
 
-    def reopen_run(self, run_id: str):
-        """Set a closed run RUNNING again (a resumed study), without the tags that described its stop;
-        returns the run as it was (``mlflow.entities.Run``)."""
+    def take_over(self, run_id: str):
+        """Make this process the driver of ``run_id``; returns the run as it was (``mlflow.entities.Run``).
+
+        When its recorded driver on this host is dead, this waits for that driver's sentinel or stop
+        closer to be done with its runs (``drivers.driver_lock``) and reads the run again: the closers
+        check the driver tags under the same lock, so they never close a run taken over here, and what
+        is returned is what they left."""
         from mlflow.entities import RunTag
 
         before = self.client.get_run(run_id)
+        mine = [RunTag(k, v) for k, v in driver_tags().items()]
+        if driver_alive(before.data.tags) is not False:
+            self.client.log_batch(run_id, tags=mine)
+            return before
+        with driver_lock(before.data.tags):
+            before = self.client.get_run(run_id)
+            self.client.log_batch(run_id, tags=mine)
+        return before
+
+    def reopen_run(self, run_id: str):
+        """Set a closed run RUNNING again (a resumed study), without the tags that described its stop;
+        returns the run as it was (``mlflow.entities.Run``)."""
+        before = self.take_over(run_id)  # first: a dead driver's closers then leave it alone
         closer.opening(self.uri, before.info.experiment_id)
-        # this process drives it from now on (tagged first: a dead driver's closer then leaves it alone)
-        self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in driver_tags().items()])
         self.client.update_run(run_id, status="RUNNING")
         for stale in STOP_TAGS:
             if stale in before.data.tags:

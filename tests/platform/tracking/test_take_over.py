@@ -1,0 +1,164 @@
+"""Taking over a dead driver's run and that driver's closers never interleave (``drivers.driver_lock``).
+
+A ``--resume`` can start while the dead driver's sentinel is still closing its runs; without the lock the
+sentinel's check ("RUNNING, driven by my driver") and its close could fall either side of the resume's
+reopen, leaving a resumed run KILLED, or RUNNING with a stop reason.  Each interleaving is forced here.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import mlflow
+import pytest
+
+from prvrlab.platform.search.ablation import close_orphans
+from prvrlab.platform.search.outcome import RunMap
+from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking.drivers import HOST_TAG, driver_alive, driver_lock, driver_tags, lock_path
+from prvrlab.platform.tracking.store import Tracker
+
+REASON = {"prvrlab.status": "killed", "prvrlab.stop_reason": "its driver (pid 1) died without closing it"}
+
+
+@pytest.fixture
+def dead():
+    """Driver tags of a process of this host that has ended."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    tags = driver_tags(proc.pid)
+    proc.communicate(b"")
+    assert driver_alive(tags) is False
+    yield tags
+    path = lock_path(tags)
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def _run(tracker: Tracker, driver: dict[str, str], status: str = "RUNNING", **tags: str) -> str:
+    run_id = tracker.start_run("run", tags=tags)
+    tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in driver.items()])
+    if status != "RUNNING":
+        tracker.end_run(run_id, status)
+    closer.closed(run_id)  # not this process's to close
+    return run_id
+
+
+def _hold(tags: dict[str, str], then=None, hold_s: float = 0.6):
+    """A thread that takes the driver's lock (returned once it holds it), waits, runs ``then``, releases."""
+    held = threading.Event()
+
+    def body() -> None:
+        with driver_lock(tags) as got:
+            assert got
+            held.set()
+            time.sleep(hold_s)
+            if then is not None:
+                then()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    assert held.wait(10)
+    return thread
+
+
+def test_the_lock_excludes_others_until_released_and_names_only_this_host(tmp_path, dead):
+    thread = _hold(dead)
+    with driver_lock(dead, wait_s=0.1) as got:
+        assert not got  # held elsewhere, given up after the wait
+    thread.join()
+    with driver_lock(dead, wait_s=0.1) as got:
+        assert got
+    other = {**dead, HOST_TAG: socket.gethostname() + "-elsewhere"}
+    assert lock_path(other) is None
+    with driver_lock(other) as got:
+        assert not got
+
+
+def test_a_reopen_waits_for_the_sentinels_close_and_then_wins(tmp_path, dead):
+    """The sentinel checked and holds the lock; the resume's reopen comes after its close, not between."""
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
+    run_id = _run(tracker, dead)
+
+    def sentinel_close() -> None:  # what close_runs does once it has found the run RUNNING and its driver's
+        tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in REASON.items()])
+        tracker.client.set_terminated(run_id, status="KILLED")
+
+    thread = _hold(dead, sentinel_close)
+    before = tracker.reopen_run(run_id)
+    thread.join()
+    assert before.info.status == "KILLED"  # what the sentinel left
+    run = tracker.client.get_run(run_id)
+    assert run.info.status == "RUNNING" and "prvrlab.stop_reason" not in run.data.tags and "prvrlab.status" not in run.data.tags
+    assert {k: run.data.tags[k] for k in dead} == driver_tags()
+    tracker.end_run(run_id, "FINISHED")
+
+
+def test_the_sentinel_leaves_a_run_taken_over_while_it_waited(tmp_path, dead):
+    """The resume holds the lock first: the sentinel's close_runs waits, then sees another driver."""
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
+    run_id = _run(tracker, dead)
+
+    def resume_take_over() -> None:  # Tracker.take_over's step under the lock (a second flock here would wait)
+        tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in driver_tags().items()])
+
+    thread = _hold(dead, resume_take_over)
+    done = closer.close_runs({run_id: tracker.uri}, REASON["prvrlab.stop_reason"], driver=dead)
+    thread.join()
+    assert done == []
+    run = tracker.client.get_run(run_id)
+    assert run.info.status == "RUNNING" and "prvrlab.stop_reason" not in run.data.tags
+
+
+def test_a_closer_writes_the_reason_before_the_status(tmp_path, dead, monkeypatch):
+    """Whoever sees the run KILLED (a poll, the UI) also sees why."""
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
+    run_id = _run(tracker, dead)
+    calls = []
+    client = mlflow.tracking.MlflowClient
+    for name in ("log_batch", "set_terminated"):
+        original = getattr(client, name)
+        monkeypatch.setattr(client, name, lambda self, *a, _o=original, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
+    assert closer.close_runs({run_id: tracker.uri}, "stopped", driver=dead) == [run_id]
+    assert calls == ["log_batch", "set_terminated"]
+
+
+def test_the_next_train_and_an_ablation_leave_runs_their_dead_drivers_sentinel_closed(tmp_path, dead):
+    """Found RUNNING, closed by the sentinel while the lock was awaited: not closed again with another reason."""
+    from prvrlab.platform.tracking.drivers import close_dead_runs
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
+    study = {"prvrlab.study": "abl", "prvrlab.study_kind": "ablation", "prvrlab.kind": "train"}
+    run_id = _run(tracker, dead, **study)
+
+    def sentinel_close() -> None:
+        tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in REASON.items()])
+        tracker.client.set_terminated(run_id, status="KILLED")
+
+    thread = _hold(dead, sentinel_close)
+    assert close_dead_runs(tracker) == []
+    thread.join()
+    assert tracker.client.get_run(run_id).data.tags["prvrlab.stop_reason"] == REASON["prvrlab.stop_reason"]
+
+    orphan = _run(tracker, dead, **study)
+    live = _run(tracker, driver_tags(), **study)  # a concurrent driver of the same study, alive
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    assert close_orphans(tracker, "abl", RunMap(study_dir)) == [orphan]
+    assert tracker.client.get_run(orphan).data.tags["prvrlab.stop_reason"] == "orphaned: its driver died"
+    assert tracker.client.get_run(live).info.status == "RUNNING"
+    tracker.end_run(live, "FINISHED")
+
+
+def test_the_sentinel_removes_its_drivers_lock_file(tmp_path, dead):
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text('{"runs": {}, "stores": []}')
+    with driver_lock(dead):
+        pass
+    assert lock_path(dead).exists()
+    closer.watch(int(dead["prvrlab.driver_pid"]), dead["prvrlab.driver_start"], ledger, poll_s=0.01)
+    assert not lock_path(dead).exists() and not ledger.exists()
+
