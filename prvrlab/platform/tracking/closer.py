@@ -243,7 +243,17 @@ def close_in_background(reason: str) -> subprocess.Popen | None:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump({"reason": reason, "runs": runs, "driver": driver_tags()}, fh)
     _CLOSER = subprocess.Popen(**helper_command(job), stdout=subprocess.DEVNULL)  # its stderr: the driver's log
+    atexit.register(_remove_own_lock)
     return _CLOSER
+
+
+def _remove_own_lock() -> None:
+    """At a normal exit after a stop signal: the closer done, remove this driver's lock file (while the
+    driver lives only its closer takes that lock)."""
+    wait_for_closer()
+    path = lock_path(driver_tags())
+    if path is not None:
+        path.unlink(missing_ok=True)
 
 
 def wait_for_closer(timeout: float = WAIT_S) -> None:

@@ -162,3 +162,31 @@ def test_the_sentinel_removes_its_drivers_lock_file(tmp_path, dead):
     closer.watch(int(dead["prvrlab.driver_pid"]), dead["prvrlab.driver_start"], ledger, poll_s=0.01)
     assert not lock_path(dead).exists() and not ledger.exists()
 
+
+
+STOPPED = """
+import json, sys
+from prvrlab.platform.tracking.closer import stop_requested
+from prvrlab.platform.tracking.drivers import driver_tags
+from prvrlab.platform.tracking.store import Tracker
+run_id = Tracker(sys.argv[1], "stopped").start_run("run")
+print(json.dumps({"run": run_id, "driver": driver_tags()}), flush=True)
+stop_requested("stopped by SIGTERM")
+sys.exit(143)  # a driver that winds down in time
+"""
+
+
+def test_a_stopped_driver_that_exits_removes_its_lock_file_after_its_closer(tmp_path):
+    import json
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "stopped")
+    done = subprocess.run([sys.executable, "-c", STOPPED, uri], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143, done.stderr
+    said = json.loads(done.stdout)
+    deadline = time.monotonic() + 90
+    while (run := tracker.client.get_run(said["run"])).info.status == "RUNNING":  # closed when it exited
+        assert time.monotonic() < deadline, "the detached closer did not close the run"
+        time.sleep(0.5)
+    assert run.info.status == "KILLED" and run.data.tags["prvrlab.stop_reason"] == "stopped by SIGTERM"
+    assert not lock_path(said["driver"]).exists()
