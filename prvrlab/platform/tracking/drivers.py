@@ -84,15 +84,19 @@ def driver_lock(tags: dict[str, str], *, wait_s: float = LOCK_WAIT_S) -> Iterato
     a process taking a dead driver's run over (``Tracker.take_over``: a ``--resume``, a lost-trial or
     orphan closer) holds it while it checks the run and re-tags it with itself, so a closer either
     finishes first or then sees the run driven by another process and leaves it alone.  Yields whether
-    the lock was taken (False: another host, or still held after ``wait_s``, when the caller goes on).
+    the lock was taken (False: another host, no writable temp folder, or still held after ``wait_s``;
+    the caller goes on).
     """
     import fcntl
 
     path = lock_path(tags)
-    if path is None:
+    try:
+        fd = None if path is None else os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:  # no temp folder to write in: go on unlocked, as before the lock existed
+        fd = None
+    if fd is None:
         yield False
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline, held = time.monotonic() + wait_s, False
         while not held:

@@ -190,3 +190,16 @@ def test_a_stopped_driver_that_exits_removes_its_lock_file_after_its_closer(tmp_
         time.sleep(0.5)
     assert run.info.status == "KILLED" and run.data.tags["prvrlab.stop_reason"] == "stopped by SIGTERM"
     assert not lock_path(said["driver"]).exists()
+
+
+def test_without_a_writable_temp_folder_the_take_over_goes_on_unlocked(tmp_path, dead, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "missing"))
+    with driver_lock(dead) as got:
+        assert not got
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
+    run_id = _run(tracker, dead, "KILLED")
+    assert tracker.reopen_run(run_id).info.status == "KILLED"
+    assert tracker.client.get_run(run_id).info.status == "RUNNING"
+    tracker.end_run(run_id, "FINISHED")
