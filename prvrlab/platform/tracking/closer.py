@@ -51,7 +51,7 @@ import threading
 import time
 from pathlib import Path
 
-from prvrlab.platform.tracking.drivers import PID_TAG, driver_lock, driver_tags, lock_path, process_alive, start_time
+from prvrlab.platform.tracking.drivers import PID_TAG, driver_lock, driver_tags, process_alive, start_time
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
 _STORES: set[tuple[str, str]] = set()  # (tracking URI, experiment id) where this process creates runs
@@ -217,10 +217,9 @@ def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
     for uri, experiment_id in stores:  # runs created but not yet listed when the driver died
         runs.update(dict.fromkeys(_driven_runs(uri, experiment_id, driver), uri))
     reason = f"its driver (pid {pid}) died without closing it"  # killed outright, or exited with it open
-    done = close_runs(runs, reason, driver=driver) if runs else []
-    lock = lock_path(driver)
-    if lock is not None:  # nothing of the driver's is decided after this
-        lock.unlink(missing_ok=True)
+    if not runs:
+        return 0
+    done = close_runs(runs, reason, driver=driver)
     if done:
         print(f"prvrlab: closed {len(done)} run(s) KILLED ({reason})", file=sys.stderr)
     return 0
@@ -243,17 +242,7 @@ def close_in_background(reason: str) -> subprocess.Popen | None:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump({"reason": reason, "runs": runs, "driver": driver_tags()}, fh)
     _CLOSER = subprocess.Popen(**helper_command(job), stdout=subprocess.DEVNULL)  # its stderr: the driver's log
-    atexit.register(_remove_own_lock)
     return _CLOSER
-
-
-def _remove_own_lock() -> None:
-    """At a normal exit after a stop signal: the closer done, remove this driver's lock file (while the
-    driver lives only its closer takes that lock)."""
-    wait_for_closer()
-    path = lock_path(driver_tags())
-    if path is not None:
-        path.unlink(missing_ok=True)
 
 
 def wait_for_closer(timeout: float = WAIT_S) -> None:

@@ -19,6 +19,8 @@ from typing import Iterator
 
 HOST_TAG, PID_TAG, START_TAG = "prvrlab.driver_host", "prvrlab.driver_pid", "prvrlab.driver_start"
 LOCK_WAIT_S = 60.0  # how long a process taking over a dead driver's run waits for that driver's closers
+LOCK_DIR = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())  # one folder, whatever TMPDIR says
+_GAVE_UP: set[Path] = set()  # lock files this process waited for in vain (not waited for again)
 
 
 def _stat(pid: int) -> list[str]:
@@ -73,7 +75,34 @@ def lock_path(tags: dict[str, str]) -> Path | None:
     if tags.get(HOST_TAG) != socket.gethostname() or not tags.get(PID_TAG, "").isdigit():
         return None
     start = "".join(c for c in tags.get(START_TAG, "") if c.isdigit())
-    return Path(tempfile.gettempdir()) / f"prvrlab-driver-{tags[PID_TAG]}-{start}.lock"
+    return LOCK_DIR / f"prvrlab-driver-{tags[PID_TAG]}-{start}.lock"
+
+
+def _locked(path: Path, deadline: float) -> int | None:
+    """An open descriptor of ``path`` holding its exclusive lock, the file still at that path (one that was
+    removed while this waited is opened again); None when the lock is not had by ``deadline``."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        os.close(fd)
+                        return None
+                    time.sleep(0.05)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass  # removed by the holder as it let go: open the path again
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 @contextmanager
@@ -83,32 +112,30 @@ def driver_lock(tags: dict[str, str], *, wait_s: float = LOCK_WAIT_S) -> Iterato
     The driver's sentinel and its stop-signal closer hold it while they check and close the driver's runs;
     a process taking a dead driver's run over (``Tracker.take_over``: a ``--resume``, a lost-trial or
     orphan closer) holds it while it checks the run and re-tags it with itself, so a closer either
-    finishes first or then sees the run driven by another process and leaves it alone.  Yields whether
-    the lock was taken (False: another host, no writable temp folder, or still held after ``wait_s``;
-    the caller goes on).
+    finishes first or then sees the run driven by another process and leaves it alone.  The holder
+    removes the file before it lets go (a waiter then opens the path again), so none is left behind.
+    Yields whether the lock was taken (False: another host, no usable lock folder, or still held after
+    ``wait_s``, once per driver and process: later calls do not wait again); the caller goes on.
     """
-    import fcntl
-
     path = lock_path(tags)
-    try:
-        fd = None if path is None else os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:  # no temp folder to write in: go on unlocked, as before the lock existed
-        fd = None
+    fd = None
+    if path is not None:
+        try:
+            fd = _locked(path, time.monotonic() + (0.0 if path in _GAVE_UP else wait_s))
+        except OSError:  # no folder to write in, or no locks there: go on unlocked, as before the lock existed
+            fd = None
+        if fd is None:
+            _GAVE_UP.add(path)
     if fd is None:
         yield False
         return
     try:
-        deadline, held = time.monotonic() + wait_s, False
-        while not held:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
-        yield held
+        yield True
     finally:
+        try:
+            path.unlink(missing_ok=True)  # while still held: nobody holds a lock on a file at no path
+        except OSError:
+            pass
         os.close(fd)  # releases the lock
 
 

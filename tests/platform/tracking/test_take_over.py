@@ -7,6 +7,7 @@ reopen, leaving a resumed run KILLED, or RUNNING with a stop reason.  Each inter
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 
 from prvrlab.platform.search.ablation import close_orphans
 from prvrlab.platform.search.outcome import RunMap
-from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking import closer, drivers
 from prvrlab.platform.tracking.drivers import HOST_TAG, driver_alive, driver_lock, driver_tags, lock_path
 from prvrlab.platform.tracking.store import Tracker
 
@@ -34,8 +35,8 @@ def dead():
     assert driver_alive(tags) is False
     yield tags
     path = lock_path(tags)
-    if path is not None:
-        path.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    drivers._GAVE_UP.discard(path)
 
 
 def _run(tracker: Tracker, driver: dict[str, str], status: str = "RUNNING", **tags: str) -> str:
@@ -47,31 +48,39 @@ def _run(tracker: Tracker, driver: dict[str, str], status: str = "RUNNING", **ta
     return run_id
 
 
-def _hold(tags: dict[str, str], then=None, hold_s: float = 0.6):
-    """A thread that takes the driver's lock (returned once it holds it), waits, runs ``then``, releases."""
-    held = threading.Event()
+def _hold(tags: dict[str, str], then=None, hold_s: float = 1.5):
+    """A thread that takes the driver's lock (returned, with its release event, once it holds it), waits for
+    the event or ``hold_s``, runs ``then`` and lets go."""
+    held, release = threading.Event(), threading.Event()
 
     def body() -> None:
         with driver_lock(tags) as got:
             assert got
             held.set()
-            time.sleep(hold_s)
+            release.wait(hold_s)
             if then is not None:
                 then()
 
     thread = threading.Thread(target=body)
     thread.start()
     assert held.wait(10)
-    return thread
+    return thread, release
 
 
 def test_the_lock_excludes_others_until_released_and_names_only_this_host(tmp_path, dead):
-    thread = _hold(dead)
+    thread, release = _hold(dead, hold_s=60)
     with driver_lock(dead, wait_s=0.1) as got:
         assert not got  # held elsewhere, given up after the wait
+    started = time.monotonic()
+    with driver_lock(dead, wait_s=30) as got:
+        assert not got and time.monotonic() - started < 10  # given up on once: not waited for again
+    release.set()
     thread.join()
+    assert not lock_path(dead).exists()  # removed by its holder as it let go
+    drivers._GAVE_UP.discard(lock_path(dead))
     with driver_lock(dead, wait_s=0.1) as got:
-        assert got
+        assert got and lock_path(dead).exists()
+    assert not lock_path(dead).exists()
     other = {**dead, HOST_TAG: socket.gethostname() + "-elsewhere"}
     assert lock_path(other) is None
     with driver_lock(other) as got:
@@ -87,7 +96,7 @@ def test_a_reopen_waits_for_the_sentinels_close_and_then_wins(tmp_path, dead):
         tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in REASON.items()])
         tracker.client.set_terminated(run_id, status="KILLED")
 
-    thread = _hold(dead, sentinel_close)
+    thread, _ = _hold(dead, sentinel_close)
     before = tracker.reopen_run(run_id)
     thread.join()
     assert before.info.status == "KILLED"  # what the sentinel left
@@ -105,7 +114,7 @@ def test_the_sentinel_leaves_a_run_taken_over_while_it_waited(tmp_path, dead):
     def resume_take_over() -> None:  # Tracker.take_over's step under the lock (a second flock here would wait)
         tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in driver_tags().items()])
 
-    thread = _hold(dead, resume_take_over)
+    thread, _ = _hold(dead, resume_take_over)
     done = closer.close_runs({run_id: tracker.uri}, REASON["prvrlab.stop_reason"], driver=dead)
     thread.join()
     assert done == []
@@ -138,7 +147,7 @@ def test_the_next_train_and_an_ablation_leave_runs_their_dead_drivers_sentinel_c
         tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in REASON.items()])
         tracker.client.set_terminated(run_id, status="KILLED")
 
-    thread = _hold(dead, sentinel_close)
+    thread, _ = _hold(dead, sentinel_close)
     assert close_dead_runs(tracker) == []
     thread.join()
     assert tracker.client.get_run(run_id).data.tags["prvrlab.stop_reason"] == REASON["prvrlab.stop_reason"]
@@ -153,15 +162,34 @@ def test_the_next_train_and_an_ablation_leave_runs_their_dead_drivers_sentinel_c
     tracker.end_run(live, "FINISHED")
 
 
-def test_the_sentinel_removes_its_drivers_lock_file(tmp_path, dead):
-    ledger = tmp_path / "ledger.json"
-    ledger.write_text('{"runs": {}, "stores": []}')
-    with driver_lock(dead):
-        pass
-    assert lock_path(dead).exists()
-    closer.watch(int(dead["prvrlab.driver_pid"]), dead["prvrlab.driver_start"], ledger, poll_s=0.01)
-    assert not lock_path(dead).exists() and not ledger.exists()
+def test_a_waiter_on_a_lock_file_removed_and_made_again_waits_for_the_new_holder(tmp_path, dead):
+    """The holder removes the file as it lets go; a late comer makes a new one: a process that was waiting on
+    the old file must not count as holding the lock beside it."""
+    import fcntl
 
+    path = lock_path(dead)
+    first = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(first, fcntl.LOCK_EX)
+    entered = threading.Event()
+
+    def waiter() -> None:
+        with driver_lock(dead, wait_s=30) as got:
+            assert got
+            entered.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.5)  # the waiter is waiting on the first file
+    path.unlink()
+    late = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(late, fcntl.LOCK_EX)
+    os.close(first)  # the first holder lets go: the waiter gets that file's lock, at no path any more
+    assert not entered.wait(1.0)  # ... and waits again, on the late comer's
+    path.unlink()
+    os.close(late)
+    assert entered.wait(10)
+    thread.join()
+    assert not path.exists()
 
 
 STOPPED = """
@@ -176,7 +204,7 @@ sys.exit(143)  # a driver that winds down in time
 """
 
 
-def test_a_stopped_driver_that_exits_removes_its_lock_file_after_its_closer(tmp_path):
+def test_a_stopped_driver_leaves_no_lock_file(tmp_path):
     import json
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -192,10 +220,8 @@ def test_a_stopped_driver_that_exits_removes_its_lock_file_after_its_closer(tmp_
     assert not lock_path(said["driver"]).exists()
 
 
-def test_without_a_writable_temp_folder_the_take_over_goes_on_unlocked(tmp_path, dead, monkeypatch):
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "missing"))
+def test_without_a_writable_lock_folder_the_take_over_goes_on_unlocked(tmp_path, dead, monkeypatch):
+    monkeypatch.setattr(drivers, "LOCK_DIR", tmp_path / "missing")
     with driver_lock(dead) as got:
         assert not got
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
