@@ -28,7 +28,7 @@ from prvrlab.platform.search.study import (
     prepare_environment,
 )
 from prvrlab.platform.search.spec import AblationSpec
-from prvrlab.platform.tracking.drivers import driver_alive
+from prvrlab.platform.tracking.drivers import driver_alive, driver_tags
 
 
 def finished_hashes(tracker, name: str) -> dict[str, str]:
@@ -47,18 +47,19 @@ def finished_hashes(tracker, name: str) -> dict[str, str]:
 
 def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
     """Close as KILLED this ablation's child runs left RUNNING by a driver that died (every RUNNING
-    child run the current study does not own and no live process on this host drives); their cells
+    child run the current study does not own and no other live process on this host drives); their cells
     then count as not finished and run again."""
     found = tracker.client.search_runs(
         [tracker.experiment_id],
         filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'RUNNING'",
         max_results=5000,
     )
-    own = set(runs.trials.values())
+    own, me = set(runs.trials.values()), driver_tags()
     orphans = []
     for run in found:
-        if run.info.run_id in own or driver_alive(run.data.tags):
-            continue
+        tags = run.data.tags
+        if run.info.run_id in own or (driver_alive(tags) and any(tags.get(k) != v for k, v in me.items())):
+            continue  # the study's own, or another live process's
         if tracker.take_over(run.info.run_id).info.status != "RUNNING":  # its driver's sentinel closed it meanwhile
             continue
         tracker.set_tags(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": "orphaned: its driver died"})

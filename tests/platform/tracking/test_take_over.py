@@ -152,14 +152,18 @@ def test_the_next_train_and_an_ablation_leave_runs_their_dead_drivers_sentinel_c
     thread.join()
     assert tracker.client.get_run(run_id).data.tags["prvrlab.stop_reason"] == REASON["prvrlab.stop_reason"]
 
-    orphan = _run(tracker, dead, **study)
-    live = _run(tracker, driver_tags(), **study)  # a concurrent driver of the same study, alive
-    study_dir = tmp_path / "study"
-    study_dir.mkdir()
-    assert close_orphans(tracker, "abl", RunMap(study_dir)) == [orphan]
-    assert tracker.client.get_run(orphan).data.tags["prvrlab.stop_reason"] == "orphaned: its driver died"
-    assert tracker.client.get_run(live).info.status == "RUNNING"
-    tracker.end_run(live, "FINISHED")
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        orphans = [_run(tracker, dead, **study), _run(tracker, driver_tags(), **study)]  # a dead driver's, this one's
+        live = _run(tracker, driver_tags(other.pid), **study)  # a concurrent driver of the same study, alive
+        study_dir = tmp_path / "study"
+        study_dir.mkdir()
+        assert sorted(close_orphans(tracker, "abl", RunMap(study_dir))) == sorted(orphans)
+        for orphan in orphans:
+            assert tracker.client.get_run(orphan).data.tags["prvrlab.stop_reason"] == "orphaned: its driver died"
+        assert tracker.client.get_run(live).info.status == "RUNNING"
+    finally:
+        other.communicate(b"")
 
 
 def test_a_waiter_on_a_lock_file_removed_and_made_again_waits_for_the_new_holder(tmp_path, dead):
