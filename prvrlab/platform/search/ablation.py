@@ -60,11 +60,8 @@ def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
         tags = run.data.tags
         if run.info.run_id in own or (driver_alive(tags) and any(tags.get(k) != v for k, v in me.items())):
             continue  # the study's own, or another live process's
-        if tracker.take_over(run.info.run_id).info.status != "RUNNING":  # its driver's sentinel closed it meanwhile
-            continue
-        tracker.set_tags(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": "orphaned: its driver died"})
-        tracker.end_run(run.info.run_id, "KILLED")
-        orphans.append(run.info.run_id)
+        if tracker.close_abandoned(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": "orphaned: its driver died"}):
+            orphans.append(run.info.run_id)  # (not when its driver's sentinel closed it meanwhile)
     return orphans
 
 

@@ -199,11 +199,8 @@ class MlflowStudyCallback(Callback):
             status = run.info.status
             if status in ("FINISHED", "FAILED"):  # ended: replayed, never reopened or run again
                 self.runs.closed[trial_id] = status
-            elif trial_id not in known:
-                status = self.tracker.take_over(run.info.run_id).info.status  # as the dead driver's sentinel left it
-                self.tracker.set_tags(run.info.run_id, lost)
-                if status != "KILLED":
-                    self.tracker.end_run(run.info.run_id, "KILLED")
+            elif trial_id not in known:  # a KILLED one was closed by the dead driver's sentinel
+                self.tracker.close_abandoned(run.info.run_id, lost, retag_killed=True)
                 self.runs.closed[trial_id] = "KILLED"
             self._save()
 

@@ -216,9 +216,9 @@ def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
     driver = driver_tags(pid, start)
     for uri, experiment_id in stores:  # runs created but not yet listed when the driver died
         runs.update(dict.fromkeys(_driven_runs(uri, experiment_id, driver), uri))
-    reason = f"its driver (pid {pid}) died without closing it"  # killed outright, or exited with it open
     if not runs:
         return 0
+    reason = f"its driver (pid {pid}) died without closing it"  # killed outright, or exited with it open
     done = close_runs(runs, reason, driver=driver)
     if done:
         print(f"prvrlab: closed {len(done)} run(s) KILLED ({reason})", file=sys.stderr)

@@ -49,9 +49,14 @@ def driver_tags(pid: int | None = None, start: str | None = None) -> dict[str, s
     return {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), START_TAG: start_time(pid) if start is None else start}
 
 
+def _of_this_host(tags: dict[str, str]) -> bool:
+    """Whether ``tags`` name a driver of this host."""
+    return tags.get(HOST_TAG) == socket.gethostname() and tags.get(PID_TAG, "").isdigit()
+
+
 def driver_alive(tags: dict[str, str]) -> bool | None:
     """Whether the driver named by ``tags`` still runs (None: another host, or no driver tags)."""
-    if tags.get(HOST_TAG) != socket.gethostname() or not tags.get(PID_TAG, "").isdigit():
+    if not _of_this_host(tags):
         return None
     return process_alive(int(tags[PID_TAG]), tags.get(START_TAG, ""))
 
@@ -72,7 +77,7 @@ def process_alive(pid: int, start: str = "") -> bool:
 
 def lock_path(tags: dict[str, str]) -> Path | None:
     """The lock file of the driver named by a run's ``tags`` (None: another host, or no driver tags)."""
-    if tags.get(HOST_TAG) != socket.gethostname() or not tags.get(PID_TAG, "").isdigit():
+    if not _of_this_host(tags):
         return None
     start = "".join(c for c in tags.get(START_TAG, "") if c.isdigit())
     return LOCK_DIR / f"prvrlab-driver-{tags[PID_TAG]}-{start}.lock"
@@ -81,28 +86,41 @@ def lock_path(tags: dict[str, str]) -> Path | None:
 def _locked(path: Path, deadline: float) -> int | None:
     """An open descriptor of ``path`` holding its exclusive lock, the file still at that path (one that was
     removed while this waited is opened again); None when the lock is not had by ``deadline``."""
-    import fcntl
-
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        os.close(fd)
-                        return None
-                    time.sleep(0.05)
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass  # removed by the holder as it let go: open the path again
+            held = _flock(fd, deadline)
+            current = held and _still_at(path, fd)
         except BaseException:
             os.close(fd)
             raise
+        if current:
+            return fd
         os.close(fd)
+        if not held:
+            return None
+
+
+def _flock(fd: int, deadline: float) -> bool:
+    """Take the exclusive lock of ``fd``, waiting until ``deadline``; whether it was taken."""
+    import fcntl
+
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def _still_at(path: Path, fd: int) -> bool:
+    """Whether the file open as ``fd`` is still the one at ``path`` (the holder removes it as it lets go)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 @contextmanager
@@ -149,11 +167,7 @@ def close_dead_runs(tracker, kind: str = "train") -> list[str]:
     closed = []
     for run in runs:
         if driver_alive(run.data.tags) is False:
-            run = tracker.take_over(run.info.run_id)
-            if run.info.status != "RUNNING":  # its sentinel closed it meanwhile
-                continue
             reason = f"its driver (pid {run.data.tags[PID_TAG]} on {run.data.tags[HOST_TAG]}) died without closing it"
-            tracker.set_tags(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": reason})
-            tracker.end_run(run.info.run_id, "KILLED")
-            closed.append(run.info.run_id)
+            if tracker.close_abandoned(run.info.run_id, {"prvrlab.status": "killed", "prvrlab.stop_reason": reason}):
+                closed.append(run.info.run_id)  # (not closed again when its sentinel did it meanwhile)
     return closed

@@ -172,6 +172,18 @@ class Tracker:
             self.client.log_batch(run_id, tags=mine)
         return before
 
+    def close_abandoned(self, run_id: str, tags: dict[str, str], *, retag_killed: bool = False) -> bool:
+        """Take over a run its driver left (:meth:`take_over`) and close it KILLED with ``tags`` (the stop
+        reason); one a dead driver's closer closed meanwhile is left as it is, or only given ``tags`` when
+        ``retag_killed``.  Whether it was closed here."""
+        status = self.take_over(run_id).info.status
+        if status == "RUNNING" or (retag_killed and status == "KILLED"):
+            self.set_tags(run_id, tags)
+        if status != "RUNNING":
+            return False
+        self.end_run(run_id, "KILLED")
+        return True
+
     def reopen_run(self, run_id: str):
         """Set a closed run RUNNING again (a resumed study), without the tags that described its stop;
         returns the run as it was (``mlflow.entities.Run``)."""

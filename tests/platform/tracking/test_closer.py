@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from prvrlab.platform.tracking import closer
-from prvrlab.platform.tracking.drivers import driver_tags, lock_path, process_state
+from prvrlab.platform.tracking.drivers import driver_tags, process_state
 from prvrlab.platform.tracking.store import Tracker
 
 
@@ -211,8 +211,6 @@ def test_the_closers_close_only_the_runs_their_driver_still_drives(tmp_path):
     assert closer.close_runs(runs, "by the dead driver", driver=dead) == [untagged]
     assert _status(tracker, mine)[0] == _status(tracker, theirs)[0] == "RUNNING"
     assert sorted(closer.close_runs(runs, "by this driver", driver=me)) == sorted([mine, theirs])
-    for driver in (me, dead):  # the closers' lock files (a sentinel removes its driver's)
-        lock_path(driver).unlink(missing_ok=True)
 
 
 def test_the_helpers_import_nothing_from_the_working_directory(tmp_path):

@@ -39,9 +39,23 @@ def dead():
     drivers._GAVE_UP.discard(path)
 
 
+def _tag(tracker: Tracker, run_id: str, tags: dict[str, str]) -> None:
+    """Set ``tags`` directly through the client (as another process would)."""
+    tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()])
+
+
+def _sentinel_close(tracker: Tracker, run_id: str):
+    """What close_runs does once it has found the run RUNNING and its driver's."""
+    def close() -> None:
+        _tag(tracker, run_id, REASON)
+        tracker.client.set_terminated(run_id, status="KILLED")
+
+    return close
+
+
 def _run(tracker: Tracker, driver: dict[str, str], status: str = "RUNNING", **tags: str) -> str:
     run_id = tracker.start_run("run", tags=tags)
-    tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in driver.items()])
+    _tag(tracker, run_id, driver)
     if status != "RUNNING":
         tracker.end_run(run_id, status)
     closer.closed(run_id)  # not this process's to close
@@ -91,12 +105,7 @@ def test_a_reopen_waits_for_the_sentinels_close_and_then_wins(tmp_path, dead):
     """The sentinel checked and holds the lock; the resume's reopen comes after its close, not between."""
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
     run_id = _run(tracker, dead)
-
-    def sentinel_close() -> None:  # what close_runs does once it has found the run RUNNING and its driver's
-        tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in REASON.items()])
-        tracker.client.set_terminated(run_id, status="KILLED")
-
-    thread, _ = _hold(dead, sentinel_close)
+    thread, _ = _hold(dead, _sentinel_close(tracker, run_id))
     before = tracker.reopen_run(run_id)
     thread.join()
     assert before.info.status == "KILLED"  # what the sentinel left
@@ -112,7 +121,7 @@ def test_the_sentinel_leaves_a_run_taken_over_while_it_waited(tmp_path, dead):
     run_id = _run(tracker, dead)
 
     def resume_take_over() -> None:  # Tracker.take_over's step under the lock (a second flock here would wait)
-        tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in driver_tags().items()])
+        _tag(tracker, run_id, driver_tags())
 
     thread, _ = _hold(dead, resume_take_over)
     done = closer.close_runs({run_id: tracker.uri}, REASON["prvrlab.stop_reason"], driver=dead)
@@ -142,12 +151,7 @@ def test_the_next_train_and_an_ablation_leave_runs_their_dead_drivers_sentinel_c
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "takeover")
     study = {"prvrlab.study": "abl", "prvrlab.study_kind": "ablation", "prvrlab.kind": "train"}
     run_id = _run(tracker, dead, **study)
-
-    def sentinel_close() -> None:
-        tracker.client.log_batch(run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in REASON.items()])
-        tracker.client.set_terminated(run_id, status="KILLED")
-
-    thread, _ = _hold(dead, sentinel_close)
+    thread, _ = _hold(dead, _sentinel_close(tracker, run_id))
     assert close_dead_runs(tracker) == []
     thread.join()
     assert tracker.client.get_run(run_id).data.tags["prvrlab.stop_reason"] == REASON["prvrlab.stop_reason"]
