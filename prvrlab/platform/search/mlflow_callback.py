@@ -29,6 +29,7 @@ from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import ERROR_FILE, record_failure
 from prvrlab.platform import storage
 from prvrlab.platform.tracking.drivers import driver_alive
+from prvrlab.platform.search.checkpoints import repair_checkpoints
 from prvrlab.platform.search.outcome import (
     INTERRUPTED,
     OUTCOME_FILE,
@@ -54,11 +55,12 @@ class MlflowStudyCallback(Callback):
         self._datasets: dict[str, Any] = {}
         self._lost_checked = False
         self._mirror: "storage.Mirror | None" = None
+        self._repaired: dict[str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {
             "study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None, "_datasets": {},
-            "_lost_checked": False, "_mirror": None,
+            "_lost_checked": False, "_mirror": None, "_repaired": {},
         }
 
     # ------------------------------------------------------------ helpers
@@ -105,6 +107,8 @@ class MlflowStudyCallback(Callback):
                 if was_killed or driver_alive(before.data.tags) is False:  # the closers' are unmapped; a dead
                     # driver's run is resumed whether or not its sentinel closed it first
                     self.tracker.set_tags(run_id, {"prvrlab.status": "resumed"})
+                if trial_id in self._repaired:
+                    self.tracker.set_tags(run_id, {"prvrlab.resume_note": self._repaired.pop(trial_id)})
                 self._save()
                 self._open.add(trial_id)
             return run_id
@@ -260,11 +264,13 @@ class MlflowStudyCallback(Callback):
 
     def on_step_begin(self, iteration, trials, **info) -> None:
         """Keep Ctrl-C observable (Tune installs its own SIGINT handler when the run starts); at the
-        first step of a resumed study, close the runs of trials its saved state lost."""
+        first step of a resumed study, close the runs of trials its saved state lost and repoint the
+        trials whose saved checkpoint is gone (before any trial restores from it)."""
         watch_interrupts()
         if not self._lost_checked:
             self._lost_checked = True
             self.close_lost(trials)
+            self._repaired = repair_checkpoints(trials)
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         """Create (or reattach to) the trial's child run."""

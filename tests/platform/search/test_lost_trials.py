@@ -35,10 +35,16 @@ def _study(tmp_path):
     return study, runs, mlflow.MlflowClient(uri)
 
 
+def _restored(*trial_ids):
+    """Tune's restored trials, none with a checkpoint."""
+    no_checkpoint = SimpleNamespace(checkpoint_manager=SimpleNamespace(latest_checkpoint_result=None))
+    return [SimpleNamespace(trial_id=t, run_metadata=no_checkpoint) for t in trial_ids]
+
+
 def test_the_run_of_a_trial_missing_from_tunes_saved_state_is_closed_killed(tmp_path):
     study, runs, client = _study(tmp_path)
     callback = MlflowStudyCallback(study)
-    restored = [SimpleNamespace(trial_id="known"), SimpleNamespace(trial_id="ended")]
+    restored = _restored("known", "ended")
     callback.on_step_begin(0, restored)
     lost = client.get_run(runs["lost"])
     assert lost.info.status == "KILLED" and lost.data.tags["prvrlab.stop_reason"].startswith("lost:")
@@ -83,7 +89,7 @@ def test_running_child_runs_the_run_map_never_saved_are_adopted_or_closed(tmp_pa
     parent = json.loads((tmp_path / "study" / STUDY_FILE).read_text())["parent"]
     unsaved = {t: tracker.start_run(f"trial {t}", tags={"prvrlab.trial_id": t}, parent_run_id=parent) for t in ("gone", "tuned")}
     callback = MlflowStudyCallback(study)
-    restored = [SimpleNamespace(trial_id=t) for t in ("known", "ended", "tuned")]
+    restored = _restored("known", "ended", "tuned")
     callback.on_step_begin(0, restored)
     gone = client.get_run(unsaved["gone"])
     assert gone.info.status == "KILLED" and gone.data.tags["prvrlab.stop_reason"].startswith("lost:")
@@ -110,7 +116,7 @@ def test_unmapped_child_runs_the_sentinel_already_closed_are_marked_lost_or_reat
         tracker.end_run(unsaved[trial], "KILLED")
     tracker.end_run(unsaved["done"], "FINISHED")
     callback = MlflowStudyCallback(study)
-    restored = [SimpleNamespace(trial_id=t) for t in ("known", "ended", "tuned", "done")]
+    restored = _restored("known", "ended", "tuned", "done")
     callback.on_step_begin(0, restored)
     gone = client.get_run(unsaved["gone"])
     assert gone.info.status == "KILLED" and gone.data.tags["prvrlab.stop_reason"].startswith("lost:")
