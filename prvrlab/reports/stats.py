@@ -41,6 +41,7 @@ from prvrlab.evaluation.metrics import DEFAULT_KS, METRIC_KEYS
 ALPHA = 0.05
 ADJUSTMENTS = ("holm", "none")  # how a table's p-values are adjusted for its number of comparisons
 _TOL = 1e-9  # ties of resampled statistics with the observed one count as "as extreme"
+_REL_STD = 1e-9  # per-seed differences whose std is below this times max(1, |mean|) are constant (float noise)
 
 
 def hits(ranks: Sequence[int] | np.ndarray, ks: Sequence[int] = DEFAULT_KS) -> np.ndarray:
@@ -179,7 +180,9 @@ class SeedResult:
 
 
 def seed_test(variant: Sequence[float], baseline: Sequence[float]) -> SeedResult:
-    """Paired test over seeds: ``variant[s]`` and ``baseline[s]`` are SumR of the same seed."""
+    """Paired test over seeds: ``variant[s]`` and ``baseline[s]`` are SumR of the same seed.
+
+    Differences that are constant up to float noise have no variance: no t-test (p 1 when they are all 0)."""
     v = np.asarray(variant, dtype=np.float64)
     b = np.asarray(baseline, dtype=np.float64)
     if v.shape != b.shape:
@@ -199,7 +202,7 @@ def seed_test(variant: Sequence[float], baseline: Sequence[float]) -> SeedResult
             count += 1
     p_exact = count / total
     p_t = float("nan")
-    if s >= 2 and float(np.std(d)) > 0:
+    if s >= 2 and float(np.std(d)) > _REL_STD * max(1.0, observed):
         from scipy import stats
 
         p_t = float(stats.ttest_rel(v, b).pvalue)

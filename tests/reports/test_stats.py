@@ -92,3 +92,14 @@ def test_holm_rejects_what_the_step_down_procedure_rejects(seed):
             rejected.add(int(i))
         assert {i for i, a in enumerate(adjusted) if a <= alpha} == rejected
     assert all(a >= x for a, x in zip(adjusted, p))  # never below the raw p
+
+
+def test_seed_differences_constant_up_to_float_noise_get_no_t_test():
+    v, b = [189.3, 190.3, 188.7], [189.2, 190.2, 188.6]  # every difference is 0.1, but not bit for bit
+    d = np.subtract(v, b)
+    assert 0 < np.std(d) < 1e-12
+    res = stats.seed_test(v, b)
+    assert np.isnan(res.p_ttest) and res.p_exact == pytest.approx(2 / 8)
+    assert np.isnan(stats.seed_test([1.5, 2.5], [1.0, 2.0]).p_ttest)  # exactly constant: the same verdict
+    small = stats.seed_test([10.0, 10.2 + 1e-6, 9.9], [9.9, 10.1, 9.8])  # a real (small) spread keeps its test
+    assert small.p_ttest == pytest.approx(sps.ttest_rel([10.0, 10.2 + 1e-6, 9.9], [9.9, 10.1, 9.8]).pvalue)
