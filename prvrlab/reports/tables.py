@@ -2,7 +2,7 @@
 
 Plain functions over plain data: no MLflow here.  Numbers use one decimal for
 R@K and SumR (as the PRVR papers do), a signed one-decimal ΔSumR, p-values
-with three decimals; a missing value is ``—`` and a cell without any finished
+with three decimals (more when three would round one below α up to α); a missing value is ``—`` and a cell without any finished
 run says ``failed`` or ``missing``.  The best value of each metric column is
 bold when it is unique at the printed precision and the column has more than one value.
 """
@@ -45,10 +45,16 @@ def fmt_sig(value: float | None, digits: int = 4) -> str:
 
 
 def fmt_p(p: float | None) -> str:
-    """A p-value: three decimals, ``<0.001`` below."""
+    """A p-value: three decimals, ``<0.001`` below, and as many more as keep it on its side of α
+    (0.0496 prints 0.0496, not 0.050: it is significant)."""
     if p is None or not math.isfinite(p):
         return DASH
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
+    if p < 0.001:
+        return "<0.001"
+    digits = 3
+    while (float(f"{p:.{digits}f}") < stats.ALPHA) != (p < stats.ALPHA) and digits < 17:
+        digits += 1
+    return f"{p:.{digits}f}"
 
 
 def fmt_param(value: Any) -> str:

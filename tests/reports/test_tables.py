@@ -1,6 +1,9 @@
 """Formatting rules of the markdown tables."""
 
-from prvrlab.reports.tables import VariantRow, ablation_table, bold_best, fmt, md_table
+import numpy as np
+
+from prvrlab.reports import stats
+from prvrlab.reports.tables import VariantRow, ablation_table, adjusted_cells, bold_best, fmt, fmt_p, md_table
 
 
 def test_fmt_and_bold():
@@ -32,3 +35,13 @@ def test_failed_and_missing_cells_are_shown():
     assert lines[0] == "| Variant | b | R@1 | R@5 | R@10 | R@100 | SumR | ΔSumR | Runs |"
     assert "| crashed | – | *failed* |" in text and "0/1 (1 error)" in text
     assert "| never_ran | ? | *missing* |" in text and "0/1 (1 missing)" in text
+
+
+def test_a_printed_p_value_never_contradicts_the_verdict():
+    assert [fmt_p(p) for p in (0.0123, 0.0496, 0.04995, 0.05, 0.0504, 0.0009)] == [
+        "0.012", "0.0496", "0.04995", "0.050", "0.050", "<0.001"]
+    for p in np.linspace(0.045, 0.055, 2001):
+        assert (float(fmt_p(p)) < stats.ALPHA) == (p < stats.ALPHA), p
+    rows = [["a", "", "", ""]]
+    assert adjusted_cells(rows, {0: ("a", 50 / 1001)}, "holm", p_col=-2) == {"a": True}  # 1 + 49 of 1000 resamples
+    assert rows[0][-2:] == ["0.04995", "yes"]
