@@ -29,6 +29,7 @@ from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
     NOT_SIGNIFICANT,
+    SUBSET,
     VariantRow,
     ablation_table,
     adjusted_cells,
@@ -41,11 +42,16 @@ from prvrlab.reports.tables import (
     fmt_p,
     fmt_param,
     fmt_sig,
+    fewer_seeds,
     kv_table,
     md_table,
     mean_std,
     metric_table,
+    paired_subsets,
     recall_text,
+    seed_deltas,
+    seeds_text,
+    subset_note,
     variant_label,
 )
 
@@ -176,10 +182,13 @@ def ablation_cells(study: Study, split: str) -> tuple[list[VariantRow], dict[str
     return rows, chosen, baseline, seeds
 
 
-def _seed_hits(study: Study, runs: list[TrialRun], split: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """(query ids, hit matrix averaged over the runs) on the queries all runs share."""
-    loaded = [study.ranks(r, split) for r in runs]
-    loaded = [x for x in loaded if x is not None]
+def ranks_by_seed(study: Study, rows: list[VariantRow], chosen, split: str) -> dict[str, dict[int, dict[str, Any] | None]]:
+    """Variant -> finished seed -> the run's per-query ranks on ``split`` (None: it logged none)."""
+    return {r.name: {s: study.ranks(chosen[r.name][s], split) for s in r.seeds_ok} for r in rows}
+
+
+def _seed_hits(loaded: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(query ids, hit matrix averaged over the runs' ranks) on the queries all of them share."""
     if not loaded:
         return None
     common = sorted(set.intersection(*(set(x["query_id"].tolist()) for x in loaded)))
@@ -200,33 +209,37 @@ def _ci_headers() -> list[str]:
     return [f"{METRIC_NAMES[m]} [95% CI]" for m in CI_METRICS]
 
 
-def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, baseline: str, split: str, opt: Options) -> dict[str, bool]:
-    """Bootstrap CIs per variant and paired tests vs the baseline (p adjusted over the table's comparisons:
-    ``opt.adjust``); returns variant -> significant."""
-    ok_runs = {r.name: [chosen[r.name][s] for s in r.seeds_ok] for r in rows}
-    base_hits = _seed_hits(study, ok_runs.get(baseline, []), split)
+def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, split: str, opt: Options) -> dict[str, bool]:
+    """Bootstrap CIs per variant (over its finished seeds with ranks) and paired tests vs the baseline: over
+    queries on the seeds both finished with ranks (p adjusted over the table's comparisons: ``opt.adjust``), over
+    seeds on the seeds both finished; ``ranks``: :func:`ranks_by_seed`.  Returns variant -> significant."""
+    ranked = {name: {s: x for s, x in by_seed.items() if x is not None} for name, by_seed in ranks.items()}
     base_row = next((r for r in rows if r.name == baseline), None)
-    table_rows, tested = [], {}
+    base_ranked = ranked.get(baseline, {})
+    table_rows, tested, subsets = [], {}, {}
     for r in rows:
-        h = _seed_hits(study, ok_runs[r.name], split)
+        own = ranked[r.name]
+        h = _seed_hits(list(own.values()))
         if h is None:
             table_rows.append([escape(r.name), *([DASH] * len(CI_METRICS)), DASH, DASH, DASH, DASH, DASH, DASH])
             continue
-        ids, mat = h
-        ci = stats.bootstrap_ci(hit_matrix=mat, n_boot=opt.n_boot, seed=opt.seed)
+        ci = stats.bootstrap_ci(hit_matrix=h[1], n_boot=opt.n_boot, seed=opt.seed)
         cells = [_ci_cell(ci[m]) for m in CI_METRICS]
         delta = p_q = p_s = p_t = DASH
-        if r.name != baseline and base_hits is not None:
-            a, b = stats.align(ids, mat, base_hits[0], base_hits[1])
+        paired = [s for s in own if s in base_ranked] if r.name != baseline else []
+        hv, hb = (_seed_hits([x[s] for s in paired]) for x in (own, base_ranked))
+        if hv is not None and hb is not None:
+            a, b = stats.align(*hv, *hb)
             pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
             delta = delta_cell(pr.delta, pr.low, pr.high)
+            if fewer_seeds(paired, own, base_ranked):
+                delta += f" {SUBSET}"
+                subsets[r.name] = paired
             p_q = fmt_p(pr.p_value)
             tested[len(table_rows)] = (r.name, pr.p_value)
-            shared = [s for s in r.seeds_ok if base_row is not None and s in base_row.seeds_ok]
+            shared = seed_deltas(r, base_row)
             if shared:
-                v_s = [chosen[r.name][s].final(split, "sumr") for s in shared]
-                b_s = [chosen[baseline][s].final(split, "sumr") for s in shared]
-                st = stats.seed_test(v_s, b_s)
+                st = stats.seed_test([r.sumr_by_seed[s] for s in shared], [base_row.sumr_by_seed[s] for s in shared])
                 p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)})" if st.n else "")
                 p_t = fmt_p(st.p_ttest)
         table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, DASH, p_s, p_t, DASH])
@@ -237,15 +250,30 @@ def confidence_section(doc: Doc, study: Study, rows: list[VariantRow], chosen, b
     doc.add(md_table(header, table_rows))
     doc.add(
         f"Intervals: percentile bootstrap over the {split} queries ({opt.n_boot} resamples, seed {opt.seed}) of the "
-        "metric averaged over the variant's finished seeds (per-query hits averaged first). ΔSumR: variant minus "
-        "baseline on the queries both share, with a paired-bootstrap interval; p (queries): two-sided sign-flip "
+        "metric averaged over the variant's finished seeds with ranks (per-query hits averaged first). ΔSumR: "
+        "variant minus baseline on the seeds both finished with ranks (hits averaged over those seeds) and the "
+        "queries both share, with a paired-bootstrap interval; p (queries): two-sided sign-flip "
         f"permutation test on the per-query SumR differences ({opt.n_boot} resamples); "
         + adjusted_legend(opt.adjust, len(tested), "comparisons with the baseline")
-        + " p (seeds): exact two-sided sign-flip test over the per-seed SumR differences (min = smallest p "
-        f"attainable with that many seeds) and a paired t-test. {NOT_SIGNIFICANT} = not significant at "
-        f"α = {stats.ALPHA} ({_adjusted_name(opt.adjust)})."
+        + " p (seeds): exact two-sided sign-flip test over the per-seed SumR differences on the seeds both finished "
+        "(min = smallest p attainable with that many seeds) and a paired t-test. "
+        f"{NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)})."
     )
+    notes = [subset_note(subsets, "ΔSumR and p (queries) on the seeds both finished with ranks"),
+             _no_ranks_note(ranks, split)]
+    if any(notes):
+        doc.add(" ".join(n for n in notes if n))
     return significance
+
+
+def _no_ranks_note(ranks, split: str) -> str:
+    """Which finished seeds of which variants logged no ranks (left out of the query-level statistics)."""
+    missing = {name: [s for s, x in by_seed.items() if x is None] for name, by_seed in ranks.items()}
+    named = "; ".join(f"{escape(name)} {seeds_text(seeds)}" for name, seeds in missing.items() if seeds)
+    if not named:
+        return ""
+    return (f"Finished without a ranks artifact (`ranks/ranks_{split}.parquet`), so left out of the intervals and "
+            f"the tests over queries: {named}.")
 
 
 def _adjusted_name(method: str) -> str:
@@ -469,19 +497,22 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
             ["l", "l"],
         ))
     significance = {}
-    has_ranks = any(study.ranks(chosen[r.name][s], split) is not None for r in rows for s in r.seeds_ok[:1])
+    ranks = ranks_by_seed(study, rows, chosen, split)
     conf = Doc(doc.out)
-    if has_ranks:
-        significance = confidence_section(conf, study, rows, chosen, baseline, split, opt)
+    if any(x is not None for by_seed in ranks.values() for x in by_seed.values()):
+        significance = confidence_section(conf, rows, ranks, baseline, split, opt)
     for r in rows:
         r.delta_significant = significance.get(r.name)
     doc.section(f"Ablation ({split})")
     doc.add(ablation_table(rows, baseline, several_seeds=several))
     legend = [f"{'Mean ± std over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
-              f"ΔSumR against the baseline; a unique best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
+              f"ΔSumR: the variant's SumR minus the baseline's on the seeds both finished (mean of the per-seed "
+              f"differences); a unique best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
     if significance:
-        legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries, "
+        legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries "
+                      "on the seeds both finished with ranks, "
                       f"{'Holm-adjusted over the table' if opt.adjust == 'holm' else 'unadjusted'}).")
+    legend.append(subset_note(paired_subsets(rows, baseline), "ΔSumR on the seeds both finished"))
     legend.append(saturation_note([v for r in rows for v in r.values.get("r100") or []]))
     legend.append(published_note(next((r for r in rows if r.name == baseline), None), chosen, split))
     doc.add(" ".join(x for x in legend if x))

@@ -20,6 +20,7 @@ METRIC_NAMES: dict[str, str] = {m: f"R@{m[1:]}" if m != "sumr" else "SumR" for m
 CHECK, CROSS = "✓", "–"
 DASH = "—"
 NOT_SIGNIFICANT = "†"
+SUBSET = "‡"  # a comparison made on the seeds both rows share, fewer than all the seeds of one of them
 
 
 # ---------------------------------------------------------------- formatting
@@ -156,6 +157,11 @@ class VariantRow:
     problems: dict[int, str] = field(default_factory=dict)  # seed -> failed | nonfinite | error | killed | missing | ...
     delta_significant: bool | None = None  # query-level paired test vs the baseline (None: not tested)
 
+    @property
+    def sumr_by_seed(self) -> dict[int, float]:
+        """Seed -> SumR of each usable seed (a seed is usable only with a SumR)."""
+        return dict(zip(self.seeds_ok, self.values.get("sumr") or []))
+
     def mean(self, metric: str) -> float | None:
         xs = self.values.get(metric) or []
         return mean_std(xs)[0] if xs else None
@@ -169,6 +175,42 @@ class VariantRow:
         if "running" in kinds and not (kinds - {"running", "missing"}):
             return "running"
         return "failed"
+
+
+def seed_deltas(row: VariantRow, base: VariantRow) -> dict[int, float]:
+    """Seed -> the row's SumR minus the baseline's, on the seeds both finished."""
+    mine, theirs = row.sumr_by_seed, base.sumr_by_seed
+    return {s: v - theirs[s] for s, v in mine.items() if s in theirs}
+
+
+def fewer_seeds(shared: Sequence[int], *own: Sequence[int]) -> bool:
+    """Whether a comparison on the ``shared`` seeds leaves out some seed of one of the compared rows."""
+    return any(set(shared) != set(o) for o in own)
+
+
+def paired_subsets(rows: Sequence[VariantRow], baseline: str) -> dict[str, list[int]]:
+    """Variant -> the seeds of its ΔSumR, for the variants whose shared seeds with the baseline are fewer
+    than all of the variant's or of the baseline's."""
+    base = next((r for r in rows if r.name == baseline), None)
+    out = {}
+    for r in rows:
+        shared = list(seed_deltas(r, base)) if base is not None and r is not base else []
+        if shared and fewer_seeds(shared, r.seeds_ok, base.seeds_ok):
+            out[r.name] = shared
+    return out
+
+
+def seeds_text(seeds: Sequence[int]) -> str:
+    """'seed 2' or 'seeds 0, 1'."""
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(s) for s in seeds)
+
+
+def subset_note(subsets: dict[str, Sequence[int]], what: str) -> str:
+    """The legend of :data:`SUBSET` for rows compared on fewer seeds (name -> the seeds used); '' for none."""
+    if not subsets:
+        return ""
+    named = "; ".join(f"{escape(name)} ({seeds_text(seeds)})" for name, seeds in subsets.items())
+    return f"{SUBSET} {what}, not on all the seeds of the variant or of the baseline: {named}."
 
 
 def variant_label(name: str, baseline: str) -> str:
@@ -203,7 +245,8 @@ def _seed_cell(row: VariantRow) -> str:
 
 
 def ablation_table(rows: Sequence[VariantRow], baseline: str, *, several_seeds: bool) -> str:
-    """One row per variant: ✓/– per varying component, R@K and SumR (mean ± std), ΔSumR, seeds."""
+    """One row per variant: ✓/– per varying component, R@K and SumR (mean ± std over its seeds), ΔSumR (on the
+    seeds it shares with the baseline, :data:`SUBSET` when fewer than either's own), seeds."""
     comps = varying_components(rows)
     labels = [component_label(c) for c in comps]
     if len(set(labels)) != len(labels):
@@ -211,7 +254,7 @@ def ablation_table(rows: Sequence[VariantRow], baseline: str, *, several_seeds: 
     header = ["Variant", *labels, *(METRIC_NAMES[m] for m in METRIC_KEYS), "ΔSumR", "Seeds" if several_seeds else "Runs"]
     align = ["l", *("c" for _ in comps), *("r" for _ in METRIC_KEYS), "r", "r"]
     base = next((r for r in rows if r.name == baseline), None)
-    base_sumr = base.mean("sumr") if base is not None else None
+    subsets = paired_subsets(rows, baseline)
 
     columns: list[list[str]] = []
     for m in METRIC_KEYS:
@@ -228,16 +271,15 @@ def ablation_table(rows: Sequence[VariantRow], baseline: str, *, several_seeds: 
         columns.append(bold_best(cells, values))
     delta_cells, delta_values = [], []
     for r in rows:
-        mean = r.mean("sumr")
-        if r.name == baseline:
-            delta_cells.append(DASH)
-            delta_values.append(None)
-        elif mean is None or base_sumr is None:
+        deltas = seed_deltas(r, base) if base is not None and r is not base else {}
+        if not deltas:
             delta_cells.append(DASH)
             delta_values.append(None)
         else:
-            d = mean - base_sumr
-            delta_cells.append(fmt(d, signed=True) + (f" {NOT_SIGNIFICANT}" if r.delta_significant is False else ""))
+            d = mean_std(list(deltas.values()))[0]
+            marks = [SUBSET] if r.name in subsets else []
+            marks += [NOT_SIGNIFICANT] if r.delta_significant is False else []
+            delta_cells.append(" ".join([fmt(d, signed=True), *marks]))
             delta_values.append(d)
     delta_cells = bold_best(delta_cells, delta_values) if any(v is not None and v > 0 for v in delta_values) else delta_cells
 

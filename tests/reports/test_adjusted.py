@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
-from prvrlab.reports import report, stats
+from prvrlab.reports import stats
 from prvrlab.reports.report import Doc, Options, confidence_section
 from prvrlab.reports.tables import VariantRow
 
@@ -18,25 +16,22 @@ RAW = {"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005}  # Holm: a 0.03, b 0.06, c 0
 
 @pytest.fixture
 def table(monkeypatch):
-    hits = stats.hits(np.arange(1, 41))  # any (n, 4) hit matrix
-    ids = np.array([f"q{i}" for i in range(40)])
-    monkeypatch.setattr(report, "_seed_hits", lambda study, runs, split: (ids, hits))
+    ranks = {"query_id": np.array([f"q{i}" for i in range(40)]), "rank": np.arange(1, 41)}  # any ranks
     monkeypatch.setattr(
         stats, "paired_test",
         lambda a, b, n_perm, seed: stats.PairedResult(1.0, 0.0, 2.0, RAW[current.pop(0)], len(a)),
     )
     names = ["base", *RAW]
     current = list(RAW)  # the order in which the rows are tested
-    rows = [VariantRow(name=n, components=None, seeds_expected=(0,), seeds_ok=(0,)) for n in names]
-    chosen = {n: {0: SimpleNamespace(final=lambda split, metric: 100.0)} for n in names}
-    return rows, chosen
+    rows = [VariantRow(name=n, components=None, seeds_expected=(0,), values={"sumr": [100.0]}, seeds_ok=(0,)) for n in names]
+    return rows, {n: {0: ranks} for n in names}
 
 
 @pytest.mark.parametrize("method", ["holm", "none"])
 def test_significance_follows_the_adjusted_p_values(table, tmp_path, method):
-    rows, chosen = table
+    rows, ranks = table
     doc = Doc(tmp_path)
-    significance = confidence_section(doc, None, rows, chosen, "base", "val", Options(n_boot=10, adjust=method))
+    significance = confidence_section(doc, rows, ranks, "base", "val", Options(n_boot=10, adjust=method))
     expected = dict(zip(RAW, stats.adjust(list(RAW.values()), method)))
     assert significance == {n: p < stats.ALPHA for n, p in expected.items()}
     if method == "holm":

@@ -1,0 +1,82 @@
+"""The ablation's ΔSumR and its tests pair the variant with the baseline seed by seed (fake in-memory studies)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prvrlab.reports.report import Doc, Options, ablation_report
+
+from report_helpers import fake_run, fake_study, md_rows
+
+OPT = Options(n_boot=200, seed=0)
+N = 300
+
+
+def _report(tmp_path, study) -> str:
+    doc = Doc(tmp_path)
+    ablation_report(doc, study, OPT)
+    return doc.text()
+
+
+def _sumr(ranks) -> np.ndarray:
+    """Per-query SumR contribution: 100 for each K in (1, 5, 10, 100) the rank is within."""
+    return np.array([sum(100.0 for k in (1, 5, 10, 100) if r <= k) for r in ranks])
+
+
+def test_a_variant_equal_to_the_baseline_on_the_seeds_both_finished_is_not_different(tmp_path):
+    rng = np.random.default_rng(0)
+    b0, b1 = rng.integers(1, 60, N), rng.integers(1, 60, N)
+    b2 = np.maximum(1, b0 // 4)  # the baseline's best seed: the variant failed on it
+    runs = [fake_run("base", 0, b0), fake_run("base", 1, b1), fake_run("base", 2, b2),
+            fake_run("var", 0, b0), fake_run("var", 1, b1), fake_run("var", 2, b2, status="error")]
+    ranks = {r.run_id: x for r, x in zip(runs, (b0, b1, b2, b0, b1, b2))}
+    md = _report(tmp_path, fake_study(runs, ranks, baseline="base", seeds=[0, 1, 2]))
+    table = {r[0]: r for r in md_rows(md, "## Ablation (test)")}
+    assert table["var"][6] == "0.0 ‡ †"
+    assert "‡ ΔSumR on the seeds both finished, not on all the seeds of the variant or of the baseline: var (seeds 0, 1)." in md
+    conf = md_rows(md, "## Confidence (test")
+    var = conf[3]
+    assert var[6] == "0.0 [0.0, 0.0] ‡" and var[7] == "1.000" and var[-1] == "no †"
+    assert "‡ ΔSumR and p (queries) on the seeds both finished with ranks, not on all the seeds of the variant or of " \
+           "the baseline: var (seeds 0, 1)." in md
+
+
+def test_seeds_without_ranks_are_left_out_of_the_query_tests_and_named(tmp_path):
+    rng = np.random.default_rng(1)
+    base = [rng.integers(1, 60, N) for _ in range(3)]
+    var = [np.maximum(1, b - rng.integers(0, 8, N)) for b in base]
+    other = [rng.integers(1, 80, N) for _ in range(3)]
+    runs = [*(fake_run("base", s, base[s]) for s in range(3)), *(fake_run("var", s, var[s]) for s in range(3)),
+            fake_run("other", 0, other[0]), fake_run("other", 1, other[1], status="error"), fake_run("other", 2, other[2])]
+    ranks = {"base-seed0": base[0], "base-seed1": base[1], **{f"var-seed{s}": var[s] for s in range(3)},
+             "other-seed0": other[0], "other-seed2": other[2]}  # base seed 2 logged no ranks
+    md = _report(tmp_path, fake_study(runs, ranks, baseline="base", seeds=[0, 1, 2]))
+
+    table = {r[0]: r for r in md_rows(md, "## Ablation (test)")}
+    sumr = {name: [_sumr(x).mean() for x in xs] for name, xs in (("base", base), ("var", var), ("other", other))}
+    var_delta = np.mean([sumr["var"][s] - sumr["base"][s] for s in range(3)])
+    other_delta = np.mean([sumr["other"][s] - sumr["base"][s] for s in (0, 2)])
+    assert table["var"][6].split()[0] == f"{var_delta:+.1f}" and "‡" not in table["var"][6]  # all three seeds paired
+    assert table["other"][6].split()[:2] == [f"{other_delta:+.1f}", "‡"]
+    assert "var (seeds" not in md.split("## Confidence")[0] and "other (seeds 0, 2)" in md
+
+    conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
+    # over queries: hits averaged over the seeds both finished with ranks (0, 1 for var; 0 for other)
+    q_var = np.mean([_sumr(var[s]) for s in (0, 1)], axis=0) - np.mean([_sumr(base[s]) for s in (0, 1)], axis=0)
+    q_other = _sumr(other[0]) - _sumr(base[0])
+    assert conf["var"][6].startswith(f"{q_var.mean():+.1f} [") and conf["var"][6].endswith("‡")
+    assert conf["other"][6].startswith(f"{q_other.mean():+.1f} [") and conf["other"][6].endswith("‡")
+    assert conf["base (baseline)"][1].startswith(f"{np.mean(sumr['base'][:2]):.1f} [")  # its seeds with ranks
+    assert "var (seeds 0, 1); other (seed 0)." in md
+    assert "Finished without a ranks artifact (`ranks/ranks_test.parquet`), so left out of the intervals and the " \
+           "tests over queries: base seed 2." in md
+
+
+def test_a_fully_paired_table_has_no_seed_notes(tmp_path):
+    rng = np.random.default_rng(5)
+    ranks = {(name, s): rng.integers(1, 60, N) for name in ("base", "var") for s in (0, 1)}
+    runs = [fake_run(name, s, x) for (name, s), x in ranks.items()]
+    logged = {f"{name}-seed{s}": x for (name, s), x in ranks.items()}
+    md = _report(tmp_path, fake_study(runs, logged, baseline="base", seeds=[0, 1]))
+    conf = md.split("## Confidence")[1]
+    assert "‡" not in md and "ranks artifact" not in md and "\n\n\n" not in conf
