@@ -29,6 +29,8 @@ from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
     NOT_SIGNIFICANT,
+    NOT_TESTED,
+    NOT_TESTED_LEGEND,
     SUBSET,
     VariantRow,
     ablation_table,
@@ -52,6 +54,7 @@ from prvrlab.reports.tables import (
     seed_deltas,
     seeds_text,
     subset_note,
+    untested,
     variant_label,
 )
 
@@ -220,29 +223,31 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
     for r in rows:
         own = ranked[r.name]
         h = _seed_hits(list(own.values()))
-        if h is None:
-            table_rows.append([escape(r.name), *([DASH] * len(CI_METRICS)), DASH, DASH, DASH, DASH, DASH, DASH])
-            continue
-        ci = stats.bootstrap_ci(hit_matrix=h[1], n_boot=opt.n_boot, seed=opt.seed)
-        cells = [_ci_cell(ci[m]) for m in CI_METRICS]
-        delta = p_q = p_s = p_t = DASH
-        paired = [s for s in own if s in base_ranked] if r.name != baseline else []
-        hv, hb = (_seed_hits([x[s] for s in paired]) for x in (own, base_ranked))
-        if hv is not None and hb is not None:
-            a, b = stats.align(*hv, *hb)
-            pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
-            delta = delta_cell(pr.delta, pr.low, pr.high)
-            if fewer_seeds(paired, own, base_ranked):
-                delta += f" {SUBSET}"
-                subsets[r.name] = paired
-            p_q = fmt_p(pr.p_value)
-            tested[len(table_rows)] = (r.name, pr.p_value)
+        cells = [DASH] * len(CI_METRICS)
+        if h is not None:
+            ci = stats.bootstrap_ci(hit_matrix=h[1], n_boot=opt.n_boot, seed=opt.seed)
+            cells = [_ci_cell(ci[m]) for m in CI_METRICS]
+        delta = p_q = p_s = p_t = verdict = DASH
+        if r.name != baseline and base_row is not None:
+            paired = [s for s in own if s in base_ranked]
+            hv, hb = (_seed_hits([x[s] for s in paired]) for x in (own, base_ranked))
+            if hv is not None and hb is not None:
+                a, b = stats.align(*hv, *hb)
+                pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
+                delta = delta_cell(pr.delta, pr.low, pr.high)
+                if fewer_seeds(paired, own, base_ranked):
+                    delta += f" {SUBSET}"
+                    subsets[r.name] = paired
+                p_q = fmt_p(pr.p_value)
+                tested[len(table_rows)] = (r.name, pr.p_value)
+            else:
+                verdict = NOT_TESTED
             shared = seed_deltas(r, base_row)
             if shared:
                 st = stats.seed_test([r.sumr_by_seed[s] for s in shared], [base_row.sumr_by_seed[s] for s in shared])
                 p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)})" if st.n else "")
                 p_t = fmt_p(st.p_ttest)
-        table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, DASH, p_s, p_t, DASH])
+        table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, DASH, p_s, p_t, verdict])
     significance = adjusted_cells(table_rows, tested, opt.adjust, p_col=-4)
     header = ["Variant", *_ci_headers(), "ΔSumR [95% CI]", "p (queries)", adjusted_header(opt.adjust),
               "p (seeds, exact)", "p (seeds, t-test)", "Significant"]
@@ -258,6 +263,7 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
         + " p (seeds): exact two-sided sign-flip test over the per-seed SumR differences on the seeds both finished "
         "(min = smallest p attainable with that many seeds) and a paired t-test. "
         f"{NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)})."
+        + (f" {NOT_TESTED_LEGEND}" if any(row[-1] == NOT_TESTED for row in table_rows) else "")
     )
     notes = [subset_note(subsets, "ΔSumR and p (queries) on the seeds both finished with ranks"),
              _no_ranks_note(ranks, split)]
@@ -273,7 +279,7 @@ def _no_ranks_note(ranks, split: str) -> str:
     if not named:
         return ""
     return (f"Finished without a ranks artifact (`ranks/ranks_{split}.parquet`), so left out of the intervals and "
-            f"the tests over queries: {named}.")
+            f"the tests over queries (the tests over seeds use their final metrics): {named}.")
 
 
 def _adjusted_name(method: str) -> str:
@@ -512,6 +518,8 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
         legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries "
                       "on the seeds both finished with ranks, "
                       f"{'Holm-adjusted over the table' if opt.adjust == 'holm' else 'unadjusted'}).")
+    if untested(rows, baseline):
+        legend.append(NOT_TESTED_LEGEND)
     legend.append(subset_note(paired_subsets(rows, baseline), "ΔSumR on the seeds both finished"))
     legend.append(saturation_note([v for r in rows for v in r.values.get("r100") or []]))
     legend.append(published_note(next((r for r in rows if r.name == baseline), None), chosen, split))

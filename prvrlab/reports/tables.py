@@ -20,6 +20,8 @@ METRIC_NAMES: dict[str, str] = {m: f"R@{m[1:]}" if m != "sumr" else "SumR" for m
 CHECK, CROSS = "✓", "–"
 DASH = "—"
 NOT_SIGNIFICANT = "†"
+NOT_TESTED = "n.t."
+NOT_TESTED_LEGEND = f"{NOT_TESTED} = not tested over queries (no ranks on the seeds the variant shares with the baseline)."
 SUBSET = "‡"  # a comparison made on the seeds both rows share, fewer than all the seeds of one of them
 
 
@@ -200,6 +202,12 @@ def paired_subsets(rows: Sequence[VariantRow], baseline: str) -> dict[str, list[
     return out
 
 
+def untested(rows: Sequence[VariantRow], baseline: str) -> list[str]:
+    """The variants with a ΔSumR but no test over queries (``delta_significant`` None)."""
+    base = next((r for r in rows if r.name == baseline), None)
+    return [r.name for r in rows if base is not None and r is not base and seed_deltas(r, base) and r.delta_significant is None]
+
+
 def seeds_text(seeds: Sequence[int]) -> str:
     """'seed 2' or 'seeds 0, 1'."""
     return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(s) for s in seeds)
@@ -278,7 +286,7 @@ def ablation_table(rows: Sequence[VariantRow], baseline: str, *, several_seeds: 
         else:
             d = mean_std(list(deltas.values()))[0]
             marks = [SUBSET] if r.name in subsets else []
-            marks += [NOT_SIGNIFICANT] if r.delta_significant is False else []
+            marks += [NOT_SIGNIFICANT] if r.delta_significant is False else [NOT_TESTED] if r.delta_significant is None else []
             delta_cells.append(" ".join([fmt(d, signed=True), *marks]))
             delta_values.append(d)
     delta_cells = bold_best(delta_cells, delta_values) if any(v is not None and v > 0 for v in delta_values) else delta_cells

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+from scipy import stats as sps
 
 from prvrlab.reports.report import Doc, Options, ablation_report
 
@@ -69,7 +72,39 @@ def test_seeds_without_ranks_are_left_out_of_the_query_tests_and_named(tmp_path)
     assert conf["base (baseline)"][1].startswith(f"{np.mean(sumr['base'][:2]):.1f} [")  # its seeds with ranks
     assert "var (seeds 0, 1); other (seed 0)." in md
     assert "Finished without a ranks artifact (`ranks/ranks_test.parquet`), so left out of the intervals and the " \
-           "tests over queries: base seed 2." in md
+           "tests over queries (the tests over seeds use their final metrics): base seed 2." in md
+
+
+def test_a_variant_without_ranks_is_marked_untested_and_keeps_its_tests_over_seeds(tmp_path):
+    rng = np.random.default_rng(3)
+    base = [rng.integers(1, 60, N) for _ in range(2)]
+    tested = [np.clip(b + rng.integers(-1, 2, N), 1, None) for b in base]
+    bare = [np.maximum(1, b - rng.integers(0, 3, N)) for b in base]
+    runs = [fake_run(name, s, x[s]) for name, x in (("base", base), ("tested", tested), ("bare", bare)) for s in (0, 1)]
+    ranks = {f"{name}-seed{s}": x[s] for name, x in (("base", base), ("tested", tested)) for s in (0, 1)}
+    md = _report(tmp_path, fake_study(runs, ranks, baseline="base", seeds=[0, 1]))
+
+    table = {r[0]: r for r in md_rows(md, "## Ablation (test)")}
+    assert table["bare"][6].endswith(" n.t.") and not table["tested"][6].endswith(" n.t.")
+    legend = "n.t. = not tested over queries (no ranks on the seeds the variant shares with the baseline)."
+    assert md.count(legend) == 2  # the ablation legend and the confidence legend
+    conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
+    assert conf["bare"][-1] == "n.t." and conf["bare"][7] == "—"
+    v = [_sumr(x).mean() for x in bare]
+    b = [_sumr(x).mean() for x in base]
+    d = np.subtract(v, b)
+    exact = np.mean([abs(np.mean(np.multiply(s, d))) >= abs(d.mean()) - 1e-9 for s in itertools.product((1, -1), repeat=2)])
+    assert conf["bare"][9] == f"{exact:.3f} (n=2, min 0.500)"
+    assert conf["bare"][10] == f"{sps.ttest_rel(v, b).pvalue:.3f}"
+
+
+def test_without_any_ranks_every_difference_is_marked_untested(tmp_path):
+    rng = np.random.default_rng(4)
+    runs = [fake_run(name, 0, rng.integers(1, 60, N)) for name in ("base", "a", "b")]
+    md = _report(tmp_path, fake_study(runs, {}, baseline="base", seeds=[0]))
+    body = md_rows(md, "## Ablation (test)")[2:]
+    assert [r[6].endswith(" n.t.") for r in body] == [False, True, True]
+    assert "n.t. = not tested over queries" in md and "## Confidence" not in md and "†" not in md
 
 
 def test_a_fully_paired_table_has_no_seed_notes(tmp_path):
