@@ -513,7 +513,8 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     doc.add(ablation_table(rows, baseline, several_seeds=several))
     legend = [f"{'Mean ± std over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
               f"ΔSumR: the variant's SumR minus the baseline's on the seeds both finished (mean of the per-seed "
-              f"differences); a unique best value per column in bold; ✓ / – = component on / off (run tag `components`)."]
+              "differences); a unique best value per column in bold (in ΔSumR the largest improvement, when it is "
+              "unique and above 0.0 as printed); ✓ / – = component on / off (run tag `components`)."]
     if significance:
         legend.append(f"{NOT_SIGNIFICANT} difference not significant (p ≥ {stats.ALPHA}, paired sign-flip test over queries "
                       "on the seeds both finished with ranks, "

@@ -4,7 +4,8 @@ Plain functions over plain data: no MLflow here.  Numbers use one decimal for
 R@K and SumR (as the PRVR papers do), a signed one-decimal ΔSumR, p-values
 with three decimals (more when three would round one below α up to α); a missing value is ``—`` and a cell without any finished
 run says ``failed`` or ``missing``.  The best value of each metric column is
-bold when it is unique at the printed precision and the column has more than one value.
+bold when it is unique at the printed precision and the column has more than one value (ΔSumR: the largest
+improvement, only when it prints above 0.0).
 """
 
 from __future__ import annotations
@@ -289,7 +290,8 @@ def ablation_table(rows: Sequence[VariantRow], baseline: str, *, several_seeds: 
             marks += [NOT_SIGNIFICANT] if r.delta_significant is False else [NOT_TESTED] if r.delta_significant is None else []
             delta_cells.append(" ".join([fmt(d, signed=True), *marks]))
             delta_values.append(d)
-    delta_cells = bold_best(delta_cells, delta_values) if any(v is not None and v > 0 for v in delta_values) else delta_cells
+    improved = any(v is not None and round(v, 1) > 0 for v in delta_values)  # as printed: a 0.0 is no improvement
+    delta_cells = bold_best(delta_cells, delta_values) if improved else delta_cells
 
     out_rows = []
     for i, r in enumerate(rows):

@@ -45,3 +45,14 @@ def test_a_printed_p_value_never_contradicts_the_verdict():
     rows = [["a", "", "", ""]]
     assert adjusted_cells(rows, {0: ("a", 50 / 1001)}, "holm", p_col=-2) == {"a": True}  # 1 + 49 of 1000 resamples
     assert rows[0][-2:] == ["0.04995", "yes"]
+
+
+def test_delta_sumr_bolds_only_a_unique_improvement_above_zero_as_printed():
+    def table(*sumr):
+        rows = [VariantRow(n, None, (0,), {"sumr": [v]}, (0,), delta_significant=True) for n, v in zip("abc", sumr)]
+        return {line.split(" | ")[0].strip("| "): line.split(" | ")[-2] for line in ablation_table(rows, "a", several_seeds=False).splitlines()[2:]}
+
+    assert table(180.0, 180.03, 179.0) == {"a (baseline)": "—", "b": "0.0", "c": "-1.0"}  # +0.03 prints 0.0: no bold
+    assert table(180.0, 180.04, 180.02) == {"a (baseline)": "—", "b": "0.0", "c": "0.0"}
+    assert table(180.0, 181.0, 179.0)["b"] == "**+1.0**"
+    assert table(180.0, 181.02, 180.96)["b"] == "+1.0"  # a tie as printed: no bold
