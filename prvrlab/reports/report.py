@@ -752,32 +752,42 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
 
 
 def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]], split: str, opt: Options) -> None:
+    """The top trials' intervals and paired tests against the reference: the best trial, or the best one with
+    ranks when the best logged none (said so); trials without ranks are named, not dropped silently."""
     loaded = [(r, study.ranks(r, split)) for r, _ in top]
+    bare = [r for r, x in loaded if x is None]
     loaded = [(r, x) for r, x in loaded if x is not None]
     if not loaded:
         return
-    best_run, best = loaded[0]
+    ref_run, ref = loaded[0]
+    ref_is_best = ref_run is top[0][0]
+    ref_name = "best" if ref_is_best else "reference"
     rows, tested = [], {}
     for r, x in loaded:
         h = stats.hits(x["rank"])
         ci = stats.bootstrap_ci(hit_matrix=h, n_boot=opt.n_boot, seed=opt.seed)
         cells = [_ci_cell(ci[m]) for m in CI_METRICS]
         delta = p = DASH
-        if r is not best_run:
-            a, b = stats.align(x["query_id"], h, best["query_id"], stats.hits(best["rank"]))
+        if r is not ref_run:
+            a, b = stats.align(x["query_id"], h, ref["query_id"], stats.hits(ref["rank"]))
             pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
             delta = delta_cell(pr.delta, pr.low, pr.high)
             p = fmt_p(pr.p_value)
             tested[len(rows)] = (r.trial_id, pr.p_value)
-        rows.append([f"`{r.trial_id}`" + (" (best)" if r is best_run else ""), *cells, delta, p, DASH, DASH])
+        rows.append([f"`{r.trial_id}`" + (f" ({ref_name})" if r is ref_run else ""), *cells, delta, p, DASH, DASH])
     adjusted_cells(rows, tested, opt.adjust, p_col=-2)
     doc.section(f"Confidence ({split}, 95% bootstrap over queries)")
-    doc.add(md_table(["Trial", *_ci_headers(), "ΔSumR vs best [95% CI]", "p (queries)", adjusted_header(opt.adjust),
+    doc.add(md_table(["Trial", *_ci_headers(), f"ΔSumR vs {ref_name} [95% CI]", "p (queries)", adjusted_header(opt.adjust),
                       "Significant"], rows))
-    doc.add(f"Percentile bootstrap over queries ({opt.n_boot} resamples, seed {opt.seed}); each trial against the best "
-            f"one with a two-sided paired sign-flip test on per-query SumR. "
-            + adjusted_legend(opt.adjust, len(tested), "comparisons with the best trial")
+    against = "the best one" if ref_is_best else (f"the reference `{ref_run.trial_id}`, the best trial with ranks "
+                                                  f"(the best, `{top[0][0].trial_id}`, logged none),")
+    doc.add(f"Percentile bootstrap over queries ({opt.n_boot} resamples, seed {opt.seed}); each trial against {against} "
+            f"with a two-sided paired sign-flip test on per-query SumR. "
+            + adjusted_legend(opt.adjust, len(tested), f"comparisons with the {ref_name} trial")
             + f" {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)}).")
+    if bare:
+        named = ", ".join(f"`{r.trial_id}`" + (" (the best)" if r is top[0][0] else "") for r in bare)
+        doc.add(f"Left out, no ranks artifact (`ranks/ranks_{split}.parquet`): {named}.")
 
 
 # ---------------------------------------------------------------- shared

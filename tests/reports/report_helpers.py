@@ -49,3 +49,10 @@ def fake_study(runs, ranks: dict, *, baseline: str, seeds: list[int], kind: str 
 
     variants = {v: {} for v in dict.fromkeys(r.variant for r in runs)}
     return InMemory("memory", "parent", kind, "demo", "0", {}, {}, {"variants": variants, "baseline": baseline, "seeds": seeds}, runs)
+
+
+def sumr_per_query(ranks):
+    """Per-query SumR contribution: 100 for each K in (1, 5, 10, 100) the rank is within."""
+    import numpy as np
+
+    return np.array([sum(100.0 for k in (1, 5, 10, 100) if r <= k) for r in ranks])

@@ -9,7 +9,7 @@ from scipy import stats as sps
 
 from prvrlab.reports.report import Doc, Options, ablation_report
 
-from report_helpers import fake_run, fake_study, md_rows
+from report_helpers import fake_run, fake_study, md_rows, sumr_per_query
 
 OPT = Options(n_boot=200, seed=0)
 N = 300
@@ -19,11 +19,6 @@ def _report(tmp_path, study) -> str:
     doc = Doc(tmp_path)
     ablation_report(doc, study, OPT)
     return doc.text()
-
-
-def _sumr(ranks) -> np.ndarray:
-    """Per-query SumR contribution: 100 for each K in (1, 5, 10, 100) the rank is within."""
-    return np.array([sum(100.0 for k in (1, 5, 10, 100) if r <= k) for r in ranks])
 
 
 def test_a_variant_equal_to_the_baseline_on_the_seeds_both_finished_is_not_different(tmp_path):
@@ -56,7 +51,7 @@ def test_seeds_without_ranks_are_left_out_of_the_query_tests_and_named(tmp_path)
     md = _report(tmp_path, fake_study(runs, ranks, baseline="base", seeds=[0, 1, 2]))
 
     table = {r[0]: r for r in md_rows(md, "## Ablation (test)")}
-    sumr = {name: [_sumr(x).mean() for x in xs] for name, xs in (("base", base), ("var", var), ("other", other))}
+    sumr = {name: [sumr_per_query(x).mean() for x in xs] for name, xs in (("base", base), ("var", var), ("other", other))}
     var_delta = np.mean([sumr["var"][s] - sumr["base"][s] for s in range(3)])
     other_delta = np.mean([sumr["other"][s] - sumr["base"][s] for s in (0, 2)])
     assert table["var"][6].split()[0] == f"{var_delta:+.1f}" and "‡" not in table["var"][6]  # all three seeds paired
@@ -65,8 +60,8 @@ def test_seeds_without_ranks_are_left_out_of_the_query_tests_and_named(tmp_path)
 
     conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
     # over queries: hits averaged over the seeds both finished with ranks (0, 1 for var; 0 for other)
-    q_var = np.mean([_sumr(var[s]) for s in (0, 1)], axis=0) - np.mean([_sumr(base[s]) for s in (0, 1)], axis=0)
-    q_other = _sumr(other[0]) - _sumr(base[0])
+    q_var = np.mean([sumr_per_query(var[s]) for s in (0, 1)], axis=0) - np.mean([sumr_per_query(base[s]) for s in (0, 1)], axis=0)
+    q_other = sumr_per_query(other[0]) - sumr_per_query(base[0])
     assert conf["var"][6].startswith(f"{q_var.mean():+.1f} [") and conf["var"][6].endswith("‡")
     assert conf["other"][6].startswith(f"{q_other.mean():+.1f} [") and conf["other"][6].endswith("‡")
     assert conf["base (baseline)"][1].startswith(f"{np.mean(sumr['base'][:2]):.1f} [")  # its seeds with ranks
@@ -90,8 +85,8 @@ def test_a_variant_without_ranks_is_marked_untested_and_keeps_its_tests_over_see
     assert md.count(legend) == 2  # the ablation legend and the confidence legend
     conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
     assert conf["bare"][-1] == "n.t." and conf["bare"][7] == "—"
-    v = [_sumr(x).mean() for x in bare]
-    b = [_sumr(x).mean() for x in base]
+    v = [sumr_per_query(x).mean() for x in bare]
+    b = [sumr_per_query(x).mean() for x in base]
     d = np.subtract(v, b)
     exact = np.mean([abs(np.mean(np.multiply(s, d))) >= abs(d.mean()) - 1e-9 for s in itertools.product((1, -1), repeat=2)])
     assert conf["bare"][9] == f"{exact:.3f} (n=2, min 0.500)"

@@ -1,0 +1,27 @@
+"""The search report's confidence table when the best trial logged no ranks (a fake in-memory study)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prvrlab.reports.report import Options, write_report
+
+from report_helpers import fake_run, fake_study, md_rows, sumr_per_query
+
+N = 200
+
+
+def test_the_reference_is_named_when_the_best_trial_has_no_ranks(tmp_path):
+    rng = np.random.default_rng(2)
+    ranks = {"t0": rng.integers(1, 8, N), "t1": rng.integers(1, 30, N), "t2": rng.integers(1, 60, N)}
+    runs = [fake_run(name, 0, x, split="val") for name, x in ranks.items()]
+    logged = {f"{name}-seed0": x for name, x in ranks.items() if name != "t0"}  # the best trial logged none
+    md = write_report(fake_study(runs, logged, baseline="", seeds=[0], kind="search"), tmp_path, Options(n_boot=100)).read_text()
+    assert md_rows(md, "## Best trial")[2][:2] == ["Trial", "`t0-seed0`"]
+    conf = md_rows(md, "## Confidence (val")
+    assert conf[0][6] == "ΔSumR vs reference [95% CI]"
+    assert [r[0] for r in conf[2:]] == ["`t1-seed0` (reference)", "`t2-seed0`"]
+    assert conf[3][6].startswith(f"{(sumr_per_query(ranks['t2']) - sumr_per_query(ranks['t1'])).mean():+.1f} [")
+    assert "each trial against the reference `t1-seed0`, the best trial with ranks (the best, `t0-seed0`, logged none)," in md
+    assert "Left out, no ranks artifact (`ranks/ranks_val.parquet`): `t0-seed0` (the best)." in md
+    assert "(best)" not in md.split("## Confidence")[1]
