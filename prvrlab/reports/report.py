@@ -407,6 +407,8 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
     if not sweeps:
         return
     doc.section(f"Sensitivity ({split})")
+    doc.add(f"Runs: those with final {split} metrics, which the means are over (k of n: the other n − k runs with "
+            "that value stopped early without final metrics).")
     for key in sorted(sweeps):
         points = [(v, r) for v, r in sweeps[key] if v is not None]
         if not points:
@@ -436,7 +438,8 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
         rows = []
         for label, _, members in groups:
             vals = {m: [x for x in (r.final(split, m) for r in members) if x is not None] for m in METRIC_KEYS}
-            rows.append(([label, str(len(members))], vals))
+            done = sum(1 for r in members if r.final(split, "sumr") is not None)
+            rows.append(([label, str(done) if done == len(members) else f"{done} of {len(members)}"], vals))
         doc.add(f"**{escape(key)}**" + (" (binned, log scale)" if continuous and log else " (binned)" if continuous else ""))
         doc.add(metric_table([escape(key), "Runs"], rows, lead_align=["l", "r"]))
         fig_points = [(v, r.final(split, "sumr")) for v, r in points if r.final(split, "sumr") is not None]
