@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from prvrlab.platform.cli import EXIT_BAD_INPUT, main
+from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking.store import Tracker
 
 from train_helpers import small_raw
@@ -100,3 +101,19 @@ def test_unknown_tracking_scheme(tiny_root, tmp_path, capsys):
     assert main(["train", str(cfg), "--no-ray"]) == EXIT_BAD_INPUT
     assert "foo://bar" in _one_line(capsys)
     _no_run_folder(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["proc", "folder", "under_a_file"])
+def test_an_sqlite_file_that_cannot_be_opened_fails_before_mlflow_opens_it(tmp_path, monkeypatch, where):
+    """MLflow retries a file SQLite cannot open for about 100 s before it gives up."""
+    path = {"proc": Path("/proc/mlflow.db"), "folder": tmp_path, "under_a_file": _unwritable_dir(tmp_path) / "mlflow.db"}[where]
+    reason = {"proc": "cannot be created", "folder": "is a folder", "under_a_file": "cannot be created"}[where]
+    uri = f"sqlite:///{path}"
+
+    def never(**kwargs):
+        raise AssertionError("MLflow was asked to open the store")
+
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", never)
+    with pytest.raises(ConfigError, match=reason) as caught:
+        Tracker(uri, "tests")
+    assert uri in str(caught.value)

@@ -116,6 +116,26 @@ def store_errors(uri: str) -> Iterator[None]:
         raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {reason}") from None
 
 
+def _sqlite_problem(uri: str) -> str | None:
+    """Why an SQLite store's file cannot be opened for writing (None: it can, or the URI is not SQLite).
+
+    Checked before MLflow opens it: MLflow retries a file SQLite cannot open for about 100 s."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = Path(uri[len("sqlite:///") :])
+    if path.is_dir():
+        return "the path is a folder"
+    if path.exists():
+        return None if os.access(path, os.R_OK | os.W_OK) else "the file is not readable and writable"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as MLflow does for a new store
+        with open(path, "ab"):  # what SQLite does first: an empty file is a new database
+            pass
+    except OSError as exc:
+        return f"the file cannot be created ({exc.strerror or type(exc).__name__})"
+    return None
+
+
 class Tracker:
     """A thin MLflow writer bound to one tracking URI and experiment.
 
@@ -129,6 +149,9 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
+        problem = _sqlite_problem(uri)
+        if problem:
+            raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {problem}")
         with store_errors(uri):
             self.client = MlflowClient(tracking_uri=uri)
             exp = self.client.get_experiment_by_name(experiment)
