@@ -103,6 +103,10 @@ def test_unknown_tracking_scheme(tiny_root, tmp_path, capsys):
     _no_run_folder(tmp_path)
 
 
+def _never(**kwargs):
+    raise AssertionError("MLflow was asked to open the store")
+
+
 @pytest.mark.parametrize("where", ["proc", "folder", "under_a_file"])
 def test_an_sqlite_file_that_cannot_be_opened_fails_before_mlflow_opens_it(tmp_path, monkeypatch, where):
     """MLflow retries a file SQLite cannot open for about 100 s before it gives up."""
@@ -110,10 +114,24 @@ def test_an_sqlite_file_that_cannot_be_opened_fails_before_mlflow_opens_it(tmp_p
     reason = {"proc": "cannot be created", "folder": "is a folder", "under_a_file": "cannot be created"}[where]
     uri = f"sqlite:///{path}"
 
-    def never(**kwargs):
-        raise AssertionError("MLflow was asked to open the store")
-
-    monkeypatch.setattr("mlflow.tracking.MlflowClient", never)
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
     with pytest.raises(ConfigError, match=reason) as caught:
+        Tracker(uri, "tests")
+    assert uri in str(caught.value)
+
+
+def test_a_tracking_server_nobody_answers_fails_before_mlflow_retries(monkeypatch):
+    """MLflow retries a refused connection for minutes before it gives up."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    uri = f"http://127.0.0.1:{port}"
+    with pytest.raises(ConfigError, match=f"no server answers at 127.0.0.1:{port}") as caught:
         Tracker(uri, "tests")
     assert uri in str(caught.value)

@@ -136,6 +136,30 @@ def _sqlite_problem(uri: str) -> str | None:
     return None
 
 
+def _server_problem(uri: str, timeout_s: float = 10.0) -> str | None:
+    """Why a tracking server cannot be reached (None: it can, the URI is not http(s), or a proxy is set for it).
+
+    Checked before MLflow connects: MLflow retries a refused connection for minutes."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    if urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname):
+        return None  # reached through a proxy: MLflow's own request decides
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:  # a port out of range
+        return str(exc)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"no server answers at {parts.hostname}:{port} ({exc.strerror or exc})"
+
+
 class Tracker:
     """A thin MLflow writer bound to one tracking URI and experiment.
 
@@ -149,7 +173,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
-        problem = _sqlite_problem(uri)
+        problem = _sqlite_problem(uri) or _server_problem(uri)
         if problem:
             raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {problem}")
         with store_errors(uri):
