@@ -45,3 +45,21 @@ def test_impossible_request_fails_fast(tiny_root, tmp_path, capsys, override, wo
     assert err.count("\n") == 1 and all(w in err for w in words), err
     assert "the cluster has" in err
     assert recorded_runs(raw) == []
+
+
+@pytest.mark.parametrize(
+    "train, cluster, words",
+    [
+        ({"num_workers": 3}, {"CPU": 2.0}, ["train.num_workers=3 needs at least 3 CPUs", "the cluster has 2 CPUs"]),
+        ({"num_workers": 2, "cpus_per_worker": 1.5}, {"CPU": 2.0}, ["train.cpus_per_worker=1.5 x train.num_workers=2 needs 3 CPUs"]),
+        ({"num_workers": 2, "use_gpu": True}, {"CPU": 8.0, "GPU": 1.0}, ["train.use_gpu=true needs 1 GPU per worker, 2 with train.num_workers=2", "has 1 GPUs"]),
+    ],
+)
+def test_more_than_the_cluster_has_names_the_key(tiny_root, tmp_path, train, cluster, words):
+    from prvrlab.platform.config import ConfigError, validate
+    from prvrlab.platform.train.driver import check_resources
+
+    with pytest.raises(ConfigError) as info:
+        check_resources(validate(small_raw(tiny_root, tmp_path, **train)), cluster)
+    assert all(w in str(info.value) for w in words), info.value
+    check_resources(validate(small_raw(tiny_root, tmp_path, **train)), {"CPU": 64.0, "GPU": 8.0})

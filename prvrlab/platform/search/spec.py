@@ -128,6 +128,12 @@ class StudySpec:
         """The validated base config (with the spec's overrides), validated once."""
         return validate(self.base_raw)
 
+    def check_cluster(self, *, join: bool = True) -> None:
+        """Refuse resources the cluster cannot hold (:func:`prvrlab.platform.search.study.check_cluster`)."""
+        from prvrlab.platform.search.study import check_cluster
+
+        check_cluster(self, join=join)
+
 
 @dataclass(frozen=True)
 class SearchSpec(StudySpec):

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
 from prvrlab.platform.ray_logs import ray_logs_to
+from prvrlab.platform.resources import local_cluster, shortfall
 from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, explain_exception, failure_text, record_failure
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
 from prvrlab.platform.search.outcome import (
@@ -490,17 +491,58 @@ def verify_state(study_dir: Path) -> str | None:
 
 
 def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -> tuple[float, float]:
-    """(CPUs, GPUs) per Train worker for ``spec`` on this cluster."""
+    """(CPUs, GPUs) per Train worker for ``spec`` on this cluster; StudyError naming the key when one
+    trial cannot run there, or when ``concurrency`` would leave each worker less than Ray's 0.01 CPU."""
     res = spec.resources
-    if res.gpus_per_worker > 0 and cluster_gpus <= 0:
-        raise StudyError(f"{spec.path}: resources.gpus_per_worker is {res.gpus_per_worker:g} but the cluster has no GPU")
+    reserved = TRIAL_ACTOR_CPU if res.workers_per_trial > 1 else 0.0
+    problem = shortfall(
+        res.workers_per_trial,
+        res.cpus_per_worker,
+        res.gpus_per_worker,
+        {"CPU": cluster_cpus, "GPU": cluster_gpus},
+        workers_key="resources.workers_per_trial",
+        cpus_key="resources.cpus_per_worker",
+        gpus_setting=f"resources.gpus_per_worker={res.gpus_per_worker:g}",
+        reserved=reserved,
+    )
+    if problem:
+        raise StudyError(f"{spec.path}: {problem}")
     if res.cpus_per_worker is not None:
         return _cpu_share(res.cpus_per_worker / res.pack), res.gpus_per_worker
-    reserved = TRIAL_ACTOR_CPU * spec.slots if res.workers_per_trial > 1 else 0.0
-    share = (cluster_cpus - reserved) / (spec.slots * res.workers_per_trial)
-    if share <= 0:
-        raise StudyError(f"the cluster has {cluster_cpus:g} CPUs, too few for {spec.slots} x {res.workers_per_trial} workers")
+    share = (cluster_cpus - reserved * spec.slots) / (spec.slots * res.workers_per_trial)
+    if share < 0.01:
+        raise StudyError(
+            f"{spec.path}: concurrency: {spec.concurrency}" + (f" x resources.pack: {res.pack}" if res.pack > 1 else "") + " trials of "
+            f"{res.workers_per_trial} worker(s) at a time leave each worker under 0.01 of the cluster's {cluster_cpus:g} CPUs"
+        )
     return _cpu_share(share), res.gpus_per_worker
+
+
+def cluster_size() -> tuple[float, float]:
+    """(CPUs, GPUs) of the running Ray cluster."""
+    import ray
+
+    cluster = ray.cluster_resources()
+    return float(cluster.get("CPU", os.cpu_count() or 1)), float(cluster.get("GPU", 0))
+
+
+def check_cluster(spec: StudySpec, *, join: bool = True) -> None:
+    """Refuse (StudyError naming the key) resources the study's cluster cannot hold, before anything is recorded.
+
+    The cluster is the running one or ``$RAY_ADDRESS``'s (joined only when ``join``;
+    otherwise not checked), else this machine, which is what ``ensure_ray`` would start.
+    """
+    import ray
+
+    remote = bool(os.environ.get("RAY_ADDRESS", "").strip())
+    if ray.is_initialized() or (join and remote):
+        from prvrlab.platform.runtime import ensure_ray
+
+        ensure_ray()
+        trial_resources(spec, *cluster_size())
+    elif not remote:
+        cluster = local_cluster()
+        trial_resources(spec, cluster["CPU"], cluster["GPU"])
 
 
 def _cpu_share(share: float) -> float:
@@ -803,13 +845,10 @@ def make_study(
 ) -> StudyContext:
     """A :class:`StudyContext` for ``spec`` with per-worker resources from the running cluster
     (``resolved``: configs the driver already validated, keyed as ``StudyContext.resolved``)."""
-    import ray
-
     from prvrlab.platform.search.names import short_keys
     from prvrlab.platform.train.loop import fault_hook_from_env
 
-    cluster = ray.cluster_resources()
-    cpus, gpus = trial_resources(spec, float(cluster.get("CPU", os.cpu_count() or 1)), float(cluster.get("GPU", 0)))
+    cpus, gpus = trial_resources(spec, *cluster_size())
     base_raw = apply_overrides(base.to_dict(), {})
     study = StudyContext(
         kind=kind,

@@ -16,6 +16,7 @@ from prvrlab.platform.search.spec import SearchSpec
 from prvrlab.platform.search.study import (
     StudyContext,
     StudyResult,
+    check_cluster,
     count_outcomes,
     killed_trials,
     make_study,
@@ -112,6 +113,8 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.runtime import ensure_ray
 
+    prepare_environment()
+    check_cluster(spec)  # impossible resources: refused before the study folder and parent run exist
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="search", echo=echo)
     tracker = Tracker(base.tracking.uri, base.tracking.experiment)
     runs = RunMap(study_dir)
@@ -119,7 +122,6 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     status = "FAILED"
     try:
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
-            prepare_environment()
             ensure_ray()
             study = make_study(spec, "search", base, study_dir)
             echo(

@@ -30,6 +30,7 @@ from prvrlab.platform.failures import (
     interrupts_unwrapped,
     record_failure,
 )
+from prvrlab.platform.resources import shortfall
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
 from prvrlab.platform.train.live import LiveLine
 from prvrlab.platform.train.session import process_group_backend
@@ -75,20 +76,17 @@ def cpus_per_worker(cfg: ExperimentConfig, cluster_cpus: float, reserved: float 
 
 def check_resources(cfg: ExperimentConfig, cluster: dict[str, float]) -> None:
     """Raise ConfigError naming the key when ``cfg`` asks for more than ``cluster`` has."""
-    workers = cfg.train.num_workers
-    cpus = float(cluster.get("CPU", 0))
-    gpus = float(cluster.get("GPU", 0))
-    if cfg.train.use_gpu and gpus < workers:
-        raise ConfigError(
-            f"train.use_gpu=true needs {workers} GPU(s) (1 per worker, train.num_workers={workers}); "
-            f"the cluster has {gpus:g} GPUs"
-        )
-    per_worker = cfg.train.cpus_per_worker
-    if per_worker is not None and per_worker * workers > cpus:
-        raise ConfigError(
-            f"train.cpus_per_worker={per_worker:g} x train.num_workers={workers} needs {per_worker * workers:g} CPUs; "
-            f"the cluster has {cpus:g} CPUs"
-        )
+    problem = shortfall(
+        cfg.train.num_workers,
+        cfg.train.cpus_per_worker,
+        1.0 if cfg.train.use_gpu else 0.0,
+        cluster,
+        workers_key="train.num_workers",
+        cpus_key="train.cpus_per_worker",
+        gpus_setting="train.use_gpu=true",
+    )
+    if problem:
+        raise ConfigError(problem)
 
 
 def format_epoch_line(m: dict[str, Any], epochs: int) -> str:
