@@ -63,3 +63,16 @@ def test_more_than_the_cluster_has_names_the_key(tiny_root, tmp_path, train, clu
         check_resources(validate(small_raw(tiny_root, tmp_path, **train)), cluster)
     assert all(w in str(info.value) for w in words), info.value
     check_resources(validate(small_raw(tiny_root, tmp_path, **train)), {"CPU": 64.0, "GPU": 8.0})
+
+
+def test_no_ray_gpu_without_cuda_fails_fast(tiny_root, tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    raw = small_raw(tiny_root, tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(cfg), "--no-ray", "--set", "train.use_gpu=true"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.use_gpu is true but this machine sees no CUDA device" in err, err
+    assert recorded_runs(raw) == []

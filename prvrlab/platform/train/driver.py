@@ -89,6 +89,16 @@ def check_resources(cfg: ExperimentConfig, cluster: dict[str, float]) -> None:
         raise ConfigError(problem)
 
 
+def check_in_process(cfg: ExperimentConfig) -> None:
+    """``--no-ray``: ConfigError when ``train.use_gpu`` asks for a CUDA device this process does not see."""
+    import torch
+
+    from prvrlab.platform.train.loop import NO_CUDA
+
+    if cfg.train.use_gpu and not torch.cuda.is_available():
+        raise ConfigError(NO_CUDA.format(who="this machine") + " (prvrlab train --no-ray trains in this process)")
+
+
 def format_epoch_line(m: dict[str, Any], epochs: int) -> str:
     """One concise line per epoch (``epoch`` and ``best/epoch`` count from 1, as reported)."""
     terms = " ".join(
@@ -337,6 +347,8 @@ def train(
 
         ensure_ray()
         check_resources(cfg, ray.cluster_resources())
+    else:
+        check_in_process(cfg)
     name = run_name_for(cfg)
     tracker = Tracker(cfg.tracking.uri or resolve_tracking_uri(None), cfg.tracking.experiment)
     check_storage(cfg.tracking.storage_path)

@@ -57,6 +57,7 @@ CHECKPOINT_FORMAT = 7
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
 FAULT_KIND_ENV = "PRVRLAB_FAULT_KIND"  # "exit" (the process dies, default) or "raise" (an error in the code)
+NO_CUDA = "train.use_gpu is true but {who} sees no CUDA device"  # who: the worker, or the machine of a --no-ray run
 
 
 def seed_everything(seed: int) -> None:
@@ -593,7 +594,7 @@ class TrainingLoop:
     def _device(self) -> torch.device:
         if self.cfg.train.use_gpu:
             if not torch.cuda.is_available():
-                raise RuntimeError("train.use_gpu is true but this worker sees no CUDA device")
+                raise RuntimeError(NO_CUDA.format(who="this worker"))
             dev = torch.device("cuda", self.session.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(dev)
             return dev
