@@ -60,5 +60,6 @@ def test_invalid_sample_at_run_time_is_one_failed_trial(tmp_path, tiny_root):
     finally:
         ray.shutdown()
     assert result.counts["failed"] == 1 and result.best is None
-    _, (child,) = study_runs(tmp_path)
+    (parent,), (child,) = study_runs(tmp_path)
     assert child.info.status == "FAILED" and "num_heads" in child.data.tags["error"]
+    assert parent.info.status == "FAILED" and parent.data.tags["prvrlab.status"] == "failed"  # no trial finished

@@ -22,6 +22,7 @@ from prvrlab.platform.search.study import (
     check_cluster,
     make_study,
     open_parent,
+    parent_status,
     prepare_study,
     run_study,
     study_location,
@@ -153,7 +154,8 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
                     metrics[f"variant/{variant}/mean"] = mean
                     metrics[f"variant/{variant}/std"] = std
             tracker.log_metrics(parent, metrics)
-            status = "KILLED" if interrupted else "FINISHED"
+            complete = counts["failed"] + counts["missing"] == 0
+            status = parent_status(tracker, parent, interrupted=interrupted, ok=counts["finished"] > 0, complete=complete)
             return StudyResult(study_dir, parent, counts, None, interrupted)
     except KeyboardInterrupt:
         status = "KILLED"

@@ -835,6 +835,17 @@ def count_outcomes(trials, killed: set[str] = frozenset()) -> dict[str, int]:
     return counts
 
 
+def parent_status(tracker, parent: str, *, interrupted: bool, ok: bool, complete: bool) -> str:
+    """The MLflow status a study's parent run closes with, tagging ``prvrlab.status`` when the study ran
+    to its end: FAILED / ``failed`` when nothing usable came out (not ``ok``), else FINISHED with
+    ``partial`` when trials or cells failed or are missing (not ``complete``), ``finished`` otherwise."""
+    if interrupted:
+        return "KILLED"
+    outcome = "failed" if not ok else "finished" if complete else "partial"
+    tracker.set_tags(parent, {"prvrlab.status": outcome})
+    return "FAILED" if not ok else "FINISHED"
+
+
 def make_study(
     spec: StudySpec,
     kind: str,

@@ -21,6 +21,7 @@ from prvrlab.platform.search.study import (
     killed_trials,
     make_study,
     open_parent,
+    parent_status,
     prepare_environment,
     prepare_study,
     run_study,
@@ -170,7 +171,8 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
                 tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
                 tracker.log_artifacts(parent, [path])
             tracker.log_metrics(parent, summary)
-            status = "KILLED" if interrupted else "FINISHED"
+            complete = counts["failed"] + counts["unfinished"] == 0
+            status = parent_status(tracker, parent, interrupted=interrupted, ok=best is not None, complete=complete)
             return StudyResult(study_dir, parent, counts, best, interrupted)
     except KeyboardInterrupt:
         status = "KILLED"
