@@ -452,6 +452,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         if not (math.isfinite(weight) and weight >= 0):
             raise ConfigError(f"{where}.weight must be >= 0 and finite, got {weight}")
         params = {k: v for k, v in spec.items() if k not in ("loss", "weight")}
+        if "loss" not in spec:
+            _check_term_named_loss(str(term), [str(t) for t in losses_raw if t != term])
         checked = _check_component(LOSSES, loss_name, params, f"{where}.loss", ("loss", "weight"))
         losses[str(term)] = {"loss": loss_name, "weight": weight, **checked}
     if all(spec["weight"] == 0 for spec in losses.values()):
@@ -476,6 +478,18 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     cfg = ExperimentConfig(name=name, model=model, losses=losses, plugins=plugins, **sections)
     _instantiate_check(cfg)
     return cfg
+
+
+def _check_term_named_loss(term: str, others: list[str]) -> None:
+    """A loss term without ``loss:`` is named after its loss: an unknown one names ``losses.<term>``
+    and suggests the closest registered loss or other term (a misspelt term adds a new one)."""
+    names = LOSSES.names()
+    if term not in names:
+        raise ConfigError(
+            f"losses.{term}: unknown loss '{term}'{did_you_mean(term, others + names)}; a term without "
+            f"'loss:' is named after its loss; other terms: {', '.join(others) or 'none'}; "
+            f"registered losses: {', '.join(names)}"
+        )
 
 
 def _check_published_split(published: PublishedConfig, data: DataConfig) -> None:
