@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -782,12 +783,44 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, pr
             raise ConfigError(f"--preset: {exc}") from None
     overrides = overrides or {}
     _check_set_section_keys(overrides)
-    raw = apply_overrides(raw, overrides)
+    return validate_overrides(raw, overrides, str(path))
+
+
+def validate_overrides(raw: dict[str, Any], overrides: dict[str, Any], source: str) -> ExperimentConfig:
+    """Validate ``raw`` (read from ``source``) with the ``--set`` ``overrides`` applied; an error
+    is prefixed with ``--set <key>`` when that key set the value it names, else with ``source``."""
+    applied = apply_overrides(raw, overrides)
     try:
-        return validate(raw)
+        return validate(applied)
     except ConfigError as exc:
-        culprit = next((k for k in overrides if f"'{k}'" in str(exc) or str(exc).startswith(f"{k}:")), None)
-        raise ConfigError(f"--set {culprit}: {exc}" if culprit else f"{path}: {exc}") from None
+        culprit = _culprit(str(exc), overrides, raw)
+        raise ConfigError(f"--set {culprit}: {exc}" if culprit else f"{source}: {exc}") from None
+
+
+def _culprit(message: str, overrides: dict[str, Any], raw: dict[str, Any]) -> str | None:
+    """The override behind a validation error: the one setting the key the message names (its
+    leading key, or the quoted key of ``unknown key '...'``), or a parent of it; or one below it
+    when ``raw`` lacks that key or the message names the override's next part (``model: dropout ...``)."""
+    match = re.match(r"unknown key '([^']+)'|([\w.]+)", message)
+    named = (match.group(1) or match.group(2)) if match else ""
+    for key in overrides:
+        if key == named or named.startswith(f"{key}."):
+            return key
+    below = [key for key in overrides if key.startswith(f"{named}.")]
+    if below and not _has_key(raw, named):
+        return below[0]
+    return next(
+        (key for key in below if re.search(rf"\b{re.escape(key[len(named) + 1:].split('.')[0])}\b", message)), None
+    )
+
+
+def _has_key(raw: dict[str, Any], dotted: str) -> bool:
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _check_set_section_keys(overrides: dict[str, Any]) -> None:

@@ -1,8 +1,12 @@
 """Config error messages: the key they name and the closest valid value they suggest."""
 
-import pytest
+from pathlib import Path
 
-from prvrlab.platform.config import ConfigError, apply_overrides, validate
+import pytest
+import yaml
+
+from prvrlab.platform.config import ConfigError, apply_overrides, load_config, validate
+from prvrlab.platform.search.spec import load_search_spec
 from prvrlab.registry import LOSSES
 
 
@@ -40,3 +44,51 @@ def test_a_term_without_loss_may_suggest_a_registered_loss():
 def test_an_explicit_unknown_loss_still_names_the_loss_key_with_the_closest():
     message = error(apply_overrides(base(), {"losses.clip_nce.loss": "infonc"}))
     assert message.startswith("losses.clip_nce.loss: unknown loss 'infonc' (did you mean 'infonce'?)")
+
+
+def write(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def load_error(path: Path, overrides: dict) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("train.epochs", 0),
+        ("train.lr", -0.1),
+        ("model.dropout", 1.5),
+        ("model.num_heads", 3),
+        ("losses.clip_nce.weight", -1),
+        ("losses.clip_nec.weight", 0.1),
+        ("plugins.ral.num_proxies", 0),
+        ("plugins.rall.msra", True),
+        ("plugins.ral.msrx", True),
+    ],
+)
+def test_an_error_in_a_set_value_names_the_set_key_not_the_file(tmp_path, key, value):
+    path = write(tmp_path / "c.yaml", base())
+    plain = error(apply_overrides(base(), {key: value}))
+    assert load_error(path, {key: value}) == f"--set {key}: {plain}"
+
+
+def test_an_error_in_the_file_names_the_file_beside_a_set_key_of_the_same_section(tmp_path):
+    path = write(tmp_path / "c.yaml", apply_overrides(base(), {"model.dropout": 1.5}))
+    assert load_error(path, {"model.num_heads": 4}).startswith(f"{path}: model: dropout must be")
+
+
+def test_search_set_errors_name_the_set_key_not_the_spec(tmp_path):
+    write(tmp_path / "base.yaml", base())
+    spec = write(tmp_path / "spec.yaml", {"name": "s", "base_config": "base.yaml", "overrides": {"train.epochs": 1},
+                                          "space": {"train.lr": {"loguniform": [1e-4, 1e-2]}}})
+    with pytest.raises(ConfigError, match=r"^--set train\.lrr: unknown config key 'train\.lrr' \(did you mean 'train\.lr'\?\)$"):
+        load_search_spec(spec, {"train.lrr": 1})
+    with pytest.raises(ConfigError, match=r"^--set train\.epochs: train\.epochs must be a finite number > 0, got 0$"):
+        load_search_spec(spec, {"train.epochs": 0})
+    with pytest.raises(ConfigError, match=r"spec\.yaml: overrides: train\.epochs must be a finite number > 0, got 0$"):
+        load_search_spec(write(spec, {**yaml.safe_load(spec.read_text()), "overrides": {"train.epochs": 0}}), {"train.lr": 1e-3})

@@ -40,6 +40,7 @@ from prvrlab.platform.config import (
     find_next_to,
     load_raw,
     validate,
+    validate_overrides,
 )
 from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean
 
@@ -340,14 +341,21 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
         )
     base_path = find_next_to(path, raw.get("base_config"), "base_config")
     base_raw = load_raw(base_path)
-    overrides = {**_mapping(raw.get("overrides"), f"{path}: overrides"), **(extra_overrides or {})}
+    spec_overrides, extra = _mapping(raw.get("overrides"), f"{path}: overrides"), extra_overrides or {}
+    overrides = {**spec_overrides, **extra}
     try:
         plain = validate(base_raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: base_config {base_path}: {exc}") from None
-    check_override_keys(overrides, plain, f"{path}: overrides")
-    base = validate_with(base_raw, overrides, f"{path}: overrides")
-    base_raw = apply_overrides(base_raw, overrides)
+    check_override_keys(spec_overrides, plain, f"{path}: overrides")
+    for key, value in extra.items():
+        check_override_keys({key: value}, plain, f"--set {key}")
+    try:
+        base_raw = apply_overrides(base_raw, spec_overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: overrides: {exc}") from None
+    base = validate_overrides(base_raw, extra, f"{path}: overrides")
+    base_raw = apply_overrides(base_raw, extra)
 
     metric = raw.get("metric", "val/sumr")
     metrics = reported_metrics(base)
