@@ -179,6 +179,11 @@ PRESETS: dict[str, SynthPreset] = {
 PRESETS["skewed"] = dataclasses.replace(PRESETS["small"], name="skewed", skewed=True)
 
 
+def preset_names() -> list[str]:
+    """The preset names a config may give: every preset and its ``-skewed`` variant."""
+    return [*PRESETS, *(f"{name}-skewed" for name in PRESETS if name != "skewed")]
+
+
 def get_preset(preset: str | SynthPreset) -> SynthPreset:
     """A preset by name (``"<name>-skewed"`` gives the skewed variant of any preset)."""
     if isinstance(preset, SynthPreset):

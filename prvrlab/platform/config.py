@@ -433,6 +433,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     if isinstance(raw.get("eval"), dict) and "final_splits" in raw["eval"]:
         _check_final_splits(sections["eval"].final_splits, sections["data"])
     _check_published_split(sections["published"], sections["data"])
+    _check_synthesize(sections["data"])
 
     model_raw = raw.get("model")
     if not isinstance(model_raw, dict) or "name" not in model_raw:
@@ -490,6 +491,20 @@ def _check_term_named_loss(term: str, others: list[str]) -> None:
             f"losses.{term}: unknown loss '{term}'{did_you_mean(term, others + names)}; a term without "
             f"'loss:' is named after its loss; other terms: {', '.join(others) or 'none'}; "
             f"registered losses: {', '.join(names)}"
+        )
+
+
+def _check_synthesize(data: DataConfig) -> None:
+    """``data.synthesize`` names a synthetic preset (checked now: it is only read when the root is missing)."""
+    if data.synthesize is None:
+        return
+    from prvrlab.data.synth import preset_names
+
+    names = preset_names()
+    if data.synthesize not in names:
+        raise ConfigError(
+            f"data.synthesize: unknown synthetic preset {data.synthesize!r}{did_you_mean(data.synthesize, names)}; "
+            f"presets: {', '.join(names)}"
         )
 
 

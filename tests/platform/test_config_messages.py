@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from prvrlab.data.synth import PRESETS, get_preset
 from prvrlab.platform.config import ConfigError, apply_overrides, load_config, validate
 from prvrlab.platform.search.spec import load_search_spec
 from prvrlab.registry import LOSSES
@@ -92,3 +93,15 @@ def test_search_set_errors_name_the_set_key_not_the_spec(tmp_path):
         load_search_spec(spec, {"train.epochs": 0})
     with pytest.raises(ConfigError, match=r"spec\.yaml: overrides: train\.epochs must be a finite number > 0, got 0$"):
         load_search_spec(write(spec, {**yaml.safe_load(spec.read_text()), "overrides": {"train.epochs": 0}}), {"train.lr": 1e-3})
+
+
+@pytest.mark.parametrize("preset, closest", [("tinyy", "tiny"), ("small-skewd", "small-skewed")])
+def test_an_unknown_synthetic_preset_names_the_key_and_the_closest(preset, closest):
+    message = error(apply_overrides(base(), {"data.synthesize": preset}))
+    assert message.startswith(f"data.synthesize: unknown synthetic preset '{preset}' (did you mean '{closest}'?)")
+    assert get_preset(closest).name == closest
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, *(f"{name}-skewed" for name in PRESETS if name != "skewed")])
+def test_every_synthetic_preset_validates(preset):
+    assert validate(apply_overrides(base(), {"data.synthesize": preset})).data.synthesize == preset
