@@ -7,7 +7,7 @@ import yaml
 
 from prvrlab.data.synth import PRESETS, get_preset
 from prvrlab.platform.config import ConfigError, apply_overrides, load_config, validate
-from prvrlab.platform.search.spec import load_search_spec
+from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
 from prvrlab.registry import LOSSES
 
 
@@ -105,3 +105,14 @@ def test_an_unknown_synthetic_preset_names_the_key_and_the_closest(preset, close
 @pytest.mark.parametrize("preset", [*PRESETS, *(f"{name}-skewed" for name in PRESETS if name != "skewed")])
 def test_every_synthetic_preset_validates(preset):
     assert validate(apply_overrides(base(), {"data.synthesize": preset})).data.synthesize == preset
+
+
+def test_a_plugin_typo_in_an_ablation_variant_gets_the_suggestion_train_gives(tmp_path):
+    write(tmp_path / "base.yaml", base())
+    spec = write(tmp_path / "abl.yaml", {"name": "a", "base_config": "base.yaml",
+                                         "variants": {"full": {}, "typo": {"plugins.rall.msra": False}}})
+    plain = error(apply_overrides(base(), {"plugins.rall.msra": False}))
+    assert "plugins.rall: unknown plugin 'rall' (did you mean 'ral'?)" in plain
+    with pytest.raises(ConfigError) as err:
+        load_ablation_spec(spec)
+    assert str(err.value) == f"{spec}: variants.typo: {plain}"

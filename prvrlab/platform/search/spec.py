@@ -281,11 +281,15 @@ def reported_metrics(cfg: ExperimentConfig) -> list[str]:
 
 
 def check_override_keys(overrides: dict[str, Any], cfg: ExperimentConfig, where: str) -> None:
-    """Every dotted key must exist in ``cfg`` (an unknown one names the closest valid key)."""
+    """Every dotted key must exist in ``cfg``: an unknown one names the closest valid key, or else the
+    error validating it gives (as ``train --set`` would: an unknown plug-in or loss with its closest)."""
     keys = valid_keys(cfg)
-    for key in overrides:
+    for key, value in overrides.items():
         if not isinstance(key, str) or key not in keys:
-            raise ConfigError(f"{where}: unknown config key '{key}'{did_you_mean(str(key), keys)}")
+            hint = did_you_mean(str(key), keys)
+            if not hint and isinstance(key, str):
+                validate_with(cfg.to_dict(), {key: value}, where)
+            raise ConfigError(f"{where}: unknown config key '{key}'{hint}")
 
 
 def validate_with(raw: dict[str, Any], overrides: dict[str, Any], where: str) -> ExperimentConfig:
