@@ -423,7 +423,8 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     if not isinstance(raw, dict):
         raise ConfigError("a config must be a mapping at the top level")
     if "extends" in raw or "unset" in raw:
-        raise ConfigError("extends/unset: resolved when a config file is loaded (load_config / load_raw), not here")
+        raise ConfigError("extends/unset: resolved when a config file is loaded; put them in the YAML file, "
+                          "not in --set or a spec's overrides")
     _check_keys(raw, TOP_LEVEL, "")
     name = raw.get("name", "experiment")
     if not isinstance(name, str) or not name:
@@ -839,9 +840,12 @@ def _has_key(raw: dict[str, Any], dotted: str) -> bool:
 
 
 def _check_set_section_keys(overrides: dict[str, Any]) -> None:
-    """A ConfigError naming ``--set`` and the full dotted key for an unknown section key."""
+    """A ConfigError naming ``--set`` and the full dotted key for a key it cannot set: ``extends`` /
+    ``unset`` (resolved when the file is read) or an unknown section key."""
     for dotted in overrides:
         section, _, key = dotted.partition(".")
+        if section in ("extends", "unset"):
+            raise ConfigError(f"--set {dotted}: {section} cannot be set with --set; put it in the YAML file")
         if section in SECTIONS and key:
             names = [f"{section}.{f.name}" for f in dataclasses.fields(SECTIONS[section])]
             if dotted not in names:

@@ -116,3 +116,15 @@ def test_a_plugin_typo_in_an_ablation_variant_gets_the_suggestion_train_gives(tm
     with pytest.raises(ConfigError) as err:
         load_ablation_spec(spec)
     assert str(err.value) == f"{spec}: variants.typo: {plain}"
+
+
+@pytest.mark.parametrize("key, value", [("extends", "x.yaml"), ("unset", ["train.lr"])])
+def test_extends_and_unset_cannot_be_set_with_set_in_one_plain_message(tmp_path, key, value):
+    path = write(tmp_path / "c.yaml", base())
+    assert load_error(path, {key: value}) == f"--set {key}: {key} cannot be set with --set; put it in the YAML file"
+    spec = write(tmp_path / "spec.yaml", {"name": "s", "base_config": "c.yaml",
+                                          "space": {"train.lr": {"loguniform": [1e-4, 1e-2]}}})
+    with pytest.raises(ConfigError) as err:
+        load_search_spec(spec, {key: value})
+    assert str(err.value).startswith(f"--set {key}: ") and "put them in the YAML file" in str(err.value)
+    assert "load_config" not in str(err.value) and "load_raw" not in str(err.value)
