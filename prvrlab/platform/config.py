@@ -348,13 +348,19 @@ def _check_keys(given: dict[str, Any], valid: typing.Iterable[str], where: str) 
             )
 
 
+def _mapping(value: Any, where: str, example: str) -> dict[str, Any]:
+    """``value`` as a mapping (``{}`` for None); otherwise a ConfigError naming ``where`` with an example."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping (e.g. {where}: {example}), got {value!r}")
+    return value
+
+
 def _build_section(cls: type, raw: Any, where: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    raw = _mapping(raw, where, f"{{{names[0]}: ...}}")
+    hints = typing.get_type_hints(cls)
     _check_keys(raw, names, where)
     values = {k: coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
     section = cls(**values)
@@ -436,14 +442,16 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     _check_published_split(sections["published"], sections["data"])
     _check_synthesize(sections["data"])
 
-    model_raw = raw.get("model")
-    if not isinstance(model_raw, dict) or "name" not in model_raw:
+    backbones = BACKBONES.names()
+    example = raw["model"] if raw.get("model") in backbones else backbones[0]
+    model_raw = _mapping(raw.get("model"), "model", f"{{name: {example}}}")
+    if "name" not in model_raw:
         raise ConfigError(f"model.name is required; registered backbones: {', '.join(BACKBONES.names())}")
     model_params = {k: v for k, v in model_raw.items() if k != "name"}
     model = {"name": model_raw["name"], **_check_component(BACKBONES, model_raw["name"], model_params, "model.name", ("name",))}
 
-    losses_raw = raw.get("losses")
-    if not isinstance(losses_raw, dict) or not losses_raw:
+    losses_raw = _mapping(raw.get("losses"), "losses", "{<term>: {loss: <loss>, weight: 1.0}}")
+    if not losses_raw:
         raise ConfigError("losses: expected a mapping of term name -> {loss, weight, ...}")
     losses: dict[str, dict[str, Any]] = {}
     for term, spec in losses_raw.items():
@@ -462,11 +470,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     if all(spec["weight"] == 0 for spec in losses.values()):
         raise ConfigError("losses: every weight is 0, nothing would be trained")
 
-    plugins_raw = raw.get("plugins")
-    if plugins_raw is None:
-        plugins_raw = {}
-    if not isinstance(plugins_raw, dict):
-        raise ConfigError(f"plugins: expected a mapping of plug-in name -> parameters, got {plugins_raw!r}")
+    plugins_raw = _mapping(raw.get("plugins"), "plugins", "{<plugin>: {<param>: <value>}}")
     plugins: dict[str, dict[str, Any]] = {}
     for plugin_name, params in plugins_raw.items():
         where = f"plugins.{plugin_name}"

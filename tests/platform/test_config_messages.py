@@ -8,7 +8,7 @@ import yaml
 from prvrlab.data.synth import PRESETS, get_preset
 from prvrlab.platform.config import ConfigError, apply_overrides, load_config, validate
 from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
-from prvrlab.registry import LOSSES
+from prvrlab.registry import BACKBONES, LOSSES
 
 
 def base() -> dict:
@@ -128,3 +128,19 @@ def test_extends_and_unset_cannot_be_set_with_set_in_one_plain_message(tmp_path,
         load_search_spec(spec, {key: value})
     assert str(err.value).startswith(f"--set {key}: ") and "put them in the YAML file" in str(err.value)
     assert "load_config" not in str(err.value) and "load_raw" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "section, value, example",
+    [
+        ("model", "gmmformer", "{name: gmmformer}"),
+        ("model", [1], "{name: " + BACKBONES.names()[0] + "}"),
+        ("losses", 3, "{<term>: {loss: <loss>, weight: 1.0}}"),
+        ("plugins", "ral", "{<plugin>: {<param>: <value>}}"),
+        ("train", 5, "{epochs: ...}"),
+    ],
+)
+def test_a_section_that_is_no_mapping_says_so(tmp_path, section, value, example):
+    expected = f"{section} must be a mapping (e.g. {section}: {example}), got {value!r}"
+    assert error({**base(), section: value}) == expected
+    assert load_error(write(tmp_path / "c.yaml", base()), {section: value}) == f"--set {section}: {expected}"
