@@ -144,3 +144,13 @@ def test_a_section_that_is_no_mapping_says_so(tmp_path, section, value, example)
     expected = f"{section} must be a mapping (e.g. {section}: {example}), got {value!r}"
     assert error({**base(), section: value}) == expected
     assert load_error(write(tmp_path / "c.yaml", base()), {section: value}) == f"--set {section}: {expected}"
+
+
+@pytest.mark.parametrize("loader", [load_search_spec, load_ablation_spec])
+def test_an_experiment_config_given_as_a_spec_is_pointed_to_train(tmp_path, loader):
+    write(tmp_path / "parent.yaml", base())
+    path = write(tmp_path / "c.yaml", {"extends": "parent.yaml", "train": {"epochs": 1}})
+    with pytest.raises(ConfigError) as err:
+        loader(path)
+    assert str(err.value).startswith(f"{path}: this looks like an experiment config (extends, train), not a spec; "
+                                     f"train it with 'prvrlab train {path}'")

@@ -34,6 +34,7 @@ from prvrlab.platform.config import (
     DATA_DERIVED,
     PLUGIN_DERIVED,
     SECTIONS,
+    TOP_LEVEL,
     ConfigError,
     ExperimentConfig,
     apply_overrides,
@@ -332,7 +333,14 @@ def _check_keys(raw: dict[str, Any], valid: tuple[str, ...], where: str) -> None
 
 def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
-    return path, load_raw(path, what="spec file")
+    raw = load_raw(path, what="spec file")
+    config_keys = [str(k) for k in raw if k in (*TOP_LEVEL, "extends", "unset") and k != "name"]
+    if config_keys and "base_config" not in raw:
+        raise ConfigError(
+            f"{path}: this looks like an experiment config ({', '.join(config_keys)}), not a spec; "
+            f"train it with 'prvrlab train {path}', or name it as base_config in a spec"
+        )
+    return path, raw
 
 
 def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | None) -> dict[str, Any]:
