@@ -446,7 +446,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     example = raw["model"] if raw.get("model") in backbones else backbones[0]
     model_raw = _mapping(raw.get("model"), "model", f"{{name: {example}}}")
     if "name" not in model_raw:
-        raise ConfigError(f"model.name is required; registered backbones: {', '.join(BACKBONES.names())}")
+        raise ConfigError(f"model.name is required; registered backbones: {', '.join(backbones)}")
     model_params = {k: v for k, v in model_raw.items() if k != "name"}
     model = {"name": model_raw["name"], **_check_component(BACKBONES, model_raw["name"], model_params, "model.name", ("name",))}
 
