@@ -173,7 +173,7 @@ def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
     except ConfigError as exc:
         raise ConfigError(f"spec '{path}' cannot be read: {exc}") from None
     base = resolve_config_paths(spec.base)
-    uri = resolve_tracking_uri(tracking_uri) if tracking_uri else base.tracking.uri
+    uri = resolve_tracking_uri(tracking_uri, key="--tracking-uri") if tracking_uri else base.tracking.uri
     return uri, base.tracking.experiment, spec.name
 
 
@@ -184,7 +184,7 @@ def _report_parent(args: argparse.Namespace) -> tuple[str, str]:
     from prvrlab.reports.source import find_parent
 
     if args.spec is None:
-        uri = resolve_tracking_uri(args.tracking_uri)
+        uri = resolve_tracking_uri(args.tracking_uri, key="--tracking-uri")
         return uri, find_parent(tracking_uri=uri, run_id=args.run_id, experiment=args.experiment)
     path = Path(args.spec)
     uri, experiment, name = _spec_study(path, args.tracking_uri)
@@ -212,7 +212,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from prvrlab.platform.tracking.store import resolve_tracking_uri
     from prvrlab.reports.compare import compare_runs
 
-    text = compare_runs(resolve_tracking_uri(args.tracking_uri), args.run_ids, split=args.split,
+    text = compare_runs(resolve_tracking_uri(args.tracking_uri, key="--tracking-uri"), args.run_ids, split=args.split,
                         n_boot=args.bootstrap, seed=args.seed, adjust=args.adjust)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

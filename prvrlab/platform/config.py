@@ -108,10 +108,12 @@ class TrackingConfig:
 
     def check(self) -> None:
         from prvrlab.platform.storage import normalize
+        from prvrlab.platform.tracking.store import check_tracking_uri
 
         if not self.experiment:
             raise ConfigError("tracking.experiment must not be empty")
         normalize(self.storage_path)  # unknown scheme, no bucket, a query: ConfigError naming the key
+        check_tracking_uri(self.uri, "tracking.uri")
 
 
 PUBLISHED_METRICS = ("r1", "r5", "r10", "r100", "sumr")  # = evaluation.metrics.METRIC_KEYS (which would load pyarrow here)

@@ -8,6 +8,7 @@ are sent in batches, and a run always ends FINISHED, FAILED or KILLED.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ PARAM_MAX = 6000
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
 STOP_TAGS = ("prvrlab.status", "prvrlab.stop_reason")  # how a run ended; a reopened run drops them
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def artifact_location(uri: str, experiment: str) -> str | None:
@@ -36,16 +38,30 @@ def artifact_location(uri: str, experiment: str) -> str | None:
     return (Path(uri[len("sqlite:///") :]).parent / "mlruns" / safe).as_uri()
 
 
-def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None) -> str:
+def check_tracking_uri(uri: str | None, key: str) -> None:
+    """Refuse a path without a scheme as tracking URI (MLflow would open it as its retired file store):
+    ConfigError naming ``key`` (the config key, option or environment variable it came from)."""
+    if uri and not _SCHEME.match(uri):
+        raise ConfigError(
+            f"{key}: '{uri}' is a file path; use sqlite:///<absolute path> for a SQLite file "
+            "(or http(s)://host:port for a server)"
+        )
+
+
+def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None, key: str = "tracking.uri") -> str:
     """An absolute tracking URI.
 
     ``None`` means ``$MLFLOW_TRACKING_URI`` or an SQLite file ``mlflow.db`` in
     ``$PRVRLAB_HOME`` or else the working directory.  Relative SQLite and file paths are made absolute
     so that Ray workers and ``ray job submit`` (which change directory) reach
-    the same store.
+    the same store.  A path without a scheme is refused (:func:`check_tracking_uri`; ``key`` names
+    where ``uri`` came from).
     """
     base = Path(cwd or os.environ.get("PRVRLAB_HOME") or os.getcwd()).resolve()
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{base / DEFAULT_DB}"
+    if not uri:
+        uri, key = os.environ.get("MLFLOW_TRACKING_URI"), "$MLFLOW_TRACKING_URI"
+    check_tracking_uri(uri, key)
+    uri = uri or f"sqlite:///{base / DEFAULT_DB}"
     if uri.startswith("sqlite:///"):
         path = uri[len("sqlite:///") :]
         if not path.startswith("/"):
@@ -54,8 +70,6 @@ def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None) 
     if uri.startswith("file:"):
         path = uri[len("file://") :] if uri.startswith("file://") else uri[len("file:") :]
         return "file://" + str((base / path).resolve())
-    if "://" not in uri:
-        return "file://" + str((base / uri).resolve())
     return uri
 
 

@@ -3,6 +3,7 @@
 
 import pytest
 
+from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking.store import Tracker, numeric_metrics, resolve_tracking_uri
 
 
@@ -15,8 +16,15 @@ def test_env_uri_honoured_and_relative_paths_made_absolute(tmp_path, monkeypatch
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///stores/x.db")
     assert resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve() / 'stores/x.db'}"
     assert resolve_tracking_uri("http://127.0.0.1:5000", tmp_path) == "http://127.0.0.1:5000"
-    assert resolve_tracking_uri("mlruns", tmp_path) == "file://" + str(tmp_path.resolve() / "mlruns")
     assert resolve_tracking_uri("sqlite:////abs/m.db", tmp_path) == "sqlite:////abs/m.db"
+
+
+def test_a_path_without_scheme_is_refused_naming_where_it_came_from(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="^--tracking-uri: 'mlruns' is a file path; use sqlite:///"):
+        resolve_tracking_uri("mlruns", tmp_path, key="--tracking-uri")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "m.db"))
+    with pytest.raises(ConfigError, match=r"^\$MLFLOW_TRACKING_URI: '.*m\.db' is a file path"):
+        resolve_tracking_uri(None, tmp_path)
 
 
 def test_numeric_metrics_drops_strings_bools_and_nonfinite():

@@ -1,0 +1,50 @@
+"""Bad options and arguments of the commands: one line naming the option, exit 2, nothing recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prvrlab.platform.cli import EXIT_BAD_INPUT, main
+
+from train_helpers import small_raw
+
+
+def one_error_line(capsys) -> str:
+    """The only line on stderr, an error of prvrlab (no traceback, no usage)."""
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("prvrlab"), err
+    return lines[0]
+
+
+def path_message(key: str, path: Path) -> str:
+    return (f"{key}: '{path}' is a file path; use sqlite:///<absolute path> for a SQLite file "
+            "(or http(s)://host:port for a server)")
+
+
+@pytest.mark.parametrize("command", [["report", "--experiment", "X"], ["compare", "run1", "run2"]])
+def test_tracking_uri_option_that_is_a_path(tmp_path, capsys, command):
+    db = tmp_path / "x" / "mlflow.db"
+    assert main([*command, "--tracking-uri", str(db)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == f"prvrlab: error: {path_message('--tracking-uri', db)}"
+    assert not db.parent.exists()
+
+
+def test_tracking_uri_key_that_is_a_path(tiny_root, tmp_path, capsys):
+    raw = small_raw(tiny_root, tmp_path, epochs=1)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    db = tmp_path / "x.db"
+    assert main(["train", str(cfg), "--no-ray", "--set", f"tracking.uri={db}"]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys).endswith(path_message("tracking.uri", db))
+    assert not db.exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "results").exists()
+
+
+def test_tracking_uri_environment_variable_that_is_a_path(tmp_path, capsys, monkeypatch):
+    db = tmp_path / "env.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(db))
+    assert main(["compare", "run1", "run2"]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == f"prvrlab: error: {path_message('$MLFLOW_TRACKING_URI', db)}"
