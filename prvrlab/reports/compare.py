@@ -17,7 +17,7 @@ from typing import Sequence
 from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.reports import stats
 from prvrlab.reports.errors import ReportError
-from prvrlab.reports.source import TrialRun, mlflow_client, run_ranks, trial_run
+from prvrlab.reports.source import TrialRun, check_split, mlflow_client, run_ranks, trial_run
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
@@ -50,8 +50,10 @@ def load_runs(uri: str, run_ids: Sequence[str]) -> tuple[object, list[TrialRun]]
 
 
 def pick_split(runs: Sequence[TrialRun], split: str | None) -> str:
-    """``split``, else test when every run logged final test metrics, else val."""
+    """``split`` when some run logged it (else a ReportError naming the closest), else test when every run
+    logged final test metrics, else val."""
     if split is not None:
+        check_split(runs, split)
         return split
     return "test" if all(r.final("test", "sumr") is not None for r in runs) else "val"
 

@@ -24,7 +24,7 @@ from prvrlab.conditions import condition_holds
 from prvrlab.evaluation.metrics import GROUPS, METRIC_KEYS, group_bounds
 from prvrlab.reports import plots, stats
 from prvrlab.reports.errors import ReportError
-from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, load_study
+from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, check_split, load_study
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
@@ -832,8 +832,11 @@ def _profile_section(doc: Doc, study: Study, entries: list[tuple[str, TrialRun |
 
 
 def write_report(study: Study, out: str | Path, opt: Options | None = None) -> Path:
-    """Write ``out/report.md`` and its figures; returns the markdown path."""
+    """Write ``out/report.md`` and its figures; returns the markdown path. A ``split`` no run logged is
+    refused (ReportError naming the closest) before anything is written."""
     opt = opt or Options()
+    if opt.split is not None:
+        check_split(study.runs, opt.split)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     doc = Doc(out)

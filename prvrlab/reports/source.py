@@ -20,12 +20,13 @@ import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import yaml
 
 from prvrlab.evaluation.metrics import METRIC_KEYS
+from prvrlab.registry import did_you_mean
 from prvrlab.reports.errors import ReportError
 
 STUDY_KINDS = ("search", "ablation")
@@ -108,6 +109,16 @@ class TrialRun:
             if key.startswith(TRAIN_PREFIX) and "." in name and math.isfinite(value):
                 out[name] = value
         return out
+
+
+def check_split(runs: Sequence[TrialRun], split: str) -> None:
+    """A ReportError when none of ``runs`` logged final metrics on ``split``, naming the splits they did
+    and the closest one."""
+    logged = sorted({k.split("/")[1] for r in runs for k in r.metrics if k.count("/") == 2 and k.startswith("final/")
+                     and k.endswith("/sumr")})
+    if split not in logged:
+        raise ReportError(f"split '{split}': the runs logged no final {split} metrics (final/{split}/sumr); "
+                          f"splits they logged: {', '.join(logged) or 'none'}{did_you_mean(split, logged)}")
 
 
 @dataclass

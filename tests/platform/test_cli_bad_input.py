@@ -48,3 +48,39 @@ def test_tracking_uri_environment_variable_that_is_a_path(tmp_path, capsys, monk
     monkeypatch.setenv("MLFLOW_TRACKING_URI", str(db))
     assert main(["compare", "run1", "run2"]) == EXIT_BAD_INPUT
     assert one_error_line(capsys) == f"prvrlab: error: {path_message('$MLFLOW_TRACKING_URI', db)}"
+
+
+def ablation_store(tmp: Path) -> tuple[str, str]:
+    """(tracking URI, parent id) of a finished two-variant ablation whose runs logged final val and test metrics."""
+    from prvrlab.platform.tracking.store import Tracker
+
+    uri = f"sqlite:///{tmp / 'study.db'}"
+    tracker = Tracker(uri, "tests")
+    parent = tracker.start_run("abl", tags={"prvrlab.kind": "ablation", "prvrlab.study": "abl"})
+    tracker.log_params(parent, {"spec.baseline": "base", "spec.seeds": "[0]", "variant.base": "{}", "variant.other": "{}"})
+    for variant in ("base", "other"):
+        tags = {"prvrlab.kind": "trial", "prvrlab.status": "finished", "prvrlab.variant": variant, "prvrlab.seed": "0"}
+        run = tracker.start_run(f"abl/{variant}/seed0", tags=tags, parent_run_id=parent)
+        tracker.log_metrics(run, {f"final/{s}/{m}": 10.0 for s in ("val", "test") for m in ("r1", "r5", "r10", "r100", "sumr")})
+        tracker.end_run(run, "FINISHED")
+    tracker.end_run(parent, "FINISHED")
+    return uri, parent
+
+
+@pytest.mark.parametrize("command", ["report", "compare"])
+def test_split_that_no_run_logged(tmp_path, capsys, command):
+    from prvrlab.platform.tracking.store import Tracker
+
+    uri, parent = ablation_store(tmp_path)
+    capsys.readouterr()  # MLflow's note that it created the store
+    client = Tracker(uri, "tests").client
+    children = [r.info.run_id for r in client.search_runs([client.get_run(parent).info.experiment_id])
+                if r.info.run_id != parent]
+    out = tmp_path / "out"
+    who = ["--run-id", parent] if command == "report" else children
+    assert main([command, *who, "--tracking-uri", uri, "--split", "tset", "--out", str(out)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (
+        "prvrlab: error: split 'tset': the runs logged no final tset metrics (final/tset/sumr); "
+        "splits they logged: test, val (did you mean 'test'?)"
+    )
+    assert not out.exists() and client.list_artifacts(parent) == []
