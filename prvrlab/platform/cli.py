@@ -133,14 +133,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from prvrlab.reports.tables import recall_text
 
     checkpoint = storage.fetch(args.checkpoint, key="checkpoint")  # s3:// or gs://: a staged local copy
+    blob = load_checkpoint(checkpoint)
+    if args.data_root is not None:
+        _check_data_root(args.data_root, checkpoint_config(blob, checkpoint).data)
     ranks = args.ranks
+    if ranks:
+        storage.check_file(ranks, "--ranks")
     if ranks and storage.is_remote(ranks):
         ranks = str(storage.Location(storage.normalize(ranks, key="--ranks")).local)
     result = evaluate_checkpoint(checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp)
     if ranks != args.ranks:
         storage.put(ranks, args.ranks)
     m = result.metrics
-    blob = load_checkpoint(checkpoint)
     epoch = checkpoint_epoch(blob)
     print(
         (f"model of epoch {epoch}  " if epoch is not None else "")
@@ -155,6 +159,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"metrics": m, "by_group": result.by_group}, indent=1))
     return 0
+
+
+def _check_data_root(value: str, data) -> None:
+    """``eval --data-root`` names a folder that exists: eval never writes a collection there."""
+    from prvrlab.platform.config import ConfigError
+
+    if Path(value).exists():
+        return
+    how = (f"; write the model's synthetic collection there with  prvrlab data synth --preset {data.synthesize} "
+           f"--seed {data.synth_seed} --out {value}" if data.synthesize else "")
+    raise ConfigError(f"--data-root {value}: folder not found{how}")
 
 
 def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
@@ -311,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a saved model (best_model.pt) on a split")
     p.add_argument("checkpoint", help="best_model.pt written by a training run")
     p.add_argument("--split", default="test", help="split to evaluate, e.g. val or test (default test)")
-    p.add_argument("--data-root", default=None, help="use features from here instead of the run's data.root")
+    p.add_argument("--data-root", default=None, help="use features from this existing folder instead of the run's data.root")
     p.add_argument("--ranks", default=None, help="write per-query ranks to this Parquet file (a path, s3:// or gs://)")
     p.add_argument("--amp", choices=["none", "bf16"], default="none", help="autocast precision of the forward pass (default none)")
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")

@@ -39,6 +39,7 @@ REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
 NEVER_SYNCED = ("progress.json", "*.tmp", "local_session")  # rewritten every second / in-process scratch
 WORKER_FILES = ("best_model.pt", "ranks_*.parquet")  # pushed by rank 0 itself
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_MALFORMED = re.compile(r"^(s3|gs|gcs|file):(?!//)", re.IGNORECASE)  # s3:/bucket, gs:bucket: a URI missing a slash
 
 
 def normalize(value: str | Path, base: Path | None = None, key: str = KEY) -> str:
@@ -49,6 +50,8 @@ def normalize(value: str | Path, base: Path | None = None, key: str = KEY) -> st
     """
     text = str(value)
     match = _URI.match(text)
+    if match is None and _MALFORMED.match(text):
+        raise ConfigError(f"{key}: {text!r} is not a URI; write {text.split(':', 1)[0].lower()}://bucket/path")
     if match is None:
         return str(((base or Path()) / text).resolve()) if base is not None else text
     scheme, rest = match.group(1).lower(), match.group(2)
@@ -257,10 +260,11 @@ class _Periodic:
         self.mirror.push()
 
 
-def check(value: str) -> None:
-    """Check ``tracking.storage_path`` is usable: create it and write (then delete) a probe file.
+def check(value: str, key: str = KEY) -> None:
+    """Check a folder (``tracking.storage_path``, or the option ``key``) is usable: create it and write (then
+    delete) a probe file.
 
-    Raises ConfigError naming the key, e.g. for a bucket that does not exist or
+    Raises ConfigError naming the key, e.g. for a path under a regular file, a bucket that does not exist or
     an endpoint that cannot be reached.
     """
     if not is_remote(value):
@@ -270,7 +274,9 @@ def check(value: str) -> None:
             with tempfile.TemporaryFile(dir=path):
                 pass
         except OSError as exc:
-            raise ConfigError(f"{KEY} {path}: not a writable folder ({exc.strerror or exc})") from None
+            blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+            why = f"{blocker} is a file" if blocker else exc.strerror or exc
+            raise ConfigError(f"{key} {path}: not a writable folder ({why})") from None
         return
     probe = Location(value).child(f".prvrlab-probe-{uuid.uuid4().hex[:12]}")
     try:
@@ -280,7 +286,22 @@ def check(value: str) -> None:
         fs.delete_file(path)
     except Exception as exc:  # pyarrow raises OSError or ArrowInvalid/ArrowException subclasses
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{KEY} {value}: not writable ({first})") from None
+        raise ConfigError(f"{key} {value}: not writable ({first})") from None
+
+
+def check_file(value: str, key: str) -> None:
+    """Check a file can be written at ``value`` (a path, ``s3://`` or ``gs://``) before the work that makes it:
+    not a folder, and its folder usable (:func:`check`; created when missing). ConfigError naming ``key``."""
+    uri = normalize(value, key=key)
+    if is_remote(uri):
+        folder = uri.rpartition("/")[0]
+        if folder.endswith(":/"):
+            raise ConfigError(f"{key}: {value!r} names a bucket, not a file")
+    elif Path(uri).is_dir():
+        raise ConfigError(f"{key} {value}: is a folder; give a file name in it")
+    else:
+        folder = str(Path(uri).parent)
+    check(folder, key)
 
 
 def fetch(uri: str, key: str = KEY) -> Path:

@@ -84,3 +84,70 @@ def test_split_that_no_run_logged(tmp_path, capsys, command):
         "splits they logged: test, val (did you mean 'test'?)"
     )
     assert not out.exists() and client.list_artifacts(parent) == []
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tiny_root, tmp_path_factory) -> Path:
+    """best_model.pt of a 1-epoch run whose config generates its data (data.synthesize: tiny)."""
+    tmp = tmp_path_factory.mktemp("eval")
+    raw = small_raw(tiny_root, tmp, epochs=1)
+    raw["data"]["synthesize"] = "tiny"
+    cfg = tmp / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(cfg), "--no-ray"]) == 0
+    (best,) = (tmp / "results").glob("*/files/best_model.pt")
+    return best
+
+
+@pytest.fixture
+def no_evaluation(monkeypatch):
+    """Fail a test whose command starts evaluating: its bad input must be refused before."""
+    from prvrlab.platform.train import checkpoint_eval
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("evaluated before the input was checked")
+
+    monkeypatch.setattr(checkpoint_eval, "evaluate_checkpoint", refuse)
+
+
+def test_eval_ranks_destination_is_checked_before_evaluating(synthetic_model, tmp_path, capsys, no_evaluation):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    cases = {
+        str(tmp_path): f"--ranks {tmp_path}: is a folder; give a file name in it",
+        str(blocker / "r.parquet"): f"--ranks {blocker}: not a writable folder ({blocker} is a file)",
+        "s3:/bad": "--ranks: 's3:/bad' is not a URI; write s3://bucket/path",
+        "s3://bucket": "--ranks: 's3://bucket' names a bucket, not a file",
+    }
+    for ranks, message in cases.items():
+        assert main(["eval", str(synthetic_model), "--ranks", ranks]) == EXIT_BAD_INPUT
+        assert one_error_line(capsys) == f"prvrlab: error: {message}"
+
+
+class NotAllowed:
+    """An object torch.load(weights_only=True) refuses to unpickle."""
+
+
+@pytest.mark.parametrize("kind", ["yaml", "pickled object"])
+def test_eval_of_a_file_that_is_not_a_checkpoint_says_what_was_expected(tmp_path, capsys, kind):
+    import torch
+
+    path = tmp_path / ("config.yaml" if kind == "yaml" else "other.pt")
+    if kind == "yaml":
+        path.write_text(yaml.safe_dump(small_raw(tmp_path, tmp_path)))
+    else:
+        torch.save({"model": NotAllowed()}, path)
+    assert main(["eval", str(path)]) == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert line.startswith(f"prvrlab: error: {path}: not a") and "expected a best_model.pt written by prvrlab" in line
+    assert "weights_only" not in line
+
+
+def test_eval_data_root_that_does_not_exist_is_not_generated(synthetic_model, tmp_path, capsys, no_evaluation):
+    typo = tmp_path / "typo"
+    assert main(["eval", str(synthetic_model), "--data-root", str(typo)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (
+        f"prvrlab: error: --data-root {typo}: folder not found; write the model's synthetic collection there with  "
+        f"prvrlab data synth --preset tiny --seed 0 --out {typo}"
+    )
+    assert not typo.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import zipfile
 from pathlib import Path
 
 import torch
@@ -11,17 +12,22 @@ from prvrlab.data.errors import DataError
 from prvrlab.platform.config import ConfigError, ExperimentConfig, validate
 from prvrlab.platform.presets import stored_behaviour
 
+EXPECTED = "expected a best_model.pt written by prvrlab training"
+
+
 def load_checkpoint(path: str | Path) -> dict:
     """Read a model file written by training; a clear error when it is not one."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"checkpoint not found: {path}")
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{path}: not a prvrlab checkpoint: {EXPECTED} (a PyTorch zip archive)")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise DataError(f"{path}: not a readable prvrlab checkpoint ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # torch's text may advise weights_only=False, which runs the file's code
+        raise DataError(f"{path}: not a readable prvrlab checkpoint: {EXPECTED} (torch.load: {type(exc).__name__})") from None
     if not isinstance(blob, dict) or "model" not in blob or "config" not in blob:
-        raise DataError(f"{path}: not a prvrlab checkpoint (expected keys 'model' and 'config')")
+        raise DataError(f"{path}: not a prvrlab checkpoint: {EXPECTED} (with keys 'model' and 'config')")
     return blob
 
 
@@ -61,7 +67,7 @@ def evaluate_checkpoint(
     cfg = checkpoint_config(blob, path)
     if data_root is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(Path(data_root).resolve())))
-    collection = open_collection(cfg.data)
+    collection = open_collection(cfg.data, allow_synthesize=data_root is None)  # a given root is never written
     collection.split(split)
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     try:
