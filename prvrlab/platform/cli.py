@@ -31,6 +31,37 @@ EPILOG = """examples:
 Bad input (missing or corrupt files, invalid configs) ends with one line and exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts and sizes: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def torch_device(text: str) -> str:
+    """argparse type of --device: a device torch knows and has here (cuda needs a GPU torch sees)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: torch sees no CUDA device here; use cpu")
+    return text
+
+
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
     from prvrlab.platform.config import parse_override
 
@@ -210,10 +241,13 @@ def _report_parent(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from prvrlab.platform import storage
     from prvrlab.platform.config import validate
     from prvrlab.reports.report import Options, report, written_text
 
     uri, parent = _report_parent(args)
+    if args.out:
+        storage.check(args.out, "--out", create=False)
     options = Options(
         split=args.split, n_boot=args.bootstrap, seed=args.seed, profile=args.profile,
         galleries=tuple(args.gallery) if args.gallery else None, read_config=validate, adjust=args.adjust,
@@ -224,9 +258,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from prvrlab.platform import storage
     from prvrlab.platform.tracking.store import resolve_tracking_uri
     from prvrlab.reports.compare import compare_runs
 
+    if args.out:
+        storage.check_file(args.out, "--out")
     text = compare_runs(resolve_tracking_uri(args.tracking_uri, key="--tracking-uri"), args.run_ids, split=args.split,
                         n_boot=args.bootstrap, seed=args.seed, adjust=args.adjust)
     if args.out:
@@ -259,7 +296,9 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def cmd_data_synth(args: argparse.Namespace) -> int:
     from prvrlab.data.synth import synthesize
+    from prvrlab.platform import storage
 
+    storage.check(args.out, "--out", create=False)
     path = synthesize(Path(args.out), preset=args.preset, seed=args.seed, progress=not args.quiet)
     print(f"wrote synthetic collection '{args.preset}' to {path}")
     return 0
@@ -267,7 +306,9 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
 
 def cmd_data_convert(args: argparse.Namespace) -> int:
     from prvrlab.data.convert import convert_bigfile
+    from prvrlab.platform import storage
 
+    storage.check_file(args.dst, "dst")
     path = convert_bigfile(Path(args.src), Path(args.dst), progress=not args.quiet)
     print(f"wrote {path}")
     return 0
@@ -297,7 +338,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="prvrlab", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -340,12 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default results/reports/<study name>)")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else $MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when logged, else val)")
-    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
+    p.add_argument("--bootstrap", type=positive_int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the resampling and importances (default 0)")
     p.add_argument("--adjust", choices=["holm", "none"], default="holm",
                    help="adjust a table's p-values for its number of comparisons (default holm: Holm-Bonferroni)")
     p.add_argument("--profile", action="store_true", help="add an efficiency table (prvrlab profile of each variant's config)")
-    p.add_argument("--gallery", type=int, nargs="+", default=None, help="gallery sizes for --profile (default 500 to 2500 by 500)")
+    p.add_argument("--gallery", type=positive_int, nargs="+", default=None, help="gallery sizes for --profile (default 500 to 2500 by 500)")
     p.add_argument("--no-log", action="store_true", help="do not log the report as an artifact of the parent run")
     p.set_defaults(func=cmd_report)
 
@@ -353,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="MLflow run ids of training runs; the first is the reference")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when every run logged it, else val)")
-    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
+    p.add_argument("--bootstrap", type=positive_int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the resampling (default 0)")
     p.add_argument("--adjust", choices=["holm", "none"], default="holm", help="adjust the p-values over the table's comparisons (default holm)")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
@@ -362,11 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="parameters, FLOPs, ms per query at several gallery sizes and memory of a config's model")
     p.add_argument("config", help="experiment YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
-    p.add_argument("--gallery", type=int, nargs="+", default=None, help="gallery sizes in videos (default 500 to 2500 by 500)")
-    p.add_argument("--queries", type=int, default=20, help="single-query runs timed per gallery size (median)")
-    p.add_argument("--video-dim", type=int, default=None, help="video feature size (default: read from the data)")
-    p.add_argument("--query-dim", type=int, default=None, help="query token feature size (default: read from the data)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when train.use_gpu and available)")
+    p.add_argument("--gallery", type=positive_int, nargs="+", default=None, help="gallery sizes in videos (default 500 to 2500 by 500)")
+    p.add_argument("--queries", type=positive_int, default=20, help="single-query runs timed per gallery size (median)")
+    p.add_argument("--video-dim", type=positive_int, default=None, help="video feature size (default: read from the data)")
+    p.add_argument("--query-dim", type=positive_int, default=None, help="query token feature size (default: read from the data)")
+    p.add_argument("--device", type=torch_device, default=None, help="cpu or cuda (default: cuda when train.use_gpu and available)")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("recipes", help="the shipped configs by dataset: official / paper / synthetic, the published number")

@@ -260,9 +260,9 @@ class _Periodic:
         self.mirror.push()
 
 
-def check(value: str, key: str = KEY) -> None:
-    """Check a folder (``tracking.storage_path``, or the option ``key``) is usable: create it and write (then
-    delete) a probe file.
+def check(value: str, key: str = KEY, *, create: bool = True) -> None:
+    """Check a folder (``tracking.storage_path``, or the option ``key``) is usable: create it (``create``;
+    else its nearest existing folder is probed) and write (then delete) a probe file.
 
     Raises ConfigError naming the key, e.g. for a path under a regular file, a bucket that does not exist or
     an endpoint that cannot be reached.
@@ -270,8 +270,9 @@ def check(value: str, key: str = KEY) -> None:
     if not is_remote(value):
         path = Path(value)
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path):
+            if create:
+                path.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=next(p for p in (path, *path.parents) if p.exists())):
                 pass
         except OSError as exc:
             blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
@@ -291,7 +292,7 @@ def check(value: str, key: str = KEY) -> None:
 
 def check_file(value: str, key: str) -> None:
     """Check a file can be written at ``value`` (a path, ``s3://`` or ``gs://``) before the work that makes it:
-    not a folder, and its folder usable (:func:`check`; created when missing). ConfigError naming ``key``."""
+    not a folder, and its folder usable (:func:`check`, creating nothing). ConfigError naming ``key``."""
     uri = normalize(value, key=key)
     if is_remote(uri):
         folder = uri.rpartition("/")[0]
@@ -301,7 +302,7 @@ def check_file(value: str, key: str) -> None:
         raise ConfigError(f"{key} {value}: is a folder; give a file name in it")
     else:
         folder = str(Path(uri).parent)
-    check(folder, key)
+    check(folder, key, create=False)
 
 
 def fetch(uri: str, key: str = KEY) -> Path:

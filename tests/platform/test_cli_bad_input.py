@@ -151,3 +151,46 @@ def test_eval_data_root_that_does_not_exist_is_not_generated(synthetic_model, tm
         f"prvrlab data synth --preset tiny --seed 0 --out {typo}"
     )
     assert not typo.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "problem"),
+    [
+        (["profile", "c.yaml", "--device", "cuda"], "--device", "'cuda': torch sees no CUDA device here; use cpu"),
+        (["profile", "c.yaml", "--device", "gpu"], "--device", "unknown device 'gpu'; use cpu or cuda"),
+        (["profile", "c.yaml", "--gallery", "500", "0"], "--gallery", "expected a positive integer, got '0'"),
+        (["profile", "c.yaml", "--queries", "-3"], "--queries", "expected a positive integer, got '-3'"),
+        (["report", "--experiment", "X", "--bootstrap", "0"], "--bootstrap", "expected a positive integer, got '0'"),
+        (["compare", "run1", "run2", "--bootstrap", "0"], "--bootstrap", "expected a positive integer, got '0'"),
+    ],
+)
+def test_bad_option_values_are_one_line_naming_the_option(capsys, monkeypatch, argv, option, problem):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch, on any machine
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == EXIT_BAD_INPUT
+    prog = f"prvrlab {argv[0]}"
+    assert one_error_line(capsys) == f"{prog}: error: argument {option}: {problem} (see {prog} --help)"
+
+
+def test_outputs_under_a_regular_file(tiny_root, tmp_path, capsys):
+    from prvrlab.platform.tracking.store import Tracker
+
+    uri, parent = ablation_store(tmp_path)
+    capsys.readouterr()  # MLflow's note that it created the store
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    feature = next((tiny_root / "FeatureData").iterdir())
+    cases = [
+        (["report", "--run-id", parent, "--tracking-uri", uri, "--out", str(blocker / "r")], "--out", blocker / "r"),
+        (["compare", "run1", "run2", "--out", str(blocker / "c.md")], "--out", blocker),
+        (["data", "synth", "--preset", "tiny", "--out", str(blocker)], "--out", blocker),
+        (["data", "convert", str(feature), str(blocker / "x.hdf5")], "dst", blocker),
+    ]
+    for argv, option, folder in cases:
+        assert main(argv) == EXIT_BAD_INPUT
+        assert one_error_line(capsys) == f"prvrlab: error: {option} {folder}: not a writable folder ({blocker} is a file)"
+    assert blocker.read_text() == "a file, not a folder"
+    assert Tracker(uri, "tests").client.list_artifacts(parent) == []
