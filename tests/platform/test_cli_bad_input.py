@@ -194,3 +194,15 @@ def test_outputs_under_a_regular_file(tiny_root, tmp_path, capsys):
         assert one_error_line(capsys) == f"prvrlab: error: {option} {folder}: not a writable folder ({blocker} is a file)"
     assert blocker.read_text() == "a file, not a folder"
     assert Tracker(uri, "tests").client.list_artifacts(parent) == []
+
+
+@pytest.mark.parametrize("command", [["search"], ["ablate"], ["report", "--spec"]])
+def test_experiment_config_given_as_a_spec_says_to_train_it(tiny_root, tmp_path, capsys, command):
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(yaml.safe_dump(small_raw(tiny_root, tmp_path)))
+    cfg = tmp_path / "child.yaml"
+    cfg.write_text(yaml.safe_dump({"extends": "parent.yaml", "train": {"lr": 0.01}}))
+    assert main([*command, str(cfg)]) == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert f"{cfg}: unknown key 'extends'" in line
+    assert line.endswith(f"; this looks like an experiment config: run it with `prvrlab train {cfg}`")
