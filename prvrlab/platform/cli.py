@@ -43,8 +43,8 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
+        value = None
+    if value is None or value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
@@ -186,8 +186,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ranks = args.ranks
     if ranks:
         storage.check_file(ranks, "--ranks")
-    if ranks and storage.is_remote(ranks):
-        ranks = str(storage.Location(storage.normalize(ranks, key="--ranks")).local)
+        if storage.is_remote(ranks):
+            ranks = str(storage.Location(storage.normalize(ranks, key="--ranks")).local)
     result = evaluate_checkpoint(checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp)
     if ranks != args.ranks:
         storage.put(ranks, args.ranks)
