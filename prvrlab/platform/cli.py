@@ -105,27 +105,11 @@ def _published_lines(published, final: dict[str, float]) -> list[str]:
     ]
 
 
-def _load_spec(loader, path: str | Path, overrides: dict[str, Any] | None = None):
-    """``loader(path, overrides)``; when ``path`` is an experiment config, its error says to train it instead."""
-    from prvrlab.platform.config import TOP_LEVEL, ConfigError, read_yaml
-
-    try:
-        return loader(path, overrides)
-    except ConfigError as exc:
-        try:
-            raw = read_yaml(Path(path))
-        except ConfigError:
-            raise exc from None
-        if isinstance(raw, dict) and "base_config" not in raw and set(raw) & {*TOP_LEVEL, "extends"} - {"name"}:
-            raise ConfigError(f"{exc}; this looks like an experiment config: run it with `prvrlab train {path}`") from None
-        raise
-
-
 def cmd_search(args: argparse.Namespace) -> int:
     from prvrlab.platform.search.tuning import search
     from prvrlab.platform.search.spec import load_search_spec
 
-    spec = _load_spec(load_search_spec, args.spec, _overrides(args.set))
+    spec = load_search_spec(args.spec, _overrides(args.set))
     if args.check:
         spec.check_cluster(join=False)
         print(f"{args.spec}: valid search spec ({len(spec.space)} keys, {spec.trials} trials)")
@@ -151,7 +135,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from prvrlab.platform.search.ablation import ablate
     from prvrlab.platform.search.spec import load_ablation_spec
 
-    spec = _load_spec(load_ablation_spec, args.spec, _overrides(args.set))
+    spec = load_ablation_spec(args.spec, _overrides(args.set))
     if args.check:
         spec.check_cluster(join=False)
         print(f"{args.spec}: valid ablation spec ({len(spec.variants)} variants x {len(spec.seeds)} seeds)")
@@ -231,7 +215,7 @@ def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
     try:
         raw = read_yaml(path) or {}
         loader = load_ablation_spec if isinstance(raw, dict) and "variants" in raw else load_search_spec
-        spec = _load_spec(loader, path)
+        spec = loader(path)
     except ConfigError as exc:
         raise ConfigError(f"spec '{path}' cannot be read: {exc}") from None
     base = resolve_config_paths(spec.base)

@@ -204,5 +204,5 @@ def test_experiment_config_given_as_a_spec_says_to_train_it(tiny_root, tmp_path,
     cfg.write_text(yaml.safe_dump({"extends": "parent.yaml", "train": {"lr": 0.01}}))
     assert main([*command, str(cfg)]) == EXIT_BAD_INPUT
     line = one_error_line(capsys)
-    assert f"{cfg}: unknown key 'extends'" in line
-    assert line.endswith(f"; this looks like an experiment config: run it with `prvrlab train {cfg}`")
+    assert "this looks like an experiment config (extends, train), not a spec" in line
+    assert f"'prvrlab train {cfg}'" in line and line.count("looks like") == 1
