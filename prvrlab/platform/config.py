@@ -815,8 +815,13 @@ def validate_overrides(raw: dict[str, Any], overrides: dict[str, Any], source: s
     try:
         return validate(applied)
     except ConfigError as exc:
-        culprit = _culprit(str(exc), overrides, raw)
-        raise ConfigError(f"--set {culprit}: {exc}" if culprit else f"{source}: {exc}") from None
+        text = str(exc)
+        culprit = _culprit(text, overrides, raw)
+        if culprit:  # "--set train.epochs: must be ...", not "--set train.epochs: train.epochs must be ..."
+            named = text.startswith(culprit) and text[len(culprit) : len(culprit) + 1] in (":", " ")
+            rest = text[len(culprit) :].lstrip(": ") if named else text
+            raise ConfigError(f"--set {culprit}: {rest}") from None
+        raise ConfigError(f"{source}: {text}") from None
 
 
 def _culprit(message: str, overrides: dict[str, Any], raw: dict[str, Any]) -> str | None:
