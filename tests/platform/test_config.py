@@ -14,19 +14,9 @@ from prvrlab.platform.config import (
     validate,
 )
 
+from config_helpers import base
+
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
-
-
-def base() -> dict:
-    return {
-        "name": "t",
-        "model": {"name": "gmmformer", "hidden_size": 32},
-        "losses": {
-            "clip_triplet": {"loss": "triplet", "weight": 1.0, "branch": "clip", "margin": 0.1},
-            "clip_nce": {"loss": "infonce", "weight": 0.02, "branch": "clip"},
-        },
-        "train": {"epochs": 2},
-    }
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -10,17 +10,7 @@ from prvrlab.platform.config import ConfigError, apply_overrides, load_config, v
 from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
 from prvrlab.registry import BACKBONES, LOSSES
 
-
-def base() -> dict:
-    return {
-        "name": "t",
-        "model": {"name": "gmmformer", "hidden_size": 32},
-        "losses": {
-            "clip_triplet": {"loss": "triplet", "weight": 1.0, "branch": "clip", "margin": 0.1},
-            "clip_nce": {"loss": "infonce", "weight": 0.02, "branch": "clip"},
-        },
-        "train": {"epochs": 2},
-    }
+from config_helpers import base
 
 
 def error(raw: dict) -> str:
