@@ -144,3 +144,16 @@ def test_an_experiment_config_given_as_a_spec_is_pointed_to_train(tmp_path, load
         loader(path)
     assert str(err.value).startswith(f"{path}: this looks like an experiment config (extends, train), not a spec; "
                                      f"train it with 'prvrlab train {path}'")
+
+
+def test_a_spec_of_the_other_kind_is_pointed_to_its_command(tmp_path):
+    write(tmp_path / "base.yaml", base())
+    search = write(tmp_path / "s.yaml", {"name": "s", "base_config": "base.yaml", "space": {"train.lr": {"loguniform": [1e-4, 1e-2]}}})
+    ablation = write(tmp_path / "a.yaml", {"name": "a", "base_config": "base.yaml", "variants": {"full": {}}})
+    with pytest.raises(ConfigError) as err:
+        load_ablation_spec(search)
+    assert str(err.value) == f"{search}: this is a spec for 'prvrlab search' (it has 'space'); run it with 'prvrlab search {search}'"
+    with pytest.raises(ConfigError) as err:
+        load_search_spec(ablation)
+    assert str(err.value) == f"{ablation}: this is a spec for 'prvrlab ablate' (it has 'variants'); run it with 'prvrlab ablate {ablation}'"
+    assert load_search_spec(search).name == "s" and load_ablation_spec(ablation).name == "a"

@@ -331,9 +331,16 @@ def _check_keys(raw: dict[str, Any], valid: tuple[str, ...], where: str) -> None
             raise ConfigError(f"{where}: unknown key '{key}'{did_you_mean(str(key), valid)}; valid: {', '.join(valid)}")
 
 
-def _read_spec(path: str | Path) -> tuple[Path, dict[str, Any]]:
+_KIND_KEYS = {"search": "space", "ablate": "variants"}  # the command that runs a spec -> the key only its specs have
+
+
+def _read_spec(path: str | Path, command: str) -> tuple[Path, dict[str, Any]]:
+    """The spec file's raw mapping; a spec of the other kind, or an experiment config, is pointed to its command."""
     path = Path(path)
     raw = load_raw(path, what="spec file")
+    for other, key in _KIND_KEYS.items():
+        if other != command and key in raw and _KIND_KEYS[command] not in raw:
+            raise ConfigError(f"{path}: this is a spec for 'prvrlab {other}' (it has '{key}'); run it with 'prvrlab {other} {path}'")
     config_keys = [str(k) for k in raw if k in (*TOP_LEVEL, "extends", "unset") and k != "name"]
     if config_keys and "base_config" not in raw:
         raise ConfigError(
@@ -465,7 +472,7 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
 
 def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = None) -> SearchSpec:
     """Read and validate a search spec; raises ConfigError naming the file and key."""
-    path, raw = _read_spec(path)
+    path, raw = _read_spec(path, "search")
     _check_keys(raw, SEARCH_KEYS, str(path))
     common = _common(path, raw, extra_overrides)
     base = validate(common["base_raw"])
@@ -524,7 +531,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
 
 def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None = None) -> AblationSpec:
     """Read and validate an ablation spec; every variant x seed config is validated now."""
-    path, raw = _read_spec(path)
+    path, raw = _read_spec(path, "ablate")
     _check_keys(raw, ABLATION_KEYS, str(path))
     common = _common(path, raw, extra_overrides)
     base = validate(common["base_raw"])
