@@ -229,12 +229,21 @@ def trial_run(r: Any) -> TrialRun:
 
 
 def mlflow_client(uri: str):
+    """A client of the store at ``uri``, opened now: a store MLflow refuses (a file store, an unreadable
+    database) is one ReportError naming the URI, not a traceback at the first query."""
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    except (MlflowException, OSError) as exc:
+        reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise ReportError(f"tracking store {uri}: cannot use it: {reason}") from None
+    return client
 
 
 def _latest_parent(client, experiment_ids: list[str], extra_filter: str = "") -> Any | None:
