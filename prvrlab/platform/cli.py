@@ -111,7 +111,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     spec = load_search_spec(args.spec, _overrides(args.set))
     if args.check:
-        spec.check_cluster(join=False)
+        spec.check_cluster()
         print(f"{args.spec}: valid search spec ({len(spec.space)} keys, {spec.trials} trials)")
         return 0
     result = search(spec, resume=args.resume)
@@ -137,7 +137,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
     spec = load_ablation_spec(args.spec, _overrides(args.set))
     if args.check:
-        spec.check_cluster(join=False)
+        spec.check_cluster()
         print(f"{args.spec}: valid ablation spec ({len(spec.variants)} variants x {len(spec.seeds)} seeds)")
         return 0
     result = ablate(spec, resume=args.resume)

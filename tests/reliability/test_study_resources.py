@@ -99,3 +99,18 @@ def test_check_without_the_cluster_does_not_join_it(tiny_root, tmp_path, capsys,
     path = tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64})
     assert main(["search", str(path), "--check"]) == 0
     assert not ray.is_initialized()
+
+
+def test_a_running_cluster_is_not_refused_up_front(tiny_root, tmp_path, two_cpus, monkeypatch):
+    """Nodes may join a running cluster (an autoscaler adds them): a trial that never fits fails at run time,
+    with its reason, after resources.placement_timeout_s (tests/cluster/test_node_loss.py)."""
+    import ray
+
+    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64}))
+    with pytest.raises(StudyError):
+        study_module.check_cluster(spec)  # this machine, where the study would start its own Ray
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    study_module.check_cluster(spec)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    study_module.check_cluster(spec)

@@ -526,23 +526,20 @@ def cluster_size() -> tuple[float, float]:
     return float(cluster.get("CPU", os.cpu_count() or 1)), float(cluster.get("GPU", 0))
 
 
-def check_cluster(spec: StudySpec, *, join: bool = True) -> None:
-    """Refuse (StudyError naming the key) resources the study's cluster cannot hold, before anything is recorded.
+def check_cluster(spec: StudySpec) -> None:
+    """Refuse (StudyError naming the key) resources this machine cannot hold, before anything is recorded,
+    when the study will start its own Ray here.
 
-    The cluster is the running one or ``$RAY_ADDRESS``'s (joined only when ``join``;
-    otherwise not checked), else this machine, which is what ``ensure_ray`` would start.
+    A running cluster (joined, or ``$RAY_ADDRESS``) is not checked up front: nodes may join it (an
+    autoscaler adds them on demand), and a trial that still does not fit fails with its reason once
+    ``resources.placement_timeout_s`` has passed.
     """
     import ray
 
-    remote = bool(os.environ.get("RAY_ADDRESS", "").strip())
-    if ray.is_initialized() or (join and remote):
-        from prvrlab.platform.runtime import ensure_ray
-
-        ensure_ray()
-        trial_resources(spec, *cluster_size())
-    elif not remote:
-        cluster = local_cluster()
-        trial_resources(spec, cluster["CPU"], cluster["GPU"])
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS", "").strip():
+        return
+    cluster = local_cluster()
+    trial_resources(spec, cluster["CPU"], cluster["GPU"])
 
 
 def _cpu_share(share: float) -> float:
