@@ -114,3 +114,13 @@ def test_a_running_cluster_is_not_refused_up_front(tiny_root, tmp_path, two_cpus
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     study_module.check_cluster(spec)
+
+
+def test_on_a_growing_cluster_the_shares_are_computed_and_only_a_gpu_less_cluster_is_refused(tiny_root, tmp_path):
+    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 2, "cpus_per_worker": 1}))
+    with pytest.raises(StudyError):
+        trial_resources(spec, float(CPUS), 0.0)
+    assert trial_resources(spec, float(CPUS), 0.0, whole=False) == (1.0, 0.0)  # 2.01 CPUs: waits, then fails with its reason
+    gpu = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 1, "gpus_per_worker": 1}))
+    with pytest.raises(StudyError, match="the cluster has 0 GPUs"):
+        trial_resources(gpu, float(CPUS), 0.0, whole=False)

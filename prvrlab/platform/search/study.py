@@ -490,9 +490,11 @@ def verify_state(study_dir: Path) -> str | None:
     return None
 
 
-def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -> tuple[float, float]:
-    """(CPUs, GPUs) per Train worker for ``spec`` on this cluster; StudyError naming the key when one
-    trial cannot run there, or when ``concurrency`` would leave each worker less than Ray's 0.01 CPU."""
+def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, whole: bool = True) -> tuple[float, float]:
+    """(CPUs, GPUs) per Train worker for ``spec`` on this cluster; StudyError naming the key when
+    ``concurrency`` would leave each worker less than Ray's 0.01 CPU, and, when the cluster is ``whole``
+    (no node will join it), when one trial cannot run there (on a growing cluster such a trial fails
+    at run time after ``resources.placement_timeout_s``, with its reason)."""
     res = spec.resources
     reserved = TRIAL_ACTOR_CPU if res.workers_per_trial > 1 else 0.0
     problem = shortfall(
@@ -505,7 +507,7 @@ def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float) -
         gpus_setting=f"resources.gpus_per_worker={res.gpus_per_worker:g}",
         reserved=reserved,
     )
-    if problem:
+    if problem and (whole or (res.gpus_per_worker > 0 and cluster_gpus <= 0)):
         raise StudyError(f"{spec.path}: {problem}")
     if res.cpus_per_worker is not None:
         return _cpu_share(res.cpus_per_worker / res.pack), res.gpus_per_worker
@@ -856,7 +858,7 @@ def make_study(
     from prvrlab.platform.search.names import short_keys
     from prvrlab.platform.train.loop import fault_hook_from_env
 
-    cpus, gpus = trial_resources(spec, *cluster_size())
+    cpus, gpus = trial_resources(spec, *cluster_size(), whole=False)  # a local cluster was checked up front
     base_raw = apply_overrides(base.to_dict(), {})
     study = StudyContext(
         kind=kind,
