@@ -100,7 +100,6 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.runtime import ensure_ray
 
-    prepare_environment()
     check_cluster(spec)  # impossible resources: refused before the study folder and parent run exist
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="ablation", echo=echo)
     tracker = Tracker(base.tracking.uri, base.tracking.experiment)
@@ -130,6 +129,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     try:
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
             if todo or resumed:
+                prepare_environment()
                 ensure_ray()
                 study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
                 cells = [{"cell": c} for c in sorted(todo, key=list(all_cells).index)]

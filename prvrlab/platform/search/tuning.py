@@ -114,7 +114,6 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.runtime import ensure_ray
 
-    prepare_environment()
     check_cluster(spec)  # impossible resources: refused before the study folder and parent run exist
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="search", echo=echo)
     tracker = Tracker(base.tracking.uri, base.tracking.experiment)
@@ -123,6 +122,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     status = "FAILED"
     try:
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
+            prepare_environment()
             ensure_ray()
             study = make_study(spec, "search", base, study_dir)
             echo(
