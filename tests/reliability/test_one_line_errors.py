@@ -135,3 +135,13 @@ def test_a_tracking_server_nobody_answers_fails_before_mlflow_retries(monkeypatc
     with pytest.raises(ConfigError, match=f"no server answers at 127.0.0.1:{port}") as caught:
         Tracker(uri, "tests")
     assert uri in str(caught.value)
+
+
+def test_the_store_check_leaves_no_store_file_behind(tmp_path, monkeypatch):
+    """MLflow creates the file and its tables together; an empty file first would let another process
+    (a poller, a second command) find it and create the tables at the same time."""
+    db = tmp_path / "new" / "mlflow.db"
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
+    with pytest.raises(AssertionError, match="MLflow was asked"):
+        Tracker(f"sqlite:///{db}", "tests")  # the check passed: MLflow is next
+    assert db.parent.is_dir() and list(db.parent.iterdir()) == []

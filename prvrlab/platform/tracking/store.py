@@ -141,9 +141,13 @@ def _sqlite_problem(uri: str) -> str | None:
         return "the path is a folder"
     if path.exists():
         return None if os.access(path, os.R_OK | os.W_OK) else "the file is not readable and writable"
+    import tempfile
+
+    # a probe file, not the store: an empty store file would let another process start creating the
+    # tables while MLflow does (a poller waiting for the file, a second command on a new store)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # as MLflow does for a new store
-        with open(path, "ab"):  # what SQLite does first: an empty file is a new database
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}."):
             pass
     except OSError as exc:
         return f"the file cannot be created ({exc.strerror or type(exc).__name__})"
