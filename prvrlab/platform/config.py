@@ -834,20 +834,11 @@ def _culprit(message: str, overrides: dict[str, Any], raw: dict[str, Any]) -> st
         if key == named or named.startswith(f"{key}."):
             return key
     below = [key for key in overrides if key.startswith(f"{named}.")]
-    if below and not _has_key(raw, named):
+    if below and not any(k == named or k.startswith(f"{named}.") for k in flatten(raw)):
         return below[0]
     return next(
         (key for key in below if re.search(rf"\b{re.escape(key[len(named) + 1:].split('.')[0])}\b", message)), None
     )
-
-
-def _has_key(raw: dict[str, Any], dotted: str) -> bool:
-    node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
 
 
 def _check_set_section_keys(overrides: dict[str, Any]) -> None:

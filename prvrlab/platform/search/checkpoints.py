@@ -48,23 +48,18 @@ def _report_of(fs, trial_path: str, name: str) -> dict[str, Any]:
     return {}
 
 
-def _exists(fs, path: str) -> bool:
-    from pyarrow import fs as pafs
-
-    return fs.get_file_info(path).type != pafs.FileType.NotFound
-
-
 def repair_checkpoints(trials) -> dict[str, str]:
     """Repoint (or clear) the latest checkpoint of every trial whose checkpoint is missing on storage;
     returns trial id -> what was done, for the trial's run."""
     from ray.train import Checkpoint
     from ray.train._internal.session import _TrainingResult
+    from ray.train._internal.storage import _exists_at_fs_path  # the check Tune's restore raises on
 
     notes: dict[str, str] = {}
     for trial in trials:
         manager = trial.run_metadata.checkpoint_manager
         latest = manager.latest_checkpoint_result
-        if latest is None or _exists(latest.checkpoint.filesystem, latest.checkpoint.path):
+        if latest is None or _exists_at_fs_path(latest.checkpoint.filesystem, latest.checkpoint.path):
             continue
         missing = latest.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
         fs, trial_path = trial.storage.storage_filesystem, trial.storage.trial_fs_path
