@@ -33,6 +33,7 @@ equality is tested in tests/evaluation/test_eval_sharding.py.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -72,15 +73,25 @@ def naive(model, collection, split: str, eval_cfg, amp: str, device: str = "cpu"
         GaussianAttention.fast = True
 
 
-def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float]:
-    """(RSS before the evaluation, peak RSS) in GiB of one ``path`` evaluation in a fresh process."""
+def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float, float]:
+    """(RSS before the evaluation, peak RSS) in GiB and the seconds of one ``path`` evaluation in a fresh
+    process (the process's first: nothing warmed up)."""
     cmd = [sys.executable, __file__, "--root", args.root, "--config", args.config, "--threads", str(args.threads),
            "--train-videos", str(args.train_videos), "--val-videos", str(args.val_videos),
            "--host-allocator", args.host_allocator,
            "--test-videos", str(args.test_videos), "--peak-of", path, "--splits", split, "--amp", amp,
            *([] if args.video_batch is None else ["--video-batch", str(args.video_batch)])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
-    return float(out[-2]), float(out[-1])
+    return float(out[-3]), float(out[-2]), float(out[-1])
+
+
+def run_official(args, split: str) -> dict:
+    """One run of the official evaluation (``official_eval.py``, a fresh process) on ``split``: its figures."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "official_eval.py"),
+           "--src", args.official_src, "--root", args.root, "--split", split, "--threads", str(args.threads),
+           "--json", *([] if args.official_site is None else ["--site", args.official_site])]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
+    return json.loads(out[-1])
 
 
 def main() -> None:
@@ -95,6 +106,9 @@ def main() -> None:
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     p.add_argument("--video-batch", type=int, help="eval.video_batch_size (default: the config's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs in fresh processes")
+    p.add_argument("--official-src", help="the official GMMFormer (v2) repository's src folder: its evaluation "
+                   "runs alternately with prvrlab's (benchmarks/official_eval.py)")
+    p.add_argument("--official-site", help="a folder of packages the official code imports (official_eval.py --site)")
     p.add_argument("--peak-of", choices=["fast", "naive"], help="internal: one evaluation, print RSS before and peak")
     add_host_allocator_option(p)
     args = p.parse_args()
@@ -122,12 +136,13 @@ def main() -> None:
         paths["naive"] = lambda split, amp: naive(model, collection, split, cfg.eval, amp, args.device)
     if args.peak_of is not None:
         before = peak_rss_gib()
-        paths[args.peak_of](args.splits[0], args.amp[0])
-        print(f"{before:.4f} {peak_rss_gib():.4f}")
+        res = paths[args.peak_of](args.splits[0], args.amp[0])
+        print(f"{before:.4f} {peak_rss_gib():.4f} {res.seconds:.3f}")
         return
     for amp in args.amp:
         for split in args.splits:
             best: dict[str, EvalResult] = {}
+            theirs: dict | None = None
             if cuda:
                 torch.cuda.reset_peak_memory_stats(args.device)
             for _ in range(args.repeats):
@@ -135,6 +150,10 @@ def main() -> None:
                     res = run(split, amp)
                     if name not in best or res.seconds < best[name].seconds:
                         best[name] = res
+                if args.official_src is not None:
+                    run_theirs = run_official(args, split)
+                    if theirs is None or run_theirs["total_s"] < theirs["total_s"]:
+                        theirs = run_theirs
             for name, res in best.items():
                 t = res.timings
                 print(
@@ -148,16 +167,25 @@ def main() -> None:
                 print(f"[{amp:>4}] fast over naive (same run): {best['naive'].seconds / fast.seconds:.2f}x "
                       f"(ranks differ for {int((shift > 0).sum())} of {shift.size} queries, by at most {int(shift.max())}: "
                       f"float32 near-ties between differently batched encodings)")
-            if official is not None and (fast.num_queries, fast.num_videos) == (2500, 500):
+            if theirs is not None:
+                print(f"[{amp:>4}] official {split:<4} {theirs['queries']:>6} queries x {theirs['videos']:>5} videos, fp32: "
+                      f"videos {theirs['load_videos_s'] + theirs['encode_videos_s']:6.1f} s (waiting for batches "
+                      f"{theirs['load_videos_s']:.1f} s)  queries + scoring + metrics {theirs['queries_score_metrics_s']:5.1f} s  "
+                      f"total {theirs['total_s']:6.1f} s (its index set-up, {theirs['setup_s']:.1f} s, not counted); "
+                      f"peak RSS {theirs['peak_rss_gib']:.2f} GiB")
+                print(f"[{amp:>4}] fast over the official (same run, best of {args.repeats} each): "
+                      f"{theirs['total_s'] / fast.seconds:.2f}x")
+            elif official is not None and (fast.num_queries, fast.num_videos) == (2500, 500):
                 print(f"[{amp:>4}] fast over the official {backbone} ({official} s, quiet machine): "
                       f"{official / fast.seconds:.2f}x")
             if cuda:
                 print(f"[{amp:>4}] peak GPU memory (allocated, all paths): "
                       f"{torch.cuda.max_memory_allocated(args.device) / 2**30:.2f} GiB")
             for name in () if args.no_memory or cuda else best:
-                before, peak = peak_of(args, name, split, amp)
+                before, peak, seconds = peak_of(args, name, split, amp)
                 print(f"[{amp:>4}] {name:>5} {split:<4} peak RSS of one evaluation in a fresh process: {peak:.2f} GiB "
-                      f"({before:.2f} GiB before it: interpreter, model, opened collection)")
+                      f"({before:.2f} GiB before it: interpreter, model, opened collection); it took {seconds:.1f} s "
+                      f"(nothing warmed up)")
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
