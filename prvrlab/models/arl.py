@@ -91,8 +91,10 @@ class ARLModel(RetrievalModel):
         return VideoEmbedding(clip=clip, frame=packing.unpack(f), frame_mask=packing.mask)  # (B, Lf, D), (B, Lf)
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
-        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> q_i (Nq, D) and the word tokens."""
-        return self.query.embed(queries, query_mask, branches=("frame",))
+        """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> q_i (Nq, D) and, on request, the word tokens."""
+        return self.query.embed(
+            queries, query_mask, branches=("frame",), keep_tokens=self.exposes(WORD_TOKENS)
+        )
 
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False

@@ -40,7 +40,9 @@ Hence:
   emulated bf16 batched GEMM is tens of times slower than float32.
 
 Both exceptions fall back to the plain path when attention dropout is active
-in training (its random mask must stay the plain path's).
+in training (its random mask must stay the plain path's).  At inference, a
+batch that is mostly real tokens (evaluation's by-length batches) projects
+Q/K/V on the padded layout (:meth:`~prvrlab.models.blocks.Packing.padded_first`).
 """
 
 from __future__ import annotations
@@ -322,14 +324,17 @@ class GaussianAttention(nn.Module):
         H, Dh = self.num_heads, self.head_dim
         sigmas = self.sigmas[branches]
         K = len(sigmas)
-        if K == self.num_branches:
-            projected = self.qkv(x)  # (N, 3*K*D)
-        else:  # the rows of these branches' Q, K and V
-            D, weight, bias = self.hidden_size, self.qkv.weight, self.qkv.bias
-            weight = weight.view(3, self.num_branches, D, -1)[:, branches].reshape(3 * K * D, -1)  # (3*k*D, D)
-            bias = bias.view(3, self.num_branches, D)[:, branches].reshape(3 * K * D)
-            projected = F.linear(x, weight, bias)  # (N, 3*k*D)
-        qkv = packing.unpack(projected).view(B, L, 3, K, H, Dh)  # (B, L, 3, k, H, Dh)
+        if K == self.num_branches and self.fast and packing.padded_first():  # no unpacking of the 3*K*D wide output
+            qkv = self.qkv(packing.unpack(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
+        else:
+            if K == self.num_branches:
+                projected = self.qkv(x)  # (N, 3*K*D)
+            else:  # the rows of these branches' Q, K and V
+                D, weight, bias = self.hidden_size, self.qkv.weight, self.qkv.bias
+                weight = weight.view(3, self.num_branches, D, -1)[:, branches].reshape(3 * K * D, -1)  # (3*k*D, D)
+                bias = bias.view(3, self.num_branches, D)[:, branches].reshape(3 * K * D)
+                projected = F.linear(x, weight, bias)  # (N, 3*k*D)
+            qkv = packing.unpack(projected).view(B, L, 3, K, H, Dh)  # (B, L, 3, k, H, Dh)
         # unbind before permuting: the backward then stacks the three gradients straight into this layout
         q, k, v = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, k, H, L, Dh) each
         if self.fast:

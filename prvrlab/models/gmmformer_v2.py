@@ -405,7 +405,9 @@ class GMMFormerV2(RetrievalModel):
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
-        return self.query.embed(queries, query_mask, branches=("clip", "frame"))
+        return self.query.embed(
+            queries, query_mask, branches=("clip", "frame"), keep_tokens=self.exposes(WORD_TOKENS)
+        )
 
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False

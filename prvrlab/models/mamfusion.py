@@ -261,6 +261,10 @@ class MamFusion(PooledFrameBackbone):
         """The temporal fusion reads the per-frame tokens in every mode."""
         return self.temporal or super().keeps_frame_tokens()
 
+    def keeps_word_tokens(self) -> bool:
+        """The temporal fusion reads the word tokens in every mode."""
+        return self.temporal or super().keeps_word_tokens()
+
     # ------------------------------------------------------------ fusion
 
     def _batch_fusion(self, query: Tensor, video: Tensor) -> Tensor:

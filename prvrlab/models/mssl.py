@@ -240,7 +240,9 @@ class MSSL(RetrievalModel):
 
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> clip and frame query vectors (Nq, D) each."""
-        return self.query.embed(queries, query_mask, branches=("clip", "frame"))
+        return self.query.embed(
+            queries, query_mask, branches=("clip", "frame"), keep_tokens=self.exposes(WORD_TOKENS)
+        )
 
     def _sizes(self, video: VideoEmbedding) -> tuple[int, int, int]:
         """(Nv, P, D) of the proposals, stored or not."""

@@ -12,6 +12,7 @@ import yaml
 
 from prvrlab.data.batch import Batch, tag_lengths
 from prvrlab.models.base import ModelOutput, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.component import WORD_TOKENS
 from prvrlab.registry import BACKBONES
 from device_under_test import DEVICE
 
@@ -369,6 +370,7 @@ def test_fresh_word_encoder_gives_word_tokens_like_the_backbones(name):
     """RetrievalModel.fresh_word_encoder: the query encoder's layout, no head, drawn anew: tokens of the same
     shape as the backbone's word tokens, different values."""
     model = build(name).eval()
+    model.request(retrieval={WORD_TOKENS})
     batch = standard_batch()
     fresh = model.fresh_word_encoder().eval()
     assert fresh.pool is None

@@ -101,3 +101,28 @@ def test_pooled_frame_branch_keeps_frame_tokens_only_on_request(name):
     model.request(retrieval={FRAME_TOKENS})
     assert "frame_tokens" in encode(model, batch, training=False)[0].extra
     assert "frame_tokens" not in encode(model, batch, training=True)[0].extra
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_word_tokens_are_kept_only_on_request(name):
+    """Backbones whose scores use only the query vectors keep no word tokens unless asked (an evaluation
+    would hold (Nq, Lq, D) floats for nothing); the vectors do not change."""
+    model = build(name)
+    batch = padded_batch()
+    _, query = encode(model, batch, training=False)  # nothing requested
+    assert query.tokens is None and query.token_mask is None
+    with pytest.raises(ValueError, match=WORD_TOKENS):
+        query.word_tokens()
+
+    model.request(training={WORD_TOKENS})  # training only: retrieval still keeps none
+    assert encode(model, batch, training=False)[1].tokens is None
+    kept = encode(model, batch, training=True)[1]
+    assert kept.tokens is not None
+    model.eval()
+    assert model(batch).query.tokens is not None  # the training forward exposes the training set
+
+    model.request(retrieval={WORD_TOKENS})
+    asked = encode(model, batch, training=False)[1]
+    assert asked.tokens is not None and encode(model, batch, training=True)[1].tokens is None
+    for branch, vector in query.vectors.items():
+        torch.testing.assert_close(asked.vectors[branch], vector, rtol=0, atol=0)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import prvrlab.models.blocks as blocks
 import prvrlab.models.gmm as gmm
 from prvrlab.models.base import set_activation_checkpointing
 from prvrlab.models.blocks import Packing
@@ -209,3 +210,65 @@ def test_windowed_products_run_in_float32_without_native_bf16(monkeypatch):
     monkeypatch.setattr(gmm, "native_low_precision", lambda device_type: True)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         assert att._attend_windowed(q, k, v, packing, att.sigmas).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_inference_projects_mostly_real_batches_on_the_padded_layout(monkeypatch, amp):
+    """At inference, a batch with at most a quarter of its slots padded computes Q/K/V before
+    unpacking; outputs equal the hand loop and the packed projection's, and training never does."""
+    torch.manual_seed(0)
+    att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=["inf", 0.5, 1.0])
+    with torch.no_grad():
+        for weight in (att.qkv.weight, att.out.weight):
+            weight.normal_(0.0, 0.5)
+    lengths = [7, 6, 7]  # 1 of 21 slots padded
+    x = torch.randn(3, 7, 8)
+    mask = torch.arange(7)[None] < torch.tensor(lengths)[:, None]
+    taken = spy_padded_first(monkeypatch)
+    with torch.no_grad():
+        expected = hand_attention(att, x, lengths)
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
+        padded = att(x, mask).float()
+        monkeypatch.setattr(blocks, "PADDED_FIRST_MAX", -1.0)  # never
+        packed = att(x, mask).float()
+    assert taken == [True, False]
+    tol = BF16_TOL if amp else FP32_TOL
+    assert_close_scaled(padded, expected, tol, "padded projection")
+    assert_close_scaled(padded, packed, tol, "padded vs packed projection")
+    assert (padded[:, 1, 6] == 0).all()  # the padding's outputs stay zero
+    monkeypatch.setattr(blocks, "PADDED_FIRST_MAX", 0.25)
+    att(x, mask).sum().backward()  # training: the packed projection
+    assert taken[-1] is False
+    with torch.no_grad():  # a third of the slots padded: packed
+        att(x, torch.arange(7)[None] < torch.tensor([5, 2, 7])[:, None])
+    assert taken[-1] is False
+
+
+def spy_padded_first(monkeypatch) -> list[bool]:
+    """Record every answer of Packing.padded_first."""
+    taken: list[bool] = []
+    decide = Packing.padded_first
+    monkeypatch.setattr(Packing, "padded_first", lambda self: taken.append(decide(self)) or taken[-1])
+    return taken
+
+
+@pytest.mark.parametrize("name", BACKBONES)
+def test_inference_input_projection_of_mostly_real_batches_runs_padded(monkeypatch, name):
+    """Every backbone's video encoding at inference, with 1 of 16 frame slots padded: the input
+    projections run on the padded layout, and the embeddings equal the packed path's (fp32, 1e-5)."""
+    torch.manual_seed(0)
+    model = build(name).eval()
+    batch = standard_batch()
+    B, L = batch.frame_mask.shape
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, L - 1] = False  # one padded slot
+    frames = batch.frames * mask[..., None]
+    taken = spy_padded_first(monkeypatch)
+    with torch.no_grad():
+        padded = dict(floating_tensors(model.encode_videos(batch.clips, frames, mask), "video"))
+        assert any(taken)
+        monkeypatch.setattr(blocks, "PADDED_FIRST_MAX", -1.0)  # never
+        packed = dict(floating_tensors(model.encode_videos(batch.clips, frames, mask), "video"))
+    assert padded.keys() == packed.keys() and padded
+    for key in padded:
+        assert_close_scaled(padded[key], packed[key], FP32_TOL, key)
