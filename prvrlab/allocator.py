@@ -76,3 +76,19 @@ def set_host_allocator(mode: str) -> bool:
 def host_allocator() -> str:
     """The mode this process runs with (``system`` until :func:`set_host_allocator` changed it)."""
     return _state["mode"]
+
+
+def release_free_memory() -> bool:
+    """Give the free memory of malloc's heaps back to the system (``malloc_trim(0)``) where this process
+    runs with ``keep``; True if it did.  Called between phases whose blocks do not fit each other's freed
+    holes (an evaluation's video encoding, query encoding and scoring): without it the freed pages of
+    one phase stay resident under the next (an evaluation of TVR's test size: peak 1.75 -> 1.42 GiB)."""
+    if _state["mode"] != "keep":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

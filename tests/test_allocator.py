@@ -100,3 +100,38 @@ def test_a_refused_setting_leaves_the_mode_unchanged(monkeypatch):
     assert allocator.set_host_allocator("keep") is False
     assert allocator.host_allocator() == "system"
     assert calls[0] == (-4, 0)  # M_MMAP_MAX first
+
+
+RELEASE = textwrap.dedent(
+    f"""
+    import sys
+    import torch
+    from prvrlab.allocator import release_free_memory, set_host_allocator
+
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+
+    set_host_allocator(sys.argv[1])
+    block = torch.empty({BLOCK} // 4, dtype=torch.float32)
+    block.fill_(1.0)
+    pin = torch.ones(1024)  # a live block above it: the freed one is a hole, not the heap's top
+    del block
+    before = rss()
+    released = release_free_memory()
+    print(released, before - rss())
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or allocator._mallopt() is None, reason="glibc only")
+def test_release_gives_a_freed_blocks_pages_back_under_keep_only():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    results = {}
+    for mode in ("keep", "system"):
+        out = subprocess.run([sys.executable, "-c", RELEASE, mode], check=True, capture_output=True, text=True, env=env)
+        released, dropped = out.stdout.split()
+        results[mode] = (released == "True", int(dropped))
+    assert results["keep"][0] and results["keep"][1] >= BLOCK // 2  # the hole's pages were resident until the release
+    assert not results["system"][0] and abs(results["system"][1]) < BLOCK // 8  # system: unmapped at free already

@@ -255,7 +255,8 @@ class _EvalBatches(Dataset):
     """Item ``k`` is the ``k``-th batch of videos or queries of a split on this rank.
 
     Videos or queries are taken in split order, or (``by_length``, videos
-    only) from the fewest to the most frames, so a batch pads little; the
+    only) from the most to the fewest frames, so a batch pads little (and the
+    first batch is the largest: the later ones fit in the memory it freed); the
     batches of that sequence are dealt round-robin over ``world_size`` ranks
     (batch ``j`` goes to rank ``j % world_size``, which balances the lengths).
     """
@@ -280,12 +281,28 @@ class _EvalBatches(Dataset):
         if by_length and kind == "videos":
             visual = dataset.collection.visual
             counts = np.fromiter((visual.num_frames(v) for v in index.video_ids), dtype=np.int64, count=total)
-            order = np.argsort(counts, kind="stable")
+            order = np.argsort(-counts, kind="stable")  # longest first
         batches = [order[lo : lo + batch_size] for lo in range(0, total, batch_size)]
         self.batches = batches[rank::world_size]
 
     def __len__(self) -> int:
         return len(self.batches)
+
+    def _videos(self, items: list[int], ids: list[str]) -> tuple[Tensor, Tensor, Tensor]:
+        """``clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf)`` of videos ``items``, each video
+        preprocessed straight into its padded row (its ``min(n, max_frames)`` length known from the
+        index): an evaluation batch never holds its videos twice."""
+        c = self.dataset.collection
+        lengths = np.fromiter((min(c.visual.num_frames(v), c.max_frames) for v in ids), dtype=np.int64, count=len(ids))
+        longest = int(lengths.max())
+        frames = np.zeros((len(items), longest, c.video_dim), dtype=np.float32)  # (B, Lf, Dv)
+        clips = np.empty((len(items), c.num_clips, c.video_dim), dtype=np.float32)  # (B, Lc, Dv)
+        for row, i in enumerate(items):
+            f, clips[row] = self.dataset.video(i)  # (L_i, Dv), (Lc, Dv)
+            if f.shape[0] != lengths[row]:
+                raise ValueError(f"video {ids[row]!r}: {f.shape[0]} frames after preprocessing, its index says {lengths[row]}")
+            frames[row, : f.shape[0]] = f
+        return torch.from_numpy(clips), torch.from_numpy(frames), prefix_mask(lengths, longest)
 
     def __getitem__(self, k: int) -> tuple:
         items = self.batches[k].tolist()
@@ -294,10 +311,7 @@ class _EvalBatches(Dataset):
         if self.resident is not None:  # the same batch, gathered on the resident split's device
             return (ids, *(self.resident.videos(items) if self.kind == "videos" else self.resident.queries(items)))
         if self.kind == "videos":
-            loaded = [self.dataset.video(i) for i in items]
-            frames, frame_mask = pad_sequences([f for f, _ in loaded])  # (B, Lf, Dv), (B, Lf)
-            clips = torch.from_numpy(np.stack([c for _, c in loaded]))  # (B, Lc, Dv)
-            return ids, clips, frames, frame_mask
+            return (ids, *self._videos(items, ids))
         queries, query_mask = pad_sequences([self.dataset.query(j) for j in items])  # (N, Lq, Dq), (N, Lq)
         return ids, queries, query_mask
 
@@ -317,7 +331,7 @@ def video_batches(
     """Yield ``(video_ids, clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` in split order.
 
     Frames are padded to the longest video of each batch.  ``by_length``:
-    videos from the fewest to the most frames instead (little padding);
+    videos from the most to the fewest frames instead (little padding);
     ``rank`` / ``world_size``: only this rank's batches, dealt round-robin;
     ``resident`` (that split held on a device): the same batches, made there.
     """

@@ -31,6 +31,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from prvrlab.allocator import release_free_memory
 from prvrlab.checks import check_positive_int
 from prvrlab.data.batch import mask_to
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
@@ -182,6 +183,7 @@ def encode_videos(
                 emb = model.encode_videos(clips, frames, frame_mask)
             parts.append(_float32(emb))
             ids.extend(str(v) for v in video_ids)
+            del clips, frames, frame_mask, emb  # freed before the next batch is read
     if not parts:
         if allow_empty:
             return None, []
@@ -219,6 +221,7 @@ def encode_queries(
                 emb = model.encode_queries(queries, query_mask)
             parts.append(_float32(emb))
             ids.extend(str(q) for q in query_ids)
+            del queries, query_mask, emb  # freed before the next batch is read
     if not parts:
         if allow_empty:
             return None, []
@@ -229,7 +232,7 @@ def encode_queries(
 
 # ---------------------------------------------------------------- ranking
 
-SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one chunk of queries (against every video token)
+SCORE_BUDGET_BYTES = 128 << 20  # float32 scores of one chunk of queries (against every video token)
 ENCODE_BUDGET_BYTES = 128 << 20  # float32 input features (clips + frames) of one batch of videos
 
 
@@ -457,6 +460,7 @@ def evaluate_batches(
             yielded_videos = [v for _, ids in shares for v in ids]
             _check_unique(yielded_videos, "video")
         _sync(device)
+        release_free_memory()  # the encoders' freed blocks: not resident while queries are encoded
         timings["encode_videos"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -464,6 +468,7 @@ def evaluate_batches(
             model, query_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
         )
         _sync(device)
+        release_free_memory()
         timings["encode_queries"] = time.perf_counter() - t0
 
         # Align the split's index with the order in which things were encoded.
@@ -532,8 +537,8 @@ def evaluate(
 
     Videos are encoded at most ``eval_cfg.video_batch_size`` at a time (fewer
     where their features would not fit the budget of :func:`video_batch_size`),
-    from the fewest to the most frames (little padding; a backbone's scores
-    never depend on a batch's padding), queries ``eval_cfg.query_batch_size`` at a
+    from the most to the fewest frames (little padding, and each batch fits in the memory the
+    first one freed; a backbone's scores never depend on a batch's padding), queries ``eval_cfg.query_batch_size`` at a
     time, and at most ``eval_cfg.score_chunk`` queries (fewer where their
     scores would not fit the memory budget of :func:`score_chunk`) are scored
     against all videos at once (see ``compute_ranks`` for the tie rule).  ``amp_dtype``

@@ -54,7 +54,7 @@ def test_video_batches_by_length_and_sharded_cover_the_split_once(tiny_root, tmp
     assert sorted(ids) == sorted(index.video_ids)  # every video exactly once
     sequence = [b for j in range(len(shares[0])) for b in (s[j] for s in shares if j < len(s))]  # dealt order
     lengths = [counts[index.video_ids.index(v)] for batch in sequence for v in batch[0]]
-    assert lengths == sorted(counts)  # the batches, re-dealt, run from the fewest to the most frames
+    assert lengths == sorted(counts, reverse=True)  # the batches, re-dealt, run from the most to the fewest frames
     for batch in sequence:
         real = batch[3].sum(dim=1)  # (B,)
         assert batch[2].shape[1] == int(real.max())  # padded to the batch's longest only
