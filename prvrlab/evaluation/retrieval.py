@@ -259,7 +259,7 @@ def score_chunk(video_emb: VideoEmbedding, chunk: int, *, elements: int | None =
     the model's scoring holds at once, :meth:`RetrievalModel.score_elements`; by default one score per
     (query, video token) of every embedding tensor of ``video_emb``: its ``(Nv, ..., D)`` rows, all
     branches) fit min(:data:`SCORE_BUDGET_BYTES`, 1/8 of the free memory).  E.g. GMMFormer v2 at TVR's
-    test size (2,179 videos x (32 clips + 128 frames)) scores 192 queries at a time instead of 2,048 (a
+    test size (2,179 videos x (32 clips + 128 frames)) scores 96 queries at a time instead of 2,048 (a
     2.9 GB frame-score matrix).  Ranks do not depend on the chunk."""
     per_query = video_tokens(video_emb) if elements is None else int(elements)
     budget = min(SCORE_BUDGET_BYTES, _available_bytes() // 8)
