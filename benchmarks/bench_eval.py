@@ -131,7 +131,8 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name(args.device)}")
     backbone = str(cfg.model["name"])
     official = OFFICIAL_S.get(backbone)
-    paths = {"fast": lambda split, amp: evaluate(model, collection, split, cfg.eval, device=args.device, amp_dtype=amp)}
+    paths = {"fast": lambda split, amp: evaluate(model, collection, split, cfg.eval, device=args.device, amp_dtype=amp,
+                                                 release_memory=True)}  # as `prvrlab eval`
     if not args.no_naive:
         paths["naive"] = lambda split, amp: naive(model, collection, split, cfg.eval, amp, args.device)
     if args.peak_of is not None:

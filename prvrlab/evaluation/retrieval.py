@@ -419,6 +419,7 @@ def evaluate_batches(
     rank: int = 0,
     world_size: int = 1,
     split_order: bool = False,
+    release_memory: bool = False,
 ) -> EvalResult | None:
     """``evaluate`` without the data layer: batches plus the split's index.
 
@@ -435,6 +436,12 @@ def evaluate_batches(
     ranks and returns the result (in the order of the ranks' yields, rank by
     rank, unless ``split_order``); the other ranks return None.  Every rank
     must call this.
+
+    ``release_memory``: give malloc's free memory back to the system between the video, query and
+    scoring phases (:func:`~prvrlab.allocator.release_free_memory`, under the ``keep`` host
+    allocator), so one phase's freed blocks are not resident under the next: for a process that
+    only evaluates (``prvrlab eval``).  A training process leaves it off: its training working set
+    is larger than an evaluation's, and the next step would fault those pages in again.
     """
     check_positive_int(world_size, "world_size")
     if not 0 <= rank < world_size:
@@ -460,7 +467,8 @@ def evaluate_batches(
             yielded_videos = [v for _, ids in shares for v in ids]
             _check_unique(yielded_videos, "video")
         _sync(device)
-        release_free_memory()  # the encoders' freed blocks: not resident while queries are encoded
+        if release_memory:  # the encoders' freed blocks: not resident while queries are encoded
+            release_free_memory()
         timings["encode_videos"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -468,7 +476,8 @@ def evaluate_batches(
             model, query_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
         )
         _sync(device)
-        release_free_memory()
+        if release_memory:
+            release_free_memory()
         timings["encode_queries"] = time.perf_counter() - t0
 
         # Align the split's index with the order in which things were encoded.
@@ -532,6 +541,7 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     resident: "ResidentSplit | None" = None,
+    release_memory: bool = False,
 ) -> EvalResult | None:
     """Evaluate ``model`` on ``split`` of a data-layer ``Collection``; rows in the split's query order.
 
@@ -549,6 +559,7 @@ def evaluate(
     and scoring sharded over DDP ranks (see ``evaluate_batches``; rank 0
     returns the result, the others None).  ``resident``: the split held on
     the device (``data.resident``), whose batches are the same, made there.
+    ``release_memory``: see ``evaluate_batches``.
     The model's train/eval mode is restored afterwards.
     """
     from prvrlab.data.dataset import query_batches, video_batches
@@ -576,6 +587,7 @@ def evaluate(
         device=dev,
         amp_dtype=amp,
         split_order=True,
+        release_memory=release_memory,
         **shard,
     )
 

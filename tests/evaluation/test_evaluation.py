@@ -515,3 +515,22 @@ def test_video_batch_size_fits_the_memory_budget(monkeypatch):
     assert ev.video_batch_size(256, 160, 3072) == 3
     monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 0)
     assert ev.video_batch_size(256, 160, 3072) == 1
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release):
+    """``release_memory`` (a process that only evaluates) gives malloc's free memory back after the video
+    and the query phase; training's evaluations (the default) never do, and the ranks do not change."""
+    video_ids, clips, frames, mask, query_ids, queries, query_video, ratios = toy_split()
+    phases: list[str] = []
+    real_videos, real_queries = ev.encode_videos, ev.encode_queries
+    monkeypatch.setattr(ev, "encode_videos", lambda *a, **k: phases.append("videos") or real_videos(*a, **k))
+    monkeypatch.setattr(ev, "encode_queries", lambda *a, **k: phases.append("queries") or real_queries(*a, **k))
+    monkeypatch.setattr(ev, "release_free_memory", lambda: phases.append("release") or True)
+    result = ev.evaluate_batches(
+        VectorModel(5), [(video_ids, clips, frames, mask)], [(query_ids, queries, torch.ones(len(query_ids), 2, dtype=torch.bool))],
+        video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=3, device=DEVICE,
+        release_memory=release,
+    )
+    assert phases == (["videos", "release", "queries", "release"] if release else ["videos", "queries"])
+    assert result.metrics["r1"] == pytest.approx(100.0)

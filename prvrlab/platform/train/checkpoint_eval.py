@@ -76,7 +76,9 @@ def evaluate_checkpoint(
         raise DataError(f"{path}: weights do not fit the configured model: {exc}") from None
     device = torch.device("cpu")
     set_host_allocator(cfg.train.host_allocator)
-    result = evaluate(model, collection, split, cfg.eval, device=device, amp_dtype=resolve_amp_dtype(amp))
+    result = evaluate(
+        model, collection, split, cfg.eval, device=device, amp_dtype=resolve_amp_dtype(amp), release_memory=True
+    )
     if ranks_out:
         save_ranks(Path(ranks_out), result.table)
     return result

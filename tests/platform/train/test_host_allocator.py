@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prvrlab import allocator
+from prvrlab.evaluation import retrieval
 from prvrlab.platform.config import validate
 from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 from prvrlab.platform.train.loop import run_local
@@ -12,14 +13,18 @@ from train_helpers import small_raw
 
 def test_training_and_checkpoint_evaluation_apply_the_configured_allocator(tiny_root, tmp_path, monkeypatch):
     applied: list[str] = []
+    released: list[bool] = []
     monkeypatch.setattr(allocator, "set_host_allocator", lambda mode: applied.append(mode) or True)
+    monkeypatch.setattr(retrieval, "release_free_memory", lambda: released.append(True) or True)
     cfg = validate(small_raw(tiny_root, tmp_path, epochs=1, host_allocator="system"))
     run_local(cfg, tmp_path / "run")
     assert applied and set(applied) == {"system"}  # each attempt's setup, before any tensor work
+    assert not released  # training's evaluations keep the pages the next step reuses
 
     applied.clear()
     evaluate_checkpoint(tmp_path / "run" / "best_model.pt", split="val")
     assert applied == ["system"]
+    assert released == [True, True]  # an evaluation alone: after the video and the query phase
 
 
 def test_the_default_is_keep(tiny_root, tmp_path):
