@@ -261,8 +261,8 @@ class Packing:
     def padded_first(self) -> bool:
         """Whether a token-wise map (an input projection, GMMFormer's Q/K/V) should run on the padded
         layout and pack or keep its output, instead of running on the packed tokens: at inference (no
-        autograd), with padding but at most :data:`PADDED_FIRST_MAX` of the slots padded (evaluation's
-        by-length batches).  Packing the narrower output, or not unpacking a wider one, then costs less
+        autograd; the callers also require eval mode, so no dropout draw changes shape), with padding but
+        at most :data:`PADDED_FIRST_MAX` of the slots padded (evaluation's by-length batches).  Packing the narrower output, or not unpacking a wider one, then costs less
         than the padding's rows (GMMFormer video encoding in bf16 on an AMX CPU: 11% faster from the
         Q/K/V alone, identical outputs); in training, with more padding, it did not pay (session 27)."""
         if self.index is None or torch.is_grad_enabled():
@@ -485,7 +485,7 @@ class SequenceEncoder(PackedLayer):
         """(B, L, in_dim) features with a (B, L) mask (None: no padding) -> (N, D) encodings of the
         real tokens, and their packing."""
         packing = Packing.from_mask(mask, x.shape[0], x.shape[1], x.device)
-        if packing.padded_first():  # project the (B, L, in_dim) input, pack the narrower (B, L, D) output
+        if not self.training and packing.padded_first():  # project the (B, L, in_dim) input, pack the (N, D) output
             return self.encode_projected(packing.pack(self.proj(x)), packing), packing
         return self.forward_packed(packing.pack(x), packing), packing
 

@@ -324,7 +324,7 @@ class GaussianAttention(nn.Module):
         H, Dh = self.num_heads, self.head_dim
         sigmas = self.sigmas[branches]
         K = len(sigmas)
-        if K == self.num_branches and self.fast and packing.padded_first():  # no unpacking of the 3*K*D wide output
+        if K == self.num_branches and self.fast and not self.training and packing.padded_first():  # no 3*K*D unpacking
             qkv = self.qkv(packing.unpack(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
         else:
             if K == self.num_branches:

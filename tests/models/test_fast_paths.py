@@ -217,7 +217,7 @@ def test_inference_projects_mostly_real_batches_on_the_padded_layout(monkeypatch
     """At inference, a batch with at most a quarter of its slots padded computes Q/K/V before
     unpacking; outputs equal the hand loop and the packed projection's, and training never does."""
     torch.manual_seed(0)
-    att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=["inf", 0.5, 1.0])
+    att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=["inf", 0.5, 1.0]).eval()
     with torch.no_grad():
         for weight in (att.qkv.weight, att.out.weight):
             weight.normal_(0.0, 0.5)
@@ -237,11 +237,16 @@ def test_inference_projects_mostly_real_batches_on_the_padded_layout(monkeypatch
     assert_close_scaled(padded, packed, tol, "padded vs packed projection")
     assert (padded[:, 1, 6] == 0).all()  # the padding's outputs stay zero
     monkeypatch.setattr(blocks, "PADDED_FIRST_MAX", 0.25)
-    att(x, mask).sum().backward()  # training: the packed projection
-    assert taken[-1] is False
+    calls = len(taken)
+    att(x, mask).sum().backward()  # autograd: the packed projection
+    assert taken[calls:] == [False]
     with torch.no_grad():  # a third of the slots padded: packed
         att(x, torch.arange(7)[None] < torch.tensor([5, 2, 7])[:, None])
     assert taken[-1] is False
+    att.train()
+    with torch.no_grad():  # training mode without autograd (a plug-in's no-grad pass): not even asked
+        att(x, mask)
+    assert len(taken) == calls + 2
 
 
 def spy_padded_first(monkeypatch) -> list[bool]:
