@@ -27,7 +27,7 @@ from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, Vi
 from prvrlab.models.blocks import AttentionPooling, BackboneSizes, check_score_weights, init_normal_, resolve_ffn_size
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.scoring import max_scores
+from prvrlab.models.scoring import index_token_norms, max_scores
 from prvrlab.registry import BACKBONES
 
 
@@ -96,10 +96,18 @@ class ARLModel(RetrievalModel):
             queries, query_mask, branches=("frame",), keep_tokens=self.exposes(WORD_TOKENS)
         )
 
+    def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
+        """Adds the frames' norms (:func:`~prvrlab.models.scoring.index_token_norms`)."""
+        return index_token_norms(video, ("frame",))
+
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
     ) -> dict[str, BranchScores]:
         """``frame``: max over real frames of cos(q_i, v_jk) (Eqs. 2-3); logits: max raw dot."""
         if video.frame is None or video.frame.dim() != 3:
             raise ValueError("ARLModel.score needs per-frame VideoEmbedding.frame (B, Lf, D)")
-        return {"frame": max_scores(query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits)}
+        frame = max_scores(
+            query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits,
+            video_norm=video.extra.get("frame_norm"),
+        )  # (Nq, Nv)
+        return {"frame": frame}

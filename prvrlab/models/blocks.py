@@ -32,7 +32,7 @@ from prvrlab.checks import check_int, check_positive_int, check_probability, is_
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
-from prvrlab.models.scoring import max_scores, vector_scores
+from prvrlab.models.scoring import index_token_norms, max_scores, vector_scores
 
 
 CUDA_NONZERO_STATIC = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)  # CUDA kernel since torch 2.6
@@ -644,6 +644,10 @@ class PooledFrameBackbone(RetrievalModel):
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
         return self.query.embed(queries, query_mask, branches=self.branches, keep_tokens=self.keeps_word_tokens())
 
+    def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
+        """Adds the clips' norms (``extra["clip_norm"]``, :func:`~prvrlab.models.scoring.index_token_norms`)."""
+        return index_token_norms(video, ("clip",))
+
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
     ) -> dict[str, BranchScores]:
@@ -652,7 +656,9 @@ class PooledFrameBackbone(RetrievalModel):
             raise ValueError(f"{type(self).__name__}.score needs VideoEmbedding.clip and .frame (one vector per video)")
         clip_level, video_level = self.branches
         return {
-            clip_level: max_scores(query.vectors[clip_level], video.clip, with_logits=with_logits),  # (Nq, Nv)
+            clip_level: max_scores(
+                query.vectors[clip_level], video.clip, with_logits=with_logits, video_norm=video.extra.get("clip_norm")
+            ),  # (Nq, Nv)
             video_level: vector_scores(query.vectors[video_level], video.frame, with_logits=with_logits),  # (Nq, Nv)
         }
 

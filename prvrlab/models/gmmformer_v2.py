@@ -73,7 +73,7 @@ from prvrlab.models.blocks import (
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GaussianAttention, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
-from prvrlab.models.scoring import max_scores
+from prvrlab.models.scoring import index_token_norms, max_scores
 from prvrlab.registry import BACKBONES
 
 Aggregation = Literal["average", "learned", "dynamic", "temporal"]
@@ -409,13 +409,20 @@ class GMMFormerV2(RetrievalModel):
             queries, query_mask, branches=("clip", "frame"), keep_tokens=self.exposes(WORD_TOKENS)
         )
 
+    def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
+        """Adds the clips' and frames' norms (:func:`~prvrlab.models.scoring.index_token_norms`)."""
+        return index_token_norms(video, ("clip", "frame"))
+
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False
     ) -> dict[str, BranchScores]:
         """Clip: max over clips; frame: max over real frames (cosine; logits: the raw dot products)."""
         if video.clip is None or video.frame is None or video.frame.dim() != 3:
             raise ValueError("GMMFormerV2.score needs VideoEmbedding.clip and per-frame VideoEmbedding.frame")
-        frame = max_scores(query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits)  # (Nq, Nv)
+        frame = max_scores(
+            query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits,
+            video_norm=video.extra.get("frame_norm"),
+        )  # (Nq, Nv)
         if self.frame_padding == "official":  # padded positions (up to max_frames) score 0 in the max
             padded = (video.frame_mask.sum(dim=1) < self.max_frames)[None, :]  # (1, Nv)
             frame = BranchScores(
@@ -423,6 +430,8 @@ class GMMFormerV2(RetrievalModel):
                 logits=None if frame.logits is None else torch.where(padded, frame.logits.clamp(min=0.0), frame.logits),
             )
         return {
-            "clip": max_scores(query.vectors["clip"], video.clip, with_logits=with_logits),  # (Nq, Nv)
+            "clip": max_scores(
+                query.vectors["clip"], video.clip, with_logits=with_logits, video_norm=video.extra.get("clip_norm")
+            ),  # (Nq, Nv)
             "frame": frame,  # (Nq, Nv)
         }

@@ -6,10 +6,13 @@ chunk of videos (never a Python loop over queries or videos).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
-from prvrlab.models.base import BranchScores
+from prvrlab.models.base import BranchScores, VideoEmbedding
 
 # Upper bound on the (Nq, chunk, L) score tensor built at once (elements).
 _MAX_CHUNK_ELEMENTS = 1 << 26
@@ -26,14 +29,40 @@ def vector_scores(query: Tensor, video: Tensor, *, with_logits: bool = False) ->
         return BranchScores(sim=dots / norms, logits=dots if with_logits else None)
 
 
+def token_norms(video: Tensor) -> Tensor:
+    """(Nv, L, D) vectors -> (Nv, L) float32 norms, clamped as :func:`max_scores` divides by them."""
+    with torch.autocast(device_type=video.device.type, enabled=False):
+        return video.float().norm(dim=-1).clamp(min=_EPS)
+
+
+def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbedding:
+    """``video`` with ``extra["<name>_norm"]`` = :func:`token_norms` of each (Nv, L, D) field ``name``:
+    computed once per gallery (``RetrievalModel.index_videos``) instead of once per query chunk, where
+    they cost as much memory traffic as the score product itself (GMMFormer v2's frames at TVR's test
+    size: 0.4 GB read per chunk).  An indexed gallery is returned as it is."""
+    extra = dict(video.extra)
+    for name in names:
+        field = getattr(video, name)
+        if f"{name}_norm" not in extra and field is not None and field.dim() == 3:
+            extra[f"{name}_norm"] = token_norms(field)  # (Nv, L)
+    return video if extra.keys() == video.extra.keys() else replace(video, extra=extra)
+
+
 def max_scores(
-    query: Tensor, video: Tensor, mask: Tensor | None = None, *, with_logits: bool = False
+    query: Tensor,
+    video: Tensor,
+    mask: Tensor | None = None,
+    *,
+    with_logits: bool = False,
+    video_norm: Tensor | None = None,
 ) -> BranchScores:
     """Max over each video's vectors of the cosine (and, separately, of the raw dot).
 
     ``query`` (Nq, D); ``video`` (Nv, L, D) with an optional (Nv, L) mask whose
     False positions never win the max (a video without real vectors scores -1
-    in ``sim`` and its min-float in ``logits``).
+    in ``sim`` and its min-float in ``logits``).  ``video_norm``: the (Nv, L)
+    :func:`token_norms` of ``video`` where they were computed beforehand (same
+    scores, bit for bit).
     """
     nq = query.shape[0]
     nv, length, dim = video.shape
@@ -42,6 +71,7 @@ def max_scores(
         return BranchScores(sim=empty, logits=empty.clone() if with_logits else None)
     chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, nq * length))
     sims, logits = [], []
+    in_place = not (torch.is_grad_enabled() and (query.requires_grad or video.requires_grad))  # retrieval
     with torch.autocast(device_type=query.device.type, enabled=False):
         q = query.float()  # (Nq, D)
         q_norm = q.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
@@ -49,11 +79,12 @@ def max_scores(
             v = video[start : start + chunk].float()  # (C, L, D)
             c = v.shape[0]
             dots = (q @ v.reshape(c * length, dim).t()).view(nq, c, length)  # (Nq, C, L)
-            v_norm = v.norm(dim=-1).clamp(min=_EPS)  # (C, L)
-            cos = dots / (q_norm[:, None, None] * v_norm[None])  # (Nq, C, L)
+            v_norm = token_norms(v) if video_norm is None else video_norm[start : start + chunk]  # (C, L)
+            denominator = q_norm[:, None, None] * v_norm[None]  # (Nq, C, L)
+            cos = dots.div_(denominator) if in_place and not with_logits else dots / denominator  # (Nq, C, L)
             if mask is not None:
                 pad = ~mask[start : start + chunk].to(torch.bool)[None]  # (1, C, L)
-                cos = cos.masked_fill(pad, -1.0)
+                cos = cos.masked_fill_(pad, -1.0) if in_place else cos.masked_fill(pad, -1.0)
                 if with_logits:
                     dots = dots.masked_fill(pad, torch.finfo(dots.dtype).min)
             sims.append(cos.amax(dim=-1))  # (Nq, C)

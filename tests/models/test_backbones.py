@@ -380,3 +380,20 @@ def test_fresh_word_encoder_gives_word_tokens_like_the_backbones(name):
         theirs = model.encode_queries(batch.queries, batch.query_mask).tokens
     assert mine.shape == theirs.shape and not torch.allclose(mine, theirs)
     assert torch.equal(packing.mask, batch.query_mask)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_indexed_gallery_scores_equal_the_plain_gallery(name):
+    """RetrievalModel.index_videos (what evaluation reuses across query chunks, e.g. the token norms of
+    max-scored fields): the indexed gallery scores like the plain one, and indexing it again is a no-op."""
+    model = build(name).eval()
+    batch = standard_batch()
+    with torch.inference_mode():
+        video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+        query = model.encode_queries(batch.queries, batch.query_mask)
+        index = model.index_videos(video)
+        assert model.index_videos(index) is index
+        indexed, plain = model.score(query, index), model.score(query, video)
+    assert indexed.keys() == plain.keys()
+    for branch in plain:
+        torch.testing.assert_close(indexed[branch].sim, plain[branch].sim, atol=1e-6, rtol=1e-6)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prvrlab.models.scoring import max_scores
+from prvrlab.models import scoring
+from prvrlab.models.base import VideoEmbedding
+from prvrlab.models.scoring import index_token_norms, max_scores, token_norms
 
 
 def hand_max(query, video, mask):
@@ -57,3 +59,41 @@ def test_chunked_retrieval_equals_one_chunk(monkeypatch):
         monkeypatch.setattr(scoring, "_MAX_CHUNK_ELEMENTS", 1)  # one video per chunk
         chunked = max_scores(query, video, mask).sim
     torch.testing.assert_close(chunked, whole)
+
+
+def gallery(nv: int = 7, length: int = 5, dim: int = 6):
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(nv, length, dim, generator=g)
+    mask = torch.arange(length)[None] < torch.randint(1, length + 1, (nv,), generator=g)[:, None]  # (Nv, L)
+    return torch.randn(4, dim, generator=g), video * mask[..., None], mask
+
+
+def test_precomputed_norms_give_the_same_scores_bit_for_bit():
+    query, video, mask = gallery()
+    plain = max_scores(query, video, mask, with_logits=True)
+    for norms in (token_norms(video), torch.cat([token_norms(video[:3]), token_norms(video[3:])])):  # chunks agree
+        given = max_scores(query, video, mask, with_logits=True, video_norm=norms)
+        assert torch.equal(given.sim, plain.sim) and torch.equal(given.logits, plain.logits)
+    torch.testing.assert_close(plain.sim, hand_max(query, video, mask), atol=1e-6, rtol=1e-6)
+
+
+def test_in_place_retrieval_equals_the_autograd_path(monkeypatch):
+    """Without autograd the cosine is divided and masked in place; with it, out of place: same values,
+    and gradients still flow (chunks of one video, so several chunks run)."""
+    query, video, mask = gallery()
+    monkeypatch.setattr(scoring, "_MAX_CHUNK_ELEMENTS", query.shape[0] * video.shape[1])
+    with torch.no_grad():
+        retrieval = max_scores(query, video, mask).sim
+    q = query.clone().requires_grad_(True)
+    trained = max_scores(q, video, mask).sim
+    trained.sum().backward()
+    assert torch.equal(retrieval, trained.detach()) and q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_index_token_norms_adds_each_3d_field_once():
+    _, video, mask = gallery()
+    emb = VideoEmbedding(clip=video, frame=video[:, 0], frame_mask=None)
+    index = index_token_norms(emb, ("clip", "frame"))
+    assert set(index.extra) == {"clip_norm"}  # frame is (Nv, D): nothing to index
+    assert torch.equal(index.extra["clip_norm"], token_norms(video))
+    assert index_token_norms(index, ("clip", "frame")) is index and "clip_norm" not in emb.extra
