@@ -34,8 +34,10 @@ Like any checkout you run, the official code runs with your permissions (its loa
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -82,7 +84,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.Tensor.cuda = lambda self, *a, **k: self
     nn.Module.cuda = lambda self, *a, **k: self
-    work = Path(tempfile.mkdtemp(prefix="official-eval-"))
+    work = Path(tempfile.mkdtemp(prefix="official-eval-"))  # the data symlink and the results folder
+    atexit.register(shutil.rmtree, work, True)  # removed at exit (the symlink itself, not the collection)
     (work / "data").mkdir()
     (work / "data" / collection).symlink_to(root)
     makedirs = os.makedirs

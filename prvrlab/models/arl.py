@@ -27,7 +27,7 @@ from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, Vi
 from prvrlab.models.blocks import AttentionPooling, BackboneSizes, check_score_weights, init_normal_, resolve_ffn_size
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.scoring import index_token_norms, max_scores
+from prvrlab.models.scoring import index_token_norms, indexed_norms, max_scores
 from prvrlab.registry import BACKBONES
 
 
@@ -93,7 +93,7 @@ class ARLModel(RetrievalModel):
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> q_i (Nq, D) and, on request, the word tokens."""
         return self.query.embed(
-            queries, query_mask, branches=("frame",), keep_tokens=self.exposes(WORD_TOKENS)
+            queries, query_mask, branches=("frame",), keep_tokens=self.keeps_word_tokens()
         )
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
@@ -108,6 +108,6 @@ class ARLModel(RetrievalModel):
             raise ValueError("ARLModel.score needs per-frame VideoEmbedding.frame (B, Lf, D)")
         frame = max_scores(
             query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits,
-            video_norm=video.extra.get("frame_norm"),
+            video_norm=indexed_norms(video, "frame"),
         )  # (Nq, Nv)
         return {"frame": frame}

@@ -314,6 +314,12 @@ class RetrievalModel(nn.Module):
             return False
         return capability in requested[self.training_time()]
 
+    def keeps_word_tokens(self) -> bool:
+        """Whether ``encode_queries`` keeps the per-word embeddings (``QueryEmbedding.tokens``): by default
+        when the ``word_tokens`` capability is requested for the current mode; a backbone whose own
+        scoring reads them says so here."""
+        return self.exposes(WORD_TOKENS)
+
     def training_time(self) -> bool:
         """Whether ``encode_*`` runs for training: the training forward, or training mode."""
         return bool(self.__dict__.get("_forced_mode", self.training))

@@ -31,8 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
-from prvrlab.models.scoring import index_token_norms, max_scores, vector_scores
+from prvrlab.models.component import FRAME_TOKENS
+from prvrlab.models.scoring import index_token_norms, indexed_norms, max_scores, vector_scores
 
 
 CUDA_NONZERO_STATIC = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)  # CUDA kernel since torch 2.6
@@ -627,11 +627,6 @@ class PooledFrameBackbone(RetrievalModel):
         the ``frame_tokens`` capability is requested for the current mode)."""
         return self.exposes(FRAME_TOKENS)
 
-    def keeps_word_tokens(self) -> bool:
-        """Whether :meth:`encode_queries` keeps the per-word embeddings (by default: when the
-        ``word_tokens`` capability is requested for the current mode)."""
-        return self.exposes(WORD_TOKENS)
-
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:
         """(B, Lc, Dv) clips, (B, Lf, Dv) frames, (B, Lf) mask -> clip (B, Lc, D), frame (B, D)."""
         clip = self.encode_clips(clips)  # (B, Lc, D)
@@ -658,7 +653,7 @@ class PooledFrameBackbone(RetrievalModel):
         clip_level, video_level = self.branches
         return {
             clip_level: max_scores(
-                query.vectors[clip_level], video.clip, with_logits=with_logits, video_norm=video.extra.get("clip_norm")
+                query.vectors[clip_level], video.clip, with_logits=with_logits, video_norm=indexed_norms(video, "clip")
             ),  # (Nq, Nv)
             video_level: vector_scores(query.vectors[video_level], video.frame, with_logits=with_logits),  # (Nq, Nv)
         }

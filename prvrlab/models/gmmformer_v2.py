@@ -73,7 +73,7 @@ from prvrlab.models.blocks import (
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GaussianAttention, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
-from prvrlab.models.scoring import index_token_norms, max_scores
+from prvrlab.models.scoring import index_token_norms, indexed_norms, max_scores
 from prvrlab.registry import BACKBONES
 
 Aggregation = Literal["average", "learned", "dynamic", "temporal"]
@@ -407,7 +407,7 @@ class GMMFormerV2(RetrievalModel):
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
         return self.query.embed(
-            queries, query_mask, branches=("clip", "frame"), keep_tokens=self.exposes(WORD_TOKENS)
+            queries, query_mask, branches=("clip", "frame"), keep_tokens=self.keeps_word_tokens()
         )
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
@@ -422,7 +422,7 @@ class GMMFormerV2(RetrievalModel):
             raise ValueError("GMMFormerV2.score needs VideoEmbedding.clip and per-frame VideoEmbedding.frame")
         frame = max_scores(
             query.vectors["frame"], video.frame, video.frame_mask, with_logits=with_logits,
-            video_norm=video.extra.get("frame_norm"),
+            video_norm=indexed_norms(video, "frame"),
         )  # (Nq, Nv)
         if self.frame_padding == "official":  # padded positions (up to max_frames) score 0 in the max
             padded = (video.frame_mask.sum(dim=1) < self.max_frames)[None, :]  # (1, Nv)
@@ -432,7 +432,7 @@ class GMMFormerV2(RetrievalModel):
             )
         return {
             "clip": max_scores(
-                query.vectors["clip"], video.clip, with_logits=with_logits, video_norm=video.extra.get("clip_norm")
+                query.vectors["clip"], video.clip, with_logits=with_logits, video_norm=indexed_norms(video, "clip")
             ),  # (Nq, Nv)
             "frame": frame,  # (Nq, Nv)
         }

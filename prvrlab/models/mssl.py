@@ -241,7 +241,7 @@ class MSSL(RetrievalModel):
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> clip and frame query vectors (Nq, D) each."""
         return self.query.embed(
-            queries, query_mask, branches=("clip", "frame"), keep_tokens=self.exposes(WORD_TOKENS)
+            queries, query_mask, branches=("clip", "frame"), keep_tokens=self.keeps_word_tokens()
         )
 
     def _sizes(self, video: VideoEmbedding) -> tuple[int, int, int]:

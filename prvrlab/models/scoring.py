@@ -48,6 +48,11 @@ def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbed
     return video if extra.keys() == video.extra.keys() else replace(video, extra=extra)
 
 
+def indexed_norms(video: VideoEmbedding, name: str) -> Tensor | None:
+    """The (Nv, L) norms :func:`index_token_norms` stored for field ``name``, or None (not indexed)."""
+    return video.extra.get(f"{name}_norm")
+
+
 def max_scores(
     query: Tensor,
     video: Tensor,
