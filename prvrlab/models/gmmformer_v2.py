@@ -63,6 +63,7 @@ from prvrlab.models.blocks import (
     Packing,
     autocast_input,
     branch_layer_norm,
+    branch_mlp,
     check_score_weights,
     decay_norm_gains,
     dropout_draw,
@@ -245,8 +246,7 @@ class TCGMMBlock(PackedLayer):
         h = torch.addcmul(x, a, mask_from_draw(a_draw, p, a.dtype)) if a_draw is not None else a + x  # (k, N, D)
         w1, b1 = self.norm1_weight[branches].to(h.dtype), self.norm1_bias[branches].to(h.dtype)
         h = branch_layer_norm(h, w1, b1)  # (k, N, D)
-        hidden = F.relu(self.ffn_in(h, branches), inplace=not torch.is_grad_enabled())  # (k, N, F); in place at inference
-        f = self.ffn_out(hidden, branches)  # (k, N, D)
+        f = branch_mlp(h, self.ffn_in, self.ffn_out, branches)  # (k, N, D) through (k, N, F)
         h = torch.addcmul(h, f, mask_from_draw(f_draw, p, f.dtype)) if f_draw is not None else h + f  # (k, N, D)
         w2, b2 = self.norm2_weight[branches].to(h.dtype), self.norm2_bias[branches].to(h.dtype)
         return branch_layer_norm(h, w2, b2)  # (k, N, D)

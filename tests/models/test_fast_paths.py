@@ -277,3 +277,46 @@ def test_inference_input_projection_of_mostly_real_batches_runs_padded(monkeypat
     assert padded.keys() == packed.keys() and padded
     for key in padded:
         assert_close_scaled(padded[key], packed[key], FP32_TOL, key)
+
+
+def hand_branch_mlp(x, first, second, branches):
+    """The branch MLP as written: a loop over branches of x @ W.T + b, ReLU, x @ W.T + b (float64)."""
+    outs = []
+    for k in range(first.weight.shape[0])[branches]:
+        h = x[len(outs)].double() @ first.weight[k].double().T + first.bias[k].double()
+        if second is not None:
+            h = torch.relu(h) @ second.weight[k].double().T + second.bias[k].double()
+        outs.append(h)
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_second", [False, True], ids=["linear", "mlp"])
+@pytest.mark.parametrize("fused", [True, False], ids=["onednn-relu", "plain-relu"])
+def test_branch_mlp_inference_equals_batched_autograd_path(monkeypatch, amp, with_second, fused):
+    """BranchLinear / branch_mlp at inference (one GEMM per branch, bias inside it, ReLU fused by oneDNN
+    where built in) give the batched autograd path's values and dtype, for all branches and for a slice."""
+    torch.manual_seed(0)
+    first = blocks.BranchLinear(num_branches=4, in_dim=6, out_dim=10)
+    second = blocks.BranchLinear(num_branches=4, in_dim=10, out_dim=6) if with_second else None
+    with torch.no_grad():
+        for layer in (first, second):
+            if layer is not None:
+                layer.weight.normal_(0.0, 0.5)
+                layer.bias.normal_(0.0, 0.5)
+    monkeypatch.setattr(blocks, "_fused_linear_relu", lambda: fused and blocks.torch.backends.mkldnn.is_available())
+    for branches in (slice(None), slice(1, 3)):
+        x = torch.randn(4 if branches == slice(None) else 2, 9, 6)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
+            batched = blocks.branch_mlp(x, first, second, branches)  # autograd on: batched GEMMs
+            with torch.no_grad():
+                per_branch = blocks.branch_mlp(x, first, second, branches)
+                forward = first(x, branches) if second is None else None
+        assert per_branch.dtype == batched.dtype == (torch.bfloat16 if amp else torch.float32)
+        tol = BF16_TOL if amp else FP32_TOL
+        assert_close_scaled(per_branch.float(), batched.detach().float(), tol, "per branch vs batched")
+        with torch.no_grad():
+            hand = hand_branch_mlp(x, first, second, branches)
+        assert_close_scaled(per_branch.double(), hand, tol, "per branch vs hand loop")
+        if forward is not None:
+            assert torch.equal(forward, per_branch)
