@@ -30,10 +30,13 @@ Hence:
 
 * branches with ``sigma = inf`` (``G = 1``) run on
   ``torch.nn.functional.scaled_dot_product_attention`` with the padding-key
-  bias as its additive ``attn_mask`` (exact): always when every branch is
-  plain (a TransformerLayer), and in low precision when plain and windowed
-  branches mix (in float32, measured on CPU, splitting the branches and
-  gathering their gradients cost more than the fused kernel saves);
+  bias as its additive ``attn_mask`` (exact) when every branch is plain (a
+  TransformerLayer), and in low precision when plain and windowed branches
+  mix.  Two measured exceptions (``_one_pass``) run them in the explicit
+  pass instead: autograd in bf16 on a CPU with native bf16 units (SDPA's
+  CPU backward costs more than the explicit pass), and mixed branches in
+  float32 (splitting them and gathering their gradients cost more than the
+  fused kernel saves);
 * finite-width branches keep the explicit product, softmax and product;
   under bf16/fp16 autocast on a CPU without native bf16 matrix units
   (AVX512-BF16 / AMX) their (L, L) products run in float32, where the
@@ -175,6 +178,18 @@ def _branches(tensors: Sequence[Tensor], index: list[int]) -> list[Tensor]:
     return [t.index_select(1, idx) for t in tensors]
 
 
+def _one_pass(q: Tensor, *, mixed: bool) -> bool:
+    """Whether plain (sigma = inf) branches run in the explicit pass instead of SDPA: with autograd in
+    low precision on a CPU with native bf16 units, where SDPA's CPU backward is the slow part (AMX,
+    bf16, forward + backward: 640 queries x 30 tokens, plain only, 121 ms explicit vs 237 ms SDPA; v2's
+    8 widths over 128 videos 1.50 vs 1.83 s; GMMFormer's 4 widths 0.65 vs 0.86 s); and where plain
+    and windowed branches mix in float32 (splitting them and gathering their gradients cost more than
+    the fused kernel saves).  At inference SDPA stays faster (GMMFormer's widths 0.18 vs 0.23 s)."""
+    if q.dtype != torch.float32:
+        return torch.is_grad_enabled() and q.device.type == "cpu" and native_low_precision("cpu")
+    return mixed
+
+
 class GaussianAttention(nn.Module):
     """K parallel multi-head self-attention branches, one Gaussian window each.
 
@@ -298,7 +313,7 @@ class GaussianAttention(nn.Module):
         windowed = [i for i, s in enumerate(sigmas) if not math.isinf(s)]
         if self.training and self.attn_dropout.p > 0:  # keep the plain path's dropout mask
             plain, windowed = [], list(range(len(sigmas)))
-        if plain and windowed and q.dtype == torch.float32:  # measured: the split costs more than SDPA saves
+        if plain and _one_pass(q, mixed=bool(windowed)):  # measured: there SDPA costs more than it saves
             plain, windowed = [], list(range(len(sigmas)))
         parts, order = [], []
         if windowed:

@@ -320,3 +320,37 @@ def test_branch_mlp_inference_equals_batched_autograd_path(monkeypatch, amp, wit
         assert_close_scaled(per_branch.double(), hand, tol, "per branch vs hand loop")
         if forward is not None:
             assert torch.equal(forward, per_branch)
+
+
+@pytest.mark.parametrize("sigmas", [[0.5, "inf", 1.0], ["inf", "inf"]], ids=["mixed", "plain"])
+@pytest.mark.parametrize(
+    "dtype, grad, native, split",
+    [
+        (torch.float32, True, True, False),  # float32: mixed branches in one pass, plain ones on SDPA
+        (torch.float32, False, True, False),
+        (torch.bfloat16, True, True, False),  # bf16 with autograd on native units: explicit (measured faster)
+        (torch.bfloat16, False, True, True),  # bf16 at inference: plain branches on SDPA
+        (torch.bfloat16, True, False, True),  # emulated bf16: SDPA (windowed products in float32)
+    ],
+)
+def test_plain_branches_go_to_sdpa_only_where_measured_faster(monkeypatch, sigmas, dtype, grad, native, split):
+    """Plain branches go to SDPA when every branch is plain, except with autograd in bf16 on native
+    units; mixed with windowed ones, only in low precision at inference or without native bf16
+    units; either way the result equals the one explicit pass."""
+    if sigmas == ["inf", "inf"] and dtype == torch.float32:
+        split = True  # float32, plain only: SDPA
+    monkeypatch.setattr(gmm, "native_low_precision", lambda device_type: native)
+    sdpa_calls: list[int] = []
+    attend_sdpa = GaussianAttention._attend_sdpa
+    monkeypatch.setattr(GaussianAttention, "_attend_sdpa", lambda self, *a: sdpa_calls.append(1) or attend_sdpa(self, *a))
+    torch.manual_seed(0)
+    att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=sigmas)
+    B, L = 2, 6
+    packing = Packing.full(B, L, DEVICE)
+    q, k, v = (torch.randn(B, len(sigmas), 2, L, 4, device=DEVICE).to(dtype) for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        got = att._attend_fast(q, k, v, packing, att.sigmas)
+    assert bool(sdpa_calls) == (split or (DEVICE.type != "cpu" and dtype != torch.float32))  # one pass: CPU only
+    with torch.autocast(DEVICE.type, enabled=False):
+        want = att._attend(q.float(), k.float(), v.float(), packing, att.sigmas)
+    assert_close_scaled(got.float().detach(), want.detach(), BF16_TOL if dtype == torch.bfloat16 else FP32_TOL, "fast")
