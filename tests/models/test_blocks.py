@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from prvrlab.data.batch import prefix_mask, tag_lengths
-from prvrlab.models.blocks import AttentionPooling, InputProjection, Packing, PositionalEmbedding, SequenceEncoder
+from prvrlab.models.blocks import (
+    AttentionPooling,
+    InputProjection,
+    Packing,
+    PositionalEmbedding,
+    SequenceEncoder,
+    branch_layer_norm,
+)
 from prvrlab.models.gmm import (
     GaussianAttention,
     GMMBlock,
@@ -339,3 +346,22 @@ def test_fast_dropout_statistics_gradient_and_seed():
     assert layer(x) is x
     with pytest.raises(ValueError, match="attention_dropout"):
         Dropout(1.0, name="attention_dropout")
+
+
+def test_branch_layer_norm_equals_the_formula_per_branch_with_its_own_affine():
+    """branch_layer_norm: (x - mean) / sqrt(var + eps) * w_k + b_k over the last dim, branch k with its own
+    affine (float64 formula); weight and bias gradients equal the formula's."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    got = branch_layer_norm(x, w, b)
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)  # biased, as LayerNorm
+    want = (x - mean) / torch.sqrt(var + 1e-5) * w[:, None, :] + b[:, None, :]
+    torch.testing.assert_close(got, want)
+    probe = torch.randn_like(want)
+    grads = torch.autograd.grad((got * probe).sum(), (x, w, b))
+    expected = torch.autograd.grad((want * probe).sum(), (x, w, b))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
