@@ -170,6 +170,43 @@ def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float], windo
     return torch.stack([_window_from_offsets(offsets, s) for s in sigmas], dim=1)  # (B, K, L, L)
 
 
+class _HeadLayout(torch.autograd.Function):
+    """Packed Q/K/V rows (N, 3, G, Dh) -> ``q, k, v``, each (B, G, L, Dh) contiguous, zeros on padding.
+
+    One scatter into a (3, B, G, L, Dh) buffer, where unpacking to (B, L, 3, G, Dh) and permuting
+    made two more passes and each product copied its non-contiguous operand again; the backward
+    gathers each gradient's real rows back (the autograd of unpack + unbind + permute stacked the
+    three strided gradients first).  ``rows`` / ``positions`` (N,): each token's row and position,
+    None when nothing is padded.  (v2's 8 widths, 128 videos, bf16 forward + backward on an AMX CPU:
+    see benchmarks/bench_model_step.py.)"""
+
+    @staticmethod
+    def forward(ctx, projected: Tensor, rows: Tensor | None, positions: Tensor | None, batch: int, length: int):
+        N, _, G, Dh = projected.shape
+        shape = (3, batch, G, length, Dh)
+        heads = projected.new_empty(shape) if rows is None else projected.new_zeros(shape)  # (3, B, G, L, Dh)
+        slots = heads.permute(1, 3, 0, 2, 4)  # (B, L, 3, G, Dh) view
+        if rows is None:
+            slots.copy_(projected.view(batch, length, 3, G, Dh))
+        else:
+            slots[rows, positions] = projected
+            ctx.save_for_backward(rows, positions)
+        ctx.full = rows is None
+        return heads[0], heads[1], heads[2]
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        ref = next(g for g in grads if g is not None)
+        grads = tuple(torch.zeros_like(ref) if g is None else g for g in grads)  # (B, G, L, Dh) each
+        B, G, L, Dh = ref.shape
+        if ctx.full:
+            out = torch.stack([g.permute(0, 2, 1, 3) for g in grads], dim=2).view(B * L, 3, G, Dh)  # one pass
+        else:
+            rows, positions = ctx.saved_tensors
+            out = torch.stack([g.permute(0, 2, 1, 3)[rows, positions] for g in grads], dim=1)  # (N, 3, G, Dh)
+        return out, None, None, None, None
+
+
 def _branches(tensors: Sequence[Tensor], index: list[int]) -> list[Tensor]:
     """The branches ``index`` (dim 1) of each tensor: a view when they are a contiguous range."""
     if index == list(range(index[0], index[-1] + 1)):
@@ -179,15 +216,24 @@ def _branches(tensors: Sequence[Tensor], index: list[int]) -> list[Tensor]:
 
 
 def _one_pass(q: Tensor, *, mixed: bool) -> bool:
-    """Whether plain (sigma = inf) branches run in the explicit pass instead of SDPA: with autograd in
-    low precision on a CPU with native bf16 units, where SDPA's CPU backward is the slow part (AMX,
-    bf16, forward + backward: 640 queries x 30 tokens, plain only, 121 ms explicit vs 237 ms SDPA; v2's
-    8 widths over 128 videos 1.50 vs 1.83 s; GMMFormer's 4 widths 0.65 vs 0.86 s); and where plain
-    and windowed branches mix in float32 (splitting them and gathering their gradients cost more than
-    the fused kernel saves).  At inference SDPA stays faster (GMMFormer's widths 0.18 vs 0.23 s)."""
-    if q.dtype != torch.float32:
-        return torch.is_grad_enabled() and q.device.type == "cpu" and native_low_precision("cpu")
-    return mixed
+    """Whether plain (sigma = inf) branches run in the explicit pass instead of SDPA (measured in bf16
+    on an AMX CPU, forward + backward unless said; float32 and other devices as before):
+
+    - float32: when plain and windowed branches mix (splitting them and gathering their gradients
+      cost more than the fused kernel saves);
+    - low precision on a CPU with native bf16 units, with autograd: always (SDPA's CPU backward is
+      the slow part: 640 queries x 30 tokens, plain only, 121 ms explicit vs 237 ms SDPA; v2's 8
+      widths over 128 videos 1.50 vs 1.83 s; GMMFormer's 4 widths 0.65 vs 0.86 s);
+    - the same at inference: when they mix and ``q`` is the contiguous head layout (:class:`_HeadLayout`),
+      where splitting copies the windowed branches out (v2 0.53 vs 0.60 s, GMMFormer 0.19 vs 0.21 s);
+      from the strided padded layout (evaluation's by-length batches) the split stays faster (0.23 vs
+      0.31 s), as does SDPA for plain-only layers.
+    """
+    if q.dtype == torch.float32:
+        return mixed
+    if q.device.type != "cpu" or not native_low_precision("cpu"):
+        return False
+    return torch.is_grad_enabled() or (mixed and q.is_contiguous())
 
 
 class GaussianAttention(nn.Module):
@@ -341,6 +387,7 @@ class GaussianAttention(nn.Module):
         K = len(sigmas)
         if K == self.num_branches and self.fast and not self.training and packing.padded_first():  # no 3*K*D unpacking
             qkv = self.qkv(packing.unpack(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
+            heads = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, K, H, L, Dh) each, strided
         else:
             if K == self.num_branches:
                 projected = self.qkv(x)  # (N, 3*K*D)
@@ -349,9 +396,9 @@ class GaussianAttention(nn.Module):
                 weight = weight.view(3, self.num_branches, D, -1)[:, branches].reshape(3 * K * D, -1)  # (3*k*D, D)
                 bias = bias.view(3, self.num_branches, D)[:, branches].reshape(3 * K * D)
                 projected = F.linear(x, weight, bias)  # (N, 3*k*D)
-            qkv = packing.unpack(projected).view(B, L, 3, K, H, Dh)  # (B, L, 3, k, H, Dh)
-        # unbind before permuting: the backward then stacks the three gradients straight into this layout
-        q, k, v = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, k, H, L, Dh) each
+            rows, positions = (None, None) if packing.index is None else (packing.rows(), packing.positions)
+            heads = _HeadLayout.apply(projected.view(-1, 3, K * H, Dh), rows, positions, B, L)  # (B, k*H, L, Dh) x 3
+        q, k, v = (t.reshape(B, K, H, L, Dh) for t in heads)  # (B, k, H, L, Dh) each
         if self.fast:
             ctx = self._attend_fast(q, k, v, packing, sigmas, draw)
         else:

@@ -322,35 +322,63 @@ def test_branch_mlp_inference_equals_batched_autograd_path(monkeypatch, amp, wit
             assert torch.equal(forward, per_branch)
 
 
+def expected_sdpa(mixed: bool, dtype: torch.dtype, grad: bool, native: bool, contiguous: bool) -> bool:
+    """gmm._one_pass's table, written out: whether plain branches go to SDPA."""
+    if dtype == torch.float32:
+        return not mixed  # float32: mixed branches in one pass, plain-only layers on SDPA
+    if DEVICE.type != "cpu" or not native:
+        return True  # other devices, emulated bf16: SDPA
+    if grad:
+        return False  # bf16 with autograd on native units: the explicit pass (SDPA's CPU backward is slow)
+    return not (mixed and contiguous)  # inference: mixed branches from the contiguous head layout in one pass
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["head-layout", "strided"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "emulated"])
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "inference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sigmas", [[0.5, "inf", 1.0], ["inf", "inf"]], ids=["mixed", "plain"])
-@pytest.mark.parametrize(
-    "dtype, grad, native, split",
-    [
-        (torch.float32, True, True, False),  # float32: mixed branches in one pass, plain ones on SDPA
-        (torch.float32, False, True, False),
-        (torch.bfloat16, True, True, False),  # bf16 with autograd on native units: explicit (measured faster)
-        (torch.bfloat16, False, True, True),  # bf16 at inference: plain branches on SDPA
-        (torch.bfloat16, True, False, True),  # emulated bf16: SDPA (windowed products in float32)
-    ],
-)
-def test_plain_branches_go_to_sdpa_only_where_measured_faster(monkeypatch, sigmas, dtype, grad, native, split):
-    """Plain branches go to SDPA when every branch is plain, except with autograd in bf16 on native
-    units; mixed with windowed ones, only in low precision at inference or without native bf16
-    units; either way the result equals the one explicit pass."""
-    if sigmas == ["inf", "inf"] and dtype == torch.float32:
-        split = True  # float32, plain only: SDPA
+def test_plain_branches_go_to_sdpa_only_where_measured_faster(monkeypatch, sigmas, dtype, grad, native, contiguous):
+    """Plain branches go to SDPA or into the explicit pass as measured (gmm._one_pass); either way the
+    result equals the one explicit pass."""
     monkeypatch.setattr(gmm, "native_low_precision", lambda device_type: native)
     sdpa_calls: list[int] = []
     attend_sdpa = GaussianAttention._attend_sdpa
     monkeypatch.setattr(GaussianAttention, "_attend_sdpa", lambda self, *a: sdpa_calls.append(1) or attend_sdpa(self, *a))
     torch.manual_seed(0)
     att = GaussianAttention(hidden_size=8, num_heads=2, sigmas=sigmas)
-    B, L = 2, 6
+    B, S, L = 2, len(sigmas), 6
     packing = Packing.full(B, L, DEVICE)
-    q, k, v = (torch.randn(B, len(sigmas), 2, L, 4, device=DEVICE).to(dtype) for _ in range(3))
+    if contiguous:
+        q, k, v = (torch.randn(B, S, 2, L, 4, device=DEVICE).to(dtype) for _ in range(3))
+    else:  # the padded layout's strided views (B, L, S, H, Dh) -> (B, S, H, L, Dh)
+        q, k, v = (torch.randn(B, L, S, 2, 4, device=DEVICE).to(dtype).permute(0, 2, 3, 1, 4) for _ in range(3))
+    assert q.is_contiguous() == contiguous
     with torch.set_grad_enabled(grad):
         got = att._attend_fast(q, k, v, packing, att.sigmas)
-    assert bool(sdpa_calls) == (split or (DEVICE.type != "cpu" and dtype != torch.float32))  # one pass: CPU only
+    assert bool(sdpa_calls) == expected_sdpa(len(set(sigmas)) > 1, dtype, grad, native, contiguous)
     with torch.autocast(DEVICE.type, enabled=False):
         want = att._attend(q.float(), k.float(), v.float(), packing, att.sigmas)
     assert_close_scaled(got.float().detach(), want.detach(), BF16_TOL if dtype == torch.bfloat16 else FP32_TOL, "fast")
+
+
+@pytest.mark.parametrize("lengths", [[5, 2, 5], [5, 5, 5]], ids=["padded", "full"])
+def test_head_layout_equals_unpack_and_permute_with_gradients(lengths):
+    """gmm._HeadLayout: the packed (N, 3, G, Dh) projection laid out as contiguous q, k, v (B, G, L, Dh)
+    equals unpacking and permuting (zeros on padding), and its backward gives the same gradient."""
+    torch.manual_seed(0)
+    B, L, G, Dh = len(lengths), 5, 4, 3
+    mask = torch.arange(L)[None] < torch.tensor(lengths)[:, None]
+    packing = Packing.from_mask(mask, B, L, DEVICE)
+    projected = torch.randn(packing.num_tokens, 3, G, Dh, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    rows, positions = (None, None) if packing.index is None else (packing.rows(), packing.positions)
+    heads = gmm._HeadLayout.apply(projected, rows, positions, B, L)
+    want = [t.permute(0, 2, 1, 3) for t in packing.unpack(projected).unbind(2)]  # (B, G, L, Dh) each
+    probes = [torch.randn_like(w) for w in want]
+    for got, expected in zip(heads, want):
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for used in ([0, 1, 2], [0, 2]):  # a part with no gradient (None in the backward) counts as zeros
+        grad = torch.autograd.grad(sum((heads[i] * probes[i]).sum() for i in used), projected, retain_graph=True)[0]
+        expected = torch.autograd.grad(sum((want[i] * probes[i]).sum() for i in used), projected, retain_graph=True)[0]
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
