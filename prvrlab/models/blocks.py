@@ -151,7 +151,9 @@ def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, bran
     """
     if torch.is_grad_enabled():
         hidden = first(x, branches)  # (k, N, hidden)
-        return hidden if second is None else second(F.relu(hidden), branches)
+        # ReLU in place: the GEMM's output is not needed by its backward (v2's FFN, (8, 9786, 1536) bf16,
+        # forward + backward 1.04 vs 1.11 s: no second (k, N, hidden) tensor written)
+        return hidden if second is None else second(F.relu(hidden, inplace=True), branches)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     last = first if second is None else second
