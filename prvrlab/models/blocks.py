@@ -144,10 +144,10 @@ def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, bran
     With autograd, batched GEMMs.  At inference the branches run one at a time
     (one branch's (N, hidden) activation alive instead of all k), each bias is
     added inside its GEMM and, on a CPU with oneDNN, the ReLU is fused into the
-    first GEMM: v2's branch FFN at inference in bf16, (8, 8000, 384) through
-    1,536 hidden units, 0.09 s instead of 0.20 s here
-    (benchmarks/bench_eval.py).  Under autocast the GEMMs take its dtype, as
-    the batched ones do.
+    first GEMM: v2's branch FFN at inference in bf16 on an AMX CPU, (8, 8000,
+    384) through 1,536 hidden units, 0.09 s instead of 0.20 s (v2's video
+    encoding of 2,500 x 500 in benchmarks/bench_eval.py: 4.1 -> 3.6 s).  Under
+    autocast the GEMMs take its dtype, as the batched ones do.
     """
     if torch.is_grad_enabled():
         hidden = first(x, branches)  # (k, N, hidden)
