@@ -156,18 +156,15 @@ def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, bran
         return hidden if second is None else second(F.relu(hidden, inplace=True), branches)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    last = first if second is None else second
-    w1, b1 = first.weight[branches], first.bias[branches]  # (k, H, in), (k, H)
-    w2, b2 = last.weight[branches], last.bias[branches]  # (k, out, H), (k, out)
-    out = x.new_empty((x.shape[0], x.shape[1], w2.shape[1]), dtype=dtype)  # (k, N, out)
+    last = first if second is None else second  # the layer that writes the output
+    out = x.new_empty((x.shape[0], x.shape[1], last.weight.shape[1]), dtype=dtype)  # (k, N, out)
     with torch.autocast(device, enabled=False):
         x = x.to(dtype)
-        for k in range(x.shape[0]):
-            if second is None:
-                torch.addmm(b1[k].to(dtype), x[k], w1[k].to(dtype).t(), out=out[k])
-                continue
-            hidden = _linear_relu(x[k], w1[k].to(dtype), b1[k].to(dtype))  # (N, hidden)
-            torch.addmm(b2[k].to(dtype), hidden, w2[k].to(dtype).t(), out=out[k])
+        for k, branch in enumerate(range(first.weight.shape[0])[branches]):
+            h = x[k]  # (N, in)
+            if second is not None:
+                h = _linear_relu(h, first.weight[branch].to(dtype), first.bias[branch].to(dtype))  # (N, hidden)
+            torch.addmm(last.bias[branch].to(dtype), h, last.weight[branch].to(dtype).t(), out=out[k])
     return out
 
 

@@ -196,10 +196,9 @@ class _HeadLayout(torch.autograd.Function):
         return heads[0], heads[1], heads[2]
 
     @staticmethod
-    def backward(ctx, *grads: Tensor | None):
-        ref = next(g for g in grads if g is not None)
-        grads = tuple(torch.zeros_like(ref) if g is None else g for g in grads)  # (B, G, L, Dh) each
-        B, G, L, Dh = ref.shape
+    def backward(ctx, *grads: Tensor):
+        # (B, G, L, Dh) each; autograd passes zeros for an unused output (materialized gradients)
+        B, G, L, Dh = grads[0].shape
         if ctx.full:
             out = torch.stack([g.permute(0, 2, 1, 3) for g in grads], dim=2).view(B * L, 3, G, Dh)  # one pass
         else:
