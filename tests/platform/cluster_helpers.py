@@ -168,6 +168,7 @@ def simulated_cluster(head_cpus: int) -> Iterator[SimulatedCluster]:
     """A head node (``head_cpus`` logical CPUs, no dashboard) this process joins; add worker
     nodes with :meth:`SimulatedCluster.add_node`.  Everything is shut down on exit."""
     import ray
+    from ray._common.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
     from prvrlab.platform.runtime import _local_node_ip
@@ -175,6 +176,9 @@ def simulated_cluster(head_cpus: int) -> Iterator[SimulatedCluster]:
     ray.shutdown()
     _local_node_ip("127.0.0.1")  # keep the loopback node IP (Ray would swap in the machine's address)
     temp_dir = Path("/tmp") / f"ray_prvrlab_sim_{os.getpid()}_{free_ports(1)[0]}"  # short: socket paths
+    # Cluster writes the head's address into Ray's default temp folder (ray_current_cluster) whatever
+    # folder its nodes use; on a machine where Ray never ran, that folder does not exist yet.
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(  # no exit hooks: they set signal handlers, so nodes could not join from another thread
         initialize_head=True,
         shutdown_at_exit=False,
