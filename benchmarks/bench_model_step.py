@@ -12,9 +12,10 @@ GMMFormer on this kind of 2-core machine is 12.8 s (fp32, frames padded to 128).
         --variants frame_training=official,all_pairs                # values of one model key side by side
 
 ``--paths``: ``fast`` is GaussianAttention's fast paths (SDPA for plain
-branches, float32 windowed products where bf16 is emulated), ``plain`` the
-plain path; both run alternately in the same process, so their ratio holds
-under any machine load.
+branches, float32 windowed products where bf16 is emulated, the fused CPU
+kernel for the attention weights), ``unfused`` the same with the weights in
+PyTorch passes, ``plain`` the plain path; they run alternately in the same
+process, so their ratios hold under any machine load.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--amp", choices=["none", "bf16", "both"], default="both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backbone", default="gmmformer", help="a registered backbone (gmmformer, gmmformer_v2, ...)")
-    p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
+    p.add_argument("--paths", nargs="+", choices=["fast", "unfused", "plain"], default=["fast"],
                    help="attention paths to time side by side")
     p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                    help="a backbone hyperparameter (YAML value), repeatable")
@@ -155,7 +156,8 @@ class Runner:
     def step(self, batch: Batch, record: bool) -> None:
         dtype = resolve_amp_dtype(self.amp)
         ctx = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
-        GaussianAttention.fast = self.path == "fast"
+        GaussianAttention.fast = self.path != "plain"
+        GaussianAttention.fused = self.path != "unfused"
         t0 = time.perf_counter()
         with ctx:
             out = self.model(batch)
@@ -164,7 +166,7 @@ class Runner:
         t2 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         result.total.backward()
-        GaussianAttention.fast = True
+        GaussianAttention.fast = GaussianAttention.fused = True
         t3 = time.perf_counter()
         self.optimizer.step()
         t4 = time.perf_counter()
@@ -230,10 +232,11 @@ def main() -> None:
             if runner.variant != variants[0]:
                 ratio = min(runner.times["step"]) / first[(runner.amp, runner.path)]
                 print(f"{runner.name}: step {ratio:.2f}x that of {variants[0][0]}={variants[0][1]}")
-    if "plain" in args.paths and "fast" in args.paths:
-        for amp in amps:
-            print(f"fast over plain attention ({'fp32' if amp == 'none' else 'bf16'}): "
-                  f"{best[(amp, 'plain')] / best[(amp, 'fast')]:.2f}x")
+    for other in ("plain", "unfused"):
+        if other in args.paths and "fast" in args.paths:
+            for amp in amps:
+                print(f"fast over {other} attention ({'fp32' if amp == 'none' else 'bf16'}): "
+                      f"{best[(amp, other)] / best[(amp, 'fast')]:.2f}x")
     official = OFFICIAL_STEP_S.get(args.backbone)
     if official is not None and args.videos == 128:
         for key, value in best.items():

@@ -32,6 +32,7 @@ from prvrlab.checks import check_int, check_positive_int, check_probability, is_
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS
+from prvrlab.models.random_bits import random_words
 from prvrlab.models.scoring import index_token_norms, indexed_norms, max_scores, vector_scores
 
 
@@ -41,8 +42,9 @@ CUDA_NONZERO_STATIC = torch.torch_version.TorchVersion(torch.__version__) >= (2,
 def dropout_mask(x: Tensor, p: float) -> Tensor:
     """The inverted-dropout multiplier of ``x``: 0 with probability ``p``, else 1/(1-p) (x's shape and dtype).
 
-    On CPU the mask is drawn from 16-bit random integers, four per 64-bit draw
-    of the global torch RNG (drop probability rounded to 1/65536):
+    On CPU the mask is drawn from 16-bit random integers, four per 64-bit word
+    of :func:`~prvrlab.models.random_bits.random_words` (seeded from the global
+    torch RNG; drop probability rounded to 1/65536):
     ``torch.nn.functional.dropout`` draws one Bernoulli variate per element,
     which dominates the cost of dropout on CPU.
     """
@@ -56,7 +58,7 @@ def dropout_draw(shape: Sequence[int], p: float, device: torch.device) -> Tensor
     if device.type != "cpu":
         return torch.empty(tuple(shape), device=device).bernoulli_(1.0 - p).div_(1.0 - p)
     n = math.prod(shape)
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+    bits = random_words((n + 3) // 4)  # (n/4,) int64
     return bits.view(torch.int16)[:n].view(tuple(shape))  # uniform over [-32768, 32767]
 
 

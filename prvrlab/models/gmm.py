@@ -40,7 +40,12 @@ Hence:
 * finite-width branches keep the explicit product, softmax and product;
   under bf16/fp16 autocast on a CPU without native bf16 matrix units
   (AVX512-BF16 / AMX) their (L, L) products run in float32, where the
-  emulated bf16 batched GEMM is tens of times slower than float32.
+  emulated bf16 batched GEMM is tens of times slower than float32.  On a
+  CPU, between the two products, window, key mask, softmax and dropout run
+  as one fused kernel forward and one backward
+  (:mod:`prvrlab.models.window_softmax`: each (L, L) element read and
+  written once instead of in seven PyTorch passes, padded query rows
+  skipped; the same dropout draw as the plain path).
 
 Both exceptions fall back to the plain path when attention dropout is active
 in training (its random mask must stay the plain path's).  At inference, a
@@ -60,11 +65,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prvrlab.checks import check_positive_int
+from prvrlab.models import window_softmax
 from prvrlab.models.blocks import (
     BranchLinear,
     Dropout,
     PackedLayer,
     Packing,
+    dropout_draw,
     dropout_mask,
     mask_from_draw,
     native_low_precision,
@@ -250,10 +257,13 @@ class GaussianAttention(nn.Module):
     dtype (bf16 under autocast; the softmax kernel accumulates in fp32),
     except the float32 fallback of the module docstring.
     ``fast``: the fast paths of the module docstring (a class switch; the
-    exactness tests turn it off to get the plain path).
+    exactness tests turn it off to get the plain path); ``fused``: within
+    them, the fused CPU kernel for the weights (a class switch for
+    benchmarks/bench_model_step.py's same-run comparison).
     """
 
     fast: ClassVar[bool] = True
+    fused: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -310,13 +320,29 @@ class GaussianAttention(nn.Module):
         return key_bias.masked_fill_(~keys, torch.finfo(dtype).min / 2)
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        packing: Packing,
+        sigmas: tuple[float, ...],
+        draw: Tensor | None = None,
+        fused: bool = False,
     ) -> Tensor:
         """The plain path, ``softmax(G * Q K^T / sqrt(d_h) + key bias) V``: (B, k, H, L, Dh) each -> (B, k, H, L, Dh).
 
         ``draw``: a :func:`~prvrlab.models.blocks.dropout_draw` (B, k, H, L, L) taken beforehand for the
-        attention dropout (else it is drawn here)."""
+        attention dropout (else it is drawn here).  ``fused``: the weights from the fused CPU kernel
+        (:mod:`prvrlab.models.window_softmax`) where it takes the logits."""
         logits = torch.matmul(q, k.transpose(-1, -2))  # (B, k, H, L, L)
+        if fused and window_softmax.usable(logits):
+            probs = self._fused_weights(logits, packing, sigmas, draw)
+        else:
+            probs = self._weights(logits, packing, sigmas, draw)
+        return torch.matmul(probs, v)  # (B, k, H, L, Dh)
+
+    def _weights(self, logits: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None) -> Tensor:
+        """The attention weights of (B, k, H, L, L) ``logits``, dropout applied, in PyTorch operations."""
         scale = self._logit_scale(packing, logits.dtype, sigmas)
         if packing.key_mask is None:
             logits = logits.mul_(scale)
@@ -328,20 +354,31 @@ class GaussianAttention(nn.Module):
                 logits = key_bias.add(logits, alpha=scale)
         probs = torch.softmax(logits, dim=-1)  # (B, k, H, L, L)
         if draw is not None and self.training:
-            probs = probs * mask_from_draw(draw, self.attn_dropout.p, probs.dtype)
-        else:
-            probs = self.attn_dropout(probs)
-        return torch.matmul(probs, v)  # (B, k, H, L, Dh)
+            return probs * mask_from_draw(draw, self.attn_dropout.p, probs.dtype)
+        return self.attn_dropout(probs)
+
+    def _fused_weights(self, logits: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None) -> Tensor:
+        """:meth:`_weights` in one fused pass (the same dropout draw; zeros on padded query rows, whose outputs
+        are never read): (B, k, H, L, L) -> (B, k, H, L, L)."""
+        p = self.attn_dropout.p if self.training else 0.0
+        if p > 0 and draw is None:
+            draw = dropout_draw(logits.shape, p, logits.device)  # what the plain path's dropout draws
+        if p > 0 and draw.dtype != torch.int16:  # another device's kind of draw: not for this kernel
+            return self._weights(logits, packing, sigmas, draw)
+        window = self._logit_scale(packing, torch.float32, sigmas)  # float, (1, k, 1, L, L) or (B, k, 1, L, L)
+        rows = None if packing.index is None else packing.lengths  # a grid keeps its padded rows' outputs
+        return window_softmax.WindowSoftmax.apply(logits, window, packing.key_mask, rows, draw if p > 0 else None, p)
 
     def _attend_windowed(
         self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, sigmas: tuple[float, ...], draw: Tensor | None = None
     ) -> Tensor:
-        """:meth:`_attend`, in float32 where the low-precision batched GEMM is emulated (module docstring)."""
+        """:meth:`_attend` with the fused weights, in float32 where the low-precision batched GEMM is emulated
+        (module docstring)."""
         device = q.device.type
         if q.dtype not in (torch.bfloat16, torch.float16) or native_low_precision(device):
-            return self._attend(q, k, v, packing, sigmas, draw)
+            return self._attend(q, k, v, packing, sigmas, draw, fused=self.fused)
         with torch.autocast(device, enabled=False):
-            return self._attend(q.float(), k.float(), v.float(), packing, sigmas, draw)  # (B, k, H, L, Dh)
+            return self._attend(q.float(), k.float(), v.float(), packing, sigmas, draw, fused=self.fused)
 
     def _attend_sdpa(self, q: Tensor, k: Tensor, v: Tensor, packing: Packing) -> Tensor:
         """Plain (sigma = inf) branches on the fused kernel: (B, k, H, L, Dh) each -> (B, k, H, L, Dh)."""

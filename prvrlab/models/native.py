@@ -3,8 +3,8 @@
 Build: the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``)
 with ``-O3 -march=native -ffast-math``, no PyTorch headers (a few seconds),
 into ``$PRVRLAB_CACHE_DIR/native`` (default ``~/.cache/prvrlab/native``), one
-library per source, flags, compiler and CPU (``-march=native`` code must not
-run on another CPU kind).  A library is written to a private temporary file
+library per source (with the headers beside it that it includes), flags,
+compiler and CPU (``-march=native`` code must not run on another CPU kind).  A library is written to a private temporary file
 and renamed into place, so concurrent builds are safe, and it is loaded only
 when it is owned by this user and writable by nobody else (a library is
 code: nothing else may plant one).  Every failure (no compiler, a failed
@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -27,6 +28,7 @@ from typing import Callable
 
 from prvrlab.cache import cache_root
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.h)"', re.MULTILINE)  # headers beside a source: in its key
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c++17", "-pthread")
 
 
@@ -92,8 +94,10 @@ def build_and_load(source: Path, *, abi_symbol: str, abi: int) -> ctypes.CDLL:
     if compiler is None:
         raise Unavailable("no C++ compiler found (set $CXX or install g++/clang++)")
     try:
+        texts = [source.read_text()]
+        texts += [(source.parent / name).read_text() for name in _LOCAL_INCLUDE.findall(texts[0])]
         key = hashlib.sha256(
-            "\0".join([source.read_text(), " ".join(FLAGS), _version(compiler), _cpu_identity()]).encode()
+            "\0".join([*texts, " ".join(FLAGS), _version(compiler), _cpu_identity()]).encode()
         ).hexdigest()[:16]
         target = cache_dir() / f"{source.stem}-{key}.so"
         if not target.exists():

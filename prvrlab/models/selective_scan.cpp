@@ -14,34 +14,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "native_common.h"
 
 namespace {
 
 constexpr int EB = 16;  // channels per block: two AVX2 / one AVX-512 vector
-
-// exp(v) in a form the compiler vectorises inline (the C library's vector exp is an out-of-line call):
-// v = k ln2 + r with k = round(v / ln2), |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
-// (relative error <= 1.3e-7, about one float32 ulp) and 2^k from the exponent bits.  v is clamped to
-// [-87, 88]: below, the result is 2^-126 (~1e-38) instead of a denormal or 0 -- a decay that small
-// erases the state either way.
-inline float exp_fast(float v) {
-  v = std::min(std::max(v, -87.0f), 88.0f);
-  const float k = std::nearbyint(v * 1.44269504088896341f);
-  const float r = (v - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 struct Dims {
   int64_t B, L, E, N, chunk;
@@ -58,21 +37,6 @@ inline void store(const float* src, int64_t e0, int64_t E, float* dst) {
   for (int64_t j = 0; j < w; ++j) dst[e0 + j] = src[j];
 }
 
-template <typename F>
-void run_parallel(int64_t rows, int threads, F fn) {
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows)));
-  if (n == 1) {
-    fn(0, 0, rows);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (int i = 0; i < n; ++i) {
-    const int64_t lo = rows * i / n, hi = rows * (i + 1) / n;
-    pool.emplace_back(fn, i, lo, hi);
-  }
-  for (auto& t : pool) t.join();
-}
-
 }  // namespace
 
 extern "C" {
@@ -83,7 +47,7 @@ void prvrlab_scan_forward(const float* x, const float* delta, const float* At, c
                           float* y, float* entering, int64_t B, int64_t L, int64_t E, int64_t N, int64_t chunk,
                           int threads) {
   const Dims d{B, L, E, N, chunk};
-  run_parallel(B, threads, [&](int, int64_t lo, int64_t hi) {
+  prvrlab::run_parallel(B, threads, [&](int, int64_t lo, int64_t hi) {
     std::vector<float> h(d.N * EB), a(d.N * EB);
     float dv[EB], xv[EB], u[EB], yv[EB];
     for (int64_t b = lo; b < hi; ++b) {
@@ -109,7 +73,7 @@ void prvrlab_scan_forward(const float* x, const float* delta, const float* At, c
             const float* an = &a[n * EB];
             const float bn = bt[n], cn = ct[n];
             for (int j = 0; j < EB; ++j) {
-              hn[j] = exp_fast(dv[j] * an[j]) * hn[j] + u[j] * bn;
+              hn[j] = prvrlab::exp_fast(dv[j] * an[j]) * hn[j] + u[j] * bn;
               yv[j] += cn * hn[j];
             }
           }
@@ -127,7 +91,7 @@ void prvrlab_scan_backward(const float* x, const float* delta, const float* At, 
   const int64_t K = (d.L + d.chunk - 1) / d.chunk;
   std::fill(dB, dB + d.B * d.L * d.N, 0.0f);
   std::fill(dC, dC + d.B * d.L * d.N, 0.0f);
-  run_parallel(B, threads, [&](int worker, int64_t lo, int64_t hi) {
+  prvrlab::run_parallel(B, threads, [&](int worker, int64_t lo, int64_t hi) {
     // Per block: the chunk's states and decays (T, N, EB), the adjoint carried between steps (N, EB).
     std::vector<float> a(d.N * EB), h0(d.N * EB), hs(d.chunk * d.N * EB), decay(d.chunk * d.N * EB);
     std::vector<float> carry(d.N * EB), dA(d.N * EB);
@@ -154,7 +118,7 @@ void prvrlab_scan_backward(const float* x, const float* delta, const float* At, 
               const float* an = &a[n * EB];
               const float bn = bt[n];
               for (int j = 0; j < EB; ++j) {
-                dn[j] = exp_fast(dv[j] * an[j]);
+                dn[j] = prvrlab::exp_fast(dv[j] * an[j]);
                 hn[j] = dn[j] * prev[j] + dv[j] * xv[j] * bn;
               }
             }

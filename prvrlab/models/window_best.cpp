@@ -17,24 +17,9 @@
 // scales and attended vectors stay in cache while the queries stream past.
 #include <algorithm>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
-namespace {
-
-template <typename F>
-void run_parallel(int64_t rows, int threads, F fn) {
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows)));
-  if (n == 1) {
-    fn(0, rows);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (int i = 0; i < n; ++i) pool.emplace_back(fn, rows * i / n, rows * (i + 1) / n);
-  for (auto& t : pool) t.join();
-}
-
-}  // namespace
+#include "native_common.h"
 
 extern "C" {
 
@@ -46,7 +31,7 @@ void prvrlab_window_best(const float* dots, const float* scale, const float* uni
   const int64_t K = std::min(W, L);
   int64_t P = 0;
   for (int64_t k = 1; k <= K; ++k) P += L - k + 1;
-  run_parallel(V, threads, [&](int64_t lo, int64_t hi) {
+  prvrlab::run_parallel(V, threads, [&](int, int64_t lo, int64_t hi) {
     std::vector<float> window(L);
     std::vector<float> score(P);
     float* w = window.data();

@@ -1,0 +1,48 @@
+// Helpers shared by the C++ kernels beside this file (prvrlab/models/native.py builds each kernel with
+// the headers it includes in its cache key).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace prvrlab {
+
+// exp(v) in a form the compiler vectorises inline (the C library's vector exp is an out-of-line call):
+// v = k ln2 + r with k = round(v / ln2), |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
+// (relative error <= 1.3e-7, about one float32 ulp) and 2^k from the exponent bits.  v is clamped to
+// [-87, 88]: below, the result is 2^-126 (~1e-38) instead of a denormal or 0 (a scan's decay that
+// small erases its state either way; the softmax zeroes what must be exactly 0 itself).
+inline float exp_fast(float v) {
+  v = std::min(std::max(v, -87.0f), 88.0f);
+  const float k = std::nearbyint(v * 1.44269504088896341f);
+  const float r = (v - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// fn(worker, lo, hi) over `threads` contiguous ranges of [0, items) (at most one per item, at least
+// `grain` items each), the first on the calling thread.
+template <typename F>
+void run_parallel(int64_t items, int threads, F fn, int64_t grain = 1) {
+  const int64_t most = std::max<int64_t>(1, items / std::max<int64_t>(1, grain));
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < n; ++i) pool.emplace_back(fn, i, items * i / n, items * (i + 1) / n);
+  fn(0, 0, items / n);
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace prvrlab

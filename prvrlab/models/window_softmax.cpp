@@ -1,0 +1,207 @@
+// GMMFormer's Gaussian-windowed attention weights on CPU, fused: forward and backward of
+//     P = softmax_j(S_ij * W_ij  [-inf where key j is padding]),   Pd = P * dropout mask
+// per (batch, branch, head) matrix, one row at a time, each element read and written once
+// (prvrlab/models/window_softmax.py builds and calls it; prvrlab/models/gmm.py documents the attention).
+//
+// Layouts: S, P, Pd, dPd, dS (M, L, L) with M = B * K * H matrices, contiguous, float32 or bfloat16
+// (uint16 storage, rounded to nearest even); W float32 (L, L) blocks at W + b * w_b + k * w_k, or null
+// for the scalar `scale`; keys (B, L) uint8 (1: a key attention may look at) or null for all; rows (B,)
+// int64 real query rows per batch entry (rows beyond are written as zeros) or null for all; draw int16
+// (L, L) blocks at draw + b * d_b + k * d_k + h * L * L, or null: no dropout.  A key survives dropout
+// when its draw is >= `threshold` and is then scaled by `keep` (prvrlab.models.blocks.mask_from_draw).
+// A row without keys gets uniform weights (what the additive -inf bias gives in PyTorch); a row with a
+// non-finite logit gets NaN weights (the build assumes finite arithmetic, so this is checked on the bits).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "native_common.h"
+
+namespace {
+
+// exp(v) for v <= 0 in a form the compiler vectorises inline: v = k ln2 + r, |r| <= ln2 / 2, exp(r) by
+// its degree-6 Taylor polynomial (relative error <= 1.3e-7) and 2^k from the exponent bits; v is
+// clamped below at -87 (the caller zeroes what must be exactly 0).
+inline float exp_neg(float v) {
+  v = std::max(v, -87.0f);
+  const float k = std::nearbyint(v * 1.44269504088896341f);
+  const float r = (v - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float load(const float* p, int64_t j) { return p[j]; }
+inline float load(const uint16_t* p, int64_t j) {
+  const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline bool finite(const float* p, int64_t j) {
+  uint32_t bits;
+  std::memcpy(&bits, p + j, sizeof bits);
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+inline bool finite(const uint16_t* p, int64_t j) { return (p[j] & 0x7f80u) != 0x7f80u; }
+
+inline void store(float* p, int64_t j, float v) { p[j] = v; }
+inline void store(uint16_t* p, int64_t j, float v) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p[j] = nan ? static_cast<uint16_t>(0x7fc0u) : static_cast<uint16_t>(bits >> 16);
+}
+
+struct Args {
+  const void* S;
+  const void* P;
+  const void* dPd;
+  void* out;   // forward: P; backward: dS
+  void* out2;  // forward: Pd (null without dropout)
+  const float* W;
+  int64_t w_b, w_k;
+  float scale;
+  const uint8_t* keys;
+  const int64_t* rows;
+  const int16_t* draw;
+  int64_t d_b, d_k;
+  int32_t threshold;
+  float keep;
+  int64_t B, K, H, L;
+};
+
+// The pieces of matrix m = (b, k, h) a row needs.
+struct Matrix {
+  const float* w;
+  const uint8_t* keys;
+  const int16_t* draw;
+  int64_t rows, offset;
+};
+
+inline Matrix matrix(const Args& a, int64_t m) {
+  const int64_t b = m / (a.K * a.H), k = (m / a.H) % a.K, h = m % a.H;
+  return {a.W ? a.W + b * a.w_b + k * a.w_k : nullptr, a.keys ? a.keys + b * a.L : nullptr,
+          a.draw ? a.draw + b * a.d_b + k * a.d_k + h * a.L * a.L : nullptr, a.rows ? a.rows[b] : a.L,
+          m * a.L * a.L};
+}
+
+template <typename T>
+void forward(const Args& a, int threads) {
+  const int64_t L = a.L;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  prvrlab::run_parallel(a.B * a.K * a.H, threads, [&](int, int64_t lo, int64_t hi) {
+    std::vector<float> buffer(L);
+    float* x = buffer.data();
+    for (int64_t m = lo; m < hi; ++m) {
+      const Matrix mx = matrix(a, m);
+      for (int64_t i = 0; i < L; ++i) {
+        const T* s = static_cast<const T*>(a.S) + mx.offset + i * L;
+        T* p = static_cast<T*>(a.out) + mx.offset + i * L;
+        T* pd = a.out2 ? static_cast<T*>(a.out2) + mx.offset + i * L : nullptr;
+        if (i >= mx.rows) {
+          std::memset(p, 0, L * sizeof(T));
+          if (pd) std::memset(pd, 0, L * sizeof(T));
+          continue;
+        }
+        const float* w = mx.w ? mx.w + i * L : nullptr;
+        float top = -3.0e38f;
+        int64_t bad = 0, valid = 0;
+        for (int64_t j = 0; j < L; ++j) {
+          const bool on = !mx.keys || mx.keys[j];
+          const float v = load(s, j) * (w ? w[j] : a.scale);
+          bad += !finite(s, j);
+          valid += on;
+          x[j] = on ? v : -3.0e38f;
+          top = std::max(top, x[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < L; ++j) {
+          const float e = x[j] > -1.0e38f ? exp_neg(x[j] - top) : 0.0f;
+          x[j] = e;
+          sum += e;
+        }
+        const float inv = bad ? nan : (valid ? 1.0f / sum : 0.0f);
+        for (int64_t j = 0; j < L; ++j) store(p, j, valid ? x[j] * inv : (bad ? nan : 1.0f / L));
+        if (!pd) continue;
+        const int16_t* d = mx.draw + i * L;
+        for (int64_t j = 0; j < L; ++j) store(pd, j, d[j] >= a.threshold ? load(p, j) * a.keep : 0.0f);
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward(const Args& a, int threads) {
+  const int64_t L = a.L;
+  prvrlab::run_parallel(a.B * a.K * a.H, threads, [&](int, int64_t lo, int64_t hi) {
+    std::vector<float> buffer(L);
+    float* g = buffer.data();
+    for (int64_t m = lo; m < hi; ++m) {
+      const Matrix mx = matrix(a, m);
+      for (int64_t i = 0; i < L; ++i) {
+        T* ds = static_cast<T*>(a.out) + mx.offset + i * L;
+        if (i >= mx.rows) {
+          std::memset(ds, 0, L * sizeof(T));
+          continue;
+        }
+        const T* p = static_cast<const T*>(a.P) + mx.offset + i * L;
+        const T* dpd = static_cast<const T*>(a.dPd) + mx.offset + i * L;
+        const float* w = mx.w ? mx.w + i * L : nullptr;
+        const int16_t* d = mx.draw ? mx.draw + i * L : nullptr;
+        float dot = 0.0f;
+        for (int64_t j = 0; j < L; ++j) {
+          const float dp = load(dpd, j) * (d ? (d[j] >= a.threshold ? a.keep : 0.0f) : 1.0f);
+          g[j] = dp;
+          dot += load(p, j) * dp;
+        }
+        for (int64_t j = 0; j < L; ++j) store(ds, j, load(p, j) * (g[j] - dot) * (w ? w[j] : a.scale));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+int prvrlab_softmax_abi() { return 1; }
+
+// P (and Pd) from S; bf16 != 0: bfloat16 tensors, else float32.
+void prvrlab_softmax_forward(const void* S, void* P, void* Pd, const float* W, int64_t w_b, int64_t w_k, float scale,
+                             const uint8_t* keys, const int64_t* rows, const int16_t* draw, int64_t d_b, int64_t d_k,
+                             int32_t threshold, float keep, int64_t B, int64_t K, int64_t H, int64_t L, int bf16,
+                             int threads) {
+  const Args a{S, nullptr, nullptr, P, Pd, W, w_b, w_k, scale, keys, rows, draw, d_b, d_k, threshold, keep, B, K, H, L};
+  if (bf16)
+    forward<uint16_t>(a, threads);
+  else
+    forward<float>(a, threads);
+}
+
+// dS from dPd and the saved P.
+void prvrlab_softmax_backward(const void* P, const void* dPd, void* dS, const float* W, int64_t w_b, int64_t w_k,
+                              float scale, const int64_t* rows, const int16_t* draw, int64_t d_b, int64_t d_k,
+                              int32_t threshold, float keep, int64_t B, int64_t K, int64_t H, int64_t L, int bf16,
+                              int threads) {
+  const Args a{nullptr, P, dPd, dS, nullptr, W, w_b, w_k, scale, nullptr, rows, draw, d_b, d_k, threshold, keep,
+               B, K, H, L};
+  if (bf16)
+    backward<uint16_t>(a, threads);
+  else
+    backward<float>(a, threads);
+}
+
+}  // extern "C"

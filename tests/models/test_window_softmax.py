@@ -1,0 +1,109 @@
+"""The fused windowed-softmax kernel (prvrlab/models/window_softmax.py) against the formula computed here in
+float64: softmax over the real keys of window * logits, zeros on padded query rows, the dropout mask of
+the same draw; its backward against autograd of that formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prvrlab.models import window_softmax
+from prvrlab.models.blocks import dropout_draw, mask_from_draw
+
+pytestmark = pytest.mark.skipif(window_softmax.load() is None, reason="no C++ compiler to build the kernel")
+
+B, K, H, L = 3, 2, 2, 7
+# Per element, relative to the float64 value: bf16 outputs are rounded once (2^-8), dropped ones twice
+# (weight, then weight x multiplier: 2 x 2^-8); float32 ones carry float32 arithmetic (1e-6).
+REL = {torch.float32: 1e-6, torch.bfloat16: 2 * 2**-8}
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float, absolute: float = 1e-12) -> None:
+    """|got - want| <= rel * |want| + absolute, element-wise."""
+    error = (got.detach().double() - want.detach()).abs()
+    bound = rel * want.detach().abs() + absolute
+    worst = float((error - bound).max())
+    assert worst <= 0, f"max error {float(error.max()):.3g} exceeds the bound by {worst:.3g}"
+
+
+def formula(logits, window, keys, rows, draw, p, dtype=torch.float64):
+    """The weights in float64 by the definition, (B, K, H, L, L); the dropout multiplier in ``dtype``."""
+    x = logits.double() * (window.double() if isinstance(window, torch.Tensor) else window)
+    key_ok = torch.ones(B, L, dtype=torch.bool) if keys is None else keys
+    x = x.masked_fill(~key_ok[:, None, None, None, :], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if rows is not None:
+        real_rows = torch.arange(L)[None, :] < rows[:, None]  # (B, L)
+        probs = probs * real_rows[:, None, None, :, None]
+    if draw is not None:
+        probs = probs * mask_from_draw(draw, p, dtype).double()
+    return probs
+
+
+def inputs(dtype, seed=0, window_kind="shared"):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, K, H, L, L, generator=g).mul(3).to(dtype)
+    lengths = torch.tensor([L, 4, 1])
+    keys = torch.arange(L)[None, :] < lengths[:, None]
+    if window_kind == "scalar":
+        window = 0.37
+    else:
+        window = torch.rand(1 if window_kind == "shared" else B, K, 1, L, L, generator=g)
+    return logits, window, keys, lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window_kind", ["scalar", "shared", "per-batch"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_forward_and_backward_equal_the_formula(dtype, window_kind, p):
+    logits, window, keys, rows = inputs(dtype, window_kind=window_kind)
+    torch.manual_seed(5)
+    draw = dropout_draw(logits.shape, p, logits.device) if p else None
+    leaf = logits.clone().requires_grad_()
+    out = window_softmax.WindowSoftmax.apply(leaf, window, keys, rows, draw, p)
+    assert out.dtype == dtype and out.shape == logits.shape
+    ref_leaf = logits.double().requires_grad_()
+    ref = formula(ref_leaf, window, keys, rows, draw, p, dtype)
+    assert_close(out, ref.detach(), REL[dtype])
+    padded_rows = torch.arange(L)[None, :] >= rows[:, None]
+    assert (out.float() * padded_rows[:, None, None, :, None]).abs().max() == 0  # written as zeros
+    grad = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    (got,) = torch.autograd.grad(out, leaf, grad)
+    (want,) = torch.autograd.grad(ref, ref_leaf, grad.double())
+    assert got.dtype == dtype
+    # the row sum sum_j P_ij dP_ij is rounded with the weights: an absolute error of rel x the row's scale
+    assert_close(got, want, 2 * REL[dtype], 2 * REL[dtype] * float(want.abs().max()))
+
+
+def test_grid_without_rows_keeps_every_query_row_and_a_branch_slice_of_the_draw():
+    logits, window, keys, _ = inputs(torch.float32, seed=3)
+    p = 0.25
+    torch.manual_seed(1)
+    full_draw = dropout_draw((B, K + 1, H, L, L), p, logits.device)
+    draw = full_draw[:, 1:]  # a branch slice: strided over batch and branch, (H, L, L) blocks contiguous
+    out = window_softmax.WindowSoftmax.apply(logits, window, keys, None, draw, p)
+    ref = formula(logits, window, keys, None, draw, p)
+    assert_close(out, ref, REL[torch.float32])
+    assert out[2, :, :, 5].abs().sum() > 0  # a padded query row of a grid is computed
+
+
+def test_row_without_keys_is_uniform_and_a_non_finite_logit_makes_its_row_nan():
+    logits, window, keys, _ = inputs(torch.float32, seed=4)
+    keys = keys.clone()
+    keys[1] = False  # no key at all: uniform, what PyTorch's additive -inf bias gives
+    logits[0, 1, 0, 2, 3] = float("nan")
+    logits[2, 0, 1, 0, 0] = float("inf")
+    out = window_softmax.WindowSoftmax.apply(logits, window, keys, None, None, 0.0)
+    assert torch.allclose(out[1], torch.full_like(out[1], 1.0 / L))
+    assert out[0, 1, 0, 2].isnan().all() and out[2, 0, 1, 0].isnan().all()
+    others = torch.ones_like(out, dtype=torch.bool)
+    others[0, 1, 0, 2] = others[2, 0, 1, 0] = False
+    assert out[others].isfinite().all()
+
+
+def test_usable_only_for_contiguous_float_cpu_logits():
+    logits = torch.zeros(B, K, H, L, L)
+    assert window_softmax.usable(logits) and window_softmax.usable(logits.bfloat16())
+    assert not window_softmax.usable(logits.half())
+    assert not window_softmax.usable(logits.transpose(-1, -2))
+    assert not window_softmax.usable(logits[0])
