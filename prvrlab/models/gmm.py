@@ -30,13 +30,12 @@ Hence:
 
 * branches with ``sigma = inf`` (``G = 1``) run on
   ``torch.nn.functional.scaled_dot_product_attention`` with the padding-key
-  bias as its additive ``attn_mask`` (exact) when every branch is plain (a
-  TransformerLayer), and in low precision when plain and windowed branches
-  mix.  Two measured exceptions (``_one_pass``) run them in the explicit
-  pass instead: autograd in bf16 on a CPU with native bf16 units (SDPA's
-  CPU backward costs more than the explicit pass), and mixed branches in
-  float32 (splitting them and gathering their gradients cost more than the
-  fused kernel saves);
+  bias as its additive ``attn_mask`` (exact) except where the explicit pass
+  was measured faster (``_one_pass``): on a CPU with the fused weights
+  below, always; without them, autograd in bf16 on a CPU with native bf16
+  units (SDPA's CPU backward costs more than the explicit pass) and mixed
+  branches in float32 (splitting them and gathering their gradients cost
+  more than the fused kernel saves);
 * finite-width branches keep the explicit product, softmax and product;
   under bf16/fp16 autocast on a CPU without native bf16 matrix units
   (AVX512-BF16 / AMX) their (L, L) products run in float32, where the
@@ -223,19 +222,23 @@ def _branches(tensors: Sequence[Tensor], index: list[int]) -> list[Tensor]:
 
 
 def _one_pass(q: Tensor, *, mixed: bool) -> bool:
-    """Whether plain (sigma = inf) branches run in the explicit pass instead of SDPA (measured in bf16
-    on an AMX CPU, forward + backward unless said; float32 and other devices as before):
+    """Whether plain (sigma = inf) branches run in the explicit pass instead of SDPA (measured on an AMX
+    CPU, forward + backward unless said; alternating runs):
 
-    - float32: when plain and windowed branches mix (splitting them and gathering their gradients
-      cost more than the fused kernel saves);
-    - low precision on a CPU with native bf16 units, with autograd: always (SDPA's CPU backward is
-      the slow part: 640 queries x 30 tokens, plain only, 121 ms explicit vs 237 ms SDPA; v2's 8
-      widths over 128 videos 1.50 vs 1.83 s; GMMFormer's 4 widths 0.65 vs 0.86 s);
-    - the same at inference: when they mix and ``q`` is the contiguous head layout (:class:`_HeadLayout`),
-      where splitting copies the windowed branches out (v2 0.53 vs 0.60 s, GMMFormer 0.19 vs 0.21 s);
-      from the strided padded layout (evaluation's by-length batches) the split stays faster (0.23 vs
-      0.31 s), as does SDPA for plain-only layers.
+    - on a CPU where the fused weights (:mod:`prvrlab.models.window_softmax`) run in ``q``'s dtype
+      (float32, or bf16 on native units): always.  Plain-only, 640 queries x 30 tokens: float32
+      0.27 vs 0.27 s (SDPA), inference 0.10 vs 0.11 s, bf16 0.15 vs 0.33 s, inference 0.059 vs
+      0.067 s; v2's 8 widths over 128 videos: float32 2.41 vs 2.78 s, bf16 1.08 vs 1.48 s, inference
+      0.42 vs 0.49 s; GMMFormer's 4 widths from evaluation's strided layout 0.28 vs 0.28 s;
+    - without them: float32 when plain and windowed branches mix (splitting them and gathering their
+      gradients cost more than SDPA saves); low precision on a CPU with native bf16 units with
+      autograd (SDPA's CPU backward is the slow part), and at inference when they mix and ``q`` is
+      the contiguous head layout (:class:`_HeadLayout`);
+    - else (other devices, emulated bf16): SDPA.
     """
+    native = q.device.type == "cpu" and (q.dtype == torch.float32 or native_low_precision("cpu"))
+    if native and GaussianAttention.fused and window_softmax.load() is not None:
+        return True
     if q.dtype == torch.float32:
         return mixed
     if q.device.type != "cpu" or not native_low_precision("cpu"):

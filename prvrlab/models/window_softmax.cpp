@@ -22,26 +22,6 @@
 
 namespace {
 
-// exp(v) for v <= 0 in a form the compiler vectorises inline: v = k ln2 + r, |r| <= ln2 / 2, exp(r) by
-// its degree-6 Taylor polynomial (relative error <= 1.3e-7) and 2^k from the exponent bits; v is
-// clamped below at -87 (the caller zeroes what must be exactly 0).
-inline float exp_neg(float v) {
-  v = std::max(v, -87.0f);
-  const float k = std::nearbyint(v * 1.44269504088896341f);
-  const float r = (v - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 inline float load(const float* p, int64_t j) { return p[j]; }
 inline float load(const uint16_t* p, int64_t j) {
   const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
@@ -98,78 +78,78 @@ inline Matrix matrix(const Args& a, int64_t m) {
           m * a.L * a.L};
 }
 
-template <typename T>
-void forward(const Args& a, int threads) {
+// fn(matrix, i, row, buffer) for every real query row i of every matrix (row: the offset of its first
+// element; buffer: L floats of the calling thread), in parallel over matrices; the outputs' rows at or
+// beyond the matrix's real rows are written as zeros.
+template <typename T, typename F>
+void each_row(const Args& a, int threads, F fn) {
   const int64_t L = a.L;
-  const float nan = std::numeric_limits<float>::quiet_NaN();
   prvrlab::run_parallel(a.B * a.K * a.H, threads, [&](int, int64_t lo, int64_t hi) {
     std::vector<float> buffer(L);
-    float* x = buffer.data();
     for (int64_t m = lo; m < hi; ++m) {
       const Matrix mx = matrix(a, m);
       for (int64_t i = 0; i < L; ++i) {
-        const T* s = static_cast<const T*>(a.S) + mx.offset + i * L;
-        T* p = static_cast<T*>(a.out) + mx.offset + i * L;
-        T* pd = a.out2 ? static_cast<T*>(a.out2) + mx.offset + i * L : nullptr;
-        if (i >= mx.rows) {
-          std::memset(p, 0, L * sizeof(T));
-          if (pd) std::memset(pd, 0, L * sizeof(T));
+        const int64_t row = mx.offset + i * L;
+        if (i < mx.rows) {
+          fn(mx, i, row, buffer.data());
           continue;
         }
-        const float* w = mx.w ? mx.w + i * L : nullptr;
-        float top = -3.0e38f;
-        int64_t bad = 0, valid = 0;
-        for (int64_t j = 0; j < L; ++j) {
-          const bool on = !mx.keys || mx.keys[j];
-          const float v = load(s, j) * (w ? w[j] : a.scale);
-          bad += !finite(s, j);
-          valid += on;
-          x[j] = on ? v : -3.0e38f;
-          top = std::max(top, x[j]);
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < L; ++j) {
-          const float e = x[j] > -1.0e38f ? exp_neg(x[j] - top) : 0.0f;
-          x[j] = e;
-          sum += e;
-        }
-        const float inv = bad ? nan : (valid ? 1.0f / sum : 0.0f);
-        for (int64_t j = 0; j < L; ++j) store(p, j, valid ? x[j] * inv : (bad ? nan : 1.0f / L));
-        if (!pd) continue;
-        const int16_t* d = mx.draw + i * L;
-        for (int64_t j = 0; j < L; ++j) store(pd, j, d[j] >= a.threshold ? load(p, j) * a.keep : 0.0f);
+        for (void* out : {a.out, a.out2})
+          if (out) std::memset(static_cast<T*>(out) + row, 0, L * sizeof(T));
       }
     }
   });
 }
 
 template <typename T>
+void forward(const Args& a, int threads) {
+  const int64_t L = a.L;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  each_row<T>(a, threads, [&](const Matrix& mx, int64_t i, int64_t row, float* x) {
+    const T* s = static_cast<const T*>(a.S) + row;
+    T* p = static_cast<T*>(a.out) + row;
+    const float* w = mx.w ? mx.w + i * L : nullptr;
+    float top = -3.0e38f;
+    int64_t bad = 0, valid = 0;
+    for (int64_t j = 0; j < L; ++j) {
+      const bool on = !mx.keys || mx.keys[j];
+      const float v = load(s, j) * (w ? w[j] : a.scale);
+      bad += !finite(s, j);
+      valid += on;
+      x[j] = on ? v : -3.0e38f;
+      top = std::max(top, x[j]);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < L; ++j) {
+      const float e = x[j] > -1.0e38f ? prvrlab::exp_fast(x[j] - top) : 0.0f;
+      x[j] = e;
+      sum += e;
+    }
+    const float inv = bad ? nan : (valid ? 1.0f / sum : 0.0f);
+    for (int64_t j = 0; j < L; ++j) store(p, j, valid ? x[j] * inv : (bad ? nan : 1.0f / L));
+    if (!a.out2) return;
+    T* pd = static_cast<T*>(a.out2) + row;
+    const int16_t* d = mx.draw + i * L;
+    for (int64_t j = 0; j < L; ++j) store(pd, j, d[j] >= a.threshold ? load(p, j) * a.keep : 0.0f);
+  });
+}
+
+template <typename T>
 void backward(const Args& a, int threads) {
   const int64_t L = a.L;
-  prvrlab::run_parallel(a.B * a.K * a.H, threads, [&](int, int64_t lo, int64_t hi) {
-    std::vector<float> buffer(L);
-    float* g = buffer.data();
-    for (int64_t m = lo; m < hi; ++m) {
-      const Matrix mx = matrix(a, m);
-      for (int64_t i = 0; i < L; ++i) {
-        T* ds = static_cast<T*>(a.out) + mx.offset + i * L;
-        if (i >= mx.rows) {
-          std::memset(ds, 0, L * sizeof(T));
-          continue;
-        }
-        const T* p = static_cast<const T*>(a.P) + mx.offset + i * L;
-        const T* dpd = static_cast<const T*>(a.dPd) + mx.offset + i * L;
-        const float* w = mx.w ? mx.w + i * L : nullptr;
-        const int16_t* d = mx.draw ? mx.draw + i * L : nullptr;
-        float dot = 0.0f;
-        for (int64_t j = 0; j < L; ++j) {
-          const float dp = load(dpd, j) * (d ? (d[j] >= a.threshold ? a.keep : 0.0f) : 1.0f);
-          g[j] = dp;
-          dot += load(p, j) * dp;
-        }
-        for (int64_t j = 0; j < L; ++j) store(ds, j, load(p, j) * (g[j] - dot) * (w ? w[j] : a.scale));
-      }
+  each_row<T>(a, threads, [&](const Matrix& mx, int64_t i, int64_t row, float* g) {
+    const T* p = static_cast<const T*>(a.P) + row;
+    const T* dpd = static_cast<const T*>(a.dPd) + row;
+    const float* w = mx.w ? mx.w + i * L : nullptr;
+    const int16_t* d = mx.draw ? mx.draw + i * L : nullptr;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < L; ++j) {
+      const float dp = load(dpd, j) * (d ? (d[j] >= a.threshold ? a.keep : 0.0f) : 1.0f);
+      g[j] = dp;
+      dot += load(p, j) * dp;
     }
+    T* ds = static_cast<T*>(a.out) + row;
+    for (int64_t j = 0; j < L; ++j) store(ds, j, load(p, j) * (g[j] - dot) * (w ? w[j] : a.scale));
   });
 }
 

@@ -322,8 +322,10 @@ def test_branch_mlp_inference_equals_batched_autograd_path(monkeypatch, amp, wit
             assert torch.equal(forward, per_branch)
 
 
-def expected_sdpa(mixed: bool, dtype: torch.dtype, grad: bool, native: bool, contiguous: bool) -> bool:
+def expected_sdpa(mixed: bool, dtype: torch.dtype, grad: bool, native: bool, contiguous: bool, fused: bool) -> bool:
     """gmm._one_pass's table, written out: whether plain branches go to SDPA."""
+    if fused and DEVICE.type == "cpu" and (dtype == torch.float32 or native):
+        return False  # the fused weights' explicit pass beats SDPA wherever they run
     if dtype == torch.float32:
         return not mixed  # float32: mixed branches in one pass, plain-only layers on SDPA
     if DEVICE.type != "cpu" or not native:
@@ -333,15 +335,18 @@ def expected_sdpa(mixed: bool, dtype: torch.dtype, grad: bool, native: bool, con
     return not (mixed and contiguous)  # inference: mixed branches from the contiguous head layout in one pass
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("contiguous", [True, False], ids=["head-layout", "strided"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "emulated"])
 @pytest.mark.parametrize("grad", [True, False], ids=["autograd", "inference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sigmas", [[0.5, "inf", 1.0], ["inf", "inf"]], ids=["mixed", "plain"])
-def test_plain_branches_go_to_sdpa_only_where_measured_faster(monkeypatch, sigmas, dtype, grad, native, contiguous):
-    """Plain branches go to SDPA or into the explicit pass as measured (gmm._one_pass); either way the
-    result equals the one explicit pass."""
+def test_plain_branches_go_to_sdpa_only_where_measured_faster(monkeypatch, sigmas, dtype, grad, native, contiguous, fused):
+    """Plain branches go to SDPA or into the explicit pass as measured (gmm._one_pass), with and without
+    the fused weights; either way the result equals the one explicit pass."""
     monkeypatch.setattr(gmm, "native_low_precision", lambda device_type: native)
+    monkeypatch.setattr(GaussianAttention, "fused", fused)
+    fused = fused and gmm.window_softmax.load() is not None
     sdpa_calls: list[int] = []
     attend_sdpa = GaussianAttention._attend_sdpa
     monkeypatch.setattr(GaussianAttention, "_attend_sdpa", lambda self, *a: sdpa_calls.append(1) or attend_sdpa(self, *a))
@@ -356,7 +361,7 @@ def test_plain_branches_go_to_sdpa_only_where_measured_faster(monkeypatch, sigma
     assert q.is_contiguous() == contiguous
     with torch.set_grad_enabled(grad):
         got = att._attend_fast(q, k, v, packing, att.sigmas)
-    assert bool(sdpa_calls) == expected_sdpa(len(set(sigmas)) > 1, dtype, grad, native, contiguous)
+    assert bool(sdpa_calls) == expected_sdpa(len(set(sigmas)) > 1, dtype, grad, native, contiguous, fused)
     with torch.autocast(DEVICE.type, enabled=False):
         want = att._attend(q.float(), k.float(), v.float(), packing, att.sigmas)
     assert_close_scaled(got.float().detach(), want.detach(), BF16_TOL if dtype == torch.bfloat16 else FP32_TOL, "fast")
