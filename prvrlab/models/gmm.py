@@ -366,7 +366,7 @@ class GaussianAttention(nn.Module):
         p = self.attn_dropout.p if self.training else 0.0
         if p > 0 and draw is None:
             draw = dropout_draw(logits.shape, p, logits.device)  # what the plain path's dropout draws
-        if p > 0 and draw.dtype != torch.int16:  # another device's kind of draw: not for this kernel
+        if p > 0 and (draw.dtype != torch.int16 or not window_softmax.takes(p)):  # not for this kernel
             return self._weights(logits, packing, sigmas, draw)
         window = self._logit_scale(packing, torch.float32, sigmas)  # float, (1, k, 1, L, L) or (B, k, 1, L, L)
         rows = None if packing.index is None else packing.lengths  # a grid keeps its padded rows' outputs

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <climits>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -63,20 +64,16 @@ struct Args {
   int64_t B, K, H, L;
 };
 
-// The pieces of matrix m = (b, k, h) a row needs.
+// The pieces of matrix m = (b, k, h) a row needs; every pointer valid (each_row stands in rows of the
+// scale, of all-true keys and of a draw that keeps everything where the caller gave none).
 struct Matrix {
   const float* w;
+  int64_t w_row;  // L, or 0 for the scale row
   const uint8_t* keys;
   const int16_t* draw;
+  int64_t d_row;  // L, or 0 for the keep-all row
   int64_t rows, offset;
 };
-
-inline Matrix matrix(const Args& a, int64_t m) {
-  const int64_t b = m / (a.K * a.H), k = (m / a.H) % a.K, h = m % a.H;
-  return {a.W ? a.W + b * a.w_b + k * a.w_k : nullptr, a.keys ? a.keys + b * a.L : nullptr,
-          a.draw ? a.draw + b * a.d_b + k * a.d_k + h * a.L * a.L : nullptr, a.rows ? a.rows[b] : a.L,
-          m * a.L * a.L};
-}
 
 // fn(matrix, i, row, buffer) for every real query row i of every matrix (row: the offset of its first
 // element; buffer: L floats of the calling thread), in parallel over matrices; the outputs' rows at or
@@ -85,9 +82,18 @@ template <typename T, typename F>
 void each_row(const Args& a, int threads, F fn) {
   const int64_t L = a.L;
   prvrlab::run_parallel(a.B * a.K * a.H, threads, [&](int, int64_t lo, int64_t hi) {
-    std::vector<float> buffer(L);
+    std::vector<float> buffer(L), scale(L, a.scale);
+    std::vector<uint8_t> all_keys(L, 1);
+    std::vector<int16_t> keep_all(L, INT16_MAX);
     for (int64_t m = lo; m < hi; ++m) {
-      const Matrix mx = matrix(a, m);
+      const int64_t b = m / (a.K * a.H), k = (m / a.H) % a.K, h = m % a.H;
+      const Matrix mx{a.W ? a.W + b * a.w_b + k * a.w_k : scale.data(),
+                      a.W ? L : 0,
+                      a.keys ? a.keys + b * L : all_keys.data(),
+                      a.draw ? a.draw + b * a.d_b + k * a.d_k + h * L * L : keep_all.data(),
+                      a.draw ? L : 0,
+                      a.rows ? a.rows[b] : L,
+                      m * L * L};
       for (int64_t i = 0; i < L; ++i) {
         const int64_t row = mx.offset + i * L;
         if (i < mx.rows) {
@@ -101,23 +107,35 @@ void each_row(const Args& a, int threads, F fn) {
   });
 }
 
+// v as stored in T and read back (bf16: rounded to nearest even).
+inline float rounded(float v, float*) { return v; }
+inline float rounded(float v, uint16_t*) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  bits = nan ? bits : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
 template <typename T>
 void forward(const Args& a, int threads) {
   const int64_t L = a.L;
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int16_t threshold = static_cast<int16_t>(a.draw ? a.threshold : INT16_MIN);
+  const float keep = a.keep;
   each_row<T>(a, threads, [&](const Matrix& mx, int64_t i, int64_t row, float* x) {
     const T* s = static_cast<const T*>(a.S) + row;
-    T* p = static_cast<T*>(a.out) + row;
-    const float* w = mx.w ? mx.w + i * L : nullptr;
+    const float* w = mx.w + i * mx.w_row;
     float top = -3.0e38f;
     int64_t bad = 0, valid = 0;
     for (int64_t j = 0; j < L; ++j) {
-      const bool on = !mx.keys || mx.keys[j];
-      const float v = load(s, j) * (w ? w[j] : a.scale);
+      const float v = mx.keys[j] ? load(s, j) * w[j] : -3.0e38f;
       bad += !finite(s, j);
-      valid += on;
-      x[j] = on ? v : -3.0e38f;
-      top = std::max(top, x[j]);
+      valid += mx.keys[j];
+      x[j] = v;
+      top = std::max(top, v);
     }
     float sum = 0.0f;
     for (int64_t j = 0; j < L; ++j) {
@@ -125,31 +143,36 @@ void forward(const Args& a, int threads) {
       x[j] = e;
       sum += e;
     }
-    const float inv = bad ? nan : (valid ? 1.0f / sum : 0.0f);
-    for (int64_t j = 0; j < L; ++j) store(p, j, valid ? x[j] * inv : (bad ? nan : 1.0f / L));
+    if (bad || !valid) {  // NaN weights, or uniform ones (module comment)
+      for (int64_t j = 0; j < L; ++j) x[j] = bad ? nan : 1.0f / L;
+    } else {
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < L; ++j) x[j] *= inv;
+    }
+    T* p = static_cast<T*>(a.out) + row;
+    for (int64_t j = 0; j < L; ++j) store(p, j, x[j]);
     if (!a.out2) return;
     T* pd = static_cast<T*>(a.out2) + row;
-    const int16_t* d = mx.draw + i * L;
-    for (int64_t j = 0; j < L; ++j) store(pd, j, d[j] >= a.threshold ? load(p, j) * a.keep : 0.0f);
+    const int16_t* d = mx.draw + i * mx.d_row;
+    for (int64_t j = 0; j < L; ++j) store(pd, j, rounded(x[j], p) * static_cast<float>(d[j] >= threshold) * keep);
   });
 }
 
 template <typename T>
 void backward(const Args& a, int threads) {
   const int64_t L = a.L;
+  const int16_t threshold = static_cast<int16_t>(a.draw ? a.threshold : INT16_MIN);
+  const float keep = a.draw ? a.keep : 1.0f;
   each_row<T>(a, threads, [&](const Matrix& mx, int64_t i, int64_t row, float* g) {
     const T* p = static_cast<const T*>(a.P) + row;
     const T* dpd = static_cast<const T*>(a.dPd) + row;
-    const float* w = mx.w ? mx.w + i * L : nullptr;
-    const int16_t* d = mx.draw ? mx.draw + i * L : nullptr;
+    const float* w = mx.w + i * mx.w_row;
+    const int16_t* d = mx.draw + i * mx.d_row;
+    for (int64_t j = 0; j < L; ++j) g[j] = load(dpd, j) * static_cast<float>(d[j] >= threshold) * keep;
     float dot = 0.0f;
-    for (int64_t j = 0; j < L; ++j) {
-      const float dp = load(dpd, j) * (d ? (d[j] >= a.threshold ? a.keep : 0.0f) : 1.0f);
-      g[j] = dp;
-      dot += load(p, j) * dp;
-    }
+    for (int64_t j = 0; j < L; ++j) dot += load(p, j) * g[j];
     T* ds = static_cast<T*>(a.out) + row;
-    for (int64_t j = 0; j < L; ++j) store(ds, j, load(p, j) * (g[j] - dot) * (w ? w[j] : a.scale));
+    for (int64_t j = 0; j < L; ++j) store(ds, j, load(p, j) * (g[j] - dot) * w[j]);
   });
 }
 

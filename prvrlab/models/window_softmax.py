@@ -54,6 +54,11 @@ def usable(logits: Tensor) -> bool:
             and load() is not None)
 
 
+def takes(p: float) -> bool:
+    """Whether the kernel's int16 threshold can express dropout probability ``p`` (all p < 1 - 2^-17)."""
+    return -32768 + round(p * 65536) <= 32767
+
+
 def _window_args(window: Tensor | float) -> tuple[int, int, int, float]:
     """(pointer, batch stride, branch stride, scalar scale) of a float or a float32 (1 or B, K, 1, L, L) window."""
     if not isinstance(window, Tensor):

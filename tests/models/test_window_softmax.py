@@ -107,3 +107,8 @@ def test_usable_only_for_contiguous_float_cpu_logits():
     assert not window_softmax.usable(logits.half())
     assert not window_softmax.usable(logits.transpose(-1, -2))
     assert not window_softmax.usable(logits[0])
+
+
+def test_a_dropout_probability_past_the_int16_threshold_is_refused():
+    assert window_softmax.takes(0.0) and window_softmax.takes(0.9) and window_softmax.takes(1 - 2**-16)
+    assert not window_softmax.takes(1 - 2**-18)  # the threshold would be 32768: GaussianAttention keeps PyTorch
