@@ -112,3 +112,35 @@ def test_usable_only_for_contiguous_float_cpu_logits():
 def test_a_dropout_probability_past_the_int16_threshold_is_refused():
     assert window_softmax.takes(0.0) and window_softmax.takes(0.9) and window_softmax.takes(1 - 2**-16)
     assert not window_softmax.takes(1 - 2**-18)  # the threshold would be 32768: GaussianAttention keeps PyTorch
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_gaussian_attention_training_with_the_kernel_equals_the_plain_path(amp):
+    """In its real use (training, attention dropout, padding, a mixed window list, autograd) the fused
+    weights give the plain path's outputs and input gradients: fp32 to 1e-5, bf16 autocast to the
+    backbone tolerance of tests/models/test_fast_paths.py (2e-2 of the tensor's scale)."""
+    from prvrlab.models.blocks import Packing
+    from prvrlab.models.gmm import GaussianAttention
+
+    torch.manual_seed(0)
+    attn = GaussianAttention(hidden_size=16, num_heads=2, sigmas=[0.5, "inf", 3.0], dropout=0.3).train()
+    lengths = torch.tensor([9, 4, 7])
+    packing = Packing.from_mask(torch.arange(9)[None, :] < lengths[:, None], 3, 9, "cpu")
+    x = torch.randn(packing.num_tokens, 16)
+    probe = torch.randn(3, packing.num_tokens, 16)
+    results = []
+    for fast in (True, False):
+        GaussianAttention.fast = fast
+        try:
+            leaf = x.clone().requires_grad_()
+            torch.manual_seed(1)  # the same dropout draw for both
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = attn.forward_packed(leaf, packing)  # (K, N, D)
+            (grad,) = torch.autograd.grad((out.float() * probe).sum(), leaf)
+            results.append((out.float().detach(), grad))
+        finally:
+            GaussianAttention.fast = True
+    tol = 2e-2 if amp else 1e-5
+    for got, want in zip(results[0], results[1]):
+        scale = max(1.0, float(want.abs().max()))
+        assert float((got - want).abs().max()) <= tol * scale
