@@ -163,6 +163,28 @@ class SimulatedCluster:
         return self.cluster.head_node.node_id
 
 
+def kill_processes_under(folder: Path, timeout_s: float = 10.0) -> None:
+    """Kill every process whose command line names ``folder`` (a Ray node's processes name its temp
+    folder) and wait until none is left, from /proc (Linux; elsewhere nothing is done)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if str(folder).encode() in cmdline.read_bytes():  # an exited (zombie) process has none
+                    pids.append(int(cmdline.parent.name))
+            except (OSError, ValueError):
+                pass  # gone already
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.1)
+
+
 @contextmanager
 def simulated_cluster(head_cpus: int) -> Iterator[SimulatedCluster]:
     """A head node (``head_cpus`` logical CPUs, no dashboard) this process joins; add worker
@@ -179,11 +201,16 @@ def simulated_cluster(head_cpus: int) -> Iterator[SimulatedCluster]:
     # Cluster writes the head's address into Ray's default temp folder (ray_current_cluster) whatever
     # folder its nodes use; on a machine where Ray never ran, that folder does not exist yet.
     Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(  # no exit hooks: they set signal handlers, so nodes could not join from another thread
-        initialize_head=True,
-        shutdown_at_exit=False,
-        head_node_args={"num_cpus": head_cpus, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": str(temp_dir)},
-    )
+    try:
+        cluster = Cluster(  # no exit hooks: they set signal handlers, so nodes could not join from another thread
+            initialize_head=True,
+            shutdown_at_exit=False,
+            head_node_args={"num_cpus": head_cpus, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": str(temp_dir)},
+        )
+    except BaseException:  # the head's processes may have started: none may outlive the test
+        kill_processes_under(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         yield SimulatedCluster(cluster, temp_dir)
