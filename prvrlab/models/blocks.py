@@ -62,13 +62,17 @@ def dropout_draw(shape: Sequence[int], p: float, device: torch.device) -> Tensor
     return bits.view(torch.int16)[:n].view(tuple(shape))  # uniform over [-32768, 32767]
 
 
+def draw_threshold(p: float) -> int:
+    """The least int16 draw an element survives dropout ``p`` with (above 32767 for p >= 1 - 2^-17: none)."""
+    return -32768 + round(p * 65536)
+
+
 def mask_from_draw(draw: Tensor, p: float, dtype: torch.dtype) -> Tensor:
     """The dropout multiplier (``dtype``) of a :func:`dropout_draw` (or of a slice of one)."""
     if draw.dtype != torch.int16:
         return draw.to(dtype)
-    threshold = -32768 + round(p * 65536)
     scale = torch.tensor(1.0 / (1.0 - p), dtype=dtype)
-    return torch.where(draw >= threshold, scale, torch.zeros((), dtype=dtype))
+    return torch.where(draw >= draw_threshold(p), scale, torch.zeros((), dtype=dtype))
 
 
 def fast_dropout(x: Tensor, p: float, training: bool) -> Tensor:

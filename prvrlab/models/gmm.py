@@ -46,8 +46,9 @@ Hence:
   written once instead of in seven PyTorch passes, padded query rows
   skipped; the same dropout draw as the plain path).
 
-Both exceptions fall back to the plain path when attention dropout is active
-in training (its random mask must stay the plain path's).  At inference, a
+With attention dropout active in training, every branch takes the explicit
+pass, never SDPA (its random mask must stay the plain path's; the fused
+weights apply the same draw).  At inference, a
 batch that is mostly real tokens (evaluation's by-length batches) projects
 Q/K/V on the padded layout (:meth:`~prvrlab.models.blocks.Packing.padded_first`).
 """

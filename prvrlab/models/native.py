@@ -4,10 +4,11 @@ Build: the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``)
 with ``-O3 -march=native -ffast-math``, no PyTorch headers (a few seconds),
 into ``$PRVRLAB_CACHE_DIR/native`` (default ``~/.cache/prvrlab/native``), one
 library per source (with the headers beside it that it includes), flags,
-compiler and CPU (``-march=native`` code must not run on another CPU kind).  A library is written to a private temporary file
-and renamed into place, so concurrent builds are safe, and it is loaded only
-when it is owned by this user and writable by nobody else (a library is
-code: nothing else may plant one).  Every failure (no compiler, a failed
+compiler and CPU (``-march=native`` code must not run on another CPU kind).
+A library is written to a private temporary file and renamed into place, so
+concurrent builds are safe, and it is loaded only when it is owned by this
+user and writable by nobody else (a library is code: nothing else may plant
+one).  Every failure (no compiler, a failed
 build, an untrusted file, another interface version) raises
 :class:`Unavailable` with the reason; callers fall back to PyTorch.
 """

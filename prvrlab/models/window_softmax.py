@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from prvrlab.models import native
+from prvrlab.models.blocks import draw_threshold
 
 SOURCE = Path(__file__).with_name("window_softmax.cpp")
 ABI = 1  # prvrlab_softmax_abi() of a library this module can call
@@ -56,7 +57,7 @@ def usable(logits: Tensor) -> bool:
 
 def takes(p: float) -> bool:
     """Whether the kernel's int16 threshold can express dropout probability ``p`` (all p < 1 - 2^-17)."""
-    return -32768 + round(p * 65536) <= 32767
+    return draw_threshold(p) <= 32767
 
 
 def _window_args(window: Tensor | float) -> tuple[int, int, int, float]:
@@ -68,12 +69,13 @@ def _window_args(window: Tensor | float) -> tuple[int, int, int, float]:
     return window.data_ptr(), batch_stride, L * L, 1.0
 
 
-def _draw_args(draw: Tensor | None, p: float) -> tuple[int, int, int, int, float]:
-    """(pointer, batch stride, branch stride, threshold, keep scale) of a (B, K, H, L, L) int16 draw."""
+def _draw_args(draw: Tensor | None, p: float, dtype: torch.dtype) -> tuple[int, int, int, int, float]:
+    """(pointer, batch stride, branch stride, threshold, keep scale) of a (B, K, H, L, L) int16 draw; the
+    keep scale in ``dtype``, as :func:`~prvrlab.models.blocks.mask_from_draw` multiplies."""
     if draw is None:
         return 0, 0, 0, 0, 1.0
-    keep = torch.tensor(1.0 / (1.0 - p)).item()
-    return draw.data_ptr(), draw.stride(0), draw.stride(1), -32768 + round(p * 65536), keep
+    keep = torch.tensor(1.0 / (1.0 - p), dtype=dtype).item()
+    return draw.data_ptr(), draw.stride(0), draw.stride(1), draw_threshold(p), keep
 
 
 class WindowSoftmax(torch.autograd.Function):
@@ -90,11 +92,9 @@ class WindowSoftmax(torch.autograd.Function):
         probs = torch.empty_like(logits)
         dropped = None if draw is None else torch.empty_like(logits)
         w, w_b, w_k, scale = _window_args(window)
-        d, d_b, d_k, threshold, keep = _draw_args(draw, p)
+        d, d_b, d_k, threshold, keep = _draw_args(draw, p, logits.dtype)
         keys = None if keys is None else keys.to(torch.uint8).contiguous()
         rows = None if rows is None else rows.to(torch.int64).contiguous()
-        if keep != 1.0 and logits.dtype == torch.bfloat16:  # the mask's multiplier in the tensors' dtype
-            keep = torch.tensor(keep, dtype=torch.bfloat16).item()
         load().prvrlab_softmax_forward(
             logits.data_ptr(), probs.data_ptr(), 0 if dropped is None else dropped.data_ptr(), w, w_b, w_k, scale,
             0 if keys is None else keys.data_ptr(), 0 if rows is None else rows.data_ptr(), d, d_b, d_k, threshold,
