@@ -136,42 +136,102 @@ class BranchLinear(nn.Module):
     def forward(self, x: Tensor, branches: slice = slice(None)) -> Tensor:
         """(k, N, in_dim) -> (k, N, out_dim): the ``branches`` (all by default; k of them).
 
-        With autograd, one batched GEMM; at inference one GEMM per branch with its bias added inside
-        the GEMM (the batched form first writes the bias broadcast over the whole (k, N, out_dim)
-        output): the same values (tests/models/test_fast_paths.py)."""
-        if torch.is_grad_enabled():
-            return torch.baddbmm(self.bias[branches, None, :], x, self.weight[branches].transpose(1, 2))
+        One GEMM per branch with its bias added inside the GEMM (:func:`branch_mlp`); with autograd
+        on a GPU, one batched GEMM: the same values (tests/models/test_fast_paths.py)."""
         return branch_mlp(x, self, None, branches)
 
 
 def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, branches: slice = slice(None)) -> Tensor:
     """``second(relu(first(x)))`` per branch, or ``first(x)`` without ``second``: (k, N, in) -> (k, N, out).
 
-    With autograd, batched GEMMs.  At inference the branches run one at a time
-    (one branch's (N, hidden) activation alive instead of all k), each bias is
-    added inside its GEMM and, on a CPU with oneDNN, the ReLU is fused into the
-    first GEMM: v2's branch FFN at inference in bf16 on an AMX CPU, (8, 8000,
-    384) through 1,536 hidden units, 0.09 s instead of 0.20 s (v2's video
-    encoding of 2,500 x 500 in benchmarks/bench_eval.py: 4.1 -> 3.6 s).  Under
-    autocast the GEMMs take its dtype, as the batched ones do.
+    The branches run one at a time, each bias added inside its GEMM and, on a
+    CPU with oneDNN, the ReLU fused into the first GEMM.  At inference one
+    branch's (N, hidden) activation is alive instead of all k: v2's branch FFN
+    in bf16 on an AMX CPU, (8, 8000, 384) through 1,536 hidden units, 0.09 s
+    instead of 0.20 s for batched GEMMs (v2's video encoding of 2,500 x 500 in
+    benchmarks/bench_eval.py: 4.1 -> 3.6 s).  With autograd on a CPU the same
+    per-branch GEMMs run forward and backward in :class:`_BranchGemms`; on other
+    devices (not measured there) batched GEMMs.  Under autocast the GEMMs take
+    its dtype.
     """
-    if torch.is_grad_enabled():
-        hidden = first(x, branches)  # (k, N, hidden)
-        # ReLU in place: the GEMM's output is not needed by its backward (v2's FFN, (8, 9786, 1536) bf16,
-        # forward + backward 1.04 vs 1.11 s: no second (k, N, hidden) tensor written)
-        return hidden if second is None else second(F.relu(hidden, inplace=True), branches)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    last = first if second is None else second  # the layer that writes the output
-    out = x.new_empty((x.shape[0], x.shape[1], last.weight.shape[1]), dtype=dtype)  # (k, N, out)
+    layers = (first,) if second is None else (first, second)
     with torch.autocast(device, enabled=False):
-        x = x.to(dtype)
-        for k, branch in enumerate(range(first.weight.shape[0])[branches]):
-            h = x[k]  # (N, in)
-            if second is not None:
-                h = _linear_relu(h, first.weight[branch].to(dtype), first.bias[branch].to(dtype))  # (N, hidden)
-            torch.addmm(last.bias[branch].to(dtype), h, last.weight[branch].to(dtype).t(), out=out[k])
-    return out
+        params = [t[branches].to(dtype) for layer in layers for t in (layer.weight, layer.bias)]
+        x = x.to(dtype)  # (k, N, in)
+        if not torch.is_grad_enabled():
+            return _branch_forward(x, *params)[0]
+        if device == "cpu":
+            return _BranchGemms.apply(x, *params)
+        return _batched_mlp(x, *params)
+
+
+def _branch_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor | None = None, b2: Tensor | None = None, keep: bool = False):
+    """(k, N, out) output of :func:`branch_mlp` by per-branch GEMMs, and the (N, hidden) ReLU outputs if ``keep``.
+
+    x (k, N, in), w1 (k, hidden, in), b1 (k, hidden), w2 (k, out, hidden), b2 (k, out): one dtype."""
+    last_w, last_b = (w1, b1) if w2 is None else (w2, b2)
+    y = x.new_empty((x.shape[0], x.shape[1], last_w.shape[1]))  # (k, N, out)
+    hidden = []
+    for k in range(x.shape[0]):
+        h = x[k]  # (N, in)
+        if w2 is not None:
+            h = _linear_relu(h, w1[k], b1[k])  # (N, hidden)
+            if keep:
+                hidden.append(h)
+        torch.addmm(last_b[k], h, last_w[k].t(), out=y[k])
+    return y, hidden
+
+
+def _batched_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
+    """:func:`branch_mlp` as batched GEMMs with autograd (arguments as :func:`_branch_forward`)."""
+    h = torch.baddbmm(b1[:, None, :], x, w1.transpose(1, 2))  # (k, N, hidden)
+    if w2 is None:
+        return h
+    # ReLU in place: the GEMM's output is not needed by its backward
+    return torch.baddbmm(b2[:, None, :], F.relu(h, inplace=True), w2.transpose(1, 2))  # (k, N, out)
+
+
+class _BranchGemms(torch.autograd.Function):
+    """``relu(x_k W1_kᵀ + b1_k) W2_kᵀ + b2_k`` (or ``x_k W1_kᵀ + b1_k``) for each branch k, forward and backward.
+
+    Every tensor in one dtype.  One 2-D GEMM per branch and per product, biases inside the forward
+    GEMMs, the ReLU fused into the first and its backward applied to one branch's (N, hidden)
+    gradient at a time (the batched form holds all k).  The ReLU's output is saved once, as the
+    second GEMM's input.  v2's branch FFN, (8, 9786, 384) through 1,536 hidden units in bf16 on a
+    noisy AMX CPU, forward + backward, 20 alternating pairs: 1.04x the batched GEMMs' speed (median of
+    the pairs' ratios; best 0.94 vs 1.01 s), with one branch's (N, hidden) gradient alive instead of k.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
+        y, hidden = _branch_forward(x, w1, b1, w2, b2, keep=True)  # (k, N, out), k x (N, hidden)
+        ctx.save_for_backward(x, w1, w2, *hidden)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        # g (k, N, out)
+        x, w1, w2, *hidden = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0]
+        gx = torch.empty_like(x) if need_x else None  # (k, N, in)
+        gw1, gb1 = torch.empty_like(w1), x.new_empty(w1.shape[:2])  # (k, hidden, in), (k, hidden)
+        gw2 = None if w2 is None else torch.empty_like(w2)  # (k, out, hidden)
+        for k in range(x.shape[0]):
+            gh = g[k]  # (N, hidden) from here on: the gradient at the first GEMM's output
+            if w2 is not None:
+                h = hidden[k]  # (N, hidden)
+                torch.mm(gh.t(), h, out=gw2[k])
+                gh = torch.ops.aten.threshold_backward(torch.mm(gh, w2[k]), h, 0)
+            torch.sum(gh, 0, out=gb1[k])
+            torch.mm(gh.t(), x[k], out=gw1[k])
+            if need_x:
+                torch.mm(gh, w1[k], out=gx[k])
+        if w2 is None:
+            return gx, gw1, gb1, None, None
+        return gx, gw1, gb1, gw2, g.sum(1)
 
 
 def _linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
@@ -345,12 +405,13 @@ class Packing:
         flat = x.reshape(self.batch * self.length, *x.shape[2:])  # (B*L, *F)
         return flat if self.index is None else flat.index_select(0, self.index)
 
-    def unpack(self, x: Tensor) -> Tensor:
-        """(N, *F) -> (B, L, *F), zeros on padding."""
+    def unpack(self, x: Tensor, dim: int = 0) -> Tensor:
+        """(*P, N, *F) with the tokens at ``dim`` -> (*P, B, L, *F), zeros on padding."""
+        lead, rest = x.shape[:dim], x.shape[dim + 1 :]
         if self.index is None:
-            return x.reshape(self.batch, self.length, *x.shape[1:])
-        out = x.new_zeros(self.batch * self.length, *x.shape[1:])  # (B*L, *F)
-        return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])  # in place: one pass
+            return x.reshape(*lead, self.batch, self.length, *rest)
+        out = x.new_zeros(*lead, self.batch * self.length, *rest)  # (*P, B*L, *F)
+        return out.index_copy_(dim, self.index, x).view(*lead, self.batch, self.length, *rest)  # in place: one pass
 
 
 def _read_layout(mask: Tensor, lengths: Tensor) -> tuple[bool, int]:

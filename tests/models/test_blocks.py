@@ -259,7 +259,12 @@ def test_packing_round_trip_and_prefix_check():
     assert packed.shape == (6, 2)
     assert packing.positions.tolist() == [0, 1, 0, 0, 1, 2]
     assert torch.equal(packing.unpack(packed), x * mask[..., None])
-    assert Packing.from_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3, DEVICE).is_full
+    stacked = torch.stack([packed, 2 * packed, 3 * packed], dim=1)  # (N, 3, 2): the tokens at dim 0
+    by_dim = packing.unpack(stacked.transpose(0, 1), dim=1)  # (3, B, L, 2) from (3, N, 2)
+    assert torch.equal(by_dim, torch.stack([c * x * mask[..., None] for c in (1, 2, 3)]))
+    full = Packing.from_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3, DEVICE)
+    assert full.is_full
+    assert torch.equal(full.unpack(torch.arange(12.0).view(2, 6), dim=1), torch.arange(12.0).view(2, 2, 3))
     with pytest.raises(ValueError, match="real tokens first"):
         Packing.from_mask(torch.tensor([[0, 1, 1]], dtype=torch.bool), 1, 3, DEVICE)
 

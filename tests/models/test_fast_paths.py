@@ -387,3 +387,65 @@ def test_head_layout_equals_unpack_and_permute_with_gradients(lengths):
         grad = torch.autograd.grad(sum((heads[i] * probes[i]).sum() for i in used), projected, retain_graph=True)[0]
         expected = torch.autograd.grad(sum((want[i] * probes[i]).sum() for i in used), projected, retain_graph=True)[0]
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_second", [False, True], ids=["linear", "mlp"])
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
+def test_branch_mlp_autograd_equals_hand_loop(amp, with_second, input_grad):
+    """branch_mlp with autograd (per-branch GEMMs forward and backward on CPU, batched elsewhere): output
+    and the gradients of the input, weights and biases equal float64 autograd through the hand loop,
+    for all branches and for a slice; ReLU units at zero get no gradient."""
+    torch.manual_seed(1)
+    first = blocks.BranchLinear(num_branches=4, in_dim=6, out_dim=10).to(DEVICE)
+    second = blocks.BranchLinear(num_branches=4, in_dim=10, out_dim=6).to(DEVICE) if with_second else None
+    layers = [layer for layer in (first, second) if layer is not None]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.normal_(0.0, 0.5)
+            layer.bias.normal_(0.0, 0.5)
+    params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    tol = BF16_TOL if amp else FP32_TOL
+    for branches in (slice(None), slice(1, 3)):
+        x = torch.randn(4 if branches == slice(None) else 2, 9, 6, device=DEVICE, requires_grad=input_grad)
+        g = torch.randn(x.shape[0], 9, 6 if with_second else 10, device=DEVICE)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
+            y = blocks.branch_mlp(x, first, second, branches)
+        assert y.dtype == (torch.bfloat16 if amp else torch.float32)
+        got = torch.autograd.grad(y, ([x] if input_grad else []) + params, g)
+        hand = hand_branch_mlp(x.double() if input_grad else x, first, second, branches)
+        want = torch.autograd.grad(hand, ([x] if input_grad else []) + params, g.double())
+        assert_close_scaled(y.detach().double(), hand.detach(), tol, "output")
+        names = (["x"] if input_grad else []) + [f"{kind}{i}" for i in range(len(layers)) for kind in ("weight", "bias")]
+        for name, a, b in zip(names, got, want):
+            assert_close_scaled(a.double(), b.double(), tol, name)
+        if with_second and branches == slice(None):
+            pre = x.detach().double() @ first.weight.detach().double().transpose(1, 2) + first.bias.detach().double()[:, None]
+            assert (pre < 0).any() and (pre > 0).any()  # both sides of the ReLU are exercised
+
+
+@pytest.mark.parametrize("lengths", [[5, 2, 5], [5, 5, 5], [3, 0, 1]], ids=["padded", "full", "empty-video"])
+def test_merge_heads_equals_permute_and_pack_with_gradients(lengths):
+    """gmm._MergeHeads: attention outputs (B, k, H, L, Dh) as packed rows (k, N, H*Dh) equal permuting to
+    (k, B, L, H*Dh) and keeping the real tokens; the gradient is the probe's rows on real slots and zeros on
+    padding, in the contiguous (B, k, H, L, Dh) layout."""
+    torch.manual_seed(0)
+    B, K, H, L, Dh = len(lengths), 2, 3, 5, 4
+    mask = torch.arange(L)[None] < torch.tensor(lengths)[:, None]
+    packing = Packing.from_mask(mask, B, L, DEVICE)
+    heads = torch.randn(B, K, H, L, Dh, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    rows, positions = (None, None) if packing.index is None else (packing.rows(), packing.positions)
+    got = gmm._MergeHeads.apply(heads, rows, positions)
+    slots = heads.permute(1, 0, 3, 2, 4).reshape(K, B, L, H * Dh)  # (k, B, L, D)
+    want = torch.stack([slots[:, b, t] for b in range(B) for t in range(lengths[b])], dim=1)  # (k, N, D)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    probe = torch.randn_like(want)
+    (grad,) = torch.autograd.grad((got * probe).sum(), heads)
+    assert grad.is_contiguous()
+    expected = torch.zeros(K, B, L, H, Dh, dtype=torch.float64, device=DEVICE)
+    n = 0
+    for b in range(B):
+        for t in range(lengths[b]):
+            expected[:, b, t] = probe[:, n].view(K, H, Dh)
+            n += 1
+    torch.testing.assert_close(grad, expected.permute(1, 0, 3, 2, 4), rtol=0, atol=0)

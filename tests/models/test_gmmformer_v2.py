@@ -98,6 +98,33 @@ def test_learned_query_attention_equals_naive_cross_attention():
                 torch.testing.assert_close(got[b, k], s, atol=1e-5, rtol=1e-5)
 
 
+
+def test_learned_query_attention_gradients_equal_the_naive_loop():
+    """Training mode without dropout: the gradients of the branch outputs and of phi equal autograd's through
+    the per-(video, branch) loop of the test above, padding included (videos of 3, 1 and 4 of 4 tokens)."""
+    torch.manual_seed(2)
+    ca = LearnedQueryAttention(hidden_size=8, num_heads=2, dropout=0.0).train()
+    x, packing = packed_input([3, 1, 4], 4)
+    branches = torch.randn(2, packing.num_tokens, 8, requires_grad=True)
+    weights = torch.randn(3, 2, 8)
+    (ca(branches, packing) * weights).sum().backward()
+    got_x, got_phi = branches.grad.clone(), ca.phi.grad.clone()
+    branches.grad, ca.phi.grad = None, None
+    rows, total = packing.rows(), 0.0
+    for b in range(3):
+        for k in range(2):
+            tokens = branches[k][rows == b]  # (n, D)
+            q = ca.query(ca.phi).view(2, 4)
+            keys = (tokens @ ca.key.weight.t()).view(-1, 2, 4)
+            att = torch.softmax(torch.einsum("he,nhe->hn", q, keys) / 2.0, dim=-1)
+            ctx = torch.einsum("hn,nhe->he", att, ca.value(tokens).view(-1, 2, 4)).reshape(8)
+            s = ca.norm1(ca.phi + ca.out(ctx))
+            total = total + (ca.norm2(s + ca.ffn(s)) * weights[b, k]).sum()
+    total.backward()
+    torch.testing.assert_close(got_x, branches.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_phi, ca.phi.grad, atol=1e-5, rtol=1e-5)
+    assert got_x.abs().sum() > 0
+
 def test_sigmas_are_configurable():
     default = build("gmmformer_v2")
     assert default.sigmas == (0.1, 0.5, 1.0, 3.0, 5.0, 8.0, 10.0, math.inf)
