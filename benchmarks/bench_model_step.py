@@ -15,7 +15,10 @@ GMMFormer on this kind of 2-core machine is 12.8 s (fp32, frames padded to 128).
 branches, float32 windowed products where bf16 is emulated, the fused CPU
 kernel for the attention weights), ``unfused`` the same with the weights in
 PyTorch passes, ``plain`` the plain path; they run alternately in the same
-process, so their ratios hold under any machine load.
+process, so their ratios hold under any machine load.  Ratios are printed as
+min over min and as the median of the per-step pairs (step i of each runner
+ran back to back): on a machine whose matrix units slow down and recover from
+one minute to the next, the pairs are the steadier figure.
 """
 
 from __future__ import annotations
@@ -175,6 +178,13 @@ class Runner:
                 self.times[key].append(value)
 
 
+def paired(slow: list[float], fast: list[float]) -> str:
+    """The median and range of the per-step ratios slow / fast: step i of every runner ran back to back,
+    so on a machine whose speed drifts from minute to minute these pairs saw the same load."""
+    ratios = sorted(a / b for a, b in zip(slow, fast))
+    return f"median of the {len(ratios)} step pairs {statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def main() -> None:
     args = parse_args()
     set_host_allocator(args.host_allocator)
@@ -210,7 +220,10 @@ def main() -> None:
     for step in range(args.warmup + args.steps):  # runners interleaved: all see the same machine load
         for runner in runners:
             runner.step(batch, record=step >= args.warmup)
-    best = {}
+    best, per_step = {}, {}
+    for runner in runners:
+        if runner.variant is None or runner.variant == variants[0]:
+            per_step[(runner.amp, runner.path)] = runner.times["step"]
     for runner in runners:
         t = runner.times
         if runner.variant is None or runner.variant == variants[0]:
@@ -225,7 +238,8 @@ def main() -> None:
     print(f"({args.steps} timed steps per runner after {args.warmup} warm-up; min = least disturbed by other load)")
     for path in args.paths:
         if ("none", path) in best and ("bf16", path) in best:
-            print(f"bf16 speed-up over fp32 ({path}): {best[('none', path)] / best[('bf16', path)]:.2f}x")
+            print(f"bf16 speed-up over fp32 ({path}): {best[('none', path)] / best[('bf16', path)]:.2f}x "
+                  f"(min over min); {paired(per_step[('none', path)], per_step[('bf16', path)])}")
     if args.variants:
         first = {(r.amp, r.path): min(r.times["step"]) for r in runners if r.variant == variants[0]}
         for runner in runners:
@@ -236,7 +250,8 @@ def main() -> None:
         if other in args.paths and "fast" in args.paths:
             for amp in amps:
                 print(f"fast over {other} attention ({'fp32' if amp == 'none' else 'bf16'}): "
-                      f"{best[(amp, other)] / best[(amp, 'fast')]:.2f}x")
+                      f"{best[(amp, other)] / best[(amp, 'fast')]:.2f}x (min over min); "
+                      f"{paired(per_step[(amp, other)], per_step[(amp, 'fast')])}")
     official = OFFICIAL_STEP_S.get(args.backbone)
     if official is not None and args.videos == 128:
         for key, value in best.items():
