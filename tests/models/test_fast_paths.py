@@ -449,3 +449,22 @@ def test_merge_heads_equals_permute_and_pack_with_gradients(lengths):
             expected[:, b, t] = probe[:, n].view(K, H, Dh)
             n += 1
     torch.testing.assert_close(grad, expected.permute(1, 0, 3, 2, 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_second", [False, True], ids=["linear", "mlp"])
+def test_batched_branch_gemms_equal_per_branch_ones(with_second):
+    """The batched form branch_mlp takes with autograd off the CPU (blocks._batched_mlp) gives the per-branch
+    Function's output and gradients (both run here on the CPU, float64)."""
+    torch.manual_seed(3)
+    k, n, d, h = 3, 7, 5, 6
+    x = torch.randn(k, n, d, dtype=torch.float64, requires_grad=True)
+    params = [torch.randn(k, h, d, dtype=torch.float64), torch.randn(k, h, dtype=torch.float64)]
+    if with_second:
+        params += [torch.randn(k, 4, h, dtype=torch.float64), torch.randn(k, 4, dtype=torch.float64)]
+    params = [p.requires_grad_() for p in params]
+    per_branch = blocks._BranchGemms.apply(x, *params)
+    batched = blocks._batched_mlp(x, *params)
+    torch.testing.assert_close(batched, per_branch)
+    probe = torch.randn_like(batched)
+    for a, b in zip(torch.autograd.grad(batched, [x, *params], probe), torch.autograd.grad(per_branch, [x, *params], probe)):
+        torch.testing.assert_close(a, b)
