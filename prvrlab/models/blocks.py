@@ -137,7 +137,7 @@ class BranchLinear(nn.Module):
         """(k, N, in_dim) -> (k, N, out_dim): the ``branches`` (all by default; k of them).
 
         One GEMM per branch with its bias added inside the GEMM (:func:`branch_mlp`); with autograd
-        on a GPU, one batched GEMM: the same values (tests/models/test_fast_paths.py)."""
+        off the CPU, one batched GEMM: the same values (tests/models/test_fast_paths.py)."""
         return branch_mlp(x, self, None, branches)
 
 
