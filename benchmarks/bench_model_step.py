@@ -220,14 +220,10 @@ def main() -> None:
     for step in range(args.warmup + args.steps):  # runners interleaved: all see the same machine load
         for runner in runners:
             runner.step(batch, record=step >= args.warmup)
-    best, per_step = {}, {}
-    for runner in runners:
-        if runner.variant is None or runner.variant == variants[0]:
-            per_step[(runner.amp, runner.path)] = runner.times["step"]
+    per_step = {(r.amp, r.path): r.times["step"] for r in runners if r.variant is None or r.variant == variants[0]}
+    best = {key: min(times) for key, times in per_step.items()}
     for runner in runners:
         t = runner.times
-        if runner.variant is None or runner.variant == variants[0]:
-            best[(runner.amp, runner.path)] = min(t["step"])
         parts = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in t.items() if k != "step")
         print(
             f"{runner.name:>18}: step min {min(t['step']):6.2f} s, "

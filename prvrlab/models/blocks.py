@@ -220,7 +220,7 @@ class _BranchGemms(torch.autograd.Function):
         gw1, gb1 = torch.empty_like(w1), x.new_empty(w1.shape[:2])  # (k, hidden, in), (k, hidden)
         gw2 = None if w2 is None else torch.empty_like(w2)  # (k, out, hidden)
         for k in range(x.shape[0]):
-            gh = g[k]  # (N, hidden) from here on: the gradient at the first GEMM's output
+            gh = g[k]  # (N, out); below, with a second layer, (N, hidden): the gradient at the first GEMM's output
             if w2 is not None:
                 h = hidden[k]  # (N, hidden)
                 torch.mm(gh.t(), h, out=gw2[k])
