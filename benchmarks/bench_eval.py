@@ -48,7 +48,7 @@ from prvrlab.allocator import set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
 from prvrlab.evaluation.retrieval import EvalResult, evaluate, evaluate_batches
-from prvrlab.models.blocks import native_low_precision
+from prvrlab.models.precision import native_low_precision
 from prvrlab.models.factory import build_model
 from prvrlab.models.gmm import GaussianAttention
 from prvrlab.platform.train.loop import seed_everything

@@ -39,7 +39,8 @@ from prvrlab.allocator import HOST_ALLOCATORS, set_host_allocator
 from prvrlab.data.batch import Batch
 from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
-from prvrlab.models.gmm import GaussianAttention, native_low_precision
+from prvrlab.models.gmm import GaussianAttention
+from prvrlab.models.precision import native_low_precision
 from prvrlab.registry import BACKBONES
 
 LOSSES = {

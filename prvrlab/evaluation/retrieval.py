@@ -36,7 +36,7 @@ from prvrlab.checks import check_positive_int
 from prvrlab.data.batch import mask_to
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, video_tokens
-from prvrlab.models.blocks import native_low_precision
+from prvrlab.models.precision import native_low_precision
 
 if TYPE_CHECKING:
     from prvrlab.data.resident import ResidentSplit

@@ -27,7 +27,7 @@ from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, Vi
 from prvrlab.models.blocks import AttentionPooling, BackboneSizes, check_score_weights, init_normal_, resolve_ffn_size
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
-from prvrlab.models.scoring import index_token_norms, indexed_norms, max_scores
+from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores
 from prvrlab.registry import BACKBONES
 
 
@@ -95,6 +95,8 @@ class ARLModel(RetrievalModel):
         return self.query.embed(
             queries, query_mask, branches=("frame",), keep_tokens=self.keeps_word_tokens()
         )
+
+    score_elements = staticmethod(indexed_score_elements)
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds the frames' norms (:func:`~prvrlab.models.scoring.index_token_norms`)."""

@@ -33,7 +33,7 @@ from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.random_bits import random_words
-from prvrlab.models.scoring import index_token_norms, indexed_norms, max_scores, vector_scores
+from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores, vector_scores
 
 
 CUDA_NONZERO_STATIC = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)  # CUDA kernel since torch 2.6
@@ -96,15 +96,6 @@ class Dropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
-
-
-@functools.lru_cache(maxsize=8)
-def native_low_precision(device_type: str) -> bool:
-    """Whether bf16 matrix products run on native units on ``device_type`` (a CUDA GPU; a CPU with AMX or AVX512-BF16)."""
-    if device_type != "cpu":
-        return True
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def autocast_input(x: Tensor) -> Tensor:
@@ -760,6 +751,8 @@ class PooledFrameBackbone(RetrievalModel):
     def encode_queries(self, queries: Tensor, query_mask: Tensor) -> QueryEmbedding:
         """(Nq, Lq, Dq) tokens with (Nq, Lq) mask -> one (Nq, D) vector shared by both branches."""
         return self.query.embed(queries, query_mask, branches=self.branches, keep_tokens=self.keeps_word_tokens())
+
+    score_elements = staticmethod(indexed_score_elements)
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds the clips' norms (``extra["clip_norm"]``, :func:`~prvrlab.models.scoring.index_token_norms`)."""

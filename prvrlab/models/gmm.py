@@ -74,9 +74,9 @@ from prvrlab.models.blocks import (
     dropout_draw,
     dropout_mask,
     mask_from_draw,
-    native_low_precision,
     resolve_ffn_size,
 )
+from prvrlab.models.precision import native_low_precision
 
 DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
 Window = Literal["official", "centred"]

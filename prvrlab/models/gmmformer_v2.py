@@ -74,7 +74,7 @@ from prvrlab.models.blocks import (
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import GaussianAttention, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
-from prvrlab.models.scoring import index_token_norms, indexed_norms, max_scores
+from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores
 from prvrlab.registry import BACKBONES
 
 Aggregation = Literal["average", "learned", "dynamic", "temporal"]
@@ -411,6 +411,8 @@ class GMMFormerV2(RetrievalModel):
         return self.query.embed(
             queries, query_mask, branches=("clip", "frame"), keep_tokens=self.keeps_word_tokens()
         )
+
+    score_elements = staticmethod(indexed_score_elements)
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds the clips' and frames' norms (:func:`~prvrlab.models.scoring.index_token_norms`)."""

@@ -12,10 +12,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from prvrlab.models.base import BranchScores, VideoEmbedding
+from prvrlab.models.base import BranchScores, VideoEmbedding, tensors_of
+from prvrlab.models.precision import bf16_exact, bf16_products
 
 # Upper bound on the (Nq, chunk, L) score tensor built at once (elements).
 _MAX_CHUNK_ELEMENTS = 1 << 26
+# The same at retrieval on a CPU, where a block's scores are reduced while in the caches (8 MiB).
+_RETRIEVAL_BLOCK_ELEMENTS = 1 << 21
 _EPS = 1e-6
 
 
@@ -39,18 +42,32 @@ def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbed
     """``video`` with ``extra["<name>_norm"]`` = :func:`token_norms` of each (Nv, L, D) field ``name``:
     computed once per gallery (``RetrievalModel.index_videos``) instead of once per query chunk, where
     they cost as much memory traffic as the score product itself (GMMFormer v2's frames at TVR's test
-    size: 0.4 GB read per chunk).  An indexed gallery is returned as it is."""
+    size: 0.4 GB read per chunk).  A field whose values are all bf16 values (encoded under bf16
+    autocast) is kept in bf16: half the memory, the same values, and :func:`max_scores` then multiplies
+    it on the bf16 units.  An indexed gallery is returned as it is."""
     extra = dict(video.extra)
+    fields: dict[str, Tensor] = {}
     for name in names:
         field = getattr(video, name)
         if f"{name}_norm" not in extra and field is not None and field.dim() == 3:
             extra[f"{name}_norm"] = token_norms(field)  # (Nv, L)
-    return video if extra.keys() == video.extra.keys() else replace(video, extra=extra)
+            if field.dtype == torch.float32 and bf16_exact(field):
+                fields[name] = field.to(torch.bfloat16)  # (Nv, L, D), the same values
+    return video if extra.keys() == video.extra.keys() else replace(video, extra=extra, **fields)
 
 
 def indexed_norms(video: VideoEmbedding, name: str) -> Tensor | None:
     """The (Nv, L) norms :func:`index_token_norms` stored for field ``name``, or None (not indexed)."""
     return video.extra.get(f"{name}_norm")
+
+
+def indexed_score_elements(video: VideoEmbedding) -> int:
+    """``RetrievalModel.score_elements`` of a backbone whose retrieval branches are :func:`max_scores`
+    and :func:`vector_scores`: 8 float32 values a video per query (each branch's (Nq, Nv) scores, the
+    vector branch's dots and norms, their weighted sum).  Per-token scores exist only in blocks of
+    :data:`_RETRIEVAL_BLOCK_ELEMENTS`, whatever the number of queries, so evaluation scores ~2,000
+    queries per pass over the gallery instead of ~100."""
+    return 8 * int(tensors_of(video)[0].shape[0])
 
 
 def max_scores(
@@ -74,9 +91,11 @@ def max_scores(
     if nv == 0 or length == 0:
         empty = query.new_full((nq, nv), -1.0, dtype=torch.float32)  # (Nq, Nv)
         return BranchScores(sim=empty, logits=empty.clone() if with_logits else None)
+    in_place = not (torch.is_grad_enabled() and (query.requires_grad or video.requires_grad))  # retrieval
+    if in_place and not with_logits:
+        return BranchScores(sim=_retrieval_max_cosine(query, video, mask, video_norm))
     chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, nq * length))
     sims, logits = [], []
-    in_place = not (torch.is_grad_enabled() and (query.requires_grad or video.requires_grad))  # retrieval
     with torch.autocast(device_type=query.device.type, enabled=False):
         q = query.float()  # (Nq, D)
         q_norm = q.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
@@ -100,3 +119,37 @@ def max_scores(
             return BranchScores(sim=sim)
         logit = logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)  # (Nq, Nv)
         return BranchScores(sim=sim, logits=logit)
+
+
+def _retrieval_max_cosine(query: Tensor, video: Tensor, mask: Tensor | None, video_norm: Tensor | None) -> Tensor:
+    """:func:`max_scores`' ``sim`` without autograd or logits (retrieval), the same float32 arithmetic
+    in blocks of videos, on a CPU cache-sized ones (the (Nq, C, L) cosines of a block are written,
+    divided and reduced while they are in the caches: :data:`_RETRIEVAL_BLOCK_ELEMENTS`).  Padded tokens are pushed below
+    every cosine by adding -inf (not a masked fill: one pass fewer over the block) and a video with
+    padding is floored at -1 afterwards, which is the masked fill's max.  Where the query and the
+    gallery hold bf16 values (bf16 autocast encoded them), the products run on the CPU's bf16 units
+    (:func:`~prvrlab.models.precision.bf16_products`): exact products, float32 sums and results."""
+    nq = query.shape[0]
+    nv, length, dim = video.shape
+    block = _RETRIEVAL_BLOCK_ELEMENTS if query.device.type == "cpu" else _MAX_CHUNK_ELEMENTS  # a GPU: few launches
+    chunk = max(1, block // max(1, nq * length))
+    out = torch.empty(nq, nv, dtype=torch.float32, device=query.device)  # (Nq, Nv)
+    bf16_values = query.device.type == "cpu" and video.dtype == torch.bfloat16 and bf16_exact(query)
+    with torch.autocast(device_type=query.device.type, enabled=False), bf16_products(bf16_values):
+        q = query.float()  # (Nq, D)
+        q_norm = q.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
+        for start in range(0, nv, chunk):
+            stop = min(start + chunk, nv)
+            v = video[start:stop].float()  # (C, L, D)
+            c = stop - start
+            v_norm = token_norms(v) if video_norm is None else video_norm[start:stop]  # (C, L)
+            cos = (q @ v.reshape(c * length, dim).t()).view(nq, c, length)  # (Nq, C, L)
+            cos = cos.div_(q_norm[:, None, None] * v_norm[None])
+            if mask is None:
+                torch.amax(cos, dim=-1, out=out[:, start:stop])
+                continue
+            real = mask[start:stop].to(torch.bool)  # (C, L)
+            cos = cos.add_(torch.zeros(c, length, device=cos.device).masked_fill_(~real, float("-inf")))
+            floor = torch.where(real.all(dim=1), float("-inf"), -1.0)  # (C,)
+            torch.maximum(cos.amax(dim=-1), floor, out=out[:, start:stop])  # (Nq, C)
+    return out

@@ -56,7 +56,8 @@ def test_chunked_retrieval_equals_one_chunk(monkeypatch):
     mask = torch.rand(6, 5, generator=gen) > 0.3
     with torch.no_grad():
         whole = max_scores(query, video, mask).sim
-        monkeypatch.setattr(scoring, "_MAX_CHUNK_ELEMENTS", 1)  # one video per chunk
+        monkeypatch.setattr(scoring, "_MAX_CHUNK_ELEMENTS", 1)  # one video per chunk (autograd path)
+        monkeypatch.setattr(scoring, "_RETRIEVAL_BLOCK_ELEMENTS", 1)  # one video per block (retrieval)
         chunked = max_scores(query, video, mask).sim
     torch.testing.assert_close(chunked, whole)
 
@@ -97,3 +98,73 @@ def test_index_token_norms_adds_each_3d_field_once():
     assert set(index.extra) == {"clip_norm"}  # frame is (Nv, D): nothing to index
     assert torch.equal(index.extra["clip_norm"], token_norms(video))
     assert index_token_norms(index, ("clip", "frame")) is index and "clip_norm" not in emb.extra
+
+
+def masked_fill_max(query, video, mask, norms):
+    """The retrieval formula written plainly: divide by both norms, fill padding with -1, take the max."""
+    cos = (query @ video.reshape(-1, video.shape[-1]).t()).view(query.shape[0], *video.shape[:2])  # (Nq, Nv, L)
+    cos = cos / (query.norm(dim=-1).clamp(min=1e-6)[:, None, None] * norms[None])
+    return cos.masked_fill(~mask[None], -1.0).amax(dim=-1)  # (Nq, Nv)
+
+
+def test_retrieval_blocks_equal_the_masked_fill_formula(monkeypatch):
+    """Adding -inf to padding and flooring padded videos at -1 is the masked fill's max: the same bits,
+    in one block or in blocks of one video; an all-padding video scores -1, a real -0.98 beats padding."""
+    query, video, mask = gallery(nv=9)
+    mask[2] = False
+    video[2] = 0.0
+    query[0] = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    video[4, 0], mask[4] = torch.tensor([-1.0, 0.2, 0.0, 0.0, 0.0, 0.0]), torch.arange(5) < 1
+    norms = token_norms(video)
+    expected = masked_fill_max(query, video, mask, norms)
+    for block in (1 << 21, video.shape[1] * query.shape[0], 1):
+        monkeypatch.setattr(scoring, "_RETRIEVAL_BLOCK_ELEMENTS", block)
+        with torch.no_grad():
+            got = max_scores(query, video, mask, video_norm=norms).sim
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert got[:, 2].eq(-1.0).all() and abs(got[0, 4].item() + 1 / 1.04 ** 0.5) < 1e-6
+
+
+def test_bf16_gallery_scores_are_float32_sums_of_exact_products():
+    """A gallery and queries holding bf16 values (bf16 autocast's outputs): index_token_norms keeps the
+    field in bf16 (same values, half the memory) and retrieval scores match float64 to float32 summation
+    error, with or without the CPU's bf16 units; the matmul precision setting is restored."""
+    from prvrlab.models.precision import _mkldnn_matmul
+
+    query, video, mask = gallery(nv=12, length=9, dim=64)
+    query, video = query.bfloat16().float(), video.bfloat16().float()
+    index = index_token_norms(VideoEmbedding(clip=video, frame=video[:, 0], frame_mask=None), ("clip",))
+    assert index.clip.dtype == torch.bfloat16 and torch.equal(index.clip.float(), video)
+    matmul = _mkldnn_matmul()
+    before = None if matmul is None else matmul.fp32_precision
+    with torch.no_grad():
+        got = max_scores(query, index.clip, mask, video_norm=index.extra["clip_norm"]).sim
+    assert matmul is None or matmul.fp32_precision == before
+    q64, v64 = query.double(), video.double()
+    cos = torch.einsum("qd,vld->qvl", q64, v64) / (q64.norm(dim=-1)[:, None, None] * v64.norm(dim=-1).clamp(min=1e-6)[None])
+    expected = cos.masked_fill(~mask[None], -1.0).amax(dim=-1).float()
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+    plain = index_token_norms(VideoEmbedding(clip=video + 1e-3, frame=video[:, 0], frame_mask=None), ("clip",))
+    assert plain.clip.dtype == torch.float32  # not bf16 values: kept as they are
+
+
+def test_bf16_products_switch_on_and_back():
+    from prvrlab.models.precision import _mkldnn_matmul, bf16_exact, bf16_products, native_low_precision
+
+    matmul = _mkldnn_matmul()
+    before = None if matmul is None else matmul.fp32_precision
+    with bf16_products(False) as on:
+        assert on is False and (matmul is None or matmul.fp32_precision == before)
+    with bf16_products() as on:
+        assert on == (matmul is not None and native_low_precision("cpu"))
+        assert not on or matmul.fp32_precision == "bf16"
+    assert matmul is None or matmul.fp32_precision == before
+    x = torch.randn(4, 3)
+    assert bf16_exact(x.bfloat16()) and bf16_exact(x.bfloat16().float()) and not bf16_exact(x.bfloat16().float() + 1e-3)
+
+
+def test_indexed_score_elements_count_videos_not_tokens():
+    from prvrlab.models.scoring import indexed_score_elements
+
+    _, video, mask = gallery(nv=7)
+    assert indexed_score_elements(VideoEmbedding(clip=video, frame=video, frame_mask=mask)) == 8 * 7

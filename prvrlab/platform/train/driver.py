@@ -315,7 +315,7 @@ def amp_note(cfg: ExperimentConfig, native: bool | None = None) -> str | None:
     if cfg.train.amp != "bf16" or cfg.train.use_gpu:
         return None
     if native is None:
-        from prvrlab.models.blocks import native_low_precision
+        from prvrlab.models.precision import native_low_precision
 
         native = native_low_precision("cpu")
     if native:
