@@ -33,6 +33,7 @@ equality is tested in tests/evaluation/test_eval_sharding.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -44,7 +45,7 @@ import torch
 from _common import (
     add_collection_options, add_host_allocator_option, bench_collection, machine, peak_rss_gib, tvr_config,
 )
-from prvrlab.allocator import set_host_allocator
+from prvrlab.allocator import primitive_cache_limit, set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
 from prvrlab.evaluation.retrieval import EvalResult, evaluate, evaluate_batches
@@ -137,7 +138,8 @@ def main() -> None:
         paths["naive"] = lambda split, amp: naive(model, collection, split, cfg.eval, amp, args.device)
     if args.peak_of is not None:
         before = peak_rss_gib()
-        res = paths[args.peak_of](args.splits[0], args.amp[0])
+        with primitive_cache_limit() if args.peak_of == "fast" else contextlib.nullcontext():  # as `prvrlab eval`
+            res = paths[args.peak_of](args.splits[0], args.amp[0])
         print(f"{before:.4f} {peak_rss_gib():.4f} {res.seconds:.3f}")
         return
     for amp in args.amp:

@@ -135,3 +135,21 @@ def test_release_gives_a_freed_blocks_pages_back_under_keep_only():
         results[mode] = (released == "True", int(dropped))
     assert results["keep"][0] and results["keep"][1] >= BLOCK // 2  # the hole's pages were resident until the release
     assert not results["system"][0] and abs(results["system"][1]) < BLOCK // 8  # system: unmapped at free already
+
+
+def test_primitive_cache_limit_sets_the_variable_inside_only(monkeypatch):
+    """Inside the block oneDNN's variable holds the cap; afterwards the environment is as it was, so
+    processes started later do not inherit it; a value the user set is left alone."""
+    from prvrlab.allocator import EVAL_PRIMITIVE_CACHE, PRIMITIVE_CACHE_VARIABLE, primitive_cache_limit
+
+    monkeypatch.delenv(PRIMITIVE_CACHE_VARIABLE, raising=False)
+    with primitive_cache_limit() as applied:
+        assert applied and os.environ[PRIMITIVE_CACHE_VARIABLE] == str(EVAL_PRIMITIVE_CACHE) == "64"
+    assert PRIMITIVE_CACHE_VARIABLE not in os.environ
+    with pytest.raises(RuntimeError), primitive_cache_limit(8):
+        raise RuntimeError("an evaluation that fails")
+    assert PRIMITIVE_CACHE_VARIABLE not in os.environ
+    monkeypatch.setenv(PRIMITIVE_CACHE_VARIABLE, "300")
+    with primitive_cache_limit() as applied:
+        assert not applied and os.environ[PRIMITIVE_CACHE_VARIABLE] == "300"
+    assert os.environ[PRIMITIVE_CACHE_VARIABLE] == "300"

@@ -89,7 +89,7 @@ class EvalConfig:
     """Evaluation batching (memory bound) and the splits evaluated at the end."""
 
     video_batch_size: int = 256  # videos encoded per forward (at most: fewer where memory asks, see evaluate())
-    query_batch_size: int = 1024  # queries encoded per forward
+    query_batch_size: int = 1024  # queries encoded per forward (at most: fewer where memory asks, see evaluate())
     score_chunk: int = 2048  # queries scored against all videos at once (at most, as video_batch_size)
     final_splits: list[str] = field(default_factory=lambda: ["val", "test"])
 

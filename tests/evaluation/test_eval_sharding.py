@@ -118,3 +118,25 @@ def test_two_gloo_ranks_equal_one_process(tiny_root, tmp_path):
         np.testing.assert_array_equal(np.array(got["ranks"]), plain.ranks, err_msg=name)
         assert got["metrics"] == pytest.approx(plain.metrics, abs=1e-9), name
         assert got["videos"] == index.num_videos, name
+
+
+def test_query_batches_fitted_to_memory_give_the_same_ranks(tiny_root, tmp_path, monkeypatch):
+    """A query budget of 3 queries' word features makes evaluate() encode 3 queries at a time instead
+    of the configured 11; the ranks are those of the plain split-order evaluation."""
+    cfg, collection, model = setup(tiny_root, tmp_path)
+    plain = plain_evaluation(model, collection, cfg)
+    sizes: list[int] = []
+    real = ev.encode_queries
+
+    def recording(model, batches, **kwargs):
+        def counted():
+            for batch in batches:
+                sizes.append(len(batch[0]))
+                yield batch
+        return real(model, counted(), **kwargs)
+
+    monkeypatch.setattr(ev, "encode_queries", recording)
+    monkeypatch.setattr(ev, "QUERY_BUDGET_BYTES", 3 * 4 * collection.max_query_len * collection.query_dim)
+    fast = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE)
+    assert max(sizes) == 3 and sum(sizes) == collection.split("val").num_queries
+    np.testing.assert_array_equal(fast.ranks, plain.ranks)

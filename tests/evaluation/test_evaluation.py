@@ -503,24 +503,31 @@ def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):
     np.testing.assert_array_equal(narrow.ranks, wide.ranks)
 
 
-def test_video_batch_size_fits_the_memory_budget(monkeypatch):
-    """Videos per encoding batch: their float32 clip + frame features within min(ENCODE_BUDGET_BYTES,
-    free memory / 16), at most the configured batch, at least 1."""
-    per_video = 4 * (32 + 128) * 3072  # TVR: 32 clips + 128 frames of 3,072-d features
+@pytest.mark.parametrize("size, budget, shape, configured, tvr", [
+    ("video_batch_size", "ENCODE_BUDGET_BYTES", (160, 3072), 256, 68),  # TVR: 32 clips + 128 frames, 3,072-d
+    ("query_batch_size", "QUERY_BUDGET_BYTES", (30, 768), 1024, 364),  # TVR: up to 30 words, 768-d
+])
+def test_batch_sizes_fit_the_memory_budget(monkeypatch, size, budget, shape, configured, tvr):
+    """Videos (queries) per encoding batch: their float32 features within min(budget, free memory / 16),
+    at most the configured batch, at least 1."""
+    per_item = 4 * shape[0] * shape[1]
+    fit = getattr(ev, size)
     monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
-    monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 10 * per_video + 5)
-    assert ev.video_batch_size(256, 160, 3072) == 10
-    assert ev.video_batch_size(7, 160, 3072) == 7
-    monkeypatch.setattr(ev, "_available_bytes", lambda: 16 * 3 * per_video)
-    assert ev.video_batch_size(256, 160, 3072) == 3
-    monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 0)
-    assert ev.video_batch_size(256, 160, 3072) == 1
+    assert fit(configured, *shape) == tvr == getattr(ev, budget) // per_item
+    monkeypatch.setattr(ev, budget, 10 * per_item + 5)
+    assert fit(configured, *shape) == 10
+    assert fit(7, *shape) == 7
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 16 * 3 * per_item)
+    assert fit(configured, *shape) == 3
+    monkeypatch.setattr(ev, budget, 0)
+    assert fit(configured, *shape) == 1
 
 
 @pytest.mark.parametrize("release", [False, True])
 def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release):
     """``release_memory`` (a process that only evaluates) gives malloc's free memory back after the video
-    and the query phase; training's evaluations (the default) never do, and the ranks do not change."""
+    and the query phase and after indexing the gallery; training's evaluations (the default) never do,
+    and the ranks do not change."""
     video_ids, clips, frames, mask, query_ids, queries, query_video, ratios = toy_split()
     phases: list[str] = []
     real_videos, real_queries = ev.encode_videos, ev.encode_queries
@@ -532,5 +539,5 @@ def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release)
         video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=3, device=DEVICE,
         release_memory=release,
     )
-    assert phases == (["videos", "release", "queries", "release"] if release else ["videos", "queries"])
+    assert phases == (["videos", "release", "queries", "release", "release"] if release else ["videos", "queries"])
     assert result.metrics["r1"] == pytest.approx(100.0)

@@ -57,7 +57,7 @@ def evaluate_checkpoint(
     amp: str = "none",
 ):
     """Evaluate the model in ``path`` on ``split``; optionally write per-query ranks."""
-    from prvrlab.allocator import set_host_allocator
+    from prvrlab.allocator import primitive_cache_limit, set_host_allocator
     from prvrlab.data.collection import open_collection
     from prvrlab.evaluation.metrics import save_ranks
     from prvrlab.evaluation.retrieval import evaluate, resolve_amp_dtype
@@ -76,9 +76,10 @@ def evaluate_checkpoint(
         raise DataError(f"{path}: weights do not fit the configured model: {exc}") from None
     device = torch.device("cpu")
     set_host_allocator(cfg.train.host_allocator)
-    result = evaluate(
-        model, collection, split, cfg.eval, device=device, amp_dtype=resolve_amp_dtype(amp), release_memory=True
-    )
+    with primitive_cache_limit():  # one evaluation: the primitives of its batch shapes are not reused
+        result = evaluate(
+            model, collection, split, cfg.eval, device=device, amp_dtype=resolve_amp_dtype(amp), release_memory=True
+        )
     if ranks_out:
         save_ranks(Path(ranks_out), result.table)
     return result
