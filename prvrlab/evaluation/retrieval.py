@@ -156,6 +156,7 @@ def encode_videos(
     device: torch.device | str,
     amp_dtype: torch.dtype | str | None = None,
     allow_empty: bool = False,
+    release_memory: bool = False,
 ) -> tuple[VideoEmbedding | None, list[str]]:
     """Encode every video once; returns the concatenated embedding and the ids.
 
@@ -163,9 +164,12 @@ def encode_videos(
     frame_mask (B,Lf))``; batches may differ in ``Lf`` (the concatenation
     zero/False-pads it).  Runs under ``torch.inference_mode()`` with the model
     in eval mode; ``amp_dtype`` enables autocast for the encoders only and the
-    result is cast back to float32.  The caller restores the model's mode.
+    result is cast back to float32 (the batches' embeddings are kept as encoded
+    until then: half the memory under bf16).  The caller restores the model's mode.
     No batch at all is an error, or ``(None, [])`` with ``allow_empty`` (a
-    DDP rank without a share).
+    DDP rank without a share).  ``release_memory``: malloc's free memory is given
+    back before the gallery is assembled (see ``evaluate_batches``), so its
+    large tensors do not add to the encoders' freed blocks, which they cannot reuse.
     """
     device = torch.device(device)
     amp_dtype = resolve_amp_dtype(amp_dtype)
@@ -181,7 +185,7 @@ def encode_videos(
             frame_mask = mask_to(frame_mask, device, non_blocking=True)
             with _autocast(device, amp_dtype):
                 emb = model.encode_videos(clips, frames, frame_mask)
-            parts.append(_float32(emb))
+            parts.append(emb)  # as encoded (bf16 under bf16 autocast): half the memory until the end
             ids.extend(str(v) for v in video_ids)
             del clips, frames, frame_mask, emb  # freed before the next batch is read
     if not parts:
@@ -189,7 +193,11 @@ def encode_videos(
             return None, []
         raise ValueError("no video batch was yielded; cannot evaluate an empty split")
     _check_unique(ids, "video")
-    return VideoEmbedding.cat(parts), ids
+    if release_memory:
+        release_free_memory()
+    video = VideoEmbedding.cat(parts)
+    del parts  # the float32 copy below is then the only other one
+    return _float32(video), ids
 
 
 def encode_queries(
@@ -470,7 +478,8 @@ def evaluate_batches(
         t0 = time.perf_counter()
         sharded = world_size > 1  # a rank may have no share
         video_emb, yielded_videos = encode_videos(
-            model, video_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded
+            model, video_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded,
+            release_memory=release_memory,
         )
         if sharded:  # every rank scores against all videos
             shares = _all_gather((None if video_emb is None else _map_tensors(video_emb, Tensor.cpu), yielded_videos), world_size)

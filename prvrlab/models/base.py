@@ -15,6 +15,7 @@ training reads.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, ClassVar
@@ -185,16 +186,20 @@ def _cat(parts):
 
 
 def _pad_cat(tensors: list[Tensor]) -> Tensor:
-    if tensors[0].dim() < 2 or all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
+    """``torch.cat`` along dim 0 (with its type promotion), zero/False-padding dim 1 to the longest;
+    each part is copied once into the result (no padded copy of every part beside it)."""
+    first = tensors[0]
+    if first.dim() < 2 or all(t.shape[1:] == first.shape[1:] for t in tensors):
         return torch.cat(tensors, dim=0)
-    length = max(t.shape[1] for t in tensors)
-    padded = []
+    if any(t.dim() != first.dim() or t.shape[2:] != first.shape[2:] for t in tensors):
+        raise ValueError(f"cannot concatenate tensors of shapes {sorted({tuple(t.shape) for t in tensors})}")
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    out = first.new_zeros((sum(t.shape[0] for t in tensors), max(t.shape[1] for t in tensors), *first.shape[2:]), dtype=dtype)
+    row = 0
     for t in tensors:
-        if t.shape[1] < length:
-            pad_shape = (t.shape[0], length - t.shape[1], *t.shape[2:])
-            t = torch.cat([t, t.new_zeros(pad_shape)], dim=1)
-        padded.append(t)
-    return torch.cat(padded, dim=0)
+        out[row : row + t.shape[0], : t.shape[1]] = t
+        row += t.shape[0]
+    return out
 
 
 @dataclass

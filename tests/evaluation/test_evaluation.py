@@ -525,9 +525,9 @@ def test_batch_sizes_fit_the_memory_budget(monkeypatch, size, budget, shape, con
 
 @pytest.mark.parametrize("release", [False, True])
 def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release):
-    """``release_memory`` (a process that only evaluates) gives malloc's free memory back after the video
-    and the query phase and after indexing the gallery; training's evaluations (the default) never do,
-    and the ranks do not change."""
+    """``release_memory`` (a process that only evaluates) gives malloc's free memory back before the
+    encoded videos are concatenated, after the video and the query phase and after indexing the gallery;
+    training's evaluations (the default) never do, and the ranks do not change."""
     video_ids, clips, frames, mask, query_ids, queries, query_video, ratios = toy_split()
     phases: list[str] = []
     real_videos, real_queries = ev.encode_videos, ev.encode_queries
@@ -539,5 +539,5 @@ def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release)
         video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=3, device=DEVICE,
         release_memory=release,
     )
-    assert phases == (["videos", "release", "queries", "release", "release"] if release else ["videos", "queries"])
+    assert phases == (["videos", "release", "release", "queries", "release", "release"] if release else ["videos", "queries"])
     assert result.metrics["r1"] == pytest.approx(100.0)

@@ -1,0 +1,53 @@
+"""VideoEmbedding / QueryEmbedding concatenation: zero/False padding to the longest part, torch.cat's
+type promotion, one copy of each part; a float32 result of bf16 parts equals the parts cast one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prvrlab.models.base import QueryEmbedding, VideoEmbedding
+
+
+def part(n: int, length: int, dtype=torch.float32, seed: int = 0) -> VideoEmbedding:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(length)[None] < torch.randint(1, length + 1, (n,), generator=g)[:, None]  # (n, L)
+    frame = (torch.randn(n, length, 4, generator=g) * mask[..., None]).to(dtype)  # (n, L, 4)
+    return VideoEmbedding(clip=torch.randn(n, 3, 4, generator=g).to(dtype), frame=frame, frame_mask=mask,
+                          extra={"frame_norm": torch.rand(n, length, generator=g)})
+
+
+def hand_cat(tensors: list[torch.Tensor], fill) -> torch.Tensor:
+    """Row by row into a list, each row padded with ``fill`` to the longest."""
+    length = max(t.shape[1] for t in tensors)
+    rows = []
+    for t in tensors:
+        for row in t:
+            pad = torch.full((length - row.shape[0], *row.shape[1:]), fill, dtype=row.dtype)
+            rows.append(torch.cat([row, pad]))
+    return torch.stack(rows)
+
+
+def test_cat_pads_every_field_to_the_longest_part():
+    parts = [part(2, 5, seed=1), part(3, 7, seed=2), part(1, 4, seed=3)]
+    whole = VideoEmbedding.cat(parts)
+    assert torch.equal(whole.frame, hand_cat([p.frame for p in parts], 0.0))
+    assert torch.equal(whole.frame_mask, hand_cat([p.frame_mask for p in parts], False))
+    assert torch.equal(whole.extra["frame_norm"], hand_cat([p.extra["frame_norm"] for p in parts], 0.0))
+    assert torch.equal(whole.clip, torch.cat([p.clip for p in parts]))  # same shapes: plain cat
+    queries = QueryEmbedding.cat([QueryEmbedding(vectors={"clip": torch.ones(2, 4)}),
+                                  QueryEmbedding(vectors={"clip": torch.zeros(3, 4)})])
+    assert queries.vectors["clip"].shape == (5, 4) and queries.vectors["clip"][:2].eq(1).all()
+
+
+def test_cat_promotes_like_torch_cat_and_refuses_other_trailing_shapes():
+    low, high = part(2, 5, torch.bfloat16, seed=1), part(3, 7, seed=2)
+    whole = VideoEmbedding.cat([low, high])
+    assert whole.frame.dtype == torch.float32  # a bf16 part never rounds a float32 one
+    assert torch.equal(whole.frame, hand_cat([low.frame.float(), high.frame], 0.0))
+    bf16 = VideoEmbedding.cat([low, part(3, 7, torch.bfloat16, seed=2)])
+    assert bf16.frame.dtype == torch.bfloat16
+    other = part(1, 6, seed=3)
+    other.frame = torch.zeros(1, 6, 5)
+    with pytest.raises(ValueError, match="cannot concatenate"):
+        VideoEmbedding.cat([high, other])
