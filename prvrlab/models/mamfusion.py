@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from prvrlab.checks import check_bool, check_choice, check_positive_int, check_probability
 from prvrlab.data.batch import Batch
-from prvrlab.models.base import BranchScores, QueryEmbedding, VideoEmbedding
+from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
     BackboneSizes,
@@ -343,6 +343,8 @@ class MamFusion(PooledFrameBackbone):
         frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         fused, _ = self._fuse(words, word_mask, frames[own], frame_mask[own], query.vectors["clip"])  # (Nq, D)
         return {"fused": fused}  # each query fused with its own video
+
+    score_elements = RetrievalModel.score_elements  # the fused pairs' chunks hold more than 8 floats a video
 
     def score(
         self, query: QueryEmbedding, video: VideoEmbedding, *, with_logits: bool = False

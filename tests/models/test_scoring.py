@@ -168,3 +168,20 @@ def test_indexed_score_elements_count_videos_not_tokens():
 
     _, video, mask = gallery(nv=7)
     assert indexed_score_elements(VideoEmbedding(clip=video, frame=video, frame_mask=mask)) == 8 * 7
+
+
+def test_backbones_declare_what_their_retrieval_scoring_holds():
+    """GMMFormer, v2 and ARL score through max_scores / vector_scores (8 floats a video per query);
+    MamFusion's fused pairs keep the default, one value per video token."""
+    from prvrlab.models.arl import ARLModel
+    from prvrlab.models.base import RetrievalModel
+    from prvrlab.models.gmmformer import GMMFormer
+    from prvrlab.models.gmmformer_v2 import GMMFormerV2
+    from prvrlab.models.mamfusion import MamFusion
+    from prvrlab.models.scoring import indexed_score_elements
+
+    _, video, mask = gallery(nv=7)
+    emb = VideoEmbedding(clip=video, frame=video, frame_mask=mask)
+    for model in (GMMFormer, GMMFormerV2, ARLModel):
+        assert model.score_elements(emb) == 8 * 7 == indexed_score_elements(emb)
+    assert MamFusion.score_elements is RetrievalModel.score_elements
