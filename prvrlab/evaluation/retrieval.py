@@ -113,9 +113,13 @@ def _map_tensors(emb, fn):
     return dataclasses.replace(emb, **changes)
 
 
-def _float32(emb):
-    """A copy of an embedding dataclass with every floating tensor in float32."""
-    return _map_tensors(emb, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
+def _float32(emb, keep: tuple[str, ...] = ()):
+    """A copy of an embedding dataclass with every floating tensor in float32, except the fields ``keep``
+    (``RetrievalModel.low_precision_fields``), left as they are."""
+    kept = {name: getattr(emb, name) for name in keep}
+    cast = _map_tensors(dataclasses.replace(emb, **dict.fromkeys(kept)),  # the kept fields are not copied
+                        lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
+    return dataclasses.replace(cast, **kept)
 
 
 def _num_rows(emb) -> int:
@@ -165,7 +169,8 @@ def encode_videos(
     zero/False-pads it).  Runs under ``torch.inference_mode()`` with the model
     in eval mode; ``amp_dtype`` enables autocast for the encoders only and the
     result is cast back to float32 (the batches' embeddings are kept as encoded
-    until then: half the memory under bf16).  The caller restores the model's mode.
+    until then: half the memory under bf16), except the model's
+    ``low_precision_fields``, which stay as encoded.  The caller restores the model's mode.
     No batch at all is an error, or ``(None, [])`` with ``allow_empty`` (a
     DDP rank without a share).  ``release_memory``: malloc's free memory is given
     back before the gallery is assembled (see ``evaluate_batches``), so its
@@ -197,7 +202,7 @@ def encode_videos(
         release_free_memory()
     video = VideoEmbedding.cat(parts)
     del parts  # the float32 copy below is then the only other one
-    return _float32(video), ids
+    return _float32(video, keep=tuple(getattr(model, "low_precision_fields", ()))), ids
 
 
 def encode_queries(

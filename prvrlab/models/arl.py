@@ -97,6 +97,7 @@ class ARLModel(RetrievalModel):
         )
 
     score_elements = staticmethod(indexed_score_elements)
+    low_precision_fields = ("frame",)  # max-scored, indexed by index_token_norms
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds the frames' norms (:func:`~prvrlab.models.scoring.index_token_norms`)."""

@@ -287,12 +287,16 @@ class RetrievalModel(nn.Module):
     ``legacy_keys`` maps the state-dict key prefixes of a backbone's earlier
     module layouts to the current ones: ``load_state_dict`` renames them, so
     checkpoints written before a layout change keep loading.
+    ``low_precision_fields`` names the VideoEmbedding fields that ``index_videos``
+    and ``score`` take in any float dtype: evaluation keeps them as encoded (bf16
+    under bf16 autocast) instead of casting the gallery to float32.
     """
 
     score_weights: dict[str, float]
     # Capabilities this backbone can supply (names from prvrlab.models.component).
     provides: ClassVar[frozenset[str]] = frozenset()
     legacy_keys: ClassVar[Mapping[str, str]] = {}
+    low_precision_fields: ClassVar[tuple[str, ...]] = ()
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         rename_legacy_keys(state_dict, prefix, self.legacy_keys)  # before the sub-modules read their keys

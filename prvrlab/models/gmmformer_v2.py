@@ -413,6 +413,7 @@ class GMMFormerV2(RetrievalModel):
         )
 
     score_elements = staticmethod(indexed_score_elements)
+    low_precision_fields = ("clip", "frame")  # max-scored, indexed by index_token_norms
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds the clips' and frames' norms (:func:`~prvrlab.models.scoring.index_token_norms`)."""

@@ -33,9 +33,12 @@ def vector_scores(query: Tensor, video: Tensor, *, with_logits: bool = False) ->
 
 
 def token_norms(video: Tensor) -> Tensor:
-    """(Nv, L, D) vectors -> (Nv, L) float32 norms, clamped as :func:`max_scores` divides by them."""
+    """(Nv, L, D) vectors -> (Nv, L) float32 norms, clamped as :func:`max_scores` divides by them
+    (of a bf16 ``video``, 256 videos at a time: never a float32 copy of all of it)."""
     with torch.autocast(device_type=video.device.type, enabled=False):
-        return video.float().norm(dim=-1).clamp(min=_EPS)
+        if video.dtype == torch.float32 or len(video) <= 256:
+            return video.float().norm(dim=-1).clamp(min=_EPS)
+        return torch.cat([token_norms(video[i : i + 256]) for i in range(0, len(video), 256)])
 
 
 def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbedding:
@@ -44,7 +47,8 @@ def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbed
     they cost as much memory traffic as the score product itself (GMMFormer v2's frames at TVR's test
     size: 0.4 GB read per chunk).  A field whose values are all bf16 values (encoded under bf16
     autocast) is kept in bf16: half the memory, the same values, and :func:`max_scores` then multiplies
-    it on the bf16 units.  An indexed gallery is returned as it is."""
+    it on the bf16 units (a backbone that lists the field in ``low_precision_fields`` gets it in bf16
+    from evaluation already).  An indexed gallery is returned as it is."""
     extra = dict(video.extra)
     fields: dict[str, Tensor] = {}
     for name in names:

@@ -140,3 +140,29 @@ def test_query_batches_fitted_to_memory_give_the_same_ranks(tiny_root, tmp_path,
     fast = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE)
     assert max(sizes) == 3 and sum(sizes) == collection.split("val").num_queries
     np.testing.assert_array_equal(fast.ranks, plain.ranks)
+
+
+def test_low_precision_fields_stay_as_encoded_and_move_no_rank(tiny_root, tmp_path, monkeypatch):
+    """GMMFormer v2 declares its clips and frames ``low_precision_fields``: under bf16 autocast the
+    gallery it is given holds them in bf16 (where bf16 runs natively), the rest in float32, and the ranks
+    equal those of a gallery cast to float32 (the same values)."""
+    from prvrlab.models.gmmformer_v2 import GMMFormerV2
+
+    raw = small_raw(tiny_root, tmp_path)
+    raw["model"] = {"name": "gmmformer_v2", "hidden_size": 32, "num_heads": 2, "dropout": 0.0}
+    raw["eval"] = {"video_batch_size": 7, "query_batch_size": 11, "score_chunk": 13}
+    cfg = validate(raw)
+    collection = open_collection(cfg.data)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    galleries = []
+    real = ev.encode_videos
+    monkeypatch.setattr(ev, "encode_videos", lambda *a, **k: galleries.append(real(*a, **k)) or galleries[-1])
+    kept = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE, amp_dtype="bf16")
+    monkeypatch.setattr(GMMFormerV2, "low_precision_fields", ())
+    cast = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE, amp_dtype="bf16")
+    native = ev.native_low_precision(torch.device(DEVICE).type)
+    low = torch.bfloat16 if native else torch.float32
+    assert (galleries[0][0].clip.dtype, galleries[0][0].frame.dtype) == (low, low)
+    assert (galleries[1][0].clip.dtype, galleries[1][0].frame.dtype) == (torch.float32, torch.float32)
+    np.testing.assert_array_equal(kept.ranks, cast.ranks)

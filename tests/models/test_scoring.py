@@ -185,3 +185,8 @@ def test_backbones_declare_what_their_retrieval_scoring_holds():
     for model in (GMMFormer, GMMFormerV2, ARLModel):
         assert model.score_elements(emb) == 8 * 7 == indexed_score_elements(emb)
     assert MamFusion.score_elements is RetrievalModel.score_elements
+
+
+def test_token_norms_of_a_bf16_gallery_in_pieces_equal_the_float32_ones():
+    video = torch.randn(600, 3, 8, generator=torch.Generator().manual_seed(4)).bfloat16()  # 3 pieces of 256
+    assert torch.equal(token_norms(video), token_norms(video.float()))
