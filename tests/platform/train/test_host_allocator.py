@@ -24,7 +24,8 @@ def test_training_and_checkpoint_evaluation_apply_the_configured_allocator(tiny_
     applied.clear()
     evaluate_checkpoint(tmp_path / "run" / "best_model.pt", split="val")
     assert applied == ["system"]
-    assert released == [True, True]  # an evaluation alone: after the video and the query phase
+    # an evaluation alone: before the gallery is concatenated, after the video and the query phase, after indexing
+    assert released == [True] * 4
 
 
 def test_the_default_is_keep(tiny_root, tmp_path):
