@@ -276,7 +276,8 @@ def query_batch_size(configured: int, max_words: int, query_dim: int) -> int:
 
 
 def _fitting(configured: int, item_bytes: int, budget_bytes: int) -> int:
-    """``configured`` items, fewer where ``item_bytes`` each exceed min(``budget_bytes``, free memory / 16); at least 1."""
+    """``configured`` items, fewer where ``item_bytes`` each exceed min(``budget_bytes``, free memory / 16);
+    at least 1."""
     budget = min(budget_bytes, _available_bytes() // 16)
     return max(1, min(int(configured), budget // max(1, item_bytes)))
 

@@ -19,6 +19,8 @@ from prvrlab.models.precision import bf16_exact, bf16_products
 _MAX_CHUNK_ELEMENTS = 1 << 26
 # The same at retrieval on a CPU, where a block's scores are reduced while in the caches (8 MiB).
 _RETRIEVAL_BLOCK_ELEMENTS = 1 << 21
+# Videos per piece where a bf16 gallery is read in float32 at indexing (never a float32 copy of all of it).
+_INDEX_PIECE = 256
 _EPS = 1e-6
 
 
@@ -34,11 +36,11 @@ def vector_scores(query: Tensor, video: Tensor, *, with_logits: bool = False) ->
 
 def token_norms(video: Tensor) -> Tensor:
     """(Nv, L, D) vectors -> (Nv, L) float32 norms, clamped as :func:`max_scores` divides by them
-    (of a bf16 ``video``, 256 videos at a time: never a float32 copy of all of it)."""
+    (of a bf16 ``video``, :data:`_INDEX_PIECE` videos at a time)."""
     with torch.autocast(device_type=video.device.type, enabled=False):
-        if video.dtype == torch.float32 or len(video) <= 256:
+        if video.dtype == torch.float32 or len(video) <= _INDEX_PIECE:
             return video.float().norm(dim=-1).clamp(min=_EPS)
-        return torch.cat([token_norms(video[i : i + 256]) for i in range(0, len(video), 256)])
+        return torch.cat([token_norms(video[i : i + _INDEX_PIECE]) for i in range(0, len(video), _INDEX_PIECE)])
 
 
 def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbedding:
@@ -57,8 +59,9 @@ def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbed
             extra[f"{name}_norm"] = token_norms(field)  # (Nv, L)
             if field.dtype == torch.float32:
                 low = field.to(torch.bfloat16)  # (Nv, L, D)
-                if all(torch.equal(low[i : i + 256].float(), field[i : i + 256]) for i in range(0, len(field), 256)):
-                    fields[name] = low  # the same values (compared 256 videos at a time: no float32 copy of all)
+                pieces = range(0, len(field), _INDEX_PIECE)
+                if all(torch.equal(low[i : i + _INDEX_PIECE].float(), field[i : i + _INDEX_PIECE]) for i in pieces):
+                    fields[name] = low  # the same values
     return video if extra.keys() == video.extra.keys() else replace(video, extra=extra, **fields)
 
 
@@ -111,7 +114,7 @@ def max_scores(
             dots = (q @ v.reshape(c * length, dim).t()).view(nq, c, length)  # (Nq, C, L)
             v_norm = token_norms(v) if video_norm is None else video_norm[start : start + chunk]  # (C, L)
             denominator = q_norm[:, None, None] * v_norm[None]  # (Nq, C, L)
-            cos = dots.div_(denominator) if in_place and not with_logits else dots / denominator  # (Nq, C, L)
+            cos = dots / denominator  # (Nq, C, L); dots stays for the logits
             if mask is not None:
                 pad = ~mask[start : start + chunk].to(torch.bool)[None]  # (1, C, L)
                 cos = cos.masked_fill_(pad, -1.0) if in_place else cos.masked_fill(pad, -1.0)
@@ -127,13 +130,15 @@ def max_scores(
         return BranchScores(sim=sim, logits=logit)
 
 
-def _retrieval_max_cosine(query: Tensor, video: Tensor, mask: Tensor | None, video_norm: Tensor | None) -> Tensor:
+def _retrieval_max_cosine(
+    query: Tensor, video: Tensor, mask: Tensor | None, video_norm: Tensor | None
+) -> Tensor:
     """:func:`max_scores`' ``sim`` without autograd or logits (retrieval), the same float32 arithmetic
     in blocks of videos, on a CPU cache-sized ones (the (Nq, C, L) cosines of a block are written,
-    divided and reduced while they are in the caches: :data:`_RETRIEVAL_BLOCK_ELEMENTS`).  Padded tokens are pushed below
-    every cosine by adding -inf (not a masked fill: one pass fewer over the block) and a video with
-    padding is floored at -1 afterwards, which is the masked fill's max.  Where the query and the
-    gallery hold bf16 values (bf16 autocast encoded them), the products run on the CPU's bf16 units
+    divided and reduced while they are in the caches: :data:`_RETRIEVAL_BLOCK_ELEMENTS`).  Padded
+    tokens are pushed below every cosine by adding -inf (not a masked fill: one pass fewer over the
+    block) and a video with padding is floored at -1 afterwards, which is the masked fill's max.  Where
+    the query and the gallery hold bf16 values (bf16 autocast encoded them), the products run on the CPU's bf16 units
     (:func:`~prvrlab.models.precision.bf16_products`): exact products, float32 sums and results."""
     nq = query.shape[0]
     nv, length, dim = video.shape
