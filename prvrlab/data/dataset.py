@@ -48,13 +48,21 @@ class VideoDataset(Dataset):
     def __len__(self) -> int:
         return self.index.num_videos
 
-    def video(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Preprocessed ``(frames (Lf, Dv), clips (Lc, Dv))`` of video ``i``."""
+    def video(
+        self, i: int, *, frames_out: np.ndarray | None = None, clips_out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Preprocessed ``(frames (Lf, Dv), clips (Lc, Dv))`` of video ``i``, written into ``frames_out``
+        / ``clips_out`` when given (e.g. rows of a padded batch; a ``frames_out`` of other than Lf rows is
+        an error naming the video)."""
         c = self.collection
-        raw = c.visual.frames(self.index.video_ids[i])  # (n, Dv)
+        video_id = self.index.video_ids[i]
+        raw = c.visual.frames(video_id)  # (n, Dv)
+        if frames_out is not None and frames_out.shape[0] != min(raw.shape[0], c.max_frames):
+            raise ValueError(f"video {video_id!r}: {min(raw.shape[0], c.max_frames)} frames after preprocessing, "
+                             f"its index says {frames_out.shape[0]}")
         return (
-            preprocess_frames(raw, c.max_frames, last_bin=c.last_bin, normalize=c.normalize),
-            preprocess_clips(raw, c.num_clips, last_bin=c.last_bin, normalize=c.normalize),
+            preprocess_frames(raw, c.max_frames, last_bin=c.last_bin, normalize=c.normalize, out=frames_out),
+            preprocess_clips(raw, c.num_clips, last_bin=c.last_bin, normalize=c.normalize, out=clips_out),
         )
 
     def query(self, j: int) -> np.ndarray:
@@ -298,10 +306,7 @@ class _EvalBatches(Dataset):
         frames = np.zeros((len(items), longest, c.video_dim), dtype=np.float32)  # (B, Lf, Dv)
         clips = np.empty((len(items), c.num_clips, c.video_dim), dtype=np.float32)  # (B, Lc, Dv)
         for row, i in enumerate(items):
-            f, clips[row] = self.dataset.video(i)  # (L_i, Dv), (Lc, Dv)
-            if f.shape[0] != lengths[row]:
-                raise ValueError(f"video {ids[row]!r}: {f.shape[0]} frames after preprocessing, its index says {lengths[row]}")
-            frames[row, : f.shape[0]] = f
+            self.dataset.video(i, frames_out=frames[row, : lengths[row]], clips_out=clips[row])  # (L_i, Dv), (Lc, Dv)
         return torch.from_numpy(clips), torch.from_numpy(frames), prefix_mask(lengths, longest)
 
     def __getitem__(self, k: int) -> tuple:

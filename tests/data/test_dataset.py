@@ -193,3 +193,18 @@ def test_last_bin_setting_reaches_the_dataset(toy_cfg):
     np.testing.assert_array_equal(official[0].clips[:-1], inclusive[0].clips[:-1])
     np.testing.assert_allclose(official[0].clips[-1], _unit(raw[136:139].mean(0)), rtol=1e-5)
     np.testing.assert_allclose(inclusive[0].clips[-1], _unit(raw[136:140].mean(0)), rtol=1e-5)
+
+
+def test_eval_video_batches_equal_the_items_and_refuse_a_length_the_index_does_not_say(toy_cfg, monkeypatch):
+    col = open_collection(toy_cfg)
+    ds = VideoDataset(col, "train")
+    for ids, clips, frames, frame_mask in video_batches(col, "train", 2, by_length=True):
+        for row, vid in enumerate(ids):
+            item = ds[ds.index.video_ids.index(vid)]
+            n = len(item.frames)  # preprocessed straight into the padded rows: the same values as the item's
+            np.testing.assert_array_equal(frames[row, :n].numpy(), item.frames)
+            np.testing.assert_array_equal(clips[row].numpy(), item.clips)
+            assert not frames[row, n:].any() and frame_mask[row].sum().item() == n
+    monkeypatch.setattr(type(col.visual), "num_frames", lambda self, v: 4)  # the index says 4 frames a video
+    with pytest.raises(ValueError, match=r"video 'v[A-C]': \d+ frames after preprocessing, its index says 4"):
+        list(video_batches(col, "train", 2))

@@ -186,3 +186,51 @@ def test_official_is_the_default_and_bad_choice_rejected():
     np.testing.assert_array_equal(preprocess_clips(x + 1, 32), preprocess_clips(x + 1, 32, last_bin="official"))
     with pytest.raises(ValueError, match="last_bin"):
         mean_pool_bins(x, 32, last_bin="closed")
+
+
+def _bins_row_by_row(x: np.ndarray, num_bins: int, last_bin: str) -> np.ndarray:
+    """Reference for the exact float32 values: each bin's rows added one after another in float32 (the
+    reference code's per-bin mean sums so), divided in float64 and rounded to float32."""
+    n = len(x)
+    edges = [min(round(i * n / num_bins), n - 1) if last_bin == "official" else round(i * n / num_bins)
+             for i in range(num_bins + 1)]
+    out = np.empty((num_bins, x.shape[1]), np.float32)
+    for i in range(num_bins):
+        s, e = edges[i], edges[i + 1]
+        if s >= e:
+            out[i] = x[min(s, n - 1)]
+            continue
+        acc = x[s].copy()
+        for r in range(s + 1, e):
+            acc = (acc + x[r]).astype(np.float32)
+        out[i] = (acc.astype(np.float64) / (e - s)).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 5, 33, 70, 129, 401, 1300])
+@pytest.mark.parametrize("last_bin", ["official", "inclusive"])
+def test_bins_sum_rows_in_order_bit_for_bit(n, last_bin):
+    # bins of 1 to 40 rows summed for all bins at once must equal the one-bin-at-a-time row order exactly
+    x = (np.random.default_rng(n).standard_normal((n, 6)) * 1e3).astype(np.float32)
+    for num_bins in (32, 128):
+        np.testing.assert_array_equal(mean_pool_bins(x, num_bins, last_bin=last_bin),
+                                      _bins_row_by_row(x, num_bins, last_bin))
+
+
+@pytest.mark.parametrize("normalize", ["official", "exact"])
+def test_preprocessing_writes_into_rows_of_a_padded_batch(normalize):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((150, 8)).astype(np.float32)
+    x[4] = 0.0  # a zero frame stays zero
+    frames = np.full((2, 140, 8), 9.0, np.float32)  # (B, Lf, D) a padded batch, row 1 for this video
+    clips = np.full((2, 32, 8), 9.0, np.float32)  # (B, Lc, D)
+    short = x[:60]
+    got_f = preprocess_frames(short, 128, normalize=normalize, out=frames[1, :60])
+    got_c = preprocess_clips(x, 32, normalize=normalize, out=clips[1])
+    assert np.shares_memory(got_f, frames) and np.shares_memory(got_c, clips)
+    np.testing.assert_array_equal(frames[1, :60], preprocess_frames(short, 128, normalize=normalize))
+    np.testing.assert_array_equal(clips[1], preprocess_clips(x, 32, normalize=normalize))
+    assert (frames[1, 60:] == 9.0).all() and (frames[0] == 9.0).all() and (clips[0] == 9.0).all()  # nothing else written
+    pooled = np.empty((128, 8), np.float32)
+    preprocess_frames(x, 128, normalize=normalize, out=pooled)  # pooled first (150 > 128), then normalised into out
+    np.testing.assert_array_equal(pooled, preprocess_frames(x, 128, normalize=normalize))
