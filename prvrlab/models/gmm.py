@@ -74,6 +74,7 @@ from prvrlab.models.blocks import (
     dropout_draw,
     dropout_mask,
     mask_from_draw,
+    project,
     resolve_ffn_size,
 )
 from prvrlab.models.precision import native_low_precision
@@ -466,11 +467,11 @@ class GaussianAttention(nn.Module):
         K = len(sigmas)
         rows, positions = (None, None) if packing.index is None else (packing.rows(), packing.positions)  # (N,) each
         if K == self.num_branches and self.fast and not self.training and packing.padded_first():  # no 3*K*D unpacking
-            qkv = self.qkv(packing.unpack(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
+            qkv = project(self.qkv, packing.unpack(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
             heads = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, K, H, L, Dh) each, strided
         else:
             if K == self.num_branches:
-                projected = self.qkv(x)  # (N, 3*K*D)
+                projected = project(self.qkv, x)  # (N, 3*K*D)
             else:  # the rows of these branches' Q, K and V
                 D, weight, bias = self.hidden_size, self.qkv.weight, self.qkv.bias
                 weight = weight.view(3, self.num_branches, D, -1)[:, branches].reshape(3 * K * D, -1)  # (3*k*D, D)

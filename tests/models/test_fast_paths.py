@@ -304,7 +304,7 @@ def test_branch_mlp_inference_equals_batched_autograd_path(monkeypatch, amp, wit
             if layer is not None:
                 layer.weight.normal_(0.0, 0.5)
                 layer.bias.normal_(0.0, 0.5)
-    monkeypatch.setattr(blocks, "_fused_linear_relu", lambda: fused and blocks.torch.backends.mkldnn.is_available())
+    monkeypatch.setattr(blocks, "_fused_linear", lambda: fused and blocks.torch.backends.mkldnn.is_available())
     for branches in (slice(None), slice(1, 3)):
         x = torch.randn(4 if branches == slice(None) else 2, 9, 6)
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
@@ -468,3 +468,48 @@ def test_batched_branch_gemms_equal_per_branch_ones(with_second):
     probe = torch.randn_like(batched)
     for a, b in zip(torch.autograd.grad(batched, [x, *params], probe), torch.autograd.grad(per_branch, [x, *params], probe)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not blocks._fused_linear(), reason="this torch has no oneDNN fused linear")
+def test_project_adds_the_bias_inside_the_gemm_with_the_same_values(monkeypatch):
+    """blocks.project at bf16 inference equals the module call bit for bit (bf16 operands, float32 sums
+    plus the bias, one rounding); it falls back to the module elsewhere."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 96)
+    with torch.no_grad():
+        layer.bias.normal_(0.0, 3.0)  # a bias that shows if it were dropped or added twice
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(blocks.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a) or real(*a))
+    x32, x16 = torch.randn(2, 37, 48), torch.randn(70, 48).bfloat16()
+    with torch.inference_mode():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = layer(x32)
+            got = blocks.project(layer, x32)  # float32 input under autocast
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+        assert torch.equal(blocks.project(layer.bfloat16(), x16), layer(x16)) and len(calls) == 2
+        layer.float()
+        assert torch.equal(blocks.project(layer, x32), layer(x32))  # float32: the module (MKL's GEMM)
+        strided = x32.transpose(0, 1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(blocks.project(layer, strided), layer(strided))  # not contiguous: the module
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trained = blocks.project(layer, x32)  # autograd on: the module, with its graph
+    assert trained.requires_grad and len(calls) == 2
+
+
+@pytest.mark.parametrize("sigmas", [["inf", 0.5, 1.0], [0.5, 1.0, 3.0, 5.0]])
+def test_attention_inference_is_unchanged_by_the_fused_bias(monkeypatch, sigmas):
+    """GaussianAttention's Q/K/V through blocks.project: the same bf16 outputs as the plain module call,
+    on a padded batch (packed path) and on a barely padded one (the padded-first path)."""
+    torch.manual_seed(1)
+    att = GaussianAttention(hidden_size=16, num_heads=2, sigmas=sigmas).eval()
+    for lengths in ([9, 3, 6], [9, 9, 8]):
+        mask = torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]  # (B, L)
+        x = torch.randn(len(lengths), 9, 16)
+        outs = []
+        for fused in (True, False):
+            monkeypatch.setattr(blocks, "_fused_linear", lambda fused=fused: fused and blocks.torch.backends.mkldnn.is_available())
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(att(x, mask))
+        assert torch.equal(outs[0], outs[1])
