@@ -122,6 +122,19 @@ def _float32(emb, keep: tuple[str, ...] = ()):
     return dataclasses.replace(cast, **kept)
 
 
+def _stored(emb, fields: tuple[str, ...], amp_dtype: torch.dtype | None):
+    """``emb`` with its ``fields`` (``RetrievalModel.low_precision_fields``) in ``amp_dtype`` where they
+    are floating tensors of another dtype (an encoder whose last op ran in float32, e.g. GMMFormer's
+    clips after their LayerNorms): a bf16 evaluation stores and scores them as bf16 values.  Unchanged
+    without ``amp_dtype``."""
+    if amp_dtype is None:
+        return emb
+    cast = {name: getattr(emb, name).to(amp_dtype) for name in fields
+            if isinstance(getattr(emb, name), Tensor) and getattr(emb, name).is_floating_point()
+            and getattr(emb, name).dtype != amp_dtype}
+    return dataclasses.replace(emb, **cast) if cast else emb
+
+
 def _num_rows(emb) -> int:
     """First dimension shared by every tensor of an embedding dataclass."""
     sizes = set()
@@ -170,7 +183,7 @@ def encode_videos(
     in eval mode; ``amp_dtype`` enables autocast for the encoders only and the
     result is cast back to float32 (the batches' embeddings are kept as encoded
     until then: half the memory under bf16), except the model's
-    ``low_precision_fields``, which stay as encoded.  The caller restores the model's mode.
+    ``low_precision_fields``, which are stored in the autocast dtype.  The caller restores the model's mode.
     No batch at all is an error, or ``(None, [])`` with ``allow_empty`` (a
     DDP rank without a share).  ``release_memory``: malloc's free memory is given
     back before the gallery is assembled (see ``evaluate_batches``), so its
@@ -178,6 +191,7 @@ def encode_videos(
     """
     device = torch.device(device)
     amp_dtype = resolve_amp_dtype(amp_dtype)
+    low_precision = tuple(getattr(model, "low_precision_fields", ()))
     model.eval()
     parts: list[VideoEmbedding] = []
     ids: list[str] = []
@@ -190,7 +204,7 @@ def encode_videos(
             frame_mask = mask_to(frame_mask, device, non_blocking=True)
             with _autocast(device, amp_dtype):
                 emb = model.encode_videos(clips, frames, frame_mask)
-            parts.append(emb)  # as encoded (bf16 under bf16 autocast): half the memory until the end
+            parts.append(_stored(emb, low_precision, amp_dtype))  # bf16 under bf16 autocast: half the memory
             ids.extend(str(v) for v in video_ids)
             del clips, frames, frame_mask, emb  # freed before the next batch is read
     if not parts:
@@ -202,7 +216,7 @@ def encode_videos(
         release_free_memory()
     video = VideoEmbedding.cat(parts)
     del parts  # the float32 copy below is then the only other one
-    return _float32(video, keep=tuple(getattr(model, "low_precision_fields", ()))), ids
+    return _float32(video, keep=low_precision), ids
 
 
 def encode_queries(

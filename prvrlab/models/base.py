@@ -288,8 +288,9 @@ class RetrievalModel(nn.Module):
     module layouts to the current ones: ``load_state_dict`` renames them, so
     checkpoints written before a layout change keep loading.
     ``low_precision_fields`` names the VideoEmbedding fields that ``index_videos``
-    and ``score`` take in any float dtype: evaluation keeps them as encoded (bf16
-    under bf16 autocast) instead of casting the gallery to float32.
+    and ``score`` take in any float dtype: an evaluation under autocast stores them
+    in its dtype (bf16 under bf16 autocast, rounded where the encoder's last op ran
+    in float32) instead of casting the gallery to float32.
     """
 
     score_weights: dict[str, float]

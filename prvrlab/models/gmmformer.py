@@ -57,6 +57,7 @@ class GMMFormer(PooledFrameBackbone):
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
+    low_precision_fields = ("clip",)  # max-scored: bf16 products in a bf16 evaluation
     legacy_keys = {
         **legacy_encoder_keys("query", layers="query_encoder", single_layer=True, pool="query_pool"),
         **legacy_encoder_keys("clip", layers="clip_blocks"),

@@ -53,6 +53,7 @@ class ICEBase(PooledFrameBackbone):
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
+    low_precision_fields = ("clip",)  # max-scored: bf16 products in a bf16 evaluation
     branches = ("moment", "video")
     legacy_keys = {
         **legacy_encoder_keys("query", layers="query_encoder", pool="query_pool"),

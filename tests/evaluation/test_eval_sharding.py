@@ -3,6 +3,7 @@ and encoding + scoring sharded over 2 gloo DDP processes, give the single-proces
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -166,3 +167,39 @@ def test_low_precision_fields_stay_as_encoded_and_move_no_rank(tiny_root, tmp_pa
     assert (galleries[0][0].clip.dtype, galleries[0][0].frame.dtype) == (low, low)
     assert (galleries[1][0].clip.dtype, galleries[1][0].frame.dtype) == (torch.float32, torch.float32)
     np.testing.assert_array_equal(kept.ranks, cast.ranks)
+
+
+@pytest.mark.parametrize("backbone", ["gmmformer", "ice_base"])
+def test_float32_encoded_clips_are_stored_as_bf16_values_in_a_bf16_evaluation(tiny_root, tmp_path, monkeypatch, backbone):
+    """GMMFormer's and the ICE base model's clips leave their encoder in float32 (LayerNorms last); a
+    bf16 evaluation stores them rounded to bf16 (low_precision_fields), where bf16 runs natively, and its
+    ranks are those of the float32 gallery rounded to bf16 by hand (that bf16 products equal float32 ones
+    on bf16 values is tests/models/test_scoring.py's)."""
+    raw = small_raw(tiny_root, tmp_path)
+    raw["model"] = {"name": backbone, "hidden_size": 32, "num_heads": 2, "dropout": 0.0}
+    raw["eval"] = {"video_batch_size": 7, "query_batch_size": 11, "score_chunk": 13}
+    if backbone == "ice_base":  # its branches: moment (the clips) and video
+        raw["losses"] = {"moment_nce": {"loss": "infonce", "weight": 1.0, "branch": "moment"}}
+    cfg = validate(raw)
+    collection = open_collection(cfg.data)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    galleries, ranked = [], []
+    real_videos, real_ranks = ev.encode_videos, ev.compute_ranks
+    monkeypatch.setattr(ev, "encode_videos", lambda *a, **k: galleries.append(real_videos(*a, **k)) or galleries[-1])
+    monkeypatch.setattr(ev, "compute_ranks", lambda m, q, v, *a, **k: ranked.append((q, v, a, k)) or real_ranks(m, q, v, *a, **k))
+    stored = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE, amp_dtype="bf16")
+    monkeypatch.setattr(type(model), "low_precision_fields", ())
+    plain = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE, amp_dtype="bf16")
+    if not ev.native_low_precision(torch.device(DEVICE).type):  # emulated bf16: evaluate() runs float32
+        assert galleries[0][0].clip.dtype == galleries[1][0].clip.dtype == torch.float32
+        np.testing.assert_array_equal(stored.ranks, plain.ranks)
+        return
+    low, full = galleries[0][0].clip, galleries[1][0].clip  # (Nv, Lc, D) each
+    assert low.dtype == torch.bfloat16 and full.dtype == torch.float32 and galleries[0][0].frame.dtype == torch.float32
+    assert not torch.equal(full, full.bfloat16().float())  # float32 values: the rounding is real
+    assert torch.equal(low, full.bfloat16())
+    query, video, args, kwargs = ranked[1]  # the float32 gallery, rounded here and indexed again
+    rounded = dataclasses.replace(video, clip=video.clip.bfloat16().float(), extra={})
+    by_hand = real_ranks(model, query, model.index_videos(rounded), *args, **kwargs)
+    np.testing.assert_array_equal(stored.ranks, by_hand)

@@ -190,3 +190,17 @@ def test_backbones_declare_what_their_retrieval_scoring_holds():
 def test_token_norms_of_a_bf16_gallery_in_pieces_equal_the_float32_ones():
     video = torch.randn(600, 3, 8, generator=torch.Generator().manual_seed(4)).bfloat16()  # 3 pieces of 256
     assert torch.equal(token_norms(video), token_norms(video.float()))
+
+
+def test_max_scored_fields_are_the_low_precision_ones():
+    """The fields a bf16 evaluation stores in bf16 are those each backbone scores with max_scores
+    (clips; v2's and ARL's frames); MamFusion's own fused scoring takes float32 only."""
+    from prvrlab.models.arl import ARLModel
+    from prvrlab.models.gmmformer import GMMFormer
+    from prvrlab.models.gmmformer_v2 import GMMFormerV2
+    from prvrlab.models.ice_base import ICEBase
+    from prvrlab.models.mamfusion import MamFusion
+
+    assert GMMFormer.low_precision_fields == ICEBase.low_precision_fields == ("clip",)
+    assert GMMFormerV2.low_precision_fields == ("clip", "frame") and ARLModel.low_precision_fields == ("frame",)
+    assert MamFusion.low_precision_fields == ()
