@@ -93,6 +93,19 @@ def _valid_entry(video_id: object, frames: object) -> bool:
     )
 
 
+def read_float32(fd: int, offset: int, shape: tuple[int, int], *, short: str) -> np.ndarray:
+    """A (rows, cols) little-endian float32 array read by positioned reads from byte ``offset`` of the
+    open file ``fd``; DataError(``short``) when the file ends first."""
+    out = np.empty(shape, dtype="<f4")  # (rows, cols)
+    view, done = memoryview(out).cast("B"), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise DataError(short)
+        done += n
+    return out.astype(np.float32, copy=False)
+
+
 class BigFile:
     """Memory-mapped BigFile folder implementing the ``VisualFeatures`` interface.
 
@@ -192,15 +205,8 @@ class BigFile:
             return np.array(self._memmap()[start : start + count], dtype=np.float32)
         if self._fd is None:
             self._fd = os.open(self.path / "feature.bin", os.O_RDONLY)
-        out = np.empty((count, self._dim), dtype="<f4")
-        view, offset = memoryview(out).cast("B"), start * self._dim * 4
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n == 0:
-                raise DataError(f"{self.path / 'feature.bin'}: ends before row {start + count} (shape.txt says more)")
-            done += n
-        return out.astype(np.float32, copy=False)
+        return read_float32(self._fd, start * self._dim * 4, (count, self._dim),
+                            short=f"{self.path / 'feature.bin'}: ends before row {start + count} (shape.txt says more)")
 
     def videos_of_row(self, row: int) -> list[str]:
         """The video ids whose frames include row ``row`` of ``feature.bin``."""

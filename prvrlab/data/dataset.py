@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from prvrlab.data.batch import Batch, prefix_mask
 from prvrlab.data.collection import Collection, SplitIndex
-from prvrlab.data.preprocess import preprocess_clips, preprocess_frames, preprocess_query
+from prvrlab.data.preprocess import l2_normalize, preprocess_clips, preprocess_frames, preprocess_query
 
 if TYPE_CHECKING:
     from prvrlab.data.resident import ResidentSplit
@@ -317,7 +317,12 @@ class _EvalBatches(Dataset):
             return (ids, *(self.resident.videos(items) if self.kind == "videos" else self.resident.queries(items)))
         if self.kind == "videos":
             return (ids, *self._videos(items, ids))
-        queries, query_mask = pad_sequences([self.dataset.query(j) for j in items])  # (N, Lq, Dq), (N, Lq)
+        c = self.dataset.collection
+        tokens = [c.queries.tokens(qid)[: c.max_query_len] for qid in ids]  # (Lq_i, Dq) each, as read
+        real = np.concatenate(tokens)  # (sum Lq_i, Dq)
+        l2_normalize(real, c.normalize, out=real)  # every real token in one call (the same values as per query)
+        ends = np.cumsum([len(t) for t in tokens])  # (N,)
+        queries, query_mask = pad_sequences(np.split(real, ends[:-1]))  # (N, Lq, Dq), (N, Lq)
         return ids, queries, query_mask
 
 

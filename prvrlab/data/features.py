@@ -21,7 +21,7 @@ from typing import Iterable, Protocol, runtime_checkable
 import h5py
 import numpy as np
 
-from prvrlab.data.bigfile import BigFile
+from prvrlab.data.bigfile import BigFile, read_float32
 from prvrlab.data.errors import DataError
 
 
@@ -63,6 +63,14 @@ class H5Arrays:
     The key list is read once on construction; the file handle is opened on
     first read in each process (tracked by pid) and dropped when pickled.
     ``what`` names the content in error messages ("query features", ...).
+
+    :meth:`shapes` also notes where each contiguous little-endian float32
+    dataset's values lie in the file (HDF5 stores such a dataset as one run of
+    bytes, unfiltered); :meth:`read` then reads that run with one positioned
+    read (~9 us) instead of opening the dataset through HDF5 (~70 us): a TVR
+    test evaluation reads 10,895 queries, a training epoch 87k.  A file that
+    is not the one measured (device, inode, size or mtime differ) is read
+    through HDF5 again.
     """
 
     def __init__(self, path: str | Path, *, what: str = "features") -> None:
@@ -78,6 +86,10 @@ class H5Arrays:
         self._keyset = frozenset(self._keys)
         self._handle: h5py.File | None = None
         self._pid = -1
+        self._runs: dict[str, tuple[int, int, int]] = {}  # key -> (byte offset, rows, cols) of a float32 run
+        self._stamp: tuple[int, ...] | None = None  # the file the runs were measured in
+        self._fd: int | None = None
+        self._fd_pid = -1
 
     def keys(self) -> list[str]:
         """Every dataset name at the root, in file order."""
@@ -101,16 +113,26 @@ class H5Arrays:
         """
         keys = self._keys if keys is None else list(keys)
         fid = self._file().id
+        if self._stamp is None:
+            self._stamp = _stamp(os.stat(self.path))
         out = np.empty((len(keys), 2), dtype=np.int64)
         for i, key in enumerate(keys):
-            shape = self._dataset(fid, key).shape
+            dsid = self._dataset(fid, key)
+            shape = dsid.shape
             if len(shape) != 2:
                 raise DataError(f"{self.path}: dataset {key!r} has shape {shape}, expected (n, D)")
             out[i] = shape
+            offset = dsid.get_offset()  # None unless contiguous (so unfiltered) and allocated
+            if offset is not None and dsid.get_storage_size() == 4 * shape[0] * shape[1] and dsid.get_type().equal(_F32):
+                self._runs[key] = (int(offset), int(shape[0]), int(shape[1]))
         return out
 
     def read(self, key: str) -> np.ndarray:
         """The dataset ``key`` as a float32 array (n, D)."""
+        run = self._runs.get(key)
+        if run is not None and self._raw_fd() is not None:
+            offset, rows, cols = run
+            return read_float32(self._fd, offset, (rows, cols), short=f"{self.path}: ends inside dataset {key!r}")
         dsid = self._dataset(self._file().id, key)
         shape = dsid.shape
         if len(shape) != 2:
@@ -121,10 +143,32 @@ class H5Arrays:
         return out
 
     def close(self) -> None:
-        """Close this process's handle (reopened on the next read)."""
+        """Close this process's handle and descriptor (reopened on the next read)."""
         if self._handle is not None and self._pid == os.getpid():
             self._handle.close()
         self._handle = None
+        if self._fd is not None and self._fd_pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None and self._fd_pid == os.getpid():
+            os.close(self._fd)
+
+    def _raw_fd(self) -> int | None:
+        """This process's descriptor of the file, or None (no positioned reads on this OS, or the file
+        is not the one whose runs :meth:`shapes` noted: they are forgotten)."""
+        if self._fd is not None and self._fd_pid == os.getpid():
+            return self._fd
+        if not hasattr(os, "preadv"):
+            return None
+        fd = os.open(self.path, os.O_RDONLY)
+        if _stamp(os.fstat(fd)) != self._stamp:
+            os.close(fd)
+            self._runs.clear()
+            return None
+        self._fd, self._fd_pid = fd, os.getpid()
+        return fd
 
     def _dataset(self, fid, key: str):
         try:
@@ -143,10 +187,20 @@ class H5Arrays:
         state = self.__dict__.copy()
         state["_handle"] = None
         state["_pid"] = -1
+        state["_fd"] = None  # a worker process opens its own
+        state["_fd_pid"] = -1
         return state
 
     def __repr__(self) -> str:
         return f"H5Arrays({str(self.path)!r}, datasets={len(self)})"
+
+
+_F32 = h5py.h5t.IEEE_F32LE
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What identifies one version of a file: device, inode, size, mtime (ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class HDF5Features:

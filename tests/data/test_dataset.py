@@ -208,3 +208,19 @@ def test_eval_video_batches_equal_the_items_and_refuse_a_length_the_index_does_n
     monkeypatch.setattr(type(col.visual), "num_frames", lambda self, v: 4)  # the index says 4 frames a video
     with pytest.raises(ValueError, match=r"video 'v[A-C]': \d+ frames after preprocessing, its index says 4"):
         list(video_batches(col, "train", 2))
+
+
+@pytest.mark.parametrize("normalize", ["official", "exact"])
+def test_eval_query_batches_equal_the_items_queries_bit_for_bit(toy_cfg, normalize):
+    """Query batches normalise all real tokens of a batch in one call; each row equals the item's
+    preprocessed query (truncated to max_query_len), padding zero."""
+    col = open_collection(dataclasses.replace(toy_cfg, normalize=normalize))
+    ds = VideoDataset(col, "train")
+    seen = 0
+    for ids, queries, query_mask in query_batches(col, "train", 3):
+        for row, qid in enumerate(ids):
+            want = ds.query(ds.index.query_ids.index(qid))  # (Lq, Dq)
+            np.testing.assert_array_equal(queries[row, : len(want)].numpy(), want)
+            assert not queries[row, len(want):].any() and query_mask[row].sum().item() == len(want)
+            seen += 1
+    assert seen == ds.index.num_queries and max(len(ds.query(j)) for j in range(seen)) == 30  # one was truncated

@@ -189,3 +189,68 @@ def test_timestamps_and_ratios(tmp_path):
     path.write_text('{"a#0": [1.0, 3.0]}')
     with pytest.raises(DataError, match="ts.json.*'a#0'"):
         read_timestamps(path)
+
+
+def test_h5_arrays_read_contiguous_float32_runs_directly_and_the_rest_through_hdf5(tmp_path, monkeypatch):
+    import os
+
+    import h5py
+
+    from prvrlab.data.features import H5Arrays
+
+    rng = np.random.default_rng(0)
+    values = {name: rng.standard_normal((n, 5)).astype(np.float32) for name, n in
+              (("plain", 3), ("big_endian", 4), ("chunked", 6), ("gzip", 2), ("half", 3), ("double", 2))}
+    path = tmp_path / "q.hdf5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("plain", data=values["plain"])
+        f.create_dataset("big_endian", data=values["big_endian"].astype(">f4"))
+        f.create_dataset("chunked", data=values["chunked"], chunks=(2, 5))
+        f.create_dataset("gzip", data=values["gzip"], compression="gzip")
+        f.create_dataset("half", data=values["half"].astype(np.float16))
+        f.create_dataset("double", data=values["double"].astype(np.float64))
+    arrays = H5Arrays(path)
+    assert arrays.shapes().tolist() == [[len(values[k]), 5] for k in arrays.keys()]
+    assert set(arrays._runs) == {"plain"}  # the only contiguous little-endian float32 dataset
+    positioned = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: positioned.append(a[2]) or real(*a))
+    for name, want in values.items():
+        want = want.astype(np.float16) if name == "half" else want
+        got = arrays.read(name)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert len(positioned) == 1  # "plain" only, at its offset in the file
+    with h5py.File(path, "r") as f:
+        assert positioned == [f["plain"].id.get_offset()]
+    clone = pickle.loads(pickle.dumps(arrays))  # no descriptor travels; the clone opens its own
+    assert clone._fd is None
+    np.testing.assert_array_equal(clone.read("plain"), values["plain"])
+    arrays.close()
+    clone.close()
+    assert arrays._fd is None and len(positioned) == 2
+
+
+def test_h5_arrays_forget_their_runs_when_the_file_is_replaced(tmp_path):
+    import os
+
+    import h5py
+
+    from prvrlab.data.features import H5Arrays
+
+    path = tmp_path / "q.hdf5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=np.zeros((2, 3), np.float32))
+    arrays = H5Arrays(path)
+    arrays.shapes()
+    assert "a" in arrays._runs
+    fresh = tmp_path / "new.hdf5"
+    with h5py.File(fresh, "w") as f:
+        f.create_dataset("pad", data=np.ones((50, 3), np.float32))  # "a" lies elsewhere in the new file
+        f.create_dataset("a", data=np.full((2, 3), 7.0, np.float32))
+    os.replace(fresh, path)
+    # not the new file's bytes at the old offset: through HDF5's handle, still on the file it opened
+    np.testing.assert_array_equal(arrays.read("a"), np.zeros((2, 3), np.float32))
+    assert arrays._runs == {}
+    arrays.close()
+    np.testing.assert_array_equal(arrays.read("a"), np.full((2, 3), 7.0, np.float32))  # a new handle: the new file
