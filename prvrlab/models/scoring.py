@@ -135,7 +135,9 @@ def _retrieval_max_cosine(
 ) -> Tensor:
     """:func:`max_scores`' ``sim`` without autograd or logits (retrieval), the same float32 arithmetic
     in blocks of videos, on a CPU cache-sized ones (the (Nq, C, L) cosines of a block are written,
-    divided and reduced while they are in the caches: :data:`_RETRIEVAL_BLOCK_ELEMENTS`).  Padded
+    divided and reduced while they are in the caches: :data:`_RETRIEVAL_BLOCK_ELEMENTS`).  With a
+    mask, blocks hold videos of similar extent (:func:`_blocks`) and stop at their longest one: a
+    gallery padded to its longest video scores no padding column beyond that.  Padded
     tokens are pushed below every cosine by adding -inf (not a masked fill: one pass fewer over the
     block) and a video with padding is floored at -1 afterwards, which is the masked fill's max.  Where
     the query and the gallery hold bf16 values (bf16 autocast encoded them), the products run on the CPU's bf16 units
@@ -143,24 +145,46 @@ def _retrieval_max_cosine(
     nq = query.shape[0]
     nv, length, dim = video.shape
     block = _RETRIEVAL_BLOCK_ELEMENTS if query.device.type == "cpu" else _MAX_CHUNK_ELEMENTS  # a GPU: few launches
-    chunk = max(1, block // max(1, nq * length))
     out = torch.empty(nq, nv, dtype=torch.float32, device=query.device)  # (Nq, Nv)
+    padded = None if mask is None else ~mask.to(torch.bool).all(dim=1)  # (Nv,) over the gallery's whole length
     bf16_values = query.device.type == "cpu" and video.dtype == torch.bfloat16 and bf16_exact(query)
     with torch.autocast(device_type=query.device.type, enabled=False), bf16_products(bf16_values):
         q = query.float()  # (Nq, D)
         q_norm = q.norm(dim=-1).clamp(min=_EPS)  # (Nq,)
-        for start in range(0, nv, chunk):
-            stop = min(start + chunk, nv)
-            v = video[start:stop].float()  # (C, L, D)
-            c = stop - start
-            v_norm = token_norms(v) if video_norm is None else video_norm[start:stop]  # (C, L)
-            cos = (q @ v.reshape(c * length, dim).t()).view(nq, c, length)  # (Nq, C, L)
+        for videos, span in _blocks(mask, nv, length, max(1, block // max(1, nq))):
+            v = video[videos, :span].float()  # (C, span, D)
+            c = v.shape[0]
+            v_norm = token_norms(v) if video_norm is None else video_norm[videos, :span]  # (C, span)
+            cos = (q @ v.reshape(c * span, dim).t()).view(nq, c, span)  # (Nq, C, span)
             cos = cos.div_(q_norm[:, None, None] * v_norm[None])
             if mask is None:
-                torch.amax(cos, dim=-1, out=out[:, start:stop])
+                torch.amax(cos, dim=-1, out=out[:, videos])
                 continue
-            real = mask[start:stop].to(torch.bool)  # (C, L)
-            cos = cos.add_(torch.zeros(c, length, device=cos.device).masked_fill_(~real, float("-inf")))
-            floor = torch.where(real.all(dim=1), float("-inf"), -1.0)  # (C,)
-            torch.maximum(cos.amax(dim=-1), floor, out=out[:, start:stop])  # (Nq, C)
+            real = mask[videos, :span].to(torch.bool)  # (C, span)
+            cos = cos.add_(torch.zeros(c, span, device=cos.device).masked_fill_(~real, float("-inf")))
+            floor = torch.where(padded[videos], -1.0, float("-inf"))  # (C,)
+            out[:, videos] = torch.maximum(cos.amax(dim=-1), floor)  # (Nq, C)
     return out
+
+
+_SPAN_STEP = 16  # block lengths are multiples of this (fewer distinct product shapes, each a oneDNN primitive)
+
+
+def _blocks(mask: Tensor | None, nv: int, length: int, per_block: int) -> list[tuple[slice | Tensor, int]]:
+    """``(videos, span)`` blocks of at most ``per_block`` scores a query (videos x span): without a mask,
+    consecutive videos over the whole length; with one, videos by decreasing extent (one past their last
+    real token), each block cut at its first video's extent rounded up to :data:`_SPAN_STEP` (columns
+    beyond a video's extent are padding: cutting them changes no score)."""
+    if mask is None:
+        c = max(1, per_block // length)
+        return [(slice(start, min(start + c, nv)), length) for start in range(0, nv, c)]
+    extent = (mask.to(torch.int64) * torch.arange(1, length + 1, device=mask.device)).amax(dim=1)  # (Nv,)
+    order = torch.argsort(extent, descending=True, stable=True)  # (Nv,)
+    longest = extent[order].tolist()
+    blocks, i = [], 0
+    while i < nv:
+        span = min(length, max(1, -(-longest[i] // _SPAN_STEP) * _SPAN_STEP))
+        c = max(1, per_block // span)
+        blocks.append((order[i : i + c], span))
+        i += c
+    return blocks

@@ -204,3 +204,34 @@ def test_max_scored_fields_are_the_low_precision_ones():
     assert GMMFormer.low_precision_fields == ICEBase.low_precision_fields == ("clip",)
     assert GMMFormerV2.low_precision_fields == ("clip", "frame") and ARLModel.low_precision_fields == ("frame",)
     assert MamFusion.low_precision_fields == ()
+
+
+def test_retrieval_blocks_by_extent_equal_the_masked_fill_formula(monkeypatch):
+    """Videos of mixed extents in split order (and one with a hole in its mask, one all padding) are
+    scored in blocks of similar extent cut at their longest video's extent (a multiple of 16): the same
+    bits as the masked fill's max over the whole padded length, for any block size."""
+    g = torch.Generator().manual_seed(5)
+    nv, length, dim = 23, 70, 8
+    lengths = torch.randint(1, length + 1, (nv,), generator=g)
+    lengths[3], lengths[9] = length, 5
+    mask = torch.arange(length)[None] < lengths[:, None]  # (Nv, L)
+    mask[7, 2] = False  # a hole: not a prefix mask
+    mask[11] = False  # all padding
+    video = torch.randn(nv, length, dim, generator=g) * mask[..., None]
+    query = torch.randn(6, dim, generator=g)
+    norms = token_norms(video)
+    expected = masked_fill_max(query, video, mask, norms)
+    spans = []
+    real_blocks = scoring._blocks
+    monkeypatch.setattr(scoring, "_blocks", lambda *a: spans.append(real_blocks(*a)) or spans[-1])
+    for block in (1 << 21, 6 * 40, 6 * 16, 1):
+        monkeypatch.setattr(scoring, "_RETRIEVAL_BLOCK_ELEMENTS", block)
+        with torch.no_grad():
+            got = max_scores(query, video, mask, video_norm=norms).sim
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert got[:, 11].eq(-1.0).all()
+    for videos, span in spans[-1]:  # blocks of one video: each cut at its own extent, rounded up to 16
+        extent = int(mask[videos].nonzero()[:, 1].max()) + 1 if mask[videos].any() else 0
+        assert span == min(length, max(1, -(-extent // 16) * 16))  # the all-padding video: one column
+    assert sorted(int(i) for videos, _ in spans[-1] for i in videos) == list(range(nv))  # every video once
+    assert sorted({span for _, span in spans[-1]}) == [1, 16, 32, 48, 64, 70]
