@@ -57,9 +57,9 @@ class VideoDataset(Dataset):
         c = self.collection
         video_id = self.index.video_ids[i]
         raw = c.visual.frames(video_id)  # (n, Dv)
-        if frames_out is not None and frames_out.shape[0] != min(raw.shape[0], c.max_frames):
-            raise ValueError(f"video {video_id!r}: {min(raw.shape[0], c.max_frames)} frames after preprocessing, "
-                             f"its index says {frames_out.shape[0]}")
+        kept = min(raw.shape[0], c.max_frames)  # frames after preprocessing
+        if frames_out is not None and frames_out.shape[0] != kept:
+            raise ValueError(f"video {video_id!r}: {kept} frames after preprocessing, its index says {frames_out.shape[0]}")
         return (
             preprocess_frames(raw, c.max_frames, last_bin=c.last_bin, normalize=c.normalize, out=frames_out),
             preprocess_clips(raw, c.num_clips, last_bin=c.last_bin, normalize=c.normalize, out=clips_out),

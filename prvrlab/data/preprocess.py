@@ -77,11 +77,7 @@ def mean_pool_bins(
                 sums += covered[first + j]
             else:
                 sums[more] += covered[first[more] + j]
-        np.divide(sums, size[:, None].astype(np.float32), out=sums)
-        if full.all():
-            out[...] = sums
-        else:
-            out[full] = sums
+        out[full] = np.divide(sums, size[:, None].astype(np.float32), out=sums)
     if not full.all():
         out[~full] = x[np.minimum(starts[~full], n - 1)]
     return out

@@ -129,9 +129,9 @@ def _stored(emb, fields: tuple[str, ...], amp_dtype: torch.dtype | None):
     without ``amp_dtype``."""
     if amp_dtype is None:
         return emb
-    cast = {name: getattr(emb, name).to(amp_dtype) for name in fields
-            if isinstance(getattr(emb, name), Tensor) and getattr(emb, name).is_floating_point()
-            and getattr(emb, name).dtype != amp_dtype}
+    tensors = {name: getattr(emb, name) for name in fields}
+    cast = {name: t.to(amp_dtype) for name, t in tensors.items()
+            if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != amp_dtype}
     return dataclasses.replace(emb, **cast) if cast else emb
 
 
