@@ -467,8 +467,8 @@ class GaussianAttention(nn.Module):
         K = len(sigmas)
         rows, positions = (None, None) if packing.index is None else (packing.rows(), packing.positions)  # (N,) each
         if K == self.num_branches and self.fast and not self.training and packing.padded_first():  # no 3*K*D unpacking
-            qkv = project(self.qkv, packing.unpack(x)).view(B, L, 3, K, H, Dh)  # (B, L, 3, K, H, Dh)
-            heads = (t.permute(0, 2, 3, 1, 4) for t in qkv.unbind(2))  # (B, K, H, L, Dh) each, strided
+            qkv = project(self.qkv, packing.unpack(x), 3)  # (B*L, K*D) each: Q, K, V
+            heads = (t.view(B, L, K, H, Dh).permute(0, 2, 3, 1, 4) for t in qkv)  # (B, K, H, L, Dh) each, strided
         else:
             if K == self.num_branches:
                 projected = project(self.qkv, x)  # (N, 3*K*D)

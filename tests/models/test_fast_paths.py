@@ -498,6 +498,34 @@ def test_project_adds_the_bias_inside_the_gemm_with_the_same_values(monkeypatch)
     assert trained.requires_grad and len(calls) == 2
 
 
+@pytest.mark.skipif(not blocks._fused_linear(), reason="this torch has no oneDNN fused linear")
+def test_project_in_parts_gives_the_column_blocks_of_the_module_call(monkeypatch):
+    """blocks.project(layer, x, parts): ``parts`` contiguous outputs equal to the column blocks of the
+    module's output, bit for bit, by one oneDNN call each at bf16 inference; views of the module's
+    output elsewhere (float32, autograd, a width that ``parts`` does not divide)."""
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(40, 96)
+    with torch.no_grad():
+        layer.bias.normal_(0.0, 3.0)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(blocks.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[1].shape) or real(*a))
+    x = torch.randn(3, 11, 40)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = layer(x)  # (3, 11, 96)
+        got = blocks.project(layer, x, 3)
+    assert calls == [(32, 40)] * 3 and all(t.is_contiguous() and t.shape == (3, 11, 32) for t in got)
+    for i, part in enumerate(got):
+        assert torch.equal(part, whole[..., 32 * i : 32 * (i + 1)])
+    with torch.inference_mode():
+        plain = blocks.project(layer, x, 3)  # float32: views of the module's output
+        assert all(torch.equal(p, w) for p, w in zip(plain, layer(x).chunk(3, -1)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            odd = blocks.project(layer, x, 5)  # 96 is not a multiple of 5: the module's chunks
+            assert [t.shape[-1] for t in odd] == [20, 20, 20, 20, 16] and torch.equal(torch.cat(odd, -1), whole)
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("sigmas", [["inf", 0.5, 1.0], [0.5, 1.0, 3.0, 5.0]])
 def test_attention_inference_is_unchanged_by_the_fused_bias(monkeypatch, sigmas):
     """GaussianAttention's Q/K/V through blocks.project: the same bf16 outputs as the plain module call,
