@@ -541,18 +541,23 @@ class GMMBlock(PackedLayer):
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, D) packed tokens -> (N, D)."""
         branches = self.attention.forward_packed(x, packing)  # (K, N, D)
-        p = self.dropout.p
-        if self.training and p > 0:  # residual and dropout in one pass
-            h = torch.addcmul(x, branches, dropout_mask(branches, p))  # (K, N, D)
-        else:
-            h = branches + x  # (K, N, D)
-        K, D = h.shape[0], h.shape[-1]
+        K, D = branches.shape[0], branches.shape[-1]
         weights = (self.norm_weight / K).unbind(0)  # the mean over branches folded into the affine
         biases = (self.norm_bias / K).unbind(0)
         y: Tensor | None = None
-        for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
-            y_k = F.layer_norm(h_k, (D,), w_k, b_k)  # (N, D)
-            y = y_k if y is None else y + y_k
+        p = self.dropout.p
+        if torch.is_grad_enabled() or (self.training and p > 0):
+            if self.training and p > 0:  # residual and dropout in one pass
+                h = torch.addcmul(x, branches, dropout_mask(branches, p))  # (K, N, D)
+            else:
+                h = branches + x  # (K, N, D)
+            for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
+                y_k = F.layer_norm(h_k, (D,), w_k, b_k)  # (N, D)
+                y = y_k if y is None else y + y_k
+        else:  # inference: one branch's (N, D) residual sum at a time, not the (K, N, D) one; summed in place
+            for a_k, w_k, b_k in zip(branches.unbind(0), weights, biases):
+                y_k = F.layer_norm(x + a_k, (D,), w_k, b_k)  # (N, D)
+                y = y_k if y is None else y.add_(y_k)
         if self.ffn is not None:
             y = self.ffn_norm(y + self.dropout(self.ffn(y)))  # (N, D)
         return y

@@ -148,6 +148,34 @@ def test_gmm_block_and_gradients_equal_naive_loop(lengths):
         torch.testing.assert_close(fused, naive, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_gmm_block_inference_sums_branches_one_at_a_time_with_the_same_bits(amp):
+    """At inference GMMBlock adds the residual and normalises one branch at a time (no (K, N, D) sum):
+    the same bits as the autograd path, in float32 and under bf16 autocast (bf16 branches + float32
+    residual); the naive loop to 1e-4 in float32.  Without autograd but in training mode with dropout,
+    dropout still applies (the grad-free path is not taken)."""
+    block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(0.5, math.inf, 2.0), window="centred", window_length="real")
+    block.eval()
+    randomise(block)
+    lengths = [5, 3, 1]
+    x = torch.randn(3, 5, 8)
+    mask = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        with_grad = block(x.clone().requires_grad_(True), mask).detach()
+        with torch.no_grad():
+            without = block(x, mask)
+    assert with_grad.dtype == without.dtype and torch.equal(without, with_grad)
+    if amp is None:
+        real = mask[..., None].expand_as(x)
+        torch.testing.assert_close(without[real], naive_gmm_block(block, x, lengths)[real], atol=1e-4, rtol=1e-4)
+    block.dropout.p = 0.5
+    block.train()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        dropped = block(x, mask)
+    assert not torch.equal(dropped, without)
+
+
 def test_gmm_block_fully_padded_row_is_finite_and_zero():
     block = GMMBlock(hidden_size=8, num_heads=2, sigmas=(1.0, math.inf), dropout=0.1).train()
     x = torch.randn(3, 4, 8, requires_grad=True)
