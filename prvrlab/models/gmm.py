@@ -546,11 +546,10 @@ class GMMBlock(PackedLayer):
         biases = (self.norm_bias / K).unbind(0)
         y: Tensor | None = None
         p = self.dropout.p
-        if torch.is_grad_enabled() or (self.training and p > 0):
-            if self.training and p > 0:  # residual and dropout in one pass
-                h = torch.addcmul(x, branches, dropout_mask(branches, p))  # (K, N, D)
-            else:
-                h = branches + x  # (K, N, D)
+        dropped = self.training and p > 0
+        if dropped or torch.is_grad_enabled():
+            # residual (and dropout in the same pass)
+            h = torch.addcmul(x, branches, dropout_mask(branches, p)) if dropped else branches + x  # (K, N, D)
             for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
                 y_k = F.layer_norm(h_k, (D,), w_k, b_k)  # (N, D)
                 y = y_k if y is None else y + y_k
