@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import prvrlab.evaluation.retrieval as ev
@@ -19,7 +18,7 @@ from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
 from prvrlab.models.factory import build_model
 from prvrlab.platform.config import validate
-from train_helpers import small_raw
+from train_helpers import gloo_group, small_raw
 from device_under_test import DEVICE
 
 
@@ -89,8 +88,7 @@ SHARDINGS = {"both ranks": {}, "rank 1 has no share": {"video_batch_size": 1000,
 
 def _sharded_rank(rank: int, world: int, init_file: str, tiny_root: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         out = {}
         for name, eval_cfg in SHARDINGS.items():
             cfg, collection, model = setup(Path(tiny_root), Path(out_dir), **eval_cfg)
@@ -100,8 +98,6 @@ def _sharded_rank(rank: int, world: int, init_file: str, tiny_root: str, out_dir
                 "ids": result.table.column("query_id").to_pylist(), "videos": result.num_videos,
             }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

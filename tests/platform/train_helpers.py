@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -68,3 +69,18 @@ def rank_loop(raw: dict, out_dir: Path, *, rank: int, world: int):
     session = LocalSession(Path(out_dir) / f"session{rank}")
     session.rank, session.world_size = rank, world
     return TrainingLoop(validate(raw), session=session, run_dir=Path(out_dir) / "run")
+
+
+@contextmanager
+def gloo_group(rank: int, world: int, init_file: str):
+    """A gloo process group for one spawned test rank. After the body, the ranks meet at a barrier before
+    any closes its connections: a rank that finished first and tore down while the other was still at
+    work made that one abort (SIGABRT) under a loaded machine."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

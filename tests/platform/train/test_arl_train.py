@@ -18,7 +18,7 @@ from prvrlab.models.factory import build_model
 from prvrlab.platform.config import validate
 from prvrlab.platform.train.loop import all_reduce
 
-from train_helpers import val_sumr_by_epoch
+from train_helpers import gloo_group, val_sumr_by_epoch
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -64,11 +64,8 @@ def uncertainty_tables(raw: dict, rank: int, world: int) -> dict:
 
 def _rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(uncertainty_tables(raw, rank, world)))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import seam_components  # noqa: F401  (registers the test_* components)
@@ -23,7 +22,7 @@ from prvrlab.platform.train.optim import build_optimizer
 from prvrlab.platform.train.session import LocalSession
 from prvrlab.registry import BACKBONES
 
-from train_helpers import rank_loop, small_raw, truly_relevant_by_hand
+from train_helpers import gloo_group, rank_loop, small_raw, truly_relevant_by_hand
 
 
 def seam_raw(root: Path, tmp: Path, **train) -> dict:
@@ -102,8 +101,7 @@ def test_component_parameters_are_optimised_and_restored_from_a_checkpoint(tiny_
 def _ddp_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) -> None:
     import seam_components  # noqa: F401  (spawned processes register the test components too)
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         loop = rank_loop(raw, Path(out_dir), rank=rank, world=world)
         loop.run()
         result = {
@@ -111,9 +109,6 @@ def _ddp_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) ->
             "reports": [r for r in loop.session.reports if r.get("kind") == "epoch"],
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # neither rank closes its gloo connections while the other may still use them
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

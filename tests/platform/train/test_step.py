@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import seam_components  # noqa: F401  (registers test_nan_on_rank)
 from prvrlab.platform.train.loop import MetricSums
 
 from device_under_test import DEVICE, as_a_program
-from train_helpers import rank_loop, small_raw
+from train_helpers import gloo_group, rank_loop, small_raw
 
 
 def nan_raw(root: Path, tmp: Path, *, rank: int, from_step: int, use_gpu: bool = False) -> dict:
@@ -71,12 +70,9 @@ def test_a_non_finite_step_changes_no_weight_and_names_the_term(tiny_root, tmp_p
 
 
 def _rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         got = steps_until_failure(raw, Path(out_dir), rank=rank, world=world)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -93,8 +89,7 @@ def test_a_non_finite_loss_on_one_rank_stops_both_at_the_same_step(tiny_root, tm
 
 
 def _unused_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         loop = rank_loop(raw, Path(out_dir), rank=rank, world=world)
         loop.setup()
         model = loop.wrap()
@@ -109,8 +104,6 @@ def _unused_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str)
             "messages": messages, "probe": loop.ddp_unused, "search": model.find_unused_parameters, "moved": moved, "no_grad": sorted(n for n, none in grads.items() if none),
             "weights": [float(v.double().sum()) for v in after.values() if v.is_floating_point()],
         }))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
