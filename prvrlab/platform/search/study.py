@@ -101,6 +101,15 @@ class StudyContext:
     reuse_workers: bool = False  # multi-worker trials train on their slot's long-lived pool (search/workers.py)
     storage: str = ""  # the study folder's object-store URI; "" when study_dir is the folder itself
 
+    def ranks_note(self) -> str:
+        """How a multi-worker trial gets its DDP ranks, for the study's first console line ("" for one
+        worker): a worker group started per trial costs seconds a trial that reused ranks do not."""
+        if self.workers < 2:
+            return ""
+        if self.reuse_workers:
+            return "; DDP ranks kept across trials"
+        return "; a worker group started per trial (resources.reuse_workers: true keeps the ranks across trials)"
+
     def overrides(self, config: dict[str, Any]) -> dict[str, Any]:
         """The dotted overrides a trial config stands for."""
         if self.cells is not None:

@@ -129,6 +129,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
                 f"search '{spec.name}': {spec.trials} trials, {spec.slots} at a time, "
                 f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
                 + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
+                + study.ranks_note()
                 + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
             )
             searcher = _searcher(spec)
