@@ -122,20 +122,90 @@ def test_an_sqlite_file_that_cannot_be_opened_fails_before_mlflow_opens_it(tmp_p
 
 def test_a_tracking_server_nobody_answers_fails_before_mlflow_retries(monkeypatch):
     """MLflow retries a refused connection for minutes before it gives up."""
-    import socket
-
-    with socket.socket() as sock:  # a port nothing listens on once closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-
+    port = _closed_port()
     monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
-    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
+    _no_proxy(monkeypatch)
     uri = f"http://127.0.0.1:{port}"
     with pytest.raises(ConfigError, match=f"no server answers at 127.0.0.1:{port}") as caught:
         Tracker(uri, "tests")
     assert uri in str(caught.value)
 
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _no_proxy(monkeypatch) -> None:
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_tracker_told_to_wait_reaches_a_server_that_comes_back(monkeypatch):
+    """A server restarted while a study runs: a Tracker with ``wait_s`` tries again until it answers."""
+    import socket
+    import threading
+    import time
+
+    port = _closed_port()
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
+    _no_proxy(monkeypatch)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def come_back() -> None:
+        time.sleep(1.0)  # refused until then
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+
+    starter = threading.Thread(target=come_back)
+    t0 = time.monotonic()
+    starter.start()
+    try:
+        with pytest.raises(AssertionError, match="MLflow was asked"):  # the check passed: MLflow is next
+            Tracker(f"http://127.0.0.1:{port}", "tests", wait_s=30.0)
+        assert time.monotonic() - t0 >= 1.0  # it did wait for the server
+    finally:
+        starter.join()
+        listener.close()
+
+
+def test_a_tracker_gives_up_on_a_server_that_stays_down_after_its_wait(monkeypatch):
+    import time
+
+    port = _closed_port()
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
+    _no_proxy(monkeypatch)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=f"no server answers at 127.0.0.1:{port}"):
+        Tracker(f"http://127.0.0.1:{port}", "tests", wait_s=1.2)
+    assert time.monotonic() - t0 >= 1.2
+
+
+def test_a_studys_trial_time_tracker_waits_for_the_server(monkeypatch):
+    """The driver's callback opens its Tracker when the first trial starts; the server answered when
+    the study began, so a refusal then is a restart to wait out, not a wrong URI."""
+    from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
+    from prvrlab.platform.tracking import store
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, uri, experiment, *, wait_s=0.0):
+            seen.update(uri=uri, experiment=experiment, wait_s=wait_s)
+
+    monkeypatch.setattr(store, "Tracker", Recorder)
+
+    class Study:
+        tracking_uri, experiment = "http://127.0.0.1:1", "e"
+
+    MlflowStudyCallback(Study()).tracker
+    assert seen == {"uri": "http://127.0.0.1:1", "experiment": "e", "wait_s": store.STUDY_SERVER_WAIT_S}
+    assert store.STUDY_SERVER_WAIT_S > 0
 
 def test_the_store_check_leaves_no_store_file_behind(tmp_path, monkeypatch):
     """MLflow creates the file and its tables together; an empty file first would let another process

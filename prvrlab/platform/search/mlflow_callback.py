@@ -69,9 +69,9 @@ class MlflowStudyCallback(Callback):
     def tracker(self):
         """The lazily created Tracker (one MlflowClient in the driver)."""
         if self._tracker is None:
-            from prvrlab.platform.tracking.store import Tracker
+            from prvrlab.platform.tracking.store import STUDY_SERVER_WAIT_S, Tracker
 
-            self._tracker = Tracker(self.study.tracking_uri, self.study.experiment)
+            self._tracker = Tracker(self.study.tracking_uri, self.study.experiment, wait_s=STUDY_SERVER_WAIT_S)
         return self._tracker
 
     @property

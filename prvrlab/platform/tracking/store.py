@@ -27,6 +27,8 @@ PARAM_MAX = 6000
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
 STOP_TAGS = ("prvrlab.status", "prvrlab.stop_reason")  # how a run ended; a reopened run drops them
+SERVER_RETRY_S = 0.5  # between tries of a tracking server that refused the connection (Tracker's wait_s)
+STUDY_SERVER_WAIT_S = 60.0  # a study's trial-time Tracker: the server answered when the study began
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
@@ -154,10 +156,12 @@ def _sqlite_problem(uri: str) -> str | None:
     return None
 
 
-def _server_problem(uri: str, timeout_s: float = 10.0) -> str | None:
+def _server_problem(uri: str, timeout_s: float = 10.0, wait_s: float = 0.0) -> str | None:
     """Why a tracking server cannot be reached (None: it can, the URI is not http(s), or a proxy is set for it).
 
-    Checked before MLflow connects: MLflow retries a refused connection for minutes."""
+    Checked before MLflow connects: MLflow retries a refused connection for minutes.  ``wait_s``: keep
+    trying a server that refuses or drops the connection for that long (a server being restarted)
+    before giving up; 0 tries once."""
     import socket
     import urllib.parse
     import urllib.request
@@ -171,11 +175,15 @@ def _server_problem(uri: str, timeout_s: float = 10.0) -> str | None:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as exc:  # a port out of range
         return str(exc)
-    try:
-        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
-            return None
-    except OSError as exc:
-        return f"no server answers at {parts.hostname}:{port} ({exc.strerror or exc})"
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        try:
+            with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+                return None
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                return f"no server answers at {parts.hostname}:{port} ({exc.strerror or exc})"
+        time.sleep(min(SERVER_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
 class Tracker:
@@ -184,14 +192,16 @@ class Tracker:
     Opening it creates or finds the experiment, marked as a model-training
     experiment (``mlflow.experimentKind``; an experiment that has no kind yet
     gets it, one a user set is left alone); a store that cannot be used
-    raises ConfigError naming the URI.
+    raises ConfigError naming the URI.  ``wait_s``: how long a tracking server that refuses the
+    connection is tried again before that error (0: at once, for a command's start, where a wrong
+    URI should fail fast; a study's trial-time writer waits out a server restart).
     """
 
-    def __init__(self, uri: str, experiment: str) -> None:
+    def __init__(self, uri: str, experiment: str, *, wait_s: float = 0.0) -> None:
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
-        problem = _sqlite_problem(uri) or _server_problem(uri)
+        problem = _sqlite_problem(uri) or _server_problem(uri, wait_s=wait_s)
         if problem:
             raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {problem}")
         with store_errors(uri):
