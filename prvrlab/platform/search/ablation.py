@@ -132,8 +132,9 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
                 prepare_environment()
                 ensure_ray()
                 study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
-                if study.ranks_note():
-                    echo(f"ablation '{spec.name}': {study.workers} workers a cell{study.ranks_note()}")
+                note = study.ranks_note()
+                if note:
+                    echo(f"ablation '{spec.name}': {study.workers} workers per cell{note}")
                 cells = [{"cell": c} for c in sorted(todo, key=list(all_cells).index)]
                 _, _, interrupted = run_study(
                     spec,
