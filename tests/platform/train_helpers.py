@@ -74,8 +74,8 @@ def rank_loop(raw: dict, out_dir: Path, *, rank: int, world: int):
 @contextmanager
 def gloo_group(rank: int, world: int, init_file: str):
     """A gloo process group for one spawned test rank. After the body, the ranks meet at a barrier before
-    any closes its connections: a rank that finished first and tore down while the other was still at
-    work made that one abort (SIGABRT) under a loaded machine."""
+    any closes its connections, so neither tears down while the other still works (the likely cause of a
+    rank's SIGABRT seen once in a loaded full suite; not reproduced since)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -131,7 +131,6 @@ def test_a_tracking_server_nobody_answers_fails_before_mlflow_retries(monkeypatc
     assert uri in str(caught.value)
 
 
-
 def _closed_port() -> int:
     import socket
 
@@ -206,6 +205,7 @@ def test_a_studys_trial_time_tracker_waits_for_the_server(monkeypatch):
     MlflowStudyCallback(Study()).tracker
     assert seen == {"uri": "http://127.0.0.1:1", "experiment": "e", "wait_s": store.STUDY_SERVER_WAIT_S}
     assert store.STUDY_SERVER_WAIT_S > 0
+
 
 def test_the_store_check_leaves_no_store_file_behind(tmp_path, monkeypatch):
     """MLflow creates the file and its tables together; an empty file first would let another process

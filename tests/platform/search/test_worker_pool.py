@@ -34,7 +34,6 @@ def test_spec_switch_defaults_off_and_names_the_key(tiny_root, tmp_path):
         load_search_spec(bad)
 
 
-
 def test_a_study_says_whether_its_ranks_are_kept_across_trials(tmp_path):
     from prvrlab.platform.search.study import StudyContext
 
@@ -61,6 +60,7 @@ def test_shipped_multi_worker_cpu_specs_keep_their_ranks_across_trials():
         if res.get("workers_per_trial", 1) > 1 and not res.get("gpus_per_worker", 0):
             multi[path.name] = res.get("reuse_workers", False)
     assert multi and all(multi.values()), multi
+
 
 def test_trial_placement_group_has_the_trial_actor_then_one_bundle_per_rank():
     cpu = pool_resources(3, 0.5, 0.0, 0.01)
