@@ -164,7 +164,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from prvrlab.reports.tables import recall_text
 
     checkpoint = storage.fetch(args.checkpoint, key="checkpoint")  # s3:// or gs://: a staged local copy
-    blob = load_checkpoint(checkpoint)
+    blob = load_checkpoint(checkpoint, config=args.config)
+    if "config_file" in blob:  # a recovery checkpoint: say whose config its weights are evaluated with
+        print(f"recovery checkpoint evaluated with the config {blob['config_file']}")
     if args.data_root is not None:
         _check_data_root(args.data_root, checkpoint_config(blob, checkpoint).data)
     ranks = args.ranks
@@ -172,7 +174,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         storage.check_file(ranks, "--ranks")
         if storage.is_remote(ranks):
             ranks = str(storage.Location(storage.normalize(ranks, key="--ranks")).local)
-    result = evaluate_checkpoint(checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp)
+    result = evaluate_checkpoint(
+        checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp, config=args.config,
+        device=args.device,
+    )
     if ranks != args.ranks:
         storage.put(ranks, args.ranks)
     m = result.metrics
@@ -364,8 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--check", action="store_true", help="validate the spec only")
         p.set_defaults(func=func)
 
-    p = sub.add_parser("eval", help="evaluate a saved model (best_model.pt) on a split")
-    p.add_argument("checkpoint", help="best_model.pt written by a training run")
+    p = sub.add_parser("eval", help="evaluate a saved model (best_model.pt, or a recovery checkpoint) on a split")
+    p.add_argument("checkpoint", help="best_model.pt written by a training run, or a recovery checkpoint (state.pt or its checkpoint_* folder)")
+    p.add_argument("--config", default=None,
+                   help="the run's config.yaml, for a recovery checkpoint outside the layout training writes (it holds no config)")
+    p.add_argument("--device", type=torch_device, default=None, help="cpu or cuda (default: cuda when train.use_gpu and available)")
     p.add_argument("--split", default="test", help="split to evaluate, e.g. val or test (default test)")
     p.add_argument("--data-root", default=None, help="use features from this existing folder instead of the run's data.root")
     p.add_argument("--ranks", default=None, help="write per-query ranks to this Parquet file (a path, s3:// or gs://)")

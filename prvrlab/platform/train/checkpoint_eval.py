@@ -1,4 +1,6 @@
-"""Evaluate a saved model (``best_model.pt``) on any split of its collection."""
+"""Evaluate a saved model on any split of its collection: a run's ``best_model.pt`` (weights and the
+config they were trained with), or a recovery checkpoint (``state.pt``, or the ``checkpoint_*`` folder
+holding it: the weights of the last reported epoch, no config) with the run's ``config.yaml``."""
 
 from __future__ import annotations
 
@@ -12,12 +14,42 @@ from prvrlab.data.errors import DataError
 from prvrlab.platform.config import ConfigError, ExperimentConfig, validate
 from prvrlab.platform.presets import stored_behaviour
 
-EXPECTED = "expected a best_model.pt written by prvrlab training"
+EXPECTED = "expected a best_model.pt written by prvrlab training, or a recovery checkpoint (state.pt)"
+RECOVERY_FILE = "state.pt"  # a recovery checkpoint's file in its checkpoint_* folder
+# where a run's config.yaml lies from its recovery checkpoint's folder, in the layouts training writes
+RECOVERY_CONFIGS = (
+    ("..", "..", "config.yaml"),  # <run files>/local_session/checkpoint_latest/state.pt (train --no-ray)
+    ("..", "files", "config.yaml"),  # <storage>/<run>/checkpoint_<time>/state.pt (Ray Train)
+)
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """Read a model file written by training; a clear error when it is not one."""
+def checkpoint_file(path: str | Path) -> Path:
+    """The model file ``path`` names: the file itself, or the ``state.pt`` of a checkpoint folder."""
     path = Path(path)
+    if path.is_dir():
+        if not (path / RECOVERY_FILE).is_file():
+            raise DataError(f"{path}: a folder without {RECOVERY_FILE}: {EXPECTED}")
+        return path / RECOVERY_FILE
+    return path
+
+
+def recovery_config(path: Path) -> Path | None:
+    """The ``config.yaml`` of the run whose recovery checkpoint is ``path``, where training puts it; else None."""
+    for parts in RECOVERY_CONFIGS:
+        candidate = path.parent.joinpath(*parts).resolve()
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_checkpoint(path: str | Path, *, config: str | Path | None = None) -> dict:
+    """Read a model file written by training; a clear error when it is not one.
+
+    A recovery checkpoint holds no config: it is read from ``config`` (a YAML file), else from the
+    run's ``config.yaml`` where training writes it, and the returned blob carries it (``config``,
+    the current ``format``, ``epoch`` from its progress and ``config_file``).  ``config`` is refused
+    for a ``best_model.pt``, which holds the config its weights were trained with."""
+    path = checkpoint_file(path)
     if not path.is_file():
         raise DataError(f"checkpoint not found: {path}")
     if not zipfile.is_zipfile(path):
@@ -26,9 +58,33 @@ def load_checkpoint(path: str | Path) -> dict:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's text may advise weights_only=False, which runs the file's code
         raise DataError(f"{path}: not a readable prvrlab checkpoint: {EXPECTED} (torch.load: {type(exc).__name__})") from None
+    if isinstance(blob, dict) and "model" in blob and "progress" in blob and "config" not in blob:
+        return _with_run_config(blob, path, config)
     if not isinstance(blob, dict) or "model" not in blob or "config" not in blob:
         raise DataError(f"{path}: not a prvrlab checkpoint: {EXPECTED} (with keys 'model' and 'config')")
+    if config is not None:
+        raise ConfigError(f"--config {config}: {path} holds the config its weights were trained with; "
+                          "--config is for a recovery checkpoint (state.pt)")
     return blob
+
+
+def _with_run_config(blob: dict, path: Path, config: str | Path | None) -> dict:
+    """A recovery checkpoint's blob with its run's config (see :func:`load_checkpoint`)."""
+    from prvrlab.platform.config import load_raw
+    from prvrlab.platform.train.loop import CHECKPOINT_FORMAT
+
+    if config is not None and not Path(config).is_file():
+        raise ConfigError(f"--config {config}: file not found")
+    source = Path(config) if config is not None else recovery_config(path)
+    if source is None:
+        raise ConfigError(f"{path}: a recovery checkpoint holds no config and no run's config.yaml lies where "
+                          "training writes it; give it with --config <run folder>/config.yaml")
+    try:
+        epoch = int(blob["progress"]["epoch"])
+    except (KeyError, TypeError, ValueError):
+        raise DataError(f"{path}: not a prvrlab checkpoint: {EXPECTED} (its 'progress' has no epoch)") from None
+    raw = load_raw(source)  # a config.yaml is the resolved config of the prvrlab that wrote it
+    return {**blob, "config": raw, "format": CHECKPOINT_FORMAT, "epoch": epoch + 1, "config_file": str(source)}
 
 
 def checkpoint_epoch(blob: dict) -> int | None:
@@ -48,6 +104,13 @@ def checkpoint_config(blob: dict, path: str | Path) -> ExperimentConfig:
         raise ConfigError(f"{path}: stored config is invalid: {exc}") from None
 
 
+def eval_device(cfg: ExperimentConfig, requested: str | None = None) -> torch.device:
+    """``requested``, else CUDA when the run trained on a GPU (``train.use_gpu``) and one is visible, else the CPU."""
+    if requested is not None:
+        return torch.device(requested)
+    return torch.device("cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu")
+
+
 def evaluate_checkpoint(
     path: str | Path,
     *,
@@ -55,15 +118,18 @@ def evaluate_checkpoint(
     data_root: str | None = None,
     ranks_out: str | None = None,
     amp: str = "none",
+    config: str | Path | None = None,
+    device: str | None = None,
 ):
-    """Evaluate the model in ``path`` on ``split``; optionally write per-query ranks."""
+    """Evaluate the model in ``path`` (see :func:`load_checkpoint`; ``config`` for a recovery checkpoint)
+    on ``split`` on ``device`` (:func:`eval_device`); optionally write per-query ranks."""
     from prvrlab.allocator import primitive_cache_limit, set_host_allocator
     from prvrlab.data.collection import open_collection
     from prvrlab.evaluation.metrics import save_ranks
     from prvrlab.evaluation.retrieval import evaluate, resolve_amp_dtype
     from prvrlab.models.factory import build_model
 
-    blob = load_checkpoint(path)
+    blob = load_checkpoint(path, config=config)
     cfg = checkpoint_config(blob, path)
     if data_root is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(Path(data_root).resolve())))
@@ -74,7 +140,8 @@ def evaluate_checkpoint(
         model.load_state_dict(blob["model"])
     except RuntimeError as exc:
         raise DataError(f"{path}: weights do not fit the configured model: {exc}") from None
-    device = torch.device("cpu")
+    device = eval_device(cfg, device)
+    model.to(device)
     set_host_allocator(cfg.train.host_allocator)
     with primitive_cache_limit():  # one evaluation: the primitives of its batch shapes are not reused
         result = evaluate(
