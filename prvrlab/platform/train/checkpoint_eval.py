@@ -20,7 +20,7 @@ RECOVERY_FILE = "state.pt"  # a recovery checkpoint's file in its checkpoint_* f
 RECOVERY_CONFIGS = (
     ("..", "..", "config.yaml"),  # <run files>/local_session/checkpoint_latest/state.pt (train --no-ray)
     ("..", "files", "config.yaml"),  # <storage>/<run>/checkpoint_<time>/state.pt (Ray Train)
-)
+)  # and a study trial's Tune checkpoint (_trial_config)
 
 
 def checkpoint_file(path: str | Path) -> Path:
@@ -39,7 +39,18 @@ def recovery_config(path: Path) -> Path | None:
         candidate = path.parent.joinpath(*parts).resolve()
         if candidate.is_file():
             return candidate
-    return None
+    return _trial_config(path.parent.resolve())
+
+
+def _trial_config(folder: Path) -> Path | None:
+    """A study trial's ``config.yaml`` for its Tune checkpoint ``<study>/tune/<trial folder>/checkpoint_*``:
+    ``<study>/trials/<id>/files/config.yaml`` of the one trial id that Tune's folder name holds as ``_<id>_``."""
+    tune_trial = folder.parent
+    trials = tune_trial.parent.parent / "trials"
+    if tune_trial.parent.name != "tune" or not trials.is_dir():
+        return None
+    found = [d / "files" / "config.yaml" for d in trials.iterdir() if f"_{d.name}_" in tune_trial.name]
+    return found[0] if len(found) == 1 and found[0].is_file() else None
 
 
 def load_checkpoint(path: str | Path, *, config: str | Path | None = None) -> dict:

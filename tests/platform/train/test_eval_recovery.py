@@ -122,3 +122,22 @@ def test_the_model_is_evaluated_on_the_chosen_device(trained, monkeypatch):
     assert seen == {"requested": "cpu"} and result.num_queries > 0
     assert main(["eval", str(files / "best_model.pt"), "--split", "val", "--device", "cpu"]) == 0
     assert seen == {"requested": "cpu"}
+
+
+def test_a_study_trials_tune_checkpoint_finds_that_trials_config(tmp_path):
+    study = tmp_path / "search" / "s" / "20261202-185707"
+    tune_trial = study / "tune" / "run_trial_9e05ce04_3_train_lr=0.0007_2026-12-02_18-57-22"
+    state = tune_trial / "checkpoint_000001" / "state.pt"
+    state.parent.mkdir(parents=True)
+    state.write_bytes(b"")
+    for trial in ("0db6e251", "9e05ce04", "9e05ce0"):  # the last: a name inside another id, not "_<id>_"
+        (study / "trials" / trial / "files").mkdir(parents=True)
+        (study / "trials" / trial / "files" / "config.yaml").write_text(f"name: {trial}\n")
+    assert recovery_config(state) == study / "trials" / "9e05ce04" / "files" / "config.yaml"
+    (study / "trials" / "9e05ce04" / "files" / "config.yaml").unlink()
+    assert recovery_config(state) is None  # that trial's config is gone: not another trial's
+    (study / "trials" / "9e05ce04" / "files" / "config.yaml").write_text("name: x\n")
+    other = tmp_path / "elsewhere" / "run_trial_9e05ce04_3" / "checkpoint_000001" / "state.pt"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"")
+    assert recovery_config(other) is None  # not under a study's tune/
