@@ -16,6 +16,7 @@ from prvrlab.platform.presets import stored_behaviour
 
 EXPECTED = "expected a best_model.pt written by prvrlab training, or a recovery checkpoint (state.pt)"
 RECOVERY_FILE = "state.pt"  # a recovery checkpoint's file in its checkpoint_* folder
+BEST_FILE = "best_model.pt"  # the best validation epoch's model in a run's files
 # where a run's config.yaml lies from its recovery checkpoint's folder, in the layouts training writes
 RECOVERY_CONFIGS = (
     ("..", "..", "config.yaml"),  # <run files>/local_session/checkpoint_latest/state.pt (train --no-ray)
@@ -24,12 +25,14 @@ RECOVERY_CONFIGS = (
 
 
 def checkpoint_file(path: str | Path) -> Path:
-    """The model file ``path`` names: the file itself, or the ``state.pt`` of a checkpoint folder."""
+    """The model file ``path`` names: the file itself; in a folder, its ``state.pt`` (a checkpoint
+    folder), else its ``best_model.pt`` (a run's files)."""
     path = Path(path)
     if path.is_dir():
-        if not (path / RECOVERY_FILE).is_file():
-            raise DataError(f"{path}: a folder without {RECOVERY_FILE}: {EXPECTED}")
-        return path / RECOVERY_FILE
+        for name in (RECOVERY_FILE, BEST_FILE):
+            if (path / name).is_file():
+                return path / name
+        raise DataError(f"{path}: a folder without {RECOVERY_FILE} or {BEST_FILE}: {EXPECTED}")
     return path
 
 

@@ -94,7 +94,7 @@ def test_config_is_refused_for_a_best_model_and_a_folder_needs_state_pt(trained,
     assert main(["eval", str(files / "best_model.pt"), "--config", str(files / "config.yaml")]) == EXIT_BAD_INPUT
     assert "holds the config its weights were trained with" in capsys.readouterr().err
     assert main(["eval", str(tmp_path)]) == EXIT_BAD_INPUT
-    assert capsys.readouterr().err.strip().startswith(f"prvrlab: error: {tmp_path}: a folder without state.pt")
+    assert capsys.readouterr().err.strip().startswith(f"prvrlab: error: {tmp_path}: a folder without state.pt or best_model.pt")
 
 
 def test_eval_device_follows_the_request_then_the_run(tiny_root, tmp_path, monkeypatch):
@@ -141,3 +141,11 @@ def test_a_study_trials_tune_checkpoint_finds_that_trials_config(tmp_path):
     other.parent.mkdir(parents=True)
     other.write_bytes(b"")
     assert recovery_config(other) is None  # not under a study's tune/
+
+
+def test_a_runs_files_folder_is_its_best_model(trained, capsys):
+    files, _ = trained
+    assert main(["eval", str(files), "--split", "val"]) == 0
+    by_folder = capsys.readouterr().out
+    assert main(["eval", str(files / "best_model.pt"), "--split", "val"]) == 0
+    assert by_folder == capsys.readouterr().out and "recovery checkpoint" not in by_folder
