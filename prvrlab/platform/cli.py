@@ -25,7 +25,7 @@ EPILOG = """examples:
   prvrlab data inspect --root data --collection tvr         check data/tvr/ as released (FeatureData/, TextData/)
   prvrlab train configs/x.yaml --set train.lr=1e-4          train one config (tracked in MLflow)
   prvrlab search search_spaces/x.yaml                       run a hyperparameter search on Ray Tune
-  prvrlab eval results/<run>/best_model.pt --split test     evaluate a saved model on a split
+  prvrlab eval results/<run>/files --split test             evaluate a run's best model on a split
   prvrlab report --spec search_spaces/x.yaml                write the report of the latest study
 
 Bad input (missing or corrupt files, invalid configs) ends with one line and exit status 2."""
