@@ -28,7 +28,7 @@ else
     GALLERY=(500 1000 1500 2000 2500); LOADERS=(4 12); PACK=(1 2 4 8); PACK_EPOCHS=2; TEST_T=100; XDIST=(-n 6)
     TESTS=(tests/test_device_under_test.py tests/models tests/losses tests/evaluation tests/data tests/platform/train/test_pinning.py
            tests/platform/train/test_resident_train.py tests/platform/train/test_process_group.py
-           tests/platform/train/test_step.py tests/platform/train/test_random_state.py)
+           tests/platform/train/test_step.py tests/platform/train/test_random_state.py tests/platform/train/test_eval_device.py)
 fi
 
 want() { [[ " ${STAGES:-tests profile train resident plugins syncs waits eval eval_mssl backbones packing} " == *" $1 "* ]]; }
