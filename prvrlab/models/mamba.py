@@ -319,7 +319,9 @@ class Mamba(nn.Module):
         self.conv = nn.Conv1d(E, E, kernel_size=d_conv, groups=E, padding=d_conv - 1)
         self.x_proj = nn.Linear(E, R + 2 * N, bias=False)
         self.dt_proj = nn.Linear(R, E)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(E, 1))  # (E, N)
+        self.A_log = nn.Parameter(torch.empty(E, N, dtype=torch.float32))  # (E, N): log 1..N in every channel (S4D-real)
+        with torch.no_grad():  # computed on the CPU: on the meta device torch's arange imports torch._dynamo (~1.3 s)
+            self.A_log.copy_(torch.log(torch.arange(1, N + 1, dtype=torch.float32, device="cpu")).expand(E, N))
         self.D = nn.Parameter(torch.ones(E))
         self.out_proj = nn.Linear(E, hidden_size, bias=False)
 

@@ -462,8 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prvrlab`` console script."""
     from prvrlab.data.errors import DataError
     from prvrlab.platform.config import ConfigError
+    from prvrlab.platform.failures import TrainingError
     from prvrlab.platform.search.spec import StudyError
-    from prvrlab.platform.train.driver import TrainingError
     from prvrlab.registry import RegistryError
     from prvrlab.reports.errors import ReportError
 

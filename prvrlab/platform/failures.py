@@ -56,6 +56,10 @@ _EXIT_DETAIL = re.compile(r"Worker exit detail: (.+?)\.(?:\s|$)")
 _PY_ERROR = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)): (.+)$", re.MULTILINE)
 
 
+class TrainingError(RuntimeError):
+    """A run that did not finish (worker error, non-finite loss)."""
+
+
 @dataclass(frozen=True)
 class Failure:
     """What happened, in one line, and whether a retry from the last checkpoint can help."""

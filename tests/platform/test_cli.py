@@ -183,3 +183,18 @@ def test_inspect_accepts_the_parent_of_a_released_collection(tmp_path, capsys):
     assert main(["data", "inspect", "--root", str(tmp_path), "--collection", "synth"]) == 0
     out = capsys.readouterr().out
     assert f"at {tmp_path / 'synth'}" in out and "note: data.visual_feature not given: using the only feature store" in out
+
+
+def test_help_loads_neither_torch_nor_ray_nor_mlflow():
+    """``prvrlab --help`` (and main's error handling) stays quick: the errors it catches are defined in light modules."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\nfrom prvrlab.platform.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'ray', 'mlflow') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage: prvrlab" in out.stdout and out.stdout.strip().splitlines()[-1] == "[]"

@@ -22,9 +22,10 @@ from typing import Any, Callable
 from prvrlab.models.component import DISTRIBUTIONS_DIR
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig
-from prvrlab.platform.failures import (
+from prvrlab.platform.failures import (  # TrainingError lives there: the CLI catches it without importing torch
     ERROR_FILE,
     Failure,
+    TrainingError,
     explain_exception,
     failure_text,
     interrupts_unwrapped,
@@ -37,10 +38,6 @@ from prvrlab.platform.train.session import process_group_backend
 from prvrlab.platform.tracking.drivers import close_dead_runs
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
-
-
-class TrainingError(RuntimeError):
-    """A run that did not finish (worker error, non-finite loss)."""
 
 
 @dataclass
