@@ -33,7 +33,12 @@ search), so every row finds them ready.
 With a GPU it also prints the aggregate trial throughput when packing 1, 2
 and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
 
-    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r,2p]
+``--cli`` also runs the last row's search as a user does, ``prvrlab search SPEC`` in a fresh process
+(its imports, opening the MLflow store, starting its own Ray, Tune, Ray's shutdown at exit), and
+prints when its output lines came against the time its trials spent in epochs (``--rows ''``: that
+command alone; the store is created before it, as a user's earlier runs would have).
+
+    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r,2p] [--cli]
 """
 
 from __future__ import annotations
@@ -176,6 +181,41 @@ def max_difference(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]
     return max((abs(a[lr][k] - b[lr].get(k, float("inf"))) for lr in a for k in a[lr]), default=float("inf"))
 
 
+def cold_command(tmp: Path, root: Path, row: str, trials: int, epochs: int) -> None:
+    """``prvrlab search`` of ``row``'s spec in a fresh process: when its lines came, and its trials' epochs."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    workers, reuse, pack = int(row.rstrip("rp")), row.endswith(("r", "p")), 2 if row.endswith("p") else 1
+    spec = write_spec(tmp, root, f"cli_w{row}", trials=trials, epochs=epochs, workers=workers, reuse=reuse, pack=pack)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prvrlab.platform.cli", "search", str(spec)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )
+    lines = [(time.perf_counter() - t0, line.rstrip()) for line in proc.stdout]
+    rc = proc.wait()
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        print(f"cold command ({row}): exit {rc}; its last lines:\n" + "\n".join(text for _, text in lines[-10:]))
+        return
+    header = next(t for t, text in lines if text.startswith("search '"))
+    first = next((t for t, text in lines if re.search(r"\] start ", text)), float("nan"))
+    parent = re.search(r"MLflow parent run (\w+)", next(text for _, text in lines if text.startswith("search '"))).group(1)
+    tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench")
+    children = tracker.client.search_runs([tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
+    epochs_s = sum(m.value for c in children for m in tracker.client.get_metric_history(c.info.run_id, "time/epoch_s"))
+    print(
+        f"cold command ({row}): prvrlab search in a fresh process {wall:.1f} s: its first line after {header:.1f} s "
+        f"(imports, MLflow store, Ray start), the first trial started at {first:.1f} s, the last line at "
+        f"{lines[-1][0]:.1f} s, exit {wall - lines[-1][0]:.1f} s later; {epochs_s:.1f} s in epochs, "
+        f"{1 - epochs_s / wall:.0%} outside training"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
@@ -186,18 +226,23 @@ def main() -> None:
         default="1,2,2r,2p",
         help="1: one worker; 2: a TorchTrainer per trial; 2r: 2 workers, reused pool; 2p: 2r packed 2 per group (pack: 2)",
     )
+    parser.add_argument("--cli", action="store_true", help="also run the last row's search as `prvrlab search SPEC` in a fresh process")
     args = parser.parse_args()
-    rows = args.rows.split(",")
+    rows = [row for row in args.rows.split(",") if row]
     with tempfile.TemporaryDirectory(prefix="prvrlab-bench-search-") as tmp_name:
         tmp = Path(tmp_name)
         root = synthesize(tmp / f"synth_{args.preset}", preset=args.preset, seed=0, progress=False)
         print(f"search overhead: {args.trials} trials x {args.epochs} epochs, {args.preset} synthetic data, 1 trial at a time")
         t0 = time.time()
-        ensure_ray()
-        print(f"Ray started in {time.time() - t0:.1f} s (not counted in the rows)")
-        t0 = time.time()
         Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench")
         print(f"MLflow store created in {time.time() - t0:.1f} s (not counted in the rows)")
+        if args.cli:  # before this process starts Ray: the command starts its own
+            cold_command(tmp, root, rows[-1] if rows else "2r", args.trials, args.epochs)
+        if not rows:
+            return
+        t0 = time.time()
+        ensure_ray()
+        print(f"Ray started in {time.time() - t0:.1f} s (not counted in the rows)")
         print(f"{'workers/trial':>20} {'wall s':>8} {'start->1st step s':>18} {'train s':>8} {'outside training':>17}")
         measured: dict[str, dict] = {}
         for row in rows:
