@@ -202,9 +202,9 @@ def cold_command(tmp: Path, root: Path, row: str, trials: int, epochs: int) -> N
     if rc != 0:
         print(f"cold command ({row}): exit {rc}; its last lines:\n" + "\n".join(text for _, text in lines[-10:]))
         return
-    header = next(t for t, text in lines if text.startswith("search '"))
+    header, header_text = next((t, text) for t, text in lines if text.startswith("search '"))
     first = next((t for t, text in lines if re.search(r"\] start ", text)), float("nan"))
-    parent = re.search(r"MLflow parent run (\w+)", next(text for _, text in lines if text.startswith("search '"))).group(1)
+    parent = re.search(r"MLflow parent run (\w+)", header_text).group(1)
     tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench")
     children = tracker.client.search_runs([tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
     epochs_s = sum(m.value for c in children for m in tracker.client.get_metric_history(c.info.run_id, "time/epoch_s"))

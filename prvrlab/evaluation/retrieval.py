@@ -59,6 +59,14 @@ QueryBatch = tuple[Sequence[str], Tensor, Tensor]  # ids, queries, query_mask
 # ---------------------------------------------------------------- small helpers
 
 
+def saved_model_device(use_gpu: bool, requested: str | torch.device | None = None) -> torch.device:
+    """Where a saved model is evaluated or profiled: ``requested``, else CUDA when it was trained on a GPU
+    (``train.use_gpu``) and one is visible, else the CPU."""
+    if requested is not None:
+        return torch.device(requested)
+    return torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
+
+
 def resolve_amp_dtype(amp: str | torch.dtype | None) -> torch.dtype | None:
     """``"none"``/None -> None, ``"bf16"`` -> bfloat16, ``"fp16"`` -> float16.
 

@@ -175,8 +175,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if storage.is_remote(ranks):
             ranks = str(storage.Location(storage.normalize(ranks, key="--ranks")).local)
     result = evaluate_checkpoint(
-        checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp, config=args.config,
-        device=args.device,
+        checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp, device=args.device, blob=blob,
     )
     if ranks != args.ranks:
         storage.put(ranks, args.ranks)

@@ -187,6 +187,7 @@ def profile_config(
     CLI validates it): ``.model``, ``.plugins`` and ``.data`` are read, plus
     ``.train.use_gpu`` when ``device`` is None and ``.name`` when ``name`` is.
     """
+    from prvrlab.evaluation.retrieval import saved_model_device
     from prvrlab.models.factory import build_model
 
     if video_dim is None or query_dim is None:
@@ -194,7 +195,7 @@ def profile_config(
         video_dim, query_dim = video_dim or vd, query_dim or qd
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.plugins, video_dim=video_dim, query_dim=query_dim)
-    dev = device or ("cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu")
+    dev = saved_model_device(cfg.train.use_gpu, device)
     return profile_model(
         model,
         video_dim=video_dim,

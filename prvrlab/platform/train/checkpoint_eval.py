@@ -119,10 +119,10 @@ def checkpoint_config(blob: dict, path: str | Path) -> ExperimentConfig:
 
 
 def eval_device(cfg: ExperimentConfig, requested: str | None = None) -> torch.device:
-    """``requested``, else CUDA when the run trained on a GPU (``train.use_gpu``) and one is visible, else the CPU."""
-    if requested is not None:
-        return torch.device(requested)
-    return torch.device("cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu")
+    """Where ``prvrlab eval`` runs the model of a run configured by ``cfg`` (:func:`saved_model_device`)."""
+    from prvrlab.evaluation.retrieval import saved_model_device
+
+    return saved_model_device(cfg.train.use_gpu, requested)
 
 
 def evaluate_checkpoint(
@@ -134,16 +134,18 @@ def evaluate_checkpoint(
     amp: str = "none",
     config: str | Path | None = None,
     device: str | None = None,
+    blob: dict | None = None,
 ):
     """Evaluate the model in ``path`` (see :func:`load_checkpoint`; ``config`` for a recovery checkpoint)
-    on ``split`` on ``device`` (:func:`eval_device`); optionally write per-query ranks."""
+    on ``split`` on ``device`` (:func:`eval_device`); optionally write per-query ranks.  ``blob``: what
+    :func:`load_checkpoint` already read from ``path`` (it is not read again)."""
     from prvrlab.allocator import primitive_cache_limit, set_host_allocator
     from prvrlab.data.collection import open_collection
     from prvrlab.evaluation.metrics import save_ranks
     from prvrlab.evaluation.retrieval import evaluate, resolve_amp_dtype
     from prvrlab.models.factory import build_model
 
-    blob = load_checkpoint(path, config=config)
+    blob = blob if blob is not None else load_checkpoint(path, config=config)
     cfg = checkpoint_config(blob, path)
     if data_root is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(Path(data_root).resolve())))
