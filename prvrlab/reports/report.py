@@ -872,9 +872,9 @@ def report(
 ) -> Path:
     """Write the report of the study ``parent_id`` (see ``source.find_parent``) and log the folder as
     artifact ``report/`` of the parent run; returns the markdown path."""
-    study = load_study(tracking_uri, parent_id)
-    out = Path(out) if out is not None else Path("results") / "reports" / plots.safe_name(study.name)
-    path = write_report(study, out, options)
+    with load_study(tracking_uri, parent_id) as study:
+        out = Path(out) if out is not None else Path("results") / "reports" / plots.safe_name(study.name)
+        path = write_report(study, out, options)
     if log_artifact:
         study.client.log_artifacts(parent_id, str(out), "report")
     return path

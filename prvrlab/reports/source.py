@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -123,7 +125,11 @@ def check_split(runs: Sequence[TrialRun], split: str) -> None:
 
 @dataclass
 class Study:
-    """A parent run and its child runs, read from one tracking store."""
+    """A parent run and its child runs, read from one tracking store.
+
+    Artifacts it downloads (ranks, distributions, configs) go to one temporary folder, removed by
+    :meth:`close`, on leaving a ``with`` block, or when the study is garbage-collected (at the latest
+    at interpreter exit)."""
 
     tracking_uri: str
     parent_id: str
@@ -136,6 +142,7 @@ class Study:
     runs: list[TrialRun]  # sorted by (variant, seed, trial id, run id)
     client: Any = field(repr=False, default=None)
     _cache: Path | None = field(repr=False, default=None)
+    _remove_cache: Any = field(repr=False, default=None, compare=False)
 
     @property
     def metric(self) -> str:
@@ -146,9 +153,23 @@ class Study:
         return self.params.get("spec.mode", self.spec.get("mode", "max"))
 
     def cache_dir(self) -> Path:
+        """The study's download folder, made on first use."""
         if self._cache is None:
             self._cache = Path(tempfile.mkdtemp(prefix="prvrlab-report-"))
+            self._remove_cache = weakref.finalize(self, shutil.rmtree, str(self._cache), True)
         return self._cache
+
+    def close(self) -> None:
+        """Remove the download folder (a later download makes a new one)."""
+        if self._remove_cache is not None:
+            self._remove_cache()
+        self._cache = self._remove_cache = None
+
+    def __enter__(self) -> Study:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def ranks(self, run: TrialRun, split: str) -> dict[str, Any] | None:
         """Per-query ranks of ``run`` on ``split`` (:func:`run_ranks`), cached for the study."""
@@ -298,15 +319,16 @@ def find_parent(
 # ---------------------------------------------------------------- loading
 
 
-def _spec_artifact(client, run_id: str, cache: Path) -> dict[str, Any]:
+def _spec_artifact(client, run_id: str) -> dict[str, Any]:
     try:
         files = [f.path for f in client.list_artifacts(run_id, "spec") if f.path.endswith((".yaml", ".yml"))]
     except Exception:
         return {}
     if not files:
         return {}
-    local = client.download_artifacts(run_id, sorted(files)[0], str(cache / "spec"))
-    data = yaml.safe_load(Path(local).read_text())
+    with tempfile.TemporaryDirectory(prefix="prvrlab-report-") as tmp:
+        local = client.download_artifacts(run_id, sorted(files)[0], tmp)
+        data = yaml.safe_load(Path(local).read_text())
     return data if isinstance(data, dict) else {}
 
 
@@ -322,7 +344,6 @@ def load_study(uri: str, parent_id: str) -> Study:
     if kind not in STUDY_KINDS:
         raise ReportError(f"run '{parent_id}' is not a search or ablation parent run (prvrlab.kind={kind!r})")
     exp_id = parent.info.experiment_id
-    cache = Path(tempfile.mkdtemp(prefix="prvrlab-report-"))
     children = []
     token = None
     while True:
@@ -342,8 +363,7 @@ def load_study(uri: str, parent_id: str) -> Study:
         experiment_id=exp_id,
         tags=dict(parent.data.tags),
         params=dict(parent.data.params),
-        spec=_spec_artifact(client, parent_id, cache),
+        spec=_spec_artifact(client, parent_id),
         runs=sorted(runs, key=_sort_key),
         client=client,
-        _cache=cache,
     )

@@ -142,3 +142,36 @@ def test_profile_cli_prints_gallery_sizes(tiny_root, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "| Database size | 30 | 60 |" in out and "Params (M)" in out and "FLOPs (G)" in out
+
+
+def test_a_report_leaves_no_download_folder_behind(studies, tmp_path, monkeypatch):
+    import tempfile
+
+    from prvrlab.reports.report import report
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    made = []
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    md = report(tracking_uri=studies["uri"], parent_id=studies["ablation"], out=tmp_path / "r", options=OPT,
+                log_artifact=False).read_text()
+    assert "## Moment/video-ratio breakdown (val)" in md  # built from downloaded rank artifacts
+    assert made and all(Path(m).parent == scratch for m in made)
+    assert list(scratch.iterdir()) == []
+
+    study = load_study(studies["uri"], studies["ablation"])
+    first = study.cache_dir()
+    assert study.ranks(study.runs[0], "val") is not None and any(first.rglob("*.parquet"))
+    study.close()
+    assert not first.exists()
+    with study:
+        second = study.cache_dir()
+        assert second != first and second.is_dir()
+    assert not second.exists()
+    third = load_study(studies["uri"], studies["ablation"]).cache_dir()
+    import gc
+
+    gc.collect()
+    assert not third.exists()  # an unreferenced study removes its folder
