@@ -504,7 +504,7 @@ def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):
 
 
 @pytest.mark.parametrize("size, budget, shape, configured, tvr", [
-    ("video_batch_size", "ENCODE_BUDGET_BYTES", (160, 3072), 256, 68),  # TVR: 32 clips + 128 frames, 3,072-d
+    ("video_batch_size", "ENCODE_BUDGET_BYTES", (160, 3072), 256, 34),  # TVR: 32 clips + 128 frames, 3,072-d
     ("query_batch_size", "QUERY_BUDGET_BYTES", (30, 768), 1024, 364),  # TVR: up to 30 words, 768-d
 ])
 def test_batch_sizes_fit_the_memory_budget(monkeypatch, size, budget, shape, configured, tvr):
@@ -541,3 +541,38 @@ def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release)
     )
     assert phases == (["videos", "release", "release", "queries", "release", "release"] if release else ["videos", "queries"])
     assert result.metrics["r1"] == pytest.approx(100.0)
+
+
+def test_video_batches_encoded_on_an_accelerator_use_its_budget(monkeypatch):
+    """The host holds only the input batch when an accelerator encodes: min(DEVICE_ENCODE_BUDGET_BYTES,
+    free / 16), not the CPU's smaller budget; ``evaluate`` passes the device's kind."""
+    per_video = 4 * 160 * 3072
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
+    assert ev.DEVICE_ENCODE_BUDGET_BYTES > ev.ENCODE_BUDGET_BYTES
+    assert ev.video_batch_size(256, 160, 3072, on_cpu=False) == ev.DEVICE_ENCODE_BUDGET_BYTES // per_video == 68
+    assert ev.video_batch_size(256, 160, 3072) == ev.ENCODE_BUDGET_BYTES // per_video
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 16 * 5 * per_video)
+    assert ev.video_batch_size(256, 160, 3072, on_cpu=False) == 5
+
+    import prvrlab.data.dataset as ds
+
+    seen = []
+    real = ev.video_batch_size
+    monkeypatch.setattr(ev, "video_batch_size", lambda *a, **k: seen.append(k.get("on_cpu", True)) or real(*a, **k))
+    monkeypatch.setattr(ds, "video_batches", lambda *a, **k: iter(()))
+    monkeypatch.setattr(ds, "query_batches", lambda *a, **k: iter(()))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(ev, "evaluate_batches", stop)
+    collection = types.SimpleNamespace(max_frames=128, num_clips=32, video_dim=3072, max_query_len=30, query_dim=768,
+                                       split=lambda name: types.SimpleNamespace(video_ids=[], query_ids=[], query_video=[]))
+    eval_cfg = types.SimpleNamespace(video_batch_size=256, query_batch_size=1024, score_chunk=2048)
+    for device in ("cpu", "meta"):  # meta: a device that is not the CPU, on any machine
+        with pytest.raises(Stop):
+            ev.evaluate(None, collection, "val", eval_cfg, device=device)
+    assert seen == [True, False]
