@@ -7,8 +7,11 @@ cluster (``LocalSession``, used by unit tests and for debugging).
 
 from __future__ import annotations
 
+import functools
+import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -150,11 +153,51 @@ class TuneSession(Session):
         ray.tune.report(self.enrich(dict(metrics)), checkpoint=ckpt)
 
 
+SCRATCH_PREFIX = "prvrlab-ckpt-"
+STALE_SCRATCH_S = 6 * 3600  # a dead process's scratch folder older than this is removed
+
+
 @contextmanager
 def scratch_dir() -> Iterator[Path]:
-    """A temporary folder removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="prvrlab-ckpt-"))
+    """A temporary folder removed afterwards, named ``prvrlab-ckpt-<pid>-*``.  A process killed inside
+    the block (a trial stopped while it reports its checkpoint) cannot remove it, so the first call in
+    each process removes such folders of processes that have ended (:func:`remove_stale_scratch`)."""
+    path = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+    _sweep_once(str(path.parent))
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _sweep_once(parent: str) -> None:
+    remove_stale_scratch(Path(parent))
+
+
+def remove_stale_scratch(parent: Path, *, min_age_s: float = STALE_SCRATCH_S) -> list[Path]:
+    """Remove the ``prvrlab-ckpt-<pid>-*`` folders in ``parent`` whose process no longer exists on this
+    host and that were last changed over ``min_age_s`` ago (a folder shared with another host's or pid
+    namespace's live process is that old only if the process stopped using it); returns them."""
+    removed = []
+    now = time.time()
+    for path in parent.glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or _alive(int(pid)) or now - path.stat().st_mtime < min_age_s:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
