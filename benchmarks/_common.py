@@ -93,18 +93,24 @@ def step_seconds(system: TrainingSystem, collection, *, batch_size: int, steps: 
     return sum(times) / len(times)
 
 
+def status_gib(key: str) -> float | None:
+    """``key`` (VmRSS, VmHWM, RssAnon) of /proc/self/status in GiB, or None where there is none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_gib() -> float:
     """Peak resident memory of this process (GiB): VmHWM of /proc/self/status where there is one.
 
     Not ``ru_maxrss`` there: Linux carries it over fork and exec, so a benchmark started by a big
     process would report its parent's resident set at the fork."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    hwm = status_gib("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 if hwm is None else hwm
 
 
 def machine() -> str:

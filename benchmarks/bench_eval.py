@@ -22,11 +22,14 @@ was taken on a quiet machine: read it with the load printed beside it), and
 peak resident memory of one evaluation per path, each measured in a fresh
 process (``--peak-of``), so neither the collection's synthesis nor the other
 path's evaluation counts; the official code holds 1.7-2.2 GB at 2,500 x 500
-(issue 16).  DDP sharding is not timed here (one process); its
+(issue 16).  ``--phase-peaks`` adds, per fresh-process evaluation, the resident set at the start,
+peak and end of its video, query and scoring phases (Linux: the kernel's peak is reset at each phase,
+``/proc/self/clear_refs``).  DDP sharding is not timed here (one process); its
 equality is tested in tests/evaluation/test_eval_sharding.py.
 
     .venv/bin/python benchmarks/bench_eval.py
     .venv/bin/python benchmarks/bench_eval.py --val-videos 200 --splits val --amp none   # a quick look
+    .venv/bin/python benchmarks/bench_eval.py --splits test --amp bf16 --no-naive --phase-peaks   # where the peak is
     python3 benchmarks/bench_eval.py --device cuda --splits test --no-memory            # on a GPU (prints peak GPU memory)
 """
 
@@ -39,15 +42,17 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from _common import (
-    add_collection_options, add_host_allocator_option, bench_collection, machine, peak_rss_gib, tvr_config,
+    add_collection_options, add_host_allocator_option, bench_collection, machine, peak_rss_gib, status_gib, tvr_config,
 )
 from prvrlab.allocator import primitive_cache_limit, set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
+from prvrlab.evaluation import retrieval
 from prvrlab.evaluation.retrieval import EvalResult, evaluate, evaluate_batches
 from prvrlab.models.precision import native_low_precision
 from prvrlab.models.factory import build_model
@@ -74,16 +79,53 @@ def naive(model, collection, split: str, eval_cfg, amp: str, device: str = "cpu"
         GaussianAttention.fast = True
 
 
-def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float, float]:
-    """(RSS before the evaluation, peak RSS) in GiB and the seconds of one ``path`` evaluation in a fresh
-    process (the process's first: nothing warmed up)."""
+PHASES = ("encode_videos", "encode_queries", "compute_ranks")  # functions of prvrlab.evaluation.retrieval
+
+
+class PhasePeaks:
+    """Resident set (GiB) at the start, peak and end of each evaluation phase: the kernel's peak (VmHWM)
+    is read, folded into the process's overall peak, and reset to the current RSS at each phase's start
+    and end (``/proc/self/clear_refs``)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float, float, float]] = []
+        self.overall = 0.0
+
+    def _reset(self) -> float:
+        hwm = peak_rss_gib()
+        self.overall = max(self.overall, hwm)
+        Path("/proc/self/clear_refs").write_text("5")
+        return hwm
+
+    def wrap(self, module, name: str) -> None:
+        run = getattr(module, name)
+
+        def timed(*a, **k):
+            self._reset()
+            start = status_gib("VmRSS")
+            out = run(*a, **k)
+            self.rows.append((name, start, self._reset(), status_gib("VmRSS")))
+            return out
+
+        setattr(module, name, timed)
+
+    def peak(self) -> float:
+        """The process's peak so far, across the resets."""
+        return max(self.overall, peak_rss_gib())
+
+
+def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float, float, list[str]]:
+    """(RSS before the evaluation, peak RSS) in GiB, the seconds of one ``path`` evaluation in a fresh
+    process (the process's first: nothing warmed up) and, with ``--phase-peaks``, its phase lines."""
     cmd = [sys.executable, __file__, "--root", args.root, "--config", args.config, "--threads", str(args.threads),
            "--train-videos", str(args.train_videos), "--val-videos", str(args.val_videos),
            "--host-allocator", args.host_allocator,
            "--test-videos", str(args.test_videos), "--peak-of", path, "--splits", split, "--amp", amp,
-           *([] if args.video_batch is None else ["--video-batch", str(args.video_batch)])]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
-    return float(out[-3]), float(out[-2]), float(out[-1])
+           *([] if args.video_batch is None else ["--video-batch", str(args.video_batch)]),
+           *(["--phase-peaks"] if args.phase_peaks else [])]
+    lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
+    out = lines[-1].split()
+    return float(out[-3]), float(out[-2]), float(out[-1]), [line for line in lines if line.startswith("phase ")]
 
 
 def run_official(args, split: str) -> dict:
@@ -111,6 +153,8 @@ def main() -> None:
                    "runs alternately with prvrlab's (benchmarks/official_eval.py)")
     p.add_argument("--official-site", help="a folder of packages the official code imports (official_eval.py --site)")
     p.add_argument("--peak-of", choices=["fast", "naive"], help="internal: one evaluation, print RSS before and peak")
+    p.add_argument("--phase-peaks", action="store_true",
+                   help="with the peak-RSS runs: RSS at the start, peak and end of each evaluation phase (Linux)")
     add_host_allocator_option(p)
     args = p.parse_args()
     set_host_allocator(args.host_allocator)
@@ -138,9 +182,15 @@ def main() -> None:
         paths["naive"] = lambda split, amp: naive(model, collection, split, cfg.eval, amp, args.device)
     if args.peak_of is not None:
         before = peak_rss_gib()
+        phases = PhasePeaks()
+        if args.phase_peaks:
+            for name in PHASES:
+                phases.wrap(retrieval, name)
         with primitive_cache_limit() if args.peak_of == "fast" else contextlib.nullcontext():  # as `prvrlab eval`
             res = paths[args.peak_of](args.splits[0], args.amp[0])
-        print(f"{before:.4f} {peak_rss_gib():.4f} {res.seconds:.3f}")
+        for name, start, peak, end in phases.rows:
+            print(f"phase {name:<14} start {start:.3f}  peak {peak:.3f}  end {end:.3f} GiB")
+        print(f"{before:.4f} {phases.peak():.4f} {res.seconds:.3f}")
         return
     for amp in args.amp:
         for split in args.splits:
@@ -185,10 +235,12 @@ def main() -> None:
                 print(f"[{amp:>4}] peak GPU memory (allocated, all paths): "
                       f"{torch.cuda.max_memory_allocated(args.device) / 2**30:.2f} GiB")
             for name in () if args.no_memory or cuda else best:
-                before, peak, seconds = peak_of(args, name, split, amp)
+                before, peak, seconds, phase_lines = peak_of(args, name, split, amp)
                 print(f"[{amp:>4}] {name:>5} {split:<4} peak RSS of one evaluation in a fresh process: {peak:.2f} GiB "
                       f"({before:.2f} GiB before it: interpreter, model, opened collection); it took {seconds:.1f} s "
                       f"(nothing warmed up)")
+                for line in phase_lines:
+                    print(f"[{amp:>4}] {name:>5} {split:<4}   {line}")
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
