@@ -100,14 +100,14 @@ class PhasePeaks:
     def wrap(self, module, name: str) -> None:
         run = getattr(module, name)
 
-        def timed(*a, **k):
+        def measured(*a, **k):
             self._reset()
             start = status_gib("VmRSS")
             out = run(*a, **k)
             self.rows.append((name, start, self._reset(), status_gib("VmRSS")))
             return out
 
-        setattr(module, name, timed)
+        setattr(module, name, measured)
 
     def peak(self) -> float:
         """The process's peak so far, across the resets."""

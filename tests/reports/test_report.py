@@ -145,6 +145,7 @@ def test_profile_cli_prints_gallery_sizes(tiny_root, capsys):
 
 
 def test_a_report_leaves_no_download_folder_behind(studies, tmp_path, monkeypatch):
+    import gc
     import tempfile
 
     from prvrlab.reports.report import report
@@ -171,7 +172,5 @@ def test_a_report_leaves_no_download_folder_behind(studies, tmp_path, monkeypatc
         assert second != first and second.is_dir()
     assert not second.exists()
     third = load_study(studies["uri"], studies["ablation"]).cache_dir()
-    import gc
-
     gc.collect()
     assert not third.exists()  # an unreferenced study removes its folder

@@ -43,13 +43,15 @@ def test_stale_folders_of_ended_processes_are_removed(tmp_path):
 def test_scratch_dir_is_pid_named_removed_after_use_and_sweeps_once(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     session._sweep_once.cache_clear()
-    stale = _folder(tmp_path, f"prvrlab-ckpt-{_dead_pid()}-abc", session.STALE_SCRATCH_S + 60)
-    with session.scratch_dir() as path:
-        assert path.parent == tmp_path and path.name.startswith(f"prvrlab-ckpt-{os.getpid()}-")
-        assert not stale.exists()
-    assert not path.exists()
-    again = _folder(tmp_path, f"prvrlab-ckpt-{_dead_pid()}-def", session.STALE_SCRATCH_S + 60)
-    with session.scratch_dir():
-        pass
-    assert again.exists()  # swept once per process and folder
-    session._sweep_once.cache_clear()
+    try:
+        stale = _folder(tmp_path, f"prvrlab-ckpt-{_dead_pid()}-abc", session.STALE_SCRATCH_S + 60)
+        with session.scratch_dir() as path:
+            assert path.parent == tmp_path and path.name.startswith(f"prvrlab-ckpt-{os.getpid()}-")
+            assert not stale.exists()
+        assert not path.exists()
+        again = _folder(tmp_path, f"prvrlab-ckpt-{_dead_pid()}-def", session.STALE_SCRATCH_S + 60)
+        with session.scratch_dir():
+            pass
+        assert again.exists()  # swept once per process and folder
+    finally:
+        session._sweep_once.cache_clear()  # the real temp dir is swept again by the next scratch_dir
