@@ -100,7 +100,8 @@ class Resources:
     workers_per_trial: int = 1
     cpus_per_worker: float | None = None  # None: an equal share of the cluster
     gpus_per_worker: float = 0.0  # 0.25 packs four one-worker trials per GPU
-    reuse_workers: bool = False  # multi-worker trials: keep each slot's DDP workers alive across trials
+    reuse_workers: bool | None = None  # multi-worker trials: keep each slot's DDP workers alive across trials;
+    # None (``auto``): decided when the study starts (``study.pooled_ranks``)
     placement_timeout_s: float = 60.0  # a multi-worker trial whose worker group waits longer fails (retryable)
     pack: int = 1  # reused pools: k trials' worker groups share one group's CPUs (k x concurrency trials at a time)
 
@@ -404,12 +405,14 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
             "trial on one GPU, which NCCL refuses; give DDP trials whole GPUs (gpus_per_worker: 1), or pack "
             "one-worker trials with the fraction"
         )
-    reuse = res_raw.get("reuse_workers", False)
-    if not isinstance(reuse, bool):
-        raise ConfigError(f"{path}: resources.reuse_workers: expected true or false, got {reuse!r}")
+    reuse = res_raw.get("reuse_workers", "auto")
+    if reuse == "auto":
+        reuse = None
+    elif not isinstance(reuse, bool):
+        raise ConfigError(f"{path}: resources.reuse_workers: expected true, false or auto, got {reuse!r}")
     pack = _number(res_raw.get("pack", 1), f"{path}: resources.pack", integer=True, minimum=1)
-    if pack > 1 and not (reuse and workers > 1):
-        raise ConfigError(f"{path}: resources.pack: {pack} needs resources.reuse_workers: true and workers_per_trial > 1")
+    if pack > 1 and (reuse is False or workers < 2):
+        raise ConfigError(f"{path}: resources.pack: {pack} needs reused pools (resources.reuse_workers: true or auto) and workers_per_trial > 1")
     if pack > 1 and gpus > 0:
         raise ConfigError(
             f"{path}: resources.pack: {pack} packs CPU ranks only (NCCL refuses two ranks of a group on one GPU); "

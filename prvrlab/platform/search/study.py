@@ -529,6 +529,38 @@ def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *
     return _cpu_share(share), res.gpus_per_worker
 
 
+def alive_nodes() -> int:
+    """Alive nodes of the running Ray cluster."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def pooled_ranks(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, nodes: int) -> bool:
+    """Whether the study's multi-worker trials train on reused worker pools (:mod:`.workers`).
+
+    ``resources.reuse_workers`` where the spec says true or false.  By default (``auto``) with
+    ``resources.pack`` > 1, and for CPU ranks on a one-node cluster that was not joined through
+    ``$RAY_ADDRESS`` (this machine) where a trial fits now: there a worker group started per trial only
+    costs time (~20 s a trial here; README, Search overhead).  Elsewhere a worker group per trial: a
+    trial on a pool waits in Tune's queue without ``resources.placement_timeout_s``, which matters
+    where nodes join or leave, and GPU pools are opt-in."""
+    res = spec.resources
+    if res.reuse_workers is not None:
+        return res.reuse_workers
+    if res.workers_per_trial < 2:
+        return False
+    if res.pack > 1:
+        return True
+    if res.gpus_per_worker > 0 or nodes != 1 or os.environ.get("RAY_ADDRESS", "").strip():
+        return False
+    try:
+        trial_resources(spec, cluster_cpus, cluster_gpus)  # the whole cluster: one trial fits it now
+    except StudyError:
+        return False
+    return True
+
+
 def cluster_size() -> tuple[float, float]:
     """(CPUs, GPUs) of the running Ray cluster."""
     import ray
@@ -575,17 +607,17 @@ def _trainable(study: StudyContext, resources: dict[str, float], spares: list[li
 
 
 @contextmanager
-def spare_ranks(spec: StudySpec, trials: int) -> Iterator[list[list[Any]]]:
-    """CPU studies on reused pools (``resources.reuse_workers``) on a one-node cluster: one group of pool
-    ranks per slot, started now, so that their processes start and import torch while Tune starts its
-    trial actors (see :mod:`.workers`); killed when the block ends.  Otherwise no spares."""
-    import ray
-
+def spare_ranks(spec: StudySpec, trials: int, *, pooled: bool | None = None) -> Iterator[list[list[Any]]]:
+    """CPU studies on reused pools (``pooled``, as the study resolved it; by default the spec's
+    ``resources.reuse_workers``) on a one-node cluster: one group of pool ranks per slot, started now, so
+    that their processes start and import torch while Tune starts its trial actors (see :mod:`.workers`);
+    killed when the block ends.  Otherwise no spares."""
     res = spec.resources
     groups = min(spec.slots, trials)
+    pooled = bool(res.reuse_workers) if pooled is None else pooled
     if (
-        res.workers_per_trial < 2 or not res.reuse_workers or res.gpus_per_worker > 0 or groups < 1
-        or sum(1 for node in ray.nodes() if node.get("Alive")) != 1  # on several, a spare's node could hold no trial's CPUs
+        res.workers_per_trial < 2 or not pooled or res.gpus_per_worker > 0 or groups < 1
+        or alive_nodes() != 1  # on several, a spare's node could hold no trial's CPUs
     ):
         yield []
         return
@@ -704,7 +736,7 @@ def run_study(
 
         resources = pool_resources(study.workers, study.cpus_per_worker, study.gpus_per_worker, TRIAL_ACTOR_CPU)
     reuse_actors = study.workers == 1 or study.reuse_workers  # a reused trial actor keeps its slot's pool
-    with spare_ranks(spec, total) as spares:  # killed once Tune's trials have ended
+    with spare_ranks(spec, total, pooled=study.reuse_workers) as spares:  # killed once Tune's trials have ended
         trainable = _trainable(study, resources, spares)
         tune_path = study.where("tune")
         mlflow_cb = MlflowStudyCallback(study)
@@ -867,7 +899,14 @@ def make_study(
     from prvrlab.platform.search.names import short_keys
     from prvrlab.platform.train.loop import fault_hook_from_env
 
-    cpus, gpus = trial_resources(spec, *cluster_size(), whole=False)  # a local cluster was checked up front
+    cluster = cluster_size()
+    cpus, gpus = trial_resources(spec, *cluster, whole=False)  # a local cluster was checked up front
+    runs = RunMap(study_dir)
+    pooled = runs.meta.get("pooled_ranks") if spec.resources.reuse_workers is None else None
+    if pooled is None:  # a resumed study keeps the way its ranks were first chosen
+        pooled = pooled_ranks(spec, *cluster, nodes=alive_nodes())
+        runs.meta["pooled_ranks"] = pooled
+        runs.save()
     base_raw = apply_overrides(base.to_dict(), {})
     study = StudyContext(
         kind=kind,
@@ -884,8 +923,8 @@ def make_study(
         cells=cells,
         fault=fault_hook_from_env(),
         short_keys=short_keys(p.key for p in getattr(spec, "space", ())),
-        reuse_workers=spec.resources.reuse_workers,
-        admission=admission_name(study_dir) if spec.resources.workers_per_trial > 1 and not spec.resources.reuse_workers else None,
+        reuse_workers=pooled,
+        admission=admission_name(study_dir) if spec.resources.workers_per_trial > 1 and not pooled else None,
         placement_timeout_s=spec.resources.placement_timeout_s,
     )
     location = study_location(base.tracking.storage_path, kind, spec.name).child(Path(study_dir).name)

@@ -32,8 +32,10 @@ def test_pack_defaults_to_one_and_multiplies_the_trials_at_a_time(tiny_root, tmp
     [
         ({**POOLED, "pack": 0}, r"resources\.pack: must be >= 1, got 0"),
         ({**POOLED, "pack": 1.5}, r"resources\.pack: expected an integer, got 1\.5"),
-        ({"workers_per_trial": 2, "pack": 2}, r"resources\.pack: 2 needs resources\.reuse_workers: true and workers_per_trial > 1"),
-        ({"workers_per_trial": 1, "reuse_workers": True, "pack": 2}, r"resources\.pack: 2 needs resources\.reuse_workers"),
+        ({"workers_per_trial": 2, "reuse_workers": False, "pack": 2},
+         r"resources\.pack: 2 needs reused pools \(resources\.reuse_workers: true or auto\) and workers_per_trial > 1"),
+        ({"workers_per_trial": 1, "reuse_workers": True, "pack": 2}, r"resources\.pack: 2 needs reused pools"),
+        ({"workers_per_trial": 1, "pack": 2}, r"resources\.pack: 2 needs reused pools"),
         ({**POOLED, "gpus_per_worker": 1, "pack": 2}, r"resources\.pack: 2 packs CPU ranks only"),
     ],
 )

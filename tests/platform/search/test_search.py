@@ -37,6 +37,7 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys, monkeypa
     out = capsys.readouterr().out
     assert result.counts == {"finished": 3, "early_stopped": 0, "failed": 0, "unfinished": 0}
     assert "best val/sumr" in out and "epoch 2" in out
+    assert "; DDP ranks kept across trials" in out  # reuse_workers: auto, CPU ranks on this machine
     assert re.search(r"running: \S+ epoch [12]/2 \d+% \(ETA", out), out  # rank 0's progress file, read by the driver
 
     parents, children = study_runs(tmp_path)

@@ -25,12 +25,13 @@ from train_helpers import small_raw
 # ---------------------------------------------------------------- fast
 
 
-def test_spec_switch_defaults_off_and_names_the_key(tiny_root, tmp_path):
-    assert load_search_spec(tiny_spec(tmp_path, tiny_root)).resources.reuse_workers is False
-    on = tiny_spec(tmp_path, tiny_root, name="on", resources={"workers_per_trial": 2, "reuse_workers": True})
-    assert load_search_spec(on).resources.reuse_workers is True
+def test_spec_switch_defaults_to_auto_and_names_the_key(tiny_root, tmp_path):
+    assert load_search_spec(tiny_spec(tmp_path, tiny_root)).resources.reuse_workers is None  # decided at the start
+    for value, want in [(True, True), (False, False), ("auto", None)]:
+        spec = tiny_spec(tmp_path, tiny_root, name=f"s{value}", resources={"workers_per_trial": 2, "reuse_workers": value})
+        assert load_search_spec(spec).resources.reuse_workers is want
     bad = tiny_spec(tmp_path, tiny_root, name="bad", resources={"workers_per_trial": 2, "reuse_workers": "yes"})
-    with pytest.raises(ConfigError, match=r"resources\.reuse_workers: expected true or false, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"resources\.reuse_workers: expected true, false or auto, got 'yes'"):
         load_search_spec(bad)
 
 
@@ -183,6 +184,56 @@ def _spec_stub(*, workers=2, reuse=True, gpus=0.0, concurrency=1, pack=1):
     return SimpleNamespace(resources=resources, slots=concurrency * pack)
 
 
+def test_auto_pools_cpu_ranks_where_the_study_runs_on_this_machine(tiny_root, tmp_path, monkeypatch):
+    """``reuse_workers: auto`` (the default): pools for CPU DDP trials on a one-node cluster not joined through
+    $RAY_ADDRESS where a trial fits now; a worker group per trial elsewhere (its placement timeout holds there)."""
+    from prvrlab.platform.search.study import pooled_ranks
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def decide(resources, cpus=8.0, gpus=0.0, nodes=1):
+        spec = load_search_spec(tiny_spec(tmp_path, tiny_root, name="s", resources=resources))
+        return pooled_ranks(spec, cpus, gpus, nodes=nodes)
+
+    ddp = {"workers_per_trial": 2}
+    assert decide(ddp) is True
+    assert decide({"workers_per_trial": 1}) is False  # trains in the trial actor
+    assert decide(ddp, nodes=2) is False  # nodes may leave: the per-trial placement timeout
+    assert decide({**ddp, "gpus_per_worker": 1}, gpus=2.0) is False  # GPU pools are opt-in
+    assert decide({**ddp, "cpus_per_worker": 4}) is False  # 8.01 CPUs: does not fit now, so it may wait
+    assert decide({**ddp, "cpus_per_worker": 3}) is True
+    assert decide({**ddp, "pack": 2}, nodes=3) is True  # packing needs the pools
+    assert decide({**ddp, "reuse_workers": True}, nodes=2) is True and decide({**ddp, "reuse_workers": False}) is False
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster joined (ray job submit)
+    assert decide(ddp) is False and decide({**ddp, "reuse_workers": True}) is True
+
+
+def test_a_study_records_how_its_ranks_were_chosen_and_a_resume_keeps_it(tiny_root, tmp_path, monkeypatch):
+    from prvrlab.platform.runtime import resolve_config_paths
+    from prvrlab.platform.search import study as study_module
+    from prvrlab.platform.search.outcome import RunMap
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(study_module, "cluster_size", lambda: (8.0, 0.0))
+    nodes = [1]
+    monkeypatch.setattr(study_module, "alive_nodes", lambda: nodes[0])
+    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 2}))
+    base = resolve_config_paths(spec.base)
+
+    def study(folder: str):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        return study_module.make_study(spec, "search", base, tmp_path / folder)
+
+    first = study("first")
+    assert first.reuse_workers is True and first.admission is None and first.ranks_note() == "; DDP ranks kept across trials"
+    assert RunMap(tmp_path / "first").meta["pooled_ranks"] is True
+    nodes[0] = 3  # where auto now gives a worker group per trial
+    assert study("first").reuse_workers is True  # resumed: the way its trials started
+    fresh = study("fresh")
+    assert fresh.reuse_workers is False and fresh.admission is not None and "per trial" in fresh.ranks_note()
+    assert RunMap(tmp_path / "fresh").meta["pooled_ranks"] is False
+
+
 def test_spares_only_for_cpu_studies_on_reused_pools_on_a_one_node_cluster(monkeypatch):
     import ray
 
@@ -318,7 +369,7 @@ def test_reused_pool_gives_the_per_trial_trainers_results(tiny_root, tmp_path, r
 
     # the reference: the config that ran on the reused pool, alone on a TorchTrainer of its own
     plain = search(load_search_spec(
-        tiny_spec(plain_dir, tiny_root, name="plain", resources={"workers_per_trial": 2}, space={"train.lr": {"grid": [second]}}, budget={"trials": 1}, sampler={"type": "grid", "seed": 0}),
+        tiny_spec(plain_dir, tiny_root, name="plain", resources={"workers_per_trial": 2, "reuse_workers": False}, space={"train.lr": {"grid": [second]}}, budget={"trials": 1}, sampler={"type": "grid", "seed": 0}),
         {"train.epochs": 1},
     ), echo=None)
     assert plain.counts["finished"] == 1, plain.counts
