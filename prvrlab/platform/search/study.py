@@ -9,9 +9,10 @@ trains one config:
   is reused between trials), which skips a Train worker group's start;
 - several workers: the trial fits a Ray Train ``TorchTrainer`` (DDP) named
   after the trial id, so a retried trial resumes from its checkpoint; the
-  trial actor itself asks for 0.01 CPU; with ``resources.reuse_workers`` the
-  trial actor (reused between trials) trains on its slot's long-lived DDP
-  ranks instead (:mod:`prvrlab.platform.search.workers`).
+  trial actor itself asks for 0.01 CPU; with ``resources.reuse_workers`` (by
+  default for CPU ranks on this machine: :func:`pooled_ranks`) the trial
+  actor (reused between trials) trains on its slot's long-lived DDP ranks
+  instead (:mod:`prvrlab.platform.search.workers`).
 
 Only the driver writes to MLflow (:class:`MlflowStudyCallback`); the study
 folder ``<storage>/<kind>/<name>/<stamp>/`` holds Tune's state (``tune/``),

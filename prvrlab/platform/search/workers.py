@@ -1,4 +1,5 @@
-"""DDP worker pools that live across a study's trials (``resources.reuse_workers: true``).
+"""DDP worker pools that live across a study's trials (``resources.reuse_workers: true``, or ``auto``, the
+default, for CPU ranks where the study runs on this machine: :func:`~prvrlab.platform.search.study.pooled_ranks`).
 
 A multi-worker trial normally fits its own Ray Train ``TorchTrainer``: a
 controller, a worker group and a process group started and torn down per
