@@ -8,7 +8,11 @@ multiple times", Train's controller notes — so nobody can read them later.
 :func:`ray_logs_to` keeps them: while it is active the ``ray`` logger records
 ``INFO`` and above into a file (the study's ``study.log``) and its console
 handlers let only errors through; Python warnings (``warnings.warn``, e.g.
-Ray's deprecation notices) go to the same file instead of stderr.
+Ray's deprecation notices) go to the same file instead of stderr.  Tune's
+error with the full traceback of each failed trial attempt ("Trial task
+failed for trial ...") goes to the file only: the console's progress line
+says what failed in one line, and the trial's ``error.txt`` (an artifact of
+its MLflow run) keeps every attempt's traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ from pathlib import Path
 from typing import Iterator
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FILE_ONLY = ("Trial task failed for trial ",)  # how the error records the console leaves out begin
+
+
+class _FileOnly(logging.Filter):
+    """Leaves out the records :data:`FILE_ONLY` names (on the console handlers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(FILE_ONLY)
 
 
 @contextmanager
@@ -38,8 +50,10 @@ def ray_logs_to(path: Path, level: int = logging.INFO) -> Iterator[Path]:
         "console": [(h, h.level) for h in console],
         "warn_propagate": warn_logger.propagate,
     }
+    file_only = _FileOnly()
     for h in console:
         h.setLevel(max(h.level, logging.ERROR))
+        h.addFilter(file_only)
     ray_logger.setLevel(level)
     ray_logger.addHandler(handler)
     warn_logger.addHandler(handler)
@@ -55,4 +69,5 @@ def ray_logs_to(path: Path, level: int = logging.INFO) -> Iterator[Path]:
         ray_logger.setLevel(saved["ray_level"])
         for h, lvl in saved["console"]:
             h.setLevel(lvl)
+            h.removeFilter(file_only)
         handler.close()

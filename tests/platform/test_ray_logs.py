@@ -43,3 +43,29 @@ def test_a_second_study_appends_to_the_same_log(tmp_path):
         with ray_logs_to(tmp_path / "study.log"):
             logging.getLogger("ray.tune").warning(f"submission {n}")
     assert [ln.split(": ")[-1] for ln in (tmp_path / "study.log").read_text().splitlines()] == ["submission 0", "submission 1"]
+
+
+def test_a_failed_trials_traceback_goes_to_the_file_only(tmp_path):
+    """Tune logs every failed attempt with its traceback at ERROR; the console gets the progress line instead."""
+    ray_logger = logging.getLogger("ray")
+    console = logging.StreamHandler(io.StringIO())
+    ray_logger.addHandler(console)
+    controller = logging.getLogger("ray.tune.execution.tune_controller")
+    try:
+        with ray_logs_to(tmp_path / "study.log") as path:
+            try:
+                raise RuntimeError("rank 1 died")
+            except RuntimeError as exc:
+                controller.error("Trial task failed for trial %s", "run_trial_7f82d043", exc_info=exc)
+            controller.error("Trials did not complete: [run_trial_7f82d043]")
+        controller.error("Trial task failed for trial %s", "run_trial_after")  # the filter leaves with the block
+    finally:
+        ray_logger.removeHandler(console)
+    err = console.stream.getvalue()
+    assert "run_trial_7f82d043" in err and "Trials did not complete" in err
+    assert "Trial task failed for trial run_trial_7f82d043" not in err and "rank 1 died" not in err
+    assert "Trial task failed for trial run_trial_after" in err
+    assert console.filters == []
+    text = path.read_text()
+    assert "ERROR ray.tune.execution.tune_controller: Trial task failed for trial run_trial_7f82d043" in text
+    assert "RuntimeError: rank 1 died" in text
