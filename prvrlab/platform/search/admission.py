@@ -227,29 +227,46 @@ def _cluster_resources() -> dict[str, float]:
     return {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
 
 
-def orphaned_groups() -> list[str]:
-    """Ids (hex) of this job's placement groups whose creating actor is dead and that Ray keeps:
-    worker groups of Train controllers lost with their node or their trial actor.
+def _job_groups() -> Iterator[Any]:
+    """The GCS records (``PlacementGroupTableData``) of this job's placement groups that Ray keeps.
 
-    Ray's public placement-group table leaves the creator out, so this reads the GCS
-    record (``PlacementGroupTableData``) the table is made from.
+    Ray's public placement-group table leaves the creator and the job out, so this reads the
+    records the table is made from.
     """
     import ray
 
     if not ray.is_initialized():
-        return []
+        return
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
 
     job = ray.get_runtime_context().get_job_id()
-    removed = gcs_pb2.PlacementGroupTableData.REMOVED
-    found = []
     for raw in state._connect_and_get_accessor().get_placement_group_table():
         data = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if data.state != gcs_pb2.PlacementGroupTableData.REMOVED and data.creator_job_id.hex() == job:
+            yield data
+
+
+def orphaned_groups() -> list[str]:
+    """Ids (hex) of this job's placement groups whose creating actor is dead: worker groups of Train
+    controllers lost with their node or their trial actor."""
+    import ray
+
+    found = []
+    for data in _job_groups():
         made_by_actor = not ray.ActorID(data.creator_actor_id).is_nil()  # a driver's group counts as "actor dead"
-        if made_by_actor and data.creator_actor_dead and not data.is_detached and data.state != removed and data.creator_job_id.hex() == job:
+        if made_by_actor and data.creator_actor_dead and not data.is_detached:
             found.append(data.placement_group_id.hex())
     return found
+
+
+def waiting_groups() -> int:
+    """This job's placement groups that wait for resources (not yet placed, or being placed again
+    after a node loss)."""
+    from ray.core.generated import gcs_pb2
+
+    waiting = (gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.RESCHEDULING)
+    return sum(1 for data in _job_groups() if data.state in waiting)
 
 
 def _remove_placement_group(group: str) -> None:

@@ -10,7 +10,7 @@ trains one config:
 - several workers: the trial fits a Ray Train ``TorchTrainer`` (DDP) named
   after the trial id, so a retried trial resumes from its checkpoint; the
   trial actor itself asks for 0.01 CPU; with ``resources.reuse_workers`` (by
-  default for CPU ranks on this machine: :func:`pooled_ranks`) the trial
+  default for CPU ranks on a one-node cluster: :func:`pooled_ranks`) the trial
   actor (reused between trials) trains on its slot's long-lived DDP ranks
   instead (:mod:`prvrlab.platform.search.workers`).
 
@@ -541,11 +541,13 @@ def pooled_ranks(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, n
     """Whether the study's multi-worker trials train on reused worker pools (:mod:`.workers`).
 
     ``resources.reuse_workers`` where the spec says true or false.  By default (``auto``) with
-    ``resources.pack`` > 1, and for CPU ranks on a one-node cluster that was not joined through
-    ``$RAY_ADDRESS`` (this machine) where a trial fits now: there a worker group started per trial only
-    costs time (~20 s a trial here; README, Search overhead).  Elsewhere a worker group per trial: a
-    trial on a pool waits in Tune's queue without ``resources.placement_timeout_s``, which matters
-    where nodes join or leave, and GPU pools are opt-in."""
+    ``resources.pack`` > 1, and for CPU ranks on a one-node cluster where a trial fits now (this
+    machine, or a workstation's cluster a search is submitted to with ``ray job submit``): there a worker
+    group started per trial only costs time (~20 s a trial here; README, Search overhead), and a pool's
+    trial that cannot be placed stops the study after ``resources.placement_timeout_s``
+    (:mod:`.placement`).  Elsewhere a worker group per trial: on several nodes a retried trial's group
+    must be placed again after a node loss, which its admission ledger handles (:mod:`.admission`),
+    and GPU pools are opt-in."""
     res = spec.resources
     if res.reuse_workers is not None:
         return res.reuse_workers
@@ -553,7 +555,7 @@ def pooled_ranks(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, n
         return False
     if res.pack > 1:
         return True
-    if res.gpus_per_worker > 0 or nodes != 1 or os.environ.get("RAY_ADDRESS", "").strip():
+    if res.gpus_per_worker > 0 or nodes != 1:
         return False
     try:
         trial_resources(spec, cluster_cpus, cluster_gpus)  # the whole cluster: one trial fits it now
@@ -749,6 +751,12 @@ def run_study(
                 )
             )
         stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
+        stalled: tuple[type[Exception], ...] = ()  # what ends the study when no trial can be placed
+        if study.workers > 1 and study.reuse_workers:  # Tune would keep an unplaceable pool trial pending for ever
+            from prvrlab.platform.search.placement import PlacementWatch, Unplaced
+
+            callbacks.append(PlacementWatch(timeout_s=study.placement_timeout_s))
+            stalled = (Unplaced,)
         if resume and tune.Tuner.can_restore(tune_path):
             tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
             tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
@@ -770,6 +778,7 @@ def run_study(
                 ),
             )
         interrupted = False
+        unplaced: Exception | None = None
         INTERRUPTED.clear()
         location = storage.Location(study.storage or study.study_dir)
         location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
@@ -780,6 +789,8 @@ def run_study(
         except KeyboardInterrupt:
             interrupted = True
             results = None
+        except stalled as exc:
+            unplaced, results = exc, None
         finally:
             stop_admission()
             if previous is not None:
@@ -790,7 +801,11 @@ def run_study(
     trials = _trials(tuner)
     if INTERRUPTED.is_set() or any(t.status in ("PENDING", "RUNNING", "PAUSED") for t in trials):
         interrupted = True
-    mlflow_cb.close_all(trials, interrupted=interrupted)
+    mlflow_cb.close_all(trials, interrupted=interrupted or unplaced is not None)
+    if unplaced is not None:  # the parent run ends FAILED with the reason; the command exits non-zero
+        if mlflow_cb.runs.parent:
+            tracker.set_tags(mlflow_cb.runs.parent, {"prvrlab.status": "failed", "prvrlab.stop_reason": str(unplaced)})
+        raise unplaced
     return results, mlflow_cb, interrupted
 
 

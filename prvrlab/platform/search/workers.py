@@ -1,5 +1,5 @@
 """DDP worker pools that live across a study's trials (``resources.reuse_workers: true``, or ``auto``, the
-default, for CPU ranks where the study runs on this machine: :func:`~prvrlab.platform.search.study.pooled_ranks`).
+default, for CPU ranks on a one-node cluster: :func:`~prvrlab.platform.search.study.pooled_ranks`).
 
 A multi-worker trial normally fits its own Ray Train ``TorchTrainer``: a
 controller, a worker group and a process group started and torn down per
@@ -25,6 +25,8 @@ an exception in the loop, Tune stopping the trial) kills the pool, so the next
 trial of the slot builds a fresh one; Tune retries a dead-actor trial from
 its checkpoint as with a TorchTrainer.  The pool's actors are owned by the
 trial actor, so they end with it (search end, interrupt, trial-actor loss).
+A trial whose placement group the cluster cannot hold stops the study after
+``resources.placement_timeout_s`` with none running (:mod:`.placement`).
 
 Packing (``resources.pack: k``): k trials train at once on 1/k of a worker
 group's CPU share each (``spec.slots`` = concurrency x k Tune slots, each

@@ -184,9 +184,9 @@ def _spec_stub(*, workers=2, reuse=True, gpus=0.0, concurrency=1, pack=1):
     return SimpleNamespace(resources=resources, slots=concurrency * pack)
 
 
-def test_auto_pools_cpu_ranks_where_the_study_runs_on_this_machine(tiny_root, tmp_path, monkeypatch):
-    """``reuse_workers: auto`` (the default): pools for CPU DDP trials on a one-node cluster not joined through
-    $RAY_ADDRESS where a trial fits now; a worker group per trial elsewhere (its placement timeout holds there)."""
+def test_auto_pools_cpu_ranks_on_a_one_node_cluster(tiny_root, tmp_path, monkeypatch):
+    """``reuse_workers: auto`` (the default): pools for CPU DDP trials on a one-node cluster where a trial fits
+    now, this machine's or one joined through $RAY_ADDRESS (ray job submit); a worker group per trial elsewhere."""
     from prvrlab.platform.search.study import pooled_ranks
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -204,8 +204,9 @@ def test_auto_pools_cpu_ranks_where_the_study_runs_on_this_machine(tiny_root, tm
     assert decide({**ddp, "cpus_per_worker": 3}) is True
     assert decide({**ddp, "pack": 2}, nodes=3) is True  # packing needs the pools
     assert decide({**ddp, "reuse_workers": True}, nodes=2) is True and decide({**ddp, "reuse_workers": False}) is False
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster joined (ray job submit)
-    assert decide(ddp) is False and decide({**ddp, "reuse_workers": True}) is True
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster joined (ray job submit): the same rules
+    assert decide(ddp) is True and decide({**ddp, "reuse_workers": False}) is False
+    assert decide(ddp, nodes=2) is False and decide({**ddp, "cpus_per_worker": 4}) is False
 
 
 def test_a_study_records_how_its_ranks_were_chosen_and_a_resume_keeps_it(tiny_root, tmp_path, monkeypatch):
