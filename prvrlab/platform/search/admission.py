@@ -261,12 +261,13 @@ def orphaned_groups() -> list[str]:
 
 
 def waiting_groups() -> int:
-    """This job's placement groups that wait for resources (not yet placed, or being placed again
-    after a node loss)."""
+    """This job's placement groups made by its driver (Tune's, one per trial; not a Train controller's
+    worker group) that wait for resources: not yet placed, or being placed again after a node loss."""
+    import ray
     from ray.core.generated import gcs_pb2
 
     waiting = (gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.RESCHEDULING)
-    return sum(1 for data in _job_groups() if data.state in waiting)
+    return sum(1 for data in _job_groups() if data.state in waiting and ray.ActorID(data.creator_actor_id).is_nil())
 
 
 def _remove_placement_group(group: str) -> None:

@@ -1,9 +1,11 @@
-"""The placement timeout of trials on reused worker pools (``resources.placement_timeout_s``).
+"""The placement timeout of the trials Tune places (``resources.placement_timeout_s``).
 
-A trial on a pool (:mod:`.workers`) asks Tune for one placement group: its
-trial actor's bundle and one bundle per rank.  Tune keeps a trial whose group
-the cluster cannot hold PENDING, without a limit and with no word beyond a
-warning in ``study.log``.  So the driver runs a :class:`PlacementWatch`: once
+Tune asks for one placement group per trial: a one-worker trial's CPUs (and
+GPU share), or, for a trial on a reused pool (:mod:`.workers`), its trial
+actor's bundle and one bundle per rank.  Tune keeps a trial whose group the
+cluster cannot hold PENDING, without a limit and with no word beyond a
+warning in ``study.log``; a running cluster is not checked up front (nodes
+may join it).  So the driver runs a :class:`PlacementWatch`: once
 a trial has waited for its group longer than the placement timeout while no
 trial of the study runs (nothing running could free what it needs), the study
 stops with :class:`Unplaced`, naming the trial, what it needs and what is
@@ -11,10 +13,12 @@ free.  Tune's state is saved every few seconds with that trial still pending,
 so ``--resume`` continues the study once the cluster can hold it.  While a
 trial runs, a pending one waits its turn, as in Tune's queue.
 
-A worker group per trial (``reuse_workers: false``) has the same timeout at
-its admission ledger (:mod:`.admission`); there the trial fails (retryable)
-and the search goes on to its next trial, which waits as long.  Here nothing
-the study does next could be placed either, so it ends at once.
+A multi-worker trial with a worker group of its own (``reuse_workers: false``)
+holds only its trial actor's 0.01 CPU in Tune's group: its worker group has
+the same timeout at the admission ledger (:mod:`.admission`), where the trial
+fails (retryable) and the search goes on to its next trial, which waits as
+long.  Here nothing the study does next could be placed either, so it ends
+at once.
 """
 
 from __future__ import annotations

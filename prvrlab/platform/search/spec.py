@@ -102,7 +102,8 @@ class Resources:
     gpus_per_worker: float = 0.0  # 0.25 packs four one-worker trials per GPU
     reuse_workers: bool | None = None  # multi-worker trials: keep each slot's DDP workers alive across trials;
     # None (``auto``): decided when the study starts (``study.pooled_ranks``)
-    placement_timeout_s: float = 60.0  # a multi-worker trial whose worker group waits longer fails (retryable)
+    placement_timeout_s: float = 60.0  # a worker group waiting longer fails its trial (retryable); a trial Tune
+    # cannot place for longer, with none running, stops the study (search.placement)
     pack: int = 1  # reused pools: k trials' worker groups share one group's CPUs (k x concurrency trials at a time)
 
 

@@ -97,7 +97,7 @@ class StudyContext:
     fault: dict[str, Any] | None = None  # test hook forwarded to the workers
     short_keys: dict[str, str] = field(default_factory=dict)  # search: space key -> its short form in run names
     admission: str | None = None  # multi-worker trials: the name of the study's admission ledger actor
-    placement_timeout_s: float = 60.0  # how long a worker group may wait to be placed
+    placement_timeout_s: float = 60.0  # how long a worker group, or with none running a trial, may wait to be placed
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
     reuse_workers: bool = False  # multi-worker trials train on their slot's long-lived pool (search/workers.py)
     storage: str = ""  # the study folder's object-store URI; "" when study_dir is the folder itself
@@ -751,12 +751,9 @@ def run_study(
                 )
             )
         stop_admission = _start_admission(study, callbacks, echo=echo if progress else None)
-        stalled: tuple[type[Exception], ...] = ()  # what ends the study when no trial can be placed
-        if study.workers > 1 and study.reuse_workers:  # Tune would keep an unplaceable pool trial pending for ever
-            from prvrlab.platform.search.placement import PlacementWatch, Unplaced
+        from prvrlab.platform.search.placement import PlacementWatch, Unplaced
 
-            callbacks.append(PlacementWatch(timeout_s=study.placement_timeout_s))
-            stalled = (Unplaced,)
+        callbacks.append(PlacementWatch(timeout_s=study.placement_timeout_s))  # Tune would wait for ever
         if resume and tune.Tuner.can_restore(tune_path):
             tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
             tuner._local_tuner.get_run_config().callbacks = callbacks  # fresh driver-side callbacks
@@ -789,7 +786,7 @@ def run_study(
         except KeyboardInterrupt:
             interrupted = True
             results = None
-        except stalled as exc:
+        except Unplaced as exc:
             unplaced, results = exc, None
         finally:
             stop_admission()

@@ -98,8 +98,10 @@ def test_a_group_that_fits_the_free_resources_but_waits_is_said_so():
 
 
 @pytest.mark.slow
-def test_a_pooled_trial_the_cluster_cannot_hold_ends_the_search_with_its_reason(tiny_root, tmp_path, capsys):
-    """2 ranks of half the cluster's CPUs each, plus the trial actor's 0.01: Tune alone would wait for ever."""
+@pytest.mark.parametrize("kind", ["pool", "one worker"])
+def test_a_trial_the_cluster_cannot_hold_ends_the_search_with_its_reason(tiny_root, tmp_path, capsys, kind):
+    """2 ranks of half the cluster's CPUs each on a pool, plus the trial actor's 0.01, or one worker of one CPU more
+    than the cluster has: Tune alone would wait for ever."""
     import ray
 
     from prvrlab.platform.cli import EXIT_FAILED, main
@@ -109,10 +111,13 @@ def test_a_pooled_trial_the_cluster_cannot_hold_ends_the_search_with_its_reason(
     ensure_ray()  # a running cluster: not refused up front (nodes may join it)
     try:
         cpus = float(ray.cluster_resources()["CPU"])
+        if kind == "pool":
+            resources, needs = {"workers_per_trial": 2, "cpus_per_worker": cpus / 2, "reuse_workers": True}, cpus + 0.01
+        else:
+            resources, needs = {"workers_per_trial": 1, "cpus_per_worker": cpus + 1}, cpus + 1
         path = tiny_spec(
-            tmp_path, tiny_root, name="unplaced", budget={"trials": 2},
-            resources={"workers_per_trial": 2, "cpus_per_worker": cpus / 2, "reuse_workers": True, "placement_timeout_s": 2},
-        )  # fmt: skip
+            tmp_path, tiny_root, name="unplaced", budget={"trials": 2}, resources={**resources, "placement_timeout_s": 2}
+        )
         start = time.monotonic()
         code = main(["search", str(path)])
         wall = time.monotonic() - start
@@ -120,7 +125,7 @@ def test_a_pooled_trial_the_cluster_cannot_hold_ends_the_search_with_its_reason(
         ray.shutdown()
     err = capsys.readouterr().err
     assert code == EXIT_FAILED, err
-    assert f"cannot be placed: needs {cpus + 0.01:g} CPU, {cpus:g} free for 2 s and no trial running" in err, err
+    assert f"cannot be placed: needs {needs:g} CPU, {cpus:g} free for 2 s and no trial running" in err, err
     assert wall < 120, wall  # the timeout, the polls and the study's start and end, not Tune's endless wait
     (parent,), children = study_runs(tmp_path)
     assert children == []  # no trial started
