@@ -49,7 +49,7 @@ class PlacementWatch(Callback):
     """Raises :class:`Unplaced` from Tune's loop once a trial has been PENDING with its placement group
     unplaced and no trial RUNNING for longer than ``timeout_s`` (module docstring).
 
-    ``waiting``: how many of this job's placement groups wait for resources (asked at most every
+    ``waiting``: how many of the driver's (Tune's) placement groups wait for resources (asked at most every
     ``poll_s``, only while a trial is pending and none runs: a pending trial whose group is placed is
     only starting its actor); ``free``: the cluster's free resources, for the message."""
 
