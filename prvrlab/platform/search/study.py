@@ -775,7 +775,7 @@ def run_study(
                 ),
             )
         interrupted = False
-        unplaced: Exception | None = None
+        unplaced: Unplaced | None = None
         INTERRUPTED.clear()
         location = storage.Location(study.storage or study.study_dir)
         location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end

@@ -1,5 +1,5 @@
-"""The placement timeout of trials on reused worker pools (``prvrlab.platform.search.placement``): the
-watch's rule on made-up trials and clocks, then a search whose pooled trial the cluster cannot hold."""
+"""The placement timeout of the trials Tune places (``prvrlab.platform.search.placement``): the watch's rule
+on made-up trials and clocks, then searches whose pooled or one-worker trial the cluster cannot hold."""
 
 from __future__ import annotations
 
