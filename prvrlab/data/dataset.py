@@ -259,6 +259,9 @@ class SampledBatches:
             yield self.make(videos)
 
 
+NORMALIZE_ROWS = 64  # queries of an evaluation batch L2-normalised at once (TVR: a 6 MiB temporary)
+
+
 class _EvalBatches(Dataset):
     """Item ``k`` is the ``k``-th batch of videos or queries of a split on this rank.
 
@@ -317,13 +320,26 @@ class _EvalBatches(Dataset):
             return (ids, *(self.resident.videos(items) if self.kind == "videos" else self.resident.queries(items)))
         if self.kind == "videos":
             return (ids, *self._videos(items, ids))
+        return (ids, *self._queries(items, ids))
+
+    def _queries(self, items: list[int], ids: list[str]) -> tuple[Tensor, Tensor]:
+        """``queries (N, Lq, Dq), query_mask (N, Lq)`` of queries ``items``: each read straight into its
+        padded row (its ``min(n, max_query_len)`` length known from the index), then L2-normalised
+        :data:`NORMALIZE_ROWS` rows at a time (zero padding stays zero): an evaluation batch never holds
+        its queries twice, and each token's value is the one :meth:`VideoDataset.query` gives."""
         c = self.dataset.collection
-        tokens = [c.queries.tokens(qid)[: c.max_query_len] for qid in ids]  # (Lq_i, Dq) each, as read
-        real = np.concatenate(tokens)  # (sum Lq_i, Dq)
-        l2_normalize(real, c.normalize, out=real)  # every real token in one call (the same values as per query)
-        ends = np.cumsum([len(t) for t in tokens])  # (N,)
-        queries, query_mask = pad_sequences(np.split(real, ends[:-1]))  # (N, Lq, Dq), (N, Lq)
-        return ids, queries, query_mask
+        lengths = np.minimum(self.dataset.index.token_counts[items], c.max_query_len)  # (N,)
+        longest = int(lengths.max())
+        queries = np.zeros((len(items), longest, c.query_dim), dtype=np.float32)  # (N, Lq, Dq)
+        for row, qid in enumerate(ids):
+            tokens = c.queries.tokens(qid)[: c.max_query_len]  # (Lq_i, Dq), as read
+            if tokens.shape[0] != lengths[row]:
+                raise ValueError(f"query {qid!r}: {tokens.shape[0]} tokens as read, its index says {lengths[row]}")
+            queries[row, : lengths[row]] = tokens
+        for lo in range(0, len(items), NORMALIZE_ROWS):
+            block = queries[lo : lo + NORMALIZE_ROWS]  # (n, Lq, Dq), a view
+            l2_normalize(block, c.normalize, out=block)
+        return torch.from_numpy(queries), prefix_mask(lengths, longest)
 
 
 def _iterate(batches: _EvalBatches, num_workers: int) -> Iterator[tuple]:

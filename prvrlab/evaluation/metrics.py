@@ -5,17 +5,21 @@
     ratio_groups / recall_by_group   the moment/video-ratio breakdown (short/medium/long, group_bounds)
     rank_table / save_ranks / load_ranks   per-query ranks as Parquet
 
-The trainer and the reports both read these; nothing here imports torch or a model.
+The trainer and the reports both read these; nothing here imports torch or a model, and pyarrow
+is imported by the rank-table functions only (27 MiB resident: an evaluation process loads it once
+its phases are over, when the table is first asked for).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DEFAULT_KS: tuple[int, ...] = (1, 5, 10, 100)
 METRIC_KEYS: tuple[str, ...] = (*(f"r{k}" for k in DEFAULT_KS), "sumr")  # what recall_at returns
@@ -123,6 +127,8 @@ def rank_table(
 ) -> pa.Table:
     """Per-query table: ``query_id`` (string), ``video_id`` (string, the ground
     truth), ``rank`` (int64), and ``ratio`` (float64) when ratios are given."""
+    import pyarrow as pa
+
     n = len(query_ids)
     r = np.asarray(ranks, dtype=np.int64)
     if len(video_ids_of_queries) != n or r.shape != (n,):
@@ -145,6 +151,8 @@ def rank_table(
 
 def save_ranks(path: str | Path, table: pa.Table) -> Path:
     """Write a rank table to Parquet (parent folders created); returns the path."""
+    import pyarrow.parquet as pq
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
@@ -153,4 +161,6 @@ def save_ranks(path: str | Path, table: pa.Table) -> Path:
 
 def load_ranks(path: str | Path) -> pa.Table:
     """Read a rank table written by ``save_ranks``."""
+    import pyarrow.parquet as pq
+
     return pq.read_table(Path(path))

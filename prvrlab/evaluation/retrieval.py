@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import Tensor
 
@@ -39,6 +38,8 @@ from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, 
 from prvrlab.models.precision import native_low_precision
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from prvrlab.data.resident import ResidentSplit
 
 __all__ = [
@@ -398,18 +399,28 @@ class EvalResult:
 
     ``metrics``: r1, r5, r10, r100, sumr (percent).  ``by_group``: per ratio
     group metrics + count, or None when the split has no ratios.  ``ranks``:
-    int64 (Nq,) in ``table`` row order.  ``seconds``: total wall time;
+    int64 (Nq,), row ``i`` the rank of query ``query_ids[i]``, whose video is
+    ``query_video_ids[i]`` and moment/video ratio ``ratios[i]`` (None without
+    ratios): the rows of :attr:`table`.  ``seconds``: total wall time;
     ``timings``: its parts (encode_videos, encode_queries, score).
     """
 
     metrics: dict[str, float]
     by_group: dict[str, dict[str, float]] | None
     ranks: np.ndarray
-    table: pa.Table
+    query_ids: list[str]
+    query_video_ids: list[str]
+    ratios: np.ndarray | None
     num_queries: int
     num_videos: int
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
+
+    @functools.cached_property
+    def table(self) -> pa.Table:
+        """The per-query rank table (:func:`~prvrlab.evaluation.metrics.rank_table`), made on first use:
+        pyarrow is loaded then, not while the evaluation runs."""
+        return rank_table(self.query_ids, self.query_video_ids, self.ranks, self.ratios)
 
     def flat(self, prefix: str = "") -> dict[str, float]:
         """Metrics as one flat mapping for logging: ``{prefix}r1``,
@@ -572,14 +583,15 @@ def evaluate_batches(
         yielded_queries, ranks, query_perm = [yielded_queries[i] for i in order], ranks[order], query_perm[order]
     query_ratios = None if ratios is None else np.asarray(ratios, dtype=np.float64)[query_perm]
     split_video_ids = [str(v) for v in video_ids]
-    table = rank_table(yielded_queries, [split_video_ids[i] for i in query_video[query_perm]], ranks, query_ratios)
     seconds = time.perf_counter() - t_start
     timings["total"] = seconds
     return EvalResult(
         metrics=recall_at(ranks, ks),
         by_group=None if query_ratios is None else recall_by_group(ranks, query_ratios, ks),
         ranks=ranks,
-        table=table,
+        query_ids=[str(q) for q in yielded_queries],
+        query_video_ids=[split_video_ids[i] for i in query_video[query_perm]],
+        ratios=query_ratios,
         num_queries=len(ranks),
         num_videos=len(yielded_videos),
         seconds=seconds,

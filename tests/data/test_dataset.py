@@ -212,8 +212,8 @@ def test_eval_video_batches_equal_the_items_and_refuse_a_length_the_index_does_n
 
 @pytest.mark.parametrize("normalize", ["official", "exact"])
 def test_eval_query_batches_equal_the_items_queries_bit_for_bit(toy_cfg, normalize):
-    """Query batches normalise all real tokens of a batch in one call; each row equals the item's
-    preprocessed query (truncated to max_query_len), padding zero."""
+    """Query batches read each query into its padded row and normalise the rows in blocks; each row
+    equals the item's preprocessed query (truncated to max_query_len), padding zero."""
     col = open_collection(dataclasses.replace(toy_cfg, normalize=normalize))
     ds = VideoDataset(col, "train")
     seen = 0
@@ -224,3 +224,27 @@ def test_eval_query_batches_equal_the_items_queries_bit_for_bit(toy_cfg, normali
             assert not queries[row, len(want):].any() and query_mask[row].sum().item() == len(want)
             seen += 1
     assert seen == ds.index.num_queries and max(len(ds.query(j)) for j in range(seen)) == 30  # one was truncated
+
+
+def test_eval_query_batches_normalised_in_blocks_and_checked_against_the_index(toy_cfg, monkeypatch):
+    """Normalising NORMALIZE_ROWS rows at a time (here 2, in batches of 5: blocks of 2, 2, 1) gives every
+    row the item's values bit for bit; a query whose token count disagrees with the index is named."""
+    import prvrlab.data.dataset as dataset_module
+
+    col = open_collection(toy_cfg)
+    ds = VideoDataset(col, "train")
+    monkeypatch.setattr(dataset_module, "NORMALIZE_ROWS", 2)
+    rows = 0
+    for ids, queries, query_mask in query_batches(col, "train", 5):
+        lengths = query_mask.sum(dim=1).tolist()
+        for row, qid in enumerate(ids):
+            want = ds.query(ds.index.query_ids.index(qid))  # (Lq, Dq)
+            assert lengths[row] == len(want)
+            np.testing.assert_array_equal(queries[row, : len(want)].numpy(), want)
+            assert not queries[row, len(want):].any()
+        rows += len(ids)
+    assert rows == ds.index.num_queries == 5  # one batch: blocks of 2, 2 and 1 rows
+    ds.index.token_counts[0] += 1  # the index now says one token more than the file holds
+    first = ds.index.query_ids[0]
+    with pytest.raises(ValueError, match=rf"query '{first}': \d+ tokens as read, its index says \d+"):
+        list(query_batches(col, "train", 5))

@@ -576,3 +576,30 @@ def test_video_batches_encoded_on_an_accelerator_use_its_budget(monkeypatch):
         with pytest.raises(Stop):
             ev.evaluate(None, collection, "val", eval_cfg, device=device)
     assert seen == [True, False]
+
+
+LAZY_TABLE = """
+import sys
+import numpy as np
+import prvrlab.evaluation.retrieval as ev, prvrlab.platform.train.checkpoint_eval, prvrlab.platform.train.loop
+assert "pyarrow" not in sys.modules, "imported with the evaluation"
+result = ev.EvalResult(metrics={}, by_group=None, ranks=np.array([2, 1]), query_ids=["q1", "q0"],
+                       query_video_ids=["v0", "v1"], ratios=np.array([0.1, 0.5]), num_queries=2, num_videos=2,
+                       seconds=0.0)
+assert "pyarrow" not in sys.modules, "imported by the result"
+print(result.table.to_pydict(), "pyarrow" in sys.modules)
+"""
+
+
+def test_the_rank_table_and_pyarrow_come_on_first_use():
+    """An evaluation process does not load pyarrow (27 MiB resident) until its rank table is asked for;
+    the table then holds the result's rows."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", LAZY_TABLE], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)}).stdout.strip()
+    want = {"query_id": ["q1", "q0"], "video_id": ["v0", "v1"], "rank": [2, 1], "ratio": [0.1, 0.5]}
+    assert out == f"{want} True"
