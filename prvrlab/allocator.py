@@ -98,27 +98,36 @@ def release_free_memory() -> bool:
 
 
 PRIMITIVE_CACHE_VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-EVAL_PRIMITIVE_CACHE = 64  # oneDNN primitives an evaluation-only process keeps (oneDNN's default: 1,024)
+EVAL_PRIMITIVE_CACHE = 16  # oneDNN primitives an evaluation-only process keeps (oneDNN's default: 1,024)
+COMPUTATION_CACHE_VARIABLE = "LRU_CACHE_CAPACITY"  # PyTorch's own (ideep) cache of oneDNN matrix products
+EVAL_COMPUTATION_CACHE = 16  # the computations an evaluation-only process keeps (PyTorch's default: 1,024)
 
 
 @contextlib.contextmanager
-def primitive_cache_limit(capacity: int = EVAL_PRIMITIVE_CACHE) -> Iterator[bool]:
-    """Inside the block, oneDNN's cache of matrix-product primitives is capped at ``capacity`` for this
-    process, unless the user set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; yields whether it was set here.
-    oneDNN reads the variable once, at the process's first primitive, so the cap holds only where that
+def primitive_cache_limit(
+    capacity: int = EVAL_PRIMITIVE_CACHE, computations: int = EVAL_COMPUTATION_CACHE
+) -> Iterator[tuple[str, ...]]:
+    """Inside the block, oneDNN's cache of matrix-product primitives is capped at ``capacity`` and
+    PyTorch's cache of the oneDNN computations it builds on them (``LRU_CACHE_CAPACITY``) at
+    ``computations`` for this process, each unless the user set its variable; yields the variables set
+    here.  Both are read once, at the process's first primitive, so the caps hold only where that
     comes inside the block (and then for the rest of the process); the environment is restored on exit,
     so processes started later do not inherit it.
 
     Each primitive holds its kernels and buffers (several MiB with AMX), and an evaluation makes new
     ones for every batch shape, which it never uses again: GMMFormer v2 on 500 validation videos in
-    32 MiB batches kept 0.15 GiB more with oneDNN's 1,024 than with 64, at the same speed.  For a process
-    that evaluates once (``prvrlab eval``); a training process reuses its step's primitives and keeps the
-    default."""
-    if PRIMITIVE_CACHE_VARIABLE in os.environ:
-        yield False
-        return
-    os.environ[PRIMITIVE_CACHE_VARIABLE] = str(int(capacity))
+    32 MiB batches kept 0.15 GiB more with oneDNN's 1,024 than with 64, at the same speed; GMMFormer at
+    TVR's test size (~130 video-batch shapes) kept 0.28 GiB more with PyTorch's 1,024 computations than
+    with 16 (peak 0.95 -> 0.67 GiB), and 16 primitives instead of 64 took another 0.03-0.07 GiB off, at
+    the same speed.  16 holds the distinct products of one batch (GMMFormer's video encoder: 11), so a
+    batch reuses its own.  For a process that evaluates once (``prvrlab eval``); a training process
+    reuses its step's primitives and keeps the defaults."""
+    caps = {PRIMITIVE_CACHE_VARIABLE: capacity, COMPUTATION_CACHE_VARIABLE: computations}
+    set_here = tuple(name for name in caps if name not in os.environ)
+    for name in set_here:
+        os.environ[name] = str(int(caps[name]))
     try:
-        yield True
+        yield set_here
     finally:
-        os.environ.pop(PRIMITIVE_CACHE_VARIABLE, None)
+        for name in set_here:
+            os.environ.pop(name, None)

@@ -138,18 +138,69 @@ def test_release_gives_a_freed_blocks_pages_back_under_keep_only():
 
 
 def test_primitive_cache_limit_sets_the_variable_inside_only(monkeypatch):
-    """Inside the block oneDNN's variable holds the cap; afterwards the environment is as it was, so
-    processes started later do not inherit it; a value the user set is left alone."""
-    from prvrlab.allocator import EVAL_PRIMITIVE_CACHE, PRIMITIVE_CACHE_VARIABLE, primitive_cache_limit
+    """Inside the block oneDNN's and PyTorch's variables hold the caps; afterwards the environment is as
+    it was, so processes started later do not inherit them; a value the user set is left alone."""
+    from prvrlab.allocator import (
+        COMPUTATION_CACHE_VARIABLE, EVAL_COMPUTATION_CACHE, EVAL_PRIMITIVE_CACHE, PRIMITIVE_CACHE_VARIABLE,
+        primitive_cache_limit,
+    )
 
     monkeypatch.delenv(PRIMITIVE_CACHE_VARIABLE, raising=False)
+    monkeypatch.delenv(COMPUTATION_CACHE_VARIABLE, raising=False)
     with primitive_cache_limit() as applied:
-        assert applied and os.environ[PRIMITIVE_CACHE_VARIABLE] == str(EVAL_PRIMITIVE_CACHE) == "64"
-    assert PRIMITIVE_CACHE_VARIABLE not in os.environ
-    with pytest.raises(RuntimeError), primitive_cache_limit(8):
+        assert applied == (PRIMITIVE_CACHE_VARIABLE, COMPUTATION_CACHE_VARIABLE)
+        assert os.environ[PRIMITIVE_CACHE_VARIABLE] == str(EVAL_PRIMITIVE_CACHE) == "16"
+        assert os.environ[COMPUTATION_CACHE_VARIABLE] == str(EVAL_COMPUTATION_CACHE) == "16"
+    assert PRIMITIVE_CACHE_VARIABLE not in os.environ and COMPUTATION_CACHE_VARIABLE not in os.environ
+    with pytest.raises(RuntimeError), primitive_cache_limit(8, 2):
         raise RuntimeError("an evaluation that fails")
-    assert PRIMITIVE_CACHE_VARIABLE not in os.environ
+    assert PRIMITIVE_CACHE_VARIABLE not in os.environ and COMPUTATION_CACHE_VARIABLE not in os.environ
     monkeypatch.setenv(PRIMITIVE_CACHE_VARIABLE, "300")
     with primitive_cache_limit() as applied:
-        assert not applied and os.environ[PRIMITIVE_CACHE_VARIABLE] == "300"
-    assert os.environ[PRIMITIVE_CACHE_VARIABLE] == "300"
+        assert applied == (COMPUTATION_CACHE_VARIABLE,) and os.environ[PRIMITIVE_CACHE_VARIABLE] == "300"
+    assert os.environ[PRIMITIVE_CACHE_VARIABLE] == "300" and COMPUTATION_CACHE_VARIABLE not in os.environ
+    monkeypatch.setenv(COMPUTATION_CACHE_VARIABLE, "5")
+    with primitive_cache_limit() as applied:
+        assert not applied and os.environ[COMPUTATION_CACHE_VARIABLE] == "5"
+    assert os.environ[COMPUTATION_CACHE_VARIABLE] == "5"
+
+
+SHAPES = textwrap.dedent(
+    """
+    import ctypes, sys, torch
+    from prvrlab.allocator import primitive_cache_limit
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+    info = ctypes.CDLL(None).mallinfo2
+    info.restype = Info
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(768, 384)
+    capped = sys.argv[1] == "capped"
+    with primitive_cache_limit(4, 4) if capped else primitive_cache_limit(1024, 1024), torch.inference_mode():
+        before = info().uordblks
+        for rows in range(500, 2500, 25):  # 80 shapes, as an evaluation's batches of different lengths
+            with torch.autocast("cpu", torch.bfloat16):
+                linear(torch.randn(rows, 768))
+        print(info().uordblks - before)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_the_eval_caps_bound_what_matrix_products_of_many_shapes_keep():
+    """bf16 matrix products of 80 shapes keep a cache entry per shape in PyTorch's and oneDNN's caches
+    (1,024 each by default); capped at 4 each by primitive_cache_limit, read at the process's first
+    product, the process keeps markedly less of malloc's memory in use afterwards."""
+    from prvrlab.models.precision import native_low_precision
+
+    if not native_low_precision("cpu") or not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"):
+        pytest.skip("bf16 products on oneDNN units and glibc >= 2.33 needed")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env["PYTHONPATH"] = str(ROOT)
+    kept = {}
+    for mode in ("capped", "defaults"):
+        out = subprocess.run([sys.executable, "-c", SHAPES, mode], check=True, capture_output=True, text=True, env=env)
+        kept[mode] = int(out.stdout.split()[-1])
+    assert kept["defaults"] > 8 << 20  # the defaults keep something per shape ...
+    assert kept["capped"] < kept["defaults"] / 4  # ... four entries each far less

@@ -268,11 +268,13 @@ def encode_queries(
 
 # ---------------------------------------------------------------- ranking
 
-SCORE_BUDGET_BYTES = 128 << 20  # float32 scores of one chunk of queries (against every video token)
-ENCODE_BUDGET_BYTES = 64 << 20  # float32 input features (clips + frames) of one batch of videos encoded on the CPU
-# (128 MiB before session 36: the same speed, 0.2-0.35 GiB more peak RSS at 2,500 x 500)
+# The CPU budgets below were halved in session 39 (scores 128 -> 64, videos 64 -> 32, queries 32 -> 16 MiB):
+# the same speed, and with primitive_cache_limit's caps the peak RSS of GMMFormer's evaluation went
+# 0.58 -> 0.44-0.46 GiB at 2,500 x 500 and 0.95 -> 0.58-0.60 GiB at TVR's test size (README, "Session 39").
+SCORE_BUDGET_BYTES = 64 << 20  # float32 scores of one chunk of queries (against every video token)
+ENCODE_BUDGET_BYTES = 32 << 20  # float32 input features (clips + frames) of one batch of videos encoded on the CPU
 DEVICE_ENCODE_BUDGET_BYTES = 128 << 20  # the same, encoded on an accelerator (its working set is in device memory)
-QUERY_BUDGET_BYTES = 32 << 20  # float32 word features of one batch of queries
+QUERY_BUDGET_BYTES = 16 << 20  # float32 word features of one batch of queries
 
 
 def _available_bytes() -> int:
@@ -288,7 +290,7 @@ def video_batch_size(configured: int, tokens_per_video: int, video_dim: int, *, 
     (``tokens_per_video`` clip and frame rows of ``video_dim``) fit min(:data:`ENCODE_BUDGET_BYTES`,
     1/16 of the free memory); the encoders' working set is a few times their input (the padded batch,
     its packed and normalised copies, the attention maps).  TVR (3,072-d, 32 clips + 128 frames):
-    34 videos at a time.  Encoded on an accelerator (``on_cpu`` false), the host holds only the
+    17 videos at a time.  Encoded on an accelerator (``on_cpu`` false), the host holds only the
     batch: :data:`DEVICE_ENCODE_BUDGET_BYTES` (TVR: 68 videos)."""
     budget = ENCODE_BUDGET_BYTES if on_cpu else DEVICE_ENCODE_BUDGET_BYTES
     return _fitting(configured, 4 * tokens_per_video * video_dim, budget)
@@ -297,7 +299,7 @@ def video_batch_size(configured: int, tokens_per_video: int, video_dim: int, *, 
 def query_batch_size(configured: int, max_words: int, query_dim: int) -> int:
     """Queries to encode at once: ``configured``, lowered so that a batch's float32 word features
     (``max_words`` rows of ``query_dim``) fit min(:data:`QUERY_BUDGET_BYTES`, 1/16 of the free memory).
-    TVR (768-d, 30 words): 364 queries instead of 1,024; the query phase of an evaluation at TVR's test
+    TVR (768-d, 30 words): 182 queries instead of 1,024; the query phase of an evaluation at TVR's test
     size held 0.65 GiB above the gallery with 1,024 (half as much with 256-384, no slower)."""
     return _fitting(configured, 4 * max_words * query_dim, QUERY_BUDGET_BYTES)
 
@@ -313,9 +315,10 @@ def score_chunk(video_emb: VideoEmbedding, chunk: int, *, elements: int | None =
     """Queries to score at once: ``chunk``, lowered so that ``elements`` float32 values per query (what
     the model's scoring holds at once, :meth:`RetrievalModel.score_elements`; by default one score per
     (query, video token) of every embedding tensor of ``video_emb``: its ``(Nv, ..., D)`` rows, all
-    branches) fit min(:data:`SCORE_BUDGET_BYTES`, 1/8 of the free memory).  E.g. GMMFormer v2 at TVR's
-    test size (2,179 videos x (32 clips + 128 frames)) scores 96 queries at a time instead of 2,048 (a
-    2.9 GB frame-score matrix).  Ranks do not depend on the chunk."""
+    branches) fit min(:data:`SCORE_BUDGET_BYTES`, 1/8 of the free memory).  E.g. a backbone scoring
+    every token of TVR's test size (2,179 videos x (32 clips + 128 frames)) would score 48 queries at a
+    time instead of 2,048 (a 2.9 GB score matrix); GMMFormer and v2 declare 8 values a video
+    (:func:`~prvrlab.models.scoring.indexed_score_elements`): 962.  Ranks do not depend on the chunk."""
     per_query = video_tokens(video_emb) if elements is None else int(elements)
     budget = min(SCORE_BUDGET_BYTES, _available_bytes() // 8)
     return max(1, min(int(chunk), budget // max(1, 4 * per_query)))

@@ -504,8 +504,8 @@ def test_evaluate_batches_ranks_do_not_depend_on_the_score_budget(monkeypatch):
 
 
 @pytest.mark.parametrize("size, budget, shape, configured, tvr", [
-    ("video_batch_size", "ENCODE_BUDGET_BYTES", (160, 3072), 256, 34),  # TVR: 32 clips + 128 frames, 3,072-d
-    ("query_batch_size", "QUERY_BUDGET_BYTES", (30, 768), 1024, 364),  # TVR: up to 30 words, 768-d
+    ("video_batch_size", "ENCODE_BUDGET_BYTES", (160, 3072), 256, 17),  # TVR: 32 clips + 128 frames, 3,072-d
+    ("query_batch_size", "QUERY_BUDGET_BYTES", (30, 768), 1024, 182),  # TVR: up to 30 words, 768-d
 ])
 def test_batch_sizes_fit_the_memory_budget(monkeypatch, size, budget, shape, configured, tvr):
     """Videos (queries) per encoding batch: their float32 features within min(budget, free memory / 16),
