@@ -204,3 +204,14 @@ def test_the_eval_caps_bound_what_matrix_products_of_many_shapes_keep():
         kept[mode] = int(out.stdout.split()[-1])
     assert kept["defaults"] > 8 << 20  # the defaults keep something per shape ...
     assert kept["capped"] < kept["defaults"] / 4  # ... four entries each far less
+
+
+def test_cap_primitive_caches_sets_what_the_user_left_unset_for_the_rest_of_the_process(monkeypatch):
+    from prvrlab.allocator import COMPUTATION_CACHE_VARIABLE, PRIMITIVE_CACHE_VARIABLE, cap_primitive_caches
+
+    monkeypatch.delenv(PRIMITIVE_CACHE_VARIABLE, raising=False)
+    monkeypatch.setenv(COMPUTATION_CACHE_VARIABLE, "7")
+    assert cap_primitive_caches() == (PRIMITIVE_CACHE_VARIABLE,)
+    assert os.environ[PRIMITIVE_CACHE_VARIABLE] == "64" and os.environ[COMPUTATION_CACHE_VARIABLE] == "7"  # not restored
+    assert cap_primitive_caches(8, 8) == ()  # both set now: left alone
+    assert os.environ[PRIMITIVE_CACHE_VARIABLE] == "64"

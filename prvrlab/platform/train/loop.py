@@ -242,7 +242,7 @@ class TrainingLoop:
 
     def setup(self) -> None:
         """Threads, device, seed, data, the training system, its DDP wrapper, the optimiser."""
-        from prvrlab.allocator import set_host_allocator
+        from prvrlab.allocator import cap_primitive_caches, set_host_allocator
         from prvrlab.data.dataset import train_loader
         from prvrlab.data.resident import hold_splits, release_held
         from prvrlab.evaluation.retrieval import resolve_amp_dtype
@@ -252,6 +252,7 @@ class TrainingLoop:
 
         cfg = self.cfg
         set_host_allocator(cfg.train.host_allocator)
+        cap_primitive_caches()  # before the first product: batch shapes would otherwise pile up 1,024 of each
         torch.set_num_threads(cfg.train.torch_threads or max(1, math.ceil(self.cpus_per_worker)))
         self.device = self._device()
         seed_everything(cfg.train.seed)

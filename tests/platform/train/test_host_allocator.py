@@ -1,4 +1,5 @@
-"""train.host_allocator reaches every process that computes: the training loop and checkpoint evaluation."""
+"""train.host_allocator and the caps on the caches of matrix products reach every process that computes: the
+training loop and checkpoint evaluation."""
 
 from __future__ import annotations
 
@@ -30,3 +31,21 @@ def test_training_and_checkpoint_evaluation_apply_the_configured_allocator(tiny_
 
 def test_the_default_is_keep(tiny_root, tmp_path):
     assert validate(small_raw(tiny_root, tmp_path)).train.host_allocator == "keep"
+
+
+def test_training_caps_the_product_caches_and_checkpoint_evaluation_caps_them_lower(tiny_root, tmp_path, monkeypatch):
+    """A training attempt caps oneDNN's and PyTorch's caches of matrix products at 64 each in its setup
+    (before its first product); an evaluation-only process at 16 each."""
+    import inspect
+
+    defaults = inspect.signature(allocator.cap_primitive_caches).parameters
+    assert (defaults["primitives"].default, defaults["computations"].default) == (
+        allocator.TRAIN_PRIMITIVE_CACHE, allocator.TRAIN_COMPUTATION_CACHE) == (64, 64)
+    calls: list[tuple] = []
+    monkeypatch.setattr(allocator, "cap_primitive_caches", lambda *args: calls.append(args) or ())
+    cfg = validate(small_raw(tiny_root, tmp_path, epochs=1))
+    run_local(cfg, tmp_path / "run")
+    assert calls and set(calls) == {()}  # the training defaults, each attempt
+    calls.clear()
+    evaluate_checkpoint(tmp_path / "run" / "best_model.pt", split="val")
+    assert calls == [(allocator.EVAL_PRIMITIVE_CACHE, allocator.EVAL_COMPUTATION_CACHE)] == [(16, 16)]
