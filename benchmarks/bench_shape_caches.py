@@ -16,7 +16,6 @@ malloc memory in use (glibc) and the mean step time.  One step's peak is ``bench
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import subprocess
 import sys
@@ -27,26 +26,11 @@ import torch
 
 from _common import bench_system, machine, status_gib, tvr_bench_collection, tvr_config
 from prvrlab.allocator import (
-    COMPUTATION_CACHE_VARIABLE, PRIMITIVE_CACHE_VARIABLE, cap_primitive_caches, set_host_allocator,
+    COMPUTATION_CACHE_VARIABLE, PRIMITIVE_CACHE_VARIABLE, cap_primitive_caches, malloc_in_use, set_host_allocator,
 )
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
 from prvrlab.platform.train.optim import build_optimizer
-
-
-def malloc_in_use_gib() -> float | None:
-    """Bytes malloc has handed out and not had back (glibc's ``mallinfo2``), in GiB; None elsewhere."""
-    try:
-        info = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-
-    class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    info.restype = Info
-    return info().uordblks / 2**30
 
 
 def run(args: argparse.Namespace) -> None:
@@ -73,9 +57,9 @@ def run(args: argparse.Namespace) -> None:
             result.total.backward()
             optimizer.step()
             seconds.append(time.perf_counter() - t0)
-        in_use = malloc_in_use_gib()
+        in_use = malloc_in_use()
         print(f"[{args.setting:>8}] epoch {epoch}: {len(seconds)} steps, RSS {status_gib('VmRSS'):.2f} GiB, "
-              f"malloc in use {'-' if in_use is None else f'{in_use:.2f} GiB'}, "
+              f"malloc in use {'-' if in_use is None else f'{in_use / 2**30:.2f} GiB'}, "
               f"step {sum(seconds) / len(seconds):.2f} s", flush=True)
 
 

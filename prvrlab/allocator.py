@@ -81,6 +81,27 @@ def host_allocator() -> str:
     return _state["mode"]
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc >= 2.33)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_in_use() -> int | None:
+    """Bytes malloc has handed out and not had back, from its heaps and as mapped blocks
+    (``mallinfo2``: ``uordblks + hblkhd``, every arena), or None where the C library has no
+    ``mallinfo2``: what live allocations and caches hold, freed blocks not counted (the resident set
+    counts those under ``keep``)."""
+    try:
+        info = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    info.restype = _MallInfo2
+    now = info()
+    return int(now.uordblks + now.hblkhd)
+
+
 def release_free_memory() -> bool:
     """Give the free memory of malloc's heaps back to the system (``malloc_trim(0)``) where this process
     runs with ``keep``; True if it did.  Called between phases whose blocks do not fit each other's freed

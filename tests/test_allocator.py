@@ -167,36 +167,31 @@ def test_primitive_cache_limit_sets_the_variable_inside_only(monkeypatch):
 
 SHAPES = textwrap.dedent(
     """
-    import ctypes, sys, torch
-    from prvrlab.allocator import primitive_cache_limit
-    class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-    info = ctypes.CDLL(None).mallinfo2
-    info.restype = Info
+    import sys, torch
+    from prvrlab.allocator import malloc_in_use, primitive_cache_limit
     torch.manual_seed(0)
     linear = torch.nn.Linear(768, 384)
     capped = sys.argv[1] == "capped"
     with primitive_cache_limit(4, 4) if capped else primitive_cache_limit(1024, 1024), torch.inference_mode():
-        before = info().uordblks
+        before = malloc_in_use()
         for rows in range(500, 2500, 25):  # 80 shapes, as an evaluation's batches of different lengths
             with torch.autocast("cpu", torch.bfloat16):
                 linear(torch.randn(rows, 768))
-        print(info().uordblks - before)
+        print(malloc_in_use() - before)
     """
 )
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 def test_the_eval_caps_bound_what_matrix_products_of_many_shapes_keep():
     """bf16 matrix products of 80 shapes keep a cache entry per shape in PyTorch's and oneDNN's caches
     (1,024 each by default); capped at 4 each by primitive_cache_limit, read at the process's first
     product, the process keeps markedly less of malloc's memory in use afterwards."""
+    from prvrlab.allocator import COMPUTATION_CACHE_VARIABLE, PRIMITIVE_CACHE_VARIABLE, malloc_in_use
     from prvrlab.models.precision import native_low_precision
 
-    if not native_low_precision("cpu") or not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"):
+    if not native_low_precision("cpu") or malloc_in_use() is None:
         pytest.skip("bf16 products on oneDNN units and glibc >= 2.33 needed")
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env = {k: v for k, v in os.environ.items() if k not in (PRIMITIVE_CACHE_VARIABLE, COMPUTATION_CACHE_VARIABLE)}
     env["PYTHONPATH"] = str(ROOT)
     kept = {}
     for mode in ("capped", "defaults"):
@@ -215,3 +210,19 @@ def test_cap_primitive_caches_sets_what_the_user_left_unset_for_the_rest_of_the_
     assert os.environ[PRIMITIVE_CACHE_VARIABLE] == "64" and os.environ[COMPUTATION_CACHE_VARIABLE] == "7"  # not restored
     assert cap_primitive_caches(8, 8) == ()  # both set now: left alone
     assert os.environ[PRIMITIVE_CACHE_VARIABLE] == "64"
+
+
+def test_malloc_in_use_counts_a_live_block_and_not_a_freed_one():
+    """A 64 MiB block malloc hands out shows in ``malloc_in_use`` while it lives and not after ``free``."""
+    import ctypes
+
+    before = allocator.malloc_in_use()
+    if before is None:
+        pytest.skip("no mallinfo2 (not glibc >= 2.33)")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    block = libc.malloc(64 << 20)
+    held = allocator.malloc_in_use() - before
+    libc.free(block)
+    after = allocator.malloc_in_use() - before
+    assert (64 << 20) <= held < (64 << 20) + (1 << 20) and abs(after) < 1 << 20

@@ -592,7 +592,7 @@ def evaluate_batches(
         metrics=recall_at(ranks, ks),
         by_group=None if query_ratios is None else recall_by_group(ranks, query_ratios, ks),
         ranks=ranks,
-        query_ids=[str(q) for q in yielded_queries],
+        query_ids=yielded_queries,  # str already (encode_queries)
         query_video_ids=[split_video_ids[i] for i in query_video[query_perm]],
         ratios=query_ratios,
         num_queries=len(ranks),
