@@ -9,11 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from prvrlab.platform.config import load_config
 from prvrlab.platform.search.names import compact
+from prvrlab.platform.search.progress import ProgressCallback
+from prvrlab.platform.search.study import StudyContext
 from prvrlab.platform.search.tuning import search
 from prvrlab.platform.search.spec import load_search_spec
 
@@ -38,7 +41,21 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys, monkeypa
     assert result.counts == {"finished": 3, "early_stopped": 0, "failed": 0, "unfinished": 0}
     assert "best val/sumr" in out and "epoch 2" in out
     assert "; DDP ranks kept across trials" in out  # reuse_workers: auto, CPU ranks on this machine
-    assert re.search(r"running: \S+ epoch [12]/2 \d+% \(ETA", out), out  # rank 0's progress file, read by the driver
+    # The running-trials line: whether Tune's loop steps while a 1 s trial is mid-epoch is timing (a
+    # loaded CI host missed it), so every line printed must parse, and the chain is checked after the
+    # fact: rank 0's progress file sits where the driver's view reads it, and renders.
+    for line in (ln for ln in out.splitlines() if "running:" in ln):
+        assert re.search(r"running: \S+ epoch [12]/2 \d+% \(ETA", line), line
+    context = StudyContext(
+        kind="search", name="tiny", study_dir=str(result.study_dir), base_raw={}, metric="val/sumr", mode="max",
+        workers=2, cpus_per_worker=1.0, gpus_per_worker=0.0, tracking_uri="", experiment="",
+    )
+    trial_ids = sorted(p.name for p in (result.study_dir / "trials").iterdir())
+    assert len(trial_ids) == 3
+    view = ProgressCallback("val/sumr", "max", 3, lambda c: "", progress_of=context.trial_progress)
+    for trial_id in trial_ids:
+        running = SimpleNamespace(trial_id=trial_id, status="RUNNING", config={})
+        assert view.running_line([running]) == f"running: {trial_id} epoch 2/2 100% (ETA 0s)  "
 
     parents, children = study_runs(tmp_path)
     (parent,) = parents
