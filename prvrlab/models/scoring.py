@@ -19,8 +19,10 @@ from prvrlab.models.precision import bf16_exact, bf16_products
 _MAX_CHUNK_ELEMENTS = 1 << 26
 # The same at retrieval on a CPU, where a block's scores are reduced while in the caches (8 MiB).
 _RETRIEVAL_BLOCK_ELEMENTS = 1 << 21
-# Videos per piece where a bf16 gallery is read in float32 at indexing (never a float32 copy of all of it).
-_INDEX_PIECE = 256
+# Elements per piece where a bf16 gallery is read in float32 at indexing (never a float32 copy of all of
+# it): 4 MiB.  256 videos a piece (50 MB of v2's frames at TVR's test size) left each freed piece split
+# by the small results allocated after it, so the next piece took new memory: +0.09-0.25 GiB resident.
+_INDEX_PIECE_ELEMENTS = 1 << 20
 _EPS = 1e-6
 
 
@@ -34,13 +36,23 @@ def vector_scores(query: Tensor, video: Tensor, *, with_logits: bool = False) ->
         return BranchScores(sim=dots / norms, logits=dots if with_logits else None)
 
 
+def _index_pieces(video: Tensor) -> range:
+    """Starts of the pieces of videos read in float32 at once (:data:`_INDEX_PIECE_ELEMENTS` each)."""
+    per_video = max(1, video[0].numel()) if len(video) else 1
+    return range(0, len(video), max(1, _INDEX_PIECE_ELEMENTS // per_video))
+
+
 def token_norms(video: Tensor) -> Tensor:
     """(Nv, L, D) vectors -> (Nv, L) float32 norms, clamped as :func:`max_scores` divides by them
-    (of a bf16 ``video``, :data:`_INDEX_PIECE` videos at a time)."""
+    (of a bf16 ``video``, a piece of :data:`_INDEX_PIECE_ELEMENTS` at a time, into one result)."""
     with torch.autocast(device_type=video.device.type, enabled=False):
-        if video.dtype == torch.float32 or len(video) <= _INDEX_PIECE:
+        pieces = _index_pieces(video)
+        if video.dtype == torch.float32 or len(pieces) <= 1:
             return video.float().norm(dim=-1).clamp(min=_EPS)
-        return torch.cat([token_norms(video[i : i + _INDEX_PIECE]) for i in range(0, len(video), _INDEX_PIECE)])
+        out = torch.empty(video.shape[:2], dtype=torch.float32, device=video.device)  # (Nv, L)
+        for i in pieces:
+            out[i : i + pieces.step] = video[i : i + pieces.step].float().norm(dim=-1).clamp(min=_EPS)
+        return out
 
 
 def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbedding:
@@ -59,8 +71,8 @@ def index_token_norms(video: VideoEmbedding, names: Sequence[str]) -> VideoEmbed
             extra[f"{name}_norm"] = token_norms(field)  # (Nv, L)
             if field.dtype == torch.float32:
                 low = field.to(torch.bfloat16)  # (Nv, L, D)
-                pieces = range(0, len(field), _INDEX_PIECE)
-                if all(torch.equal(low[i : i + _INDEX_PIECE].float(), field[i : i + _INDEX_PIECE]) for i in pieces):
+                pieces = _index_pieces(field)
+                if all(torch.equal(low[i : i + pieces.step].float(), field[i : i + pieces.step]) for i in pieces):
                     fields[name] = low  # the same values
     return video if extra.keys() == video.extra.keys() else replace(video, extra=extra, **fields)
 

@@ -244,3 +244,18 @@ def test_retrieval_blocks_by_extent_equal_the_masked_fill_formula(monkeypatch):
         assert span == min(length, max(1, -(-extent // 16) * 16))  # the all-padding video: one column
     assert sorted(int(i) for videos, _ in spans[-1] for i in videos) == list(range(nv))  # every video once
     assert sorted({span for _, span in spans[-1]}) == [1, 16, 32, 48, 64, 70]
+
+
+def test_norms_of_a_bf16_gallery_are_read_piece_by_piece_into_one_result(monkeypatch):
+    """A bf16 gallery is read in float32 a few videos at a time (never all of it): the norms are the
+    whole gallery's bit for bit, and the bf16 check of a float32 field looks at every piece."""
+    _, video, _ = gallery(nv=11, length=5, dim=6)
+    low = video.bfloat16()
+    monkeypatch.setattr(scoring, "_INDEX_PIECE_ELEMENTS", 2 * 5 * 6)  # two videos a piece: 6 pieces
+    assert list(scoring._index_pieces(low)) == [0, 2, 4, 6, 8, 10]
+    whole = low.float().norm(dim=-1).clamp(min=1e-6)  # (Nv, L)
+    assert torch.equal(token_norms(low), whole)
+    exact = low.float()
+    assert index_token_norms(VideoEmbedding(clip=exact, frame=exact[:, 0]), ("clip",)).clip.dtype == torch.bfloat16
+    exact[10, 4, 5] += 1e-3  # the last piece holds a value bf16 cannot: the field stays float32
+    assert index_token_norms(VideoEmbedding(clip=exact, frame=exact[:, 0]), ("clip",)).clip.dtype == torch.float32
