@@ -34,7 +34,7 @@ from prvrlab.allocator import release_free_memory
 from prvrlab.checks import check_positive_int
 from prvrlab.data.batch import mask_to
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
-from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding, video_tokens
+from prvrlab.models.base import QueryEmbedding, RetrievalModel, RowBuffer, VideoEmbedding, num_rows, video_tokens
 from prvrlab.models.precision import native_low_precision
 
 if TYPE_CHECKING:
@@ -144,22 +144,6 @@ def _stored(emb, fields: tuple[str, ...], amp_dtype: torch.dtype | None):
     return dataclasses.replace(emb, **cast) if cast else emb
 
 
-def _num_rows(emb) -> int:
-    """First dimension shared by every tensor of an embedding dataclass."""
-    sizes = set()
-    for f in dataclasses.fields(emb):
-        v = getattr(emb, f.name)
-        if isinstance(v, Tensor):
-            sizes.add(int(v.shape[0]))
-        elif isinstance(v, dict):
-            sizes.update(int(t.shape[0]) for t in v.values() if isinstance(t, Tensor))
-    if not sizes:
-        raise ValueError(f"{type(emb).__name__} holds no tensor")
-    if len(sizes) > 1:
-        raise ValueError(f"{type(emb).__name__} tensors disagree on their first dimension: {sorted(sizes)}")
-    return sizes.pop()
-
-
 def _check_unique(ids: list[str], what: str) -> None:
     if len(set(ids)) != len(ids):
         seen: set[str] = set()
@@ -183,6 +167,7 @@ def encode_videos(
     amp_dtype: torch.dtype | str | None = None,
     allow_empty: bool = False,
     release_memory: bool = False,
+    rows: int | None = None,
 ) -> tuple[VideoEmbedding | None, list[str]]:
     """Encode every video once; returns the concatenated embedding and the ids.
 
@@ -197,12 +182,16 @@ def encode_videos(
     DDP rank without a share).  ``release_memory``: malloc's free memory is given
     back before the gallery is assembled (see ``evaluate_batches``), so its
     large tensors do not add to the encoders' freed blocks, which they cannot reuse.
+    ``rows``: the number of videos the batches yield, where known: each batch is then written into a
+    gallery allocated at the first batch (:class:`~prvrlab.models.base.RowBuffer`; yield the longest
+    batch first), so the batches are not held beside their concatenation.
     """
     device = torch.device(device)
     amp_dtype = resolve_amp_dtype(amp_dtype)
     low_precision = tuple(getattr(model, "low_precision_fields", ()))
     model.eval()
     parts: list[VideoEmbedding] = []
+    gallery = None if rows is None else RowBuffer(rows)
     ids: list[str] = []
     with torch.inference_mode():
         for video_ids, clips, frames, frame_mask in batches:
@@ -213,18 +202,22 @@ def encode_videos(
             frame_mask = mask_to(frame_mask, device, non_blocking=True)
             with _autocast(device, amp_dtype):
                 emb = model.encode_videos(clips, frames, frame_mask)
-            parts.append(_stored(emb, low_precision, amp_dtype))  # bf16 under bf16 autocast: half the memory
+            emb = _stored(emb, low_precision, amp_dtype)  # bf16 under bf16 autocast: half the memory
+            if gallery is None:
+                parts.append(emb)
+            else:
+                gallery.add(emb)
             ids.extend(str(v) for v in video_ids)
             del clips, frames, frame_mask, emb  # freed before the next batch is read
-    if not parts:
+    if not ids:
         if allow_empty:
             return None, []
         raise ValueError("no video batch was yielded; cannot evaluate an empty split")
     _check_unique(ids, "video")
     if release_memory:
         release_free_memory()
-    video = VideoEmbedding.cat(parts)
-    del parts  # the float32 copy below is then the only other one
+    video = VideoEmbedding.cat(parts) if gallery is None else gallery.result()
+    del parts, gallery  # the float32 copy below is then the only other one
     return _float32(video, keep=low_precision), ids
 
 
@@ -285,14 +278,18 @@ def _available_bytes() -> int:
     return 1 << 40 if free is None else free
 
 
-def video_batch_size(configured: int, tokens_per_video: int, video_dim: int, *, on_cpu: bool = True) -> int:
+def video_batch_size(
+    configured: int, tokens_per_video: int, video_dim: int, *, on_cpu: bool = True, share: float = 1.0
+) -> int:
     """Videos to encode at once: ``configured``, lowered so that a batch's float32 input features
     (``tokens_per_video`` clip and frame rows of ``video_dim``) fit min(:data:`ENCODE_BUDGET_BYTES`,
     1/16 of the free memory); the encoders' working set is a few times their input (the padded batch,
     its packed and normalised copies, the attention maps).  TVR (3,072-d, 32 clips + 128 frames):
     17 videos at a time.  Encoded on an accelerator (``on_cpu`` false), the host holds only the
-    batch: :data:`DEVICE_ENCODE_BUDGET_BYTES` (TVR: 68 videos)."""
-    budget = ENCODE_BUDGET_BYTES if on_cpu else DEVICE_ENCODE_BUDGET_BYTES
+    batch: :data:`DEVICE_ENCODE_BUDGET_BYTES` (TVR: 68 videos).  ``share``: the part of the CPU budget
+    the model's encoders may take (:meth:`~prvrlab.models.base.RetrievalModel.encode_budget_share`:
+    GMMFormer v2's 8 branches, 0.5: 8 TVR videos)."""
+    budget = int(ENCODE_BUDGET_BYTES * share) if on_cpu else DEVICE_ENCODE_BUDGET_BYTES
     return _fitting(configured, 4 * tokens_per_video * video_dim, budget)
 
 
@@ -331,6 +328,7 @@ def compute_ranks(
     query_video: np.ndarray | Tensor | Sequence[int],
     *,
     chunk: int,
+    release_memory: bool = False,
 ) -> np.ndarray:
     """1-based rank of each query's ground-truth video among all videos.
 
@@ -356,11 +354,15 @@ def compute_ranks(
     ground truth is tied with every other NaN/``-inf`` score, hence ranked
     last among them).
 
+    ``release_memory``: malloc's free memory goes back to the system after every chunk (see
+    ``evaluate_batches``): a chunk's blocks, placed in the free memory the earlier phases left, would
+    otherwise leave those pages resident (v2 at TVR's test size: +0.15 GiB over 12 chunks, +0.1 with it).
+
     Returns an int64 array of shape (Nq,), values in [1, Nv].
     """
     check_positive_int(chunk, "chunk")
-    num_queries = _num_rows(query_emb)
-    num_videos = _num_rows(video_emb)
+    num_queries = num_rows(query_emb)
+    num_videos = num_rows(video_emb)
     if isinstance(query_video, Tensor):
         qv = query_video.detach().to("cpu", torch.long).reshape(-1)
     else:
@@ -390,6 +392,9 @@ def compute_ranks(
             higher = (scores > gt).sum(dim=1)
             tied_others = (scores == gt).sum(dim=1) - 1  # the ground truth ties with itself
             ranks[start:stop] = (1 + higher + tied_others).cpu().numpy()
+            del scores, gt, higher, tied_others, query_part
+            if release_memory:
+                release_free_memory()
     return ranks
 
 
@@ -525,7 +530,7 @@ def evaluate_batches(
         sharded = world_size > 1  # a rank may have no share
         video_emb, yielded_videos = encode_videos(
             model, video_batches_iter, device=device, amp_dtype=amp_dtype, allow_empty=sharded,
-            release_memory=release_memory,
+            release_memory=release_memory, rows=None if sharded else len(video_ids),
         )
         if sharded:  # every rank scores against all videos
             shares = _all_gather((None if video_emb is None else _map_tensors(video_emb, Tensor.cpu), yielded_videos), world_size)
@@ -565,7 +570,7 @@ def evaluate_batches(
             if release_memory:  # the plain gallery's fields that indexing replaced (e.g. by bf16 copies)
                 release_free_memory()
             at_once = score_chunk(video_emb, chunk, elements=model.score_elements(video_emb))
-            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=at_once)
+            ranks = compute_ranks(model, query_emb, video_emb, qv_rows, chunk=at_once, release_memory=release_memory)
         _sync(device)
         timings["score"] = time.perf_counter() - t0
 
@@ -648,7 +653,7 @@ def evaluate(
     batch, queries_at_once = int(eval_cfg.video_batch_size), int(eval_cfg.query_batch_size)
     if hasattr(collection, "max_frames"):
         batch = video_batch_size(batch, collection.max_frames + collection.num_clips, collection.video_dim,
-                                 on_cpu=dev.type == "cpu")
+                                 on_cpu=dev.type == "cpu", share=model.encode_budget_share())
     if hasattr(collection, "max_query_len"):
         queries_at_once = query_batch_size(queries_at_once, collection.max_query_len, collection.query_dim)
     return evaluate_batches(

@@ -55,6 +55,16 @@ def tensors_of(obj) -> list[Tensor]:
     return found
 
 
+def num_rows(emb) -> int:
+    """The first dimension every tensor of an embedding dataclass shares (nested ones included)."""
+    sizes = {int(t.shape[0]) for t in tensors_of(emb)}
+    if not sizes:
+        raise ValueError(f"{type(emb).__name__} holds no tensor")
+    if len(sizes) > 1:
+        raise ValueError(f"{type(emb).__name__} tensors disagree on their first dimension: {sorted(sizes)}")
+    return sizes.pop()
+
+
 def video_tokens(video) -> int:
     """Rows of every float (Nv, ..., D) tensor of an embedding: one per video, clip or frame token."""
     return sum(t.numel() // t.shape[-1] for t in tensors_of(video) if t.is_floating_point() and t.dim() >= 2)
@@ -200,6 +210,81 @@ def _pad_cat(tensors: list[Tensor]) -> Tensor:
         out[row : row + t.shape[0], : t.shape[1]] = t
         row += t.shape[0]
     return out
+
+
+def _alloc_rows(v: Any, rows: int) -> Any:
+    """``v`` (a tensor, dict or embedding dataclass) with every tensor replaced by zeros of ``rows`` rows."""
+    if isinstance(v, Tensor):
+        return v.new_zeros((rows, *v.shape[1:]))
+    if isinstance(v, dict):
+        return {k: _alloc_rows(t, rows) for k, t in v.items()}
+    if is_dataclass(v) and not isinstance(v, type):
+        return replace(v, **{f.name: _alloc_rows(getattr(v, f.name), rows) for f in fields(v)})
+    return v
+
+
+def _fits(out: Any, part: Any) -> bool:
+    """Whether every tensor of ``part`` can be written into its counterpart in ``out`` (same structure,
+    dtype and trailing shape; dim 1 at most as long: the rest stays zero/False padding)."""
+    if isinstance(part, Tensor):
+        return (
+            isinstance(out, Tensor) and out.dtype == part.dtype and out.device == part.device
+            and out.dim() == part.dim() and out.shape[2:] == part.shape[2:]
+            and (part.dim() < 2 or part.shape[1] <= out.shape[1])
+        )
+    if isinstance(part, dict):
+        return isinstance(out, dict) and out.keys() == part.keys() and all(_fits(out[k], t) for k, t in part.items())
+    if is_dataclass(part) and not isinstance(part, type):
+        return type(out) is type(part) and all(_fits(getattr(out, f.name), getattr(part, f.name)) for f in fields(part))
+    return not isinstance(out, (Tensor, dict))
+
+
+def _write_rows(out: Any, part: Any, row: int) -> None:
+    """Copy every tensor of ``part`` into ``out`` from row ``row`` (``_fits(out, part)`` holds)."""
+    if isinstance(part, Tensor):
+        out[row : row + part.shape[0], : part.shape[1]] = part
+    elif isinstance(part, dict):
+        for k, t in part.items():
+            _write_rows(out[k], t, row)
+    elif is_dataclass(part) and not isinstance(part, type):
+        for f in fields(part):
+            _write_rows(getattr(out, f.name), getattr(part, f.name), row)
+
+
+class RowBuffer:
+    """``_cat`` of embedding parts (``VideoEmbedding.cat``) written into tensors allocated once for
+    ``rows`` rows, so no part is held beside the result: a gallery assembled batch by batch peaks at
+    the gallery plus one batch instead of twice the gallery.  The first part sets each tensor's dtype
+    and dim-1 length (encode the longest batch first: a shorter one is zero/False-padded); a part that
+    does not fit (longer, another dtype or structure, rows beyond ``rows``) turns the buffer into a
+    list of parts concatenated at the end.  :meth:`result` equals ``_cat`` of the parts, bit for bit."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.filled = int(rows), 0
+        self.out: Any = None
+        self.parts: list[Any] | None = None  # the fallback
+
+    def add(self, part: Any) -> None:
+        """Append ``part``'s rows."""
+        n = num_rows(part)
+        if self.parts is None and self.out is None:
+            self.out = _alloc_rows(part, self.rows)
+        if self.parts is None and (self.filled + n > self.rows or not _fits(self.out, part)):
+            self.parts = [_map_tensors(self.out, lambda t: t[: self.filled])] if self.filled else []
+            self.out = None
+        if self.parts is not None:
+            self.parts.append(part)
+            return
+        _write_rows(self.out, part, self.filled)
+        self.filled += n
+
+    def result(self) -> Any:
+        """Every part's rows (None when nothing was added)."""
+        if self.parts is not None:
+            return _cat(self.parts) if self.parts else None
+        if self.out is None or self.filled == self.rows:
+            return self.out
+        return _map_tensors(self.out, lambda t: t[: self.filled])
 
 
 @dataclass
@@ -366,6 +451,13 @@ class RetrievalModel(nn.Module):
         its query chunks from it).  Default: one per video token of every embedding tensor, as a
         per-token score matrix would."""
         return video_tokens(video)
+
+    def encode_budget_share(self) -> float:
+        """The part (0, 1] of evaluation's CPU budget for one video batch's input features
+        (:func:`~prvrlab.evaluation.retrieval.video_batch_size`) this backbone's batches may take: the
+        budget was sized on GMMFormer, whose encoders hold ~2x a batch's input at once; a backbone that
+        holds more per input byte returns less.  1 by default."""
+        return 1.0
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """The gallery as retrieval scores it: ``video`` plus per-video values that every query reuses,

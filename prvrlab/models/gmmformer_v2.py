@@ -415,6 +415,12 @@ class GMMFormerV2(RetrievalModel):
     score_elements = staticmethod(indexed_score_elements)
     low_precision_fields = ("clip", "frame")  # max-scored, indexed by index_token_norms
 
+    def encode_budget_share(self) -> float:
+        """4 / K for K Gaussian branches (GMMFormer's blocks have 4): the (K, N, D) branch activations make
+        the working set grow with K (8 branches, 17 TVR videos: 0.25 GiB, the peak of an evaluation at
+        TVR's test size; 8 videos: 0.12 GiB)."""
+        return min(1.0, 4 / len(self.sigmas))
+
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """Adds the clips' and frames' norms (:func:`~prvrlab.models.scoring.index_token_norms`)."""
         return index_token_norms(video, ("clip", "frame"))

@@ -332,6 +332,26 @@ def test_encode_rejects_duplicate_and_empty():
         ev.encode_videos(model, [], device=DEVICE)
 
 
+def test_encode_videos_into_an_announced_gallery_equals_the_concatenation(monkeypatch):
+    import prvrlab.models.base as base
+
+    concatenated: list[int] = []
+    plain_cat = base._cat
+    monkeypatch.setattr(base, "_cat", lambda parts: concatenated.append(len(parts)) or plain_cat(parts))
+    model = VectorModel(DIM)
+    for lengths, cats in (([5, 3, 2], []), ([3, 5, 2], [3])):  # longest first: written in place; else the rows so far + 2 parts
+        batches = make_video_batches(lengths)
+        plain, plain_ids = ev.encode_videos(model, batches, device=DEVICE, amp_dtype=torch.bfloat16)
+        concatenated.clear()
+        video, ids = ev.encode_videos(model, batches, device=DEVICE, amp_dtype=torch.bfloat16, rows=6)
+        assert concatenated == cats and ids == plain_ids
+        for name in ("clip", "frame", "frame_mask"):
+            assert torch.equal(getattr(video, name), getattr(plain, name)), name
+    batches = make_video_batches([3, 3])
+    with pytest.raises(ValueError, match="more than once"):  # more rows than announced
+        ev.encode_videos(model, [batches[0], batches[0], batches[1]], device=DEVICE, rows=4)
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -526,7 +546,8 @@ def test_batch_sizes_fit_the_memory_budget(monkeypatch, size, budget, shape, con
 @pytest.mark.parametrize("release", [False, True])
 def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release):
     """``release_memory`` (a process that only evaluates) gives malloc's free memory back before the
-    encoded videos are concatenated, after the video and the query phase and after indexing the gallery;
+    encoded videos are concatenated, after the video and the query phase, after indexing the gallery
+    and after every chunk of scored queries;
     training's evaluations (the default) never do, and the ranks do not change."""
     video_ids, clips, frames, mask, query_ids, queries, query_video, ratios = toy_split()
     phases: list[str] = []
@@ -539,8 +560,14 @@ def test_memory_is_released_between_phases_only_when_asked(monkeypatch, release)
         video_ids=video_ids, query_ids=query_ids, query_video=query_video, chunk=3, device=DEVICE,
         release_memory=release,
     )
-    assert phases == (["videos", "release", "release", "queries", "release", "release"] if release else ["videos", "queries"])
+    chunks = ["release"] * -(-len(query_ids) // 3)  # after every chunk of 3 scored queries
+    assert phases == (["videos", "release", "release", "queries", "release", "release", *chunks] if release else ["videos", "queries"])
     assert result.metrics["r1"] == pytest.approx(100.0)
+
+
+class HalfShare(VectorModel):
+    def encode_budget_share(self) -> float:
+        return 0.5
 
 
 def test_video_batches_encoded_on_an_accelerator_use_its_budget(monkeypatch):
@@ -553,12 +580,15 @@ def test_video_batches_encoded_on_an_accelerator_use_its_budget(monkeypatch):
     assert ev.video_batch_size(256, 160, 3072) == ev.ENCODE_BUDGET_BYTES // per_video
     monkeypatch.setattr(ev, "_available_bytes", lambda: 16 * 5 * per_video)
     assert ev.video_batch_size(256, 160, 3072, on_cpu=False) == 5
+    monkeypatch.setattr(ev, "_available_bytes", lambda: 1 << 40)
+    assert ev.video_batch_size(256, 160, 3072, share=0.5) == ev.ENCODE_BUDGET_BYTES // 2 // per_video == 8  # v2's share
+    assert ev.video_batch_size(256, 160, 3072, on_cpu=False, share=0.5) == 68  # the host holds only the batch
 
     import prvrlab.data.dataset as ds
 
     seen = []
     real = ev.video_batch_size
-    monkeypatch.setattr(ev, "video_batch_size", lambda *a, **k: seen.append(k.get("on_cpu", True)) or real(*a, **k))
+    monkeypatch.setattr(ev, "video_batch_size", lambda *a, **k: seen.append((k.get("on_cpu", True), k["share"])) or real(*a, **k))
     monkeypatch.setattr(ds, "video_batches", lambda *a, **k: iter(()))
     monkeypatch.setattr(ds, "query_batches", lambda *a, **k: iter(()))
 
@@ -574,8 +604,8 @@ def test_video_batches_encoded_on_an_accelerator_use_its_budget(monkeypatch):
     eval_cfg = types.SimpleNamespace(video_batch_size=256, query_batch_size=1024, score_chunk=2048)
     for device in ("cpu", "meta"):  # meta: a device that is not the CPU, on any machine
         with pytest.raises(Stop):
-            ev.evaluate(None, collection, "val", eval_cfg, device=device)
-    assert seen == [True, False]
+            ev.evaluate(HalfShare(DIM), collection, "val", eval_cfg, device=device)
+    assert seen == [(True, 0.5), (False, 0.5)]  # the model's share, passed for the CPU budget
 
 
 LAZY_TABLE = """

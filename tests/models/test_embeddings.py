@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prvrlab.models.base import QueryEmbedding, VideoEmbedding
+from prvrlab.models.base import QueryEmbedding, RowBuffer, VideoEmbedding
 
 
 def part(n: int, length: int, dtype=torch.float32, seed: int = 0) -> VideoEmbedding:
@@ -51,3 +51,47 @@ def test_cat_promotes_like_torch_cat_and_refuses_other_trailing_shapes():
     other.frame = torch.zeros(1, 6, 5)
     with pytest.raises(ValueError, match="cannot concatenate"):
         VideoEmbedding.cat([high, other])
+
+
+def buffered(parts: list[VideoEmbedding], rows: int) -> tuple[VideoEmbedding, RowBuffer]:
+    buffer = RowBuffer(rows)
+    for p in parts:
+        buffer.add(p)
+    return buffer.result(), buffer
+
+
+def assert_hand_cat(whole: VideoEmbedding, parts: list[VideoEmbedding]) -> None:
+    assert torch.equal(whole.frame, hand_cat([p.frame for p in parts], 0.0))
+    assert torch.equal(whole.frame_mask, hand_cat([p.frame_mask for p in parts], False))
+    assert torch.equal(whole.extra["frame_norm"], hand_cat([p.extra["frame_norm"] for p in parts], 0.0))
+    assert torch.equal(whole.clip, torch.cat([p.clip for p in parts]))
+
+
+def test_row_buffer_writes_parts_longest_first_into_one_allocation():
+    parts = [part(3, 7, torch.bfloat16, seed=1), part(2, 5, torch.bfloat16, seed=2), part(1, 4, torch.bfloat16, seed=3)]
+    whole, buffer = buffered(parts, 6)
+    assert buffer.parts is None  # no part kept: each was copied into the gallery allocated at the first
+    assert whole.frame.dtype == torch.bfloat16 and whole.frame.shape == (6, 7, 4)
+    assert_hand_cat(whole, parts)
+    fewer, _ = buffered(parts[:2], 6)  # fewer rows than announced: the filled ones
+    assert_hand_cat(fewer, parts[:2])
+    assert RowBuffer(4).result() is None
+
+
+def test_row_buffer_falls_back_to_cat_for_a_part_that_does_not_fit():
+    short, long_ = part(2, 5, seed=1), part(3, 7, seed=2)
+    whole, buffer = buffered([short, long_], 5)  # a longer part after a shorter one
+    assert buffer.parts is not None and buffer.out is None
+    assert_hand_cat(whole, [short, long_])
+    whole, _ = buffered([long_, short], 4)  # rows beyond the announced number
+    assert_hand_cat(whole, [long_, short])
+    low = part(2, 5, torch.bfloat16, seed=3)
+    whole, _ = buffered([long_, low], 5)  # another dtype: torch.cat's promotion, as VideoEmbedding.cat
+    assert whole.frame.dtype == torch.float32
+    assert torch.equal(whole.frame, hand_cat([long_.frame, low.frame.float()], 0.0))
+    other = part(1, 4, seed=4)
+    other.extra = {"frame_norm": other.extra["frame_norm"], "more": torch.zeros(1)}  # another structure
+    buffer = RowBuffer(4)
+    buffer.add(long_)
+    buffer.add(other)
+    assert buffer.parts is not None and buffer.filled == 3  # no longer written: concatenated at the end

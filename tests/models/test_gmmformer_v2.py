@@ -196,3 +196,18 @@ def test_temporal_weights_need_max_len_outputs():
 def test_rejects_bad_hyperparameters(kwargs, param):
     with pytest.raises(ValueError, match=param):
         build("gmmformer_v2", **kwargs)
+
+
+def test_evaluation_budget_share_follows_the_number_of_branches():
+    """4 / K of evaluation's video-batch budget for K Gaussian branches (GMMFormer's 4 take all of it);
+    a plugged v2 passes its backbone's on."""
+    from prvrlab.registry import PLUGINS
+    from prvrlab.models.plugins.base import PluggedModel
+
+    for sigmas, share in (([0.1, 0.5, 1.0, 3.0, 5.0, 8.0, 10.0, "inf"], 0.5), ([0.5, 1.0, 5.0, "inf"], 1.0), ([1.0, "inf"], 1.0),
+                          ([0.5, 1.0, 2.0, 3.0, 5.0, "inf"], 4 / 6)):
+        assert build("gmmformer_v2", sigmas=sigmas).encode_budget_share() == pytest.approx(share)
+    backbone = build("gmmformer_v2", sigmas=[0.1, 0.5, 1.0, 3.0, 5.0, 8.0, 10.0, "inf"])
+    assert build("gmmformer").encode_budget_share() == 1.0
+    plugged = PluggedModel(backbone=backbone, plugins={"ral": PLUGINS.build("ral", hidden_size=16)})
+    assert plugged.encode_budget_share() == 0.5

@@ -145,6 +145,10 @@ class PluggedModel(RetrievalModel):
                 query.extra[f"{name}.{key}"] = value
         return query
 
+    def encode_budget_share(self) -> float:
+        """The backbone's (its encoders hold most of an evaluation batch's working set)."""
+        return self.backbone.encode_budget_share()
+
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """The backbone's index (plug-in entries of ``extra`` kept), then every plug-in's replacements."""
         video = self.backbone.index_videos(video)
