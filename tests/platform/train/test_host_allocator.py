@@ -23,10 +23,16 @@ def test_training_and_checkpoint_evaluation_apply_the_configured_allocator(tiny_
     assert not released  # training's evaluations keep the pages the next step reuses
 
     applied.clear()
+    scored: list[tuple[int, int, bool]] = []  # (queries, chunk, release_memory) of each compute_ranks
+    real_ranks = retrieval.compute_ranks
+    monkeypatch.setattr(retrieval, "compute_ranks",
+                        lambda *a, **k: scored.append((len(a[3]), k["chunk"], k["release_memory"])) or real_ranks(*a, **k))
     evaluate_checkpoint(tmp_path / "run" / "best_model.pt", split="val")
     assert applied == ["system"]
-    # an evaluation alone: before the gallery is concatenated, after the video and the query phase, after indexing
-    assert released == [True] * 4
+    # an evaluation alone: before the gallery is assembled, after the video and the query phase, after
+    # indexing, and after every chunk of scored queries
+    ((queries, chunk, release),) = scored
+    assert release and released == [True] * (4 + -(-queries // chunk))
 
 
 def test_the_default_is_keep(tiny_root, tmp_path):
