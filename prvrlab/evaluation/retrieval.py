@@ -190,8 +190,7 @@ def encode_videos(
     amp_dtype = resolve_amp_dtype(amp_dtype)
     low_precision = tuple(getattr(model, "low_precision_fields", ()))
     model.eval()
-    parts: list[VideoEmbedding] = []
-    gallery = None if rows is None else RowBuffer(rows)
+    gallery = RowBuffer(rows)  # a list of batches concatenated at the end without ``rows``
     ids: list[str] = []
     with torch.inference_mode():
         for video_ids, clips, frames, frame_mask in batches:
@@ -202,11 +201,7 @@ def encode_videos(
             frame_mask = mask_to(frame_mask, device, non_blocking=True)
             with _autocast(device, amp_dtype):
                 emb = model.encode_videos(clips, frames, frame_mask)
-            emb = _stored(emb, low_precision, amp_dtype)  # bf16 under bf16 autocast: half the memory
-            if gallery is None:
-                parts.append(emb)
-            else:
-                gallery.add(emb)
+            gallery.add(_stored(emb, low_precision, amp_dtype))  # bf16 under bf16 autocast: half the memory
             ids.extend(str(v) for v in video_ids)
             del clips, frames, frame_mask, emb  # freed before the next batch is read
     if not ids:
@@ -216,8 +211,8 @@ def encode_videos(
     _check_unique(ids, "video")
     if release_memory:
         release_free_memory()
-    video = VideoEmbedding.cat(parts) if gallery is None else gallery.result()
-    del parts, gallery  # the float32 copy below is then the only other one
+    video = gallery.result()
+    del gallery  # the float32 copy below is then the only other one (batches concatenated: no part)
     return _float32(video, keep=low_precision), ids
 
 

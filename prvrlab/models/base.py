@@ -212,17 +212,6 @@ def _pad_cat(tensors: list[Tensor]) -> Tensor:
     return out
 
 
-def _alloc_rows(v: Any, rows: int) -> Any:
-    """``v`` (a tensor, dict or embedding dataclass) with every tensor replaced by zeros of ``rows`` rows."""
-    if isinstance(v, Tensor):
-        return v.new_zeros((rows, *v.shape[1:]))
-    if isinstance(v, dict):
-        return {k: _alloc_rows(t, rows) for k, t in v.items()}
-    if is_dataclass(v) and not isinstance(v, type):
-        return replace(v, **{f.name: _alloc_rows(getattr(v, f.name), rows) for f in fields(v)})
-    return v
-
-
 def _fits(out: Any, part: Any) -> bool:
     """Whether every tensor of ``part`` can be written into its counterpart in ``out`` (same structure,
     dtype and trailing shape; dim 1 at most as long: the rest stays zero/False padding)."""
@@ -239,44 +228,34 @@ def _fits(out: Any, part: Any) -> bool:
     return not isinstance(out, (Tensor, dict))
 
 
-def _write_rows(out: Any, part: Any, row: int) -> None:
-    """Copy every tensor of ``part`` into ``out`` from row ``row`` (``_fits(out, part)`` holds)."""
-    if isinstance(part, Tensor):
-        out[row : row + part.shape[0], : part.shape[1]] = part
-    elif isinstance(part, dict):
-        for k, t in part.items():
-            _write_rows(out[k], t, row)
-    elif is_dataclass(part) and not isinstance(part, type):
-        for f in fields(part):
-            _write_rows(getattr(out, f.name), getattr(part, f.name), row)
-
-
 class RowBuffer:
     """``_cat`` of embedding parts (``VideoEmbedding.cat``) written into tensors allocated once for
     ``rows`` rows, so no part is held beside the result: a gallery assembled batch by batch peaks at
     the gallery plus one batch instead of twice the gallery.  The first part sets each tensor's dtype
     and dim-1 length (encode the longest batch first: a shorter one is zero/False-padded); a part that
-    does not fit (longer, another dtype or structure, rows beyond ``rows``) turns the buffer into a
-    list of parts concatenated at the end.  :meth:`result` equals ``_cat`` of the parts, bit for bit."""
+    does not fit (longer, another dtype or structure, rows beyond ``rows``), or ``rows`` None, makes it
+    a list of parts concatenated at the end.  :meth:`result` equals ``_cat`` of the parts, bit for bit."""
 
-    def __init__(self, rows: int) -> None:
-        self.rows, self.filled = int(rows), 0
+    def __init__(self, rows: int | None) -> None:
+        self.rows, self.filled = (0 if rows is None else int(rows)), 0
         self.out: Any = None
-        self.parts: list[Any] | None = None  # the fallback
+        self.parts: list[Any] | None = [] if rows is None else None  # the fallback
 
     def add(self, part: Any) -> None:
         """Append ``part``'s rows."""
-        n = num_rows(part)
-        if self.parts is None and self.out is None:
-            self.out = _alloc_rows(part, self.rows)
-        if self.parts is None and (self.filled + n > self.rows or not _fits(self.out, part)):
+        if self.parts is None:
+            n = num_rows(part)
+            if self.out is None:
+                self.out = _map_tensors(part, lambda t: t.new_zeros((self.rows, *t.shape[1:])))
+            if self.filled + n <= self.rows and _fits(self.out, part):
+                for out, t in zip(tensors_of(self.out), tensors_of(part)):  # the same structure: the same order
+                    rows = out[self.filled : self.filled + n]
+                    (rows if t.dim() < 2 else rows[:, : t.shape[1]]).copy_(t)
+                self.filled += n
+                return
             self.parts = [_map_tensors(self.out, lambda t: t[: self.filled])] if self.filled else []
             self.out = None
-        if self.parts is not None:
-            self.parts.append(part)
-            return
-        _write_rows(self.out, part, self.filled)
-        self.filled += n
+        self.parts.append(part)
 
     def result(self) -> Any:
         """Every part's rows (None when nothing was added)."""

@@ -95,3 +95,18 @@ def test_row_buffer_falls_back_to_cat_for_a_part_that_does_not_fit():
     buffer.add(long_)
     buffer.add(other)
     assert buffer.parts is not None and buffer.filled == 3  # no longer written: concatenated at the end
+
+
+def test_row_buffer_writes_per_video_values_and_without_a_row_count_concatenates():
+    """A (Nv,) tensor (a per-video value in ``extra``) is written row by row like the others; without a
+    row count the buffer is a list concatenated at the end."""
+    parts = [part(3, 7, seed=1), part(2, 5, seed=2)]
+    for i, p in enumerate(parts):
+        p.extra["length"] = p.frame_mask.sum(dim=1) + 10 * i  # (n,)
+    whole, buffer = buffered(parts, 5)
+    assert buffer.parts is None
+    assert_hand_cat(whole, parts)
+    assert torch.equal(whole.extra["length"], torch.cat([p.extra["length"] for p in parts]))
+    listed, buffer = buffered(parts, None)
+    assert buffer.out is None and len(buffer.parts) == 2
+    assert_hand_cat(listed, parts)
