@@ -35,7 +35,7 @@ from prvrlab.checks import check_positive_int
 from prvrlab.data.batch import mask_to
 from prvrlab.evaluation.metrics import DEFAULT_KS, rank_table, recall_at, recall_by_group
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, RowBuffer, VideoEmbedding, num_rows, video_tokens
-from prvrlab.models.precision import native_low_precision
+from prvrlab.models.precision import kept_casts, native_low_precision
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -177,7 +177,9 @@ def encode_videos(
     in eval mode; ``amp_dtype`` enables autocast for the encoders only and the
     result is cast back to float32 (the batches' embeddings are kept as encoded
     until then: half the memory under bf16), except the model's
-    ``low_precision_fields``, which are stored in the autocast dtype.  The caller restores the model's mode.
+    ``low_precision_fields``, which are stored in the autocast dtype; the fused paths cast their weights
+    to that dtype once per call, not once per batch (:func:`~prvrlab.models.precision.kept_casts`).  The
+    caller restores the model's mode.
     No batch at all is an error, or ``(None, [])`` with ``allow_empty`` (a
     DDP rank without a share).  ``release_memory``: malloc's free memory is given
     back before the gallery is assembled (see ``evaluate_batches``), so its
@@ -192,7 +194,7 @@ def encode_videos(
     model.eval()
     gallery = RowBuffer(rows)  # a list of batches concatenated at the end without ``rows``
     ids: list[str] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), kept_casts(enabled=amp_dtype is not None):  # each weight cast once
         for video_ids, clips, frames, frame_mask in batches:
             if len(video_ids) != clips.shape[0]:
                 raise ValueError(f"a video batch has {len(video_ids)} ids but {clips.shape[0]} rows")
@@ -235,7 +237,7 @@ def encode_queries(
     model.eval()
     parts: list[QueryEmbedding] = []
     ids: list[str] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), kept_casts(enabled=amp_dtype is not None):
         for query_ids, queries, query_mask in batches:
             if len(query_ids) != queries.shape[0]:
                 raise ValueError(f"a query batch has {len(query_ids)} ids but {queries.shape[0]} rows")

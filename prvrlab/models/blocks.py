@@ -32,6 +32,7 @@ from prvrlab.checks import check_int, check_positive_int, check_probability, is_
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS
+from prvrlab.models.precision import weight_cast
 from prvrlab.models.random_bits import random_words
 from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores, vector_scores
 
@@ -149,7 +150,7 @@ def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, bran
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     layers = (first,) if second is None else (first, second)
     with torch.autocast(device, enabled=False):
-        params = [t[branches].to(dtype) for layer in layers for t in (layer.weight, layer.bias)]
+        params = [weight_cast(t, dtype)[branches] for layer in layers for t in (layer.weight, layer.bias)]
         x = x.to(dtype)  # (k, N, in)
         if not torch.is_grad_enabled():
             return _branch_forward(x, *params)[0]
@@ -247,8 +248,8 @@ def project(layer: nn.Linear, x: Tensor, parts: int = 1) -> Tensor | tuple[Tenso
     if dtype != torch.bfloat16 or not _fused_linear() or layer.out_features % parts:
         return _split(layer(x), parts)
     x = x.to(dtype)
-    blocks = zip(layer.weight.chunk(parts), layer.bias.chunk(parts))
-    out = tuple(torch.ops.mkldnn._linear_pointwise(x, w.to(dtype), b.to(dtype), "none", [], "") for w, b in blocks)
+    blocks = zip(weight_cast(layer.weight, dtype).chunk(parts), weight_cast(layer.bias, dtype).chunk(parts))
+    out = tuple(torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in blocks)
     return out[0] if parts == 1 else out  # (N, out / parts) each; the weights cast as autocast casts them
 
 
