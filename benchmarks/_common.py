@@ -125,6 +125,42 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.python_version()}"
 
 
+def _rate(work: float, run, seconds: float = 0.4) -> float:
+    """``work`` units per second of ``run()``, best of the repeats within ``seconds`` after one warm-up."""
+    run()
+    best, spent = float("inf"), 0.0
+    while spent < seconds:
+        t = time.perf_counter()
+        run()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+    return work / best
+
+
+def host_probe() -> str:
+    """This host's speed on what evaluation and training spend their time in (about 1.5 s), to tell a
+    slower host from a slower code when figures are compared across sessions: the bf16 product of
+    GMMFormer's FFN shape, the scoring product (bf16 values, float32 result: oneDNN's bf16 math mode;
+    ``models.precision.bf16_products``), the float32 product, and a 256 MiB float32 copy.  (Session 41:
+    the same code evaluated v2 2.3x slower than in session 34 on a host of the same kind, GEMM roofs
+    alike.)"""
+    from prvrlab.models.precision import bf16_products
+
+    a, b = torch.randn(4096, 384), torch.randn(384, 1536)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    flop = 2 * 4096 * 384 * 1536 / 1e9
+    bf16 = _rate(flop, lambda: a16 @ b16)
+    fp32 = _rate(flop, lambda: a @ b)
+    q, v = a16.float(), b16.float()
+    with bf16_products(True) as on:
+        scoring = _rate(flop, lambda: q @ v) if on else float("nan")
+    src = torch.empty(64 << 20)
+    dst = torch.empty_like(src)
+    copy = _rate(2 * src.numel() * 4 / 1e9, lambda: dst.copy_(src))
+    return (f"host: GEMM bf16 {bf16:.0f}, scoring product {scoring:.0f}, fp32 {fp32:.0f} GFLOP/s; "
+            f"memory copy {copy:.0f} GB/s")
+
+
 def add_host_allocator_option(p: argparse.ArgumentParser) -> None:
     """``--host-allocator keep|system``: train.host_allocator of the benchmark's process."""
     p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",

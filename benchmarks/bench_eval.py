@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 
 from _common import (
-    add_collection_options, add_host_allocator_option, bench_collection, machine, peak_rss_gib, status_gib, tvr_config,
+    add_collection_options, add_host_allocator_option, bench_collection, host_probe, machine, peak_rss_gib, status_gib,
+    tvr_config,
 )
 from prvrlab.allocator import primitive_cache_limit, set_host_allocator
 from prvrlab.data.collection import open_collection
@@ -162,6 +163,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     root = bench_collection(args)
     print(f"machine: {machine()}; native bf16 matrix units: {native_low_precision('cpu')}")
+    if args.peak_of is None:  # not in the fresh peak-memory processes: the probe's buffers would count
+        print(host_probe())
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     cfg = tvr_config(root, args.config, **({} if args.video_batch is None else
                                            {"eval.video_batch_size": args.video_batch}))
