@@ -150,7 +150,7 @@ def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, bran
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     layers = (first,) if second is None else (first, second)
     with torch.autocast(device, enabled=False):
-        params = [weight_cast(t, dtype)[branches] for layer in layers for t in (layer.weight, layer.bias)]
+        params = [weight_cast(t, dtype, branches) for layer in layers for t in (layer.weight, layer.bias)]
         x = x.to(dtype)  # (k, N, in)
         if not torch.is_grad_enabled():
             return _branch_forward(x, *params)[0]

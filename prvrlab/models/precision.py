@@ -26,7 +26,8 @@ def bf16_exact(x: Tensor) -> bool:
     return x.dtype == torch.bfloat16 or torch.equal(x, x.to(torch.bfloat16).to(x.dtype))
 
 
-# (parameter id, dtype) -> (the parameter, its version when cast, the cast), inside kept_casts only
+# (parameter id, dtype) -> (the cast, the parameter's version when cast, the parameter: held, so that its
+# id names no other tensor while the cache lives), inside kept_casts only
 _CASTS: contextvars.ContextVar[dict[tuple[int, torch.dtype], tuple[Tensor, int, Tensor]] | None] = contextvars.ContextVar(
     "prvrlab_kept_casts", default=None
 )
@@ -52,16 +53,19 @@ def kept_casts(enabled: bool = True) -> Iterator[None]:
         _CASTS.reset(token)
 
 
-def weight_cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t.to(dtype)``, made once per parameter (and version) inside :func:`kept_casts` without autograd."""
+def weight_cast(t: Tensor, dtype: torch.dtype, rows: slice = slice(None)) -> Tensor:
+    """``t[rows].to(dtype)``.  Inside :func:`kept_casts`, without autograd, a parameter is cast whole once
+    (again after it changes) and ``rows`` sliced from that cast; elsewhere only ``rows`` are cast (a
+    training step over one branch at a time casts that branch's weights, not all K)."""
+    whole = rows == slice(None)
     cache = _CASTS.get()
     if cache is None or t.dtype == dtype or torch.is_grad_enabled() or not isinstance(t, torch.nn.Parameter):
-        return t.to(dtype)
+        return (t if whole else t[rows]).to(dtype)
     key = (id(t), dtype)
     hit = cache.get(key)
-    if hit is None or hit[0] is not t or hit[1] != t._version:
-        hit = cache[key] = (t, t._version, t.to(dtype))
-    return hit[2]
+    if hit is None or hit[1] != t._version:
+        hit = cache[key] = (t.to(dtype), t._version, t)
+    return hit[0] if whole else hit[0][rows]
 
 
 def _mkldnn_matmul():

@@ -27,13 +27,21 @@ class CastCounter(TorchDispatchMode):
 
     def __init__(self, watched) -> None:
         super().__init__()
-        self.watched = {t.data_ptr() for t in watched}
+        self.watched = [t for t in watched]
         self.count = 0
+        self.elements: list[int] = []  # how many values each counted cast read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in CASTS and args[0].data_ptr() in self.watched:
+        if func in CASTS and any(_within(args[0], t) for t in self.watched):
             self.count += 1
+            self.elements.append(args[0].numel())
         return func(*args, **(kwargs or {}))
+
+
+def _within(x: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``x`` starts inside ``t``'s storage (``t`` itself or a slice of it)."""
+    start = t.data_ptr()
+    return start <= x.data_ptr() < start + t.numel() * t.element_size()
 
 
 def test_weight_cast_is_made_once_per_parameter_version():
@@ -132,3 +140,16 @@ def test_encoding_with_kept_casts_gives_the_same_embeddings(name, monkeypatch):
     assert len(kept) == len(plain)
     for i, (a, b) in enumerate(zip(kept, plain)):
         assert torch.equal(a, b), f"tensor {i} of the embeddings"
+
+
+def test_a_training_step_over_one_branch_casts_only_its_weights():
+    first = BranchLinear(num_branches=4, in_dim=8, out_dim=16).to(DEVICE)
+    second = BranchLinear(num_branches=4, in_dim=16, out_dim=8).to(DEVICE)
+    x = torch.randn(1, 5, 8, device=DEVICE)
+    counter = CastCounter([first.weight, first.bias, second.weight, second.bias])
+    with counter, torch.autocast(DEVICE.type, dtype=torch.bfloat16):  # autograd on, as a checkpointed branch
+        out = branch_mlp(x, first, second, slice(2, 3))
+    assert counter.elements == [16 * 8, 16, 8 * 16, 8]  # branch 2's weights and biases, not all 4 branches'
+    want = torch.relu(x[0].bfloat16() @ first.weight[2].bfloat16().t() + first.bias[2].bfloat16())
+    want = want @ second.weight[2].bfloat16().t() + second.bias[2].bfloat16()
+    torch.testing.assert_close(out[0].float(), want.float(), atol=2e-2, rtol=2e-2)
