@@ -27,9 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from prvrlab.data import index_cache
 from prvrlab.data.errors import DataError
 
 FILES = ("feature.bin", "shape.txt", "id.txt", "video2frames.txt")
+INDEX_KIND = "bigfile"  # its index_cache entries: what id.txt and video2frames.txt say, per version of the four files
 
 
 def read_shape(path: Path) -> tuple[int, int]:
@@ -131,12 +133,22 @@ class BigFile:
             raise DataError(
                 f"{bin_path}: size {size} bytes disagrees with shape.txt ({n} x {d} float32 = {n * d * 4} bytes)"
             )
+        self._num_rows, self._dim = n, d
+        stamp = index_cache.version(*(self.path / name for name in FILES))
+        if not self._adopt(index_cache.load(INDEX_KIND, self.path, stamp, ("offsets", "rows", "contiguous"))):
+            self._index_files()
+            self._save_index(stamp)
+        self._mm: np.memmap | None = None
+        self._fd: int | None = None
+
+    def _index_files(self) -> None:
+        """Video ids, frame offsets, rows and runs from ``id.txt`` and ``video2frames.txt``."""
+        n = self._num_rows
         ids = read_frame_ids(self.path / "id.txt")
         if len(ids) != n:
             raise DataError(f"{self.path / 'id.txt'}: {len(ids)} frame ids, but shape.txt says N={n}")
         v2f_path = self.path / "video2frames.txt"
         v2f = read_video2frames(v2f_path)
-        self._num_rows, self._dim = n, d
         self._video_ids = list(v2f)
         self._index = {vid: i for i, vid in enumerate(self._video_ids)}
         counts = np.fromiter(map(len, v2f.values()), dtype=np.int64, count=len(v2f))
@@ -158,8 +170,30 @@ class BigFile:
         lasts = np.maximum(self._offsets[1:] - 1, self._offsets[:-1])  # (V,) last frame position (first if none)
         # a video's rows are one ascending run of feature.bin: read as one slice
         self._contiguous = step_ok[lasts] - step_ok[self._offsets[:-1]] == lasts - self._offsets[:-1]  # (V,)
-        self._mm: np.memmap | None = None
-        self._fd: int | None = None
+
+    def _save_index(self, stamp: tuple[int, ...]) -> None:
+        """Save the tables of :meth:`_index_files` for the next opening of this version (index_cache)."""
+        arrays = {"offsets": self._offsets, "rows": self._rows, "contiguous": self._contiguous}
+        index_cache.save(INDEX_KIND, self.path, stamp, self._video_ids, arrays)
+
+    def _adopt(self, found: tuple[list[str], dict[str, np.ndarray]] | None) -> bool:
+        """Take the tables of :meth:`_index_files` from a saved index of this version of the folder;
+        False when there is none or it does not fit this folder's shape."""
+        if found is None:
+            return False
+        video_ids, saved = found
+        offsets, rows, contiguous = saved["offsets"], saved["rows"], saved["contiguous"]
+        fits = (
+            offsets.shape == (len(video_ids) + 1,) and contiguous.shape == (len(video_ids),)
+            and contiguous.dtype == bool and offsets.dtype.kind == rows.dtype.kind == "i" and offsets[0] == 0 and bool((np.diff(offsets) >= 0).all())
+            and rows.shape == (int(offsets[-1]),) and bool(((rows >= 0) & (rows < self._num_rows)).all())
+        )
+        if not fits:
+            return False
+        offsets, rows = offsets.astype(np.int64), rows.astype(np.int64)
+        self._video_ids, self._offsets, self._rows, self._contiguous = video_ids, offsets, rows, contiguous
+        self._index = {vid: i for i, vid in enumerate(video_ids)}
+        return True
 
     @property
     def dim(self) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 
 from prvrlab.data.bigfile import BigFile, read_float32
 from prvrlab.data.errors import DataError
+from prvrlab.data.h5index import UNKNOWN, H5Index
 
 
 @runtime_checkable
@@ -62,6 +63,9 @@ class H5Arrays:
 
     The key list is read once on construction; the file handle is opened on
     first read in each process (tracked by pid) and dropped when pickled.
+    The names, shapes and runs below are saved per version of the file
+    (:mod:`prvrlab.data.h5index`), so another process opening the same
+    version reads them instead of walking the file.
     ``what`` names the content in error messages ("query features", ...).
 
     :meth:`shapes` also notes where each contiguous little-endian float32
@@ -78,12 +82,16 @@ class H5Arrays:
         self.what = what
         if not self.path.is_file():
             raise DataError(f"{what} file not found: {self.path}")
-        try:
-            with h5py.File(self.path, "r") as f:
-                self._keys = list(f.keys())
-        except OSError as exc:
-            raise DataError(f"{self.path}: cannot open as HDF5 ({exc})") from None
-        self._keyset = frozenset(self._keys)
+        stamp = _stamp(os.stat(self.path))
+        index = H5Index.load(self.path, stamp)  # this version's saved names, shapes and runs (h5index)
+        if index is None:
+            try:
+                with h5py.File(self.path, "r") as f:
+                    index = H5Index(keys=list(f.keys()), stamp=stamp)
+            except OSError as exc:
+                raise DataError(f"{self.path}: cannot open as HDF5 ({exc})") from None
+        self._index = index
+        self._keys = index.keys
         self._handle: h5py.File | None = None
         self._pid = -1
         self._runs: dict[str, tuple[int, int, int]] = {}  # key -> (byte offset, rows, cols) of a float32 run
@@ -99,33 +107,59 @@ class H5Arrays:
         return len(self._keys)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._keyset
+        return key in self._index.position
 
     def missing(self, keys: Iterable[str]) -> list[str]:
         """The keys (in the given order) that have no dataset in the file."""
-        return [k for k in keys if k not in self._keyset]
+        position = self._index.position
+        return [k for k in keys if k not in position]
 
     def shapes(self, keys: Iterable[str] | None = None) -> np.ndarray:
         """(n, 2) int64 shapes of the datasets ``keys`` (default: all), metadata only.
 
-        Raises DataError naming the file and key for a missing key or a
-        dataset that is not 2-D.
+        Shapes measured before, in this process or (same version of the file) in the saved
+        :class:`~prvrlab.data.h5index.H5Index`, are not measured again; new ones are saved.
+        Raises DataError naming the file and key for a missing key or a dataset that is not 2-D.
         """
         keys = self._keys if keys is None else list(keys)
-        fid = self._file().id
         if self._stamp is None:
             self._stamp = _stamp(os.stat(self.path))
-        out = np.empty((len(keys), 2), dtype=np.int64)
-        for i, key in enumerate(keys):
+        index = self._index
+        if index.stamp != self._stamp:  # replaced since it was listed: measured afresh and not saved
+            index = H5Index(keys=self._keys, stamp=self._stamp)
+        position = index.position
+        at = np.fromiter((position.get(k, UNKNOWN) for k in keys), dtype=np.int64, count=len(keys))  # (n,)
+        absent = np.flatnonzero(at == UNKNOWN)
+        known = at[: absent[0]] if absent.size else at  # keys before the first missing one are checked first
+        todo = index.unknown(known)
+        if todo.size:
+            try:
+                self._measure(index, todo)
+            finally:  # what was measured before a bad dataset is kept too
+                if index is self._index:
+                    index.save(self.path)
+        if absent.size:
+            self._dataset(self._file().id, keys[int(absent[0])])  # raises DataError naming the key
+        out = index.shapes[at]  # (n, 2)
+        offsets = index.offsets[at]  # (n,)
+        hit = np.flatnonzero(offsets != UNKNOWN)
+        runs = zip(hit.tolist(), offsets[hit].tolist(), out[hit].tolist())
+        self._runs.update({keys[i]: (offset, rows, cols) for i, offset, (rows, cols) in runs})
+        return out
+
+    def _measure(self, index: H5Index, positions: np.ndarray) -> None:
+        """Fill ``index``'s shape and float32-run offset of the datasets at ``positions``, in order, through HDF5."""
+        fid = self._file().id
+        for p in positions.tolist():
+            key = index.keys[p]
             dsid = self._dataset(fid, key)
             shape = dsid.shape
             if len(shape) != 2:
                 raise DataError(f"{self.path}: dataset {key!r} has shape {shape}, expected (n, D)")
-            out[i] = shape
             offset = dsid.get_offset()  # None unless contiguous (so unfiltered) and allocated
-            if offset is not None and dsid.get_storage_size() == 4 * shape[0] * shape[1] and dsid.get_type().equal(_F32):
-                self._runs[key] = (int(offset), int(shape[0]), int(shape[1]))
-        return out
+            f32 = offset is not None and dsid.get_storage_size() == 4 * shape[0] * shape[1] and dsid.get_type().equal(_F32)
+            index.shapes[p] = shape
+            index.offsets[p] = int(offset) if f32 else UNKNOWN
 
     def read(self, key: str) -> np.ndarray:
         """The dataset ``key`` as a float32 array (n, D)."""
