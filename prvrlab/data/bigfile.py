@@ -183,10 +183,12 @@ class BigFile:
             return False
         video_ids, saved = found
         offsets, rows, contiguous = saved["offsets"], saved["rows"], saved["contiguous"]
+        V = len(video_ids)
         fits = (
-            offsets.shape == (len(video_ids) + 1,) and contiguous.shape == (len(video_ids),)
-            and contiguous.dtype == bool and offsets.dtype.kind == rows.dtype.kind == "i" and offsets[0] == 0 and bool((np.diff(offsets) >= 0).all())
-            and rows.shape == (int(offsets[-1]),) and bool(((rows >= 0) & (rows < self._num_rows)).all())
+            offsets.shape == (V + 1,) and contiguous.shape == (V,) and contiguous.dtype == bool
+            and offsets.dtype.kind == rows.dtype.kind == "i"
+            and offsets[0] == 0 and bool((np.diff(offsets) >= 0).all())  # (V + 1,) rising from 0
+            and rows.shape == (int(offsets[-1]),) and bool(((rows >= 0) & (rows < self._num_rows)).all())  # (F,)
         )
         if not fits:
             return False

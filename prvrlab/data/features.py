@@ -136,7 +136,7 @@ class H5Arrays:
             try:
                 self._measure(index, todo)
             finally:  # what was measured before a bad dataset is kept too
-                if index is self._index:
+                if index is self._index and index.unknown(todo).size < todo.size:
                     index.save(self.path)
         if absent.size:
             self._dataset(self._file().id, keys[int(absent[0])])  # raises DataError naming the key
