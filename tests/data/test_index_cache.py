@@ -143,6 +143,10 @@ def test_errors_name_the_first_bad_key_in_order_and_are_not_remembered(tmp_path)
         np.testing.assert_array_equal(arrays.shapes(["ok"]), [[2, 3]])
     saved = H5Index.load(path, _version(path))
     assert saved is not None and saved.shapes.tolist() == [[-1, -1], [2, 3]]  # "cube" never recorded
+    written = os.stat(index_file(path)).st_ino
+    with pytest.raises(DataError, match="'cube'"):
+        H5Arrays(path).shapes(["cube"])
+    assert os.stat(index_file(path)).st_ino == written  # nothing measured: nothing saved again
 
 
 def _version(path):
