@@ -228,7 +228,7 @@ class _BranchGemms(torch.autograd.Function):
 
 def _linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """``relu(x @ weight.T + bias)`` for 2-D ``x``, in one oneDNN call on CPU where it is built in."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _fused_linear():
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _fused_linear(x.dtype):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu", [], "")
     return F.relu(F.linear(x, weight, bias), inplace=True)
 
@@ -245,7 +245,7 @@ def project(layer: nn.Linear, x: Tensor, parts: int = 1) -> Tensor | tuple[Tenso
     if torch.is_grad_enabled() or x.device.type != "cpu" or layer.bias is None or not x.is_contiguous():
         return _split(layer(x), parts)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
-    if dtype != torch.bfloat16 or not _fused_linear() or layer.out_features % parts:
+    if dtype != torch.bfloat16 or not _fused_linear(dtype) or layer.out_features % parts:
         return _split(layer(x), parts)
     x = x.to(dtype)
     blocks = zip(weight_cast(layer.weight, dtype).chunk(parts), weight_cast(layer.bias, dtype).chunk(parts))
@@ -257,10 +257,17 @@ def _split(y: Tensor, parts: int) -> Tensor | tuple[Tensor, ...]:
     return y if parts == 1 else y.chunk(parts, dim=-1)
 
 
-@functools.lru_cache(maxsize=1)
-def _fused_linear() -> bool:
-    """Whether this torch has oneDNN's fused linear + pointwise op (a private op: checked, not assumed)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.lru_cache(maxsize=None)
+def _fused_linear(dtype: torch.dtype) -> bool:
+    """Whether this torch has oneDNN's fused linear + pointwise op (a private op: checked, not assumed) and,
+    for bf16, this CPU runs oneDNN's bf16 products: an AVX2-only CPU refuses to create the primitive
+    ("could not create a primitive descriptor"), where ``F.linear`` falls back to ATen's own bf16 GEMM."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(probe is not None and probe())
+    return True
 
 
 def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:

@@ -304,7 +304,8 @@ def test_branch_mlp_inference_equals_batched_autograd_path(monkeypatch, amp, wit
             if layer is not None:
                 layer.weight.normal_(0.0, 0.5)
                 layer.bias.normal_(0.0, 0.5)
-    monkeypatch.setattr(blocks, "_fused_linear", lambda: fused and blocks.torch.backends.mkldnn.is_available())
+    real = blocks._fused_linear  # the op where this torch and CPU run it (an AVX2-only CPU: not in bf16)
+    monkeypatch.setattr(blocks, "_fused_linear", lambda dtype: fused and real(dtype))
     for branches in (slice(None), slice(1, 3)):
         x = torch.randn(4 if branches == slice(None) else 2, 9, 6)
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
@@ -470,7 +471,7 @@ def test_batched_branch_gemms_equal_per_branch_ones(with_second):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.skipif(not blocks._fused_linear(), reason="this torch has no oneDNN fused linear")
+@pytest.mark.skipif(not blocks._fused_linear(torch.bfloat16), reason="no oneDNN fused bf16 linear in this torch or on this CPU")
 def test_project_adds_the_bias_inside_the_gemm_with_the_same_values(monkeypatch):
     """blocks.project at bf16 inference equals the module call bit for bit (bf16 operands, float32 sums
     plus the bias, one rounding); it falls back to the module elsewhere."""
@@ -498,7 +499,7 @@ def test_project_adds_the_bias_inside_the_gemm_with_the_same_values(monkeypatch)
     assert trained.requires_grad and len(calls) == 2
 
 
-@pytest.mark.skipif(not blocks._fused_linear(), reason="this torch has no oneDNN fused linear")
+@pytest.mark.skipif(not blocks._fused_linear(torch.bfloat16), reason="no oneDNN fused bf16 linear in this torch or on this CPU")
 def test_project_in_parts_gives_the_column_blocks_of_the_module_call(monkeypatch):
     """blocks.project(layer, x, parts): ``parts`` contiguous outputs equal to the column blocks of the
     module's output, bit for bit, by one oneDNN call each at bf16 inference; views of the module's
@@ -532,12 +533,57 @@ def test_attention_inference_is_unchanged_by_the_fused_bias(monkeypatch, sigmas)
     on a padded batch (packed path) and on a barely padded one (the padded-first path)."""
     torch.manual_seed(1)
     att = GaussianAttention(hidden_size=16, num_heads=2, sigmas=sigmas).eval()
+    real = blocks._fused_linear
     for lengths in ([9, 3, 6], [9, 9, 8]):
         mask = torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]  # (B, L)
         x = torch.randn(len(lengths), 9, 16)
         outs = []
         for fused in (True, False):
-            monkeypatch.setattr(blocks, "_fused_linear", lambda fused=fused: fused and blocks.torch.backends.mkldnn.is_available())
+            monkeypatch.setattr(blocks, "_fused_linear", lambda dtype, fused=fused: fused and real(dtype))
             with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
                 outs.append(att(x, mask))
         assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(not blocks.torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_without_onednn_bf16_the_fused_linear_is_left_to_float32(monkeypatch):
+    """A CPU where oneDNN creates no bf16 primitive (AVX2 only: 'could not create a primitive descriptor
+    for the inner product') takes F.linear, ATen's own bf16 GEMM, in every bf16 path: projections,
+    branch FFNs and a whole backbone's bf16 inference; float32 products keep the fused op."""
+    real = torch.ops.mkldnn._linear_pointwise
+    dtypes = []
+
+    def avx2_only(x, *args):
+        dtypes.append(x.dtype)
+        if x.dtype == torch.bfloat16:
+            raise RuntimeError("could not create a primitive descriptor for the inner product forward propagation primitive")
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", avx2_only)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    blocks._fused_linear.cache_clear()
+    try:
+        assert not blocks._fused_linear(torch.bfloat16) and blocks._fused_linear(torch.float32)
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(12, 24)
+        first = blocks.BranchLinear(num_branches=3, in_dim=12, out_dim=20)
+        second = blocks.BranchLinear(num_branches=3, in_dim=20, out_dim=12)
+        x = torch.randn(3, 7, 12)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(blocks.project(layer, x[0], 3)[1], layer(x[0]).chunk(3, -1)[1])
+            mlp = blocks.branch_mlp(x, first, second)  # (3, 7, 12)
+        for k in range(3):
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+                h = torch.relu(torch.nn.functional.linear(x[k], first.weight[k], first.bias[k]))  # (7, 20)
+                want = torch.nn.functional.linear(h, second.weight[k], second.bias[k])  # (7, 12)
+            torch.testing.assert_close(mlp[k], want, atol=0, rtol=0)
+        with torch.inference_mode():
+            blocks.branch_mlp(x, first, second)  # float32: the fused op
+        assert dtypes and set(dtypes) == {torch.float32}
+        model = build("gmmformer_v2").eval()
+        batch = standard_batch()
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            video = model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+        assert torch.isfinite(video.frame.float()).all() and set(dtypes) == {torch.float32}
+    finally:
+        blocks._fused_linear.cache_clear()
