@@ -157,7 +157,9 @@ def host_probe() -> str:
     src = torch.empty(64 << 20)
     dst = torch.empty_like(src)
     copy = _rate(2 * src.numel() * 4 / 1e9, lambda: dst.copy_(src))
-    return (f"host: GEMM bf16 {bf16:.0f}, scoring product {scoring:.0f}, fp32 {fp32:.0f} GFLOP/s; "
+    # the CPU's vector level: session 42's host was AVX2 only, where bf16 is emulated (earlier ones AVX512)
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (f"host: {capability}, GEMM bf16 {bf16:.0f}, scoring product {scoring:.0f}, fp32 {fp32:.0f} GFLOP/s; "
             f"memory copy {copy:.0f} GB/s")
 
 
