@@ -24,6 +24,7 @@ import numpy as np
 from prvrlab.data.bigfile import BigFile, read_float32
 from prvrlab.data.errors import DataError
 from prvrlab.data.h5index import UNKNOWN, H5Index
+from prvrlab.data.index_cache import stamp
 
 
 @runtime_checkable
@@ -82,12 +83,12 @@ class H5Arrays:
         self.what = what
         if not self.path.is_file():
             raise DataError(f"{what} file not found: {self.path}")
-        stamp = _stamp(os.stat(self.path))
-        index = H5Index.load(self.path, stamp)  # this version's saved names, shapes and runs (h5index)
+        listed = stamp(os.stat(self.path))
+        index = H5Index.load(self.path, listed)  # this version's saved names, shapes and runs (h5index)
         if index is None:
             try:
                 with h5py.File(self.path, "r") as f:
-                    index = H5Index(keys=list(f.keys()), stamp=stamp)
+                    index = H5Index(keys=list(f.keys()), stamp=listed)
             except OSError as exc:
                 raise DataError(f"{self.path}: cannot open as HDF5 ({exc})") from None
         self._index = index
@@ -123,7 +124,7 @@ class H5Arrays:
         """
         keys = self._keys if keys is None else list(keys)
         if self._stamp is None:
-            self._stamp = _stamp(os.stat(self.path))
+            self._stamp = stamp(os.stat(self.path))
         index = self._index
         if index.stamp != self._stamp:  # replaced since it was listed: measured afresh and not saved
             index = H5Index(keys=self._keys, stamp=self._stamp)
@@ -197,7 +198,7 @@ class H5Arrays:
         if not hasattr(os, "preadv"):
             return None
         fd = os.open(self.path, os.O_RDONLY)
-        if _stamp(os.fstat(fd)) != self._stamp:
+        if stamp(os.fstat(fd)) != self._stamp:
             os.close(fd)
             self._runs.clear()
             return None
@@ -230,11 +231,6 @@ class H5Arrays:
 
 
 _F32 = h5py.h5t.IEEE_F32LE
-
-
-def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    """What identifies one version of a file: device, inode, size, mtime (ns)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class HDF5Features:

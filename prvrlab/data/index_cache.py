@@ -42,13 +42,14 @@ def index_file(kind: str, path: Path) -> Path:
     return index_dir() / f"{kind}-{hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:16]}.npz"
 
 
+def stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What identifies one version of a file: device, inode, size, mtime (ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def version(*paths: Path) -> tuple[int, ...]:
-    """What identifies these files' current contents: device, inode, size and mtime (ns) of each."""
-    out: list[int] = []
-    for path in paths:
-        st = os.stat(path)
-        out += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-    return tuple(out)
+    """The :func:`stamp` of each of ``paths``, one after the other."""
+    return tuple(value for path in paths for value in stamp(os.stat(path)))
 
 
 def load(kind: str, path: Path, stamp: tuple[int, ...], fields: tuple[str, ...]) -> tuple[list[str], dict[str, np.ndarray]] | None:
