@@ -167,10 +167,12 @@ class PoolWorker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def follow(self, owner: Any) -> None:
-        """Exit once ``owner`` (the trial actor that adopted this spare) has died, as an actor it had
-        started would: the driver owns a spare, so Ray would keep it and its trial's loop running."""
-        threading.Thread(target=_follow, args=(owner,), name="prvrlab-follow", daemon=True).start()
+    def follow(self, owner_pid: int) -> None:
+        """Exit once the process ``owner_pid`` (the trial actor that adopted this spare, on this node) has
+        ended, as an actor it had started would: the driver owns a spare, so Ray would keep it and its
+        trial's loop running.  A pid, not the actor's handle: loading a handle imports the trial actor's
+        class, Ray Tune with pandas and pyarrow (~1.5 CPU-s per rank, while its first trial waits)."""
+        threading.Thread(target=_follow, args=(owner_pid, _started(owner_pid)), name="prvrlab-follow", daemon=True).start()
 
     def collection(self, data_cfg: Any) -> Any:
         """The collection of ``data_cfg``, opened again only when it differs from the last trial's
@@ -233,18 +235,28 @@ class PoolWorker:
             return None
 
 
-def _follow(owner: Any) -> None:
-    import ray
-    from ray.exceptions import ActorDiedError, RayActorError
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (its /proc start time, so that a reused pid is told apart); "" when it
+    has ended (or is a zombie), None where there is no /proc (its liveness alone is checked)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return ""
+    except PermissionError:  # another user's: alive
+        pass
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return "" if Path("/proc/self/stat").exists() else None
+    except OSError:
+        return None
+    return "" if fields[0] in ("Z", "X") else fields[19]  # state; starttime (field 22 of stat)
 
-    while True:
-        try:
-            ray.get(owner.__ray_ready__.remote())  # waits while the owner is busy; raises once it has died
-        except ActorDiedError:
-            os._exit(1)
-        except RayActorError:  # unavailable for now: ask again
-            pass
+
+def _follow(pid: int, start: str | None) -> None:
+    while start != "" and _started(pid) == start:
         time.sleep(FOLLOW_S)
+    os._exit(1)
 
 
 RANK_OPTIONS = {"max_concurrency": 2}  # a rank's Ray actor options besides its resources (run and next_report overlap)
@@ -376,8 +388,7 @@ def _adopt(workers: int) -> list[Any] | None:
         if nodes is not None and nodes != {node}:
             stop_spares([actors])
             continue
-        owner = ray.get_runtime_context().current_actor
-        ray.get([a.follow.remote(owner) for a in actors])
+        ray.get([a.follow.remote(os.getpid()) for a in actors])
         return actors
     return None
 

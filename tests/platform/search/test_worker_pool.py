@@ -319,9 +319,9 @@ def test_a_spare_goes_to_one_claimant_and_exits_when_its_adopter_dies(ray_shutdo
         assert node == ray.get_runtime_context().get_node_id()  # one node: the driver's
         assert ray.get(group[0].claim.remote()) is None  # a second trial actor does not get it
         owner, bystander = Owner.remote(), Owner.remote()
-        ray.get([owner.pid.remote(), bystander.pid.remote()])
-        ray.get(group[0].follow.remote(owner))
-        ray.get(group[1].follow.remote(bystander))
+        owner_pid, bystander_pid = ray.get([owner.pid.remote(), bystander.pid.remote()])
+        ray.get(group[0].follow.remote(owner_pid))
+        ray.get(group[1].follow.remote(bystander_pid))
         ray.kill(owner)
         assert _dies(group[0]), "the spare outlived the trial actor that adopted it"
         assert ray.get(group[1].claim.remote()) is not None  # its bystander lives: this one stays
@@ -404,3 +404,20 @@ def test_dead_rank_retries_the_trial_on_a_new_pool_and_search_end_kills_it(tiny_
     while any(_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.5)
     assert not any(_alive(p) for p in pids), "the pools' ranks outlived the search"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start tokens come from /proc")
+def test_a_followed_process_is_told_apart_once_ended_reaped_or_not():
+    """``_started``: a start token for a live process (the same on every call), "" once it has ended,
+    whether its parent has reaped it yet (zombie) or not."""
+    assert workers._started(os.getpid()) == workers._started(os.getpid()) not in ("", None)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    alive = workers._started(child.pid)
+    assert alive not in ("", None)
+    child.stdin.close()
+    deadline = time.time() + 30
+    while workers._started(child.pid) == alive and time.time() < deadline:  # exited, not yet reaped: a zombie
+        time.sleep(0.05)
+    assert workers._started(child.pid) == ""
+    child.wait()
+    assert workers._started(child.pid) == ""
