@@ -254,9 +254,18 @@ def _started(pid: int) -> str | None:
 
 
 def _follow(pid: int, start: str | None) -> None:
+    """Once ``pid`` has ended: this actor asks Ray to kill it (an intended exit; a process that just
+    exits is reported on the driver's console as a worker that died of a system error), and exits
+    by itself if it is still alive a while later."""
     while start != "" and _started(pid) == start:
         time.sleep(FOLLOW_S)
-    os._exit(1)
+    try:
+        import ray
+
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        time.sleep(5 * FOLLOW_S)
+    finally:
+        os._exit(1)
 
 
 RANK_OPTIONS = {"max_concurrency": 2}  # a rank's Ray actor options besides its resources (run and next_report overlap)

@@ -324,10 +324,14 @@ def test_a_spare_goes_to_one_claimant_and_exits_when_its_adopter_dies(ray_shutdo
         ray.get(group[1].follow.remote(bystander_pid))
         ray.kill(owner)
         assert _dies(group[0]), "the spare outlived the trial actor that adopted it"
+        assert "killed by `ray.kill`" in _DEATHS[-1], "a follower's exit must be an intended one, not a 'system error'"
         assert ray.get(group[1].claim.remote()) is not None  # its bystander lives: this one stays
     finally:
         workers.stop_spares([group])
     assert _dies(group[1]), "stop_spares left a spare alive"  # ray.kill is asynchronous: a call may still land first
+
+
+_DEATHS: list[str] = []  # what the calls found by _dies said of the actor's death
 
 
 def _dies(actor, within_s: float = 30.0) -> bool:
@@ -339,7 +343,8 @@ def _dies(actor, within_s: float = 30.0) -> bool:
     while time.time() < deadline:
         try:
             ray.get(actor.claim.remote(), timeout=5)
-        except ActorDiedError:
+        except ActorDiedError as exc:
+            _DEATHS.append(str(exc))
             return True
         time.sleep(0.5)
     return False
