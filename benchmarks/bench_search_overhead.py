@@ -256,6 +256,11 @@ def main() -> None:
             )
             label = f"{workers} (packed x{pack})" if pack > 1 else f"{workers} (reused pool)" if reuse else f"{workers}"
             print(f"{label:>20} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
+        for row in (r for r in rows if not r.endswith(("r", "p"))):
+            phases = measured[row]["phase_lists"]
+            print(f"row {row}: start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in measured[row]['startups'])} s")
+            for phase in ("to loop start", "setup", "final eval"):
+                print(f"row {row}: {phase} per trial, in start order: {', '.join(f'{s:.2f}' for s in phases[phase])} s")
         for row in (r for r in rows if r.endswith(("r", "p"))):
             m = measured[row]
             print(
