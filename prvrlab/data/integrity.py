@@ -2,59 +2,37 @@
 
 :func:`check_visual_features` scans every frame once, in chunks of the memory
 map (BigFile) or per video (HDF5), and raises :class:`DataError` naming the
-file, the video id and the row.  A clean result is remembered in a small JSON
-cache keyed by the file's size and mtime, so an unchanged store is not
-rescanned; a cache whose size or mtime differ is ignored.
+file, the video id and the row.  A clean result is remembered in the data
+index cache (:mod:`prvrlab.data.index_cache`, kind ``finite``) with the
+version of the file (device, inode, size, mtime) taken before the scan, so an
+unchanged store is not rescanned and a store changed since (or during the
+scan) is.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from prvrlab.cache import cache_root
+from prvrlab.data import index_cache
 from prvrlab.data.errors import DataError
 from prvrlab.data.features import VisualFeatures
 
 CHUNK_BYTES = 64 << 20
-
-
-def cache_dir() -> Path:
-    """Where scan results are cached: ``feature-checks`` in :func:`prvrlab.cache.cache_root`."""
-    return cache_root() / "feature-checks"
+FINITE = "finite"  # the index_cache kind of a clean scan (no arrays: its version is what is remembered)
 
 
 def _data_file(visual: VisualFeatures) -> Path:
     return visual.path / "feature.bin" if visual.format == "bigfile" else visual.path
 
 
-def _stamp(path: Path) -> dict:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _cache_file(path: Path) -> Path:
-    return cache_dir() / (hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16] + ".json")
-
-
-def _cached_clean(path: Path) -> bool:
+def _version(path: Path) -> tuple[int, ...] | None:
     try:
-        return json.loads(_cache_file(path).read_text()) == {**_stamp(path), "finite": True}
-    except (OSError, ValueError):
-        return False
-
-
-def _remember_clean(path: Path) -> None:
-    try:
-        target = _cache_file(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({**_stamp(path), "finite": True}))
+        return index_cache.version(path)
     except OSError:
-        pass
+        return None
 
 
 def zero_frame_videos(visual: VisualFeatures) -> list[str]:
@@ -72,7 +50,8 @@ def check_visual_features(visual: VisualFeatures, *, progress: bool | None = Non
         where = visual.path / "video2frames.txt" if visual.format == "bigfile" else visual.path
         raise DataError(f"{where}: video {empty[0]!r} has no frame ({len(empty)} zero-frame videos in total)")
     path = _data_file(visual)
-    if use_cache and _cached_clean(path):
+    version = _version(path)
+    if use_cache and version is not None and index_cache.load(FINITE, path, version, ()) is not None:
         return
     show = sys.stderr.isatty() if progress is None else progress
     if visual.format == "bigfile":
@@ -81,7 +60,8 @@ def check_visual_features(visual: VisualFeatures, *, progress: bool | None = Non
         _scan_videos(visual, show)
     if show:
         print(file=sys.stderr)
-    _remember_clean(path)
+    if version is not None:
+        index_cache.save(FINITE, path, version, [], {})
 
 
 def _progress(show: bool, path: Path, done: int, total: int) -> None:

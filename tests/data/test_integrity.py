@@ -65,6 +65,31 @@ def test_clean_result_is_cached_by_size_and_mtime(toy_cfg, monkeypatch):
         check_visual_features(visual, progress=False)
 
 
+def test_a_store_changed_during_its_scan_is_scanned_again(toy_cfg, monkeypatch):
+    """The clean result is remembered with the version taken before the scan: a write that lands while
+    the scan runs (the scan may have read the old bytes) leaves the store to be checked again."""
+    from prvrlab.data import index_cache, integrity
+
+    visual = open_visual_features(os.path.join(toy_cfg.root, "FeatureData", "feat"))
+    path = visual.path / "feature.bin"
+    scan = integrity._scan_bigfile
+
+    def scan_then_touch(*args):
+        scan(*args)
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+    monkeypatch.setattr(integrity, "_scan_bigfile", scan_then_touch)
+    check_visual_features(visual, progress=False)
+    assert index_cache.index_file(integrity.FINITE, path).exists()  # remembered, for the version it scanned
+    calls = []
+    monkeypatch.setattr(integrity, "_scan_bigfile", lambda *a: calls.append(a))
+    check_visual_features(visual, progress=False)
+    assert len(calls) == 1, "a store written during its scan was taken as checked"
+    check_visual_features(visual, progress=False)
+    assert len(calls) == 1  # that second scan saw no change: remembered
+
+
 def test_scan_progress_counts_rows_up_to_100_percent(toy_cfg, monkeypatch, capsys):
     visual = open_visual_features(os.path.join(toy_cfg.root, "FeatureData", "feat"))
     rows = visual.num_rows
