@@ -74,7 +74,7 @@ class H5Arrays:
     bytes, unfiltered); :meth:`read` then reads that run with one positioned
     read (~9 us) instead of opening the dataset through HDF5 (~70 us): a TVR
     test evaluation reads 10,895 queries, a training epoch 87k.  A file that
-    is not the one measured (device, inode, size or mtime differ) is read
+    is not the one measured (inode, size or mtime differ) is read
     through HDF5 again.
     """
 

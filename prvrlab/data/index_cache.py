@@ -9,7 +9,7 @@ then each DDP rank of a training run, or of every trial of a search.  What
 they compute is saved here, under ``data-index`` in
 :func:`prvrlab.cache.cache_root` (one ``<kind>-<hash of the resolved
 path>.npz`` per data file or folder), with the version of the files it came
-from: device, inode, size and mtime (ns) of each.  A process that finds an
+from: inode, size and mtime (ns) of each.  A process that finds an
 index of the same version loads it (~0.1 s) instead; any other version is
 indexed again and replaces it.  Only names, counts and offsets are kept,
 never a feature value; files are read with ``allow_pickle=False``, so nothing
@@ -28,7 +28,7 @@ import numpy as np
 
 from prvrlab.cache import cache_root
 
-FORMAT = 1  # bump when a saved layout changes: older files are then ignored
+FORMAT = 2  # bump when a saved layout changes: older files are then ignored
 KEEP = 256  # indexes kept; the least recently used beyond that are deleted when one is saved
 
 
@@ -43,8 +43,10 @@ def index_file(kind: str, path: Path) -> Path:
 
 
 def stamp(st: os.stat_result) -> tuple[int, ...]:
-    """What identifies one version of a file: device, inode, size, mtime (ns)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    """What identifies one version of a file: inode, size, mtime (ns).  Not the device: a network
+    file system's device number differs from node to node for the same file, and nodes sharing one
+    cache folder (an NFS home) would each index it again and replace the others' index."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def version(*paths: Path) -> tuple[int, ...]:

@@ -4,7 +4,7 @@
 map (BigFile) or per video (HDF5), and raises :class:`DataError` naming the
 file, the video id and the row.  A clean result is remembered in the data
 index cache (:mod:`prvrlab.data.index_cache`, kind ``finite``) with the
-version of the file (device, inode, size, mtime) taken before the scan, so an
+version of the file (inode, size, mtime) taken before the scan, so an
 unchanged store is not rescanned and a store changed since (or during the
 scan) is.
 """

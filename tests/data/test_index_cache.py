@@ -151,7 +151,22 @@ def test_errors_name_the_first_bad_key_in_order_and_are_not_remembered(tmp_path)
 
 def _version(path):
     st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def test_a_version_is_the_files_inode_size_and_mtime_not_its_device():
+    """The same file seen from two nodes of a network file system (another device number) is one
+    version; another inode, size or mtime is another."""
+    from types import SimpleNamespace
+
+    st = os.stat(__file__)
+    seen = {"st_dev": st.st_dev, "st_ino": st.st_ino, "st_size": st.st_size, "st_mtime_ns": st.st_mtime_ns}
+    assert index_cache.stamp(st) == index_cache.stamp(SimpleNamespace(**seen))
+    other_node = SimpleNamespace(**{**seen, "st_dev": st.st_dev + 1})
+    assert index_cache.stamp(other_node) == index_cache.stamp(st)
+    for field in ("st_ino", "st_size", "st_mtime_ns"):
+        changed = SimpleNamespace(**{**seen, field: seen[field] + 1})
+        assert index_cache.stamp(changed) != index_cache.stamp(st), field
 
 
 def test_an_unreadable_or_foreign_index_is_ignored_and_replaced(tmp_path, hdf5_calls):
