@@ -20,6 +20,9 @@ time, each rank on half a group's share), prints:
   its end to the child run's end; plus the wall time outside every child run
   (and its parts before the first trial and after the last: the driver's study
   set-up, Tune's start, the end-of-study records);
+- how busy the machine's CPUs were from the search's start to its first training step (busy
+  CPU-seconds of every process, from /proc/stat, against cores x that time): near 100% means the
+  time before the first step is CPU work (process start-up, imports), not waiting;
 - for the reused pool: its build time (rank actors + process group, paid by
   the first trial; for ranks adopted from the driver's spares, which start
   with the study, the wait from their adoption), how many pools were
@@ -46,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -102,10 +107,56 @@ def write_spec(
     return path
 
 
+class BusyCpu:
+    """The machine's busy CPU-seconds (user, nice, system, irq, softirq of /proc/stat) sampled every
+    0.1 s in a thread while the block runs; :meth:`between` reads them off for a window (Linux only:
+    elsewhere NaN)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def read() -> float | None:
+        try:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        except OSError:
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[:7])
+        return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            busy = self.read()
+            if busy is None:
+                return
+            self.samples.append((time.time(), busy))
+            self.done.wait(0.1)
+
+    def __enter__(self) -> "BusyCpu":
+        busy = self.read()
+        if busy is not None:
+            self.samples.append((time.time(), busy))
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def between(self, start: float, end: float) -> float:
+        """Busy CPU-seconds from the last sample at or before ``start`` to the first at or after ``end``."""
+        before = [b for t, b in self.samples if t <= start]
+        after = [b for t, b in self.samples if t >= end]
+        return after[0] - before[-1] if before and after else float("nan")
+
+
 def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
     spec = load_search_spec(write_spec(tmp, root, name, **kw))
-    t0 = time.time()
-    result = search(spec, echo=None)
+    with BusyCpu() as cpu:  # its first sample is taken on entry, before t0
+        t0 = time.time()
+        result = search(spec, echo=None)
     wall = time.time() - t0
     tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench")
     children = tracker.client.search_runs(
@@ -157,6 +208,8 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "between_trials_s": wall - covered(trial_spans),
         "before_first_s": min((a for a, _ in trial_spans), default=t0) - t0,
         "after_last_s": t0 + wall - max((b for _, b in trial_spans), default=t0 + wall),
+        "to_first_step_s": min((a for a, _ in spans), default=t0) - t0,
+        "busy_to_first_step": cpu.between(t0, min((a for a, _ in spans), default=t0)),
     }
 
 
@@ -276,6 +329,13 @@ def main() -> None:
             if row.endswith("p") and row[:-1] + "r" in measured:
                 same = max_difference(m["finals"], measured[row[:-1] + "r"]["finals"])
                 print(f"packed ({row}) vs unpacked reused pool: largest final-metric difference {same:.2e}")
+        cores = os.cpu_count() or 1
+        for row, m in measured.items():
+            span, busy = m["to_first_step_s"], m["busy_to_first_step"]
+            print(
+                f"row {row}: search start -> first training step {span:.1f} s; the machine's CPUs were busy {busy:.1f} "
+                f"of the {cores * span:.1f} CPU-s its {cores} cores had ({busy / (cores * span):.0%}; /proc/stat, every process)"
+            )
         print("where a trial's outside-training time goes (s, mean per trial; 'no trial' is the search's wall time outside every child run)")
         print(f"{'row':>5} " + " ".join(f"{name:>17}" for name in PHASES) + f" {'no trial':>9} {'(before 1st':>11} {'after last)':>11}")
         for row, m in measured.items():
