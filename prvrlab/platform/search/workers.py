@@ -171,8 +171,12 @@ class PoolWorker:
         """Exit once the process ``owner_pid`` (the trial actor that adopted this spare, on this node) has
         ended, as an actor it had started would: the driver owns a spare, so Ray would keep it and its
         trial's loop running.  A pid, not the actor's handle: loading a handle imports the trial actor's
-        class, Ray Tune with pandas and pyarrow (~1.5 CPU-s per rank, while its first trial waits)."""
-        threading.Thread(target=_follow, args=(owner_pid, _started(owner_pid)), name="prvrlab-follow", daemon=True).start()
+        class, Ray Tune with pandas and pyarrow (~1.5 CPU-s per rank, while its first trial waits).
+        A pid this process cannot see (the caller, alive, in another pid namespace) is not followed:
+        the driver still kills every spare at the study's end."""
+        start = _started(owner_pid)
+        if start != "":
+            threading.Thread(target=_follow, args=(owner_pid, start), name="prvrlab-follow", daemon=True).start()
 
     def collection(self, data_cfg: Any) -> Any:
         """The collection of ``data_cfg``, opened again only when it differs from the last trial's
@@ -257,7 +261,7 @@ def _follow(pid: int, start: str | None) -> None:
     """Once ``pid`` has ended: this actor asks Ray to kill it (an intended exit; a process that just
     exits is reported on the driver's console as a worker that died of a system error), and exits
     by itself if it is still alive a while later."""
-    while start != "" and _started(pid) == start:
+    while _started(pid) == start:
         time.sleep(FOLLOW_S)
     try:
         import ray

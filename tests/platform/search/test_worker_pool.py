@@ -326,6 +326,11 @@ def test_a_spare_goes_to_one_claimant_and_exits_when_its_adopter_dies(ray_shutdo
         assert _dies(group[0]), "the spare outlived the trial actor that adopted it"
         assert "killed by `ray.kill`" in _DEATHS[-1], "a follower's exit must be an intended one, not a 'system error'"
         assert ray.get(group[1].claim.remote()) is not None  # its bystander lives: this one stays
+        ended = subprocess.Popen([sys.executable, "-c", "pass"])
+        ended.wait()
+        ray.get(group[1].follow.remote(ended.pid))  # a pid it cannot see (another pid namespace, here: gone): not followed
+        time.sleep(2 * workers.FOLLOW_S)
+        assert ray.get(group[1].claim.remote()) is None  # alive (claimed above)
     finally:
         workers.stop_spares([group])
     assert _dies(group[1]), "stop_spares left a spare alive"  # ray.kill is asynchronous: a call may still land first
