@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.storage import normalize
@@ -118,20 +119,21 @@ def _local_node_ip(bind: str) -> str | None:
     return "127.0.0.1" if single_node else bind
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
+def ensure_ray(num_cpus: int | None = None, *, echo: Callable[[str], None] | None = None) -> None:
     """Join the cluster at ``$RAY_ADDRESS``, else start a private local one bound to :func:`ray_bind_address`.
 
     A cluster already running on the machine is joined only through ``$RAY_ADDRESS``;
     without it the command starts its own (``address="local"``), so Ray never
     auto-connects to a cluster found in its temp folder. Raises ConfigError when
-    the cluster at ``$RAY_ADDRESS`` cannot be joined.
+    the cluster at ``$RAY_ADDRESS`` cannot be joined. ``echo``: where to say that
+    a local cluster is being started (its start takes seconds, in silence otherwise).
     """
     import ray
 
     if ray.is_initialized():
         return
     with _keep_sigterm_handler():
-        _init_ray(num_cpus)
+        _init_ray(num_cpus, echo)
 
 
 @contextlib.contextmanager
@@ -151,7 +153,7 @@ def _keep_sigterm_handler():
             signal.signal(signal.SIGTERM, previous)
 
 
-def _init_ray(num_cpus: int | None) -> None:
+def _init_ray(num_cpus: int | None, echo: Callable[[str], None] | None = None) -> None:
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -169,9 +171,12 @@ def _init_ray(num_cpus: int | None) -> None:
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"RAY_ADDRESS={address}: cannot join the Ray cluster ({_first_line(exc)})") from None
     else:
+        cpus = num_cpus or os.cpu_count()
+        if echo is not None:
+            echo(f"starting a local Ray cluster ({cpus} CPUs, on {ray_bind_address()}; RAY_ADDRESS joins a running one)")
         ray.init(
             address="local",
-            num_cpus=num_cpus or os.cpu_count(),
+            num_cpus=cpus,
             include_dashboard=False,
             log_to_driver=False,
             logging_level="ERROR",

@@ -64,3 +64,27 @@ def test_local_cluster_listens_on_loopback_only():
 def test_bind_opt_out_keeps_rays_default():
     sockets = listening({"PRVRLAB_RAY_BIND": "0.0.0.0"})
     assert any(not is_loopback(ip) for _, ip in sockets), sockets
+
+
+def test_starting_a_local_cluster_is_said_through_echo_and_joining_is_not(monkeypatch, capsys):
+    """The seconds a local cluster takes to start are announced through the caller's ``echo`` (none:
+    silent); joining ``$RAY_ADDRESS`` keeps its own stderr line and says nothing there."""
+    import ray
+
+    from prvrlab.platform import runtime
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("PRVRLAB_RAY_BIND", raising=False)
+    said: list[str] = []
+    runtime.ensure_ray(num_cpus=3, echo=said.append)
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] == 3
+    assert said == ["starting a local Ray cluster (3 CPUs, on 127.0.0.1; RAY_ADDRESS joins a running one)"]
+    runtime.ensure_ray(num_cpus=3)
+    assert len(calls) == 2 and capsys.readouterr().out == ""  # no echo: silent
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    runtime.ensure_ray(echo=said.append)
+    assert calls[-1]["address"] == "127.0.0.1:6379" and len(said) == 1
+    assert "joining the Ray cluster at 127.0.0.1:6379" in capsys.readouterr().err

@@ -130,7 +130,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
             if todo or resumed:
                 prepare_environment()
-                ensure_ray()
+                ensure_ray(echo=echo)
                 study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
                 note = study.ranks_note()
                 if note:

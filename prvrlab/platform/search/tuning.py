@@ -123,7 +123,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     try:
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
             prepare_environment()
-            ensure_ray()
+            ensure_ray(echo=echo)
             study = make_study(spec, "search", base, study_dir)
             echo(
                 f"search '{spec.name}': {spec.trials} trials, {spec.slots} at a time, "

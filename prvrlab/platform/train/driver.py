@@ -342,7 +342,7 @@ def train(
     if use_ray:
         import ray
 
-        ensure_ray()
+        ensure_ray(echo=echo)
         check_resources(cfg, ray.cluster_resources())
     else:
         check_in_process(cfg)
