@@ -192,6 +192,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         phases["last epoch->final"].append(final_end - final - last.timestamp / 1000)
         phases["final eval"].append(final)
         phases["final->run end"].append(end - final_end)
+    first_step = min((a for a, _ in spans), default=t0)
     return {
         "wall_s": wall,
         "trials": len(children),
@@ -208,8 +209,8 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "between_trials_s": wall - covered(trial_spans),
         "before_first_s": min((a for a, _ in trial_spans), default=t0) - t0,
         "after_last_s": t0 + wall - max((b for _, b in trial_spans), default=t0 + wall),
-        "to_first_step_s": min((a for a, _ in spans), default=t0) - t0,
-        "busy_to_first_step": cpu.between(t0, min((a for a, _ in spans), default=t0)),
+        "to_first_step_s": first_step - t0,
+        "busy_to_first_step": cpu.between(t0, first_step),
     }
 
 
@@ -309,20 +310,19 @@ def main() -> None:
             )
             label = f"{workers} (packed x{pack})" if pack > 1 else f"{workers} (reused pool)" if reuse else f"{workers}"
             print(f"{label:>20} {m['wall_s']:8.1f} {m['startup_s']:18.1f} {m['train_s']:8.1f} {m['outside_share']:16.0%}")
-        for row in (r for r in rows if not r.endswith(("r", "p"))):
-            phases = measured[row]["phase_lists"]
-            print(f"row {row}: start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in measured[row]['startups'])} s")
+        for row, m in measured.items():
+            pooled = row.endswith(("r", "p"))
+            label = f"reused pool ({row})" if pooled else f"row {row}"
+            if pooled:
+                print(
+                    f"{label}: {m['pools']} pool(s), {m['adopted']} of them the driver's spares; built in "
+                    f"{m['pool_build_s']:.1f} s in all (rank actors + process group; a spare's from its adoption)"
+                )
+            print(f"{label}: start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
             for phase in ("to loop start", "setup", "final eval"):
-                print(f"row {row}: {phase} per trial, in start order: {', '.join(f'{s:.2f}' for s in phases[phase])} s")
-        for row in (r for r in rows if r.endswith(("r", "p"))):
-            m = measured[row]
-            print(
-                f"reused pool ({row}): {m['pools']} pool(s), {m['adopted']} of them the driver's spares; built in "
-                f"{m['pool_build_s']:.1f} s in all (rank actors + process group; a spare's from its adoption)"
-            )
-            print(f"reused pool ({row}): start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
-            for phase in ("to loop start", "setup", "final eval"):
-                print(f"reused pool ({row}): {phase} per trial, in start order: {', '.join(f'{s:.2f}' for s in m['phase_lists'][phase])} s")
+                print(f"{label}: {phase} per trial, in start order: {', '.join(f'{s:.2f}' for s in m['phase_lists'][phase])} s")
+            if not pooled:
+                continue
             if row[:-1] in measured:
                 same = max_difference(m["finals"], measured[row[:-1]]["finals"])
                 print(f"reused pool ({row}) vs a TorchTrainer per trial: largest final-metric difference {same:.2e}")
