@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 
 from prvrlab.checks import is_number
 from prvrlab.platform.config import ConfigError
-from prvrlab.platform.tracking import closer
+from prvrlab.platform.tracking import closer, template
 from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
 
 DEFAULT_DB = "mlflow.db"
@@ -204,6 +204,7 @@ class Tracker:
         problem = _sqlite_problem(uri) or _server_problem(uri, wait_s=wait_s)
         if problem:
             raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {problem}")
+        template.seed(uri)  # a new SQLite store: a copy of an empty one, not MLflow's ~60 migrations
         with store_errors(uri):
             self.client = MlflowClient(tracking_uri=uri)
             exp = self.client.get_experiment_by_name(experiment)
