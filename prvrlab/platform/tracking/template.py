@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import sqlite3
 import stat
 import tempfile
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -122,4 +124,16 @@ def _build_template() -> Path | None:
             con.close()
         os.chmod(built, 0o600)
         os.replace(built, path)  # whole or not at all; two builders leave one of two equal files
+    _prune(path)
     return path
+
+
+def _prune(keep: Path) -> None:
+    """Remove the templates of other MLflow versions and builds left by a killed process (over an hour old)."""
+    old = time.time() - 3600
+    for entry in keep.parent.iterdir():
+        with contextlib.suppress(OSError):
+            if entry.suffix == ".db" and entry.name.startswith("mlflow-") and entry != keep:
+                entry.unlink()
+            elif entry.name.startswith(".build-") and entry.stat().st_mtime < old:
+                shutil.rmtree(entry)
