@@ -39,8 +39,11 @@ def template_path() -> Path:
 
 
 def store_path(uri: str) -> Path | None:
-    """The file of an ``sqlite:///`` store URI (None for any other URI)."""
-    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
+    """The file of an ``sqlite:///`` store URI (None for any other URI, and for one with a query string,
+    left to MLflow and SQLAlchemy)."""
+    if not uri.startswith("sqlite:///") or "?" in uri:
+        return None
+    return Path(uri[len("sqlite:///") :])
 
 
 def seed(uri: str) -> bool:

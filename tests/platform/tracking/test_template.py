@@ -157,6 +157,8 @@ def test_a_cache_folder_others_may_write_is_not_used(cache, tmp_path):
 def test_other_uris_are_left_to_mlflow(cache, tmp_path):
     assert template.seed("http://127.0.0.1:5000") is False
     assert template.seed(f"file://{tmp_path}/mlruns") is False
+    assert template.seed(f"sqlite:///{tmp_path / 'mlflow.db'}?timeout=20") is False
+    assert list(tmp_path.iterdir()) == []
     assert not cache.exists()
 
 
