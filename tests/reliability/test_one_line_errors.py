@@ -212,6 +212,19 @@ def test_the_store_check_leaves_no_store_file_behind(tmp_path, monkeypatch):
     (a poller, a second command) find it and create the tables at the same time."""
     db = tmp_path / "new" / "mlflow.db"
     monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
+    monkeypatch.setattr("prvrlab.platform.tracking.template.seed", lambda uri: False)  # MLflow makes the store
     with pytest.raises(AssertionError, match="MLflow was asked"):
         Tracker(f"sqlite:///{db}", "tests")  # the check passed: MLflow is next
     assert db.parent.is_dir() and list(db.parent.iterdir()) == []
+
+
+def test_a_seeded_store_is_whole_before_mlflow_opens_it(tmp_path, monkeypatch):
+    """The other way a new store appears: a whole copy of the empty template, never an empty file."""
+    from prvrlab.platform.tracking import template
+
+    db = tmp_path / "new" / "mlflow.db"
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", _never)
+    with pytest.raises(AssertionError, match="MLflow was asked"):
+        Tracker(f"sqlite:///{db}", "tests")
+    assert [p.name for p in db.parent.iterdir()] == ["mlflow.db"]
+    assert db.read_bytes() == template.template_path().read_bytes()
