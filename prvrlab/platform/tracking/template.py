@@ -25,7 +25,6 @@ import sqlite3
 import stat
 import tempfile
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 from prvrlab.cache import cache_root
@@ -35,7 +34,9 @@ FOLDER = "mlflow-store"
 
 def template_path() -> Path:
     """Where the empty store of the installed MLflow version is kept."""
-    return cache_root() / FOLDER / f"mlflow-{version('mlflow')}.db"
+    from mlflow.version import VERSION
+
+    return cache_root() / FOLDER / f"mlflow-{VERSION}.db"
 
 
 def store_path(uri: str) -> Path | None:
@@ -56,12 +57,15 @@ def seed(uri: str) -> bool:
         return False
     try:
         template = _usable_template() or _build_template()
-        if template is None:
-            return False
+    except Exception:  # noqa: BLE001 - any failure leaves the store to MLflow, which reports its own errors
+        return False
+    if template is None:
+        return False
+    try:
         staged = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.seed"
         # the mode MLflow's own file would get (0666 less the umask), not mkstemp's 0600
         fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except (OSError, sqlite3.Error):
+    except OSError:
         return False
     try:
         with os.fdopen(fd, "wb") as out, open(template, "rb") as src:

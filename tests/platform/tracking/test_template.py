@@ -183,3 +183,15 @@ def test_building_removes_other_versions_and_stale_builds(cache, tmp_path):
     os.utime(stale, (hours_ago, hours_ago))
     assert template.seed(f"sqlite:///{tmp_path / 'mlflow.db'}") is True
     assert sorted(p.name for p in folder.iterdir()) == [".build-fresh", template.template_path().name]
+
+
+def test_a_template_that_cannot_be_built_leaves_the_store_to_mlflow(cache, tmp_path, monkeypatch):
+    def broken():
+        raise RuntimeError("migration failed")
+
+    monkeypatch.setattr(template, "_build_template", broken)
+    store = tmp_path / "mlflow.db"
+    assert template.seed(f"sqlite:///{store}") is False
+    assert not store.exists()
+    tracker = Tracker(f"sqlite:///{store}", "exp")
+    assert tracker.client.get_experiment("0").name == "Default"
