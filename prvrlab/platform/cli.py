@@ -7,6 +7,7 @@ non-zero exit on bad input (missing or corrupt files, invalid configs).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import sys
@@ -491,5 +492,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def run() -> None:
+    """The ``prvrlab`` console script: :func:`main`, then exit without the interpreter's last garbage
+    collections.  With torch, MLflow and Ray loaded they walk millions of objects at exit (1.3 of the
+    1.6 s a finished command took to exit here); frozen objects are skipped.  Exit handlers (Ray's
+    shutdown, logging) still run, and whatever they create is collected as usual."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -198,3 +198,22 @@ def test_help_loads_neither_torch_nor_ray_nor_mlflow():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage: prvrlab" in out.stdout and out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_console_script_exits_with_mains_code_after_freezing_the_collector(monkeypatch):
+    """``run`` (the ``prvrlab`` script) returns main's exit code and freezes the garbage collector only
+    after main is done: the interpreter's last collections at exit skip the frozen objects."""
+    import gc
+    import tomllib
+
+    from prvrlab.platform import cli
+
+    order = []
+    monkeypatch.setattr(cli, "main", lambda: order.append("main") or 3)
+    monkeypatch.setattr(gc, "freeze", lambda: order.append("freeze"))
+    with pytest.raises(SystemExit) as stop:
+        cli.run()
+    assert stop.value.code == 3
+    assert order == ["main", "freeze"]
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["prvrlab"] == "prvrlab.platform.cli:run"
