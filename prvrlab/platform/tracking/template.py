@@ -11,7 +11,7 @@ in a store MLflow built itself.
 The copy is written beside the new store and linked into place (``os.link``), so the store appears
 whole and a store another process made meanwhile is never replaced.  The template is only used when
 this user owns it and its folder and neither is writable by others, and when it still looks empty
-(schema version recorded, no experiment, no run); otherwise, or when anything fails, nothing is
+(intact, schema version recorded, no experiment, no run); otherwise, or when anything fails, nothing is
 copied and MLflow creates the store as before.
 """
 
@@ -87,9 +87,12 @@ def _trusted(path: Path) -> bool:
 
 
 def _empty_store(path: Path) -> bool:
-    """``path`` is an SQLite store with a recorded schema version and no experiment or run."""
+    """``path`` is an intact SQLite store (``quick_check``) with a recorded schema version and no
+    experiment or run."""
     con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
+        if con.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
+            return False
         revisions = con.execute("SELECT count(*) FROM alembic_version").fetchone()[0]
         experiments = con.execute("SELECT count(*) FROM experiments").fetchone()[0]
         runs = con.execute("SELECT count(*) FROM runs").fetchone()[0]

@@ -195,3 +195,15 @@ def test_a_template_that_cannot_be_built_leaves_the_store_to_mlflow(cache, tmp_p
     assert not store.exists()
     tracker = Tracker(f"sqlite:///{store}", "exp")
     assert tracker.client.get_experiment("0").name == "Default"
+
+
+def test_a_damaged_template_is_made_again(cache, tmp_path):
+    template.seed(f"sqlite:///{tmp_path / 'first.db'}")
+    path = template.template_path()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = b"\xff" * 4096  # a page in the middle overwritten
+    path.write_bytes(bytes(data))
+    assert template._usable_template() is None
+    assert template.seed(f"sqlite:///{tmp_path / 'second.db'}") is True
+    assert template._usable_template() == path
+    assert _rows(tmp_path / "second.db", "PRAGMA integrity_check") == [("ok",)]
