@@ -69,8 +69,7 @@ def seed(uri: str) -> bool:
         return False
     try:
         with os.fdopen(fd, "wb") as out, open(template, "rb") as src:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
+            shutil.copyfileobj(src, out)
         os.link(staged, target)  # fails when the store exists: never replaced
         return True
     except OSError:
