@@ -100,7 +100,7 @@ class Resources:
     workers_per_trial: int = 1
     cpus_per_worker: float | None = None  # None: an equal share of the cluster
     gpus_per_worker: float = 0.0  # 0.25 packs four one-worker trials per GPU
-    reuse_workers: bool | None = None  # multi-worker trials: keep each slot's DDP workers alive across trials;
+    reuse_workers: bool | None = None  # keep each slot's ranks alive across trials;
     # None (``auto``): decided when the study starts (``study.pooled_ranks``)
     placement_timeout_s: float = 60.0  # a worker group waiting longer fails its trial (retryable); a trial Tune
     # cannot place for longer, with none running, stops the study (search.placement)

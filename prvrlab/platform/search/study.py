@@ -6,7 +6,10 @@ trains one config:
 
 - one worker per trial: ``train_worker`` runs inside the trial actor itself
   (a :class:`TuneSession`; the actor holds the worker's CPUs/GPU share and
-  is reused between trials), which skips a Train worker group's start;
+  is reused between trials), which skips a Train worker group's start; with
+  ``resources.reuse_workers`` (by default for CPU ranks on a one-node
+  cluster) on a one-rank pool instead, whose rank (a spare the driver starts
+  with the study) imports torch while Tune starts the trial actor;
 - several workers: the trial fits a Ray Train ``TorchTrainer`` (DDP) named
   after the trial id, so a retried trial resumes from its checkpoint; the
   trial actor itself asks for 0.01 CPU; with ``resources.reuse_workers`` (by
@@ -99,7 +102,7 @@ class StudyContext:
     admission: str | None = None  # multi-worker trials: the name of the study's admission ledger actor
     placement_timeout_s: float = 60.0  # how long a worker group, or with none running a trial, may wait to be placed
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
-    reuse_workers: bool = False  # multi-worker trials train on their slot's long-lived pool (search/workers.py)
+    reuse_workers: bool = False  # trials train on their slot's long-lived pool (search/workers.py)
     storage: str = ""  # the study folder's object-store URI; "" when study_dir is the folder itself
 
     def ranks_note(self) -> str:
@@ -260,7 +263,7 @@ def run_trial(config: dict[str, Any], study: StudyContext, spares: list[list[Any
 
     trial_id = tune.get_context().get_trial_id()
     check = validate
-    if study.workers > 1 and study.reuse_workers:  # the slot's pool starts now (or is adopted) and checks the config
+    if study.reuse_workers:  # the slot's pool starts now (or is adopted) and checks the config
         from prvrlab.platform.search.workers import offer, prestart, validate_on_pool
 
         offer(spares or [])
@@ -302,7 +305,7 @@ def run_trial(config: dict[str, Any], study: StudyContext, spares: list[list[Any
 
 def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any], filler: MetricFiller) -> None:
     """In the trial actor for 1 worker, a TorchTrainer (DDP, resumed by its name) otherwise."""
-    if study.workers == 1:
+    if study.workers == 1 and not study.reuse_workers:
         from prvrlab.platform.train.loop import train_worker
         from prvrlab.platform.train.session import TuneSession
 
@@ -538,21 +541,20 @@ def alive_nodes() -> int:
 
 
 def pooled_ranks(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, nodes: int) -> bool:
-    """Whether the study's multi-worker trials train on reused worker pools (:mod:`.workers`).
+    """Whether the study's trials train on reused worker pools (:mod:`.workers`).
 
     ``resources.reuse_workers`` where the spec says true or false.  By default (``auto``) with
     ``resources.pack`` > 1, and for CPU ranks on a one-node cluster where a trial fits now (this
     machine, or a workstation's cluster a search is submitted to with ``ray job submit``): there a worker
-    group started per trial only costs time (~20 s a trial here; README, Search overhead), and a pool's
-    trial that cannot be placed stops the study after ``resources.placement_timeout_s``
-    (:mod:`.placement`).  Elsewhere a worker group per trial: on several nodes a retried trial's group
-    must be placed again after a node loss, which its admission ledger handles (:mod:`.admission`),
-    and GPU pools are opt-in."""
+    group started per trial only costs time (~20 s a trial here; README, Search overhead), a one-rank
+    pool's rank imports torch while Tune starts the trial actor (the first step ~2 s sooner here), and a
+    pool's trial that cannot be placed stops the study after ``resources.placement_timeout_s``
+    (:mod:`.placement`).  Elsewhere a worker group per trial, or one worker inside the trial actor: on
+    several nodes a retried trial's group must be placed again after a node loss, which its admission
+    ledger handles (:mod:`.admission`), and GPU pools are opt-in."""
     res = spec.resources
     if res.reuse_workers is not None:
         return res.reuse_workers
-    if res.workers_per_trial < 2:
-        return False
     if res.pack > 1:
         return True
     if res.gpus_per_worker > 0 or nodes != 1:
@@ -619,7 +621,7 @@ def spare_ranks(spec: StudySpec, trials: int, *, pooled: bool | None = None) -> 
     groups = min(spec.slots, trials)
     pooled = bool(res.reuse_workers) if pooled is None else pooled
     if (
-        res.workers_per_trial < 2 or not pooled or res.gpus_per_worker > 0 or groups < 1
+        not pooled or res.gpus_per_worker > 0 or groups < 1
         or alive_nodes() != 1  # on several, a spare's node could hold no trial's CPUs
     ):
         yield []
@@ -734,10 +736,11 @@ def run_study(
         resources = {"cpu": study.cpus_per_worker, "gpu": study.gpus_per_worker}
     else:
         resources = {"cpu": TRIAL_ACTOR_CPU}
-    if study.workers > 1 and study.reuse_workers:  # the trial actor's bundle + one per pooled rank
+    if study.reuse_workers:  # the trial actor's bundle (empty for one rank: it keeps the whole share) + one per rank
         from prvrlab.platform.search.workers import pool_resources
 
-        resources = pool_resources(study.workers, study.cpus_per_worker, study.gpus_per_worker, TRIAL_ACTOR_CPU)
+        actor_cpu = TRIAL_ACTOR_CPU if study.workers > 1 else 0.0
+        resources = pool_resources(study.workers, study.cpus_per_worker, study.gpus_per_worker, actor_cpu)
     reuse_actors = study.workers == 1 or study.reuse_workers  # a reused trial actor keeps its slot's pool
     with spare_ranks(spec, total, pooled=study.reuse_workers) as spares:  # killed once Tune's trials have ended
         trainable = _trainable(study, resources, spares)

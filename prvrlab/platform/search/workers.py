@@ -11,6 +11,9 @@ group set up once.  A trial sends ``train_worker(loop_config, session)`` to
 the pool's ranks; rank 0's reports come back through its actor and reach Tune
 from the trial actor (checkpoints included, so a retried trial resumes).  DDP
 is built per trial on the existing process group; the group stays up.
+A one-worker trial's pool has one rank (no DDP, the same results as training
+inside the trial actor); its trial actor's bundle is empty, so the rank keeps
+the trial's whole CPUs (:func:`pool_resources`).
 
 Spares: on a one-node cluster the driver starts one group of rank actors per
 slot when a CPU study begins (:func:`start_spares`, no CPUs reserved: the
@@ -101,11 +104,15 @@ def preload() -> None:
 
 
 def pool_resources(workers: int, cpus: float, gpus: float, trial_actor_cpu: float):
-    """The trial's placement group: the trial actor's bundle, then one bundle per rank."""
+    """The trial's placement group: the trial actor's bundle, then one bundle per rank.  With
+    ``trial_actor_cpu`` 0 the trial actor's bundle is empty: Tune then places the actor in the first
+    rank's bundle without resources, so a one-rank pool keeps whole CPUs (Ray's shares above one are
+    whole numbers: 0.01 for the actor would leave the rank one CPU of two)."""
     from ray import tune
 
     rank = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
-    return tune.PlacementGroupFactory([{"CPU": trial_actor_cpu}] + [dict(rank) for _ in range(workers)])
+    head = {"CPU": trial_actor_cpu} if trial_actor_cpu > 0 else {}
+    return tune.PlacementGroupFactory([head] + [dict(rank) for _ in range(workers)])
 
 
 class PoolSession(Session):
@@ -295,12 +302,13 @@ class WorkerPool:
             self.actors = list(actors)
             return
         group = get_current_placement_group()
+        first = group.bundle_count - workers if group is not None else 0  # 1: bundle 0 is the trial actor's; 0: it has none
         remote = ray.remote(PoolWorker)
         self.actors = []
         for rank in range(workers):
             options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "name": f"{name}-rank{rank}", **RANK_OPTIONS}
-            if group is not None:  # bundle 0 is the trial actor's
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank + 1)
+            if group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first + rank)
             self.actors.append(remote.options(**options).remote())
 
     def ready(self) -> None:
@@ -476,6 +484,7 @@ def train_on_pool(
         "trials_before": pool.trials,
         "build_s": 0.0 if pool.trials else pool.build_s,
         "adopted": pool.adopted,  # the driver's spares (build_s: from their adoption)
+        "cpus": cpus,  # each rank's CPUs (its torch threads: their ceiling)
         "actor_torch": "torch" in sys.modules,  # the trial actor loaded torch (it needs not: its ranks validate)
     }
     with (trial_dir / POOL_LOG).open("a") as fh:

@@ -66,6 +66,9 @@ def test_shipped_multi_worker_cpu_specs_keep_their_ranks_across_trials():
 def test_trial_placement_group_has_the_trial_actor_then_one_bundle_per_rank():
     cpu = pool_resources(3, 0.5, 0.0, 0.01)
     assert cpu.bundles == [{"CPU": 0.01}] + [{"CPU": 0.5}] * 3
+    assert not cpu.head_bundle_is_empty
+    one = pool_resources(1, 2.0, 0.0, 0.0)  # a one-rank pool: the trial actor rides in the rank's bundle
+    assert one.head_bundle_is_empty and one.bundles == [{"CPU": 2.0}] and one.required_resources == {"CPU": 2.0}
     gpu = pool_resources(2, 1.0, 0.5, 0.01)
     assert gpu.bundles == [{"CPU": 0.01}, {"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
 
@@ -197,7 +200,10 @@ def test_auto_pools_cpu_ranks_on_a_one_node_cluster(tiny_root, tmp_path, monkeyp
 
     ddp = {"workers_per_trial": 2}
     assert decide(ddp) is True
-    assert decide({"workers_per_trial": 1}) is False  # trains in the trial actor
+    assert decide({"workers_per_trial": 1}) is True  # a one-rank pool: its rank imports while Tune starts
+    assert decide({"workers_per_trial": 1, "gpus_per_worker": 0.5}, gpus=1.0) is False  # trains in the trial actor
+    assert decide({"workers_per_trial": 1}, nodes=2) is False
+    assert decide({"workers_per_trial": 1, "cpus_per_worker": 9}) is False  # does not fit now
     assert decide(ddp, nodes=2) is False  # nodes may leave: the per-trial placement timeout
     assert decide({**ddp, "gpus_per_worker": 1}, gpus=2.0) is False  # GPU pools are opt-in
     assert decide({**ddp, "cpus_per_worker": 4}) is False  # 8.01 CPUs: does not fit now, so it may wait
@@ -246,7 +252,7 @@ def test_spares_only_for_cpu_studies_on_reused_pools_on_a_one_node_cluster(monke
     nodes = [{"Alive": True}]
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     for stub, trials in [
-        (_spec_stub(workers=1), 3),  # one worker: trains in the trial actor
+        (_spec_stub(workers=1, reuse=False), 3),  # one worker, no pool: trains in the trial actor
         (_spec_stub(reuse=False), 3),  # a TorchTrainer per trial
         (_spec_stub(gpus=0.5), 3),  # a spare sees no GPU
         (_spec_stub(), 0),  # nothing to run
@@ -261,6 +267,9 @@ def test_spares_only_for_cpu_studies_on_reused_pools_on_a_one_node_cluster(monke
     with study_module.spare_ranks(_spec_stub(concurrency=2, pack=2), 3) as spares:  # min(4 slots, 3 trials) groups
         assert len(spares) == 3 and all(len(group) == 2 for group in spares)
     assert started == [(3, 2), ("stopped", 3)]
+    with study_module.spare_ranks(_spec_stub(workers=1), 3) as spares:  # a one-rank pool: its rank imports early too
+        assert spares == [["spare"]]
+    assert started[2:] == [(1, 1), ("stopped", 1)]
 
 
 def test_what_a_trial_actor_loads_does_not_import_torch():
@@ -359,17 +368,9 @@ def _dies(actor, within_s: float = 30.0) -> bool:
 def test_reused_pool_gives_the_per_trial_trainers_results(tiny_root, tmp_path, ray_shutdown):
     from prvrlab.platform.search.tuning import search
 
-    grid = {"sampler": {"type": "grid", "seed": 0}, "budget": {"trials": 2}}
-    pooled_dir, plain_dir = tmp_path / "pooled", tmp_path / "plain"
-    pooled_dir.mkdir(), plain_dir.mkdir()
-    resources = {"workers_per_trial": 2, "reuse_workers": True}
-    pooled = search(load_search_spec(
-        tiny_spec(pooled_dir, tiny_root, name="pooled", resources=resources, space={"train.lr": {"grid": [1e-3, 2e-3]}}, **grid),
-        {"train.epochs": 1},
-    ), echo=None)
-    assert pooled.counts["finished"] == 2, pooled.counts
-    children = _by_lr(study_runs(pooled_dir)[1])
-    lines = {lr: _pool_lines(pooled.study_dir, c.data.tags["prvrlab.trial_id"]) for lr, c in children.items()}
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    _, children, lines = _two_pooled_trials(tmp_path, tiny_root, {"workers_per_trial": 2, "reuse_workers": True})
     assert all(len(attempts) == 1 and len(attempts[0]["pids"]) == 2 for attempts in lines.values())
     (first, _), (second, _) = sorted(((lr, a[0]["trials_before"]) for lr, a in lines.items()), key=lambda x: x[1])
     assert lines[second][0]["pids"] == lines[first][0]["pids"]  # the same two ranks trained both trials
@@ -386,10 +387,61 @@ def test_reused_pool_gives_the_per_trial_trainers_results(tiny_root, tmp_path, r
     assert plain.counts["finished"] == 1, plain.counts
     (reference,) = study_runs(plain_dir)[1]
     assert not (plain.study_dir / "trials" / reference.data.tags["prvrlab.trial_id"] / POOL_LOG).exists()
-    got, want = children[second].data.metrics, reference.data.metrics
+    _same_trial_metrics(children[second], reference)
+
+
+def _two_pooled_trials(tmp_path, tiny_root, resources: dict) -> tuple:
+    """A 1-epoch grid search of lr 1e-3 and 2e-3 under ``tmp_path/pooled``: (its result, lr -> child run,
+    lr -> the trial's pool.jsonl lines)."""
+    from prvrlab.platform.search.tuning import search
+
+    pooled_dir = tmp_path / "pooled"
+    pooled_dir.mkdir()
+    pooled = search(load_search_spec(
+        tiny_spec(pooled_dir, tiny_root, name="pooled", resources=resources, space={"train.lr": {"grid": [1e-3, 2e-3]}},
+                  sampler={"type": "grid", "seed": 0}, budget={"trials": 2}),
+        {"train.epochs": 1},
+    ), echo=None)
+    assert pooled.counts["finished"] == 2, pooled.counts
+    children = _by_lr(study_runs(pooled_dir)[1])
+    lines = {lr: _pool_lines(pooled.study_dir, c.data.tags["prvrlab.trial_id"]) for lr, c in children.items()}
+    return pooled, children, lines
+
+
+def _same_trial_metrics(got_run, want_run) -> None:
+    """The two MLflow runs' training, validation and final metrics agree (fp32: 1e-5)."""
+    got, want = got_run.data.metrics, want_run.data.metrics
     compared = sorted(k for k in want if k.startswith(("train/", "val/", "final/")) and not k.startswith("final/time/"))
     assert "train/loss" in compared and "final/val/sumr" in compared
     assert {k: got[k] for k in compared} == pytest.approx({k: want[k] for k in compared}, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_one_worker_trials_on_a_one_rank_pool_give_the_in_actor_results(tiny_root, tmp_path, ray_shutdown):
+    """``auto`` puts one-worker CPU trials on this machine on a one-rank pool (a spare started with the study,
+    holding the trial's whole CPUs): the metrics of the same config trained inside its trial actor."""
+    import ray
+
+    from prvrlab.platform.search.tuning import search
+
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    grid = {"sampler": {"type": "grid", "seed": 0}}
+    _, children, lines = _two_pooled_trials(tmp_path, tiny_root, {"workers_per_trial": 1})  # reuse_workers: auto
+    assert all(len(attempts) == 1 and len(attempts[0]["pids"]) == 1 for attempts in lines.values())
+    assert len({attempts[0]["pids"][0] for attempts in lines.values()}) == 1  # one rank trained both
+    cluster_cpus = float(int(ray.cluster_resources()["CPU"]))
+    assert all(attempts[0]["cpus"] == cluster_cpus for attempts in lines.values())  # not one CPU less for the actor
+    assert any(attempts[0]["adopted"] for attempts in lines.values())
+
+    plain = search(load_search_spec(
+        tiny_spec(plain_dir, tiny_root, name="plain", resources={"workers_per_trial": 1, "reuse_workers": False}, space={"train.lr": {"grid": [2e-3]}}, budget={"trials": 1}, **grid),
+        {"train.epochs": 1},
+    ), echo=None)
+    assert plain.counts["finished"] == 1, plain.counts
+    (reference,) = study_runs(plain_dir)[1]
+    assert not (plain.study_dir / "trials" / reference.data.tags["prvrlab.trial_id"] / POOL_LOG).exists()
+    _same_trial_metrics(children[2e-3], reference)
 
 
 @pytest.mark.slow
