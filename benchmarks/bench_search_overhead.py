@@ -2,7 +2,8 @@
 
 For a small search (synthetic data of ``--preset``, 3 trials, 2 epochs, one
 trial at a time) with one worker per trial (trained inside the Tune trial
-actor), with two (a Ray Train DDP worker group per trial), with two on a
+actor; ``1r``: on a one-rank reused pool, the default on a one-node CPU
+cluster), with two (a Ray Train DDP worker group per trial), with two on a
 reused pool (``resources.reuse_workers: true``) and with two on reused pools
 packed two per worker group's CPUs (``resources.pack: 2``: two trials at a
 time, each rank on half a group's share), prints:
@@ -279,7 +280,8 @@ def main() -> None:
     parser.add_argument(
         "--rows",
         default="1,2,2r,2p",
-        help="1: one worker; 2: a TorchTrainer per trial; 2r: 2 workers, reused pool; 2p: 2r packed 2 per group (pack: 2)",
+        help="1: one worker in the trial actor; 1r: one worker on a one-rank pool; 2: a TorchTrainer per trial; "
+        "2r: 2 workers, reused pool; 2p: 2r packed 2 per group (pack: 2)",
     )
     parser.add_argument("--cli", action="store_true", help="also run the last row's search as `prvrlab search SPEC` in a fresh process")
     args = parser.parse_args()
@@ -325,7 +327,8 @@ def main() -> None:
                 continue
             if row[:-1] in measured:
                 same = max_difference(m["finals"], measured[row[:-1]]["finals"])
-                print(f"reused pool ({row}) vs a TorchTrainer per trial: largest final-metric difference {same:.2e}")
+                plain = "a TorchTrainer per trial" if int(row[:-1]) > 1 else "training in the trial actor"
+                print(f"reused pool ({row}) vs {plain}: largest final-metric difference {same:.2e}")
             if row.endswith("p") and row[:-1] + "r" in measured:
                 same = max_difference(m["finals"], measured[row[:-1] + "r"]["finals"])
                 print(f"packed ({row}) vs unpacked reused pool: largest final-metric difference {same:.2e}")
