@@ -433,6 +433,7 @@ def test_one_worker_trials_on_a_one_rank_pool_give_the_in_actor_results(tiny_roo
     cluster_cpus = float(int(ray.cluster_resources()["CPU"]))
     assert all(attempts[0]["cpus"] == cluster_cpus for attempts in lines.values())  # not one CPU less for the actor
     assert any(attempts[0]["adopted"] for attempts in lines.values())
+    assert not any(a["actor_torch"] for attempts in lines.values() for a in attempts)  # the rank validated
 
     plain = search(load_search_spec(
         tiny_spec(plain_dir, tiny_root, name="plain", resources={"workers_per_trial": 1, "reuse_workers": False}, space={"train.lr": {"grid": [2e-3]}}, budget={"trials": 1}, **grid),
