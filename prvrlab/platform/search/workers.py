@@ -52,6 +52,7 @@ must put on shared storage anyway.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import shutil
@@ -157,7 +158,9 @@ class PoolSession(Session):
 class PoolWorker:
     """One DDP rank that outlives trials (a threaded Ray actor: ``run`` and ``next_report`` overlap)."""
 
-    def __init__(self) -> None:
+    def __init__(self, omp_threads: int | None = None) -> None:
+        if omp_threads is not None:  # a spare (no CPUs reserved: Ray set 1): what a rank of its trial's CPUs gets
+            os.environ["OMP_NUM_THREADS"] = str(omp_threads)  # read when torch loads, below; it slows training if low
         self.outbox: queue.Queue = queue.Queue()
         self.rank, self.world_size = 0, 1
         self.opened: tuple[Any, Any] | None = None  # (DataConfig, its Collection): the last trial's data
@@ -362,13 +365,17 @@ _BUILT = 0  # pools built in this process (names stay unique while a killed pool
 _SPARES: list[list[Any]] = []  # the driver's spare rank groups offered to this trial actor (start_spares)
 
 
-def start_spares(groups: int, workers: int) -> list[list[Any]]:
-    """``groups`` groups of ``workers`` CPU ranks, started now without a CPU reservation (an adopting
-    trial's placement group holds their CPUs): only for a one-node cluster, where that is the same node."""
+def start_spares(groups: int, workers: int, cpus: float) -> list[list[Any]]:
+    """``groups`` groups of ``workers`` CPU ranks of ``cpus`` each, started now without a CPU reservation (an
+    adopting trial's placement group holds their CPUs): only for a one-node cluster, where that is the same
+    node.  Ray gives an actor without CPUs OMP_NUM_THREADS=1; each spare sets what Ray gives an actor of
+    ``cpus`` (their floor, at least 1) before it imports torch: with 1, a one-rank pool's 2-thread training
+    took 15-20% longer here (README, session 45)."""
     import ray
 
     remote = ray.remote(PoolWorker).options(num_cpus=0, **RANK_OPTIONS)
-    return [[remote.remote() for _ in range(workers)] for _ in range(groups)]
+    threads = max(1, math.floor(cpus))
+    return [[remote.remote(threads) for _ in range(workers)] for _ in range(groups)]
 
 
 def stop_spares(groups: list[list[Any]]) -> None:
