@@ -7,9 +7,9 @@ trains one config:
 - one worker per trial: ``train_worker`` runs inside the trial actor itself
   (a :class:`TuneSession`; the actor holds the worker's CPUs/GPU share and
   is reused between trials), which skips a Train worker group's start; with
-  ``resources.reuse_workers`` (by default for CPU ranks on a one-node
-  cluster) on a one-rank pool instead, whose rank (a spare the driver starts
-  with the study) imports torch while Tune starts the trial actor;
+  ``resources.reuse_workers: true`` on a one-rank pool instead, whose rank (a
+  spare the driver starts with the study) imports torch while Tune starts the
+  trial actor;
 - several workers: the trial fits a Ray Train ``TorchTrainer`` (DDP) named
   after the trial id, so a retried trial resumes from its checkpoint; the
   trial actor itself asks for 0.01 CPU; with ``resources.reuse_workers`` (by
@@ -543,18 +543,21 @@ def alive_nodes() -> int:
 def pooled_ranks(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, nodes: int) -> bool:
     """Whether the study's trials train on reused worker pools (:mod:`.workers`).
 
-    ``resources.reuse_workers`` where the spec says true or false.  By default (``auto``) with
-    ``resources.pack`` > 1, and for CPU ranks on a one-node cluster where a trial fits now (this
-    machine, or a workstation's cluster a search is submitted to with ``ray job submit``): there a worker
-    group started per trial only costs time (~20 s a trial here; README, Search overhead), a one-rank
-    pool's rank imports torch while Tune starts the trial actor (the first step ~2 s sooner here), and a
-    pool's trial that cannot be placed stops the study after ``resources.placement_timeout_s``
-    (:mod:`.placement`).  Elsewhere a worker group per trial, or one worker inside the trial actor: on
+    ``resources.reuse_workers`` where the spec says true or false (true for one worker: a one-rank pool).
+    By default (``auto``) with ``resources.pack`` > 1, and for multi-worker CPU ranks on a one-node cluster
+    where a trial fits now (this machine, or a workstation's cluster a search is submitted to with ``ray
+    job submit``): there a worker group started per trial only costs time (~20 s a trial here; README,
+    Search overhead), and a pool's trial that cannot be placed stops the study after
+    ``resources.placement_timeout_s`` (:mod:`.placement`).  Elsewhere a worker group per trial: on
     several nodes a retried trial's group must be placed again after a node loss, which its admission
-    ledger handles (:mod:`.admission`), and GPU pools are opt-in."""
+    ledger handles (:mod:`.admission`), and GPU pools are opt-in.  One worker trains inside the trial
+    actor unless the spec says true: a one-rank pool reached its first step ~1 s sooner here, but its
+    searches were not measurably quicker in all (README, session 45)."""
     res = spec.resources
     if res.reuse_workers is not None:
         return res.reuse_workers
+    if res.workers_per_trial < 2:
+        return False
     if res.pack > 1:
         return True
     if res.gpus_per_worker > 0 or nodes != 1:
@@ -612,11 +615,11 @@ def _trainable(study: StudyContext, resources: dict[str, float], spares: list[li
 
 
 @contextmanager
-def spare_ranks(spec: StudySpec, trials: int, *, pooled: bool | None = None) -> Iterator[list[list[Any]]]:
+def spare_ranks(spec: StudySpec, trials: int, *, pooled: bool | None = None, cpus: float = 1.0) -> Iterator[list[list[Any]]]:
     """CPU studies on reused pools (``pooled``, as the study resolved it; by default the spec's
     ``resources.reuse_workers``) on a one-node cluster: one group of pool ranks per slot, started now, so
     that their processes start and import torch while Tune starts its trial actors (see :mod:`.workers`);
-    killed when the block ends.  Otherwise no spares."""
+    killed when the block ends (``cpus``: each rank's CPUs).  Otherwise no spares."""
     res = spec.resources
     groups = min(spec.slots, trials)
     pooled = bool(res.reuse_workers) if pooled is None else pooled
@@ -628,7 +631,7 @@ def spare_ranks(spec: StudySpec, trials: int, *, pooled: bool | None = None) -> 
         return
     from prvrlab.platform.search.workers import start_spares, stop_spares
 
-    spares = start_spares(groups, res.workers_per_trial)
+    spares = start_spares(groups, res.workers_per_trial, cpus)
     try:
         yield spares
     finally:
@@ -742,7 +745,7 @@ def run_study(
         actor_cpu = TRIAL_ACTOR_CPU if study.workers > 1 else 0.0
         resources = pool_resources(study.workers, study.cpus_per_worker, study.gpus_per_worker, actor_cpu)
     reuse_actors = study.workers == 1 or study.reuse_workers  # a reused trial actor keeps its slot's pool
-    with spare_ranks(spec, total, pooled=study.reuse_workers) as spares:  # killed once Tune's trials have ended
+    with spare_ranks(spec, total, pooled=study.reuse_workers, cpus=study.cpus_per_worker) as spares:  # killed once Tune's trials have ended
         trainable = _trainable(study, resources, spares)
         tune_path = study.where("tune")
         mlflow_cb = MlflowStudyCallback(study)

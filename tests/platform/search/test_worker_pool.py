@@ -200,10 +200,8 @@ def test_auto_pools_cpu_ranks_on_a_one_node_cluster(tiny_root, tmp_path, monkeyp
 
     ddp = {"workers_per_trial": 2}
     assert decide(ddp) is True
-    assert decide({"workers_per_trial": 1}) is True  # a one-rank pool: its rank imports while Tune starts
-    assert decide({"workers_per_trial": 1, "gpus_per_worker": 0.5}, gpus=1.0) is False  # trains in the trial actor
-    assert decide({"workers_per_trial": 1}, nodes=2) is False
-    assert decide({"workers_per_trial": 1, "cpus_per_worker": 9}) is False  # does not fit now
+    assert decide({"workers_per_trial": 1}) is False  # trains in the trial actor
+    assert decide({"workers_per_trial": 1, "reuse_workers": True}) is True  # a one-rank pool, when asked for
     assert decide(ddp, nodes=2) is False  # nodes may leave: the per-trial placement timeout
     assert decide({**ddp, "gpus_per_worker": 1}, gpus=2.0) is False  # GPU pools are opt-in
     assert decide({**ddp, "cpus_per_worker": 4}) is False  # 8.01 CPUs: does not fit now, so it may wait
@@ -247,7 +245,7 @@ def test_spares_only_for_cpu_studies_on_reused_pools_on_a_one_node_cluster(monke
     from prvrlab.platform.search import study as study_module
 
     started = []
-    monkeypatch.setattr(workers, "start_spares", lambda groups, ranks: started.append((groups, ranks)) or [["spare"] * ranks] * groups)
+    monkeypatch.setattr(workers, "start_spares", lambda groups, ranks, cpus: started.append((groups, ranks)) or [["spare"] * ranks] * groups)
     monkeypatch.setattr(workers, "stop_spares", lambda groups: started.append(("stopped", len(groups))))
     nodes = [{"Alive": True}]
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
@@ -322,8 +320,10 @@ def test_a_spare_goes_to_one_claimant_and_exits_when_its_adopter_dies(ray_shutdo
         def pid(self) -> int:
             return os.getpid()
 
-    (group,) = workers.start_spares(1, 2)
+    (group,) = workers.start_spares(1, 2, 2.5)
     try:
+        # Ray gives a zero-CPU actor OMP_NUM_THREADS=1; a spare takes what a rank of 2.5 CPUs would get
+        assert ray.get(group[1].__ray_call__.remote(lambda _: os.environ.get("OMP_NUM_THREADS"))) == "2"
         node = ray.get(group[0].claim.remote())
         assert node == ray.get_runtime_context().get_node_id()  # one node: the driver's
         assert ray.get(group[0].claim.remote()) is None  # a second trial actor does not get it
@@ -418,7 +418,7 @@ def _same_trial_metrics(got_run, want_run) -> None:
 
 @pytest.mark.slow
 def test_one_worker_trials_on_a_one_rank_pool_give_the_in_actor_results(tiny_root, tmp_path, ray_shutdown):
-    """``auto`` puts one-worker CPU trials on this machine on a one-rank pool (a spare started with the study,
+    """``reuse_workers: true`` puts one-worker CPU trials on a one-rank pool (a spare started with the study,
     holding the trial's whole CPUs): the metrics of the same config trained inside its trial actor."""
     import ray
 
@@ -427,7 +427,7 @@ def test_one_worker_trials_on_a_one_rank_pool_give_the_in_actor_results(tiny_roo
     plain_dir = tmp_path / "plain"
     plain_dir.mkdir()
     grid = {"sampler": {"type": "grid", "seed": 0}}
-    _, children, lines = _two_pooled_trials(tmp_path, tiny_root, {"workers_per_trial": 1})  # reuse_workers: auto
+    _, children, lines = _two_pooled_trials(tmp_path, tiny_root, {"workers_per_trial": 1, "reuse_workers": True})
     assert all(len(attempts) == 1 and len(attempts[0]["pids"]) == 1 for attempts in lines.values())
     assert len({attempts[0]["pids"][0] for attempts in lines.values()}) == 1  # one rank trained both
     cluster_cpus = float(int(ray.cluster_resources()["CPU"]))
