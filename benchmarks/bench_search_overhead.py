@@ -2,8 +2,8 @@
 
 For a small search (synthetic data of ``--preset``, 3 trials, 2 epochs, one
 trial at a time) with one worker per trial (trained inside the Tune trial
-actor; ``1r``: on a one-rank reused pool, the default on a one-node CPU
-cluster), with two (a Ray Train DDP worker group per trial), with two on a
+actor; ``1r``: on a one-rank reused pool, ``resources.reuse_workers: true``),
+with two (a Ray Train DDP worker group per trial), with two on a
 reused pool (``resources.reuse_workers: true``) and with two on reused pools
 packed two per worker group's CPUs (``resources.pack: 2``: two trials at a
 time, each rank on half a group's share), prints:
