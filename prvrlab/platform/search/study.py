@@ -304,7 +304,8 @@ def run_trial(config: dict[str, Any], study: StudyContext, spares: list[list[Any
 
 
 def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any], filler: MetricFiller) -> None:
-    """In the trial actor for 1 worker, a TorchTrainer (DDP, resumed by its name) otherwise."""
+    """On the slot's pool with ``reuse_workers``; else in the trial actor for 1 worker, a TorchTrainer (DDP,
+    resumed by its name) otherwise."""
     if study.workers == 1 and not study.reuse_workers:
         from prvrlab.platform.train.loop import train_worker
         from prvrlab.platform.train.session import TuneSession
@@ -615,7 +616,7 @@ def _trainable(study: StudyContext, resources: dict[str, float], spares: list[li
 
 
 @contextmanager
-def spare_ranks(spec: StudySpec, trials: int, *, pooled: bool | None = None, cpus: float = 1.0) -> Iterator[list[list[Any]]]:
+def spare_ranks(spec: StudySpec, trials: int, *, cpus: float, pooled: bool | None = None) -> Iterator[list[list[Any]]]:
     """CPU studies on reused pools (``pooled``, as the study resolved it; by default the spec's
     ``resources.reuse_workers``) on a one-node cluster: one group of pool ranks per slot, started now, so
     that their processes start and import torch while Tune starts its trial actors (see :mod:`.workers`);

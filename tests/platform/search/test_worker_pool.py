@@ -255,17 +255,17 @@ def test_spares_only_for_cpu_studies_on_reused_pools_on_a_one_node_cluster(monke
         (_spec_stub(gpus=0.5), 3),  # a spare sees no GPU
         (_spec_stub(), 0),  # nothing to run
     ]:
-        with study_module.spare_ranks(stub, trials) as spares:
+        with study_module.spare_ranks(stub, trials, cpus=1.0) as spares:
             assert spares == []
     nodes.append({"Alive": True})  # two nodes: a spare could sit where no trial holds CPUs
-    with study_module.spare_ranks(_spec_stub(), 3) as spares:
+    with study_module.spare_ranks(_spec_stub(), 3, cpus=1.0) as spares:
         assert spares == []
     nodes[1]["Alive"] = False  # a dead node does not count
     assert started == []
-    with study_module.spare_ranks(_spec_stub(concurrency=2, pack=2), 3) as spares:  # min(4 slots, 3 trials) groups
+    with study_module.spare_ranks(_spec_stub(concurrency=2, pack=2), 3, cpus=0.5) as spares:  # min(4 slots, 3 trials) groups
         assert len(spares) == 3 and all(len(group) == 2 for group in spares)
     assert started == [(3, 2), ("stopped", 3)]
-    with study_module.spare_ranks(_spec_stub(workers=1), 3) as spares:  # a one-rank pool: its rank imports early too
+    with study_module.spare_ranks(_spec_stub(workers=1), 3, cpus=2.0) as spares:  # a one-rank pool: its rank imports early too
         assert spares == [["spare"]]
     assert started[2:] == [(1, 1), ("stopped", 1)]
 
