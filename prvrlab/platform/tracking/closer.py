@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from prvrlab.platform.tracking.drivers import PID_TAG, driver_lock, driver_tags, process_alive, start_time
+from prvrlab.platform.tracking.uris import file_store, sqlite_file
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
 _STORES: set[tuple[str, str]] = set()  # (tracking URI, experiment id) where this process creates runs
@@ -287,10 +288,12 @@ def stop_requested(reason: str, *, grace_s: float = STOP_GRACE_S, code: int = 14
 
 def _store_exists(uri: str) -> bool:
     """Whether a local store is still there (a vanished one must not be re-created empty)."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///") :]).is_file()
-    if uri.startswith("file:"):
-        return Path(uri[len("file:") :].removeprefix("//")).exists()
+    database = sqlite_file(uri)
+    if database is not None:
+        return database.is_file()
+    folder = file_store(uri)
+    if folder is not None:
+        return folder.exists()
     if "://" not in uri:
         return Path(uri).exists()
     return True

@@ -19,6 +19,7 @@ from prvrlab.checks import is_number
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking import closer, template
 from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
+from prvrlab.platform.tracking.uris import SQLITE, file_store, sqlite_file
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
@@ -34,10 +35,11 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 def artifact_location(uri: str, experiment: str) -> str | None:
     """``mlruns/<experiment>`` beside an SQLite store; MLflow's default is ``./mlruns`` of the working directory."""
-    if not uri.startswith("sqlite:///"):
+    path = sqlite_file(uri)
+    if path is None:
         return None
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
-    return (Path(uri[len("sqlite:///") :]).parent / "mlruns" / safe).as_uri()
+    return (path.parent / "mlruns" / safe).as_uri()
 
 
 def check_tracking_uri(uri: str | None, key: str) -> None:
@@ -63,16 +65,12 @@ def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None, 
     if not uri:
         uri, key = os.environ.get("MLFLOW_TRACKING_URI"), "$MLFLOW_TRACKING_URI"
     check_tracking_uri(uri, key)
-    uri = uri or f"sqlite:///{base / DEFAULT_DB}"
-    if uri.startswith("sqlite:///"):
-        path = uri[len("sqlite:///") :]
-        if not path.startswith("/"):
-            return f"sqlite:///{(base / path).resolve()}"
-        return uri
-    if uri.startswith("file:"):
-        path = uri[len("file://") :] if uri.startswith("file://") else uri[len("file:") :]
-        return "file://" + str((base / path).resolve())
-    return uri
+    uri = uri or f"{SQLITE}{base / DEFAULT_DB}"
+    if uri.startswith(SQLITE):
+        path = uri[len(SQLITE) :]  # with its query string, if any
+        return uri if path.startswith("/") else f"{SQLITE}{(base / path).resolve()}"
+    folder = file_store(uri)
+    return uri if folder is None else "file://" + str((base / folder).resolve())
 
 
 GIT_COMMIT_ENV = "PRVRLAB_GIT_COMMIT"
@@ -136,9 +134,9 @@ def _sqlite_problem(uri: str) -> str | None:
     """Why an SQLite store's file cannot be opened for writing (None: it can, or the URI is not SQLite).
 
     Checked before MLflow opens it: MLflow retries a file SQLite cannot open for about 100 s."""
-    if not uri.startswith("sqlite:///"):
+    path = sqlite_file(uri)
+    if path is None:
         return None
-    path = Path(uri[len("sqlite:///") :])
     if path.is_dir():
         return "the path is a folder"
     if path.exists():

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from prvrlab.cache import cache_root
+from prvrlab.platform.tracking.uris import sqlite_file
 
 FOLDER = "mlflow-store"
 
@@ -42,9 +43,7 @@ def template_path() -> Path:
 def store_path(uri: str) -> Path | None:
     """The file of an ``sqlite:///`` store URI (None for any other URI, and for one with a query string,
     left to MLflow and SQLAlchemy)."""
-    if not uri.startswith("sqlite:///") or "?" in uri:
-        return None
-    return Path(uri[len("sqlite:///") :])
+    return None if "?" in uri else sqlite_file(uri)
 
 
 def seed(uri: str) -> bool:
