@@ -25,6 +25,16 @@ def branch_scores(out: ModelOutput, branch: str, loss: str) -> BranchScores:
         ) from None
 
 
+def query_vectors(out: ModelOutput, branch: str, loss: str) -> Tensor:
+    """(Nq, D) query vectors of ``branch``; a ValueError listing the model's query branches when absent."""
+    try:
+        return out.query.vectors[branch]
+    except KeyError:
+        raise ValueError(
+            f"{loss}: branch={branch!r} has no query vector; available: {', '.join(sorted(out.query.vectors))}"
+        ) from None
+
+
 def positives(scores: BranchScores, batch: Batch) -> Tensor:
     """(Nq,) long column of each query's positive: ``scores.targets`` where the branch sets them,
     else the batch's ``query_video`` (the columns are the batch's videos)."""

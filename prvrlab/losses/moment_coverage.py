@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from prvrlab.data.batch import Batch
 from prvrlab.checks import check_number
-from prvrlab.losses._common import check_branch
+from prvrlab.losses._common import check_branch, query_vectors
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.models.component import FRAME_TOKENS, QUERY_GROUPS
@@ -97,12 +97,7 @@ class MomentCoverageLoss(Loss):
         return self.log_temperature.exp().clamp(min=self.min_temperature)
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
-        vectors = out.query.vectors.get(self.branch)
-        if vectors is None:
-            raise ValueError(
-                f"moment_coverage: branch={self.branch!r} has no query vector; "
-                f"available: {', '.join(sorted(out.query.vectors))}"
-            )
+        vectors = query_vectors(out, self.branch, "moment_coverage")  # (Nq, D)
         frames, frame_mask = out.video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         query_video = batch.query_video.to(frames.device)
         tau = self.temperature()

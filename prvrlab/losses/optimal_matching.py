@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prvrlab.data.batch import Batch, host_to_device
-from prvrlab.losses._common import check_branch
+from prvrlab.losses._common import check_branch, query_vectors
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.models.component import MOMENT_TOKENS, QUERY_GROUPS
@@ -101,12 +101,7 @@ class OptimalMatchingLoss(Loss):
         return frozenset({MOMENT_TOKENS, QUERY_GROUPS})
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
-        vectors = out.query.vectors.get(self.branch)
-        if vectors is None:
-            raise ValueError(
-                f"optimal_matching: branch={self.branch!r} has no query vector; "
-                f"available: {', '.join(sorted(out.query.vectors))}"
-            )
+        vectors = query_vectors(out, self.branch, "optimal_matching")  # (Nq, D)
         clips, _ = out.video.moment_tokens()  # (B, Lc, D)
         result = matching_cosines(vectors, clips, batch.host_query_video())
         if result is None:

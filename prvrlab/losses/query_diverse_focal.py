@@ -34,7 +34,7 @@ from torch import Tensor
 
 from prvrlab.data.batch import Batch
 from prvrlab.checks import check_number
-from prvrlab.losses._common import check_branch
+from prvrlab.losses._common import check_branch, query_vectors
 from prvrlab.losses.base import Loss
 from prvrlab.models.base import ModelOutput
 from prvrlab.models.component import QUERY_GROUPS
@@ -105,12 +105,7 @@ class QueryDiverseFocalLoss(Loss):
         return frozenset({QUERY_GROUPS})
 
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
-        vectors = out.query.vectors.get(self.branch)
-        if vectors is None:
-            raise ValueError(
-                f"query_diverse_focal: branch={self.branch!r} has no query vector; "
-                f"available: {', '.join(sorted(out.query.vectors))}"
-            )
+        vectors = query_vectors(out, self.branch, "query_diverse_focal")  # (Nq, D)
         return query_diverse_focal(
             vectors, batch.query_video, alpha=self.alpha, delta=self.delta, gamma=self.gamma, reduction=self.reduction
         )
