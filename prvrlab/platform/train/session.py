@@ -110,12 +110,8 @@ class RaySession(Session):
     def checkpoint_dir(self) -> Iterator[Path | None]:
         import ray.train
 
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            yield None
-            return
-        with ckpt.as_directory() as path:
-            yield Path(path)
+        with _local_folder(ray.train.get_checkpoint()) as path:
+            yield path
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
         import ray.train
@@ -139,12 +135,8 @@ class TuneSession(Session):
     def checkpoint_dir(self) -> Iterator[Path | None]:
         import ray.tune
 
-        ckpt = ray.tune.get_checkpoint()
-        if ckpt is None:
-            yield None
-            return
-        with ckpt.as_directory() as path:
-            yield Path(path)
+        with _local_folder(ray.tune.get_checkpoint()) as path:
+            yield path
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
         import ray.tune
@@ -155,6 +147,16 @@ class TuneSession(Session):
 
 SCRATCH_PREFIX = "prvrlab-ckpt-"
 STALE_SCRATCH_S = 6 * 3600  # a dead process's scratch folder older than this is removed
+
+
+@contextmanager
+def _local_folder(checkpoint: Any) -> Iterator[Path | None]:
+    """A Ray Train or Tune checkpoint's local folder while the block runs (None: no checkpoint)."""
+    if checkpoint is None:
+        yield None
+        return
+    with checkpoint.as_directory() as path:
+        yield Path(path)
 
 
 @contextmanager
