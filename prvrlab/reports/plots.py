@@ -26,6 +26,15 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 _META = {"Software": None}  # no version string in the PNG
 
 
+def _save(fig: plt.Figure, path: Path) -> Path:
+    """Write ``fig`` to ``path`` (its folder made; no matplotlib version string in the file) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata=_META)
+    plt.close(fig)
+    return path
+
+
 def safe_name(key: str) -> str:
     """A file-name-safe form of a config key ('losses.qd.weight' -> 'losses.qd.weight')."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
@@ -70,11 +79,7 @@ def sensitivity_plot(
     ax.set_title(title or f"{ylabel} against {key}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, metadata=_META)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def learning_curves(
@@ -96,11 +101,7 @@ def learning_curves(
     ax.grid(True, alpha=0.3)
     if any(points for _, points in curves):
         ax.legend(fontsize=7, title="trial", title_fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, metadata=_META)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def distribution_plot(
@@ -128,11 +129,7 @@ def distribution_plot(
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("density")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, metadata=_META)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _natural(text: str):
