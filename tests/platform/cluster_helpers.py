@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[2]
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # a head stopped by SIGTERM would wait up to 30 s for its node to drain
 
 
 def ray_bin() -> Path:
@@ -82,7 +83,7 @@ class Head:
 
 
 # argv: the owner's pid, the head's process group, its temp dir.  Polls the owner; once it is gone,
-# stops the head's process group (SIGTERM, SIGKILL after 30 s) and removes the temp dir.
+# stops the head (SIGTERM to it, SIGKILL to its process group within 30 s) and removes the temp dir.
 _WATCHDOG = """
 import os, shutil, signal, sys, time
 owner, group, temp_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -94,16 +95,33 @@ def alive(pid):
     return True
 while alive(owner):
     time.sleep(1)
-for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 0)):
-    try:
-        os.killpg(group, sig)
-    except ProcessLookupError:
-        break
-    deadline = time.time() + wait
+try:
+    os.kill(group, signal.SIGTERM)  # the head alone (see stop_head)
+    deadline = time.time() + 30
     while time.time() < deadline and alive(group):
         time.sleep(0.5)
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
 shutil.rmtree(temp_dir, ignore_errors=True)
 """
+
+
+def stop_head(head: subprocess.Popen, *, grace_s: float = 30) -> None:
+    """Stop a ``ray start --head --block`` process started in its own session: SIGTERM to it alone, so
+    that it drains its node and stops the node's processes while the GCS still answers (a SIGTERM to the
+    whole group kills the GCS at once, and the drain then waits 30 s for it in vain), then SIGKILL to
+    whatever is left of its process group."""
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    head.wait()
 
 
 @contextmanager
@@ -111,7 +129,7 @@ def head_node(num_cpus: int = 2) -> Iterator[Head]:
     """A ``ray start --head --block`` child process bound to 127.0.0.1; stopped on exit."""
     bin_dir = ray_bin()
     port, dash, client, agent, agent_grpc, env_agent, metrics, node_mgr, obj_mgr = free_ports(9)
-    env = {**os.environ, **auth_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, **auth_env(), **NO_DRAIN, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     temp_dir = Path("/tmp") / f"ray_prvrlab_{os.getpid()}_{port}"
     cmd = [
@@ -134,12 +152,7 @@ def head_node(num_cpus: int = 2) -> Iterator[Head]:
     finally:
         watchdog.kill()
         watchdog.wait()
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+        stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from prvrlab.platform.tracking.store import Tracker
+from cluster_helpers import NO_DRAIN, stop_head
 from train_helpers import small_raw
 
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def ray_head():
     ray_bin = ray_bin if ray_bin.exists() else Path(shutil.which("ray"))
     tmpdir = Path("/tmp") / f"rp{os.getpid()}"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | auth_env()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | auth_env() | NO_DRAIN
     head = subprocess.Popen(
         [
             str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
@@ -70,12 +70,7 @@ def ray_head():
         time.sleep(2)
         yield f"127.0.0.1:{port}", tmpdir
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+        stop_head(head)
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
