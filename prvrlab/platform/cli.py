@@ -107,14 +107,15 @@ def _published_lines(published, final: dict[str, float]) -> list[str]:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from prvrlab.platform.search.tuning import search
     from prvrlab.platform.search.spec import load_search_spec
 
-    spec = load_search_spec(args.spec, _overrides(args.set))
+    spec = load_search_spec(args.spec, _overrides(args.set))  # before Ray Tune's import (2 s): a bad spec fails fast
     if args.check:
         spec.check_cluster()
         print(f"{args.spec}: valid search spec ({len(spec.space)} keys, {spec.trials} trials)")
         return 0
+    from prvrlab.platform.search.tuning import search
+
     result = search(spec, resume=args.resume)
     c = result.counts
     print(
@@ -133,14 +134,15 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from prvrlab.platform.search.ablation import ablate
     from prvrlab.platform.search.spec import load_ablation_spec
 
-    spec = load_ablation_spec(args.spec, _overrides(args.set))
+    spec = load_ablation_spec(args.spec, _overrides(args.set))  # before Ray Tune's import, as in cmd_search
     if args.check:
         spec.check_cluster()
         print(f"{args.spec}: valid ablation spec ({len(spec.variants)} variants x {len(spec.seeds)} seeds)")
         return 0
+    from prvrlab.platform.search.ablation import ablate
+
     result = ablate(spec, resume=args.resume)
     c = result.counts
     print(

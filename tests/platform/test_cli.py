@@ -217,3 +217,27 @@ def test_the_console_script_exits_with_mains_code_after_freezing_the_collector(m
     assert order == ["main", "freeze"]
     scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["prvrlab"] == "prvrlab.platform.cli:run"
+
+
+@pytest.mark.parametrize("command", ["search", "ablate"])
+def test_a_bad_spec_is_refused_before_ray_tune_is_imported(tmp_path, command):
+    """The spec is checked first: a typo costs the check, not Ray Tune's import (about 2 s) as well."""
+    import subprocess
+    import sys
+
+    spec = {"name": "typo", "base_config": str(Path(__file__).resolve().parents[2] / "configs" / "gmmformer_synth.yaml")}
+    if command == "search":
+        spec |= {"space": {"train.lrr": {"loguniform": [1e-4, 1e-3]}}, "budget": {"trials": 2}}
+    else:
+        spec |= {"variants": {"full": {}, "off": {"losses.query_diverze.weight": 0}}, "seeds": [0]}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    script = (
+        "import sys\nfrom prvrlab.platform.cli import main\n"
+        f"code = main([{command!r}, {str(path)!r}])\n"
+        "print(code, 'ray.tune' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "2 False", out.stdout + out.stderr[-2000:]
+    assert ("train.lrr" if command == "search" else "query_diverze") in out.stderr
