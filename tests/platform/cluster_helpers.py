@@ -108,10 +108,10 @@ shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def stop_head(head: subprocess.Popen, *, grace_s: float = 30) -> None:
-    """Stop a ``ray start --head --block`` process started in its own session: SIGTERM to it alone, so
-    that it drains its node and stops the node's processes while the GCS still answers (a SIGTERM to the
-    whole group kills the GCS at once, and the drain then waits 30 s for it in vain), then SIGKILL to
-    whatever is left of its process group."""
+    """Stop a ``ray start --head --block`` process started in its own session: SIGTERM to it alone, so that
+    it stops the node's processes itself (a SIGTERM to the whole group killed the GCS first, and a head
+    started without :data:`NO_DRAIN` then waited 30 s for it to drain the node), then SIGKILL to whatever
+    is left of its process group."""
     head.send_signal(signal.SIGTERM)
     try:
         head.wait(timeout=grace_s)

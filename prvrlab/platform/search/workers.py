@@ -158,7 +158,7 @@ class PoolSession(Session):
 class PoolWorker:
     """One DDP rank that outlives trials (a threaded Ray actor: ``run`` and ``next_report`` overlap)."""
 
-    def __init__(self, omp_threads: int | None = None) -> None:
+    def __init__(self, *, omp_threads: int | None = None) -> None:
         if omp_threads is not None:  # a spare (no CPUs reserved: Ray set 1): what a rank of its trial's CPUs gets
             os.environ["OMP_NUM_THREADS"] = str(omp_threads)  # read when torch loads, below; it slows training if low
         self.outbox: queue.Queue = queue.Queue()
@@ -375,7 +375,7 @@ def start_spares(groups: int, workers: int, cpus: float) -> list[list[Any]]:
 
     remote = ray.remote(PoolWorker).options(num_cpus=0, **RANK_OPTIONS)
     threads = max(1, math.floor(cpus))
-    return [[remote.remote(threads) for _ in range(workers)] for _ in range(groups)]
+    return [[remote.remote(omp_threads=threads) for _ in range(workers)] for _ in range(groups)]
 
 
 def stop_spares(groups: list[list[Any]]) -> None:

@@ -20,23 +20,11 @@ import pytest
 import yaml
 
 from prvrlab.platform.tracking.store import Tracker
-from cluster_helpers import NO_DRAIN, stop_head
+from cluster_helpers import NO_DRAIN, auth_env, free_ports, ray_bin, stop_head
 from train_helpers import small_raw
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def auth_env() -> dict[str, str]:
-    """Token authentication for the head and the driver alike when a token is set up."""
-    token = (Path.home() / ".ray" / "auth_token").exists()
-    return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")} if token else {}
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -53,14 +41,12 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> Non
 @pytest.fixture(scope="module")
 def ray_head():
     """A one-CPU head on 127.0.0.1; yields (address, RAY_TMPDIR of its temp folder)."""
-    ray_bin = Path(sys.executable).parent / "ray"
-    ray_bin = ray_bin if ray_bin.exists() else Path(shutil.which("ray"))
     tmpdir = Path("/tmp") / f"rp{os.getpid()}"
-    port = free_port()
+    (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | auth_env() | NO_DRAIN
     head = subprocess.Popen(
         [
-            str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+            str(ray_bin() / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
             "--disable-usage-stats", "--include-dashboard=false", "--num-cpus=1", f"--temp-dir={tmpdir / 'ray'}",
         ],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
