@@ -653,6 +653,9 @@ def evaluate(
                                  on_cpu=dev.type == "cpu", share=model.encode_budget_share())
     if hasattr(collection, "max_query_len"):
         queries_at_once = query_batch_size(queries_at_once, collection.max_query_len, collection.query_dim)
+    if world_size > 1:  # the ranks deal out the same batches only when they cut the split alike: the smallest fit
+        fits = _all_gather((batch, queries_at_once), world_size)
+        batch, queries_at_once = min(f[0] for f in fits), min(f[1] for f in fits)
     return evaluate_batches(
         model,
         video_batches(collection, split, batch, by_length=True, resident=resident, **shard),

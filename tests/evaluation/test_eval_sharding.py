@@ -83,16 +83,27 @@ def test_bf16_falls_back_to_float32_without_native_units(tiny_root, tmp_path, mo
     np.testing.assert_array_equal(bf16.ranks, plain_evaluation(model, collection, cfg).ranks)
 
 
-SHARDINGS = {"both ranks": {}, "rank 1 has no share": {"video_batch_size": 1000, "query_batch_size": 1000}}
+SHARDINGS = {"both ranks": {}, "rank 1 has no share": {"video_batch_size": 1000, "query_batch_size": 1000},
+             "the ranks read different free memory": {}}
+FREE_VIDEOS = {"the ranks read different free memory": (7, 3)}  # the video batch each rank's free memory fits
 
 
 def _sharded_rank(rank: int, world: int, init_file: str, tiny_root: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     with gloo_group(rank, world, init_file):
         out = {}
+        real_free = ev._available_bytes
         for name, eval_cfg in SHARDINGS.items():
             cfg, collection, model = setup(Path(tiny_root), Path(out_dir), **eval_cfg)
+            if name in FREE_VIDEOS:  # as two readings moments apart: each rank alone would cut other batches
+                per_video = 4 * (collection.max_frames + collection.num_clips) * collection.video_dim
+                free = 16 * per_video * FREE_VIDEOS[name][rank]
+                ev._available_bytes = lambda: free
+                fits = ev.video_batch_size(cfg.eval.video_batch_size, collection.max_frames + collection.num_clips,
+                                           collection.video_dim, share=model.encode_budget_share())
+                assert fits == FREE_VIDEOS[name][rank]
             result = ev.evaluate(model, collection, "val", cfg.eval, device="cpu", rank=rank, world_size=world)
+            ev._available_bytes = real_free
             out[name] = None if result is None else {
                 "ranks": result.ranks.tolist(), "metrics": result.metrics,
                 "ids": result.table.column("query_id").to_pylist(), "videos": result.num_videos,
