@@ -51,15 +51,95 @@ def _size(nbytes: int) -> str:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Free memory of ``device`` (CUDA: the driver's free bytes; CPU: the OS's available pages), None if unknown."""
+    """Free memory of ``device``, None if unknown.  CUDA: the driver's free bytes.  CPU: what the OS can
+    give without swapping (Linux's MemAvailable: free pages and reclaimable page cache, which a machine
+    that has read large feature files holds a lot of; else the free pages), capped by what the process's
+    memory cgroup (a container's or a job's limit) can still take (:func:`cgroup_headroom`)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    if device.type == "cpu" and hasattr(os, "sysconf"):
+    if device.type != "cpu":
+        return None
+    known = [v for v in (_host_available(), cgroup_headroom()) if v is not None]
+    return min(known) if known else None
+
+
+def _host_available() -> int | None:
+    """/proc/meminfo's MemAvailable (bytes); the free pages where there is no such line; None if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    if hasattr(os, "sysconf"):
         try:
             return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError):
             return None
     return None
+
+
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as 2^63 - 1 rounded down to a page
+
+
+def _cgroup_value(path: Path) -> int | None:
+    """An integer cgroup file's value; None when absent, unreadable, ``max`` or v1's no-limit value."""
+    try:
+        value = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return None if value >= _NO_LIMIT else value
+
+
+def _cgroup_stat(path: Path, key: str) -> int:
+    """``key``'s value in a cgroup ``memory.stat`` file (0 when absent)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_headroom(*, root: Path = Path("/sys/fs/cgroup"), membership: str | None = None) -> int | None:
+    """Bytes this process's memory cgroup can still take before its limit: limit − (usage − inactive page
+    cache), the smallest over the cgroup and those above it that set a limit (cgroup v1 and v2); None when
+    none sets one or nothing is readable.  ``membership``: ``/proc/self/cgroup``'s text (read by default);
+    ``root``: where the cgroup file systems are mounted."""
+    if membership is None:
+        try:
+            membership = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    v1 = v2 = None
+    for line in membership.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if "memory" in parts[1].split(","):
+            v1 = parts[2]
+        elif parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+    if v1 is not None:  # a v1 memory controller (also in hybrid set-ups, where v2 has no memory files)
+        base, rel, names = root / "memory", v1, ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    elif v2 is not None:
+        base, rel, names = root, v2, ("memory.max", "memory.current", "inactive_file")
+    else:
+        return None
+    level = base / rel.strip("/")
+    if not level.is_dir():  # a cgroup namespace: the process's own cgroup is mounted as the root
+        level = base
+    room = []
+    while True:
+        limit, usage = _cgroup_value(level / names[0]), _cgroup_value(level / names[1])
+        if limit is not None and usage is not None:
+            room.append(max(0, limit - max(0, usage - _cgroup_stat(level / "memory.stat", names[2]))))
+        if level == base or base not in level.parents:
+            break
+        level = level.parent
+    return min(room) if room else None
 
 
 class _Videos(Dataset):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,6 +107,71 @@ def test_a_split_larger_than_the_free_memory_is_refused_naming_the_key(toy_cfg, 
 def test_the_free_memory_of_the_cpu_is_known():
     free = resident_module.available_bytes(torch.device("cpu"))
     assert free is not None and free > 0
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc/meminfo")
+def test_the_cpus_free_memory_counts_the_page_cache_the_os_can_reclaim():
+    """MemAvailable, not MemFree: a machine that has read large feature files has little of the latter."""
+    fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()}
+    free = resident_module.available_bytes(torch.device("cpu"))
+    cgroup = resident_module.cgroup_headroom()
+    expected = fields["MemAvailable"] if cgroup is None else min(fields["MemAvailable"], cgroup)
+    assert abs(free - expected) < 256 << 20  # read moments apart
+    if cgroup is None:
+        assert free >= fields["MemFree"] - (256 << 20)
+
+
+def _cgroup_files(folder: Path, **files: int | str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        if name == "stat":
+            (folder / "memory.stat").write_text(str(value))
+        else:
+            (folder / name.replace("_", ".", 1)).write_text(f"{value}\n")
+
+
+def test_a_cgroup_v2_limit_caps_the_free_memory_less_its_usage_but_not_its_reclaimable_cache(tmp_path):
+    gib = 1 << 30
+    job = tmp_path / "kubepods" / "pod1"
+    _cgroup_files(tmp_path, memory_max="max", memory_current=50 * gib)
+    _cgroup_files(tmp_path / "kubepods", memory_max=64 * gib, memory_current=40 * gib, stat="anon 1\ninactive_file 0\n")
+    _cgroup_files(job, memory_max=8 * gib, memory_current=5 * gib,
+                  stat=f"anon {3 * gib}\nactive_file 5\ninactive_file {2 * gib}\nfile 7\n")
+    room = resident_module.cgroup_headroom(root=tmp_path, membership="0::/kubepods/pod1\n")
+    assert room == 8 * gib - (5 * gib - 2 * gib)  # the pod's own limit is the tightest: 5 GiB
+    _cgroup_files(job, memory_max="max", memory_current=5 * gib, stat="inactive_file 0\n")
+    assert resident_module.cgroup_headroom(root=tmp_path, membership="0::/kubepods/pod1\n") == 24 * gib  # the parent's
+    _cgroup_files(tmp_path / "kubepods", memory_max="max", memory_current=1, stat="")
+    assert resident_module.cgroup_headroom(root=tmp_path, membership="0::/kubepods/pod1\n") is None  # no limit anywhere
+
+
+def test_a_cgroup_v1_memory_limit_and_a_namespaced_cgroup_are_read(tmp_path):
+    gib = 1 << 30
+    unlimited = 9223372036854771712  # v1's "no limit"
+    mine = tmp_path / "memory" / "slurm" / "job_7"
+    _cgroup_files(tmp_path / "memory", memory_limit_in_bytes=unlimited, memory_usage_in_bytes=90 * gib)
+    _cgroup_files(tmp_path / "memory" / "slurm", memory_limit_in_bytes=unlimited, memory_usage_in_bytes=9 * gib)
+    _cgroup_files(mine, memory_limit_in_bytes=4 * gib, memory_usage_in_bytes=3 * gib,
+                  stat=f"inactive_file 1\ntotal_inactive_file {gib}\n")
+    (tmp_path / "unified").mkdir()
+    hybrid = "12:memory:/slurm/job_7\n11:cpu,cpuacct:/slurm/job_7\n0::/\n"  # v1 memory beside v2 without it
+    assert resident_module.cgroup_headroom(root=tmp_path, membership=hybrid) == 4 * gib - (3 * gib - gib)
+    _cgroup_files(tmp_path / "memory", memory_limit_in_bytes=2 * gib, memory_usage_in_bytes=gib // 2)
+    namespaced = "12:memory:/\n"  # inside a container the own cgroup is the mount's root
+    assert resident_module.cgroup_headroom(root=tmp_path, membership=namespaced) == 2 * gib - gib // 2
+    assert resident_module.cgroup_headroom(root=tmp_path, membership="12:memory:/gone/elsewhere\n") == 2 * gib - gib // 2
+    assert resident_module.cgroup_headroom(root=tmp_path, membership="") is None
+    assert resident_module.cgroup_headroom(root=tmp_path / "absent", membership=hybrid) is None
+
+
+def test_the_cpus_free_memory_is_the_smaller_of_the_hosts_and_the_cgroups(monkeypatch):
+    monkeypatch.setattr(resident_module, "_host_available", lambda: 10 << 30)
+    monkeypatch.setattr(resident_module, "cgroup_headroom", lambda: 3 << 30)
+    assert resident_module.available_bytes(torch.device("cpu")) == 3 << 30
+    monkeypatch.setattr(resident_module, "cgroup_headroom", lambda: None)
+    assert resident_module.available_bytes(torch.device("cpu")) == 10 << 30
+    monkeypatch.setattr(resident_module, "_host_available", lambda: None)
+    assert resident_module.available_bytes(torch.device("cpu")) is None
 
 
 def test_a_process_reuses_the_split_it_holds_until_what_it_was_made_from_changes(toy_cfg, monkeypatch):
