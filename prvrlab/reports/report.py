@@ -245,7 +245,8 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
             shared = seed_deltas(r, base_row)
             if shared:
                 st = stats.seed_test([r.sumr_by_seed[s] for s in shared], [base_row.sumr_by_seed[s] for s in shared])
-                p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)})" if st.n else "")
+                sampled = f", {st.resamples} sign vectors drawn" if st.resamples else ""
+                p_s = fmt_p(st.p_exact) + (f" (n={st.n}, min {fmt_p(st.min_p)}{sampled})" if st.n else "")
                 p_t = fmt_p(st.p_ttest)
         table_rows.append([variant_label(r.name, baseline), *cells, delta, p_q, DASH, p_s, p_t, verdict])
     significance = adjusted_cells(table_rows, tested, opt.adjust, p_col=-4)
@@ -261,7 +262,7 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
         f"permutation test on the per-query SumR differences ({opt.n_boot} resamples); "
         + adjusted_legend(opt.adjust, len(tested), "comparisons with the baseline")
         + " p (seeds): exact two-sided sign-flip test over the per-seed SumR differences on the seeds both finished "
-        "(min = smallest p attainable with that many seeds) and a paired t-test. "
+        "(min = smallest p attainable with that many seeds; above 16 seeds, 2^16 sign vectors drawn) and a paired t-test. "
         f"{NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)})."
         + (f" {NOT_TESTED_LEGEND}" if any(row[-1] == NOT_TESTED for row in table_rows) else "")
     )

@@ -17,8 +17,10 @@ row sums (the query's SumR contribution).  So:
   Identical ranks give d = 0 and p = 1 exactly.
 - :func:`seed_test`: across seeds, the per-seed SumR differences
   (variant seed s minus baseline seed s), exact two-sided sign-flip test over
-  all 2^S sign vectors (S <= 16) and a paired t-test (S >= 2, SciPy).  With two
-  seeds the smallest attainable exact p is 0.5: say so rather than over-claim.
+  all 2^S sign vectors (S <= 16; above, 2^16 sign vectors drawn with seed 0
+  and p = (1 + #) / (1 + 2^16), as the query test) and a paired t-test
+  (S >= 2, SciPy).  With two seeds the smallest attainable exact p is 0.5: say
+  so rather than over-claim.
 - :func:`holm`: Holm–Bonferroni adjusted p-values of a family of tests (a
   table's comparisons with its baseline): sorted ascending, the k-th smallest
   (k = 1..m) becomes max over j <= k of min(1, (m - j + 1) p_(j)); a test is
@@ -29,7 +31,6 @@ row sums (the query's SumR contribution).  So:
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -39,6 +40,7 @@ import numpy as np
 from prvrlab.evaluation.metrics import DEFAULT_KS, METRIC_KEYS
 
 ALPHA = 0.05
+EXACT_SEEDS = 16  # the seed test enumerates every sign vector up to this many seeds, and draws 2^16 above
 ADJUSTMENTS = ("holm", "none")  # how a table's p-values are adjusted for its number of comparisons
 _TOL = 1e-9  # ties of resampled statistics with the observed one count as "as extreme"
 _REL_STD = 1e-9  # per-seed differences whose std is below this times max(1, |mean|) are constant (float noise)
@@ -168,6 +170,7 @@ class SeedResult:
     deltas: tuple[float, ...]
     p_exact: float  # exact two-sided sign-flip test over 2^S sign vectors (nan when S < 1)
     p_ttest: float  # paired t-test (nan when S < 2 or no variance)
+    resamples: int = 0  # sign vectors drawn when S > EXACT_SEEDS (p_exact is then a sampled p); 0: all enumerated
 
     @property
     def n(self) -> int:
@@ -175,7 +178,9 @@ class SeedResult:
 
     @property
     def min_p(self) -> float:
-        """The smallest p the exact test can give with this many seeds."""
+        """The smallest p the sign-flip test can give with this many seeds (or resamples)."""
+        if self.resamples:
+            return 1.0 / (1 + self.resamples)
         return 2.0 / 2**self.n if self.n else float("nan")
 
 
@@ -191,16 +196,16 @@ def seed_test(variant: Sequence[float], baseline: Sequence[float]) -> SeedResult
     s = d.size
     if s == 0:
         return SeedResult((), float("nan"), float("nan"))
-    if s > 16:
-        raise ValueError(f"the exact seed test enumerates 2^S sign vectors; {s} seeds is too many")
     observed = abs(float(d.mean()))
-    count = 0
-    total = 0
-    for signs in itertools.product((1.0, -1.0), repeat=s):
-        total += 1
-        if abs(float((np.asarray(signs) * d).mean())) >= observed - _TOL:
-            count += 1
-    p_exact = count / total
+    resamples = 0
+    if s <= EXACT_SEEDS:  # every sign vector: row k flips the seeds whose bit is set in k
+        flips = (np.arange(2**s)[:, None] >> np.arange(s)) & 1  # (2^S, S)
+    else:
+        resamples = 2**EXACT_SEEDS
+        flips = np.random.default_rng(0).integers(0, 2, (resamples, s))  # (R, S)
+    means = np.abs((1.0 - 2.0 * flips) @ d) / s  # (2^S,) or (R,)
+    count = int(np.count_nonzero(means >= observed - _TOL))
+    p_exact = (1 + count) / (1 + resamples) if resamples else count / len(means)
     p_t = float("nan")
     if s >= 2 and float(np.std(d)) > _REL_STD * max(1.0, observed):
         from scipy import stats
@@ -208,7 +213,7 @@ def seed_test(variant: Sequence[float], baseline: Sequence[float]) -> SeedResult
         p_t = float(stats.ttest_rel(v, b).pvalue)
     elif s >= 2 and observed <= _TOL:
         p_t = 1.0
-    return SeedResult(tuple(float(x) for x in d), float(p_exact), p_t if not math.isnan(p_t) else float("nan"))
+    return SeedResult(tuple(float(x) for x in d), float(p_exact), p_t if not math.isnan(p_t) else float("nan"), resamples)
 
 
 def holm(p_values: Sequence[float]) -> list[float]:

@@ -67,6 +67,27 @@ def test_seed_test_exact_enumeration_and_ttest():
     assert same.p_exact == 1.0 and same.p_ttest == 1.0 and same.min_p == 0.5
 
 
+def test_the_seed_test_enumerates_up_to_16_seeds_and_draws_sign_vectors_above():
+    """An ablation may run any number of seeds: 17 and more get a sampled sign-flip p, not an error."""
+    rng = np.random.default_rng(3)
+    b = rng.normal(180.0, 2.0, size=17)
+    v = b + rng.normal(0.4, 1.0, size=17)
+    d = v - b
+    many = stats.seed_test(v, b)
+    flips = np.random.default_rng(0).integers(0, 2, (2**16, 17))  # the documented draw: seed 0, 2^16 vectors
+    hits = np.count_nonzero(np.abs(((1 - 2 * flips) * d).mean(axis=1)) >= abs(d.mean()) - 1e-9)
+    assert many.resamples == 2**16 and many.p_exact == pytest.approx((1 + hits) / (1 + 2**16))
+    assert many.min_p == pytest.approx(1 / (1 + 2**16))
+    assert many.p_ttest == pytest.approx(sps.ttest_rel(v, b).pvalue)
+    v16, b16 = v[:16], b[:16]  # 16 seeds: every one of the 2^16 sign vectors, by hand
+    d16 = v16 - b16
+    signs = 1 - 2 * ((np.arange(2**16)[:, None] >> np.arange(16)) & 1)
+    exact = np.count_nonzero(np.abs((signs * d16).mean(axis=1)) >= abs(d16.mean()) - 1e-9) / 2**16
+    got = stats.seed_test(v16, b16)
+    assert got.resamples == 0 and got.p_exact == pytest.approx(exact) and got.min_p == 2 / 2**16
+    assert stats.seed_test([1.0] * 20, [1.0] * 20).p_exact == 1.0  # identical: every vector is as extreme
+
+
 def test_holm_on_a_worked_example():
     # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> raised to 0.06 (monotone)
     got = stats.holm([0.01, 0.04, 0.03, 0.005])
