@@ -61,23 +61,27 @@ def timestamps_path(text_dir: str | Path, collection: str, split: str) -> Path:
 def read_captions(path: str | Path) -> list[tuple[str, str]]:
     """``[(cap_id, caption_text), ...]`` in file order; blank lines are skipped.
 
-    Raises DataError naming the file for a missing file or a repeated cap_id,
-    and the line for text that is not UTF-8.
+    Lines end in ``\\n``, ``\\r\\n`` or a lone ``\\r`` (old Mac files), as Python's text mode reads
+    them (the reference's ``open(cap_file)``); a UTF-8 byte-order mark at the start is not part of the
+    first cap_id.  Raises DataError naming the file for a missing file or a repeated cap_id, and the
+    line for text that is not UTF-8.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"caption file not found: {path}")
     out: list[tuple[str, str]] = []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                byte = f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}"
-                raise DataError(f"{path}: line {number}: not UTF-8 text ({byte})") from None
-            parts = line.strip().split(None, 1)
-            if parts:
-                out.append((parts[0], parts[1] if len(parts) > 1 else ""))
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            byte = f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}"
+            raise DataError(f"{path}: line {number}: not UTF-8 text ({byte})") from None
+        parts = line.strip().split(None, 1)
+        if parts:
+            out.append((parts[0], parts[1] if len(parts) > 1 else ""))
     if len({c for c, _ in out}) != len(out):
         seen: set[str] = set()
         for cap_id, _ in out:

@@ -160,6 +160,26 @@ def test_captions_split_on_first_space(tmp_path):
     assert video_id_of("plain") == "plain"
 
 
+@pytest.mark.parametrize("ending", ["\n", "\r\n", "\r"])
+def test_captions_are_read_with_any_line_ending_as_text_mode_reads_them(tmp_path, ending):
+    """The reference reads caption files in text mode, where a lone CR (old Mac files) ends a line too."""
+    lines = ["v1#0 caption number 0", "v2#0 caption number 1", "", "v3#0 caption number 2", "v3#1 caption number 3"]
+    path = tmp_path / "ctrain.caption.txt"
+    path.write_bytes(ending.join(lines).encode() + ending.encode())
+    with path.open(encoding="utf-8") as f:  # Python's text mode: universal newlines
+        expected = [tuple(line.strip().split(" ", 1)) for line in f if line.strip()]
+    assert read_captions(path) == expected and len(expected) == 4
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_caption_id(tmp_path):
+    path = tmp_path / "ctrain.caption.txt"
+    path.write_bytes("\ufeffv1#0 une légende\nv2#0 two\n".encode("utf-8"))
+    assert read_captions(path) == [("v1#0", "une légende"), ("v2#0", "two")]
+    path.write_bytes(b"v1#0 ok\r\nv2#0 \xff bad\r\n")
+    with pytest.raises(DataError, match=r"ctrain.caption.txt: line 2: not UTF-8 text \(byte 0xff at column 6\)"):
+        read_captions(path)
+
+
 def test_duplicate_caption_id(tmp_path):
     path = tmp_path / "cval.caption.txt"
     path.write_text("a#0 x\nb#0 y\na#0 z\n")
