@@ -43,10 +43,12 @@ def index_file(kind: str, path: Path) -> Path:
 
 
 def stamp(st: os.stat_result) -> tuple[int, ...]:
-    """What identifies one version of a file: inode, size, mtime (ns).  Not the device: a network
-    file system's device number differs from node to node for the same file, and nodes sharing one
-    cache folder (an NFS home) would each index it again and replace the others' index."""
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    """What identifies one version of a file: inode, size, mtime and ctime (ns).  The ctime catches a
+    rewrite in place whose old mtime was put back (``cp -p`` over the file, ``rsync -t --inplace``,
+    ``touch -r``); nothing can set it back.  Not the device: a network file system's device number
+    differs from node to node for the same file, and nodes sharing one cache folder (an NFS home) would
+    each index it again and replace the others' index."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def version(*paths: Path) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from prvrlab.data.batch import Batch, host_to_device, tag_lengths
 from prvrlab.data.collection import Collection, SplitIndex
 from prvrlab.data.dataset import VideoDataset
 from prvrlab.data.errors import DataError
+from prvrlab.data.index_cache import stamp
 
 MEMORY_SHARE = 0.8  # the largest share of the device's free memory a split may take
 
@@ -250,9 +251,9 @@ class ResidentSplit:
 
 
 def _signature(path: Path) -> tuple:
-    """Size and modification time of a file, or of every file of a folder (a BigFile)."""
+    """The version (:func:`~prvrlab.data.index_cache.stamp`) of a file, or of every file of a folder (a BigFile)."""
     files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+    return tuple((f.name, *stamp(f.stat())) for f in files if f.is_file())
 
 
 def _key(collection: Collection, index: SplitIndex, device: torch.device) -> tuple:

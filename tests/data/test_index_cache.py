@@ -151,20 +151,21 @@ def test_errors_name_the_first_bad_key_in_order_and_are_not_remembered(tmp_path)
 
 def _version(path):
     st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def test_a_version_is_the_files_inode_size_and_mtime_not_its_device():
     """The same file seen from two nodes of a network file system (another device number) is one
-    version; another inode, size or mtime is another."""
+    version; another inode, size, mtime or ctime is another."""
     from types import SimpleNamespace
 
     st = os.stat(__file__)
-    seen = {"st_dev": st.st_dev, "st_ino": st.st_ino, "st_size": st.st_size, "st_mtime_ns": st.st_mtime_ns}
+    seen = {"st_dev": st.st_dev, "st_ino": st.st_ino, "st_size": st.st_size, "st_mtime_ns": st.st_mtime_ns,
+            "st_ctime_ns": st.st_ctime_ns}
     assert index_cache.stamp(st) == index_cache.stamp(SimpleNamespace(**seen))
     other_node = SimpleNamespace(**{**seen, "st_dev": st.st_dev + 1})
     assert index_cache.stamp(other_node) == index_cache.stamp(st)
-    for field in ("st_ino", "st_size", "st_mtime_ns"):
+    for field in ("st_ino", "st_size", "st_mtime_ns", "st_ctime_ns"):
         changed = SimpleNamespace(**{**seen, field: seen[field] + 1})
         assert index_cache.stamp(changed) != index_cache.stamp(st), field
 
@@ -313,6 +314,28 @@ def test_a_changed_bigfile_is_indexed_again(bigfile, text_reads):
     assert changed.video_ids() == ["a", "d"]
     np.testing.assert_array_equal(changed.frames("a"), matrix[[2, 0]])
     np.testing.assert_array_equal(changed.frames("d"), matrix[[4]])
+
+
+def test_a_bigfile_rewritten_in_place_with_its_old_mtime_put_back_is_indexed_again(bigfile, text_reads):
+    """``cp -p`` over the file, ``rsync -t --inplace`` or ``touch -r``: same inode, size and mtime."""
+    import time
+
+    from prvrlab.data.bigfile import BigFile
+
+    folder, matrix = bigfile
+    assert BigFile(folder).frames("a").tolist() == matrix[[0, 1, 2]].tolist()
+    ids = folder / "id.txt"
+    before = os.stat(ids)
+    time.sleep(0.01)  # a later change time, also on file systems with coarse clocks
+    swapped = ids.read_bytes().replace(b"a_f0", b"a_fX").replace(b"a_f2", b"a_f0").replace(b"a_fX", b"a_f2")
+    with open(ids, "r+b") as f:
+        f.write(swapped)
+    os.utime(ids, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(ids)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    reread = BigFile(folder)
+    assert len(text_reads) == 4  # parsed again
+    np.testing.assert_array_equal(reread.frames("a"), matrix[[2, 1, 0]])  # the rows now named a_f0..a_f2
 
 
 def test_a_bad_bigfile_is_refused_every_time(tmp_path, files):
