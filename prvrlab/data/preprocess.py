@@ -4,9 +4,14 @@
   ``max_frames`` bins; shorter videos are kept as they are.
 - Clips: always ``num_clips`` bins over the raw frames (frames repeat when the
   video has fewer than ``num_clips`` frames).
-- Binning of ``n`` frames into ``B`` bins: edges ``e_i = round(i * n / B)``
-  (numpy rounding, half to even), bin ``i`` averages frames ``[e_i, e_{i+1})``;
-  an empty bin takes frame ``min(e_i, n - 1)``.
+- Binning of ``n`` frames into ``B`` bins: edges ``e_i = round(i / B * n)``
+  (half to even), bin ``i`` averages frames ``[e_i, e_{i+1})``; an empty bin
+  takes frame ``min(e_i, n - 1)``.  The quotient is computed as the reference
+  computes it: in float32 for clips (``average_to_fixed_length``:
+  ``torch.arange(0, B + 1, 1.0) / B * n``), in float64 for frames
+  (``uniform_feature_sampling``, numpy), so an edge whose exact value is a
+  half lands where the reference's rounding puts it.  For B a power of two
+  (the shipped 32 clips and 128 frames) both are exact.
 - ``last_bin="official"`` (the reference code's ``average_to_fixed_length`` /
   ``uniform_feature_sampling``) clamps every edge to ``n - 1``, so the last bin
   ends one frame early and the final frame is dropped whenever that bin spans
@@ -30,22 +35,22 @@ NORMALIZE_CHOICES: tuple[str, ...] = ("official", "exact")
 OFFICIAL_NORM_EPS = 1e-5  # l2_normalize_np_array(np_array, eps=1e-5): np_array / (norm + eps)
 
 
-def bin_edges(n: int, num_bins: int) -> np.ndarray:
-    """Bin edges ``round(i * n / num_bins)`` for i = 0..num_bins, (num_bins + 1,) int64.
-
-    Computed in integers, so ties round half to even exactly as ``np.round``
-    does on the exact quotient (no floating-point drift for any ``num_bins``).
-    """
+def bin_edges(n: int, num_bins: int, *, dtype: type = np.float64) -> np.ndarray:
+    """Bin edges ``round(i / num_bins * n)`` for i = 0..num_bins, (num_bins + 1,) int64: the quotient and
+    product rounded in ``dtype`` (float32: the reference's clips, float64: its frames), then rounded half
+    to even."""
     if n < 1 or num_bins < 1:
         raise ValueError(f"bin_edges needs n >= 1 and num_bins >= 1, got n={n}, num_bins={num_bins}")
-    q, r = np.divmod(np.arange(num_bins + 1, dtype=np.int64) * n, num_bins)  # exact integer division
-    return q + ((2 * r > num_bins) | ((2 * r == num_bins) & (q % 2 == 1)))  # round half to even
+    fractions = np.arange(num_bins + 1, dtype=dtype) / dtype(num_bins)  # (B + 1,)
+    return np.round(fractions * dtype(n)).astype(np.int64)
 
 
 def mean_pool_bins(
-    x: np.ndarray, num_bins: int, *, last_bin: LastBin = "official", out: np.ndarray | None = None
+    x: np.ndarray, num_bins: int, *, last_bin: LastBin = "official", out: np.ndarray | None = None,
+    edge_dtype: type = np.float64,
 ) -> np.ndarray:
-    """Mean of each bin of rows of ``x`` (n, D) -> (num_bins, D), float32 (into ``out`` when given).
+    """Mean of each bin of rows of ``x`` (n, D) -> (num_bins, D), float32 (into ``out`` when given);
+    ``edge_dtype``: the float type :func:`bin_edges` computes in.
 
     Non-empty bins tile ``[0, n)`` (``[0, n - 1)`` with ``last_bin="official"``)
     in order; each is summed row by row, in order, as one ``np.add.reduce`` over
@@ -60,7 +65,7 @@ def mean_pool_bins(
         raise ValueError(f"last_bin must be one of {LAST_BIN_CHOICES}, got {last_bin!r}")
     x = np.asarray(x, dtype=np.float32)  # (n, D) as each row was summed in float32 before
     n = x.shape[0]
-    edges = bin_edges(n, num_bins)  # (B + 1,)
+    edges = bin_edges(n, num_bins, dtype=edge_dtype)  # (B + 1,)
     if last_bin == "official":
         edges = np.minimum(edges, n - 1)  # the last bin stops before frame n - 1
     covered = x[: edges[-1]]  # (n or n - 1, D) the frames non-empty bins tile
@@ -113,7 +118,7 @@ def preprocess_clips(
 ) -> np.ndarray:
     """Frame features (n, D) -> (num_clips, D) clip features, L2-normalised (into ``out`` when given)."""
     _check_frames(frames)
-    pooled = mean_pool_bins(frames, num_clips, last_bin=last_bin, out=out)  # (num_clips, D)
+    pooled = mean_pool_bins(frames, num_clips, last_bin=last_bin, out=out, edge_dtype=np.float32)  # (num_clips, D)
     return l2_normalize(pooled, normalize, out=pooled)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from prvrlab.data.preprocess import (
@@ -65,6 +66,47 @@ def test_binning_matches_loop_for_many_lengths(n, num_bins, last_bin):
     x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
     got = mean_pool_bins(x, num_bins, last_bin=last_bin)
     np.testing.assert_allclose(got, _bins_by_loop(x, num_bins, last_bin), rtol=1e-5, atol=1e-6)
+
+
+def _reference_edges(n: int, num_bins: int, clips: bool) -> list[int]:
+    """The official edges before clamping: clips by torch in float32 (``average_to_fixed_length``),
+    frames by numpy in float64 (``uniform_feature_sampling``)."""
+    if clips:
+        return torch.round(torch.arange(0, num_bins + 1, 1.0) / num_bins * n).long().tolist()
+    return np.round(np.arange(0, num_bins + 1, 1.0) / num_bins * n).astype(np.int32).tolist()
+
+
+@pytest.mark.parity
+def test_bin_edges_round_where_the_references_float_arithmetic_rounds():
+    """Bin counts that are not powers of two: an exact half can come out a hair below (45 frames in 100
+    bins, edge 70: 31.499999999999996 in float64 -> 31, not 32); float32 clip edges differ elsewhere."""
+    assert bin_edges(45, 100)[70] == 31 and bin_edges(45, 100, dtype=np.float32)[70] == 32  # float32: 31.5 again
+    differ = {True: 0, False: 0}
+    for num_bins in (3, 10, 20, 24, 32, 48, 64, 100, 128, 200):
+        for n in range(1, 400):
+            for clips in (True, False):
+                got = bin_edges(n, num_bins, dtype=np.float32 if clips else np.float64).tolist()
+                expected = _reference_edges(n, num_bins, clips)
+                assert got == expected, (n, num_bins, clips)
+                exact = [round(i * n / num_bins) for i in range(num_bins + 1)]  # the exact quotient, half to even
+                differ[clips] += got != exact
+                if num_bins in (32, 128):
+                    assert got == exact  # powers of two: the float quotients are exact
+    assert differ[True] > 0 and differ[False] > 0  # the case the reference's arithmetic decides exists
+
+
+@pytest.mark.parity
+def test_clips_and_frames_pool_with_the_references_edges():
+    x = np.random.default_rng(4).standard_normal((45, 3)).astype(np.float32)
+    for clips, bins in ((True, 100), (False, 40)):
+        edges = [min(e, 44) for e in _reference_edges(45, bins, clips)]
+        expected = np.stack([x[s:e].mean(axis=0) if s < e else x[s] for s, e in zip(edges[:-1], edges[1:])])
+        if clips:
+            got = preprocess_clips(x, bins)
+        else:
+            got = preprocess_frames(x, bins)
+        norms = np.linalg.norm(expected, axis=1, keepdims=True) + 1e-5
+        np.testing.assert_allclose(got, expected / norms, rtol=1e-5, atol=1e-6)
 
 
 def test_frames_kept_up_to_max_frames():
