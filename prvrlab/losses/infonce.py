@@ -14,13 +14,18 @@ a video without queries in the batch is left out of the mean here).  This is
 ``form: joint`` is MS-SL's official ``frame_nce``: one softmax per query over
 its row and its positive's column together (the positive counted in both)::
 
-    joint_i = logsumexp( s[i, :] ++ s[:, video(i)] ) - s[i, video(i)]
+    joint_i = logsumexp( s[i, :] ++ s[K_i, video(i)] ) - s[i, video(i)]
     loss    = mean_i joint_i
 
-The positive columns come from the branch's ``targets`` where it sets them
-(MS-SL's official training frame scores, a square matrix with its positives
-on the diagonal, :class:`~prvrlab.models.base.BranchScores`), else from the
-batch's ``query_video``.
+with K_i every query k except i's siblings (k != i with video(k) = video(i)):
+their entry in that column is their own positive, which as i's negative would
+make sibling queries compete for their video's score (a floor of log(M + 1)
+for a video of M queries that no model can go below).  The positive columns
+come from the branch's ``targets`` where it sets them (MS-SL's official
+training frame scores, a square matrix with its positives on the diagonal,
+:class:`~prvrlab.models.base.BranchScores`: every query its own column, so K_i
+is every query, as the official code), else from the batch's ``query_video``
+((Nq, Nv) scores: RAL's CSA on MS-SL, ``model.frame_training: all_pairs``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ def infonce(logits: Tensor, query_video: Tensor, *, form: str = "two_sided") -> 
     positive = logits[rows, query_video]  # (Nq,)
     if form == "joint":
         column = logits[:, query_video].t()  # (Nq, Nq): row i holds s[k, video(i)] for every query k
+        siblings = (query_video[:, None] == query_video[None, :]) & (rows[:, None] != rows[None, :])  # (Nq, Nq)
+        column = column.masked_fill(siblings, float("-inf"))  # row i always keeps k = i: finite
         return (torch.logsumexp(torch.cat([logits, column], dim=1), dim=1) - positive).mean()
     pos = positive_mask(query_video, nv)  # (Nq, Nv)
     t2v = torch.logsumexp(logits, dim=1) - positive  # (Nq,)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from loss_helpers import make_batch, make_output
 
-from prvrlab.losses.infonce import InfoNCELoss
+from prvrlab.losses.infonce import InfoNCELoss, infonce
 
 
 def loop_infonce(logits, query_video):
@@ -57,13 +57,15 @@ def test_missing_logits_or_branch_is_a_clear_error():
         InfoNCELoss(branch="not a name")
 
 
-def loop_joint(logits, query_video):
-    """MS-SL's official frame_nce, generalised: per query one softmax over its row and its video's column."""
+def loop_joint(logits, query_video, *, siblings_out=True):
+    """MS-SL's official frame_nce, generalised: per query one softmax over its row and its video's column,
+    the column without i's siblings (their entry there is their own positive)."""
     nq = len(logits)
     total = 0.0
     for i in range(nq):
         v = query_video[i]
-        denom = sum(math.exp(x) for x in logits[i]) + sum(math.exp(logits[k][v]) for k in range(nq))
+        column = [k for k in range(nq) if k == i or query_video[k] != v or not siblings_out]
+        denom = sum(math.exp(x) for x in logits[i]) + sum(math.exp(logits[k][v]) for k in column)
         total += -math.log(math.exp(logits[i][v]) / denom)
     return total / nq
 
@@ -95,6 +97,23 @@ def test_joint_form_with_video_columns_matches_loop(seed):
     logits = torch.randn(len(query_video), 5) * 3
     loss = InfoNCELoss(form="joint")(make_output(torch.zeros(7, 5), logits), make_batch(query_video, 5), epoch=0)
     assert loss.item() == pytest.approx(loop_joint(logits.tolist(), query_video), rel=1e-5)
+    assert loss.item() < loop_joint(logits.tolist(), query_video, siblings_out=False)  # siblings were negatives
+
+
+def test_joint_form_with_video_columns_rewards_every_positive():
+    """Perfect retrieval by a wide margin: the loss approaches its floor, log 2 (the positive is counted in
+    the row and in the column), and raising every positive lowers it; with siblings as negatives a video
+    of 3 queries stayed at log 4 whatever the scores."""
+    query_video = torch.tensor([0, 0, 0, 1])
+    logits = torch.full((4, 2), -10.0)
+    logits[torch.arange(4), query_video] = 10.0
+    low = infonce(logits, query_video, form="joint")
+    assert low.item() == pytest.approx(math.log(2), abs=1e-6)
+    near = (logits / 10).requires_grad_(True)  # a margin of 2: gradients above float32's resolution
+    grad, = torch.autograd.grad(infonce(near, query_video, form="joint"), near)
+    assert (grad[torch.arange(4), query_video] < -1e-3).all()  # every positive pulled up
+    old = loop_joint(logits.tolist(), query_video.tolist(), siblings_out=False)
+    assert old > math.log(3)  # the defect: siblings' positives in the denominator
 
 
 def test_two_sided_form_reads_the_branch_targets():
