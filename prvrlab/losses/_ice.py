@@ -20,17 +20,39 @@ def pair_triplet(*, margin: float, hard_negative_start_epoch: int) -> TripletLos
     )
 
 
+def distinct_targets(target: Tensor) -> tuple[Tensor, Tensor]:
+    """(n, D) targets -> their k distinct rows (k, D), in order of first appearance, and each pair's row
+    among them (n,); ``target`` itself and ``arange(n)`` when every row differs.  Rows are the same when
+    they are bit for bit: IRM's r_v(i) = FC(v - m_k(i)) of two queries of one video with one key moment."""
+    n = target.shape[0]
+    column = torch.arange(n, device=target.device)  # (n,)
+    if n < 2:
+        return target, column
+    _, group = torch.unique(target.detach(), dim=0, return_inverse=True)  # (n,) sorted-row ids
+    k = int(group.max()) + 1
+    if k == n:
+        return target, column
+    first = torch.full((k,), n, dtype=torch.long, device=target.device).scatter_reduce(0, group, column, reduce="amin")
+    order = first.argsort()  # (k,) groups by first appearance
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(k, device=target.device))  # (k,)
+    return target[first[order]], rank[group]
+
+
 def paired_contrastive(anchor: Tensor, target: Tensor, triplet: TripletLoss, nce_weight: float, *, epoch: int) -> Tensor:
     """L^trip + nce_weight * L^nce of n aligned pairs (anchor_i, target_i), (n, D) each.
 
-    The n x n matrix has anchors as rows ("queries") and targets as columns
-    ("videos"), the diagonal positive: the triplet loss on cosines (both
-    directions, :class:`TripletLoss`) and InfoNCE on raw dot products (both
-    directions, :func:`infonce`), as the base model's L^trip / L^nce.
+    The matrix has anchors as rows ("queries") and targets as columns
+    ("videos"), each pair's target its positive: the triplet loss on cosines
+    (both directions, :class:`TripletLoss`) and InfoNCE on raw dot products
+    (both directions, :func:`infonce`), as the base model's L^trip / L^nce.
+    Identical targets are one column, positive for each of their anchors
+    (:func:`distinct_targets`): as separate columns each would be the
+    other's negative while equal to its positive.  Distinct targets: the
+    n x n matrix, the diagonal positive.
     """
-    a, b = anchor.float(), target.float()
-    diagonal = torch.arange(a.shape[0], device=a.device)  # (n,)
-    loss = triplet.compute(cosine_matrix(a, b), diagonal, epoch=epoch).loss  # (n, n) cosines
+    a = anchor.float()
+    b, column = distinct_targets(target.float())  # (k, D), (n,)
+    loss = triplet.compute(cosine_matrix(a, b), column, epoch=epoch).loss  # (n, k) cosines
     if nce_weight > 0:
-        loss = loss + nce_weight * infonce(a @ b.t(), diagonal)  # (n, n) dots
+        loss = loss + nce_weight * infonce(a @ b.t(), column)  # (n, k) dots
     return loss

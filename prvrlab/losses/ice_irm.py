@@ -17,7 +17,9 @@ batch's other videos are left to the base loss, so L_neg adds only what is
 new.  These two choices are ours: the paper gives no formula.
 
 L_red ("directly align r_v and r_q", triplet + InfoNCE): the Nq pairs
-(r_q(i), r_v(i)) as a mini-batch, the diagonal positive (``paired_contrastive``).
+(r_q(i), r_v(i)) as a mini-batch, each pair's r_v its positive
+(``paired_contrastive``).  Two queries of one video with the same key moment
+have the same r_v: one column, positive for both (not each other's negative).
 
 ``neg`` / ``red`` switch the terms (Table 4); ``nce_weight`` (the balance
 inside each term, not in the paper) defaults to 0.04 as L_ice.

@@ -104,6 +104,48 @@ def test_irm_neg_and_red_by_hand():
     assert both == pytest.approx(neg + red, rel=1e-6)
 
 
+def grouped_pairs_by_hand(anchor, targets, column, margin: float, nce_weight: float) -> float:
+    """Hardest-negative triplet + InfoNCE with ``targets`` (k, D) as columns and ``column[i]`` anchor i's
+    positive: a column's positive score is the mean over its anchors, its InfoNCE positives all of them."""
+    n, k = anchor.shape[0], targets.shape[0]
+    c = [[cos(anchor[i], targets[j]) for j in range(k)] for i in range(n)]
+    t2v = sum(max(0.0, margin + max(c[i][j] for j in range(k) if j != column[i]) - c[i][column[i]])
+              for i in range(n) if k > 1)
+    v2t = 0.0
+    for j in range(k):
+        mine = [i for i in range(n) if column[i] == j]
+        others = [i for i in range(n) if column[i] != j]
+        if mine and others:
+            v2t += max(0.0, margin + max(c[i][j] for i in others) - sum(c[i][j] for i in mine) / len(mine))
+    d = [[float(anchor[i] @ targets[j]) for j in range(k)] for i in range(n)]
+    lse = lambda xs: math.log(sum(math.exp(x) for x in xs))  # noqa: E731
+    nce_t2v = sum(lse(d[i]) - d[i][column[i]] for i in range(n)) / n
+    nce_v2t = sum(lse([d[i][j] for i in range(n)]) - lse([d[i][j] for i in range(n) if column[i] == j])
+                  for j in range(k)) / k
+    return t2v / n + v2t / k + nce_weight * (nce_t2v + nce_v2t)
+
+
+def test_irm_red_counts_an_identical_redundant_video_feature_once_positive_for_both_its_queries():
+    """Queries 0 and 2 of one video share a key moment, so r_v(0) == r_v(2): one column, not each other's
+    negative (which held an aligned pair above 0 whatever the model did)."""
+    _, t = irm_output(seed=3, n=4)
+    r_v = t["redundant_video"].clone()
+    r_v[2] = r_v[0]
+    out = output(query=t["query"], key_moment=t["key_moment"], redundant_video=r_v, redundant_query=t["redundant_query"])
+    kw = dict(margin=0.2, nce_weight=0.3, hard_negative_start_epoch=0)
+    red = float(IRMLoss(neg=False, **kw)(out, make_batch([0, 1, 0, 2], 3), epoch=0))
+    expected = grouped_pairs_by_hand(t["redundant_query"], r_v[[0, 1, 3]], [0, 1, 0, 2], 0.2, 0.3)
+    assert red == pytest.approx(expected, rel=1e-5)
+    assert red != pytest.approx(pairs_by_hand(t["redundant_query"], r_v, 0.2, 0.3), rel=1e-3)  # the old diagonal
+    distinct = pairs_by_hand(t["redundant_query"], t["redundant_video"], 0.2, 0.3)
+    assert grouped_pairs_by_hand(t["redundant_query"], t["redundant_video"], [0, 1, 2, 3], 0.2, 0.3) == pytest.approx(distinct)
+    aligned = torch.eye(4)[:, :3] * 5  # r_q(i) = r_v(i) exactly, queries 0 and 3 with one r_v
+    aligned[3] = aligned[0]
+    perfect = output(query=t["query"], key_moment=t["key_moment"], redundant_video=aligned, redundant_query=aligned.clone())
+    got = float(IRMLoss(neg=False, margin=0.2, nce_weight=0.0, hard_negative_start_epoch=0)(perfect, make_batch([0] * 4, 1), epoch=0))
+    assert got == 0.0  # aligned pairs, margin met: nothing left (0.2 per duplicate before)
+
+
 def test_irm_both_terms_off_keeps_the_redundancy_features_in_the_graph():
     out, _ = irm_output()
     r_v = out.aux["ice.redundant_video"].requires_grad_()
