@@ -1,15 +1,19 @@
 """Gaussian-constrained attention (GMMFormer) and the plain transformer layer.
 
 A Gaussian branch with width sigma multiplies the scaled attention logits by a
-window over normalised relative position: with ``w = sigma / 9``::
+window over normalised relative position: with ``w = max(sigma, 0.01) / 9``::
 
     G(i, j) = exp(-d(i, j)^2 / (2 w^2))
 
 over a span of ``n`` positions, where ``window`` picks the offset
 
-* ``official`` (the reference code): ``d = j / (n - 1) - i / n``; rows
-  sit at ``i / n``, columns at ``j / (n - 1)``, so rows past the middle peak
-  at column ``i - 1``;
+* ``official`` (the reference code, ``generate_gauss_weight``):
+  ``d = j / (n - 1) - i / n``; rows sit at ``i / n``, columns at
+  ``j / (n - 1)``, so rows past the middle peak at column ``i - 1``, and
+  each row is divided by its largest value (most rows have no column at
+  ``d = 0``: with n = 32 and sigma 0.1 the middle row's peak was 0.35);
+* ``official_raw``: the same offsets, rows not divided by their maximum
+  (prvrlab before checkpoint format 8);
 * ``centred``: ``d = (j - i) / (n - 1)``, 1 on the diagonal;
 
 and ``window_length`` picks the span ``n``: ``padded``, the input's padded
@@ -80,8 +84,9 @@ from prvrlab.models.blocks import (
 from prvrlab.models.precision import native_low_precision
 
 DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
-Window = Literal["official", "centred"]
-WINDOWS: tuple[str, ...] = ("official", "centred")
+Window = Literal["official", "centred", "official_raw"]
+WINDOWS: tuple[str, ...] = ("official", "centred", "official_raw")
+MIN_SIGMA = 1e-2  # the reference clamps every width to at least this before dividing by 9
 WindowLength = Literal["real", "padded"] | int
 
 
@@ -113,12 +118,19 @@ def parse_sigmas(values: Sequence[float | str], name: str = "sigmas") -> tuple[f
     return tuple(out)
 
 
-def _window_from_offsets(offsets: Tensor, sigma: float) -> Tensor:
-    """exp(-d^2 / (2 (sigma/9)^2)) for normalised offsets d; ones when sigma is inf."""
+def _window_from_offsets(offsets: Tensor, sigma: float, window: Window) -> Tensor:
+    """exp(-d^2 / (2 (max(sigma, 0.01)/9)^2)) for normalised offsets d (..., L, L), divided by each row's
+    largest value where ``window`` is ``official`` (the reference's ``weight / weight.max(dim=-1)``),
+    computed as exp(-(d^2 - min_j d^2) / ...), which cannot underflow to 0/0; ones when sigma is inf.
+    A row's nearest column lies within its first L columns, so the maximum over the whole span is
+    among them."""
     if math.isinf(sigma):
         return torch.ones_like(offsets)
-    width = sigma / 9.0
-    return torch.exp(-(offsets * offsets) / (2.0 * width * width))
+    width = max(sigma, MIN_SIGMA) / 9.0
+    squared = offsets * offsets  # (..., L, L)
+    if window == "official":
+        squared = squared - squared.amin(dim=-1, keepdim=True)
+    return torch.exp(-squared / (2.0 * width * width))
 
 
 def window_offsets(length: int, span: Tensor, window: Window) -> Tensor:
@@ -126,16 +138,16 @@ def window_offsets(length: int, span: Tensor, window: Window) -> Tensor:
     steps = torch.arange(length, device=span.device, dtype=torch.float32)
     n = span.to(torch.float32)[..., None, None]  # (..., 1, 1)
     cols = steps[None, :] / (n - 1).clamp(min=1)  # (..., 1, L)
-    if window == "official":
-        return cols - steps[:, None] / n.clamp(min=1)  # (..., L, L)
-    return cols - steps[:, None] / (n - 1).clamp(min=1)  # (..., L, L)
+    if window == "centred":
+        return cols - steps[:, None] / (n - 1).clamp(min=1)  # (..., L, L)
+    return cols - steps[:, None] / n.clamp(min=1)  # (..., L, L) official and official_raw
 
 
 @functools.lru_cache(maxsize=512)
 def _cached_window(length: int, span: int, sigma: float, window: Window, device: torch.device) -> Tensor:
     with torch.inference_mode(False), torch.no_grad():
         offsets = window_offsets(length, torch.full((), span, device=device), window)  # (L, L); a fill, no host copy
-        return _window_from_offsets(offsets, sigma)
+        return _window_from_offsets(offsets, sigma, window)
 
 
 def gaussian_window(
@@ -175,7 +187,7 @@ def _cached_stack(
 def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float], window: Window = "official") -> Tensor:
     """(B, K, L, L) windows of sequences spanning their real ``lengths`` (B,), padded to ``length``."""
     offsets = window_offsets(length, lengths.clamp(min=1), window)  # (B, L, L)
-    return torch.stack([_window_from_offsets(offsets, s) for s in sigmas], dim=1)  # (B, K, L, L)
+    return torch.stack([_window_from_offsets(offsets, s, window) for s in sigmas], dim=1)  # (B, K, L, L)
 
 
 class _HeadLayout(torch.autograd.Function):

@@ -64,12 +64,39 @@ BEFORE_FORMAT: dict[int, Switches] = {
 }
 
 
+# Model values whose meaning a checkpoint format changed: in a file older than the format, the value
+# (given, or the backbone's default) becomes the name its old meaning has now.  Format 8: ``window:
+# official`` divides each row of the Gaussian window by its maximum, as the reference code does.
+RENAMED_BEFORE_FORMAT: dict[int, dict[str, dict[Any, Any]]] = {
+    8: {"window": {"official": "official_raw"}},
+}
+
+
 def stored_behaviour(raw: dict[str, Any], file_format: int) -> dict[str, Any]:
-    """``raw`` (a checkpoint's stored config) with the switches of every format newer than the file's."""
+    """``raw`` (a checkpoint's stored config) with the switches of every format newer than the file's,
+    and the model values whose meaning changed since (:data:`RENAMED_BEFORE_FORMAT`) renamed."""
     for introduced in sorted(BEFORE_FORMAT):
         if file_format < introduced:
             raw = apply_switches(raw, BEFORE_FORMAT[introduced], keep_given=True)
+    for introduced, renames in sorted(RENAMED_BEFORE_FORMAT.items()):
+        if file_format < introduced:
+            raw = _rename_model_values(raw, renames)
     return raw
+
+
+def _rename_model_values(raw: dict[str, Any], renames: dict[str, dict[Any, Any]]) -> dict[str, Any]:
+    """A copy of ``raw`` whose ``model`` keys take their renamed values (the backbone's default where unset)."""
+    model = raw.get("model") or {}
+    if "name" not in model or model["name"] not in BACKBONES.names():
+        return raw
+    params = BACKBONES.params(model["name"])
+    out = copy.deepcopy(raw)
+    for key, names in renames.items():
+        if key in params:
+            value = model.get(key, params[key].default)
+            if isinstance(value, str) and value in names:
+                out["model"][key] = names[value]
+    return out
 
 
 def apply_switches(raw: dict[str, Any], switches: Switches, *, keep_given: bool) -> dict[str, Any]:

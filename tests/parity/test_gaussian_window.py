@@ -10,27 +10,46 @@ from prvrlab.models.gmm import GaussianAttention, batched_windows, gaussian_wind
 
 
 def hand_window(length: int, span: int, sigma: float, window: str) -> list[list[float]]:
-    """Row i, column j of the first ``length`` positions of a ``span``-long window, by the formulas."""
-    width = sigma / 9
+    """Row i, column j of the first ``length`` positions of a ``span``-long window, by the formulas: the
+    reference's ``generate_gauss_weight`` for ``official`` (w / width * exp(...) over the whole span, each
+    row divided by its maximum), without the division for ``official_raw``."""
+    width = max(sigma, 0.01) / 9
     out = []
     for i in range(length):
         row = []
-        for j in range(length):
-            if window == "official":
+        for j in range(span):
+            if window in ("official", "official_raw"):
                 d = j / max(span - 1, 1) - i / span
             else:
                 d = (j - i) / max(span - 1, 1)
-            row.append(math.exp(-(d * d) / (2 * width * width)))
-        out.append(row)
+            row.append(0.3989422804014327 / width * math.exp(-(d * d) / (2 * width * width)))
+        peak = max(row) if window == "official" else 0.3989422804014327 / width
+        out.append([value / peak for value in row[:length]])
     return out
 
 
-@pytest.mark.parametrize("window", ["official", "centred"])
-@pytest.mark.parametrize("length, span, sigma", [(4, 4, 1.0), (3, 6, 0.5), (5, 5, 5.0), (1, 1, 1.0), (2, 7, 3.0)])
+@pytest.mark.parametrize("window", ["official", "centred", "official_raw"])
+@pytest.mark.parametrize("length, span, sigma", [(4, 4, 1.0), (3, 6, 0.5), (5, 5, 5.0), (1, 1, 1.0), (2, 7, 3.0),
+                                                 (32, 32, 0.1), (20, 128, 0.3)])
 def test_window_matches_hand_loops(window, length, span, sigma):
     got = gaussian_window(length, sigma, window=window, span=span)
     expected = torch.tensor(hand_window(length, span, sigma, window))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_official_rows_are_divided_by_their_maximum_as_the_reference():
+    """32 clips, sigma 0.1 (v2's narrowest): the middle row has no column at d = 0; its peak is 1, not 0.35."""
+    official, raw = gaussian_window(32, 0.1, window="official"), gaussian_window(32, 0.1, window="official_raw")
+    torch.testing.assert_close(official.amax(dim=1), torch.ones(32))
+    assert raw[16].max().item() == pytest.approx(math.exp(-((15 / 31 - 16 / 32) ** 2) / (2 * (0.1 / 9) ** 2)), rel=1e-5)
+    assert raw[16].max().item() < 0.36
+    torch.testing.assert_close(official, raw / raw.amax(dim=1, keepdim=True))
+    short = batched_windows(torch.tensor([2]), 2, (0.1,), "official")  # exp(-1012) underflows: no 0/0
+    assert torch.isfinite(short).all() and short[0, 0].amax(dim=1).tolist() == [1.0, 1.0]
+    for window in ("official", "centred", "official_raw"):  # widths below 0.01 are clamped, as the reference
+        assert torch.equal(gaussian_window(16, 0.001, window=window), gaussian_window(16, 0.01, window=window))
+    centred = gaussian_window(32, 0.1, window="centred")
+    assert torch.equal(centred.diagonal(), torch.ones(32))  # already 1 on the diagonal: nothing to divide
 
 
 def test_official_rows_past_the_middle_peak_one_column_early():
@@ -41,7 +60,7 @@ def test_official_rows_past_the_middle_peak_one_column_early():
     assert gaussian_window(L, 0.5, window="centred").argmax(dim=1).tolist() == list(range(L))
 
 
-@pytest.mark.parametrize("window", ["official", "centred"])
+@pytest.mark.parametrize("window", ["official", "centred", "official_raw"])
 def test_batched_windows_span_each_real_length(window):
     windows = batched_windows(torch.tensor([5, 3]), 5, (1.0, math.inf), window)  # (B, K, L, L)
     torch.testing.assert_close(windows[0, 0], torch.tensor(hand_window(5, 5, 1.0, window)))

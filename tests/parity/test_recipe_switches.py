@@ -196,3 +196,41 @@ def test_every_switch_names_an_existing_key_and_value(switches):
                 owners = [params[key]] if key in params else []
             assert owners, f"{section}: no component has {key!r}"
             assert any(allowed(p.annotation, value) for p in owners), f"{section}.{key}={value!r}"
+
+
+def test_a_file_before_format_8_keeps_the_gaussian_windows_it_was_trained_with(tiny_root, tmp_path):
+    """Format 8 made ``window: official`` divide each window row by its maximum (the reference); a file
+    written before holds ``official`` (or nothing) and was trained without the division: it is evaluated
+    with ``official_raw``; ``centred`` and backbones without windows are left alone; the renamed value is
+    one the backbones accept."""
+    import typing
+
+    from prvrlab.platform.presets import RENAMED_BEFORE_FORMAT
+    from prvrlab.platform.train.checkpoint_eval import checkpoint_config
+    from prvrlab.registry import BACKBONES
+
+    raw = small_raw(tiny_root, tmp_path)
+    stored = validate(raw).to_dict()
+    assert stored["model"]["window"] == "official"
+    assert checkpoint_config({"config": stored, "format": 7}, "old.pt").model["window"] == "official_raw"
+    assert checkpoint_config({"config": stored, "format": 8}, "new.pt").model["window"] == "official"
+    unset = {**stored, "model": {k: v for k, v in stored["model"].items() if k != "window"}}
+    assert checkpoint_config({"config": unset, "format": 1}, "old.pt").model["window"] == "centred"  # PRE_PARITY
+    assert stored_behaviour(unset, 7)["model"]["window"] == "official_raw"  # the backbone's default then
+    centred = {**stored, "model": {**stored["model"], "window": "centred"}}
+    assert stored_behaviour(centred, 7)["model"]["window"] == "centred"
+    assert "window" not in stored_behaviour({"model": {"name": "mssl"}}, 7)["model"]
+    for renames in RENAMED_BEFORE_FORMAT.values():
+        for key, names in renames.items():
+            owners = [BACKBONES.params(n)[key] for n in BACKBONES.names() if key in BACKBONES.params(n)]
+            assert owners and all(set(names.values()) <= set(typing.get_args(p.annotation)) for p in owners)
+    from prvrlab.models.gmm import GaussianAttention
+
+    outputs = {}
+    for window in ("official", "official_raw"):
+        torch.manual_seed(0)
+        attn = GaussianAttention(hidden_size=8, num_heads=2, sigmas=(0.1,), window=window, window_length="padded")
+        for p in attn.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        outputs[window] = attn.eval()(torch.randn(1, 32, 8, generator=torch.Generator().manual_seed(1)))
+    assert not torch.allclose(outputs["official"], outputs["official_raw"], atol=1e-2)  # same weights, other windows

@@ -52,8 +52,9 @@ from prvrlab.platform.train.session import LocalSession, RaySession, Session, sc
 # exist (older files: all_pairs, paper, masked, backbone, exact); 5 = plugins.ral.word_positions and
 # heads_padding exist (older files: own, masked); 6 = plugins.ral.text_heads_padding exists (older files:
 # masked; it acts in training only); 7 = plugins.ral.logvar_range, model.norm_decay (gmmformer_v2) and
-# plugins.ral.norm_decay exist (older files: clamped, false, false; all act in training only).
-CHECKPOINT_FORMAT = 7
+# plugins.ral.norm_decay exist (older files: clamped, false, false; all act in training only); 8 = model.window:
+# official divides each Gaussian window row by its maximum, as the reference (older files: official_raw).
+CHECKPOINT_FORMAT = 8
 FAULT_EPOCH_ENV = "PRVRLAB_FAULT_EPOCH"  # test hook: crash rank 0 once after this epoch
 FAULT_MARKER_ENV = "PRVRLAB_FAULT_MARKER"  # file that records the crash already happened
 FAULT_KIND_ENV = "PRVRLAB_FAULT_KIND"  # "exit" (the process dies, default) or "raise" (an error in the code)
