@@ -1,8 +1,10 @@
 """MS-SL (Dong et al., ACM MM 2022): multi-scale similarity learning for PRVR.
 
 Query: InputProjection -> positional embedding -> one transformer layer ->
-two attention poolings (``Linear(D, 2)`` scores, one masked softmax each):
-a modular query vector for the clip branch and one for the frame branch.
+attention pooling (``Linear(D, 1)`` scores, masked softmax): one query vector
+for both branches, as the reference (``modular_vector_mapping``,
+``query_pooling: shared``); ``query_pooling: per_branch`` pools one vector
+per branch (``Linear(D, 2)``, prvrlab before checkpoint format 8).
 
 Clip branch: the Lc clips -> InputProjection -> positional embedding ->
 transformer layer -> multi-scale sliding-window proposals: every window of
@@ -137,8 +139,9 @@ def _attend(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> 
 class ModularPooling(nn.Module):
     """``num_vectors`` attention poolings sharing one ``Linear(D, num_vectors)`` score layer.
 
-    (B, L, D) tokens with a (B, L) mask -> (B, num_vectors, D); a row without
-    real tokens pools to zero.
+    (B, L, D) tokens with a (B, L) mask -> (B, num_vectors, D), or (B, D) for one vector (shared by
+    every branch, :meth:`~prvrlab.models.blocks.SequenceEncoder.embed`); a row without real tokens
+    pools to zero.
     """
 
     def __init__(self, *, hidden_size: int, num_vectors: int) -> None:
@@ -146,7 +149,7 @@ class ModularPooling(nn.Module):
         self.score = nn.Linear(hidden_size, check_positive_int(num_vectors, "num_vectors"), bias=False)
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
-        """(N, D) packed tokens -> (B, num_vectors, D)."""
+        """(N, D) packed tokens -> (B, num_vectors, D); (B, D) for one vector."""
         logits = packing.unpack(self.score(x).float())  # (B, L, M)
         padded = packing.unpack(x)  # (B, L, D)
         if not packing.is_full:
@@ -154,7 +157,8 @@ class ModularPooling(nn.Module):
         weights = torch.softmax(logits, dim=1)  # (B, L, M)
         if not packing.is_full:
             weights = weights * packing.mask[:, :, None]
-        return torch.einsum("blm,bld->bmd", weights.to(padded.dtype), padded)  # (B, M, D)
+        pooled = torch.einsum("blm,bld->bmd", weights.to(padded.dtype), padded)  # (B, M, D)
+        return pooled[:, 0] if pooled.shape[1] == 1 else pooled
 
 
 @BACKBONES.register("mssl")
@@ -169,7 +173,8 @@ class MSSL(RetrievalModel):
     ``clip_weight`` / ``frame_weight``: the branches' weights in the retrieval
     score (0.7 / 0.3; 0.5 / 0.5 on Charades, REFERENCE.md section 1);
     ``frame_training``: the training frame scores, ``official`` or
-    ``all_pairs`` (module docstring).
+    ``all_pairs``; ``query_pooling``: ``shared`` (one query vector, the
+    reference) or ``per_branch`` (module docstring).
     Encoders: ``query``, ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
@@ -196,6 +201,7 @@ class MSSL(RetrievalModel):
         clip_weight: float = 0.7,
         frame_weight: float = 0.3,
         frame_training: Literal["official", "all_pairs"] = "official",
+        query_pooling: Literal["shared", "per_branch"] = "shared",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -211,14 +217,15 @@ class MSSL(RetrievalModel):
         ffn = resolve_ffn_size(ffn_size, hidden_size)
         self.max_window = check_positive_int(max_window, "max_window")
         self.frame_training = check_choice(frame_training, "frame_training", ("official", "all_pairs"))
+        vectors = {"shared": 1, "per_branch": 2}[check_choice(query_pooling, "query_pooling", ("shared", "per_branch"))]
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
         def layer() -> TransformerLayer:
             return TransformerLayer(**sizes.layer_args, ffn_size=ffn)
 
-        # the query head pools one vector per branch: [clip, frame]
-        self.query = sizes.query_encoder(layer, pool=lambda: ModularPooling(hidden_size=hidden_size, num_vectors=2))
+        # the query head pools one vector for both branches, or one per branch: [clip, frame]
+        self.query = sizes.query_encoder(layer, pool=lambda: ModularPooling(hidden_size=hidden_size, num_vectors=vectors))
         self.clip = sizes.video_encoder(layer)
         self.frame = sizes.video_encoder(layer)
         self.frame_key_value = nn.Linear(hidden_size, 2 * hidden_size, bias=False)  # [key | value]

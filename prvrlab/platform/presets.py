@@ -61,6 +61,7 @@ BEFORE_FORMAT: dict[int, Switches] = {
     5: {"plugins.ral": {"word_positions": "own", "heads_padding": "masked"}},
     6: {"plugins.ral": {"text_heads_padding": "masked"}},
     7: {"model": {"norm_decay": False}, "plugins.ral": {"logvar_range": "clamped", "norm_decay": False}},
+    8: {"model": {"query_pooling": "per_branch"}},
 }
 
 

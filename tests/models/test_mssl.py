@@ -123,7 +123,13 @@ def test_model_exposes_proposals_and_two_query_vectors():
     assert out.video.clip.shape == (4, num_proposals(8, 32), 16)  # 8 clips in the test batch -> 36
     assert out.video.frame.shape == (4, 7, 16) and out.video.frame_mask.shape == (4, 7)
     assert out.video.extra["frame_key"].shape == (4, 7, 16)
-    assert not torch.allclose(out.query.vectors["clip"], out.query.vectors["frame"])
+    assert out.query.vectors["clip"] is out.query.vectors["frame"]  # one query vector for both, as the reference
+    assert model.query.pool.score.weight.shape == (1, 16)  # modular_vector_mapping = Linear(D, 1)
+    per_branch = build("mssl", query_pooling="per_branch").eval()
+    with torch.no_grad():
+        two = per_branch(batch).query.vectors
+    assert per_branch.query.pool.score.weight.shape == (2, 16)
+    assert not torch.allclose(two["clip"], two["frame"])
     assert build("mssl", max_window=3).eval()(batch).video.clip.shape[1] == num_proposals(8, 3)
 
 

@@ -234,3 +234,29 @@ def test_a_file_before_format_8_keeps_the_gaussian_windows_it_was_trained_with(t
             torch.nn.init.normal_(p, std=0.5)
         outputs[window] = attn.eval()(torch.randn(1, 32, 8, generator=torch.Generator().manual_seed(1)))
     assert not torch.allclose(outputs["official"], outputs["official_raw"], atol=1e-2)  # same weights, other windows
+
+
+def test_a_format_7_mssl_checkpoint_keeps_its_two_query_vectors(tiny_root, tmp_path):
+    """Format 8 made MS-SL pool one query vector for both branches (the reference's Linear(D, 1)); a file
+    written before stored no query_pooling and holds a Linear(D, 2) head: evaluated as it was trained;
+    the same weights claimed as format 8 are refused, not half-loaded."""
+    from prvrlab.evaluation.retrieval import evaluate
+
+    raw = dict(small_raw(tiny_root, tmp_path), plugins={})
+    raw["model"] = {"name": "mssl", "hidden_size": 32, "num_heads": 2}
+    raw["losses"] = {"clip_nce": {"loss": "infonce", "weight": 1.0, "branch": "clip"}}
+    trained = validate({**raw, "model": {**raw["model"], "query_pooling": "per_branch"}})
+    collection = open_collection(trained.data)
+    torch.manual_seed(0)
+    model = build_model(trained.model, trained.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    stored = validate(raw).to_dict()
+    assert stored["model"]["query_pooling"] == "shared"
+    del stored["model"]["query_pooling"]  # the key did not exist before format 8
+    for fmt, name in ((7, "old.pt"), (8, "new.pt")):
+        torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": fmt}, tmp_path / name)
+    expected = evaluate(model, collection, "val", trained.eval, device=torch.device("cpu")).ranks
+    assert (evaluate_checkpoint(tmp_path / "old.pt", split="val").ranks == expected).all()
+    with pytest.raises(Exception, match="weights do not fit"):
+        evaluate_checkpoint(tmp_path / "new.pt", split="val")
+    assert stored_behaviour({"model": {"name": "mssl"}}, 7)["model"]["query_pooling"] == "per_branch"
+    assert "query_pooling" not in stored_behaviour({"model": {"name": "mssl"}}, 8)["model"]
