@@ -30,10 +30,13 @@ projecting any key: ``q . W_k x = (W_k^T q) . x`` per head, and the values are
 projected after pooling (``sum_j a_j W_v x_j = W_v sum_j a_j x_j``), which
 makes its cost negligible next to the branches.
 
-Differences from the reference code, all deliberate: the branches'
-self-attention has an output projection (the reference has none); no dropout
-inside the FFN and, by default, none on attention probabilities (both cost
-full passes over the largest tensors on CPU); the paper's appendix writes
+Differences from the reference code, not switched yet (docs/parity.md,
+"Differences not switched (yet)"): the branches', query layer's and
+cross-attention's self-attention have an output projection (the reference has
+none); the query layer's FFN is GELU (the reference's ReLU); no dropout
+inside the FFNs and, by default, none on attention probabilities (both cost
+full passes over the largest tensors on CPU); each TC-GMMBlock learns its own
+phi (the reference shares one weight token).  The paper's appendix writes
 the Gaussian blocks pre-norm, the reference code (followed here) post-norm.
 The Gaussian windows follow the reference by default (``window: official``
 over the padded span, ``max_frames`` for frames); ``window: centred`` with
