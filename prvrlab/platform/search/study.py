@@ -685,6 +685,20 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
     return base, study_dir, False
 
 
+def _spec_params(spec: StudySpec) -> dict[str, Any]:
+    """The parent run's params: the spec's settings, one ``space.<key>`` / ``variant.<name>`` each."""
+    from prvrlab.platform.runtime import project_relative
+
+    spec_raw = read_yaml(spec.path)
+    params = {"spec.metric": spec.metric, "spec.mode": spec.mode, "spec.base_config": project_relative(spec.base_config)}
+    params.update({f"spec.{k}": v for k, v in spec_raw.items() if k not in ("space", "variants", "name", "base_config")})
+    for key, value in (spec_raw.get("space") or {}).items():
+        params[f"space.{key}"] = value
+    for key, value in (spec_raw.get("variants") or {}).items():
+        params[f"variant.{key}"] = value
+    return params
+
+
 def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Path, parent_run_id: str | None = None) -> str:
     """Create the study's parent run, or reopen the one ``study.json`` (or the caller) names."""
     from prvrlab.platform.runtime import project_relative
@@ -692,8 +706,13 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
     from prvrlab.platform.tracking.tags import provenance_tags
 
     run_id = runs.parent or parent_run_id
+    params = _spec_params(spec)
     if run_id is not None:
-        tracker.reopen_run(run_id)
+        # An ablation submitted again after its spec grew (variants, seeds) continues under the same
+        # parent: the spec as submitted now replaces the logged one, which the report reads; new keys
+        # are logged (MLflow keeps a param's first value).
+        before = tracker.reopen_run(run_id)
+        tracker.log_params(run_id, {k: v for k, v in params.items() if k not in before.data.params})
     else:
         tags = {
             "prvrlab.kind": kind,
@@ -703,15 +722,8 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
             "prvrlab.study_dir": str(study_dir),
         }
         run_id = tracker.start_run(f"{spec.name}-{study_dir.name}", tags=tags)
-        spec_raw = read_yaml(spec.path)
-        params = {"spec.metric": spec.metric, "spec.mode": spec.mode, "spec.base_config": project_relative(spec.base_config)}
-        params.update({f"spec.{k}": v for k, v in spec_raw.items() if k not in ("space", "variants", "name", "base_config")})
-        for key, value in (spec_raw.get("space") or {}).items():
-            params[f"space.{key}"] = value
-        for key, value in (spec_raw.get("variants") or {}).items():
-            params[f"variant.{key}"] = value
         tracker.log_params(run_id, params)
-        tracker.log_artifacts(run_id, [spec.path], "spec")
+    tracker.log_artifacts(run_id, [spec.path], "spec")
     runs.parent = run_id
     runs.meta.update({"kind": kind, "name": spec.name, "spec": project_relative(spec.path), "spec_hash": spec_hash(spec)})
     runs.save()

@@ -65,3 +65,29 @@ def test_a_study_submitted_from_a_copy_records_project_paths_and_the_given_commi
     assert run.data.tags["prvrlab.spec"] == "search_spaces/tiny.yaml"
     assert run.data.tags["git_commit"] == "feedbeef" and run.data.tags["prvrlab.git_dirty"] == "false"
     assert RunMap(study_dir).meta["spec"] == "search_spaces/tiny.yaml"
+
+
+def test_an_ablation_submitted_again_after_its_spec_grew_records_the_new_spec_on_its_parent(tiny_root, tmp_path):
+    """The parent run is reused (finished cells are skipped); the report reads the logged spec, so the
+    spec as submitted now must replace it, and its new variants be logged as params."""
+    from prvrlab.platform.search.spec import load_ablation_spec
+    from prvrlab.reports.source import _spec_artifact
+
+    spec = yaml.safe_load((REPO / "search_spaces" / "ablation_gmmformer_synth_tiny.yaml").read_text())
+    spec["base_config"] = str(REPO / "configs" / "gmmformer_synth.yaml")
+    path = tmp_path / "ablation.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "provenance")
+    first = open_parent(tracker, RunMap(tmp_path / "s1"), load_ablation_spec(path, {"data.root": str(tiny_root)}),
+                        "ablation", tmp_path / "s1")
+    tracker.end_run(first, "FINISHED")
+    grown = {**spec, "variants": {**spec["variants"], "no_clip_nce": {"losses.clip_nce.weight": 0}}, "seeds": [0, 1, 2]}
+    path.write_text(yaml.safe_dump(grown, sort_keys=False))
+    again = open_parent(tracker, RunMap(tmp_path / "s2"), load_ablation_spec(path, {"data.root": str(tiny_root)}),
+                        "ablation", tmp_path / "s2", parent_run_id=first)
+    assert again == first
+    logged = _spec_artifact(tracker.client, first)
+    assert logged["seeds"] == [0, 1, 2] and list(logged["variants"]) == ["full", "no_query_diverse", "no_clip_nce"]
+    params = tracker.client.get_run(first).data.params
+    assert "variant.no_clip_nce" in params and params["spec.seeds"] == "[0, 1]"  # a param keeps its first value
+    tracker.end_run(first, "FINISHED")
