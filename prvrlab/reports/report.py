@@ -103,10 +103,24 @@ class Doc:
         return "\n".join(self.parts)
 
 
+class _FloatNames(ast.NodeTransformer):
+    """The names ``inf`` and ``nan`` as the floats Python prints that way (a logged ``[inf]``)."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in ("inf", "nan"):
+            return ast.copy_location(ast.Constant(float(node.id)), node)
+        return node
+
+
+def _literal(text: str) -> Any:
+    """A Python literal as ``str()`` wrote it into an MLflow param, ``inf`` and ``nan`` included."""
+    return ast.literal_eval(_FloatNames().visit(ast.parse(text.strip(), mode="eval")))
+
+
 def _parse(value: Any) -> Any:
     if not isinstance(value, str):
         return value
-    for parser in (ast.literal_eval, yaml.safe_load):
+    for parser in (_literal, yaml.safe_load):
         try:
             return parser(value)
         except Exception:
@@ -397,26 +411,31 @@ def _ablation_sweeps(study: Study, rows: list[VariantRow], chosen) -> dict[str, 
         for r in rows:
             for s in r.seeds_ok:
                 run = chosen[r.name][s]
-                points.append((_parse(run.params.get(key)), run))
-        if len({str(v) for v, _ in points}) >= 3:
+                if key in run.params:
+                    points.append((_parse(run.params[key]), run))
+        if len({_hashable(v) for v, _ in points}) >= 3:
             out[key] = points
     return out
 
 
 def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]], space: dict[str, Any], split: str) -> None:
-    """One table (+ figure) per swept key: rows per value, or bins for continuous keys."""
+    """One table (+ figure) per swept key: rows per value, or bins for continuous keys. ``sweeps``: key ->
+    [(value, run)] of the runs that set the key (a ``None`` value is a value: the key set to null)."""
     if not sweeps:
         return
     doc.section(f"Sensitivity ({split})")
     doc.add(f"Runs: those with final {split} metrics, which the means are over (k of n: the other n − k runs with "
             "that value stopped early without final metrics).")
     for key in sorted(sweeps):
-        points = [(v, r) for v, r in sweeps[key] if v is not None]
+        points = sweeps[key]
         if not points:
             continue
         dist = space.get(key) or {}
         kind = next((k for k in dist if k != "when"), "choice") if isinstance(dist, dict) else "choice"
-        distinct = sorted({v for v, _ in points}, key=_sort_value)
+        shown: dict[Any, Any] = {}  # hashable form -> the value as first seen (lists stay lists)
+        for v, _ in points:
+            shown.setdefault(_hashable(v), v)
+        distinct = [shown[h] for h in sorted(shown, key=_sort_value)]
         continuous = kind in ("loguniform", "uniform") or (kind == "int" and len(distinct) > 8)
         log = kind == "loguniform"
         groups: list[tuple[str, Any, list[TrialRun]]] = []  # (table label, x of the figure's mean, runs)
@@ -435,7 +454,7 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
                     groups.append((f"[{fmt_param(edges[i])}, {fmt_param(edges[i + 1])}{close}", centre, members))
         else:
             for d in distinct:
-                groups.append((fmt_param(d), d, [r for v, r in points if v == d]))
+                groups.append((fmt_param(d), d, [r for v, r in points if _hashable(v) == _hashable(d)]))
         rows = []
         for label, _, members in groups:
             vals = {m: [x for x in (r.final(split, m) for r in members) if x is not None] for m in METRIC_KEYS}
@@ -443,7 +462,7 @@ def sensitivity_section(doc: Doc, sweeps: dict[str, list[tuple[Any, TrialRun]]],
             rows.append(([label, str(done) if done == len(members) else f"{done} of {len(members)}"], vals))
         doc.add(f"**{escape(key)}**" + (" (binned, log scale)" if continuous and log else " (binned)" if continuous else ""))
         doc.add(metric_table([escape(key), "Runs"], rows, lead_align=["l", "r"]))
-        fig_points = [(v, r.final(split, "sumr")) for v, r in points if r.final(split, "sumr") is not None]
+        fig_points = [(shown[_hashable(v)], r.final(split, "sumr")) for v, r in points if r.final(split, "sumr") is not None]
         means = []
         for _, x, members in groups:
             ys = [y for y in (r.final(split, "sumr") for r in members) if y is not None]
@@ -461,8 +480,22 @@ def _numeric(values) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
-def _sort_value(v):
-    return (0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
+def _hashable(v: Any) -> Any:
+    """A value as a set member and dict key: lists as tuples, mappings as sorted items (recursively)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted(((str(k), _hashable(x)) for k, x in v.items()), key=lambda kv: kv[0]))
+    return v
+
+
+def _sort_value(v) -> tuple:
+    """Numbers by value, then other scalars (``None`` included) by text, then sequences element by element."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return (0, float(v), "", ())
+    if isinstance(v, (list, tuple)):
+        return (2, 0.0, "", tuple(_sort_value(x) for x in v))
+    return (1, 0.0, str(v), ())
 
 
 def problems_section(doc: Doc, runs: list[TrialRun], missing: list[str]) -> None:
@@ -585,23 +618,35 @@ def _active(space: dict[str, Any], run: TrialRun) -> dict[str, Any]:
     return chosen
 
 
+SEARCHED_VALUE = "the best the trial reported over its epochs and its final evaluation, as the search ranks trials"
+
+
 def objective(study: Study, run: TrialRun) -> float | None:
-    """The searched metric of a trial: ``final/<metric>``, else the best of its per-epoch history."""
-    value = run.metrics.get(f"final/{study.metric}")
-    if value is not None and math.isfinite(value):
-        return value
-    hist = [v for _, v in study.history(run, study.metric) if math.isfinite(v)]
-    if not hist:
+    """The searched metric of a trial as the search ranks trials (``tuning.best_trial``: the best of every
+    report): the best of its per-epoch history and ``final/<metric>`` (the final round, when it ran)."""
+    values = [v for _, v in study.history(run, study.metric)]
+    final = run.metrics.get(f"final/{study.metric}")
+    if final is not None:
+        values.append(final)
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
         return None
-    return max(hist) if study.mode == "max" else min(hist)
+    return max(values) if study.mode == "max" else min(values)
 
 
-def importances(space: dict[str, Any], trials: list[tuple[dict[str, Any], float]], seed: int) -> dict[str, float] | str:
-    """Optuna fANOVA importances on an in-memory study rebuilt from the trials (or why not)."""
-    import optuna
+@dataclass
+class Importances:
+    """fANOVA importances over the searched keys every trial set, and the keys left out."""
+
+    values: dict[str, float]  # key -> importance (they sum to 1)
+    trials: int  # the trials they rest on: every trial given
+    left_out: dict[str, int]  # searched key some trial did not set -> the number of trials that set it
+
+
+def _distributions(space: dict[str, Any]) -> dict[str, Any]:
+    """Key -> the Optuna distribution of its values; a ``choice`` / ``grid`` key's value is its index in the spec."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     dists = {}
     for key, dist in space.items():
         kind = next((k for k in dist if k != "when"), None)
@@ -613,35 +658,72 @@ def importances(space: dict[str, Any], trials: list[tuple[dict[str, Any], float]
         elif kind == "int":
             dists[key] = IntDistribution(int(args[0]), int(args[1]))
         else:
-            dists[key] = CategoricalDistribution(list(args))
-    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=seed))
+            dists[key] = CategoricalDistribution(list(range(len(args))))
+    return dists
+
+
+def _internal(space: dict[str, Any], dists: dict[str, Any], key: str, value: Any) -> Any:
+    """``value`` of ``key`` as its distribution holds it (a choice's index), None when it is none of the spec's."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    dist = dists[key]
+    if isinstance(dist, CategoricalDistribution):
+        choices = next(v for k, v in space[key].items() if k != "when")
+        return next((i for i, c in enumerate(choices) if _hashable(c) == _hashable(value) or str(c) == str(value)), None)
+    try:
+        return int(value) if isinstance(dist, IntDistribution) else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def importances(space: dict[str, Any], trials: list[tuple[dict[str, Any], float]], seed: int) -> Importances | str:
+    """Optuna fANOVA importances on an in-memory study rebuilt from the trials (or why not).
+
+    Only the searched keys every trial set take part: fANOVA keeps just the trials that have every parameter
+    it is asked about, so a conditional key (set only where its ``when`` held) would drop the other trials and
+    leave the key deciding the condition without the variation it explains. Such keys are ``left_out``."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    dists = _distributions(space)
+    rebuilt = []
     for params, value in trials:
-        p, d = {}, {}
-        for key, v in params.items():
-            if key not in dists:
-                continue
-            dist = dists[key]
-            if isinstance(dist, CategoricalDistribution):
-                match = [c for c in dist.choices if c == v or str(c) == str(v)]
-                if not match:
-                    continue
-                v = match[0]
-            elif isinstance(dist, IntDistribution):
-                v = int(v)
-            else:
-                v = float(v)
-            p[key], d[key] = v, dist
-        study.add_trial(optuna.trial.create_trial(value=float(value), params=p, distributions=d))
-    varying = [k for k in dists if len({str(params.get(k)) for params, _ in trials if k in params}) > 1]
+        internal = {k: _internal(space, dists, k, v) for k, v in params.items() if k in dists}
+        rebuilt.append(({k: v for k, v in internal.items() if v is not None}, value))
+    counts = {key: sum(1 for p, _ in rebuilt if key in p) for key in dists}
+    common = [key for key in dists if counts[key] == len(rebuilt)]
+    left_out = {key: n for key, n in counts.items() if n < len(rebuilt)}
+    varying = [k for k in common if len({params[k] for params, _ in rebuilt}) > 1]
     if len(trials) < 2 or not varying:
-        return "not enough completed trials with varying values to estimate importances"
+        reason = "not enough completed trials with varying values to estimate importances"
+        if left_out:
+            reason += f" (keys not set in every trial are left out: {', '.join(left_out)})"
+        return reason
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=seed))
+    for params, value in rebuilt:
+        study.add_trial(optuna.trial.create_trial(value=float(value), params={k: params[k] for k in common},
+                                                  distributions={k: dists[k] for k in common}))
     try:
         result = optuna.importance.get_param_importances(
             study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=seed), params=varying
         )
     except Exception as exc:  # fANOVA needs complete trials that all share the params
         return f"importances unavailable: {exc}"
-    return dict(result)
+    return Importances(dict(result), len(rebuilt), left_out)
+
+
+def left_out_note(imp: Importances, space: dict[str, Any]) -> str:
+    """Why keys are missing from the importances ('' when none is)."""
+    if not imp.left_out:
+        return ""
+    parts = []
+    for key, n in imp.left_out.items():
+        why = ": sampled only when its `when` condition holds" if (space.get(key) or {}).get("when") else ""
+        parts.append(f"`{escape(key)}` (set in {n} of {imp.trials} trials{why})")
+    named = "; ".join(parts)
+    return (f" Left out, not set in every trial: {named}. fANOVA uses only the trials that set every parameter it "
+            "rates, so rating such a key would drop the other trials and with them the variation of the key its "
+            "condition depends on.")
 
 
 def saturation_note(r100: Sequence[float | None]) -> str:
@@ -699,7 +781,8 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
         pairs += [(f"{split} {METRIC_NAMES[m]}", fmt(best.final(split, m))) for m in METRIC_KEYS]
         pairs += published_pairs(best, split)
         doc.add(kv_table(pairs))
-        doc.add(f"Full config: artifact `config.yaml` of run `{best.run_id}`.")
+        doc.add(f"{study.metric}: the searched value, {SEARCHED_VALUE}; {split} R@K and SumR: the trial's best model. "
+                f"Full config: artifact `config.yaml` of run `{best.run_id}`.")
     if ranked:
         doc.section(f"Top trials ({split})")
         header = ["#", "Trial", "Status", *(f"`{escape(k)}`" for k in keys), *(METRIC_NAMES[m] for m in METRIC_KEYS), study.metric]
@@ -716,7 +799,7 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
                          *(c[i] for c in cols), obj[i]])
         doc.add(md_table(header, rows, ["r", "l", "l", *("r" for _ in keys), *("r" for _ in METRIC_KEYS), "r"]))
         doc.add(f"R@K and SumR: the trial's best model on {split} (— when the trial was stopped early); "
-                f"{study.metric}: the searched value (best over epochs for early-stopped trials)."
+                f"{study.metric}: the searched value, {SEARCHED_VALUE}."
                 + (" " + saturation_note([r.final(split, "r100") for r, _ in top])).rstrip())
     early = [(r, v) for r, v in scored if r.status == "early_stopped"]
     doc.section("Stopped early")
@@ -732,10 +815,11 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
     if isinstance(imp, str):
         doc.add(f"*{escape(imp)}.*")
     else:
-        rows = [[f"`{escape(k)}`", fmt(v, 3)] for k, v in sorted(imp.items(), key=lambda kv: (-round(kv[1], 6), kv[0]))]
+        rows = [[f"`{escape(k)}`", fmt(v, 3)] for k, v in sorted(imp.values.items(), key=lambda kv: (-round(kv[1], 6), kv[0]))]
         doc.add(md_table(["Hyperparameter", "Importance"], rows))
-        doc.add(f"fANOVA (Optuna, seed {opt.seed}) on {len(complete)} trials rebuilt from MLflow; importances sum to 1."
-                + importance_caveat(len(complete)))
+        doc.add(f"fANOVA (Optuna, seed {opt.seed}) on {imp.trials} trials rebuilt from MLflow (every trial with a "
+                f"value of {study.metric}), over the searched keys all of them set; importances sum to 1."
+                + left_out_note(imp, space) + importance_caveat(imp.trials))
     if ranked:
         curves = [(f"{r.trial_id} ({fmt(v, 1)})", study.history(r, study.metric)) for r, v in ranked[:CURVES]]
         if any(points for _, points in curves):
@@ -748,7 +832,8 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
         _search_confidence(doc, study, ranked[:CI_TRIALS], split, opt)
         if _has_groups([ranked[0][0]], split):
             ratio_section(doc, [(f"{ranked[0][0].trial_id} (best)", [ranked[0][0]])], split, "Trial")
-    sweeps = {k: [(_active(space, r).get(k), r) for r, _ in ranked] for k in keys}
+    active = [(_active(space, r), r) for r, _ in ranked]
+    sweeps = {k: [(act[k], r) for act, r in active if k in act] for k in keys}  # a trial that did not set k: none
     sensitivity_section(doc, sweeps, space, split)
     if opt.profile and ranked:
         _profile_section(doc, study, [(f"best ({ranked[0][0].trial_id})", ranked[0][0])], opt)

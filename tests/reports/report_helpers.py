@@ -56,3 +56,30 @@ def sumr_per_query(ranks):
     import numpy as np
 
     return np.array([sum(100.0 for k in (1, 5, 10, 100) if r <= k) for r in ranks])
+
+
+def search_trial(i: int, params: dict, metrics: dict, *, status: str = "finished"):
+    """Trial ``t<i>`` of a search: ``params`` logged as MLflow logs them (``str`` of the value), ``metrics`` as given."""
+    from prvrlab.reports.source import TrialRun
+
+    tags = {"prvrlab.status": status, "prvrlab.trial_id": f"t{i:02d}", "prvrlab.epoch_base": "1"}
+    return TrialRun(f"run{i:02d}", f"trial {i}", "FINISHED", i, tags, {k: str(v) for k, v in params.items()}, metrics)
+
+
+def fake_search(runs, space: dict, *, metric: str = "val/sumr", mode: str = "max", history: dict | None = None):
+    """A search held in memory with the spec's ``space``; ``history`` maps (run id, metric) to its per-epoch
+    [(epoch, value)] (a pair not in it logged none); no run logged ranks."""
+    from prvrlab.reports.source import Study
+
+    class InMemory(Study):
+        def ranks(self, run, split):
+            return None
+
+        def distributions(self, run):
+            return {}
+
+        def history(self, run, key):
+            return list((history or {}).get((run.run_id, key), []))
+
+    params = {"spec.metric": metric, "spec.mode": mode}
+    return InMemory("memory", "parent", "search", "demo", "0", {}, params, {"space": space}, runs)

@@ -17,6 +17,7 @@ concrete model or loss: the valid keys come from the registries.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import itertools
 import math
@@ -188,6 +189,37 @@ def _check_condition(expected: Any, where: str, key_type: Any) -> None:
             raise ConfigError(f"{where}: '{op}' compares numbers but the key is {key_type!r}")
         if op in ("in", "not_in") and not isinstance(value, list):
             raise ConfigError(f"{where}: '{op}' needs a list of values, got {value!r}")
+
+
+def _named_values(expected: Any) -> list[Any]:
+    """The values a ``when`` condition compares with for equality or membership (none for an order)."""
+    if isinstance(expected, dict):
+        ((op, value),) = expected.items()
+        if op in ("in", "not_in"):
+            return list(value)
+        return [] if op in ORDER_OPS else [value]
+    return list(expected) if isinstance(expected, list) else [expected]
+
+
+def _closest_value(value: Any, allowed: tuple[Any, ...]) -> Any:
+    """The allowed value nearest ``value``: by difference among numbers, else by spelling."""
+    numbers = [c for c in allowed if is_number(c)]
+    if is_number(value) and numbers:
+        return min(numbers, key=lambda c: abs(c - value))
+    return max(allowed, key=lambda c: difflib.SequenceMatcher(None, str(value), str(c)).ratio())
+
+
+def _check_condition_values(expected: Any, where: str, condition_param: SearchParam) -> None:
+    """Every value a condition names must be one its key is searched over (a ``choice`` / ``grid`` key):
+    a condition on a value the key never takes would hold never (``==``, a value, ``in``) or always (``!=``,
+    ``not_in``), whatever was meant."""
+    allowed = condition_param.args
+    for value in _named_values(expected):
+        if not any(value == c for c in allowed):
+            raise ConfigError(
+                f"{where}: {value!r} is not a value '{condition_param.key}' is searched over "
+                f"(did you mean {_closest_value(value, allowed)!r}?); searched values: {', '.join(repr(c) for c in allowed)}"
+            )
 
 
 def _base_types(annotation: Any) -> set[Any]:
@@ -488,9 +520,12 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     params: list[SearchParam] = []
     for key, value in space_raw.items():
         param = _param(path, str(key), value, common["base_raw"], keys, base)
-        for cond_key in param.when:
+        for cond_key, expected in param.when.items():
             if cond_key in space_raw and cond_key not in [p.key for p in params]:
                 raise ConfigError(f"{path}: space.{key}.when: '{cond_key}' must be listed before '{key}'")
+            searched = next((p for p in params if p.key == cond_key), None)
+            if searched is not None and searched.kind in ("choice", "grid"):
+                _check_condition_values(expected, f"{path}: space.{key}.when.{cond_key}", searched)
         params.append(param)
 
     budget = _mapping(raw.get("budget"), f"{path}: budget")

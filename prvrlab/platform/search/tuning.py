@@ -78,11 +78,28 @@ class TolerantOptunaSearch(OptunaSearch):
 
     def forget_lost(self, trials: dict[str, RestoredTrial]) -> None:
         """Close FAIL the Optuna trials asked for trials Tune's restored state does not hold
-        (their slots are sampled again): they would otherwise stay RUNNING in the Optuna study."""
+        (their slots are sampled again): they would otherwise stay RUNNING in the Optuna study.
+
+        A grid sampler counts a failed point as visited and never hands it out again, so there the lost
+        trial's point is queued for the next suggestion (with its grid id, so the sampler counts it once it
+        ends): the grid is still trained in full. Telling a grid sampler its last point ended makes it stop
+        the study, which Optuna allows only inside ``optimize``: that stop is ignored here (Tune's budget ends
+        the search), the trial is closed all the same."""
         import optuna
 
+        grid = isinstance(self._ot_study.sampler, optuna.samplers.GridSampler)
         for trial_id in sorted(set(self._ot_trials) - set(trials) - set(self._completed_trials)):
-            self._ot_study.tell(self._ot_trials.pop(trial_id), state=optuna.trial.TrialState.FAIL)
+            ot_trial = self._ot_trials.pop(trial_id)
+            frozen = next(t for t in self._ot_study.get_trials(deepcopy=False) if t.number == ot_trial.number)
+            try:
+                self._ot_study.tell(ot_trial, state=optuna.trial.TrialState.FAIL)
+            except RuntimeError:  # GridSampler.after_trial -> Study.stop() outside optimize; the trial is closed
+                if not grid:
+                    raise
+            if grid and frozen.params:
+                point = {k: frozen.system_attrs[k] for k in ("grid_id", "search_space") if k in frozen.system_attrs}
+                self._ot_study.add_trial(optuna.trial.create_trial(
+                    state=optuna.trial.TrialState.WAITING, system_attrs={"fixed_params": dict(frozen.params), **point}))
 
 
 def _searcher(spec: SearchSpec):

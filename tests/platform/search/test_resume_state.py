@@ -147,3 +147,68 @@ def test_a_restored_ablation_gives_no_cell_twice_and_a_lost_cell_again(tmp_path)
     gen.restore_from_dir(str(tmp_path))
     assert not gen.is_finished()
     assert gen.searcher.suggest("again") == {"cell": "v1/seed0"}  # b's cell, nothing else
+
+
+GRID = [1e-4, 2e-4, 4e-4, 8e-4]
+
+
+def _grid_space(trial) -> dict:
+    return {"train.lr": trial.suggest_categorical("train.lr", GRID)}
+
+
+def _grid() -> ResumableSearchGenerator:
+    """A grid search over GRID as ``tuning._searcher`` builds it, all points at once, a budget of the grid size."""
+    searcher = TolerantOptunaSearch(
+        space=_grid_space,
+        metric="val/sumr", mode="max", sampler=optuna.samplers.GridSampler({"train.lr": GRID}, seed=0), seed=0,
+    )
+    gen = resumable(searcher, max_concurrent=len(GRID))
+    gen._total_samples = len(GRID)
+    return gen
+
+
+def _grid_resumed(tmp_path, ended: list[str], lost: list[str]) -> tuple[ResumableSearchGenerator, dict[str, float]]:
+    """Trials ``ended`` + ``lost`` asked in order, the ended ones completed, the driver killed after Tune saved a
+    trial list without the lost ones; returns the resumed generator and trial id -> lr of the trials asked."""
+    old = _grid()
+    asked = {}
+    for trial_id in ended + lost:
+        asked[trial_id] = old.searcher.suggest(trial_id)["train.lr"]
+        old._counter += 1
+    for trial_id in ended:
+        old.on_trial_complete(trial_id, {"val/sumr": 100.0})
+    old.save_to_dir(str(tmp_path), session_str="s")
+    _write_trials(tmp_path, "s", {t: Trial.TERMINATED for t in ended})
+    gen = _grid()
+    gen.restore_from_dir(str(tmp_path))
+    return gen, asked
+
+
+def _suggest_rest(gen: ResumableSearchGenerator) -> list[float]:
+    """The lr of every trial Tune asks for until the budget is spent."""
+    lrs = []
+    while not gen.is_finished():
+        lrs.append(gen.searcher.suggest(f"new{len(lrs)}")["train.lr"])
+        gen._counter += 1
+    return lrs
+
+
+def test_a_resumed_grid_search_whose_last_point_was_lost_trains_it(tmp_path):
+    """The lost trial held the grid's last unfinished point: closing it FAIL makes the grid sampler stop the
+    study (Study.stop outside optimize raised RuntimeError); the resume goes on and trains that point."""
+    gen, asked = _grid_resumed(tmp_path, ["a", "b", "c"], ["lost"])
+    searcher = gen.searcher.searcher
+    assert "lost" not in searcher._ot_trials
+    states = sorted(t.state.name for t in searcher._ot_study.trials)
+    assert states == ["COMPLETE", "COMPLETE", "COMPLETE", "FAIL", "WAITING"]  # the lost point queued again
+    assert sorted(asked.values()) == sorted(GRID)
+    assert _suggest_rest(gen) == [asked["lost"]]  # the one free slot trains the lost point, nothing else
+
+
+def test_a_resumed_grid_search_trains_every_point_once_more_after_a_lost_trial(tmp_path):
+    """A lost trial mid-grid: its point is trained again (a failed point counts as visited for Optuna's grid
+    sampler, which would hand out the other points only), the remaining points once each."""
+    gen, asked = _grid_resumed(tmp_path, ["a"], ["lost"])
+    rest = _suggest_rest(gen)
+    assert len(rest) == len(GRID) - 1 and rest[0] == asked["lost"]
+    assert sorted([asked["a"], *rest]) == sorted(GRID)

@@ -187,3 +187,51 @@ def test_bad_condition_operator_names_the_key(base, tmp_path):
     }
     with pytest.raises(ConfigError, match=r"space.losses.query_diverse.delta.when.losses.query_diverse.weight"):
         load_search_spec(write_spec(tmp_path, space=space))
+
+
+@pytest.mark.parametrize(
+    "condition, named, closest",
+    [
+        ("at_patiense", "'at_patiense'", "'at_patience'"),
+        ({"==": "oficial"}, "'oficial'", "'official'"),
+        ({"!=": "at-patience"}, "'at-patience'", "'at_patience'"),
+        (["official", "at_patince"], "'at_patince'", "'at_patience'"),
+        ({"not_in": ["oficial"]}, "'oficial'", "'official'"),
+    ],
+)
+def test_a_condition_on_a_value_its_key_is_not_searched_over_names_the_closest(base, tmp_path, condition, named, closest):
+    """A typo in a ``when`` value would make the condition hold never (or always): refused at load."""
+    space = {
+        "train.early_stop": {"choice": ["official", "at_patience"]},
+        "train.early_stop_patience": {"int": [2, 4], "when": {"train.early_stop": condition}},
+    }
+    with pytest.raises(ConfigError) as err:
+        load_search_spec(write_spec(tmp_path, space=space))
+    message = str(err.value)
+    assert "spec.yaml: space.train.early_stop_patience.when.train.early_stop:" in message
+    assert f"{named} is not a value 'train.early_stop' is searched over (did you mean {closest}?)" in message
+    assert "searched values: 'official', 'at_patience'" in message
+
+
+@pytest.mark.parametrize("condition, wrong", [(0.03, 0.03), ({"in": [0.0, 0.0025]}, 0.0025), ({"==": -1}, -1)])
+def test_a_numeric_condition_value_names_the_nearest_searched_value(base, tmp_path, condition, wrong):
+    choices = [0.0, 0.003, 0.01]
+    closest = min(choices, key=lambda c: abs(c - wrong))
+    space = {
+        "losses.query_diverse.weight": {"choice": choices},
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"losses.query_diverse.weight": condition}},
+    }
+    with pytest.raises(ConfigError) as err:
+        load_search_spec(write_spec(tmp_path, space=space))
+    assert f"{wrong!r} is not a value 'losses.query_diverse.weight' is searched over (did you mean {closest!r}?)" in str(err.value)
+
+
+def test_order_conditions_and_keys_not_searched_are_not_checked_against_values(base, tmp_path):
+    """``>`` compares with a threshold, not a value; a base-config key has no searched values to check against."""
+    space = {
+        "losses.query_diverse.weight": {"choice": [0.0, 0.003]},
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"losses.query_diverse.weight": {">": 0.001}}},
+        "losses.query_diverse.alpha": {"choice": [16.0, 32.0], "when": {"train.early_stop": "official"}},
+    }
+    spec = load_search_spec(write_spec(tmp_path, space=space))
+    assert [p.key for p in spec.space] == list(space)
