@@ -41,11 +41,11 @@ class TrainConfig:
     """Optimisation, early stopping and distribution."""
 
     epochs: int = 100
-    batch_size: int = 128  # videos per step, over all workers
+    batch_size: int = 128  # videos per step, over all workers (divisible by num_workers: an equal share each)
     lr: float = 2.5e-4
     weight_decay: float = 0.01
     warmup_proportion: float = 0.01
-    warmup: Literal["official", "shifted"] = "official"  # warm-up multiplier s/W (reference) or (s+1)/W
+    warmup: Literal["official", "shifted"] = "official"  # warm-up multiplier s/W (reference) or min(1, (s+1)/W)
     grad_clip: float = 1.0  # 0: no clipping
     clip_grad: Literal["per_tensor", "global"] = "per_tensor"  # each tensor's norm (reference) or the global norm
     early_stop_patience: int = 10
@@ -66,20 +66,27 @@ class TrainConfig:
 
     def check(self) -> None:
         _positive(self, "epochs", "batch_size", "lr", "num_workers")
-        if self.weight_decay < 0:
-            raise ConfigError("train.weight_decay must be >= 0")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         if not 0 <= self.warmup_proportion < 1:
             raise ConfigError("train.warmup_proportion must be in [0, 1)")
-        if self.grad_clip < 0:
-            raise ConfigError("train.grad_clip must be >= 0 (0 disables clipping)")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ConfigError(f"train.grad_clip must be a finite number >= 0 (0 disables clipping), got {self.grad_clip!r}")
         if self.early_stop_patience < 1:
             raise ConfigError("train.early_stop_patience must be >= 1")
         if self.max_failures < 0:
             raise ConfigError("train.max_failures must be >= 0")
-        if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
-            raise ConfigError("train.cpus_per_worker must be > 0")
+        if self.cpus_per_worker is not None and not (math.isfinite(self.cpus_per_worker) and self.cpus_per_worker > 0):
+            raise ConfigError(f"train.cpus_per_worker must be a finite number > 0, got {self.cpus_per_worker!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError("train.torch_threads must be >= 1")
+        if not 0 <= self.seed < 2**64:  # what torch.manual_seed takes; the training sampler refuses a negative seed
+            raise ConfigError(f"train.seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.batch_size % self.num_workers:
+            raise ConfigError(
+                f"train.batch_size ({self.batch_size}) must be divisible by train.num_workers ({self.num_workers}): "
+                "each worker trains an equal share of every batch"
+            )
         if self.amp == "fp16" and not self.use_gpu:
             raise ConfigError("train.amp: fp16 needs train.use_gpu=true; use bf16 on CPU")
 
@@ -724,8 +731,8 @@ def resolve_extends(raw: dict[str, Any], path: Path, chain: tuple[Path, ...] = (
     ``extends: parent.yaml`` (or a list, merged left to right) names YAML files next to ``path`` or in
     the current directory; a parent may extend others (at most :data:`EXTENDS_DEPTH` deep, no cycle).
     Merging: a mapping merges key by key into the parent's, anything else (lists included) replaces
-    the parent's value; a mapping whose ``name`` (``model``) or ``loss`` (a loss term) differs from the
-    parent's replaces it whole.  ``unset: [losses.clip_nce, plugins.ral]`` removes dotted keys from the
+    the parent's value; a mapping whose ``name`` (``model``) or ``loss`` (a loss term; without ``loss:``
+    the parent's term is named after its loss) differs from the parent's replaces it whole.  ``unset: [losses.clip_nce, plugins.ral]`` removes dotted keys from the
     merged parents first.  ``name`` is never inherited: without its own, a config is named after its
     file.  Only YAML is read (safe loader); nothing in a parent can run code."""
     path = path.resolve()
@@ -757,18 +764,29 @@ def resolve_extends(raw: dict[str, Any], path: Path, chain: tuple[Path, ...] = (
 
 def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``over`` merged into a copy of ``base`` by the rules of :func:`resolve_extends`."""
+    return _merge(base, over, ())
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], where: tuple[str, ...]) -> dict[str, Any]:
+    """:func:`merge_config` of the mappings at the dotted path ``where`` (``()``: the top level)."""
     out = copy.deepcopy(base)
     for key, value in over.items():
         old = out.get(key)
-        if isinstance(value, dict) and isinstance(old, dict) and not _replaces(old, value):
-            out[key] = merge_config(old, value)
+        path = (*where, str(key))
+        if isinstance(value, dict) and isinstance(old, dict) and not _replaces(old, value, path):
+            out[key] = _merge(old, value, path)
         else:
             out[key] = copy.deepcopy(value)
     return out
 
 
-def _replaces(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """A mapping naming another component (backbone ``name``, loss term ``loss``) replaces the old one."""
+def _replaces(old: dict[str, Any], new: dict[str, Any], where: tuple[str, ...]) -> bool:
+    """A mapping naming another component (backbone ``name``, loss term ``loss``) replaces the old one.
+
+    A loss term's loss is its ``loss:`` or else its term name (``losses.<term>``): a child's term that
+    names a loss replaces the parent's term of another loss, whether the parent wrote ``loss:`` or not."""
+    if len(where) == 2 and where[0] == "losses" and "loss" in new:
+        return new["loss"] != old.get("loss", where[1])
     return any(k in old and k in new and old[k] != new[k] for k in ("name", "loss"))
 
 

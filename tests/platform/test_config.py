@@ -215,3 +215,44 @@ def test_plugin_tokens_are_generic():
     raw = _ral_raw(msra=False)
     del raw["losses"]["ral_da"], raw["losses"]["ral_pm"]
     assert plugin_tokens(validate(raw)) == ["ral.csa"]
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ({"train.seed": -1}, "train.seed must be an integer in [0, 2**64), got -1"),
+        ({"train.seed": 2**64}, f"train.seed must be an integer in [0, 2**64), got {2**64}"),
+        ({"train.weight_decay": float("inf")}, "train.weight_decay must be a finite number >= 0, got inf"),
+        ({"train.weight_decay": -0.1}, "train.weight_decay must be a finite number >= 0, got -0.1"),
+        ({"train.cpus_per_worker": float("inf")}, "train.cpus_per_worker must be a finite number > 0, got inf"),
+        ({"train.cpus_per_worker": 0}, "train.cpus_per_worker must be a finite number > 0, got 0.0"),
+        ({"train.grad_clip": float("inf")}, "train.grad_clip must be a finite number >= 0 (0 disables clipping), got inf"),
+    ],
+)
+def test_impossible_train_values_are_refused_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(base(), override))
+    assert needle in str(err.value)
+
+
+def test_impossible_train_values_name_the_set_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(base()))
+    with pytest.raises(ConfigError, match=r"^--set train\.seed: must be an integer in \[0, 2\*\*64\), got -1$"):
+        load_config(path, {"train.seed": -1})
+
+
+@pytest.mark.parametrize("batch_size, workers", [(65, 2), (1, 2), (16, 3), (128, 5)])
+def test_a_batch_size_the_workers_cannot_share_equally_is_refused(batch_size, workers):
+    assert batch_size % workers  # each worker would train batch_size // workers: not the batch_size logged
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(base(), {"train.batch_size": batch_size, "train.num_workers": workers}))
+    assert str(err.value).startswith(
+        f"train.batch_size ({batch_size}) must be divisible by train.num_workers ({workers})"
+    ), err.value
+
+
+@pytest.mark.parametrize("batch_size, workers", [(64, 2), (2, 2), (15, 3), (7, 1)])
+def test_a_batch_size_the_workers_share_equally_is_accepted(batch_size, workers):
+    cfg = validate(apply_overrides(base(), {"train.batch_size": batch_size, "train.num_workers": workers}))
+    assert (cfg.train.batch_size // cfg.train.num_workers) * cfg.train.num_workers == batch_size

@@ -208,3 +208,30 @@ def test_ral_configs_are_the_official_backbone_recipe_plus_ral(backbone, dataset
     for key in ral:
         if key.startswith(("plugins.ral.", "losses.ral_")):
             assert ral[key] == official[key], key
+
+
+def test_a_term_naming_another_loss_replaces_a_parents_term_named_after_its_loss(tmp_path):
+    parent = copy.deepcopy(PARENT)
+    parent["losses"]["query_diverse"] = {"weight": 0.003, "branch": "clip", "alpha": 32.0, "delta": 0.2}  # loss: its name
+    write(tmp_path / "parent.yaml", parent)
+    term = {"loss": "infonce", "weight": 0.05, "branch": "clip"}
+    child = write(tmp_path / "child.yaml", {"extends": "parent.yaml", "losses": {"query_diverse": term}})
+    raw = load_raw(child)
+    assert raw["losses"]["query_diverse"] == term  # query_diverse's alpha and delta are not infonce's
+    assert raw["losses"]["clip_nce"] == PARENT["losses"]["clip_nce"]
+    assert load_config(child).losses["query_diverse"]["loss"] == "infonce"
+
+
+def test_a_term_naming_the_loss_its_parent_is_named_after_merges(tmp_path):
+    parent = copy.deepcopy(PARENT)
+    parent["losses"]["query_diverse"] = {"weight": 0.003, "branch": "clip", "alpha": 32.0, "delta": 0.2}
+    write(tmp_path / "parent.yaml", parent)
+    child = write(tmp_path / "child.yaml", {
+        "extends": "parent.yaml",
+        "losses": {"query_diverse": {"loss": "query_diverse", "delta": 0.3}, "clip_nce": {"weight": 0.5}},
+    })
+    raw = load_raw(child)
+    expected = {**parent["losses"]["query_diverse"], "loss": "query_diverse", "delta": 0.3}
+    assert raw["losses"]["query_diverse"] == expected  # the same loss: key by key
+    assert raw["losses"]["clip_nce"] == {**PARENT["losses"]["clip_nce"], "weight": 0.5}  # no loss: named, kept
+    assert load_config(child).losses["query_diverse"]["alpha"] == 32.0

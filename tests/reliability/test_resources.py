@@ -50,7 +50,7 @@ def test_impossible_request_fails_fast(tiny_root, tmp_path, capsys, override, wo
 @pytest.mark.parametrize(
     "train, cluster, words",
     [
-        ({"num_workers": 3}, {"CPU": 2.0}, ["train.num_workers=3 needs at least 3 CPUs", "the cluster has 2 CPUs"]),
+        ({"num_workers": 3, "batch_size": 15}, {"CPU": 2.0}, ["train.num_workers=3 needs at least 3 CPUs", "the cluster has 2 CPUs"]),
         ({"num_workers": 2, "cpus_per_worker": 1.5}, {"CPU": 2.0}, ["train.cpus_per_worker=1.5 x train.num_workers=2 needs 3 CPUs"]),
         ({"num_workers": 2, "use_gpu": True}, {"CPU": 8.0, "GPU": 1.0}, ["train.use_gpu=true needs 1 GPU per worker, 2 with train.num_workers=2", "has 1 GPUs"]),
     ],

@@ -426,6 +426,8 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
         res_raw, ("workers_per_trial", "cpus_per_worker", "gpus_per_worker", "reuse_workers", "placement_timeout_s", "pack"), f"{path}: resources"
     )
     workers = _number(res_raw.get("workers_per_trial", base.train.num_workers), f"{path}: resources.workers_per_trial", integer=True, minimum=1)
+    if workers != base.train.num_workers:  # every trial trains with train.num_workers = workers_per_trial
+        validate_with(base_raw, {"train.num_workers": workers}, f"{path}: resources.workers_per_trial: {workers}")
     cpus = res_raw.get("cpus_per_worker", base.train.cpus_per_worker)
     if cpus is not None:
         cpus = float(_number(cpus, f"{path}: resources.cpus_per_worker", minimum=0, strict=True))
@@ -506,6 +508,11 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
     return param
 
 
+def _as_trials(common: dict[str, Any]) -> dict[str, Any]:
+    """The base config as the trials train it: with ``train.num_workers`` = ``resources.workers_per_trial``."""
+    return apply_overrides(common["base_raw"], {"train.num_workers": common["resources"].workers_per_trial})
+
+
 def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = None) -> SearchSpec:
     """Read and validate a search spec; raises ConfigError naming the file and key."""
     path, raw = _read_spec(path, "search")
@@ -513,13 +520,14 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     common = _common(path, raw, extra_overrides)
     base = validate(common["base_raw"])
     keys = valid_keys(base)
+    trial_raw = _as_trials(common)
 
     space_raw = _mapping(raw.get("space"), f"{path}: space")
     if not space_raw:
         raise ConfigError(f"{path}: space: expected at least one searched key")
     params: list[SearchParam] = []
     for key, value in space_raw.items():
-        param = _param(path, str(key), value, common["base_raw"], keys, base)
+        param = _param(path, str(key), value, trial_raw, keys, base)
         for cond_key, expected in param.when.items():
             if cond_key in space_raw and cond_key not in [p.key for p in params]:
                 raise ConfigError(f"{path}: space.{key}.when: '{cond_key}' must be listed before '{key}'")
@@ -584,7 +592,7 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
             raise ConfigError(f"{where}: a variant name must be a non-empty string without '/'")
         overrides = _mapping(overrides, where)
         check_override_keys(overrides, base, where)
-        validate_with(common["base_raw"], overrides, where)
+        validate_with(_as_trials(common), overrides, where)
         variants[name] = dict(overrides)
     baseline = raw.get("baseline", next(iter(variants)))
     if baseline not in variants:

@@ -300,7 +300,8 @@ class TrainingLoop:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def restore(self) -> None:
-        """Resume from the session's latest checkpoint (weights, optimiser, schedule, RNG, progress)."""
+        """Resume from the session's latest checkpoint (weights, optimiser, schedule, fp16 gradient scaler, RNG,
+        progress); a checkpoint without the scaler's state (written before it was saved) starts a fresh scaler."""
         with self.session.checkpoint_dir() as ckpt:
             if ckpt is None:
                 return
@@ -310,6 +311,8 @@ class TrainingLoop:
                      ("schedule", self.scheduler, "scheduler")]
             if "losses" in saved:
                 parts.insert(1, ("loss-term state", self.system.losses, "losses"))
+            if "scaler" in saved and self.scaler.is_enabled():
+                parts.append(("fp16 gradient scaler state", self.scaler, "scaler"))
             for what, target, key in parts:
                 try:
                     target.load_state_dict(saved[key])
@@ -546,6 +549,8 @@ class TrainingLoop:
                 "progress": asdict(self.progress),
                 "global_step": self.global_step,
             } | random_state(self.device)
+            if self.scaler.is_enabled():  # fp16: its loss scale and growth count (a disabled scaler has none)
+                state["scaler"] = self.scaler.state_dict()
             torch.save(state, tmp / "state.pt")
             self.session.report(metrics, tmp)
 
@@ -569,7 +574,10 @@ class TrainingLoop:
         self.restore()
         train_model = self.wrap()
         self.setup_s = time.perf_counter() - t0
-        for epoch in range(self.progress.epoch + 1, self.cfg.train.epochs):
+        first = self.progress.epoch + 1
+        if self.should_stop():  # restored after the early stop (a crash in the final round): only that round is left
+            first = self.cfg.train.epochs
+        for epoch in range(first, self.cfg.train.epochs):
             t0 = time.perf_counter()
             metrics: dict[str, Any] = self.epoch_start(epoch)
             train_metrics, failure = self.train_epoch(epoch, train_model)
@@ -661,9 +669,11 @@ def run_local(
     """Run the loop in this process without Ray (single rank); a dict is validated first.
 
     ``on_report`` gets every reported round, ``on_progress`` every step's in-epoch progress,
-    ``sync_to`` (an object-store URI) the run files.
+    ``sync_to`` (an object-store URI) the run files.  The worker has ``train.cpus_per_worker`` CPUs, as
+    a Ray worker (its torch threads: that rounded up, unless ``train.torch_threads``); unset: 1.
     """
     cfg = experiment if isinstance(experiment, ExperimentConfig) else validate(experiment)
     session = LocalSession(Path(run_dir) / "local_session", on_report=on_report, on_progress=on_progress)
-    train_worker({"experiment": cfg, "run_dir": str(run_dir), "sync_to": sync_to}, session)
+    cpus = cfg.train.cpus_per_worker if cfg.train.cpus_per_worker is not None else 1.0
+    train_worker({"experiment": cfg, "run_dir": str(run_dir), "cpus_per_worker": cpus, "sync_to": sync_to}, session)
     return session

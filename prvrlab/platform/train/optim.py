@@ -127,7 +127,8 @@ def warmup_linear(total_steps: int, warmup_proportion: float, warmup: Warmup = "
     linear decay (T - s) / (T - W) to 0.
 
     Warm-up ``official`` (the reference): s / W, so the first step has lr 0;
-    ``shifted``: (s + 1) / W, so no step is wasted and step W - 1 reaches the full lr.
+    ``shifted``: min(1, (s + 1) / W), so no step is wasted and step ceil(W) - 1 (W - 1 for a
+    whole W) reaches the full lr, never more (a fractional W would otherwise overshoot it).
     """
     if warmup not in WARMUPS:
         raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, got {warmup!r}")
@@ -137,7 +138,7 @@ def warmup_linear(total_steps: int, warmup_proportion: float, warmup: Warmup = "
 
     def factor(step: int) -> float:
         if length > 0 and step < length:
-            return (step + shift) / length
+            return min(1.0, (step + shift) / length)
         if total_steps <= length:
             return 1.0
         return max(0.0, (total_steps - step) / (total_steps - length))

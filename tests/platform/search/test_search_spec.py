@@ -235,3 +235,17 @@ def test_order_conditions_and_keys_not_searched_are_not_checked_against_values(b
     }
     spec = load_search_spec(write_spec(tmp_path, space=space))
     assert [p.key for p in spec.space] == list(space)
+
+
+def test_a_batch_the_trials_workers_cannot_share_equally_is_refused_at_load(base, tmp_path):
+    """Trials train with train.num_workers = resources.workers_per_trial: the base's batch size and every
+    searched one must divide by it (the base alone, with one worker, validated)."""
+    odd = {"overrides": {"train.batch_size": 15}}
+    assert load_search_spec(write_spec(tmp_path, **odd)).resources.workers_per_trial == 1
+    with pytest.raises(ConfigError, match=r"resources.workers_per_trial: 2: .*train.batch_size \(15\) must be divisible by train.num_workers \(2\)"):
+        load_search_spec(write_spec(tmp_path, **odd, resources={"workers_per_trial": 2}))
+    searched = {"space": {"train.batch_size": {"choice": [16, 15]}}, "resources": {"workers_per_trial": 2}}
+    with pytest.raises(ConfigError, match=r"space.train.batch_size.*divisible by train.num_workers \(2\)"):
+        load_search_spec(write_spec(tmp_path, **searched))
+    spec = load_search_spec(write_spec(tmp_path, space={"train.batch_size": {"choice": [16, 32]}}, resources={"workers_per_trial": 2}))
+    assert spec.resources.workers_per_trial == 2

@@ -138,3 +138,21 @@ def test_scheduler_drives_the_learning_rate():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([1.0 - i / 10 for i in range(10)])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("total, proportion", [(120, 0.01), (50, 0.05), (40, 0.01)])  # W = 1.2, 2.5, 0.4
+def test_shifted_warmup_with_a_fractional_length_never_exceeds_the_full_lr(total, proportion):
+    W = proportion * total
+    expected = []
+    for s in range(total + 1):
+        if s < W:
+            expected.append(min(1.0, (s + 1) / W))  # (s + 1) / W reaches 1 before s reaches W: held there
+        else:
+            expected.append((total - s) / (total - W))
+    f = warmup_linear(total, proportion, "shifted")
+    factors = [f(s) for s in range(total + 1)]
+    assert factors == pytest.approx(expected)
+    assert max(factors) == pytest.approx(1.0)  # the peak is the configured lr, not 1 / (W - floor(W)) times it
+    assert factors[math.ceil(W) - 1] == pytest.approx(1.0)  # the last warm-up step reaches the full lr
+    assert all(a <= b + 1e-12 for a, b in zip(factors, factors[1:math.ceil(W)]))  # warm-up only rises

@@ -81,7 +81,7 @@ def assert_epochs_count_from_one(result, run, lines: list[str], raw: dict) -> No
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/sumr")] == list(range(1, n + 1))
     assert run.data.tags["prvrlab.epoch_base"] == "1"
     blob = torch.load(result.run_dir / "best_model.pt", map_location="cpu", weights_only=True)
-    assert blob["format"] == CHECKPOINT_FORMAT == 7 and blob["epoch"] == best == checkpoint_epoch(blob)
+    assert blob["format"] == CHECKPOINT_FORMAT == 8 and blob["epoch"] == best == checkpoint_epoch(blob)
 
 
 @LOSSES.register("test_nan")
