@@ -133,8 +133,20 @@ class BranchLinear(nn.Module):
         return branch_mlp(x, self, None, branches)
 
 
-def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, branches: slice = slice(None)) -> Tensor:
+def branch_mlp(
+    x: Tensor,
+    first: BranchLinear,
+    second: BranchLinear | None,
+    branches: slice = slice(None),
+    draw: Tensor | None = None,
+    p: float = 0.0,
+) -> Tensor:
     """``second(relu(first(x)))`` per branch, or ``first(x)`` without ``second``: (k, N, in) -> (k, N, out).
+
+    ``draw`` (k, N, hidden), with ``second``: a :func:`dropout_draw` for dropout ``p`` on the ReLU's
+    output, inside the MLP (GMMFormer v2's reference ``FeedForward``: Linear -> ReLU -> Dropout ->
+    Linear); every path below applies it, turning one branch's slice of the draw into its mask at a
+    time.
 
     The branches run one at a time, each bias added inside its GEMM and, on a
     CPU with oneDNN, the ReLU fused into the first GEMM.  At inference one
@@ -149,18 +161,30 @@ def branch_mlp(x: Tensor, first: BranchLinear, second: BranchLinear | None, bran
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     layers = (first,) if second is None else (first, second)
+    if draw is not None and (second is None or p <= 0):
+        draw = None
     with torch.autocast(device, enabled=False):
         params = [weight_cast(t, dtype, branches) for layer in layers for t in (layer.weight, layer.bias)]
         x = x.to(dtype)  # (k, N, in)
         if not torch.is_grad_enabled():
-            return _branch_forward(x, *params)[0]
+            return _branch_forward(x, *params, draw=draw, p=p)[0]
         if device == "cpu":
-            return _BranchGemms.apply(x, *params)
-        return _batched_mlp(x, *params)
+            return _BranchGemms.apply(x, *params, draw, p)
+        return _batched_mlp(x, *params, draw=draw, p=p)
 
 
-def _branch_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor | None = None, b2: Tensor | None = None, keep: bool = False):
-    """(k, N, out) output of :func:`branch_mlp` by per-branch GEMMs, and the (N, hidden) ReLU outputs if ``keep``.
+def _branch_forward(
+    x: Tensor,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor | None = None,
+    b2: Tensor | None = None,
+    keep: bool = False,
+    draw: Tensor | None = None,
+    p: float = 0.0,
+):
+    """(k, N, out) output of :func:`branch_mlp` by per-branch GEMMs, and the (N, hidden) second-GEMM inputs
+    (the ReLU outputs, dropped where ``draw`` is given) if ``keep``.
 
     x (k, N, in), w1 (k, hidden, in), b1 (k, hidden), w2 (k, out, hidden), b2 (k, out): one dtype."""
     last_w, last_b = (w1, b1) if w2 is None else (w2, b2)
@@ -170,19 +194,32 @@ def _branch_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor | None = None,
         h = x[k]  # (N, in)
         if w2 is not None:
             h = _linear_relu(h, w1[k], b1[k])  # (N, hidden)
+            if draw is not None:
+                h = h.mul_(mask_from_draw(draw[k], p, h.dtype))  # in place: the ReLU's output is not kept
             if keep:
                 hidden.append(h)
         torch.addmm(last_b[k], h, last_w[k].t(), out=y[k])
     return y, hidden
 
 
-def _batched_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
+def _batched_mlp(
+    x: Tensor,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor | None = None,
+    b2: Tensor | None = None,
+    draw: Tensor | None = None,
+    p: float = 0.0,
+) -> Tensor:
     """:func:`branch_mlp` as batched GEMMs with autograd (arguments as :func:`_branch_forward`)."""
     h = torch.baddbmm(b1[:, None, :], x, w1.transpose(1, 2))  # (k, N, hidden)
     if w2 is None:
         return h
     # ReLU in place: the GEMM's output is not needed by its backward
-    return torch.baddbmm(b2[:, None, :], F.relu(h, inplace=True), w2.transpose(1, 2))  # (k, N, out)
+    h = F.relu(h, inplace=True)
+    if draw is not None:
+        h = h * mask_from_draw(draw, p, h.dtype)
+    return torch.baddbmm(b2[:, None, :], h, w2.transpose(1, 2))  # (k, N, out)
 
 
 class _BranchGemms(torch.autograd.Function):
@@ -191,15 +228,29 @@ class _BranchGemms(torch.autograd.Function):
     Every tensor in one dtype.  One 2-D GEMM per branch and per product, biases inside the forward
     GEMMs, the ReLU fused into the first and its backward applied to one branch's (N, hidden)
     gradient at a time (the batched form holds all k).  The ReLU's output is saved once, as the
-    second GEMM's input.  v2's branch FFN, (8, 9786, 384) through 1,536 hidden units in bf16 on a
+    second GEMM's input.  With a dropout ``draw`` (dropout ``p`` after the ReLU) the saved input is
+    the dropped ReLU output ``d``: ``d > 0`` exactly where the ReLU and the mask both pass, so the ReLU's
+    and the dropout's backward are one ``threshold_backward`` on ``d`` times 1/(1-p); nothing more is
+    saved.  v2's branch FFN, (8, 9786, 384) through 1,536 hidden units in bf16 on a
     noisy AMX CPU, forward + backward, 20 alternating pairs: 1.04x the batched GEMMs' speed (median of
     the pairs' ratios; best 0.94 vs 1.01 s), with one branch's (N, hidden) gradient alive instead of k.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
-        y, hidden = _branch_forward(x, w1, b1, w2, b2, keep=True)  # (k, N, out), k x (N, hidden)
+    def forward(
+        ctx,
+        x: Tensor,
+        w1: Tensor,
+        b1: Tensor,
+        w2: Tensor | None = None,
+        b2: Tensor | None = None,
+        draw: Tensor | None = None,
+        p: float = 0.0,
+    ) -> Tensor:
+        y, hidden = _branch_forward(x, w1, b1, w2, b2, keep=True, draw=draw, p=p)  # (k, N, out), k x (N, hidden)
         ctx.save_for_backward(x, w1, w2, *hidden)
+        # the multiplier as mask_from_draw rounds it to the dtype (bf16: 1/(1-p) is rarely exact)
+        ctx.scale = None if draw is None else float(torch.tensor(1.0 / (1.0 - p), dtype=x.dtype))
         return y
 
     @staticmethod
@@ -217,13 +268,15 @@ class _BranchGemms(torch.autograd.Function):
                 h = hidden[k]  # (N, hidden)
                 torch.mm(gh.t(), h, out=gw2[k])
                 gh = torch.ops.aten.threshold_backward(torch.mm(gh, w2[k]), h, 0)
+                if ctx.scale is not None:  # the kept elements' dropout scale (dropped ones: h = 0, cut above)
+                    gh = gh.mul_(ctx.scale)
             torch.sum(gh, 0, out=gb1[k])
             torch.mm(gh.t(), x[k], out=gw1[k])
             if need_x:
                 torch.mm(gh, w1[k], out=gx[k])
         if w2 is None:
-            return gx, gw1, gb1, None, None
-        return gx, gw1, gb1, gw2, g.sum(1)
+            return gx, gw1, gb1, None, None, None, None
+        return gx, gw1, gb1, gw2, g.sum(1), None, None
 
 
 def _linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:

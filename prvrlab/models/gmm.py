@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prvrlab.checks import check_positive_int
+from prvrlab.checks import check_bool, check_choice, check_positive_int
 from prvrlab.models import window_softmax
 from prvrlab.models.blocks import (
     BranchLinear,
@@ -88,6 +88,15 @@ Window = Literal["official", "centred", "official_raw"]
 WINDOWS: tuple[str, ...] = ("official", "centred", "official_raw")
 MIN_SIGMA = 1e-2  # the reference clamps every width to at least this before dividing by 9
 WindowLength = Literal["real", "padded"] | int
+FfnActivation = Literal["gelu", "relu"]
+FFN_ACTIVATIONS: tuple[str, ...] = ("gelu", "relu")
+
+
+def ffn_inner(activation: FfnActivation, dropout: float = 0.0) -> nn.Module:
+    """The parameter-free middle of a ``Linear -> activation [-> Dropout] -> Linear`` FFN, one module so the
+    FFN's Linear layers keep their ``0`` / ``2`` indices (and checkpoint keys) with or without the dropout."""
+    act = nn.GELU() if check_choice(activation, "ffn_activation", FFN_ACTIVATIONS) == "gelu" else nn.ReLU()
+    return nn.Sequential(act, Dropout(dropout)) if dropout > 0 else act
 
 
 def check_window(window: str, window_length: WindowLength) -> None:
@@ -306,7 +315,11 @@ class GaussianAttention(nn.Module):
     every branch, (K, N, D).  The Q/K/V projections of all branches are one
     Linear(D, 3*K*D) whose output features are laid out ``[Q | K | V]``, each
     as (K branches, H heads, d_h); the output projections are one
-    :class:`BranchLinear` (one batched GEMM).  ``dropout`` applies to the
+    :class:`BranchLinear` (one batched GEMM).  ``out_projection=False``: no
+    output projection, the branch returns the merged heads ``a_k`` themselves
+    (GMMFormer v2's reference ``BertAttention``, whose ``BertSelfAttention``
+    ends with the heads; no ``out`` parameters; every path below unchanged,
+    the merge is their last step).  ``dropout`` applies to the
     attention probabilities.  ``window`` / ``window_length``: the Gaussian
     windows (module docstring).  Logits and softmax run in the projections'
     dtype (bf16 under autocast; the softmax kernel accumulates in fp32),
@@ -329,10 +342,12 @@ class GaussianAttention(nn.Module):
         dropout: float = 0.0,
         window: Window = "official",
         window_length: WindowLength = "padded",
+        out_projection: bool = True,
     ) -> None:
         super().__init__()
         check_positive_int(hidden_size, "hidden_size")
         check_window(window, window_length)
+        check_bool(out_projection, "out_projection")
         check_positive_int(num_heads, "num_heads")
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
@@ -344,7 +359,9 @@ class GaussianAttention(nn.Module):
         self.plain = all(math.isinf(s) for s in self.sigmas)
         self.window, self.window_length = window, window_length
         self.qkv = nn.Linear(hidden_size, 3 * self.num_branches * hidden_size)
-        self.out = BranchLinear(num_branches=self.num_branches, in_dim=hidden_size, out_dim=hidden_size)
+        self.out: BranchLinear | None = None
+        if out_projection:
+            self.out = BranchLinear(num_branches=self.num_branches, in_dim=hidden_size, out_dim=hidden_size)
         self.attn_dropout = Dropout(dropout, name="attention_dropout")
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -495,7 +512,8 @@ class GaussianAttention(nn.Module):
             ctx = self._attend_fast(q, k, v, packing, sigmas, draw)
         else:
             ctx = self._attend(q, k, v, packing, sigmas, draw)  # (B, k, H, L, Dh)
-        return self.out(_MergeHeads.apply(ctx, rows, positions), branches)  # (k, N, D)
+        merged = _MergeHeads.apply(ctx, rows, positions)  # (k, N, D)
+        return merged if self.out is None else self.out(merged, branches)  # (k, N, D)
 
 
 class GMMBlock(PackedLayer):
@@ -510,7 +528,14 @@ class GMMBlock(PackedLayer):
     the residual branches, ``attention_dropout`` to the attention
     probabilities (off by default: on CPU it costs several passes over the
     (B, K, H, L, L) attention tensor).  ``window`` / ``window_length``: the
-    Gaussian windows (module docstring).
+    Gaussian windows (module docstring).  ``ffn_activation``: the FFN's
+    activation, ``gelu`` (the default) or ``relu``; ``ffn_dropout``: dropout
+    (rate ``dropout``) on the activation's output too, inside the FFN, as
+    GMMFormer v2's reference ``FeedForward`` (Linear -> ReLU -> Dropout ->
+    Linear; the FFN keeps its ``ffn.0`` / ``ffn.2`` keys under both);
+    ``out_projection``: the attention's output projection
+    (:class:`GaussianAttention`).  The defaults are what every backbone but
+    GMMFormer v2 uses.
     """
 
     norm_parameters: ClassVar[tuple[str, ...]] = ("norm_weight", "norm_bias")  # LayerNorm affines: no weight decay
@@ -526,9 +551,14 @@ class GMMBlock(PackedLayer):
         ffn_size: int | None = 0,
         window: Window = "official",
         window_length: WindowLength = "padded",
+        ffn_activation: FfnActivation = "gelu",
+        ffn_dropout: bool = False,
+        out_projection: bool = True,
     ) -> None:
         super().__init__()
         ffn_size = resolve_ffn_size(ffn_size, hidden_size)
+        check_choice(ffn_activation, "ffn_activation", FFN_ACTIVATIONS)
+        check_bool(ffn_dropout, "ffn_dropout")
         self.attention = GaussianAttention(
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -536,6 +566,7 @@ class GMMBlock(PackedLayer):
             dropout=attention_dropout,
             window=window,
             window_length=window_length,
+            out_projection=out_projection,
         )
         K = self.attention.num_branches
         self.dropout = Dropout(dropout)
@@ -543,7 +574,8 @@ class GMMBlock(PackedLayer):
         self.norm_bias = nn.Parameter(torch.zeros(K, hidden_size))
         self.ffn: nn.Module | None = None
         if ffn_size:
-            self.ffn = nn.Sequential(nn.Linear(hidden_size, ffn_size), nn.GELU(), nn.Linear(ffn_size, hidden_size))
+            inner = ffn_inner(ffn_activation, dropout if ffn_dropout else 0.0)
+            self.ffn = nn.Sequential(nn.Linear(hidden_size, ffn_size), inner, nn.Linear(ffn_size, hidden_size))
             self.ffn_norm = nn.LayerNorm(hidden_size)
 
     @property
@@ -579,7 +611,9 @@ class TransformerLayer(GMMBlock):
 
     ``ffn_size``: the feed-forward width, None (the default): 4 * hidden_size;
     0 leaves only the attention sublayer (a BERT attention layer, as the
-    reference query encoders).
+    reference query encoders).  ``ffn_activation`` / ``ffn_dropout`` /
+    ``out_projection``: as :class:`GMMBlock` (GMMFormer v2 sets them to its
+    reference's ReLU FFN with inner dropout and no output projection).
     """
 
     def __init__(
@@ -590,6 +624,9 @@ class TransformerLayer(GMMBlock):
         dropout: float = 0.1,
         attention_dropout: float = 0.0,
         ffn_size: int | None = None,
+        ffn_activation: FfnActivation = "gelu",
+        ffn_dropout: bool = False,
+        out_projection: bool = True,
     ) -> None:
         super().__init__(
             hidden_size=hidden_size,
@@ -598,4 +635,7 @@ class TransformerLayer(GMMBlock):
             dropout=dropout,
             attention_dropout=attention_dropout,
             ffn_size=ffn_size,
+            ffn_activation=ffn_activation,
+            ffn_dropout=ffn_dropout,
+            out_projection=out_projection,
         )

@@ -6,14 +6,16 @@ reference code; the paper's Sec. 3.1).  Clip branch: clips -> InputProjection
 -> positional embedding -> ``num_blocks`` TC-GMMBlocks -> (B, Lc, D); score =
 max cosine over the clips.  Frame branch: frames -> InputProjection ->
 positional embedding -> TC-GMMBlocks (padding skipped) -> (B, Lf, D) with a
-mask; score = max cosine over the *real* frames (padding never wins, unlike
-the reference code, REFERENCE.md section 9).
+mask; score = max cosine over the frames (``frame_padding: official``: over
+all ``max_frames`` positions, padding scoring 0, as the reference code;
+``masked``: over the real frames only, REFERENCE.md section 9).
 
 A TC-GMMBlock runs K Gaussian-constrained transformer layers in parallel on
 the same input (one per width in ``sigmas``; ``inf`` = plain attention), each
 ``y_k = LN2_k(h_k + FFN_k(h_k))`` with ``h_k = LN1_k(x + GaussAttn_k(x))``
-(post-norm, ReLU FFN of width ``ffn_size``, per-branch weights), and then
-aggregates the K outputs with one of the paper's strategies (Table 4):
+(post-norm, FFN ``Linear -> ReLU -> Dropout -> Linear`` of width ``ffn_size``,
+per-branch weights), and then aggregates the K outputs with one of the
+paper's strategies (Table 4):
 
 * ``average``  - the mean over branches (GMMFormer's static aggregation, AP);
 * ``learned``  - softmax(w / tau) with one learned logit per branch (WA);
@@ -30,18 +32,30 @@ projecting any key: ``q . W_k x = (W_k^T q) . x`` per head, and the values are
 projected after pooling (``sum_j a_j W_v x_j = W_v sum_j a_j x_j``), which
 makes its cost negligible next to the branches.
 
-Differences from the reference code, not switched yet (docs/parity.md,
-"Differences not switched (yet)"): the branches', query layer's and
-cross-attention's self-attention have an output projection (the reference has
-none); the query layer's FFN is GELU (the reference's ReLU); no dropout
-inside the FFNs and, by default, none on attention probabilities (both cost
-full passes over the largest tensors on CPU); each TC-GMMBlock learns its own
-phi (the reference shares one weight token).  The paper's appendix writes
-the Gaussian blocks pre-norm, the reference code (followed here) post-norm.
-The Gaussian windows follow the reference by default (``window: official``
-over the padded span, ``max_frames`` for frames); ``window: centred`` with
-``window_length: real`` centres each row on its diagonal and spans each
-video's real length.
+The layers follow the reference code (``model_components.py``) by default:
+every self- and cross-attention closes with ``LN(x + Dropout(heads))``, no
+output projection (``BertAttention`` / ``BertCrossAttention``); every FFN is
+``Linear -> ReLU -> Dropout -> Linear`` (``FeedForward``; the cross-attention's
+is D wide); the cross-attention's probabilities get ``attention_dropout``
+like every other attention's; one weight token phi serves every TC-GMMBlock,
+clip and frame (``model.py``'s ``weight_token``).  What prvrlab built before
+checkpoint format 8 is one switch each (docs/parity.md): ``attention_output:
+projected`` (a learned D x D output projection after the branches', query
+layer's and cross-attention's heads), ``query_activation: gelu``,
+``ffn_dropout: false``, ``cross_attention_dropout: false``, ``weight_token:
+per_block``; files written before format 8 are evaluated with those
+(``BEFORE_FORMAT[8]``).  Every fast path serves both settings: the
+projection is the last step of :class:`~prvrlab.models.gmm.GaussianAttention`
+(skipped without it), the FFN dropout runs inside
+:func:`~prvrlab.models.blocks.branch_mlp`'s per-branch GEMMs (its draw taken
+with the residual ones, so activation checkpointing keeps the masks), the
+cross-attention's dropout on its (B, L, K, H) probabilities.  The backbone's
+``attention_dropout`` default is 0 (the reference ties it to ``drop``; the
+dataset configs set it).  The paper's appendix writes the Gaussian blocks
+pre-norm, the reference code (followed here) post-norm.  The Gaussian windows
+follow the reference by default (``window: official`` over the padded span,
+``max_frames`` for frames); ``window: centred`` with ``window_length: real``
+centres each row on its diagonal and spans each video's real length.
 """
 
 from __future__ import annotations
@@ -55,7 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from prvrlab.checks import check_bool, check_number, check_positive_int
+from prvrlab.checks import check_bool, check_choice, check_number, check_positive_int
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
@@ -76,7 +90,15 @@ from prvrlab.models.blocks import (
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
-from prvrlab.models.gmm import GaussianAttention, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
+from prvrlab.models.gmm import (
+    GaussianAttention,
+    TransformerLayer,
+    Window,
+    WindowLength,
+    check_window,
+    ffn_inner,
+    parse_sigmas,
+)
 from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores
 from prvrlab.registry import BACKBONES
 
@@ -97,31 +119,70 @@ class LearnedQueryAttention(nn.Module):
     """A learned query vector phi cross-attends to each branch's output sequence.
 
     Input (K, N, D) packed branch outputs; output (B, K, D): one summary per
-    video and branch, ``LN2(s + FFN(s))`` with ``s = LN1(phi + W_o MHA(phi, X_k))``
+    video and branch, ``LN2(s + FFN(s))`` with ``s = LN1(phi + MHA(phi, X_k))``
     (multi-head attention over the real tokens only; a transformer
-    cross-attention layer with one query, as the reference's block-aware CA).
+    cross-attention layer with one query, as the reference's block-aware CA,
+    ``BertCrossAttention``).  The FFN is D -> D -> D with ReLU (the
+    reference's ``FeedForward(D, int(1 * D))``).  ``out_projection``: a
+    learned output projection ``W_o`` after the heads (the reference has
+    none); ``ffn_dropout``: dropout (rate ``dropout``) after the FFN's ReLU
+    (the reference's); ``attention_dropout``: dropout on the attention
+    probabilities (the reference's ``attention_probs_dropout_prob``).  The
+    defaults are the reference's, ``attention_dropout`` aside (the backbone
+    passes its own).
     """
 
-    def __init__(self, *, hidden_size: int, num_heads: int, dropout: float) -> None:
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        dropout: float,
+        out_projection: bool = False,
+        ffn_dropout: bool = True,
+        attention_dropout: float = 0.0,
+    ) -> None:
         super().__init__()
+        check_bool(out_projection, "out_projection")
+        check_bool(ffn_dropout, "ffn_dropout")
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.phi = nn.Parameter(torch.randn(hidden_size))  # N(0, 1) as the reference's weight token
         self.query = nn.Linear(hidden_size, hidden_size)
         self.key = nn.Linear(hidden_size, hidden_size, bias=False)  # a key bias cancels in the softmax
         self.value = nn.Linear(hidden_size, hidden_size)
-        self.out = nn.Linear(hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, hidden_size) if out_projection else None
         self.norm1 = nn.LayerNorm(hidden_size)
-        self.ffn = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.ReLU(), nn.Linear(hidden_size, hidden_size))
+        inner = ffn_inner("relu", dropout if ffn_dropout else 0.0)  # ffn.0 / ffn.2 either way
+        self.ffn = nn.Sequential(nn.Linear(hidden_size, hidden_size), inner, nn.Linear(hidden_size, hidden_size))
         self.norm2 = nn.LayerNorm(hidden_size)
         self.dropout = Dropout(dropout)
+        self.attn_dropout = Dropout(attention_dropout, name="attention_dropout")
+        self._token_owner: list[tuple[nn.Module, str]] = []
+
+    @property
+    def token(self) -> Tensor:
+        """The learned query token: this layer's ``phi``, or the owner's parameter :meth:`use_token` named."""
+        if self.phi is not None:
+            return self.phi
+        owner, name = self._token_owner[0]
+        return getattr(owner, name)
+
+    def use_token(self, owner: nn.Module, name: str) -> None:
+        """Read the query token from ``owner``'s parameter ``name`` (the backbone's shared ``weight_token``),
+        read at every call (so a parameter the owner swaps in is followed), instead of an own ``phi``,
+        which is dropped (no ``phi`` key then).  A plain list holds the owner: not registered here, so the
+        parameter is listed, optimised and checkpointed once."""
+        self.register_parameter("phi", None)
+        self._token_owner = [(owner, name)]
 
     def forward(self, x: Tensor, packing: Packing) -> Tensor:
         """(K, N, D) packed branch outputs -> (B, K, D) summaries."""
         K, N, D = x.shape
         B, L, H, Dh = packing.batch, packing.length, self.num_heads, self.head_dim
         # F.linear rather than self.query(phi): module hooks (e.g. FlopCounterMode's) choke on a bare leaf input
-        q = F.linear(self.phi, self.query.weight, self.query.bias).view(H, Dh)  # (H, Dh)
+        phi = self.token  # (D,)
+        q = F.linear(phi, self.query.weight, self.query.bias).view(H, Dh)  # (H, Dh)
         # logits_h(j) = (W_k x_j)_h . q_h / sqrt(Dh) = x_j . (W_k,h^T q_h) / sqrt(Dh)
         u = torch.einsum("hed,he->hd", self.key.weight.view(H, Dh, D), q) / math.sqrt(Dh)  # (H, D)
         logits = torch.matmul(x, u.t().to(x.dtype))  # (K, N, H)
@@ -132,6 +193,7 @@ class LearnedQueryAttention(nn.Module):
         probs = torch.softmax(logits, dim=1)  # (B, L, K, H)
         if not packing.is_full:
             probs = probs * packing.mask[:, :, None, None]  # rows without real tokens pool to zero
+        probs = self.attn_dropout(probs)  # (B, L, K, H); identity at inference or rate 0
         # the tokens unpacked branch-major: each (branch, video) product reads a contiguous (L, D) block, where
         # a (B, L, K, D) layout was copied to (B, K, L, D) for the products and its gradient copied back
         # (forward + backward of v2's (8, ~9.8k, 384) branches over 128 videos: 1.19x bf16, 1.22x fp32)
@@ -140,7 +202,9 @@ class LearnedQueryAttention(nn.Module):
         w_v = self.value.weight.view(H, Dh, D)
         ctx = torch.einsum("kbhd,hed->bkhe", pooled, w_v.to(pooled.dtype)).reshape(B, K, D)  # (B, K, D)
         ctx = ctx + self.value.bias.to(ctx.dtype)
-        s = self.norm1(self.phi + self.dropout(self.out(ctx)))  # (B, K, D)
+        if self.out is not None:
+            ctx = self.out(ctx)
+        s = self.norm1(phi + self.dropout(ctx))  # (B, K, D)
         return self.norm2(s + self.dropout(self.ffn(s)))  # (B, K, D)
 
 
@@ -152,7 +216,13 @@ class TCGMMBlock(PackedLayer):
     (:class:`BranchLinear`); token-wise work runs on packed real tokens.
     ``max_len`` bounds the sequence length (the temporal consolidation has one
     output per time step); ``window`` / ``window_length``: the Gaussian
-    windows (:mod:`prvrlab.models.gmm`).
+    windows (:mod:`prvrlab.models.gmm`).  ``out_projection``: a learned output
+    projection after each branch's and the cross-attention's heads (the
+    reference has none); ``ffn_dropout``: dropout (rate ``dropout``) after
+    the ReLU inside each branch's and the cross-attention's FFN (the
+    reference's); ``cross_attention_dropout``: ``attention_dropout`` on the
+    cross-attention's probabilities too (the reference's).  The defaults are
+    the reference's.
     """
 
     norm_parameters: ClassVar[tuple[str, ...]] = ("norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")
@@ -172,13 +242,23 @@ class TCGMMBlock(PackedLayer):
         max_len: int = 128,
         window: Window = "official",
         window_length: WindowLength = "padded",
+        out_projection: bool = False,
+        ffn_dropout: bool = True,
+        cross_attention_dropout: bool = True,
     ) -> None:
         super().__init__()
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+        check_bool(cross_attention_dropout, "cross_attention_dropout")
+        self.ffn_dropout = check_bool(ffn_dropout, "ffn_dropout")
         window_args = {"window": window, "window_length": window_length}
         self.attention = GaussianAttention(
-            hidden_size=hidden_size, num_heads=num_heads, sigmas=sigmas, dropout=attention_dropout, **window_args
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            sigmas=sigmas,
+            dropout=attention_dropout,
+            out_projection=out_projection,
+            **window_args,
         )
         K = self.attention.num_branches
         F_ = check_tcgmm_ffn_size(ffn_size, hidden_size)
@@ -198,7 +278,14 @@ class TCGMMBlock(PackedLayer):
         if aggregation == "learned":
             self.branch_logits = nn.Parameter(torch.zeros(K))  # uniform at start
         elif aggregation in ("dynamic", "temporal"):
-            self.summary = LearnedQueryAttention(hidden_size=hidden_size, num_heads=num_heads, dropout=dropout)
+            self.summary = LearnedQueryAttention(
+                hidden_size=hidden_size,
+                num_heads=num_heads,
+                dropout=dropout,
+                out_projection=out_projection,
+                ffn_dropout=ffn_dropout,
+                attention_dropout=attention_dropout if cross_attention_dropout else 0.0,
+            )
             out = 1 if aggregation == "dynamic" else max_len
             self.weight_head = nn.Sequential(
                 nn.Linear(hidden_size, hidden_size), nn.ReLU(), Dropout(dropout), nn.Linear(hidden_size, out)
@@ -222,9 +309,12 @@ class TCGMMBlock(PackedLayer):
         # Under autocast the (K, N, D) residual stream stays in the autocast dtype (LayerNorm keeps its
         # input's dtype and accumulates in float32): no float32 <-> bf16 copies of the largest tensors.
         x = autocast_input(x)  # (N, D)
+        F_ = self.ffn_in.weight.shape[1]
+        inner = p > 0 and self.ffn_dropout  # dropout after the FFNs' ReLU: a (K, N, F) draw after the two (K, N, D)
         if not (self.checkpoint_activations and torch.is_grad_enabled()):
             a = self.attention.forward_packed(x, packing)  # (K, N, D)
             draws = [dropout_draw(a.shape, p, a.device) for _ in range(2)] if p > 0 else [None, None]
+            draws.append(dropout_draw((*a.shape[:2], F_), p, a.device) if inner else None)  # (K, N, F)
             return self._close_branches(x, a, slice(None), *draws)  # (K, N, D)
         K, N, D = self.attention.num_branches, x.shape[0], x.shape[-1]
         attn = self.attention
@@ -232,6 +322,7 @@ class TCGMMBlock(PackedLayer):
         shape = (packing.batch, K, attn.num_heads, packing.length, packing.length)
         attn_draw = dropout_draw(shape, attn_p, x.device) if attn_p > 0 else None  # (B, K, H, L, L)
         draws = [dropout_draw((K, N, D), p, x.device) if p > 0 else None for _ in range(2)]  # (K, N, D) each
+        draws.append(dropout_draw((K, N, F_), p, x.device) if inner else None)  # (K, N, F)
         outs = []
         for k in range(K):
             branch = slice(k, k + 1)
@@ -245,13 +336,14 @@ class TCGMMBlock(PackedLayer):
         a = self.attention.forward_packed(x, packing, branches, attn_draw)  # (k, N, D)
         return self._close_branches(x, a, branches, *draws)
 
-    def _close_branches(self, x: Tensor, a: Tensor, branches: slice, a_draw, f_draw) -> Tensor:
-        """Residual, LayerNorm, FFN, residual, LayerNorm of the ``branches``' attention outputs (k, N, D)."""
+    def _close_branches(self, x: Tensor, a: Tensor, branches: slice, a_draw, f_draw, h_draw=None) -> Tensor:
+        """Residual, LayerNorm, FFN, residual, LayerNorm of the ``branches``' attention outputs (k, N, D);
+        ``h_draw`` (k, N, F): the draw of the dropout inside the FFN (``ffn_dropout``)."""
         p = self.dropout.p
         h = torch.addcmul(x, a, mask_from_draw(a_draw, p, a.dtype)) if a_draw is not None else a + x  # (k, N, D)
         w1, b1 = self.norm1_weight[branches].to(h.dtype), self.norm1_bias[branches].to(h.dtype)
         h = branch_layer_norm(h, w1, b1)  # (k, N, D)
-        f = branch_mlp(h, self.ffn_in, self.ffn_out, branches)  # (k, N, D) through (k, N, F)
+        f = branch_mlp(h, self.ffn_in, self.ffn_out, branches, h_draw, p)  # (k, N, D) through (k, N, F)
         h = torch.addcmul(h, f, mask_from_draw(f_draw, p, f.dtype)) if f_draw is not None else h + f  # (k, N, D)
         w2, b2 = self.norm2_weight[branches].to(h.dtype), self.norm2_bias[branches].to(h.dtype)
         return branch_layer_norm(h, w2, b2)  # (k, N, D)
@@ -314,8 +406,26 @@ class GMMFormerV2(RetrievalModel):
     weight-decayed, as the reference's optimiser groups them (its no-decay
     names, ``LayerNorm.weight``, miss its modules named ``norm1`` / ``norm2``);
     False exempts them like the input projections' and positional
-    embeddings' norms (exempt under both).  Encoders: ``query``, ``clip``
-    and ``frame`` (:class:`SequenceEncoder`).
+    embeddings' norms (exempt under both).  The layers follow the
+    reference's ``BertAttention`` / ``BertCrossAttention`` / ``FeedForward``
+    by default; each difference prvrlab had before checkpoint format 8 is a
+    switch (docs/parity.md): ``attention_output``: ``official`` closes every
+    self- and cross-attention with ``LN(x + Dropout(heads))``, no output
+    projection, as the reference; ``projected`` adds a learned D x D output
+    projection (N(0, 0.02)) to the branches', query layer's and
+    cross-attention's heads; ``query_activation``: the query layer's FFN
+    activation, ``relu`` as the reference or ``gelu``; ``ffn_dropout``:
+    dropout (rate ``dropout``) after the ReLU inside every FFN (branches,
+    query layer, cross-attention), as the reference's ``FeedForward``; False:
+    none; ``cross_attention_dropout``: ``attention_dropout`` on the
+    temporal / dynamic consolidation's cross-attention probabilities too, as
+    the reference (whose ``attention_probs_dropout_prob`` is every
+    attention's); False: none there; ``weight_token``: ``shared``, one
+    learned query token phi for every TC-GMMBlock (clip and frame), as the
+    reference's single ``weight_token`` passed to both blocks (one tensor
+    held as the backbone's ``weight_token``); ``per_block``: each block
+    learns its own (``summary.phi``).  Encoders: ``query``, ``clip`` and ``frame``
+    (:class:`SequenceEncoder`).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # frame and clip embeddings are always per item
@@ -347,6 +457,11 @@ class GMMFormerV2(RetrievalModel):
         window_length: Literal["padded", "real"] = "padded",
         frame_padding: Literal["official", "masked"] = "official",
         norm_decay: bool = True,
+        attention_output: Literal["official", "projected"] = "official",
+        query_activation: Literal["relu", "gelu"] = "relu",
+        ffn_dropout: bool = True,
+        cross_attention_dropout: bool = True,
+        weight_token: Literal["shared", "per_block"] = "shared",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -374,6 +489,12 @@ class GMMFormerV2(RetrievalModel):
         if frame_padding not in ("official", "masked"):
             raise ValueError(f"frame_padding must be 'official' or 'masked', got {frame_padding!r}")
         self.frame_padding = frame_padding
+        self.attention_output = check_choice(attention_output, "attention_output", ("official", "projected"))
+        self.query_activation = check_choice(query_activation, "query_activation", ("relu", "gelu"))
+        self.ffn_dropout = check_bool(ffn_dropout, "ffn_dropout")
+        self.cross_attention_dropout = check_bool(cross_attention_dropout, "cross_attention_dropout")
+        self.weight_token = check_choice(weight_token, "weight_token", ("shared", "per_block"))
+        projected = attention_output == "projected"
 
         def block(span: WindowLength) -> TCGMMBlock:
             return TCGMMBlock(
@@ -385,15 +506,30 @@ class GMMFormerV2(RetrievalModel):
                 max_len=max_frames,
                 window=window,
                 window_length=span,
+                out_projection=projected,
+                ffn_dropout=ffn_dropout,
+                cross_attention_dropout=cross_attention_dropout,
             )
 
-        self.query = sizes.query_encoder(
-            lambda: TransformerLayer(**sizes.layer_args, ffn_size=ffn),
-            pool=lambda: AttentionPooling(hidden_size=hidden_size),
-        )
+        def query_layer() -> TransformerLayer:
+            return TransformerLayer(
+                **sizes.layer_args,
+                ffn_size=ffn,
+                ffn_activation=query_activation,
+                ffn_dropout=ffn_dropout,
+                out_projection=projected,
+            )
+
+        self.query = sizes.query_encoder(query_layer, pool=lambda: AttentionPooling(hidden_size=hidden_size))
         clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
         self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_blocks)  # clips are never padded
         self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_blocks)
+        summaries = [layer.summary for enc in (self.clip, self.frame) for layer in enc.layers if layer.summary is not None]
+        self.weight_token: nn.Parameter | None = None
+        if weight_token == "shared" and summaries:  # the blocks read this one parameter (no summary.phi keys)
+            self.weight_token = nn.Parameter(torch.randn(hidden_size))  # N(0, 1) as the reference's
+            for summary in summaries:
+                summary.use_token(self, "weight_token")
         self.norm_decay = check_bool(norm_decay, "norm_decay")
         for encoder in (self.query, self.clip, self.frame):
             decay_norm_gains(encoder.layers, self.norm_decay)

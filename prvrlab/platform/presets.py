@@ -61,7 +61,17 @@ BEFORE_FORMAT: dict[int, Switches] = {
     5: {"plugins.ral": {"word_positions": "own", "heads_padding": "masked"}},
     6: {"plugins.ral": {"text_heads_padding": "masked"}},
     7: {"model": {"norm_decay": False}, "plugins.ral": {"logvar_range": "clamped", "norm_decay": False}},
-    8: {"model": {"query_pooling": "per_branch"}},
+    8: {
+        "model": {
+            "query_pooling": "per_branch",
+            # GMMFormer v2's layers as prvrlab built them before format 8 (docs/parity.md)
+            "attention_output": "projected",
+            "query_activation": "gelu",
+            "ffn_dropout": False,
+            "cross_attention_dropout": False,
+            "weight_token": "per_block",
+        }
+    },
 }
 
 

@@ -18,9 +18,18 @@ from test_backbones import build, standard_batch
 
 from prvrlab.models.base import rename_legacy_keys
 from prvrlab.models.plugins.base import PluggedModel
+from prvrlab.platform.presets import BEFORE_FORMAT
 from prvrlab.registry import PLUGINS
 
 LEGACY = json.loads((Path(__file__).with_name("legacy_state_dict_keys.json")).read_text())
+
+
+def overrides(name: str) -> dict:
+    """The recorded build overrides; files in the legacy layout predate checkpoint format 8, so each
+    backbone is built with the model switches of ``BEFORE_FORMAT[8]`` (MS-SL's two query vectors,
+    GMMFormer v2's output projections and one weight token per block); ``build`` drops the keys a
+    backbone does not have."""
+    return {**LEGACY[name]["overrides"], **BEFORE_FORMAT[8]["model"]}
 
 
 def legacy_state_dict(model: torch.nn.Module, name: str) -> OrderedDict:
@@ -44,7 +53,7 @@ def scores(model, batch):
 
 @pytest.mark.parametrize("name", sorted(LEGACY))
 def test_legacy_keys_rename_onto_the_current_keys_and_shapes(name):
-    model = build(name, **LEGACY[name]["overrides"])
+    model = build(name, **overrides(name))
     renamed = {key: shape for key, shape in LEGACY[name]["keys"]}
     rename_legacy_keys(renamed, "", model.legacy_keys)
     assert renamed == {key: list(t.shape) for key, t in model.state_dict().items()}
@@ -52,11 +61,10 @@ def test_legacy_keys_rename_onto_the_current_keys_and_shapes(name):
 
 @pytest.mark.parametrize("name", sorted(LEGACY))
 def test_legacy_checkpoint_loads_strictly_and_scores_the_same(name):
-    overrides = LEGACY[name]["overrides"]
     torch.manual_seed(0)
-    saved = build(name, **overrides)
+    saved = build(name, **overrides(name))
     torch.manual_seed(1)
-    fresh = build(name, **overrides)
+    fresh = build(name, **overrides(name))
     fresh.load_state_dict(legacy_state_dict(saved, name))  # strict
     for (key, a), b in zip(saved.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), key
@@ -67,7 +75,7 @@ def test_legacy_checkpoint_loads_strictly_and_scores_the_same(name):
 def test_legacy_backbone_keys_load_inside_a_plugged_model():
     def plugged(seed: int) -> PluggedModel:
         torch.manual_seed(seed)
-        backbone = build("gmmformer_v2", **LEGACY["gmmformer_v2"]["overrides"])
+        backbone = build("gmmformer_v2", **overrides("gmmformer_v2"))
         return PluggedModel(backbone=backbone, plugins={"ral": PLUGINS.build("ral", hidden_size=16)})
 
     saved, fresh = plugged(0), plugged(1)
@@ -79,12 +87,12 @@ def test_legacy_backbone_keys_load_inside_a_plugged_model():
 
 
 def test_a_key_already_in_the_new_layout_is_not_overwritten():
-    model = build("mssl")
+    model = build("mssl", **overrides("mssl"))
     state = model.state_dict()
     legacy = legacy_state_dict(model, "mssl")
     legacy["clip.pos.norm.weight"] = state["clip.pos.norm.weight"]  # both layouts: ambiguous
     with pytest.raises(RuntimeError, match="Unexpected key.*clip_pos.norm.weight"):
-        build("mssl").load_state_dict(legacy)
+        build("mssl", **overrides("mssl")).load_state_dict(legacy)
 
 
 def test_weights_that_split_a_shared_tensor_are_refused():

@@ -587,3 +587,94 @@ def test_without_onednn_bf16_the_fused_linear_is_left_to_float32(monkeypatch):
         assert torch.isfinite(video.frame.float()).all() and set(dtypes) == {torch.float32}
     finally:
         blocks._fused_linear.cache_clear()
+
+
+# GMMFormer v2's official layers (checkpoint format 8): dropout inside the FFNs, no output projections, one
+# weight token, dropout on the cross-attention's probabilities; and the switches' old values.
+V2_OLD = {"attention_output": "projected", "query_activation": "gelu", "ffn_dropout": False,
+          "cross_attention_dropout": False, "weight_token": "per_block"}
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["per-branch", "batched", "inference"])
+def test_branch_mlp_with_inner_dropout_equals_hand_loop(amp, path, monkeypatch):
+    """branch_mlp with a dropout draw after the ReLU (ffn_dropout): the per-branch Function (CPU autograd;
+    its backward reads the dropped ReLU output only), the batched autograd form (other devices) and the
+    inference loop all equal ``(relu(x W1 + b1) * mask) W2 + b2`` through float64 autograd, with the same
+    mask, for all branches and a slice; the draw really drops units."""
+    if path == "per-branch" and DEVICE.type != "cpu":
+        pytest.skip("the per-branch Function is the CPU's autograd path")
+    if path == "batched":  # what branch_mlp takes with autograd off the CPU
+        monkeypatch.setattr(blocks, "_BranchGemms", type("Batched", (), {"apply": staticmethod(
+            lambda x, w1, b1, w2, b2, draw, p: blocks._batched_mlp(x, w1, b1, w2, b2, draw=draw, p=p))}))
+    torch.manual_seed(4)
+    p = 0.3
+    first = blocks.BranchLinear(num_branches=4, in_dim=6, out_dim=10).to(DEVICE)
+    second = blocks.BranchLinear(num_branches=4, in_dim=10, out_dim=6).to(DEVICE)
+    with torch.no_grad():
+        for layer in (first, second):
+            layer.weight.normal_(0.0, 0.5)
+            layer.bias.normal_(0.0, 0.5)
+    params = [first.weight, first.bias, second.weight, second.bias]
+    tol = BF16_TOL if amp else FP32_TOL
+    for branches in (slice(None), slice(1, 3)):
+        k = 4 if branches == slice(None) else 2
+        x = torch.randn(k, 9, 6, device=DEVICE, requires_grad=path != "inference")
+        draw = blocks.dropout_draw((k, 9, 10), p, x.device)
+        mask = blocks.mask_from_draw(draw, p, torch.float64)  # (k, N, hidden)
+        assert (mask == 0).any() and (mask > 0).any()
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp), torch.set_grad_enabled(path != "inference"):
+            y = blocks.branch_mlp(x, first, second, branches, draw, p)
+        outs = []
+        for j, b in enumerate(range(4)[branches]):
+            h = torch.relu(x[j].double() @ first.weight[b].double().T + first.bias[b].double()) * mask[j]
+            outs.append(h @ second.weight[b].double().T + second.bias[b].double())
+        hand = torch.stack(outs)
+        assert_close_scaled(y.detach().double(), hand.detach(), tol, "output")
+        if path == "inference":
+            continue
+        g = torch.randn(k, 9, 6, device=DEVICE)
+        got = torch.autograd.grad(y, [x] + params, g)
+        want = torch.autograd.grad(hand, [x] + params, g.double())
+        for name, a, b in zip(["x", "w1", "b1", "w2", "b2"], got, want):
+            assert_close_scaled(a.double(), b.double(), tol, name)
+
+
+@pytest.mark.parametrize("switches", ["official", "old"])
+def test_v2_fast_equals_plain_with_every_dropout_fp32(switches):
+    """gmmformer_v2 in training with dropout and attention dropout on (the official layers draw inside the
+    FFNs and on the cross-attention's probabilities too): the fast attention paths give the plain path's
+    outputs and gradients under both the official layers and the switches' old values."""
+    torch.manual_seed(0)
+    model = build("gmmformer_v2", dropout=0.2, attention_dropout=0.2, **({} if switches == "official" else V2_OLD)).train()
+    batch = standard_batch()
+    torch.manual_seed(1)
+    plain, plain_grads = outputs(model, batch, fast=False)
+    torch.manual_seed(1)
+    fast, fast_grads = outputs(model, batch, fast=True)
+    assert plain.keys() == fast.keys() and plain_grads.keys() == fast_grads.keys()
+    for key in plain:
+        assert_close_scaled(fast[key], plain[key], FP32_TOL, key)
+    for key in plain_grads:
+        assert_close_scaled(fast_grads[key], plain_grads[key], FP32_TOL, f"grad of {key}")
+
+
+@pytest.mark.parametrize("switches", ["official", "old"])
+def test_v2_checkpointed_branches_equal_one_pass_with_ffn_dropout(switches):
+    """train.checkpoint_activations with the official FFN dropout (a third, (K, N, F) draw taken with the two
+    residual ones) and without it: the branch-by-branch recomputation gives the one-pass run's outputs and
+    gradients."""
+    if DEVICE.type == "cuda":
+        pytest.skip("dropout masks drawn branch by branch equal the one-pass masks with the CPU generator only")
+    torch.manual_seed(0)
+    model = build("gmmformer_v2", dropout=0.3, attention_dropout=0.3, **({} if switches == "official" else V2_OLD)).train()
+    batch = standard_batch()
+    torch.manual_seed(1)
+    one, one_grads = outputs(model, batch, fast=True)
+    set_activation_checkpointing(model, True)
+    torch.manual_seed(1)
+    ckpt, ckpt_grads = outputs(model, batch, fast=True)
+    for key in one:
+        assert_close_scaled(ckpt[key], one[key], FP32_TOL, key)
+    for key in one_grads:
+        assert_close_scaled(ckpt_grads[key], one_grads[key], FP32_TOL, f"grad of {key}")

@@ -75,11 +75,19 @@ def test_dynamic_weights_are_per_video_and_temporal_weights_per_time_step():
         torch.testing.assert_close(out, torch.einsum("nk,knd->nd", w, branches))
 
 
-def test_learned_query_attention_equals_naive_cross_attention():
+def project_out(ca: LearnedQueryAttention, ctx: torch.Tensor) -> torch.Tensor:
+    """The cross-attention's heads through its output projection, if it has one (attention_output: projected)."""
+    return ctx if ca.out is None else ca.out(ctx)
+
+
+@pytest.mark.parametrize("out_projection", [False, True])
+def test_learned_query_attention_equals_naive_cross_attention(out_projection):
     torch.manual_seed(1)
-    ca = LearnedQueryAttention(hidden_size=8, num_heads=2, dropout=0.0).eval()
+    ca = LearnedQueryAttention(hidden_size=8, num_heads=2, dropout=0.0, out_projection=out_projection).eval()
+    assert (ca.out is not None) == out_projection
     for lin in (ca.query, ca.value, ca.out):
-        torch.nn.init.normal_(lin.bias)
+        if lin is not None:
+            torch.nn.init.normal_(lin.bias)
     x, packing = packed_input([4, 2], 4)
     branches = torch.randn(3, packing.num_tokens, 8)
     with torch.no_grad():
@@ -93,17 +101,18 @@ def test_learned_query_attention_equals_naive_cross_attention():
                 values = ca.value(tokens).view(-1, 2, 4)
                 att = torch.softmax(torch.einsum("he,nhe->hn", q, keys) / 2.0, dim=-1)  # sqrt(4) = 2
                 ctx = torch.einsum("hn,nhe->he", att, values).reshape(8)
-                s = ca.norm1(ca.phi + ca.out(ctx))
+                s = ca.norm1(ca.phi + project_out(ca, ctx))
                 s = ca.norm2(s + ca.ffn(s))
                 torch.testing.assert_close(got[b, k], s, atol=1e-5, rtol=1e-5)
 
 
 
-def test_learned_query_attention_gradients_equal_the_naive_loop():
+@pytest.mark.parametrize("out_projection", [False, True])
+def test_learned_query_attention_gradients_equal_the_naive_loop(out_projection):
     """Training mode without dropout: the gradients of the branch outputs and of phi equal autograd's through
     the per-(video, branch) loop of the test above, padding included (videos of 3, 1 and 4 of 4 tokens)."""
     torch.manual_seed(2)
-    ca = LearnedQueryAttention(hidden_size=8, num_heads=2, dropout=0.0).train()
+    ca = LearnedQueryAttention(hidden_size=8, num_heads=2, dropout=0.0, out_projection=out_projection).train()
     x, packing = packed_input([3, 1, 4], 4)
     branches = torch.randn(2, packing.num_tokens, 8, requires_grad=True)
     weights = torch.randn(3, 2, 8)
@@ -118,7 +127,7 @@ def test_learned_query_attention_gradients_equal_the_naive_loop():
             keys = (tokens @ ca.key.weight.t()).view(-1, 2, 4)
             att = torch.softmax(torch.einsum("he,nhe->hn", q, keys) / 2.0, dim=-1)
             ctx = torch.einsum("hn,nhe->he", att, ca.value(tokens).view(-1, 2, 4)).reshape(8)
-            s = ca.norm1(ca.phi + ca.out(ctx))
+            s = ca.norm1(ca.phi + project_out(ca, ctx))
             total = total + (ca.norm2(s + ca.ffn(s)) * weights[b, k]).sum()
     total.backward()
     torch.testing.assert_close(got_x, branches.grad, atol=1e-5, rtol=1e-5)

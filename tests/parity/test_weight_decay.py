@@ -95,7 +95,9 @@ def test_norm_named_parameters_outside_norm_modules_are_declared(backbone, plugi
 def test_non_norm_vectors_and_matrices_still_decay():
     model = build_model({"name": "gmmformer_v2", "hidden_size": 32, "num_heads": 4}, **DIMS)
     decayed = decayed_names(model)
-    assert "clip.layers.0.summary.phi" in decayed  # the learned query token is a weight, not a norm gain
+    assert "weight_token" in decayed  # the learned query token is a weight, not a norm gain (the reference's name)
+    per_block = build_model({"name": "gmmformer_v2", "hidden_size": 32, "num_heads": 4, "weight_token": "per_block"}, **DIMS)
+    assert {"clip.layers.0.summary.phi", "frame.layers.0.summary.phi"} <= decayed_names(per_block)
     assert "clip.layers.0.attention.qkv.weight" in decayed
     assert "clip.pos.embedding.weight" in decayed
 
