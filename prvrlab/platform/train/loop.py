@@ -83,6 +83,24 @@ def restore_random_state(saved: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(saved["cuda_rng"].cpu(), device)
 
 
+RANK_STATES = "rank_random_states"  # a checkpoint's key: every rank's random_state(), in rank order
+
+
+def rank_random_state(saved: dict, rank: int) -> dict:
+    """The random state rank ``rank`` resumes from a checkpoint: its own (``saved[RANK_STATES][rank]``).
+
+    The ranks' streams part after the first steps (their batches draw different numbers of numbers; dropout),
+    so each rank saves its own.  A checkpoint written before per-rank states were saved holds rank 0's only
+    (``rng``, ``cuda_rng``): every rank restores that, as then.  A resume with more ranks than wrote the
+    checkpoint gives the ranks beyond them rank 0's state (as a new run seeds every rank alike); with fewer,
+    the extra states are not used.  With another rank count the run does not continue the old one exactly
+    anyway: each rank's shard of the training data changes."""
+    states = saved.get(RANK_STATES)
+    if states and 0 <= rank < len(states):
+        return states[rank]
+    return saved
+
+
 class Sealed:
     """A value DDP does not search for tensors (not a tensor, list, dict or dataclass)."""
 
@@ -127,6 +145,16 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _gather(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0 (``[obj]`` with one rank), None on the others; a collective
+    every rank joins."""
+    if not _distributed():
+        return [obj]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def _union_of_names(names: list[str]) -> list[str]:
@@ -300,8 +328,9 @@ class TrainingLoop:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def restore(self) -> None:
-        """Resume from the session's latest checkpoint (weights, optimiser, schedule, fp16 gradient scaler, RNG,
-        progress); a checkpoint without the scaler's state (written before it was saved) starts a fresh scaler."""
+        """Resume from the session's latest checkpoint (weights, optimiser, schedule, fp16 gradient scaler, this
+        rank's RNG (:func:`rank_random_state`), progress); a checkpoint without the scaler's state (written before
+        it was saved) starts a fresh scaler."""
         with self.session.checkpoint_dir() as ckpt:
             if ckpt is None:
                 return
@@ -324,7 +353,12 @@ class TrainingLoop:
                     ) from error
             self.progress = Progress(**saved["progress"])
             self.global_step = int(saved.get("global_step", 0))
-            restore_random_state(saved, self.device)
+            restore_random_state(rank_random_state(saved, self.rank), self.device)
+            saved_ranks = len(saved.get(RANK_STATES) or [])
+            if self.rank == 0 and self.world > 1 and saved_ranks != self.world:
+                wrote = f"{saved_ranks} rank(s)" if saved_ranks else "an older prvrlab (rank 0's random state only)"
+                print(f"resuming {self.world} ranks from a checkpoint of {wrote}: the ranks without their own saved "
+                      "random state continue rank 0's", file=sys.stderr, flush=True)
 
     def wrap(self) -> torch.nn.Module:
         """The module the steps run: the system, in DDP when there are several ranks.
@@ -525,7 +559,8 @@ class TrainingLoop:
         return metrics
 
     def report(self, epoch: int, metrics: dict[str, Any], t0: float, train_time: float) -> None:
-        """One ``kind="epoch"`` round on every rank; rank 0 attaches the recovery checkpoint."""
+        """One ``kind="epoch"`` round on every rank; rank 0 attaches the recovery checkpoint, which holds every
+        rank's random state (gathered first: a collective every rank joins, after validation's broadcast)."""
         metrics.update(
             {
                 "kind": "epoch",
@@ -539,6 +574,7 @@ class TrainingLoop:
         )
         if self.setup_s is not None:  # the first epoch of this attempt
             metrics["time/setup_s"], self.setup_s = self.setup_s, None
+        states = _gather(random_state(self.device))  # every rank's generators, on rank 0 (all ranks join)
         if self.rank != 0:
             self.session.report(metrics, None)
             return
@@ -548,7 +584,8 @@ class TrainingLoop:
                 "scheduler": self.scheduler.state_dict(),
                 "progress": asdict(self.progress),
                 "global_step": self.global_step,
-            } | random_state(self.device)
+                RANK_STATES: states,
+            } | states[0]  # rank 0's also as before per-rank states (what an older prvrlab restores on every rank)
             if self.scaler.is_enabled():  # fp16: its loss scale and growth count (a disabled scaler has none)
                 state["scaler"] = self.scaler.state_dict()
             torch.save(state, tmp / "state.pt")
