@@ -17,6 +17,8 @@ raise :class:`DataError` naming the file and the id.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -227,21 +229,22 @@ def feature_candidates(feature_dir: Path) -> list[str]:
     )
 
 
-def visual_feature_of(cfg: "DataConfig", root: Path) -> tuple[str, str | None]:
+def visual_feature_of(cfg: "DataConfig", root: Path, key: str = "data.visual_feature") -> tuple[str, str | None]:
     """``(visual_feature, note)``: the configured one, or the only store under ``FeatureData/``.
 
     ``note`` says which store was picked when ``cfg.visual_feature`` is None;
-    none or several stores raise DataError listing them.
+    none or several stores raise DataError listing them and naming ``key``
+    (the config key, or the option of a command that takes it directly).
     """
     if cfg.visual_feature is not None:
         return cfg.visual_feature, None
     feature_dir = root / "FeatureData"
     found = feature_candidates(feature_dir)
     if len(found) == 1:
-        return found[0], f"data.visual_feature not given: using the only feature store {feature_dir / found[0]}"
+        return found[0], f"{key} not given: using the only feature store {feature_dir / found[0]}"
     if not found:
-        raise DataError(f"no visual feature store (BigFile folder or .hdf5 file) in {feature_dir}; set data.visual_feature")
-    raise DataError(f"several visual feature stores in {feature_dir}: {', '.join(found)}; set data.visual_feature to one")
+        raise DataError(f"no visual feature store (BigFile folder or .hdf5 file) in {feature_dir}; set {key}")
+    raise DataError(f"several visual feature stores in {feature_dir}: {', '.join(found)}; set {key} to one")
 
 
 def data_paths(cfg: "DataConfig") -> dict[str, Path]:
@@ -263,12 +266,65 @@ def configured_splits(cfg: "DataConfig") -> list[str]:
     return list(dict.fromkeys(n for n in names if n))
 
 
+def _shown(value) -> str:
+    return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def check_synthetic_root(cfg: "DataConfig", root: Path) -> None:
+    """Refuse a ``root`` whose synthetic collection is not the one ``cfg.synthesize`` / ``cfg.synth_seed`` asks for.
+
+    Reads ``<root>/synth.json`` (written by :func:`prvrlab.data.synth.synthesize`); a root without it
+    (a real dataset, or nothing yet) passes.  Raises DataError naming ``data.root``, the keys that differ
+    with both values, and what to do.
+    """
+    from prvrlab.data.synth import SynthPreset, get_preset
+
+    record = root / "synth.json"
+    if not cfg.synthesize or not record.is_file():
+        return
+    try:
+        info = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{record}: unreadable synthetic collection record ({exc}); give data.root another folder") from None
+    if not isinstance(info, dict):
+        raise DataError(f"{record}: not a synthetic collection record (a JSON object); give data.root another folder")
+    wanted = get_preset(cfg.synthesize)
+    settings = [f.name for f in dataclasses.fields(SynthPreset) if f.name != "name"]
+    changed = [
+        k for k in settings
+        if k in info and (tuple(info[k]) if isinstance(info[k], list) else info[k]) != getattr(wanted, k)
+    ]
+    seed_differs = "seed" in info and info["seed"] != cfg.synth_seed
+    if not changed and not seed_differs:
+        return  # the same data (a preset alias such as 'skewed' / 'small-skewed' included)
+    recorded_name, recorded_seed = info.get("name", "?"), info.get("seed", "?")
+    differ = []
+    if changed and recorded_name != cfg.synthesize:
+        differ.append(f"data.synthesize={cfg.synthesize} (its synth.json: {recorded_name})")
+    elif changed:  # same preset name, other settings: written by another version of the preset
+        differ += [f"{k}={_shown(getattr(wanted, k))} (its synth.json: {_shown(info[k])})" for k in changed]
+    if seed_differs:
+        differ.append(f"data.synth_seed={cfg.synth_seed} (its synth.json: {recorded_seed})")
+    if changed and recorded_name == cfg.synthesize:
+        todo = (f"give data.root another folder, or rewrite this one with  prvrlab data synth --preset "
+                f"{cfg.synthesize} --seed {cfg.synth_seed} --out {root}")
+    else:
+        todo = (f"give data.root another folder for this collection, or set data.synthesize={recorded_name} "
+                f"data.synth_seed={recorded_seed} to use the one there")
+    raise DataError(
+        f"data.root {cfg.root}: holds another synthetic collection than the config asks for: "
+        f"{', '.join(differ)}; {todo}"
+    )
+
+
 def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_synthesize: bool = True) -> Collection:
     """Open the collection described by ``cfg``.
 
     When ``cfg.synthesize`` names a synthetic preset, ``cfg.root`` does not
     exist yet and ``allow_synthesize`` is true, the preset is generated there
-    first (safe when several processes race to do it).  With
+    first (safe when several processes race to do it); a root that already
+    holds a synthetic collection must hold that preset and seed
+    (:func:`check_synthetic_root`).  With
     ``validate_splits`` the configured splits are indexed and checked now, so
     a bad file fails before training starts.
     """
@@ -277,6 +333,8 @@ def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_sy
         from prvrlab.data.synth import synthesize_if_missing
 
         synthesize_if_missing(root, preset=cfg.synthesize, seed=cfg.synth_seed)
+    if allow_synthesize and cfg.synthesize:
+        check_synthetic_root(cfg, root)  # after the race above: whoever won wrote synth.json
     if not root.is_dir():
         raise DataError(f"data root not found: {root} (set data.root, or data.synthesize to generate one)")
     paths = data_paths(cfg)

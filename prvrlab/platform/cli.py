@@ -312,9 +312,13 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_data_convert(args: argparse.Namespace) -> int:
-    from prvrlab.data.convert import convert_bigfile
+    from prvrlab.data.convert import convert_bigfile, destination_problem
     from prvrlab.platform import storage
+    from prvrlab.platform.config import ConfigError
 
+    problem = destination_problem(args.src, args.dst)  # before check_file: it would only call the source a folder
+    if problem:
+        raise ConfigError(f"dst {args.dst}: {problem}")
     storage.check_file(args.dst, "dst")
     path = convert_bigfile(Path(args.src), Path(args.dst), progress=not args.quiet)
     print(f"wrote {path}")
@@ -324,7 +328,7 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from prvrlab.data.inspect import inspect_collection
     from prvrlab.data.config import DataConfig
-    from prvrlab.data.collection import collection_root
+    from prvrlab.data.collection import collection_root, visual_feature_of
     from prvrlab.data.text import caption_splits
     from prvrlab.platform.config import load_config
 
@@ -338,7 +342,10 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             visual_feature=args.visual_feature,
             text_feature=args.text_feature,
         )
-        splits = caption_splits(collection_root(data) / "TextData", args.collection) or None
+        root = collection_root(data)
+        if args.visual_feature is None and root.is_dir():
+            visual_feature_of(data, root, key="--visual-feature")  # none or several stores: name the option to pass
+        splits = caption_splits(root / "TextData", args.collection) or None
     report = inspect_collection(data, splits=splits)
     print(report.format())
     return 0

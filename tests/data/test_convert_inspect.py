@@ -69,3 +69,16 @@ def test_inspect_warns_on_shared_videos(toy_cfg):
 def test_inspect_never_synthesizes(tmp_path):
     with pytest.raises(DataError, match="data root not found"):
         inspect_collection(DataConfig(root=str(tmp_path / "none"), synthesize="tiny"))
+
+
+def test_convert_refuses_a_destination_inside_the_source(tiny_root, tmp_path):
+    import re
+    import shutil
+
+    src = tmp_path / "synth_feat"
+    shutil.copytree(tiny_root / "FeatureData" / "synth_feat", src)
+    before = (src / "feature.bin").read_bytes()
+    with pytest.raises(DataError, match="^" + re.escape(f"{src / 'feature.bin'}: lies inside the source folder {src} ")):
+        convert_bigfile(src, src / "feature.bin", progress=False)
+    assert (src / "feature.bin").read_bytes() == before
+    assert sorted(p.name for p in src.iterdir()) == ["feature.bin", "id.txt", "shape.txt", "video2frames.txt"]

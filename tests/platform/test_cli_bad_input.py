@@ -206,3 +206,80 @@ def test_experiment_config_given_as_a_spec_says_to_train_it(tiny_root, tmp_path,
     line = one_error_line(capsys)
     assert "this looks like an experiment config (extends, train), not a spec" in line
     assert f"'prvrlab train {cfg}'" in line and line.count("looks like") == 1
+
+
+def test_train_on_a_root_holding_another_synthetic_collection_is_refused(tiny_root, tmp_path, capsys):
+    """data.synthesize / data.synth_seed name another collection than the one synth.json records in data.root:
+    training would run on the root's data while recording the config's settings."""
+    import json
+
+    recorded = json.loads((tiny_root / "synth.json").read_text())
+    root = tiny_root.resolve()
+    repo = Path(__file__).resolve().parents[2]
+    argv = ["train", str(repo / "configs" / "gmmformer_synth.yaml"), "--no-ray",
+            "--set", f"data.root={tiny_root}", "--set", "data.synthesize=small", "--set", "data.synth_seed=3",
+            "--set", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "--set", f"tracking.storage_path={tmp_path / 'results'}"]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (
+        f"prvrlab: error: data.root {root}: holds another synthetic collection than the config asks for: "
+        f"data.synthesize=small (its synth.json: {recorded['name']}), data.synth_seed=3 (its synth.json: {recorded['seed']}); "
+        f"give data.root another folder for this collection, or set data.synthesize={recorded['name']} "
+        f"data.synth_seed={recorded['seed']} to use the one there"
+    )
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "results").exists()
+    assert json.loads((tiny_root / "synth.json").read_text()) == recorded
+
+
+def test_data_convert_into_its_own_source_folder_is_refused(tiny_root, tmp_path, capsys):
+    """The destination is the BigFile folder or lies inside it (also through a symlink): the source is kept."""
+    import shutil
+
+    src = tmp_path / "FeatureData" / "synth_feat"
+    shutil.copytree(tiny_root / "FeatureData" / "synth_feat", src)
+    (tmp_path / "link").symlink_to(src, target_is_directory=True)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    inside = ("lies inside the source folder {src} (it would overwrite or add to the source's files); "
+              "give an HDF5 file name outside it")
+    cases = [
+        (src, src / "feature.bin", inside),
+        (src, src / "features.hdf5", inside),
+        (src, tmp_path / "link" / "feature.bin", inside),
+        (tmp_path / "link", src / "id.txt", inside),
+        (src, src, "is the source folder {src}; give an HDF5 file name outside it"),
+        (src, tmp_path / "link", "is the source folder {src}; give an HDF5 file name outside it"),
+    ]
+    for source, dst, problem in cases:
+        assert main(["data", "convert", str(source), str(dst), "--quiet"]) == EXIT_BAD_INPUT
+        assert one_error_line(capsys) == f"prvrlab: error: dst {dst}: {problem.format(src=source)}"
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    out = tmp_path / "FeatureData" / "synth_feat.hdf5"  # next to the folder: fine
+    assert main(["data", "convert", str(src), str(out), "--quiet"]) == 0 and out.is_file()
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_data_inspect_without_a_single_feature_store_names_its_option(tiny_root, tmp_path, capsys):
+    """data inspect --root takes the store as --visual-feature (data.visual_feature is for --config)."""
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(tiny_root, root)
+    feature_dir = root / "FeatureData"
+    shutil.copytree(feature_dir / "synth_feat", feature_dir / "other_feat")
+    assert main(["data", "inspect", "--root", str(root)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (
+        f"prvrlab: error: several visual feature stores in {feature_dir}: other_feat, synth_feat; "
+        "set --visual-feature to one"
+    )
+    assert main(["data", "inspect", "--root", str(root), "--visual-feature", "synth_feat"]) == 0
+    capsys.readouterr()
+    for store in ("other_feat", "synth_feat"):
+        shutil.rmtree(feature_dir / store)
+    assert main(["data", "inspect", "--root", str(root)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (
+        f"prvrlab: error: no visual feature store (BigFile folder or .hdf5 file) in {feature_dir}; set --visual-feature"
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(small_raw(root, tmp_path) | {"data": {"root": str(root), "collection": "synth"}}))
+    assert main(["data", "inspect", "--config", str(cfg)]) == EXIT_BAD_INPUT  # the config's key there
+    assert one_error_line(capsys).endswith(f"in {feature_dir}; set data.visual_feature")
