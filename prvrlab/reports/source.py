@@ -30,10 +30,13 @@ import yaml
 from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.registry import did_you_mean
 from prvrlab.reports.errors import ReportError
+from prvrlab.uris import sqlite_file
 
 STUDY_KINDS = ("search", "ablation")
 OK_STATUSES = ("finished", "early_stopped")  # prvrlab.status of a trial with usable metrics
 TRAIN_PREFIX = "train/"  # per-epoch training metrics: train/<loss term>, train/<component>.<name>
+NOT_SPLITS = ("best",)  # final/best/{sumr,epoch}: the best epoch's validation SumR, logged with final/<split>/*
+RANKS_COLUMNS = ("query_id", "rank")  # what a ranks artifact must have (save_ranks also writes video_id, ratio)
 DISTRIBUTIONS_DIR = "distributions"  # run artifacts <component>.<name>.json of binned series (docs/extending.md)
 
 
@@ -113,11 +116,18 @@ class TrialRun:
         return out
 
 
+def evaluated_splits(runs: Sequence[TrialRun]) -> list[str]:
+    """The splits (``eval.final_splits``) ``runs`` logged final metrics on, ``final/<split>/sumr``:
+    ``final/best/sumr``, the best validation SumR the final round also logs, is no split."""
+    names = {k.split("/")[1] for r in runs for k in r.metrics if k.count("/") == 2 and k.startswith("final/")
+             and k.endswith("/sumr")}
+    return sorted(names - set(NOT_SPLITS))
+
+
 def check_split(runs: Sequence[TrialRun], split: str) -> None:
     """A ReportError when none of ``runs`` logged final metrics on ``split``, naming the splits they did
     and the closest one."""
-    logged = sorted({k.split("/")[1] for r in runs for k in r.metrics if k.count("/") == 2 and k.startswith("final/")
-                     and k.endswith("/sumr")})
+    logged = evaluated_splits(runs)
     if split not in logged:
         raise ReportError(f"split '{split}': the runs logged no final {split} metrics (final/{split}/sumr); "
                           f"splits they logged: {', '.join(logged) or 'none'}{did_you_mean(split, logged)}")
@@ -227,13 +237,30 @@ def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, An
             return None
         dst.mkdir(parents=True, exist_ok=True)
         local = Path(client.download_artifacts(run_id, f"ranks/ranks_{split}.parquet", str(dst)))
-    table = load_ranks(local)
-    qid = np.asarray(table.column("query_id").to_pylist(), dtype=object)
-    order = np.argsort(qid.astype(str), kind="stable")
-    out = {"query_id": qid[order].astype(str), "rank": np.asarray(table.column("rank").to_numpy(), dtype=np.int64)[order]}
-    if "ratio" in table.column_names:
-        out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
+    artifact = f"run '{run_id}': artifact ranks/ranks_{split}.parquet"
+    try:
+        table = load_ranks(local)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError... for a file that is no Parquet
+        raise ReportError(f"{artifact} cannot be read as a ranks table: {_first_line(exc)}") from None
+    missing = [c for c in RANKS_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ReportError(f"{artifact} is not a ranks table: no column {', '.join(missing)} "
+                          f"(columns: {', '.join(table.column_names) or 'none'})")
+    try:
+        qid = np.asarray(table.column("query_id").to_pylist(), dtype=object)
+        order = np.argsort(qid.astype(str), kind="stable")
+        out = {"query_id": qid[order].astype(str), "rank": np.asarray(table.column("rank").to_numpy(), dtype=np.int64)[order]}
+        if "video_id" in table.column_names:
+            out["video_id"] = np.asarray(table.column("video_id").to_pylist(), dtype=object)[order].astype(str)
+        if "ratio" in table.column_names:
+            out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
+    except (ValueError, TypeError, ArithmeticError) as exc:
+        raise ReportError(f"{artifact} is not a ranks table: {_first_line(exc)}") from None
     return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
 
 
 def trial_run(r: Any) -> TrialRun:
@@ -249,11 +276,17 @@ def trial_run(r: Any) -> TrialRun:
     )
 
 
-def mlflow_client(uri: str):
+def mlflow_client(uri: str, *, existing: bool = False):
     """A client of the store at ``uri``, opened now: a store MLflow refuses (a file store, an unreadable
-    database) is one ReportError naming the URI, not a traceback at the first query."""
+    database) is one ReportError naming the URI, not a traceback at the first query.  ``existing``: an
+    SQLite store whose file is missing is a ReportError too, raised before MLflow would create and
+    initialise a new empty store there (a command that only reads runs leaves no store behind)."""
     import os
 
+    database = sqlite_file(uri) if existing else None
+    if database is not None and not database.is_file():
+        what = "is a folder" if database.is_dir() else "does not exist"
+        raise ReportError(f"tracking store {uri}: the database file {database} {what}")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -286,7 +319,7 @@ def find_parent(
     """The parent run id of the study named by ``run_id`` or by ``experiment`` (and ``study``, its name there)."""
     if (run_id is None) == (experiment is None) or (study is not None and experiment is None):
         raise ReportError("name the study with exactly one of a run id or an experiment (and optionally a study name)")
-    client = mlflow_client(tracking_uri)
+    client = mlflow_client(tracking_uri, existing=True)
     if run_id is not None:
         from mlflow.exceptions import MlflowException
 

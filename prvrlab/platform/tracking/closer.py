@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 from prvrlab.platform.tracking.drivers import PID_TAG, driver_lock, driver_tags, process_alive, start_time
-from prvrlab.platform.tracking.uris import file_store, sqlite_file
+from prvrlab.uris import file_store, sqlite_file
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
 _STORES: set[tuple[str, str]] = set()  # (tracking URI, experiment id) where this process creates runs

@@ -19,7 +19,7 @@ from prvrlab.checks import is_number
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking import closer, template
 from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
-from prvrlab.platform.tracking.uris import SQLITE, file_store, sqlite_file
+from prvrlab.uris import SQLITE, file_store, sqlite_file
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from prvrlab.cache import cache_root
-from prvrlab.platform.tracking.uris import sqlite_file
+from prvrlab.uris import sqlite_file
 
 FOLDER = "mlflow-store"
 

@@ -10,7 +10,7 @@ from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking import closer
 from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri
 from prvrlab.platform.tracking.template import store_path
-from prvrlab.platform.tracking.uris import file_store, sqlite_file
+from prvrlab.uris import file_store, sqlite_file
 
 
 def test_the_file_of_an_sqlite_uri_leaves_its_query_out():

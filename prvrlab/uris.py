@@ -1,6 +1,6 @@
-"""Local MLflow store URIs: the file or folder an ``sqlite:///`` or ``file:`` URI names.
+"""Local MLflow store URIs: the file or folder an ``sqlite:///`` or ``file:`` URI names (tracking and reports).
 
-One parser for the store checks, the run closer and the schema template.  It imports nothing but
+One parser for the store checks, the run closer, the schema template and the reports (which import nothing from the platform).  It imports nothing but
 the standard library: the detached run closer loads it.
 """
 
