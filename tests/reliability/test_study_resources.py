@@ -13,6 +13,7 @@ from prvrlab.platform.search.study import TRIAL_ACTOR_CPU, trial_resources
 from search_helpers import tiny_spec
 
 CPUS = 2
+SHARED_BATCH = {"train.batch_size": 192}  # divisible by 3 and 64 workers: the batch check passes, the cluster's is tested
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def two_cpus(monkeypatch):
     ],
 )
 def test_a_trial_the_cluster_cannot_hold_is_refused(tiny_root, tmp_path, resources, words):
-    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources=resources))
+    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources=resources, overrides=SHARED_BATCH))
     with pytest.raises(StudyError) as info:
         trial_resources(spec, float(CPUS), 0.0)
     assert str(info.value).startswith(f"{spec.path}: ") and all(w in str(info.value) for w in words), info.value
@@ -77,7 +78,7 @@ def test_cli_refuses_before_any_run(tiny_root, tmp_path, capsys, two_cpus, comma
     import ray
 
     fields = {"variants": {"base": {}}, "baseline": "base", "seeds": [0]} if command == "ablate" else {}
-    path = tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64}, **fields)
+    path = tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64}, overrides=SHARED_BATCH, **fields)
     assert main([command, str(path), *(["--check"] if check else [])]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err, err
@@ -96,7 +97,7 @@ def test_check_without_the_cluster_does_not_join_it(tiny_root, tmp_path, capsys,
     import ray
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # unreachable: joining it would fail
-    path = tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64})
+    path = tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64}, overrides=SHARED_BATCH)
     assert main(["search", str(path), "--check"]) == 0
     assert not ray.is_initialized()
 
@@ -106,7 +107,7 @@ def test_a_running_cluster_is_not_refused_up_front(tiny_root, tmp_path, two_cpus
     with its reason, after resources.placement_timeout_s (tests/cluster/test_node_loss.py)."""
     import ray
 
-    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64}))
+    spec = load_search_spec(tiny_spec(tmp_path, tiny_root, resources={"workers_per_trial": 64}, overrides=SHARED_BATCH))
     with pytest.raises(StudyError):
         study_module.check_cluster(spec)  # this machine, where the study would start its own Ray
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
