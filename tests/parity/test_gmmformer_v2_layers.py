@@ -24,16 +24,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prvrlab.data.collection import open_collection
-from prvrlab.models.factory import build_model
-from prvrlab.platform.config import validate
 from prvrlab.platform.presets import BEFORE_FORMAT, stored_behaviour
-from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 from prvrlab.registry import BACKBONES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the backbone test helpers
 from test_backbones import build, make_batch, standard_batch  # noqa: E402
-from train_helpers import small_raw  # noqa: E402  (tests/platform is on the path: tests/conftest.py)
+from train_helpers import check_a_format_7_model  # noqa: E402  (tests/platform is on the path: tests/conftest.py)
 
 pytestmark = pytest.mark.parity
 
@@ -330,25 +326,7 @@ def test_other_backbones_keep_their_layers():
 def test_a_format_7_v2_checkpoint_keeps_the_layers_it_was_trained_with(tiny_root, tmp_path):
     """A file written before format 8 stored none of these keys and holds the old layers' weights: evaluated
     as it was trained; the same weights claimed as format 8 are refused, not half-loaded."""
-    from prvrlab.evaluation.retrieval import evaluate
-
-    raw = dict(small_raw(tiny_root, tmp_path), plugins={})
-    raw["model"] = {"name": "gmmformer_v2", "hidden_size": 32, "num_heads": 2}
-    raw["losses"] = {"clip_nce": {"loss": "infonce", "weight": 1.0, "branch": "clip"}}
-    trained = validate({**raw, "model": {**raw["model"], **OLD}})
-    collection = open_collection(trained.data)
-    torch.manual_seed(0)
-    model = build_model(trained.model, trained.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
-    stored = validate(raw).to_dict()
-    for key, value in OFFICIAL.items():
-        assert stored["model"][key] == value  # the resolved defaults are the official layers
-        del stored["model"][key]  # the keys did not exist before format 8
-    for fmt, name in ((7, "old.pt"), (8, "new.pt")):
-        torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": fmt}, tmp_path / name)
-    expected = evaluate(model, collection, "val", trained.eval, device=torch.device("cpu")).ranks
-    assert (evaluate_checkpoint(tmp_path / "old.pt", split="val").ranks == expected).all()
-    with pytest.raises(Exception, match="weights do not fit"):
-        evaluate_checkpoint(tmp_path / "new.pt", split="val")
+    check_a_format_7_model(tiny_root, tmp_path, "gmmformer_v2", OLD, OFFICIAL)
     old = stored_behaviour({"model": {"name": "gmmformer_v2"}}, 7)["model"]
     assert {k: old[k] for k in OLD} == OLD
     assert not set(OLD) & set(stored_behaviour({"model": {"name": "gmmformer_v2"}}, 8)["model"])

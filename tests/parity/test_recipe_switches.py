@@ -14,7 +14,7 @@ from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
 from prvrlab.platform.train.loop import Progress, TrainingLoop
 from prvrlab.platform.train.session import LocalSession
 
-from train_helpers import small_raw  # noqa: E402  (tests/platform is on the path: tests/conftest.py)
+from train_helpers import check_a_format_7_model, small_raw  # noqa: E402  (tests/platform is on the path: tests/conftest.py)
 
 
 @pytest.mark.parametrize("rule, stops_after", [("official", 4), ("at_patience", 3)])
@@ -240,23 +240,6 @@ def test_a_format_7_mssl_checkpoint_keeps_its_two_query_vectors(tiny_root, tmp_p
     """Format 8 made MS-SL pool one query vector for both branches (the reference's Linear(D, 1)); a file
     written before stored no query_pooling and holds a Linear(D, 2) head: evaluated as it was trained;
     the same weights claimed as format 8 are refused, not half-loaded."""
-    from prvrlab.evaluation.retrieval import evaluate
-
-    raw = dict(small_raw(tiny_root, tmp_path), plugins={})
-    raw["model"] = {"name": "mssl", "hidden_size": 32, "num_heads": 2}
-    raw["losses"] = {"clip_nce": {"loss": "infonce", "weight": 1.0, "branch": "clip"}}
-    trained = validate({**raw, "model": {**raw["model"], "query_pooling": "per_branch"}})
-    collection = open_collection(trained.data)
-    torch.manual_seed(0)
-    model = build_model(trained.model, trained.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
-    stored = validate(raw).to_dict()
-    assert stored["model"]["query_pooling"] == "shared"
-    del stored["model"]["query_pooling"]  # the key did not exist before format 8
-    for fmt, name in ((7, "old.pt"), (8, "new.pt")):
-        torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": fmt}, tmp_path / name)
-    expected = evaluate(model, collection, "val", trained.eval, device=torch.device("cpu")).ranks
-    assert (evaluate_checkpoint(tmp_path / "old.pt", split="val").ranks == expected).all()
-    with pytest.raises(Exception, match="weights do not fit"):
-        evaluate_checkpoint(tmp_path / "new.pt", split="val")
+    check_a_format_7_model(tiny_root, tmp_path, "mssl", {"query_pooling": "per_branch"}, {"query_pooling": "shared"})
     assert stored_behaviour({"model": {"name": "mssl"}}, 7)["model"]["query_pooling"] == "per_branch"
     assert "query_pooling" not in stored_behaviour({"model": {"name": "mssl"}}, 8)["model"]

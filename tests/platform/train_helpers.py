@@ -84,3 +84,35 @@ def gloo_group(rank: int, world: int, init_file: str):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def check_a_format_7_model(root: Path, tmp: Path, backbone: str, old: dict, official: dict) -> None:
+    """A ``backbone`` model trained with the switches ``old`` saved as a format-7 file, whose stored config
+    lacks the keys format 8 added (resolved today to ``official``): evaluated as it was trained; the same
+    weights claimed as format 8 are refused ("weights do not fit"), not half-loaded."""
+    import pytest
+    import torch
+
+    from prvrlab.data.collection import open_collection
+    from prvrlab.evaluation.retrieval import evaluate
+    from prvrlab.models.factory import build_model
+    from prvrlab.platform.config import validate
+    from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
+
+    raw = dict(small_raw(root, tmp), plugins={})
+    raw["model"] = {"name": backbone, "hidden_size": 32, "num_heads": 2}
+    raw["losses"] = {"clip_nce": {"loss": "infonce", "weight": 1.0, "branch": "clip"}}
+    trained = validate({**raw, "model": {**raw["model"], **old}})
+    collection = open_collection(trained.data)
+    torch.manual_seed(0)
+    model = build_model(trained.model, trained.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    stored = validate(raw).to_dict()
+    for key, value in official.items():
+        assert stored["model"][key] == value  # the resolved defaults are the official behaviour
+        del stored["model"][key]  # the keys did not exist before format 8
+    for fmt, name in ((7, "old.pt"), (8, "new.pt")):
+        torch.save({"model": model.state_dict(), "config": stored, "epoch": 1, "format": fmt}, tmp / name)
+    expected = evaluate(model, collection, "val", trained.eval, device=torch.device("cpu")).ranks
+    assert (evaluate_checkpoint(tmp / "old.pt", split="val").ranks == expected).all()
+    with pytest.raises(Exception, match="weights do not fit"):
+        evaluate_checkpoint(tmp / "new.pt", split="val")
