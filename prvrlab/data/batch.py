@@ -138,6 +138,18 @@ class Batch:
         }
         return replace(self, **moved)
 
+    def pad_frames(self, length: int) -> "Batch":
+        """A copy whose frames (and their mask, keeping its host lengths) are zero/False-padded to ``length``
+        slots; the batch itself where they already have that many."""
+        extra = int(length) - self.frames.shape[1]
+        if extra < 0:
+            raise ValueError(f"cannot pad {self.frames.shape[1]} frame slots to {length}")
+        if extra == 0:
+            return self
+        frames = torch.nn.functional.pad(self.frames, (0, 0, 0, extra))  # (B, length, Dv)
+        mask = torch.nn.functional.pad(self.frame_mask, (0, extra))  # (B, length)
+        return replace(self, frames=frames, frame_mask=_keep_mark(self.frame_mask, mask))
+
     def pin_memory(self) -> "Batch":
         """A copy with every tensor in pinned memory (used by DataLoader)."""
         pinned = {

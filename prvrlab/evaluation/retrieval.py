@@ -622,7 +622,9 @@ def evaluate(
     Videos are encoded at most ``eval_cfg.video_batch_size`` at a time (fewer
     where their features would not fit the budget of :func:`video_batch_size`),
     from the most to the fewest frames (little padding, and each batch fits in the memory the
-    first one freed; a backbone's scores never depend on a batch's padding), queries
+    first one freed; a backbone's scores never depend on a batch's padding), or, for a model whose
+    videos' encodings depend on their batch (``RetrievalModel.batch_dependent_videos``), in split
+    order, exactly ``eval_cfg.video_batch_size`` a batch, as the reference code evaluates; queries
     ``eval_cfg.query_batch_size`` at a time (fewer where their features would not fit the budget of
     :func:`query_batch_size`), and at most ``eval_cfg.score_chunk`` queries (fewer where their
     scores would not fit the memory budget of :func:`score_chunk`) are scored
@@ -648,7 +650,8 @@ def evaluate(
     ratios = getattr(index, "ratios", None)
     shard = {"rank": rank, "world_size": world_size}
     batch, queries_at_once = int(eval_cfg.video_batch_size), int(eval_cfg.query_batch_size)
-    if hasattr(collection, "max_frames"):
+    as_reference = model.batch_dependent_videos()  # the reference's batches: split order, exactly video_batch_size
+    if hasattr(collection, "max_frames") and not as_reference:
         batch = video_batch_size(batch, collection.max_frames + collection.num_clips, collection.video_dim,
                                  on_cpu=dev.type == "cpu", share=model.encode_budget_share())
     if hasattr(collection, "max_query_len"):
@@ -658,7 +661,7 @@ def evaluate(
         batch, queries_at_once = min(f[0] for f in fits), min(f[1] for f in fits)
     return evaluate_batches(
         model,
-        video_batches(collection, split, batch, by_length=True, resident=resident, **shard),
+        video_batches(collection, split, batch, by_length=not as_reference, resident=resident, **shard),
         query_batches(collection, split, queries_at_once, resident=resident, **shard),
         video_ids=index.video_ids,
         query_ids=index.query_ids,

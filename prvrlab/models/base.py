@@ -438,6 +438,13 @@ class RetrievalModel(nn.Module):
         holds more per input byte returns less.  1 by default."""
         return 1.0
 
+    def batch_dependent_videos(self) -> bool:
+        """Whether a video's encoding depends on the other videos of its batch (the reference GMMFormer's
+        frame windows span the batch's longest video): training then pads every DDP rank's frames to the
+        global batch's longest video, and evaluation encodes a split in split order, exactly
+        ``eval.video_batch_size`` videos a batch (the reference's evaluation batches).  False by default."""
+        return False
+
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """The gallery as retrieval scores it: ``video`` plus per-video values that every query reuses,
         computed once per gallery (in inference) instead of once per query chunk; scores of the indexed

@@ -17,8 +17,9 @@ over a span of ``n`` positions, where ``window`` picks the offset
 * ``centred``: ``d = (j - i) / (n - 1)``, 1 on the diagonal;
 
 and ``window_length`` picks the span ``n``: ``padded``, the input's padded
-length (the reference; a backbone passes a fixed int, ``max_frames``, for
-frames so the window never depends on the batch), an int, that fixed span,
+length (the reference; for frames, the batch's longest video: a backbone may
+pass a fixed int, ``max_frames``, instead, so the window never depends on the
+batch, see :func:`video_window_spans`), an int, that fixed span,
 or ``real``, each sequence's real length (padding never changes the
 window).  ``sigma = inf`` gives the all-ones window, i.e. plain attention.
 
@@ -105,6 +106,24 @@ def check_window(window: str, window_length: WindowLength) -> None:
         raise ValueError(f"window must be one of {', '.join(WINDOWS)}, got {window!r}")
     if window_length not in ("real", "padded"):
         check_positive_int(window_length, "window_length")
+
+
+VideoWindowLength = Literal["padded", "batch", "real"]
+VIDEO_WINDOW_LENGTHS: tuple[str, ...] = ("padded", "batch", "real")
+
+
+def video_window_spans(window: str, window_length: str, max_frames: int) -> tuple[WindowLength, WindowLength]:
+    """The (clip, frame) GMMBlock spans of a clip-and-frame backbone's ``window_length``: ``padded``, the
+    clip count and ``max_frames`` (a video's encoding never depends on its batch); ``batch``, the clip
+    count and the frames' padded length, which is the batch's longest video (the reference code, whose
+    collate functions pad each batch to its longest video); ``real``, each video's real length."""
+    check_window(window, "real")
+    if window_length not in VIDEO_WINDOW_LENGTHS:
+        raise ValueError(f"window_length must be one of {', '.join(VIDEO_WINDOW_LENGTHS)}, got {window_length!r}")
+    spans: dict[str, tuple[WindowLength, WindowLength]] = {
+        "padded": ("padded", max_frames), "batch": ("padded", "padded"), "real": ("real", "real"),
+    }
+    return spans[window_length]
 
 
 def parse_sigmas(values: Sequence[float | str], name: str = "sigmas") -> tuple[float, ...]:

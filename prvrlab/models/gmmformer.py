@@ -11,16 +11,20 @@ Differences from the reference code: dropout on the attention probabilities
 is off by default (``attention_dropout=0``; the reference uses the hidden
 dropout rate there) because on CPU it costs several passes over the largest
 tensor of the model; ``ffn_size > 0`` adds feed-forward sublayers the
-reference does not have.  The Gaussian windows follow the reference by
-default (``window: official`` over the padded span: the clip count for clips,
-``max_frames`` for frames, so scores never depend on the batch's padding);
-``window: centred`` with ``window_length: real`` centres each row on its
-diagonal and spans each video's real length (:mod:`prvrlab.models.gmm`).
+reference does not have.  The Gaussian windows follow the reference's
+formula (``window: official``) over the clip count for clips and, by default,
+``max_frames`` for frames (``window_length: padded``: a video's scores never
+depend on the other videos of its batch).  The reference's frame windows span
+the batch's longest video (its collate functions pad each batch to that
+length): ``window_length: batch``, which the official dataset configs set
+(training then pads every DDP rank's frames to the global batch's longest
+video, and evaluation encodes a split in order, ``eval.video_batch_size``
+videos a batch, as the reference's evaluation does).  ``window: centred`` with
+``window_length: real`` centres each row on its diagonal and spans each
+video's real length (:mod:`prvrlab.models.gmm`).
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 from torch import Tensor
 
@@ -35,7 +39,8 @@ from prvrlab.models.blocks import (
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
-from prvrlab.models.gmm import GMMBlock, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
+from prvrlab.models.gmm import GMMBlock, TransformerLayer, VideoWindowLength, Window, WindowLength, parse_sigmas
+from prvrlab.models.gmm import video_window_spans
 from prvrlab.registry import BACKBONES
 
 
@@ -51,8 +56,9 @@ class GMMFormer(PooledFrameBackbone):
     none, as the reference; None: 4 * hidden_size); ``clip_weight`` /
     ``frame_weight``: the branches' weights in the retrieval score;
     ``window`` / ``window_length``: the Gaussian windows (``official`` /
-    ``padded``: the reference's; ``centred`` / ``real``: centred on the
-    diagonal over each video's real length).  Encoders: ``query``,
+    ``batch``: the reference's; ``padded``: frames span ``max_frames``;
+    ``centred`` / ``real``: centred on the diagonal over each video's real
+    length; module docstring).  Encoders: ``query``,
     ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
@@ -81,7 +87,7 @@ class GMMFormer(PooledFrameBackbone):
         clip_weight: float = 0.7,
         frame_weight: float = 0.3,
         window: Window = "official",
-        window_length: Literal["padded", "real"] = "padded",
+        window_length: VideoWindowLength = "padded",
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -100,7 +106,7 @@ class GMMFormer(PooledFrameBackbone):
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 
-        check_window(window, window_length)
+        clip_span, frame_span = video_window_spans(window, window_length, max_frames)
         self.window, self.window_length = window, window_length
 
         def block(span: WindowLength) -> GMMBlock:
@@ -110,7 +116,6 @@ class GMMFormer(PooledFrameBackbone):
             return AttentionPooling(hidden_size=hidden_size)
 
         self.query = sizes.query_encoder(lambda: TransformerLayer(**sizes.layer_args, ffn_size=ffn), pool=pool)
-        clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
         self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_gmm_blocks)  # clips: never padded
         self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_gmm_blocks, pool=pool)
         init_normal_(self)
@@ -118,3 +123,7 @@ class GMMFormer(PooledFrameBackbone):
     def encode_clips(self, clips: Tensor) -> Tensor:
         """(B, Lc, Dv) -> (B, Lc, D)."""
         return self.clip(clips)
+
+    def batch_dependent_videos(self) -> bool:
+        """Under ``window_length: batch`` the frame windows span the batch's longest video."""
+        return self.window_length == "batch"

@@ -60,7 +60,8 @@ from prvrlab.models.blocks import (
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
-from prvrlab.models.gmm import GMMBlock, TransformerLayer, Window, WindowLength, check_window, parse_sigmas
+from prvrlab.models.gmm import GMMBlock, TransformerLayer, VideoWindowLength, Window, WindowLength, parse_sigmas
+from prvrlab.models.gmm import video_window_spans
 from prvrlab.models.mamba import DEFAULT_SCAN_CHUNK, MAMBA_INITS, Mamba, MambaLayer
 from prvrlab.models.scoring import vector_scores
 from prvrlab.registry import BACKBONES
@@ -169,7 +170,7 @@ class MamFusion(PooledFrameBackbone):
         clip_weight: float = 0.7,
         frame_weight: float = 0.3,
         window: Window = "official",
-        window_length: Literal["padded", "real"] = "padded",
+        window_length: VideoWindowLength = "padded",
         mamba: bool = True,
         d_state: int = 16,
         d_conv: int = 4,
@@ -202,7 +203,7 @@ class MamFusion(PooledFrameBackbone):
         self.sigmas = parse_sigmas(sigmas)
         ffn = resolve_ffn_size(ffn_size, hidden_size)
         check_positive_int(num_gmm_blocks, "num_gmm_blocks")
-        check_window(window, window_length)
+        clip_span, frame_span = video_window_spans(window, window_length, max_frames)
         flags = (("mamba", mamba), ("mask_padding", mask_padding), ("mamba_norm_decay", mamba_norm_decay), ("t2v", t2v),
                  ("v2t", v2t))
         for name, flag in flags:
@@ -236,7 +237,6 @@ class MamFusion(PooledFrameBackbone):
             return AttentionPooling(hidden_size=hidden_size)
 
         self.query = sizes.query_encoder(lambda: TransformerLayer(**layer_args, ffn_size=ffn), pool=pool)
-        clip_span, frame_span = ("padded", max_frames) if window_length == "padded" else ("real", "real")
         self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_gmm_blocks)
         self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_gmm_blocks, pool=pool)
         self.t2v = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if t2v else None
@@ -256,6 +256,10 @@ class MamFusion(PooledFrameBackbone):
     def encode_clips(self, clips: Tensor) -> Tensor:
         """(B, Lc, Dv) -> (B, Lc, D)."""
         return self.clip(clips)
+
+    def batch_dependent_videos(self) -> bool:
+        """Under ``window_length: batch`` the frame windows span the batch's longest video."""
+        return self.window_length == "batch"
 
     def keeps_frame_tokens(self) -> bool:
         """The temporal fusion reads the per-frame tokens in every mode."""

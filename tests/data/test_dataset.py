@@ -248,3 +248,17 @@ def test_eval_query_batches_normalised_in_blocks_and_checked_against_the_index(t
     first = ds.index.query_ids[0]
     with pytest.raises(ValueError, match=rf"query '{first}': \d+ tokens as read, its index says \d+"):
         list(query_batches(col, "train", 5))
+
+
+def test_padding_a_batch_s_frames_adds_zero_slots_and_keeps_its_host_lengths(toy_cfg):
+    b = collate([VideoDataset(open_collection(toy_cfg), "train")[i] for i in (0, 2)])  # 5 and 3 frames
+    assert b.frames.shape[1] == 5
+    wide = b.pad_frames(9)
+    assert wide.frames.shape == (2, 9, 6) and wide.frame_mask.shape == (2, 9)
+    assert torch.equal(wide.frames[:, :5], b.frames) and not wide.frames[:, 5:].any()
+    assert torch.equal(wide.frame_mask[:, :5], b.frame_mask) and not wide.frame_mask[:, 5:].any()
+    assert wide.frame_lengths_host.tolist() == wide.frame_mask.sum(1).tolist() == [5, 3]
+    assert wide.queries is b.queries and wide.video_ids == b.video_ids  # the rest is the batch's
+    assert b.pad_frames(5) is b
+    with pytest.raises(ValueError, match="cannot pad 5 frame slots to 4"):
+        b.pad_frames(4)

@@ -128,22 +128,28 @@ def test_two_gloo_ranks_equal_one_process(tiny_root, tmp_path):
         assert got["videos"] == index.num_videos, name
 
 
+def record_batches(monkeypatch, name: str, record) -> None:
+    """Replace ``ev.<name>`` (``encode_videos`` / ``encode_queries``) by one that calls ``record(batch)`` on
+    every batch it is given, then encodes them as before."""
+    real = getattr(ev, name)
+
+    def recording(model, batches, **kwargs):
+        def seen():
+            for batch in batches:
+                record(batch)
+                yield batch
+        return real(model, seen(), **kwargs)
+
+    monkeypatch.setattr(ev, name, recording)
+
+
 def test_query_batches_fitted_to_memory_give_the_same_ranks(tiny_root, tmp_path, monkeypatch):
     """A query budget of 3 queries' word features makes evaluate() encode 3 queries at a time instead
     of the configured 11; the ranks are those of the plain split-order evaluation."""
     cfg, collection, model = setup(tiny_root, tmp_path)
     plain = plain_evaluation(model, collection, cfg)
     sizes: list[int] = []
-    real = ev.encode_queries
-
-    def recording(model, batches, **kwargs):
-        def counted():
-            for batch in batches:
-                sizes.append(len(batch[0]))
-                yield batch
-        return real(model, counted(), **kwargs)
-
-    monkeypatch.setattr(ev, "encode_queries", recording)
+    record_batches(monkeypatch, "encode_queries", lambda batch: sizes.append(len(batch[0])))
     monkeypatch.setattr(ev, "QUERY_BUDGET_BYTES", 3 * 4 * collection.max_query_len * collection.query_dim)
     fast = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE)
     assert max(sizes) == 3 and sum(sizes) == collection.split("val").num_queries
@@ -210,3 +216,31 @@ def test_float32_encoded_clips_are_stored_as_bf16_values_in_a_bf16_evaluation(ti
     rounded = dataclasses.replace(video, clip=video.clip.bfloat16().float(), extra={})
     by_hand = real_ranks(model, query, model.index_videos(rounded), *args, **kwargs)
     np.testing.assert_array_equal(stored.ranks, by_hand)
+
+
+def test_a_batch_dependent_model_is_evaluated_in_the_reference_batches(tiny_root, tmp_path, monkeypatch):
+    """GMMFormer with ``window_length: batch`` (its videos' encodings depend on their batch) is evaluated as the
+    reference code does: the split in order, exactly ``eval.video_batch_size`` videos a batch, even where the
+    memory budget would cut smaller ones; its ranks are those of the plain split-order evaluation, and the
+    by-length batches would have given other embeddings."""
+    raw = small_raw(tiny_root, tmp_path)
+    raw["model"]["window_length"] = "batch"
+    raw["eval"] = {"video_batch_size": 7, "query_batch_size": 11, "score_chunk": 13}
+    cfg = validate(raw)
+    collection = open_collection(cfg.data)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
+    assert model.batch_dependent_videos()
+    batches: list[list[str]] = []
+    real = ev.encode_videos
+    record_batches(monkeypatch, "encode_videos", lambda batch: batches.append(list(batch[0])))
+    per_video = 4 * (collection.max_frames + collection.num_clips) * collection.video_dim
+    monkeypatch.setattr(ev, "ENCODE_BUDGET_BYTES", 3 * per_video)  # would cut batches of 3
+    got = ev.evaluate(model, collection, "val", cfg.eval, device=DEVICE)
+    ids = collection.split("val").video_ids
+    assert batches == [ids[lo : lo + 7] for lo in range(0, len(ids), 7)]
+    np.testing.assert_array_equal(got.ranks, plain_evaluation(model, collection, cfg).ranks)
+    split_order, _ = real(model, video_batches(collection, "val", 7), device=DEVICE)
+    by_length, by_length_ids = real(model, video_batches(collection, "val", 7, by_length=True), device=DEVICE)
+    order = [by_length_ids.index(v) for v in ids]
+    assert not torch.equal(split_order.frame, by_length.frame[order])

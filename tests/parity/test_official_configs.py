@@ -41,6 +41,11 @@ GMMFORMER = {
     "model.attention_dropout": (0.2, 0.2, 0.15, "src/Configs/{ds}.py drop -> attention_probs_dropout_prob"),
     "model.sigmas": ({0.5, 1.0, 5.0, INF},) * 3 + ("src/Models/gmmformer/model_components.py GMMBlock wid",),
     "model.num_gmm_blocks": (2, 2, 2, "src/Models/gmmformer/model.py clip_encoder(_2), frame_encoder_1/_2"),
+    "model.window_length": ("batch",) * 3 + (
+        "src/Datasets/data_provider.py collate_train / collate_frame_val pad to the batch's longest video; "
+        "src/Models/gmmformer/model_components.py generate_gauss_weight(attention_scores.shape[-1])",
+    ),
+    "eval.video_batch_size": (100, 100, 100, "src/Configs/{ds}.py eval_context_bsz"),
     "model.ffn_size": (0, 0, 0, "src/Models/gmmformer/model_components.py BertAttention (no FFN)"),
     "model.clip_weight": (0.7, 0.7, 0.7, "src/Configs/{ds}.py clip_scale_w"),
     "model.frame_weight": (0.3, 0.3, 0.3, "src/Configs/{ds}.py frame_scale_w"),
@@ -208,6 +213,11 @@ MAMFUSION = {
     "model.attention_dropout": (0.45, 0.18, 0.3, "src/Configs/{ds}.yaml drop -> attention_probs_dropout_prob"),
     "model.sigmas": ({0.5, 1.0, 5.0, INF},) * 3 + ("src/Models/model_components.py GMMBlock wid",),
     "model.num_gmm_blocks": (2, 2, 2, "src/Models/model_mamba.py clip_encoder(_2), frame_encoder_1/_2"),
+    "model.window_length": ("batch",) * 3 + (
+        "src/Datasets/data_provider.py collate_train / collate_frame_val pad to the batch's longest video; "
+        "src/Models/model_components.py generate_gauss_weight(attention_scores.shape[-1])",
+    ),
+    "eval.video_batch_size": (100, 100, 100, "src/Configs/{ds}.yaml eval_context_bsz"),
     "model.ffn_size": (0, 0, 0, "src/Models/model_components.py BertAttention (no FFN)"),
     "model.clip_weight": (0.7, 0.7, 0.7, "src/Configs/builder.py clip_scale_w"),
     "model.frame_weight": (0.3, 0.3, 0.3, "src/Configs/builder.py frame_scale_w"),

@@ -149,6 +149,10 @@ class PluggedModel(RetrievalModel):
         """The backbone's (its encoders hold most of an evaluation batch's working set)."""
         return self.backbone.encode_budget_share()
 
+    def batch_dependent_videos(self) -> bool:
+        """The backbone's (it encodes the videos)."""
+        return self.backbone.batch_dependent_videos()
+
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """The backbone's index (plug-in entries of ``extra`` kept), then every plug-in's replacements."""
         video = self.backbone.index_videos(video)

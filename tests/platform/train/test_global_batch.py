@@ -1,0 +1,65 @@
+"""DDP training of a model whose videos' encodings depend on their batch (GMMFormer, ``window_length: batch``):
+every rank pads its part of the batch to the longest video of the whole (global) batch, so each part encodes
+as it does in one process holding the whole batch (the reference trains in one process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from train_helpers import gloo_group, rank_loop, small_raw
+
+PER_RANK = 4
+WORLD = 2
+
+
+def batch_raw(root: Path, tmp: Path, *, world: int, window_length: str = "batch") -> dict:
+    raw = small_raw(root, tmp, batch_size=PER_RANK * WORLD, epochs=1, torch_threads=1, num_workers=world)
+    raw["model"]["window_length"] = window_length
+    return raw
+
+
+def first_batches(raw: dict, out: Path, *, rank: int, world: int) -> dict:
+    """The first batch's frame slots before and after ``as_global_batch``, its real lengths, and the padded
+    part's frame vectors (eval mode: no dropout)."""
+    loop = rank_loop(raw, out, rank=rank, world=world)
+    loop.setup()
+    batch = next(iter(loop.loader))
+    padded = loop.as_global_batch(batch)
+    loop.model.eval()
+    with torch.no_grad():
+        frame = loop.model.encode_videos(padded.clips, padded.frames, padded.frame_mask).frame  # (B, D)
+    return {
+        "local": batch.frames.shape[1], "slots": padded.frames.shape[1], "videos": padded.video_ids,
+        "lengths": padded.frame_lengths_host.tolist(), "real": padded.frame_mask.sum(1).tolist(),
+        "frame": frame.tolist(),
+    }
+
+
+def _rank(rank: int, world: int, init_file: str, raws: dict, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    with gloo_group(rank, world, init_file):
+        got = {name: first_batches(raw, Path(out_dir) / name, rank=rank, world=world) for name, raw in raws.items()}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
+
+
+@pytest.mark.slow
+def test_each_rank_pads_to_the_global_batch_and_encodes_as_one_process(tiny_root, tmp_path):
+    raws = {name: batch_raw(tiny_root, tmp_path / name, world=WORLD, window_length=name) for name in ("batch", "padded")}
+    mp.spawn(_rank, args=(WORLD, str(tmp_path / "init"), raws, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    one = first_batches(batch_raw(tiny_root, tmp_path / "one", world=1), tmp_path / "one", rank=0, world=1)
+    assert [v for r in ranks for v in r["batch"]["videos"]] == one["videos"]  # the ranks' parts make the batch
+    assert min(r["batch"]["local"] for r in ranks) < one["slots"]  # one part alone pads less: the case matters
+    for r, got in enumerate(ranks):
+        assert got["batch"]["slots"] == one["slots"] == max(one["lengths"])  # the global batch's longest video
+        assert got["batch"]["lengths"] == got["batch"]["real"] == one["lengths"][r * PER_RANK : (r + 1) * PER_RANK]
+        torch.testing.assert_close(
+            torch.tensor(got["batch"]["frame"]), torch.tensor(one["frame"][r * PER_RANK : (r + 1) * PER_RANK]),
+            atol=1e-5, rtol=1e-5,
+        )
+        assert got["padded"]["slots"] == got["padded"]["local"]  # a batch-independent model: left as it is
