@@ -283,3 +283,35 @@ def test_data_inspect_without_a_single_feature_store_names_its_option(tiny_root,
     cfg.write_text(yaml.safe_dump(small_raw(root, tmp_path) | {"data": {"root": str(root), "collection": "synth"}}))
     assert main(["data", "inspect", "--config", str(cfg)]) == EXIT_BAD_INPUT  # the config's key there
     assert one_error_line(capsys).endswith(f"in {feature_dir}; set data.visual_feature")
+
+
+def test_eval_of_a_checkpoint_with_entries_training_never_writes_is_one_line(synthetic_model, tmp_path, capsys):
+    """A format newer than this prvrlab's, or entries of other types (a hand-made or damaged file), are refused
+    by name before a model is built; weights of another model's shapes name the first key of each kind."""
+    import torch
+
+    from prvrlab.platform.train.loop import CHECKPOINT_FORMAT
+
+    blob = torch.load(synthetic_model, map_location="cpu", weights_only=True)
+    weights = blob["model"]
+    first = next(iter(weights))
+    renamed = {("renamed." + k if k == first else k): v for k, v in weights.items()}
+    resized = {**weights, first: torch.zeros(3, 3)}
+    cases = {
+        "newer": ({**blob, "format": CHECKPOINT_FORMAT + 1}, f"checkpoint format {CHECKPOINT_FORMAT + 1} was written by "
+                  f"a newer prvrlab; this one reads formats 1 to {CHECKPOINT_FORMAT} (upgrade prvrlab to evaluate it)"),
+        "format": ({**blob, "format": "8"}, "not a prvrlab checkpoint: its 'format' is '8', not a whole number >= 1"),
+        "config": ({**blob, "config": ["a", "list"]}, "not a prvrlab checkpoint: its 'config' is a list, not a mapping"),
+        "model": ({**blob, "model": {"w": [1.0]}},
+                  "not a prvrlab checkpoint: its 'model' is not a state dict (parameter names to tensors)"),
+        "epoch": ({**blob, "epoch": -1}, "not a prvrlab checkpoint: its 'epoch' is -1, not a whole number >= 0"),
+        "renamed": ({**blob, "model": renamed}, f"weights do not fit the configured model: 1 missing (first: {first}); "
+                    f"1 unexpected (first: renamed.{first})"),
+        "resized": ({**blob, "model": resized}, "weights do not fit the configured model: 1 of another shape "
+                    f"(first: {first} (3, 3) vs {tuple(weights[first].shape)})"),
+    }
+    for name, (edited, message) in cases.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save(edited, path)
+        assert main(["eval", str(path)]) == EXIT_BAD_INPUT, name
+        assert one_error_line(capsys) == f"prvrlab: error: {path}: {message}", name

@@ -73,13 +73,50 @@ def load_checkpoint(path: str | Path, *, config: str | Path | None = None) -> di
     except Exception as exc:  # torch's text may advise weights_only=False, which runs the file's code
         raise DataError(f"{path}: not a readable prvrlab checkpoint: {EXPECTED} (torch.load: {type(exc).__name__})") from None
     if isinstance(blob, dict) and "model" in blob and "progress" in blob and "config" not in blob:
-        return _with_run_config(blob, path, config)
+        return _with_run_config(_checked(blob, path), path, config)
     if not isinstance(blob, dict) or "model" not in blob or "config" not in blob:
         raise DataError(f"{path}: not a prvrlab checkpoint: {EXPECTED} (with keys 'model' and 'config')")
     if config is not None:
         raise ConfigError(f"--config {config}: {path} holds the config its weights were trained with; "
                           "--config is for a recovery checkpoint (state.pt)")
+    return _checked(blob, path)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked(blob: dict, path: Path) -> dict:
+    """``blob`` when its entries have the types training writes and a format this prvrlab reads; else a DataError."""
+    from prvrlab.platform.train.loop import CHECKPOINT_FORMAT
+
+    fmt = blob.get("format", 1)
+    if not _whole(fmt) or fmt < 1:
+        raise DataError(f"{path}: not a prvrlab checkpoint: its 'format' is {fmt!r}, not a whole number >= 1")
+    if fmt > CHECKPOINT_FORMAT:
+        raise DataError(f"{path}: checkpoint format {fmt} was written by a newer prvrlab; this one reads formats "
+                        f"1 to {CHECKPOINT_FORMAT} (upgrade prvrlab to evaluate it)")
+    if "config" in blob and not isinstance(blob["config"], dict):
+        raise DataError(f"{path}: not a prvrlab checkpoint: its 'config' is a {type(blob['config']).__name__}, not a mapping")
+    weights = blob["model"]
+    if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise DataError(f"{path}: not a prvrlab checkpoint: its 'model' is not a state dict (parameter names to tensors)")
+    if "epoch" in blob and (not _whole(blob["epoch"]) or blob["epoch"] < 0):
+        raise DataError(f"{path}: not a prvrlab checkpoint: its 'epoch' is {blob['epoch']!r}, not a whole number >= 0")
     return blob
+
+
+def weights_mismatch(model: torch.nn.Module, weights: dict) -> str:
+    """What keeps ``weights`` from loading into ``model``, in one line: how many entries are missing, unexpected
+    or of another shape, with the first of each (torch's message lists every key, one per line)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in own if k in weights
+              and tuple(weights[k].shape) != tuple(own[k].shape)]
+    parts = [f"{len(keys)} {what} (first: {keys[0]})" for what, keys in
+             (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if keys]
+    return "; ".join(parts) or "the model refused them"
 
 
 def _with_run_config(blob: dict, path: Path, config: str | Path | None) -> dict:
@@ -154,8 +191,8 @@ def evaluate_checkpoint(
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     try:
         model.load_state_dict(blob["model"])
-    except RuntimeError as exc:
-        raise DataError(f"{path}: weights do not fit the configured model: {exc}") from None
+    except RuntimeError:
+        raise DataError(f"{path}: weights do not fit the configured model: {weights_mismatch(model, blob['model'])}") from None
     device = eval_device(cfg, device)
     model.to(device)
     set_host_allocator(cfg.train.host_allocator)
