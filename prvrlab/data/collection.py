@@ -270,12 +270,13 @@ def _shown(value) -> str:
     return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
 
 
-def check_synthetic_root(cfg: "DataConfig", root: Path) -> None:
+def check_synthetic_root(cfg: "DataConfig", root: Path, *, option: str | None = None) -> None:
     """Refuse a ``root`` whose synthetic collection is not the one ``cfg.synthesize`` / ``cfg.synth_seed`` asks for.
 
     Reads ``<root>/synth.json`` (written by :func:`prvrlab.data.synth.synthesize`); a root without it
-    (a real dataset, or nothing yet) passes.  Raises DataError naming ``data.root``, the keys that differ
-    with both values, and what to do.
+    (a real dataset, or nothing yet) passes.  Raises DataError naming ``data.root`` (or ``option``, the
+    command-line option that gave ``root`` for a saved model's config, e.g. ``eval --data-root``), the keys
+    that differ with both values, and what to do.
     """
     from prvrlab.data.synth import SynthPreset, get_preset
 
@@ -305,6 +306,12 @@ def check_synthetic_root(cfg: "DataConfig", root: Path) -> None:
         differ += [f"{k}={_shown(getattr(wanted, k))} (its synth.json: {_shown(info[k])})" for k in changed]
     if seed_differs:
         differ.append(f"data.synth_seed={cfg.synth_seed} (its synth.json: {recorded_seed})")
+    if option is not None:  # a saved model's data: only the folder can change
+        raise DataError(
+            f"{option} {root}: holds another synthetic collection than the model was trained on: {', '.join(differ)}; "
+            f"give {option} a folder of that collection, or write one with  prvrlab data synth --preset "
+            f"{cfg.synthesize} --seed {cfg.synth_seed} --out <new folder>"
+        )
     if changed and recorded_name == cfg.synthesize:
         todo = (f"give data.root another folder, or rewrite this one with  prvrlab data synth --preset "
                 f"{cfg.synthesize} --seed {cfg.synth_seed} --out {root}")

@@ -7,6 +7,7 @@ non-zero exit on bad input (missing or corrupt files, invalid configs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import signal
@@ -200,11 +201,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _check_data_root(value: str, data) -> None:
-    """``eval --data-root`` names a folder that exists: eval never writes a collection there."""
+    """``eval --data-root`` names a folder that exists (eval never writes a collection there) and, where the
+    model was trained on a synthetic collection, holds that one (:func:`~prvrlab.data.collection.check_synthetic_root`)."""
+    from prvrlab.data.collection import check_synthetic_root, collection_root
     from prvrlab.platform.config import ConfigError
 
-    if Path(value).exists():
+    path = Path(value)
+    if path.is_dir():
+        given = dataclasses.replace(data, root=str(path.resolve()))
+        check_synthetic_root(given, collection_root(given), option="--data-root")
         return
+    if path.exists():
+        raise ConfigError(f"--data-root {value}: not a folder; give the folder that holds the collection")
     how = (f"; write the model's synthetic collection there with  prvrlab data synth --preset {data.synthesize} "
            f"--seed {data.synth_seed} --out {value}" if data.synthesize else "")
     raise ConfigError(f"--data-root {value}: folder not found{how}")

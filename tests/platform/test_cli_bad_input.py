@@ -315,3 +315,22 @@ def test_eval_of_a_checkpoint_with_entries_training_never_writes_is_one_line(syn
         torch.save(edited, path)
         assert main(["eval", str(path)]) == EXIT_BAD_INPUT, name
         assert one_error_line(capsys) == f"prvrlab: error: {path}: {message}", name
+
+
+def test_eval_data_root_that_is_a_file_or_another_synthetic_collection_is_refused(synthetic_model, tmp_path, capsys, no_evaluation):
+    """The model was trained on the tiny preset with seed 0: a --data-root holding the tiny preset of seed 3 is
+    other data (its synth.json says so), refused naming the option; a file is not a folder."""
+    from prvrlab.data.synth import synthesize
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["eval", str(synthetic_model), "--data-root", str(afile)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == f"prvrlab: error: --data-root {afile}: not a folder; give the folder that holds the collection"
+    other = tmp_path / "other"
+    synthesize(other, preset="tiny", seed=3, progress=False)
+    assert main(["eval", str(synthetic_model), "--data-root", str(other)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (
+        f"prvrlab: error: --data-root {other}: holds another synthetic collection than the model was trained on: "
+        "data.synth_seed=0 (its synth.json: 3); give --data-root a folder of that collection, or write one with  "
+        "prvrlab data synth --preset tiny --seed 0 --out <new folder>"
+    )
