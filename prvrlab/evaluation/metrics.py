@@ -150,13 +150,14 @@ def rank_table(
 
 
 def save_ranks(path: str | Path, table: pa.Table) -> Path:
-    """Write a rank table to Parquet (parent folders created); returns the path."""
+    """Write a rank table to Parquet (parent folders created; whole or not at all); returns the path."""
     import pyarrow.parquet as pq
+
+    from prvrlab.files import replace_atomically
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
-    return path
+    return replace_atomically(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def load_ranks(path: str | Path) -> pa.Table:

@@ -282,8 +282,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     text = compare_runs(resolve_tracking_uri(args.tracking_uri, key="--tracking-uri"), args.run_ids, split=args.split,
                         n_boot=args.bootstrap, seed=args.seed, adjust=args.adjust)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        storage.write_file(args.out, "--out", lambda tmp: tmp.write_text(text))
     print(text, end="")
     return 0
 

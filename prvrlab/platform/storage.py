@@ -29,14 +29,16 @@ import tempfile
 import threading
 import urllib.parse
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prvrlab.files import replace_atomically
 from prvrlab.platform.config import ConfigError
 
 KEY = "tracking.storage_path"
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
-NEVER_SYNCED = ("progress.json", "*.tmp", "local_session")  # rewritten every second / in-process scratch
+NEVER_SYNCED = ("progress.json", "*.tmp", "*.part", "local_session")  # rewritten every second / half-written / scratch
 WORKER_FILES = ("best_model.pt", "ranks_*.parquet")  # pushed by rank 0 itself
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 _MALFORMED = re.compile(r"^(s3|gs|gcs|file):(?!//)", re.IGNORECASE)  # s3:/bucket, gs:bucket: a URI missing a slash
@@ -171,10 +173,7 @@ class Location:
                 continue
             target = self.local / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
-            with fs.open_input_stream(info.path) as src, tmp.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(tmp, target)
+            replace_atomically(target, lambda tmp, source=info.path: _download(fs, source, tmp))
             count += 1
         return count
 
@@ -315,16 +314,31 @@ def fetch(uri: str, key: str = KEY) -> Path:
     location = Location(normalize(uri, key=key))
     target = location.local
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
+
     try:
         fs, path = _filesystem(location.uri)
-        with fs.open_input_stream(path) as src, tmp.open("wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        return replace_atomically(target, lambda tmp: _download(fs, path, tmp))
     except Exception as exc:  # OSError, FileNotFoundError, pyarrow's ArrowException
-        tmp.unlink(missing_ok=True)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{key} {uri}: cannot be read ({first})") from None
-    os.replace(tmp, target)
+
+
+def _download(fs, path: str, local: Path) -> None:
+    """Copy the object store's file ``path`` (``fs``: its pyarrow filesystem) into the local file ``local``."""
+    with fs.open_input_stream(path) as src, local.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def write_file(value: str, key: str, write: Callable[[Path], object]) -> Path:
+    """Write the file ``value`` (a path, ``s3://`` or ``gs://``; checked beforehand with :func:`check_file`):
+    ``write(tmp)`` fills a temporary file that replaces the local file once whole
+    (:func:`~prvrlab.files.replace_atomically`; for a remote file, its copy in the staging folder, then
+    uploaded).  Returns the local file."""
+    uri = normalize(value, key=key)
+    target = Location(uri).local if is_remote(uri) else Path(uri)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(target, write)
+    put(target, uri)
     return target
 
 

@@ -76,6 +76,14 @@ def test_runs_of_the_same_data_with_other_models_and_roots_compare(store, capsys
     assert compare_runs(f"{store.uri}?timeout=20", [a, b], n_boot=20) == compare_runs(store.uri, [a, b], n_boot=20)
 
 
+def test_compare_out_writes_the_printed_table(store, capsys, tmp_path):
+    a, b = store(root="/machine1/synth"), store(root="/machine2/synth")
+    out_file = tmp_path / "tables" / "compare.md"
+    code, out = _cli(store, [a, b], capsys, "--out", str(out_file))
+    assert code == 0 and out_file.read_text() == out.out
+    assert [p.name for p in out_file.parent.iterdir()] == ["compare.md"]  # no temporary left beside it
+
+
 @pytest.mark.parametrize(
     ("other", "differs"),
     [

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from prvrlab.files import replace_atomically
+
 PROGRESS_FILE = "progress.json"
 EVERY_S_ENV = "PRVRLAB_PROGRESS_S"
 DEFAULT_EVERY_S = 10.0  # seconds between plain progress lines (not a terminal)
@@ -110,9 +112,8 @@ def short_progress(state: dict[str, Any]) -> str:
 
 def write_progress(path: Path, state: dict[str, Any]) -> None:
     """Replace ``path`` with ``state`` as JSON (atomically: readers never see half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
+    text = json.dumps(state)
+    replace_atomically(path, lambda tmp: tmp.write_text(text))
 
 
 def read_progress(path: Path) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from prvrlab.files import replace_atomically
 from prvrlab.platform.config import ExperimentConfig, validate
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
@@ -172,9 +173,7 @@ def pin_batches(device: torch.device, setting: bool | None) -> bool:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda tmp: torch.save(obj, tmp))
 
 
 def fault_hook_from_env() -> dict[str, Any] | None:

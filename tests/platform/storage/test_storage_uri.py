@@ -193,3 +193,30 @@ def test_search_on_a_missing_bucket_is_one_line_exit_2_nothing_recorded(s3_env, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].count("tracking.storage_path s3://missing-bucket/studies: not writable") == 1, err
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_write_file_replaces_a_local_file_whole_and_uploads_a_remote_one(s3_env, tmp_path):
+    local = tmp_path / "out" / "table.md"
+    assert storage.write_file(str(local), "--out", lambda tmp: tmp.write_text("new")) == local
+    assert local.read_text() == "new"
+
+    def broken(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        storage.write_file(str(local), "--out", broken)
+    assert local.read_text() == "new" and sorted(p.name for p in local.parent.iterdir()) == ["table.md"]  # no temporary
+    staged = storage.write_file("s3://lab/reports/table.md", "--out", lambda tmp: tmp.write_text("remote"))
+    assert staged == tmp_path / "stage" / "s3" / "lab" / "reports" / "table.md" and staged.read_text() == "remote"
+    body = s3_client(s3_env).get_object(Bucket="lab", Key="reports/table.md")["Body"].read()
+    assert body == b"remote"
+
+
+def test_mirror_never_pushes_a_file_being_written(s3_env, tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one")
+    (folder / ".best_model.pt.0123abcd.part").write_bytes(b"half")  # replace_atomically's temporary
+    assert storage.Mirror(folder, "s3://lab/m2").push() == 1
+    assert bucket_keys(s3_env, "lab", "m2/") == ["m2/a.txt"]
