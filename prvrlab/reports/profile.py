@@ -151,7 +151,8 @@ def profile_model(
 
 
 def model_dims(cfg) -> tuple[int, int]:
-    """(video_dim, query_dim) of a config's data: read from the collection when it exists, else known defaults.
+    """(video_dim, query_dim) of a config's data: read from the collection when it exists, else those of the
+    synthetic preset it names (``data.synthesize``: its data need not be written), else known defaults.
 
     ``cfg``: a validated experiment config (only ``cfg.data`` is read); a ReportError when neither works.
     """
@@ -163,6 +164,11 @@ def model_dims(cfg) -> tuple[int, int]:
         return int(coll.video_dim), int(coll.query_dim)
     except (DataError, OSError, FileNotFoundError):
         pass
+    if cfg.data.synthesize:
+        from prvrlab.data.synth import get_preset
+
+        preset = get_preset(cfg.data.synthesize)
+        return int(preset.video_dim), int(preset.query_dim)
     if cfg.data.collection in KNOWN_DIMS:
         return KNOWN_DIMS[cfg.data.collection]
     raise ReportError(

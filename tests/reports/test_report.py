@@ -174,3 +174,25 @@ def test_a_report_leaves_no_download_folder_behind(studies, tmp_path, monkeypatc
     third = load_study(studies["uri"], studies["ablation"]).cache_dir()
     gc.collect()
     assert not third.exists()  # an unreferenced study removes its folder
+
+
+def test_profile_reads_feature_sizes_from_the_collection_or_the_synthetic_preset(tiny_root, tmp_path):
+    """A config whose synthetic data is not written yet profiles with its preset's sizes (nothing is written);
+    written data is read; a real collection without data or known sizes asks for them."""
+    from prvrlab.data.synth import PRESETS
+    from prvrlab.platform.config import load_config
+    from prvrlab.reports.profile import ReportError, model_dims
+
+    repo = Path(__file__).resolve().parents[2]
+    missing = tmp_path / "not_written"
+    cfg = load_config(repo / "configs" / "gmmformer_synth.yaml", overrides={"data.root": str(missing)})
+    preset = PRESETS[cfg.data.synthesize]
+    assert model_dims(cfg) == (preset.video_dim, preset.query_dim) and not missing.exists()
+    written = load_config(repo / "configs" / "gmmformer_synth.yaml",
+                          overrides={"data.root": str(tiny_root), "data.synthesize": "small"})  # the tiny data is there
+    assert PRESETS["small"].video_dim != PRESETS["tiny"].video_dim
+    assert model_dims(written) == (PRESETS["tiny"].video_dim, PRESETS["tiny"].query_dim)
+    real = load_config(repo / "configs" / "gmmformer_synth.yaml",
+                       overrides={"data.root": str(missing), "data.synthesize": None, "data.collection": "mine"})
+    with pytest.raises(ReportError, match="pass --video-dim and --query-dim"):
+        model_dims(real)
