@@ -480,6 +480,11 @@ class RetrievalModel(nn.Module):
         the batch's videos), added to ``query.vectors`` before scoring; none by default."""
         return {}
 
+    def batch_vector_names(self) -> tuple[str, ...]:
+        """The names of the vectors :meth:`batch_vectors` adds that are no scoring branch (a loss's ``branch``
+        may name them as well as the branches); none by default."""
+        return ()
+
     def fuse(self, scores: dict[str, BranchScores]) -> Tensor:
         """Final (Nq, Nv) retrieval score: weighted sum of branch similarities."""
         total = None

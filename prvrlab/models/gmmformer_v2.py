@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_bool, check_choice, check_number, check_positive_int
+from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
@@ -424,8 +425,13 @@ class GMMFormerV2(RetrievalModel):
     learned query token phi for every TC-GMMBlock (clip and frame), as the
     reference's single ``weight_token`` passed to both blocks (one tensor
     held as the backbone's ``weight_token``); ``per_block``: each block
-    learns its own (``summary.phi``).  Encoders: ``query``, ``clip`` and ``frame``
-    (:class:`SequenceEncoder`).
+    learns its own (``summary.phi``); ``query_redraw``: in training, the queries
+    are encoded a second time (another dropout draw) and that vector is the
+    training-only query branch ``redrawn``, as the reference's ``forward``
+    encodes them again for its query-diverse and optimal-matching losses
+    (whose ``branch: redrawn`` reads it; False: no second encoding, and those
+    losses read ``clip``, the vector the scores use).  Encoders: ``query``,
+    ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # frame and clip embeddings are always per item
@@ -462,6 +468,7 @@ class GMMFormerV2(RetrievalModel):
         ffn_dropout: bool = True,
         cross_attention_dropout: bool = True,
         weight_token: Literal["shared", "per_block"] = "shared",
+        query_redraw: bool = False,
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -531,6 +538,7 @@ class GMMFormerV2(RetrievalModel):
             for summary in summaries:
                 summary.use_token(self, "weight_token")
         self.norm_decay = check_bool(norm_decay, "norm_decay")
+        self.query_redraw = check_bool(query_redraw, "query_redraw")
         for encoder in (self.query, self.clip, self.frame):
             decay_norm_gains(encoder.layers, self.norm_decay)
         init_normal_(self)  # Linear/Embedding/BranchLinear only: phi keeps its N(0, 1) draw
@@ -550,6 +558,15 @@ class GMMFormerV2(RetrievalModel):
         return self.query.embed(
             queries, query_mask, branches=("clip", "frame"), keep_tokens=self.keeps_word_tokens()
         )
+
+    def batch_vector_names(self) -> tuple[str, ...]:
+        return ("redrawn",) if self.query_redraw else ()
+
+    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+        """With ``query_redraw``: ``redrawn``, the (Nq, D) vector of a second encoding of the batch's queries."""
+        if not self.query_redraw:
+            return {}
+        return {"redrawn": self.encode_queries(batch.queries, batch.query_mask).vectors["clip"]}  # (Nq, D)
 
     score_elements = staticmethod(indexed_score_elements)
     low_precision_fields = ("clip", "frame")  # max-scored, indexed by index_token_norms

@@ -561,7 +561,7 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
             backbone = build_backbone(cfg.model, video_dim=8, query_dim=8)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {exc}") from None
-    branches = list(getattr(backbone, "score_weights", {}))
+    branches = [*getattr(backbone, "score_weights", {}), *backbone.batch_vector_names()]
     for term, spec in cfg.losses.items():
         try:
             with on_meta():

@@ -220,3 +220,47 @@ def test_evaluation_budget_share_follows_the_number_of_branches():
     assert build("gmmformer").encode_budget_share() == 1.0
     plugged = PluggedModel(backbone=backbone, plugins={"ral": PLUGINS.build("ral", hidden_size=16)})
     assert plugged.encode_budget_share() == 0.5
+
+
+def test_query_redraw_adds_a_second_encoding_of_the_queries_for_the_losses():
+    """``query_redraw``: the training forward encodes the queries again, as the reference's forward does for its
+    query-diverse and optimal-matching losses: ``redrawn`` is that second draw (computed here by hand, from the
+    same random state: videos, queries, queries), another dropout sample than ``clip``; without dropout the two
+    are equal; retrieval scores never see it."""
+    model = build("gmmformer_v2", dropout=0.3, query_redraw=True).to(DEVICE)
+    batch = standard_batch().to(DEVICE)
+    assert model.batch_vector_names() == ("redrawn",)
+    model.train()
+    torch.manual_seed(5)
+    out = model(batch)
+    torch.manual_seed(5)
+    model.encode_videos(batch.clips, batch.frames, batch.frame_mask)
+    first = model.encode_queries(batch.queries, batch.query_mask).vectors["clip"]
+    second = model.encode_queries(batch.queries, batch.query_mask).vectors["clip"]
+    torch.testing.assert_close(out.query.vectors["clip"], first)
+    torch.testing.assert_close(out.query.vectors["redrawn"], second)
+    assert (second - first).abs().max() > 1e-3  # another dropout draw
+    assert set(out.scores) == {"clip", "frame"}
+    model.eval()
+    quiet = model(batch)
+    torch.testing.assert_close(quiet.query.vectors["redrawn"], quiet.query.vectors["clip"], atol=0, rtol=0)
+    plain = build("gmmformer_v2", dropout=0.3).to(DEVICE)
+    assert plain.batch_vector_names() == () and "redrawn" not in plain(batch).query.vectors
+
+
+def test_a_loss_may_read_redrawn_only_with_query_redraw(tmp_path):
+    from prvrlab.platform.config import ConfigError, validate
+
+    raw = {
+        "name": "t", "data": {"root": str(tmp_path), "collection": "synth", "visual_feature": "f"},
+        "model": {"name": "gmmformer_v2", "hidden_size": 16, "num_heads": 2},
+        "losses": {
+            "clip_nce": {"loss": "infonce", "weight": 1.0, "branch": "clip"},
+            "om": {"loss": "optimal_matching", "weight": 0.1, "branch": "redrawn"},
+        },
+        "tracking": {"uri": f"sqlite:///{tmp_path / 'm.db'}"},
+    }
+    with pytest.raises(ConfigError, match="losses.om.branch: 'redrawn' is not a branch of backbone 'gmmformer_v2'"):
+        validate(raw)
+    raw["model"]["query_redraw"] = True
+    assert validate(raw).losses["om"]["branch"] == "redrawn"

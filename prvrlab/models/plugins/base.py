@@ -178,6 +178,9 @@ class PluggedModel(RetrievalModel):
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
         return self.backbone.batch_vectors(batch, query, video)
 
+    def batch_vector_names(self) -> tuple[str, ...]:
+        return self.backbone.batch_vector_names()
+
     def forward(self, batch: Batch) -> ModelOutput:
         """The training path (whatever the module mode): :meth:`RetrievalModel.forward` through the
         plug-ins' encoding and scoring, plus every plug-in's aux."""
