@@ -123,6 +123,7 @@ def peak_of(args, path: str, split: str, amp: str) -> tuple[float, float, float,
            "--host-allocator", args.host_allocator,
            "--test-videos", str(args.test_videos), "--peak-of", path, "--splits", split, "--amp", amp,
            *([] if args.video_batch is None else ["--video-batch", str(args.video_batch)]),
+           *([] if args.window_length is None else ["--window-length", args.window_length]),
            *(["--phase-peaks"] if args.phase_peaks else [])]
     lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
     out = lines[-1].split()
@@ -149,6 +150,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per path (best kept)")
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     p.add_argument("--video-batch", type=int, help="eval.video_batch_size (default: the config's)")
+    p.add_argument("--window-length", choices=["padded", "batch", "real"],
+                   help="model.window_length (default: the config's; GMMFormer's and MamFusion's dataset configs say "
+                        "batch since 2026-12-05: videos are then evaluated in split order, video_batch_size at a time, "
+                        "as the official code does; the figures before were taken with padded)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs in fresh processes")
     p.add_argument("--official-src", help="the official GMMFormer (v2) repository's src folder: its evaluation "
                    "runs alternately with prvrlab's (benchmarks/official_eval.py)")
@@ -166,8 +171,11 @@ def main() -> None:
     if args.peak_of is None:  # not in the fresh peak-memory processes: the probe's buffers would count
         print(host_probe())
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    cfg = tvr_config(root, args.config, **({} if args.video_batch is None else
-                                           {"eval.video_batch_size": args.video_batch}))
+    overrides = {} if args.video_batch is None else {"eval.video_batch_size": args.video_batch}
+    if args.window_length is not None:
+        overrides["model.window_length"] = args.window_length
+    cfg = tvr_config(root, args.config, **overrides)
+    print(f"model.window_length: {cfg.model.get('window_length', '-')}; eval.video_batch_size: {cfg.eval.video_batch_size}")
     seed_everything(0)
     t0 = time.perf_counter()
     collection = open_collection(cfg.data)
