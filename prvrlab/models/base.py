@@ -362,6 +362,7 @@ class RetrievalModel(nn.Module):
     provides: ClassVar[frozenset[str]] = frozenset()
     legacy_keys: ClassVar[Mapping[str, str]] = {}
     low_precision_fields: ClassVar[tuple[str, ...]] = ()
+    query_redraw: bool = False  # a backbone taking the switch sets it (batch_vectors)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         rename_legacy_keys(state_dict, prefix, self.legacy_keys)  # before the sub-modules read their keys
@@ -477,13 +478,22 @@ class RetrievalModel(nn.Module):
 
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
         """Training-only (Nq, D) query vectors computed from the whole batch (e.g. queries fused with
-        the batch's videos), added to ``query.vectors`` before scoring; none by default."""
-        return {}
+        the batch's videos), added to ``query.vectors`` before scoring.  By default only ``redrawn``, where
+        the backbone's ``query_redraw`` is on: the first branch's vector of :meth:`redrawn_queries`."""
+        if not self.query_redraw:
+            return {}
+        return {"redrawn": self.redrawn_queries(batch).vectors[next(iter(self.score_weights))]}  # (Nq, D)
+
+    def redrawn_queries(self, batch: Batch) -> QueryEmbedding:
+        """The batch's queries encoded a second time (in training: another dropout draw), as the reference
+        GMMFormer, GMMFormer v2 and MamFusion ``forward`` encode them again for their query-level losses
+        (``query_redraw``)."""
+        return self.encode_queries(batch.queries, batch.query_mask)
 
     def batch_vector_names(self) -> tuple[str, ...]:
         """The names of the vectors :meth:`batch_vectors` adds that are no scoring branch (a loss's ``branch``
-        may name them as well as the branches); none by default."""
-        return ()
+        may name them as well as the branches): ``redrawn`` where ``query_redraw`` is on."""
+        return ("redrawn",) if self.query_redraw else ()
 
     def fuse(self, scores: dict[str, BranchScores]) -> Tensor:
         """Final (Nq, Nv) retrieval score: weighted sum of branch similarities."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from prvrlab.checks import check_positive_int
+from prvrlab.checks import check_bool, check_positive_int
 from prvrlab.models.blocks import (
     AttentionPooling,
     BackboneSizes,
@@ -58,7 +58,10 @@ class GMMFormer(PooledFrameBackbone):
     ``window`` / ``window_length``: the Gaussian windows (``official`` /
     ``batch``: the reference's; ``padded``: frames span ``max_frames``;
     ``centred`` / ``real``: centred on the diagonal over each video's real
-    length; module docstring).  Encoders: ``query``,
+    length; module docstring); ``query_redraw``: in training the queries are
+    encoded a second time (another dropout draw) as the training-only query
+    vector ``redrawn``, which the reference's ``forward`` encodes for its
+    query-diverse loss (``branch: redrawn``; False: no second encoding).  Encoders: ``query``,
     ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
 
@@ -88,6 +91,7 @@ class GMMFormer(PooledFrameBackbone):
         frame_weight: float = 0.3,
         window: Window = "official",
         window_length: VideoWindowLength = "padded",
+        query_redraw: bool = False,
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -108,6 +112,7 @@ class GMMFormer(PooledFrameBackbone):
 
         clip_span, frame_span = video_window_spans(window, window_length, max_frames)
         self.window, self.window_length = window, window_length
+        self.query_redraw = check_bool(query_redraw, "query_redraw")
 
         def block(span: WindowLength) -> GMMBlock:
             return GMMBlock(**sizes.layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)

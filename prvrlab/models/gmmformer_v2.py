@@ -70,7 +70,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_bool, check_choice, check_number, check_positive_int
-from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
@@ -558,15 +557,6 @@ class GMMFormerV2(RetrievalModel):
         return self.query.embed(
             queries, query_mask, branches=("clip", "frame"), keep_tokens=self.keeps_word_tokens()
         )
-
-    def batch_vector_names(self) -> tuple[str, ...]:
-        return ("redrawn",) if self.query_redraw else ()
-
-    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
-        """With ``query_redraw``: ``redrawn``, the (Nq, D) vector of a second encoding of the batch's queries."""
-        if not self.query_redraw:
-            return {}
-        return {"redrawn": self.encode_queries(batch.queries, batch.query_mask).vectors["clip"]}  # (Nq, D)
 
     score_elements = staticmethod(indexed_score_elements)
     low_precision_fields = ("clip", "frame")  # max-scored, indexed by index_token_norms

@@ -147,7 +147,9 @@ class MamFusion(PooledFrameBackbone):
     (max elements of one intermediate tensor of the pairwise fusion), ``fusion_init``
     (``official``: the fusions' Q/K/V projections start as ``nn.MultiheadAttention``'s, which the
     reference's re-initialisation of ``nn.Linear`` never reaches; ``normal``: N(0, 0.02) like the
-    rest of the model).
+    rest of the model), ``query_redraw`` (the fused vector is made from a second encoding of the
+    queries, another dropout draw, as the reference's ``forward`` encodes them again for the fusion;
+    that vector is also the training-only ``redrawn``).
     """
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
@@ -188,6 +190,7 @@ class MamFusion(PooledFrameBackbone):
         fused_weight: float = 0.3,
         fusion_chunk: int = 1 << 24,
         fusion_init: Literal["official", "normal"] = "official",
+        query_redraw: bool = False,
     ) -> None:
         super().__init__()
         sizes = BackboneSizes(
@@ -209,6 +212,7 @@ class MamFusion(PooledFrameBackbone):
         for name, flag in flags:
             check_bool(flag, name)
         self.fusion = check_choice(fusion, "fusion", FUSIONS)
+        self.query_redraw = check_bool(query_redraw, "query_redraw")
         check_choice(mamba_init, "mamba_init", MAMBA_INITS)
         zero_init = check_choice(mamba_residual, "mamba_residual", MAMBA_RESIDUALS) == "zero_init"
         if check_bool(fusion_at_retrieval, "fusion_at_retrieval") and fusion != "temporal":
@@ -337,16 +341,22 @@ class MamFusion(PooledFrameBackbone):
         return BranchScores(sim=torch.cat(sims), logits=torch.cat(dots) if with_logits else None)
 
     def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
-        """The training-only fused sentence vector ``fused`` (Nq, D) (module docstring)."""
+        """The training-only fused sentence vector ``fused`` (Nq, D) (module docstring); under ``query_redraw``
+        fused from a second encoding of the queries (whose vector is also ``redrawn``), as the reference's
+        ``forward`` fuses the ``video_query`` it encodes again."""
+        out: dict[str, Tensor] = {}
+        if self.query_redraw:
+            query = self.redrawn_queries(batch)
+            out["redrawn"] = query.vectors["clip"]  # (Nq, D)
         if self.fusion == "batch":
-            return {"fused": self._batch_fusion(query.vectors["clip"], video.frame)}
+            return {**out, "fused": self._batch_fusion(query.vectors["clip"], video.frame)}
         if not self.temporal:
-            return {"fused": query.vectors["clip"]}
+            return {**out, "fused": query.vectors["clip"]}
         own = batch.query_video.to(video.frame.device)  # (Nq,)
         words, word_mask = query.word_tokens()  # (Nq, Lq, D), (Nq, Lq)
         frames, frame_mask = video.frame_tokens()  # (Nv, Lf, D), (Nv, Lf)
         fused, _ = self._fuse(words, word_mask, frames[own], frame_mask[own], query.vectors["clip"])  # (Nq, D)
-        return {"fused": fused}  # each query fused with its own video
+        return {**out, "fused": fused}  # each query fused with its own video
 
     score_elements = RetrievalModel.score_elements  # the fused pairs' chunks hold more than 8 floats a video
 
