@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -183,7 +183,8 @@ class VideoBatchSampler(Sampler[list[int]]):
             return self.num_videos // step
         return math.ceil(self.num_videos / step)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def _steps(self) -> Iterator[tuple[np.ndarray, int]]:
+        """Each step's global batch (every rank's share, in rank order) and the size of one share."""
         perm = self.permutation()
         step = self.batch_size * self.world_size
         for s in range(len(self)):
@@ -193,7 +194,16 @@ class VideoBatchSampler(Sampler[list[int]]):
                 share = math.ceil(len(chunk) / self.world_size)
                 wrap = perm[np.arange(share * self.world_size - len(chunk)) % self.num_videos]
                 chunk = np.concatenate([chunk, wrap])
+            yield chunk, share
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for chunk, share in self._steps():
             yield chunk[self.rank * share : (self.rank + 1) * share].tolist()
+
+    def global_batches(self) -> Iterator[np.ndarray]:
+        """This epoch's global batches, step by step: the videos of every rank's share, (world_size * share,)."""
+        for chunk, _ in self._steps():
+            yield chunk
 
 
 def train_loader(
@@ -209,14 +219,18 @@ def train_loader(
     drop_last: bool = False,
     pin_memory: bool = False,
     resident: "ResidentSplit | None" = None,
-) -> tuple["DataLoader | SampledBatches", VideoBatchSampler]:
+    global_padding: bool = False,
+) -> tuple["DataLoader | SampledBatches | GloballyPadded", VideoBatchSampler]:
     """A DataLoader of Batches over ``split`` for one DDP rank, and its sampler.
 
     With ``resident`` (that split, held on a device) the batches are made
     there by index instead: same videos, same values, no loader processes.
     The loader draws its workers' seeds from its own generator, never from
     torch's global one, so both ways leave the training's random stream alike.
-    Call ``sampler.set_epoch(epoch)`` before each epoch.
+    ``global_padding``: each rank's frames are padded to the longest video of the
+    step's global batch (every rank's share), known on every rank without
+    communication (:class:`GloballyPadded`).  Call ``sampler.set_epoch(epoch)``
+    before each epoch.
     """
     dataset = VideoDataset(collection, split)
     sampler = VideoBatchSampler(
@@ -231,7 +245,8 @@ def train_loader(
     if resident is not None:
         if len(resident) != len(dataset):
             raise ValueError(f"the resident split holds {len(resident)} videos, {split!r} has {len(dataset)}")
-        return SampledBatches(resident.batch, sampler), sampler
+        batches = SampledBatches(resident.batch, sampler)
+        return (GloballyPadded(batches, sampler, dataset) if global_padding else batches), sampler
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -241,7 +256,31 @@ def train_loader(
         pin_memory=pin_memory,
         generator=torch.Generator("cpu").manual_seed(seed),
     )
+    if global_padding:
+        return GloballyPadded(loader, sampler, dataset), sampler
     return loader, sampler
+
+
+class GloballyPadded:
+    """The batches of ``loader`` (one rank's shares), each with its frames zero-padded to the longest video of
+    its step's global batch, as one process holding the whole batch pads it (the reference code's collate
+    functions pad each batch to its longest video).  The lengths come from the split's index and the
+    sampler's order, so no rank waits for another; iterated like a DataLoader."""
+
+    def __init__(self, loader: Iterable[Batch], sampler: VideoBatchSampler, dataset: "VideoDataset") -> None:
+        self.loader, self.sampler = loader, sampler
+        frames = np.asarray(dataset.index.frame_counts, dtype=np.int64)  # (num_videos,)
+        self.lengths = np.minimum(frames, dataset.collection.max_frames)  # frames each video keeps
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch, whole in zip(self.loader, self.sampler.global_batches()):
+            padded = batch.pad_frames(int(self.lengths[whole].max()))
+            if padded is not batch and batch.frames.device.type == "cpu" and batch.frames.is_pinned():
+                padded = padded.pin_memory()  # as the loader left it: the copy to the device need not wait
+            yield padded
 
 
 class SampledBatches:
@@ -267,14 +306,17 @@ class _EvalBatches(Dataset):
 
     Videos or queries are taken in split order, or (``by_length``, videos
     only) from the most to the fewest frames, so a batch pads little (and the
-    first batch is the largest: the later ones fit in the memory it freed); the
-    batches of that sequence are dealt round-robin over ``world_size`` ranks
-    (batch ``j`` goes to rank ``j % world_size``, which balances the lengths).
+    first batch is the largest: the later ones fit in the memory it freed);
+    ``longest_batch_first`` (videos only) keeps the batches of the split order
+    but yields the one with the longest video first (the others in split order
+    of their longest video, most first); the batches of that sequence are dealt
+    round-robin over ``world_size`` ranks (batch ``j`` goes to rank
+    ``j % world_size``, which balances the lengths).
     """
 
     def __init__(
         self, dataset: VideoDataset, kind: str, batch_size: int, *, by_length: bool = False,
-        rank: int = 0, world_size: int = 1, resident: "ResidentSplit | None" = None,
+        rank: int = 0, world_size: int = 1, resident: "ResidentSplit | None" = None, longest_batch_first: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
@@ -289,11 +331,16 @@ class _EvalBatches(Dataset):
         index = dataset.index
         total = index.num_videos if kind == "videos" else index.num_queries
         order = np.arange(total, dtype=np.int64)
-        if by_length and kind == "videos":
+        counts = np.zeros(0, dtype=np.int64)
+        if (by_length or longest_batch_first) and kind == "videos":
             visual = dataset.collection.visual
             counts = np.fromiter((visual.num_frames(v) for v in index.video_ids), dtype=np.int64, count=total)
+        if by_length and kind == "videos":
             order = np.argsort(-counts, kind="stable")  # longest first
         batches = [order[lo : lo + batch_size] for lo in range(0, total, batch_size)]
+        if longest_batch_first and not by_length and kind == "videos":
+            longest = np.array([counts[b].max() for b in batches], dtype=np.int64)  # (num_batches,)
+            batches = [batches[j] for j in np.argsort(-longest, kind="stable")]  # the same batches, longest first
         self.batches = batches[rank::world_size]
 
     def __len__(self) -> int:
@@ -352,18 +399,20 @@ def _iterate(batches: _EvalBatches, num_workers: int) -> Iterator[tuple]:
 
 def video_batches(
     collection: Collection, split: str, batch_size: int, *, num_workers: int = 0, by_length: bool = False,
-    rank: int = 0, world_size: int = 1, resident: "ResidentSplit | None" = None,
+    rank: int = 0, world_size: int = 1, resident: "ResidentSplit | None" = None, longest_batch_first: bool = False,
 ) -> Iterator[tuple[list[str], Tensor, Tensor, Tensor]]:
     """Yield ``(video_ids, clips (B, Lc, Dv), frames (B, Lf, Dv), frame_mask (B, Lf))`` in split order.
 
     Frames are padded to the longest video of each batch.  ``by_length``:
     videos from the most to the fewest frames instead (little padding);
-    ``rank`` / ``world_size``: only this rank's batches, dealt round-robin;
-    ``resident`` (that split held on a device): the same batches, made there.
+    ``longest_batch_first``: the split-order batches, the one with the longest
+    video first (:class:`_EvalBatches`); ``rank`` / ``world_size``: only this
+    rank's batches, dealt round-robin; ``resident`` (that split held on a
+    device): the same batches, made there.
     """
     batches = _EvalBatches(
         VideoDataset(collection, split), "videos", batch_size, by_length=by_length, rank=rank, world_size=world_size,
-        resident=resident,
+        resident=resident, longest_batch_first=longest_batch_first,
     )
     return _iterate(batches, num_workers)
 

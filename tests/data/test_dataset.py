@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prvrlab.data.collection import open_collection
-from prvrlab.data.dataset import VideoDataset, collate, query_batches, train_loader, video_batches
+from prvrlab.data.dataset import VideoBatchSampler, VideoDataset, collate, query_batches, train_loader, video_batches
 from prvrlab.data.text import video_id_of
 
 
@@ -262,3 +262,22 @@ def test_padding_a_batch_s_frames_adds_zero_slots_and_keeps_its_host_lengths(toy
     assert b.pad_frames(5) is b
     with pytest.raises(ValueError, match="cannot pad 5 frame slots to 4"):
         b.pad_frames(4)
+
+
+def test_a_globally_padded_loader_pads_each_share_to_its_step_s_longest_video(toy_cfg):
+    from prvrlab.data.collection import open_collection as open_toy
+
+    col = open_toy(toy_cfg)
+    counts = [min(n, col.max_frames) for n in col.split("train").frame_counts]  # frames each video keeps
+    shares = {}
+    for rank in range(2):
+        loader, sampler = train_loader(col, "train", batch_size_per_rank=1, rank=rank, world_size=2, shuffle=False,
+                                       global_padding=True)
+        sampler.set_epoch(0)
+        plain, _ = train_loader(col, "train", batch_size_per_rank=1, rank=rank, world_size=2, shuffle=False)
+        shares[rank] = [(b.frames.shape[1], b.frame_lengths_host.tolist(), p.frames) for b, p in zip(loader, plain)]
+        assert len(shares[rank]) == len(plain)
+        for b, p in zip(loader, plain):
+            assert torch.equal(b.frames[:, : p.frames.shape[1]], p.frames) and not b.frames[:, p.frames.shape[1]:].any()
+    for k, whole in enumerate(VideoBatchSampler(len(counts), 1, shuffle=False, seed=0, world_size=2).global_batches()):
+        assert shares[0][k][0] == shares[1][k][0] == max(counts[i] for i in whole)

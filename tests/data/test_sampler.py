@@ -81,3 +81,14 @@ def test_invalid_arguments(kwargs, match):
     kwargs = {"shuffle": True, "seed": 0, **kwargs}
     with pytest.raises(ValueError, match=match):
         VideoBatchSampler(kwargs.pop("num_videos"), kwargs.pop("batch_size"), **kwargs)
+
+
+@pytest.mark.parametrize("n,bs,world", [(10, 3, 2), (100, 7, 4), (5, 8, 2), (3, 1, 4)])
+def test_global_batches_are_every_rank_s_share_of_each_step(n, bs, world):
+    """Every rank knows each step's whole batch (the short last step with its wrapped videos included)."""
+    per_rank = _epoch(n, bs, world, seed=3, epoch=1)
+    for rank in range(world):
+        s = VideoBatchSampler(n, bs, shuffle=True, seed=3, rank=rank, world_size=world)
+        s.set_epoch(1)
+        steps = [chunk.tolist() for chunk in s.global_batches()]
+        assert steps == [sum((per_rank[r][k] for r in range(world)), []) for k in range(len(per_rank[0]))]

@@ -289,7 +289,8 @@ class TrainingLoop:
         dims = {"video_dim": self.collection.video_dim, "query_dim": self.collection.query_dim}
         self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims).to(self.device)
         self.model = self.system.model
-        self.batch_dependent = self.model.batch_dependent_videos()  # frames padded to the global batch's longest
+        # a model whose video encodings depend on their batch: every rank pads its share to the global batch's longest video
+        self.global_padding = self.model.batch_dependent_videos() and self.world > 1
         set_activation_checkpointing(self.system, cfg.train.checkpoint_activations)
         self.components = self.system.components()
         self.per_rank = max(1, cfg.train.batch_size // self.world)
@@ -311,6 +312,7 @@ class TrainingLoop:
             num_workers=cfg.data.loader_workers,
             pin_memory=pin_batches(self.device, cfg.data.pin_memory),
             resident=self.resident.get(cfg.data.train_split),
+            global_padding=self.global_padding,
         )
         self.optimizer, self.scheduler = build_optimizer(
             self.system,
@@ -404,9 +406,10 @@ class TrainingLoop:
                 world_size=self.world,
                 shuffle=False,
                 resident=self.resident.get(self.cfg.data.train_split),
+                global_padding=self.global_padding,
             )
             for batch in loader:
-                yield self.as_global_batch(batch.to(self.device, non_blocking=True))
+                yield batch.to(self.device, non_blocking=True)
 
         return EpochContext(
             epoch=epoch,
@@ -459,15 +462,6 @@ class TrainingLoop:
                 record = {"component": prefix, "name": name, "epoch": epoch + 1, **record}
                 (folder / f"{prefix}.{name}.json").write_text(json.dumps(record, indent=1))
 
-    def as_global_batch(self, batch):
-        """``batch``, its frames padded to the longest video of the global batch (all ranks' parts) where
-        the model's video encodings depend on their batch (``batch_dependent_videos``) and DDP splits the
-        batch: each rank's part then encodes as it would in one process holding the whole batch."""
-        if not self.batch_dependent or not _distributed():
-            return batch
-        longest = all_reduce(torch.tensor([batch.frames.shape[1]], device=self.device), "max")
-        return batch.pad_frames(int(longest.item()))
-
     def step(self, train_model: torch.nn.Module, batch, epoch: int, step: int, sums: "MetricSums") -> str:
         """One optimiser step on every rank; returns a failure message ('' when the loss was finite).
 
@@ -478,7 +472,7 @@ class TrainingLoop:
         from prvrlab.losses.weighted import NonFiniteLossError
         from prvrlab.models.component import StepContext
 
-        batch = self.as_global_batch(batch.to(self.device, non_blocking=True))
+        batch = batch.to(self.device, non_blocking=True)
         dtype = self.amp_dtype
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             result, out = train_model(batch, epoch=epoch)

@@ -1,6 +1,7 @@
 """DDP training of a model whose videos' encodings depend on their batch (GMMFormer, ``window_length: batch``):
-every rank pads its part of the batch to the longest video of the whole (global) batch, so each part encodes
-as it does in one process holding the whole batch (the reference trains in one process)."""
+every rank pads its share of a batch to the longest video of the whole (global) batch, so each share encodes
+as it does in one process holding the whole batch (the reference trains in one process).  The batches the
+training epoch iterates (``loop.loader``) and those of the components' epoch hooks are both padded."""
 
 from __future__ import annotations
 
@@ -24,19 +25,20 @@ def batch_raw(root: Path, tmp: Path, *, world: int, window_length: str = "batch"
 
 
 def first_batches(raw: dict, out: Path, *, rank: int, world: int) -> dict:
-    """The first batch's frame slots before and after ``as_global_batch``, its real lengths, and the padded
-    part's frame vectors (eval mode: no dropout)."""
+    """The first batch of the training epoch and of the epoch hooks: frame slots, real lengths, video ids, and
+    the training batch's frame vectors (eval mode: no dropout)."""
     loop = rank_loop(raw, out, rank=rank, world=world)
     loop.setup()
-    batch = next(iter(loop.loader))
-    padded = loop.as_global_batch(batch)
+    loop.sampler.set_epoch(0)
+    batch = next(iter(loop.loader))  # what train_epoch steps through
+    hooked = next(loop.epoch_context(0).train_batches())  # what a component's epoch hook reads
     loop.model.eval()
     with torch.no_grad():
-        frame = loop.model.encode_videos(padded.clips, padded.frames, padded.frame_mask).frame  # (B, D)
+        frame = loop.model.encode_videos(batch.clips, batch.frames, batch.frame_mask).frame  # (B, D)
     return {
-        "local": batch.frames.shape[1], "slots": padded.frames.shape[1], "videos": padded.video_ids,
-        "lengths": padded.frame_lengths_host.tolist(), "real": padded.frame_mask.sum(1).tolist(),
-        "frame": frame.tolist(),
+        "slots": batch.frames.shape[1], "videos": batch.video_ids, "lengths": batch.frame_lengths_host.tolist(),
+        "real": batch.frame_mask.sum(1).tolist(), "frame": frame.tolist(),
+        "hook_slots": hooked.frames.shape[1], "hook_lengths": hooked.frame_lengths_host.tolist(),
     }
 
 
@@ -53,13 +55,17 @@ def test_each_rank_pads_to_the_global_batch_and_encodes_as_one_process(tiny_root
     mp.spawn(_rank, args=(WORLD, str(tmp_path / "init"), raws, str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     one = first_batches(batch_raw(tiny_root, tmp_path / "one", world=1), tmp_path / "one", rank=0, world=1)
-    assert [v for r in ranks for v in r["batch"]["videos"]] == one["videos"]  # the ranks' parts make the batch
-    assert min(r["batch"]["local"] for r in ranks) < one["slots"]  # one part alone pads less: the case matters
+    assert [v for r in ranks for v in r["batch"]["videos"]] == one["videos"]  # the ranks' shares make the batch
+    assert min(max(r["batch"]["lengths"]) for r in ranks) < one["slots"]  # one share alone pads less: the case matters
+    assert min(max(r["batch"]["hook_lengths"]) for r in ranks) < one["hook_slots"]
     for r, got in enumerate(ranks):
-        assert got["batch"]["slots"] == one["slots"] == max(one["lengths"])  # the global batch's longest video
-        assert got["batch"]["lengths"] == got["batch"]["real"] == one["lengths"][r * PER_RANK : (r + 1) * PER_RANK]
+        batch = got["batch"]
+        assert batch["slots"] == one["slots"] == max(one["lengths"])  # the global batch's longest video
+        assert batch["hook_slots"] == one["hook_slots"] == max(one["hook_lengths"])
+        assert batch["lengths"] == batch["real"] == one["lengths"][r * PER_RANK : (r + 1) * PER_RANK]
         torch.testing.assert_close(
-            torch.tensor(got["batch"]["frame"]), torch.tensor(one["frame"][r * PER_RANK : (r + 1) * PER_RANK]),
+            torch.tensor(batch["frame"]), torch.tensor(one["frame"][r * PER_RANK : (r + 1) * PER_RANK]),
             atol=1e-5, rtol=1e-5,
         )
-        assert got["padded"]["slots"] == got["padded"]["local"]  # a batch-independent model: left as it is
+        plain = got["padded"]  # a batch-independent model: each share padded to its own longest video
+        assert plain["slots"] == max(plain["lengths"]) and plain["hook_slots"] == max(plain["hook_lengths"])
