@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor
 
 from prvrlab.data.batch import Batch
@@ -19,6 +21,10 @@ class Loss(Component):
     are optimised and checkpointed with the model), may act at epoch
     start/end and after each step, and may log metrics (``log_metric``).
     """
+
+    # Its ``branch`` names query vectors it reads (``out.query.vectors``), not a branch's scores: it may then
+    # also name a backbone's training-only batch vectors (``RetrievalModel.batch_vector_names``).
+    reads_query_vectors: ClassVar[bool] = False
 
     def required_aux(self) -> tuple[str, ...]:
         """``ModelOutput.aux`` keys this loss reads (plug-in outputs such as 'ral.text_mu');

@@ -75,6 +75,8 @@ class MomentCoverageLoss(Loss):
     ``min_temperature``: the floor it cannot go below.
     """
 
+    reads_query_vectors = True
+
     def __init__(self, *, branch: str = "frame", temperature: float = 0.1, min_temperature: float = 0.01) -> None:
         super().__init__()
         self.branch = check_branch(branch)

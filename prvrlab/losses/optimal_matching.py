@@ -92,6 +92,8 @@ def matching_cosines(vectors: Tensor, clips: Tensor, query_video: Tensor | np.nd
 class OptimalMatchingLoss(Loss):
     """Optimal-matching loss of GMMFormer v2 between ``out.query.vectors[branch]`` and ``out.video.clip``."""
 
+    reads_query_vectors = True
+
     def __init__(self, *, branch: str = "clip") -> None:
         super().__init__()
         self.branch = check_branch(branch)

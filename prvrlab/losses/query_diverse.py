@@ -46,6 +46,8 @@ def query_diverse(vectors: Tensor, query_video: Tensor, *, alpha: float, delta: 
 class QueryDiverseLoss(Loss):
     """Query-diverse loss of GMMFormer v1 on ``out.query.vectors[branch]``."""
 
+    reads_query_vectors = True
+
     def __init__(self, *, branch: str = "clip", alpha: float = 32.0, delta: float = 0.2) -> None:
         super().__init__()
         self.branch = check_branch(branch)

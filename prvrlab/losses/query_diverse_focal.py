@@ -82,6 +82,8 @@ class QueryDiverseFocalLoss(Loss):
     code) or ``"pair"`` (paper's Eq. 5), see the module docstring.
     """
 
+    reads_query_vectors = True
+
     def __init__(
         self,
         *,

@@ -561,7 +561,7 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
             backbone = build_backbone(cfg.model, video_dim=8, query_dim=8)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model: {exc}") from None
-    branches = [*getattr(backbone, "score_weights", {}), *backbone.batch_vector_names()]
+    branches = list(getattr(backbone, "score_weights", {}))
     for term, spec in cfg.losses.items():
         try:
             with on_meta():
@@ -569,10 +569,11 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"losses.{term}: {exc}") from None
         branch = spec.get("branch")
-        if spec["weight"] > 0 and isinstance(branch, str) and branches and branch not in branches:
+        readable = branches + (list(backbone.batch_vector_names()) if type(loss).reads_query_vectors else [])
+        if spec["weight"] > 0 and isinstance(branch, str) and branches and branch not in readable:
             raise ConfigError(
                 f"losses.{term}.branch: '{branch}' is not a branch of backbone '{cfg.backbone}'"
-                f"{did_you_mean(branch, branches)}; branches: {', '.join(branches)}"
+                f"{did_you_mean(branch, readable)}; branches: {', '.join(readable)}"
             )
         try:
             check_needs(backbone, cfg.backbone, {f"losses.{term}": loss} if spec["weight"] > 0 else {})

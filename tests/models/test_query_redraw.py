@@ -69,3 +69,6 @@ def test_a_loss_may_read_redrawn_only_with_query_redraw(tmp_path):
         validate(raw)
     raw["model"]["query_redraw"] = True
     assert validate(raw).losses["om"]["branch"] == "redrawn"
+    raw["losses"]["clip_nce"]["branch"] = "redrawn"  # InfoNCE reads a branch's scores: redrawn has none
+    with pytest.raises(ConfigError, match="losses.clip_nce.branch: 'redrawn' is not a branch of backbone 'gmmformer_v2'"):
+        validate(raw)
