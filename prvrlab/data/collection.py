@@ -283,12 +283,13 @@ def check_synthetic_root(cfg: "DataConfig", root: Path, *, option: str | None = 
     record = root / "synth.json"
     if not cfg.synthesize or not record.is_file():
         return
+    key = option or "data.root"
     try:
         info = json.loads(record.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise DataError(f"{record}: unreadable synthetic collection record ({exc}); give data.root another folder") from None
+        raise DataError(f"{record}: unreadable synthetic collection record ({exc}); give {key} another folder") from None
     if not isinstance(info, dict):
-        raise DataError(f"{record}: not a synthetic collection record (a JSON object); give data.root another folder")
+        raise DataError(f"{record}: not a synthetic collection record (a JSON object); give {key} another folder")
     wanted = get_preset(cfg.synthesize)
     settings = [f.name for f in dataclasses.fields(SynthPreset) if f.name != "name"]
     changed = [

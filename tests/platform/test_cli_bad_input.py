@@ -297,6 +297,9 @@ def test_eval_of_a_checkpoint_with_entries_training_never_writes_is_one_line(syn
     first = next(iter(weights))
     renamed = {("renamed." + k if k == first else k): v for k, v in weights.items()}
     resized = {**weights, first: torch.zeros(3, 3)}
+    legacy_key = next(k for k in weights if k.startswith("query.proj."))  # an earlier layout: query_proj.*
+    legacy = {("query_proj." + k[len("query.proj."):] if k.startswith("query.proj.") else k): v for k, v in weights.items()}
+    legacy["query_proj." + legacy_key[len("query.proj."):]] = torch.zeros(3, 3)
     cases = {
         "newer": ({**blob, "format": CHECKPOINT_FORMAT + 1}, f"checkpoint format {CHECKPOINT_FORMAT + 1} was written by "
                   f"a newer prvrlab; this one reads formats 1 to {CHECKPOINT_FORMAT} (upgrade prvrlab to evaluate it)"),
@@ -309,6 +312,8 @@ def test_eval_of_a_checkpoint_with_entries_training_never_writes_is_one_line(syn
                     f"1 unexpected (first: renamed.{first})"),
         "resized": ({**blob, "model": resized}, "weights do not fit the configured model: 1 of another shape "
                     f"(first: {first} (3, 3) vs {tuple(weights[first].shape)})"),
+        "legacy": ({**blob, "model": legacy}, "weights do not fit the configured model: 1 of another shape "
+                   f"(first: {legacy_key} (3, 3) vs {tuple(weights[legacy_key].shape)})"),  # counted after the renames
     }
     for name, (edited, message) in cases.items():
         path = tmp_path / f"{name}.pt"

@@ -106,9 +106,21 @@ def _checked(blob: dict, path: Path) -> dict:
     return blob
 
 
-def weights_mismatch(model: torch.nn.Module, weights: dict) -> str:
-    """What keeps ``weights`` from loading into ``model``, in one line: how many entries are missing, unexpected
-    or of another shape, with the first of each (torch's message lists every key, one per line)."""
+def weights_mismatch(model: torch.nn.Module, weights: dict, error: Exception) -> str:
+    """What keeps ``weights`` from loading into ``model`` (which raised ``error``), in one line: for torch's
+    key and shape report (every key, one per line), how many entries are missing, unexpected or of another
+    shape, with the first of each, counted after the renames of earlier layouts that loading applies
+    (``RetrievalModel.legacy_keys``); any other refusal (e.g. two entries of one shared tensor that differ)
+    as it was given, on one line."""
+    from prvrlab.models.base import RetrievalModel, rename_legacy_keys
+
+    text = str(error)
+    if not text.startswith("Error(s) in loading state_dict"):
+        return " ".join(text.split())
+    weights = dict(weights)
+    for name, module in model.named_modules():
+        if isinstance(module, RetrievalModel) and module.legacy_keys:
+            rename_legacy_keys(weights, f"{name}." if name else "", module.legacy_keys)
     own = model.state_dict()
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
@@ -191,8 +203,8 @@ def evaluate_checkpoint(
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     try:
         model.load_state_dict(blob["model"])
-    except RuntimeError:
-        raise DataError(f"{path}: weights do not fit the configured model: {weights_mismatch(model, blob['model'])}") from None
+    except RuntimeError as exc:
+        raise DataError(f"{path}: weights do not fit the configured model: {weights_mismatch(model, blob['model'], exc)}") from None
     device = eval_device(cfg, device)
     model.to(device)
     set_host_allocator(cfg.train.host_allocator)
