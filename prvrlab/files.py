@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+STALE_PART_S = 6 * 3600.0  # a temporary untouched this long was left by a writer that died
+
 
 def replace_atomically(target: str | Path, write: Callable[[Path], object]) -> Path:
     """Make ``target`` with ``write(tmp)``, which fills a fresh temporary file beside it, then renamed over
-    ``target``: a reader never sees half a file and a crash leaves the old one (or none); a ``write`` that
-    fails leaves no temporary behind.  Two writers racing leave one of the two whole files.  Returns
-    ``target`` as a Path."""
+    ``target``: a reader never sees half a file and a process that dies leaves the old one (or none); a
+    ``write`` that fails leaves no temporary behind.  Two writers racing leave one of the two whole files.
+    Temporaries of ``target`` that a killed writer left (untouched for :data:`STALE_PART_S`) are removed
+    once the new file is in place.  Returns ``target`` as a Path."""
     target = Path(target)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
     try:
@@ -20,4 +24,16 @@ def replace_atomically(target: str | Path, write: Callable[[Path], object]) -> P
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+    _remove_stale(target)
     return target
+
+
+def _remove_stale(target: Path) -> None:
+    """Remove the temporaries of ``target`` older than :data:`STALE_PART_S` (another writer's fresh one stays)."""
+    cutoff = time.time() - STALE_PART_S
+    for part in target.parent.glob(f".{target.name}.*.part"):
+        try:
+            if part.stat().st_mtime < cutoff:
+                part.unlink()
+        except FileNotFoundError:  # its writer finished or another cleaner came first
+            pass

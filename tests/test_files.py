@@ -38,3 +38,22 @@ def test_racing_writers_leave_one_whole_file(tmp_path):
     for thread in threads:
         thread.join()
     assert target.read_text() in texts and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_temporaries_a_killed_writer_left_are_removed_and_fresh_ones_kept(tmp_path):
+    import os
+    import time
+
+    from prvrlab.files import STALE_PART_S
+
+    target = tmp_path / "best_model.pt"
+    stale = tmp_path / ".best_model.pt.0badc0de.part"  # left by a writer killed mid-write, long ago
+    fresh = tmp_path / ".best_model.pt.f00dfeed.part"  # another writer's, still being written
+    other = tmp_path / ".state.pt.0badc0de.part"  # another file's: not this writer's to judge
+    for part in (stale, fresh, other):
+        part.write_text("half")
+    old = time.time() - STALE_PART_S - 60
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    replace_atomically(target, lambda tmp: tmp.write_text("whole"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, fresh.name, other.name])
