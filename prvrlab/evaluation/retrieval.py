@@ -623,8 +623,9 @@ def evaluate(
     where their features would not fit the budget of :func:`video_batch_size`),
     from the most to the fewest frames (little padding, and each batch fits in the memory the
     first one freed; a backbone's scores never depend on a batch's padding), or, for a model whose
-    videos' encodings depend on their batch (``RetrievalModel.batch_dependent_videos``), in split
-    order, exactly ``eval_cfg.video_batch_size`` a batch, as the reference code evaluates; queries
+    videos' encodings depend on their batch (``RetrievalModel.batch_dependent_videos``), in the batches
+    the reference code evaluates: split order, exactly ``eval_cfg.video_batch_size`` a batch (the batch
+    with the longest video encoded first, so the gallery is allocated once); queries
     ``eval_cfg.query_batch_size`` at a time (fewer where their features would not fit the budget of
     :func:`query_batch_size`), and at most ``eval_cfg.score_chunk`` queries (fewer where their
     scores would not fit the memory budget of :func:`score_chunk`) are scored
@@ -661,7 +662,8 @@ def evaluate(
         batch, queries_at_once = min(f[0] for f in fits), min(f[1] for f in fits)
     return evaluate_batches(
         model,
-        video_batches(collection, split, batch, by_length=not as_reference, resident=resident, **shard),
+        video_batches(collection, split, batch, by_length=not as_reference, longest_batch_first=as_reference,
+                      resident=resident, **shard),
         query_batches(collection, split, queries_at_once, resident=resident, **shard),
         video_ids=index.video_ids,
         query_ids=index.query_ids,
