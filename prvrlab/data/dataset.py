@@ -331,10 +331,7 @@ class _EvalBatches(Dataset):
         index = dataset.index
         total = index.num_videos if kind == "videos" else index.num_queries
         order = np.arange(total, dtype=np.int64)
-        counts = np.zeros(0, dtype=np.int64)
-        if (by_length or longest_batch_first) and kind == "videos":
-            visual = dataset.collection.visual
-            counts = np.fromiter((visual.num_frames(v) for v in index.video_ids), dtype=np.int64, count=total)
+        counts = np.asarray(index.frame_counts, dtype=np.int64)  # (num_videos,) frames per video, from the index
         if by_length and kind == "videos":
             order = np.argsort(-counts, kind="stable")  # longest first
         batches = [order[lo : lo + batch_size] for lo in range(0, total, batch_size)]

@@ -363,6 +363,7 @@ class RetrievalModel(nn.Module):
     legacy_keys: ClassVar[Mapping[str, str]] = {}
     low_precision_fields: ClassVar[tuple[str, ...]] = ()
     query_redraw: bool = False  # a backbone taking the switch sets it (batch_vectors)
+    window_length: object = None  # a backbone with Gaussian windows sets its span setting (batch_dependent_videos)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         rename_legacy_keys(state_dict, prefix, self.legacy_keys)  # before the sub-modules read their keys
@@ -443,8 +444,9 @@ class RetrievalModel(nn.Module):
         """Whether a video's encoding depends on the other videos of its batch (the reference GMMFormer's
         frame windows span the batch's longest video): training then pads every DDP rank's frames to the
         global batch's longest video, and evaluation encodes a split in split order, exactly
-        ``eval.video_batch_size`` videos a batch (the reference's evaluation batches).  False by default."""
-        return False
+        ``eval.video_batch_size`` videos a batch (the reference's evaluation batches).  By default: under
+        ``window_length: batch`` (GMMFormer, MamFusion), where the frame windows span the batch's longest video."""
+        return self.window_length == "batch"
 
     def index_videos(self, video: VideoEmbedding) -> VideoEmbedding:
         """The gallery as retrieval scores it: ``video`` plus per-video values that every query reuses,

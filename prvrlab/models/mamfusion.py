@@ -60,8 +60,9 @@ from prvrlab.models.blocks import (
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
-from prvrlab.models.gmm import GMMBlock, TransformerLayer, VideoWindowLength, Window, WindowLength, parse_sigmas
-from prvrlab.models.gmm import video_window_spans
+from prvrlab.models.gmm import (
+    GMMBlock, TransformerLayer, VideoWindowLength, Window, WindowLength, parse_sigmas, video_window_spans,
+)
 from prvrlab.models.mamba import DEFAULT_SCAN_CHUNK, MAMBA_INITS, Mamba, MambaLayer
 from prvrlab.models.scoring import vector_scores
 from prvrlab.registry import BACKBONES
@@ -260,10 +261,6 @@ class MamFusion(PooledFrameBackbone):
     def encode_clips(self, clips: Tensor) -> Tensor:
         """(B, Lc, Dv) -> (B, Lc, D)."""
         return self.clip(clips)
-
-    def batch_dependent_videos(self) -> bool:
-        """Under ``window_length: batch`` the frame windows span the batch's longest video."""
-        return self.window_length == "batch"
 
     def keeps_frame_tokens(self) -> bool:
         """The temporal fusion reads the per-frame tokens in every mode."""
