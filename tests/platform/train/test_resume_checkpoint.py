@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from prvrlab.platform.config import validate
@@ -191,8 +192,10 @@ def _resume_rank(rank: int, world: int, init_file: str, raw: dict, out_dir: str)
         got = {
             "full": _train_rank(cfg, out / "full", rank=rank, world=world, stop_after=None),
             "cut": _train_rank(cfg, out / "cut", rank=rank, world=world, stop_after=1),
-            "resumed": _train_rank(cfg, out / "cut", rank=rank, world=world, stop_after=None),
         }
+        dist.barrier()  # rank 0 has written the cut run's checkpoint before any rank resumes from it (as Ray Train
+        # hands the ranks a checkpoint only once reported); without it rank 1 could start afresh and the ranks part
+        got["resumed"] = _train_rank(cfg, out / "cut", rank=rank, world=world, stop_after=None)
     (out / f"rank{rank}.json").write_text(json.dumps(got))
 
 
