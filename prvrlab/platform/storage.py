@@ -92,6 +92,12 @@ def staging_root() -> Path:
     return root
 
 
+def _unsafe_key(rel: str) -> bool:
+    """Whether an object-store key below a folder could leave it as a local path: empty, ``.`` or
+    ``..`` segments, or an absolute path (S3 and GCS accept ``a/../../b`` as a key)."""
+    return not rel or rel.startswith("/") or any(part in ("", ".", "..") for part in rel.split("/"))
+
+
 def _excluded(rel: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(part, pat) for part in rel.split("/") for pat in patterns)
 
@@ -139,7 +145,7 @@ class Location:
 
         fs, path = _filesystem(self.uri)
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and not _unsafe_key(i.base_name))
 
     def has(self, rel: str) -> bool:
         """Whether ``rel`` (a file or folder below) exists."""
@@ -169,6 +175,11 @@ class Location:
             rel = info.path[len(path):].lstrip("/")
             if info.type != pafs.FileType.File or _excluded(rel, exclude + NEVER_SYNCED):
                 continue
+            if _unsafe_key(rel):
+                raise ConfigError(
+                    f"{self.uri}: refusing to download the object {info.path!r}: its key leaves the folder "
+                    "('..', '.' or empty segments); remove it from the bucket"
+                )
             if not any(fnmatch.fnmatch(info.base_name, pat) for pat in include):
                 continue
             target = self.local / rel

@@ -220,3 +220,23 @@ def test_mirror_never_pushes_a_file_being_written(s3_env, tmp_path):
     (folder / ".best_model.pt.0123abcd.part").write_bytes(b"half")  # replace_atomically's temporary
     assert storage.Mirror(folder, "s3://lab/m2").push() == 1
     assert bucket_keys(s3_env, "lab", "m2/") == ["m2/a.txt"]
+
+
+def test_a_pull_refuses_an_object_whose_key_leaves_the_folder(s3_env, tmp_path):
+    client = s3_client(s3_env)
+    client.put_object(Bucket="lab", Key="run/files/best_model.pt", Body=b"ok")
+    client.put_object(Bucket="lab", Key="run/files/../../escaped/evil.pth", Body=b"import os\n")
+    keys = bucket_keys(s3_env, "lab", "run/")
+    assert "run/files/../../escaped/evil.pth" in keys  # the store kept the key as written
+    location = storage.Location("s3://lab/run/files")
+    with pytest.raises(ConfigError, match=r"s3://lab/run/files: refusing to download the object .*evil\.pth"):
+        location.pull()
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert not any("evil" in name for name in written), written
+
+
+def test_unsafe_object_keys_are_told_apart_from_plain_ones():
+    for key in ("../x", "a/../b", "a/./b", "a//b", "/abs", "", "a/"):
+        assert storage._unsafe_key(key), key
+    for key in ("a", "a/b.pt", "trials/t1/..hidden", "x..y/z"):
+        assert not storage._unsafe_key(key), key
