@@ -28,6 +28,11 @@ def replace_atomically(target: str | Path, write: Callable[[Path], object]) -> P
     return target
 
 
+def write_text_atomically(target: str | Path, text: str) -> Path:
+    """Write ``text`` to ``target`` whole or not at all (:func:`replace_atomically`)."""
+    return replace_atomically(target, lambda tmp: tmp.write_text(text))
+
+
 def _remove_stale(target: Path) -> None:
     """Remove the temporaries of ``target`` older than :data:`STALE_PART_S` (another writer's fresh one stays)."""
     cutoff = time.time() - STALE_PART_S

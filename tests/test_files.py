@@ -57,3 +57,24 @@ def test_temporaries_a_killed_writer_left_are_removed_and_fresh_ones_kept(tmp_pa
     os.utime(other, (old, old))
     replace_atomically(target, lambda tmp: tmp.write_text("whole"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, fresh.name, other.name])
+
+
+def test_a_text_file_written_for_later_reading_is_whole_or_the_old_one(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from prvrlab.files import write_text_atomically
+
+    target = tmp_path / "config.yaml"
+    write_text_atomically(target, "train:\n  lr: 0.0001\n  seed: 9527\n")
+    real_write = Path.write_text
+
+    def cut_off(self, text, *args, **kwargs):  # the disk fills half-way through
+        real_write(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", cut_off)
+    with pytest.raises(OSError, match="No space left"):
+        write_text_atomically(target, "train:\n  lr: 0.5\n  seed: 1\n  epochs: 3\n")
+    monkeypatch.undo()
+    assert target.read_text() == "train:\n  lr: 0.0001\n  seed: 9527\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]

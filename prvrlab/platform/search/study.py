@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
 from prvrlab.platform.ray_logs import ray_logs_to
@@ -283,7 +284,7 @@ def run_trial(config: dict[str, Any], study: StudyContext, spares: list[list[Any
         tune.report(recorded)
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    write_text_atomically(run_dir / "config.yaml", cfg.to_yaml())
     loop_config = {
         "experiment": cfg,
         "run_dir": str(run_dir),
@@ -460,9 +461,7 @@ def state_sums(study_dir: Path) -> dict[str, str]:
 def record_state(study_dir: Path) -> None:
     """Write ``state.sha256`` (``<sha256>  <path>`` lines) for the current Tune state."""
     lines = [f"{digest}  {rel}\n" for rel, digest in state_sums(study_dir).items()]
-    tmp = study_dir / (STATE_SUMS + ".tmp")
-    tmp.write_text("".join(lines))
-    os.replace(tmp, study_dir / STATE_SUMS)
+    write_text_atomically(study_dir / STATE_SUMS, "".join(lines))
 
 
 def _check_owner(path: Path) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ray.tune.search.optuna import OptunaSearch
 
+from prvrlab.files import write_text_atomically
 from prvrlab.platform.failures import interrupts_unwrapped
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.resumable import RestoredTrial, resumable
@@ -58,7 +59,7 @@ def write_best_config(study: StudyContext, best: dict[str, Any], spec: SearchSpe
         f"# the spec's overrides are included: {format_params(spec.overrides) or 'none'}\n"
     )
     path = Path(study.study_dir) / "best_config.yaml"
-    path.write_text(header + cfg.to_yaml())
+    write_text_atomically(path, header + cfg.to_yaml())
     return path
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from prvrlab.files import write_text_atomically
 from prvrlab.models.component import DISTRIBUTIONS_DIR
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig
@@ -375,7 +376,7 @@ def train(
             tracker.log_params(run_id, cfg.flat())
             tracker.log_dataset(run_id, collection_dataset(collection, configured_splits(cfg.data)))
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+            write_text_atomically(run_dir / "config.yaml", cfg.to_yaml())
             on_progress = live.update if live is not None else None
             if use_ray:
                 fit_with_ray(cfg, run_dir, name, recorder, on_retry, on_progress, sync_to)
@@ -393,7 +394,7 @@ def train(
             tracker.log_artifacts(run_id, sorted(run_dir.glob("ranks_*.parquet")), "ranks")
             tracker.log_artifacts(run_id, sorted((run_dir / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)
             tracker.log_artifacts(run_id, [run_dir / "best_model.pt"], "checkpoints")
-            (run_dir / "history.json").write_text(json.dumps(recorder.history, indent=1))
+            write_text_atomically(run_dir / "history.json", json.dumps(recorder.history, indent=1))
             status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from prvrlab.files import replace_atomically
+from prvrlab.files import replace_atomically, write_text_atomically
 from prvrlab.platform.config import ExperimentConfig, validate
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
@@ -460,7 +460,7 @@ class TrainingLoop:
                 folder = self.run_dir / DISTRIBUTIONS_DIR
                 folder.mkdir(parents=True, exist_ok=True)
                 record = {"component": prefix, "name": name, "epoch": epoch + 1, **record}
-                (folder / f"{prefix}.{name}.json").write_text(json.dumps(record, indent=1))
+                write_text_atomically(folder / f"{prefix}.{name}.json", json.dumps(record, indent=1))
 
     def step(self, train_model: torch.nn.Module, batch, epoch: int, step: int, sums: "MetricSums") -> str:
         """One optimiser step on every rank; returns a failure message ('' when the loss was finite).
