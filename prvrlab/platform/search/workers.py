@@ -47,10 +47,22 @@ Choices where Ray offers no ready-made piece: one rank per actor sees only its
 own GPU (``local_rank`` 0), so ranks must not share a GPU (NCCL refuses it);
 the resume checkpoint is read from the study folder, which multi-node studies
 must put on shared storage anyway.
+
+Rendezvous (:meth:`PoolWorker.rendezvous`): when rank 0's node IP is loopback (the local cluster's
+default, :func:`~prvrlab.platform.runtime.ray_bind_address`: every rank is on this machine) the ranks
+meet through a ``file://`` FileStore in a fresh private (0700) temp folder, so no TCP port is opened
+for it, and gloo listens on the loopback interface (``GLOO_SOCKET_IFNAME``, unless set).  The trial
+actor removes the folder once every rank has joined a gloo group (gloo reads the store only while its
+ranks connect), after a failed join, or, for a group with NCCL (which uses the store again at a GPU
+rank's first collective), when the pool is shut down (:meth:`WorkerPool.shutdown`).
+Elsewhere (a multi-node cluster) they meet at ``tcp://<rank 0's node IP>:<port>``: torch's TCPStore
+server then listens on every interface of rank 0's node for the pool's life (a torch limitation: it
+takes no bind address), unauthenticated, as the TorchTrainer path's does.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -58,6 +70,7 @@ import queue
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -75,6 +88,7 @@ POLL_S = 0.5  # how often the trial actor looks for rank 0's reports and for fai
 PG_TIMEOUT = timedelta(minutes=30)  # collective timeout, Ray Train's default
 STAGE_DIR = "pool_reports"  # next to a trial's files: rank 0's checkpoints until Tune persists them
 POOL_LOG = "pool.jsonl"  # next to a trial's files: one line per attempt (pool name, rank pids, build time, ...)
+STORE_PREFIX = "prvrlab-pg-"  # a loopback pool's FileStore folder (in the temp folder, 0700)
 # What a rank imports before its first trial, while its trial actor still validates the trial's config:
 # torch, the process group, DDP's torch._dynamo (~2.4 s here), the loop and every registered component.
 PRELOAD = (
@@ -102,6 +116,35 @@ def preload() -> None:
             registry.names()
     except Exception:  # noqa: BLE001 - the same import fails again, with its traceback, where it is needed
         pass
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a node IP) is a loopback address (``localhost`` included)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The name of the network interface holding 127.0.0.1 (Linux ``lo``, macOS ``lo0``); None if none is found."""
+    try:
+        import psutil  # Ray's copy (ray/thirdparty_files), importable once ray is
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+                return name
+    except Exception:  # noqa: BLE001 - no psutil: the usual names
+        pass
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def store_folder(init_method: str) -> str | None:
+    """The folder of a ``file://`` rendezvous's FileStore; None for another init method."""
+    return os.path.dirname(init_method[len("file://"):]) if init_method.startswith("file://") else None
 
 
 def pool_resources(workers: int, cpus: float, gpus: float, trial_actor_cpu: float):
@@ -164,6 +207,7 @@ class PoolWorker:
         self.outbox: queue.Queue = queue.Queue()
         self.rank, self.world_size = 0, 1
         self.opened: tuple[Any, Any] | None = None  # (DataConfig, its Collection): the last trial's data
+        self.store: str | None = None  # rank 0 of a loopback pool: its FileStore's folder (rendezvous)
         self.claimed = threading.Lock()  # a spare goes to one trial actor
         # imports start now, in the background; join and run wait for them (one importing thread at a time)
         self.preloading = threading.Thread(target=preload, name="prvrlab-preload", daemon=True)
@@ -186,7 +230,9 @@ class PoolWorker:
         the driver still kills every spare at the study's end."""
         start = _started(owner_pid)
         if start != "":
-            threading.Thread(target=_follow, args=(owner_pid, start), name="prvrlab-follow", daemon=True).start()
+            threading.Thread(
+                target=_follow, args=(owner_pid, start, self.drop_store), name="prvrlab-follow", daemon=True
+            ).start()
 
     def collection(self, data_cfg: Any) -> Any:
         """The collection of ``data_cfg``, opened again only when it differs from the last trial's
@@ -208,23 +254,45 @@ class PoolWorker:
         except ConfigError as exc:
             return None, str(exc)
 
-    def address(self) -> tuple[str, int]:
-        """This node's address and a free port for the process group's rendezvous."""
+    def rendezvous(self) -> str:
+        """Rank 0: where the pool's ranks meet (``init_method``).  On a node bound to loopback (every rank
+        is on this machine): a FileStore in a fresh private (0700) folder, no TCP listener; the pool's
+        owner removes the folder (:meth:`WorkerPool.ready`, :meth:`WorkerPool.shutdown`).  Elsewhere: ``tcp://`` at this node's IP
+        and a free port, where torch's TCPStore server listens on every interface (it takes no bind
+        address), for the process group's life."""
         import ray
 
+        host = ray.util.get_node_ip_address()
+        if is_loopback(host):
+            self.store = tempfile.mkdtemp(prefix=STORE_PREFIX)  # new, empty: FileStore refuses a stale file
+            return f"file://{self.store}/store"
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return f"tcp://{host}:{port}"
 
     def join(self, *, rank: int, world_size: int, init_method: str, backend: str) -> int:
         """Join the pool's process group (blocks until every rank joined); returns the pid."""
         self.preloading.join()
         import torch.distributed as dist
 
+        folder = store_folder(init_method)
+        if folder is not None:  # a loopback rendezvous: every rank on this machine, gloo on the loopback interface
+            if not os.path.isdir(folder):  # not rank 0's machine: fail now rather than wait out PG_TIMEOUT
+                raise RuntimeError(f"the pool's rendezvous folder {folder} is not on this rank's machine")
+            if not os.environ.get("GLOO_SOCKET_IFNAME"):
+                interface = loopback_interface()
+                if interface is not None:
+                    os.environ["GLOO_SOCKET_IFNAME"] = interface  # read when the gloo group is created, below
         self.rank, self.world_size = rank, world_size
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
         return os.getpid()
+
+    def drop_store(self) -> None:
+        """Remove the rendezvous folder this rank made, if any (its trial actor ended without removing it)."""
+        if self.store is not None:
+            shutil.rmtree(self.store, ignore_errors=True)
+            self.store = None
 
     def run(self, loop_config: dict[str, Any], resume: str | None, stage: str) -> None:
         """One trial on this rank; rank 0 posts ``("done",)`` when the loop returns or raises."""
@@ -267,13 +335,16 @@ def _started(pid: int) -> str | None:
     return "" if fields[0] in ("Z", "X") else fields[19]  # state; starttime (field 22 of stat)
 
 
-def _follow(pid: int, start: str | None) -> None:
-    """Once ``pid`` has ended: this actor asks Ray to kill it (an intended exit; a process that just
-    exits is reported on the driver's console as a worker that died of a system error), and exits
-    by itself if it is still alive a while later."""
+def _follow(pid: int, start: str | None, cleanup: Callable[[], None] | None = None) -> None:
+    """Once ``pid`` has ended: ``cleanup()`` (rank 0: the rendezvous folder its trial actor would have
+    removed), then this actor asks Ray to kill it (an intended exit; a process that just exits is
+    reported on the driver's console as a worker that died of a system error), and exits by itself
+    if it is still alive a while later."""
     while _started(pid) == start:
         time.sleep(FOLLOW_S)
     try:
+        if cleanup is not None:
+            cleanup()
         import ray
 
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
@@ -299,6 +370,8 @@ class WorkerPool:
         self.start = time.perf_counter()
         self.key, self.name, self.trials = (workers, cpus, gpus), name, 0
         self.pids: list[int] = []
+        self.init_method = ""  # where the ranks met (ready)
+        self.store: str | None = None  # a loopback rendezvous's FileStore folder while it is kept (ready, shutdown)
         self.build_s = 0.0
         self.adopted = actors is not None
         if actors is not None:
@@ -321,13 +394,20 @@ class WorkerPool:
         if self.pids:
             return
         workers, _, gpus = self.key
-        host, port = ray.get(self.actors[0].address.remote())
+        self.init_method = ray.get(self.actors[0].rendezvous.remote())
+        self.store = store_folder(self.init_method)
         backend = process_group_backend(gpus > 0)
         joins = [
-            a.join.remote(rank=r, world_size=workers, init_method=f"tcp://{host}:{port}", backend=backend)
+            a.join.remote(rank=r, world_size=workers, init_method=self.init_method, backend=backend)
             for r, a in enumerate(self.actors)
         ]
-        self.pids = ray.get(joins)
+        try:
+            self.pids = ray.get(joins)
+        except BaseException:
+            self.remove_store()  # a new folder for the next try: FileStore must not find this group's file
+            raise
+        if backend == "gloo":  # connected: gloo is done with the store (NCCL reads it at its first collective)
+            self.remove_store()  # nothing is left behind when the ranks end with their trial actor (Ray kills both)
         self.build_s = time.perf_counter() - self.start  # actors started + process group joined
 
     def train(self, loop_config: dict[str, Any], resume: str | None, stage: Path, report: Callable[[dict[str, Any], str | None], None]) -> None:
@@ -352,12 +432,21 @@ class WorkerPool:
                 shutil.rmtree(staged, ignore_errors=True)
 
     def shutdown(self) -> None:
-        """Kill every rank's actor (the process group goes with them)."""
+        """Kill every rank's actor (the process group goes with them) and remove the rendezvous folder."""
         import ray
 
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        self.actors = []
+        try:
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            self.actors = []
+        finally:
+            self.remove_store()
+
+    def remove_store(self) -> None:
+        """Remove the loopback rendezvous's FileStore folder (rank 0 made it on this machine), if any."""
+        if self.store is not None:
+            shutil.rmtree(self.store, ignore_errors=True)
+            self.store = None
 
 
 _POOL: WorkerPool | None = None  # the pool of this trial actor (one per concurrent trial slot)
