@@ -7,11 +7,14 @@ non-zero exit on bad input (missing or corrupt files, invalid configs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
+import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -474,6 +477,33 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+STORE_ERRORS = (("mlflow.exceptions", "MlflowException"), ("sqlalchemy.exc", "SQLAlchemyError"))
+
+
+def _store_error_line(exc: Exception) -> str | None:
+    """One line for an MLflow store or file-system error that reached :func:`main` (None for any other
+    error, left to its traceback): its first line, after the store whose Tracker call raised it if one did."""
+    kinds = tuple(k for k in (getattr(sys.modules.get(m), n, None) for m, n in STORE_ERRORS) if k is not None)
+    if not isinstance(exc, (OSError, *kinds)):  # the store's kinds only once loaded: never imported here
+        return None
+    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    uri = _tracker_uri(exc)
+    return f"MLflow store {uri}: {reason}" if uri else reason
+
+
+def _tracker_uri(exc: BaseException) -> str | None:
+    """The tracking URI of the innermost Tracker (a frame's ``self`` or ``tracker``) in ``exc``'s traceback."""
+    store = sys.modules.get("prvrlab.platform.tracking.store")
+    uri = None
+    if store is not None:
+        for frame, _ in traceback.walk_tb(exc.__traceback__):
+            for name in ("self", "tracker"):
+                value = frame.f_locals.get(name)
+                if isinstance(value, store.Tracker):
+                    uri = value.uri
+    return uri
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prvrlab`` console script."""
     from prvrlab.data.errors import DataError
@@ -502,6 +532,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("prvrlab: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        line = _store_error_line(exc)
+        if line is None:
+            raise
+        if isinstance(exc, BrokenPipeError):  # stdout's reader went away (| head): its pending output goes nowhere
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"prvrlab: error: {line}", file=sys.stderr)
+        return EXIT_FAILED
     finally:  # a process that goes on (tests, notebooks) gets its handler back and no more sentinels
         closer.unguard_process()
         if previous is not None:

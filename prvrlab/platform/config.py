@@ -467,6 +467,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         where = f"losses.{term}"
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a mapping with 'loss' and 'weight'")
+        _check_term_name(str(term))
         loss_name = spec.get("loss", term)
         weight = coerce(spec.get("weight", 1.0), float, f"{where}.weight")
         if not (math.isfinite(weight) and weight >= 0):
@@ -494,6 +495,33 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     cfg = ExperimentConfig(name=name, model=model, losses=losses, plugins=plugins, **sections)
     _instantiate_check(cfg)
     return cfg
+
+
+MLFLOW_KEY = re.compile(r"[/\w.\- :]*")  # MLflow's rule for param, metric and tag keys
+MLFLOW_KEY_MAX = 250
+
+
+def mlflow_key_problem(key: str) -> str | None:
+    """Why MLflow would refuse ``key`` as a param or metric key, or None: its characters, its length,
+    or a '/' path that is not normal (an empty, '.' or '..' part)."""
+    if not MLFLOW_KEY.fullmatch(key):
+        return "MLflow keys may only contain letters, digits, '_', '-', '.', ' ', ':' and '/'"
+    if len(key) > MLFLOW_KEY_MAX:
+        return f"MLflow keys are at most {MLFLOW_KEY_MAX} characters"
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        return "MLflow keys may not have an empty, '.' or '..' part between '/'"
+    return None
+
+
+def _check_term_name(term: str) -> None:
+    """A loss term's name becomes part of MLflow keys (``losses.<term>.<param>``, ``train/<term>``): one
+    MLflow cannot store, or with a '.' (a dotted key's separator), is refused naming ``losses.<term>``."""
+    if not term or "." in term:
+        raise ConfigError(f"losses.{term}: a loss term name must be non-empty and contain no '.'")
+    for key in (f"train/{term}", f"losses.{term}.weight"):
+        problem = mlflow_key_problem(key)
+        if problem:
+            raise ConfigError(f"losses.{term}: this loss term name cannot be recorded in MLflow (key '{key}'): {problem}")
 
 
 def _check_term_named_loss(term: str, others: list[str]) -> None:

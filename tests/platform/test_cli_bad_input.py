@@ -339,3 +339,16 @@ def test_eval_data_root_that_is_a_file_or_another_synthetic_collection_is_refuse
         "data.synth_seed=0 (its synth.json: 3); give --data-root a folder of that collection, or write one with  "
         "prvrlab data synth --preset tiny --seed 0 --out <new folder>"
     )
+
+
+def test_a_loss_term_name_mlflow_cannot_store_fails_train_check_naming_it(tiny_root, tmp_path, capsys):
+    """``clip+nce`` cannot be part of an MLflow param key (losses.clip+nce.weight): --check refuses it, and a
+    real run is refused before it exists."""
+    raw = small_raw(tiny_root, tmp_path)
+    raw["losses"]["clip+nce"] = raw["losses"].pop("clip_nce")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    for command in (["train", str(cfg), "--check"], ["train", str(cfg), "--no-ray"]):
+        assert main(command) == EXIT_BAD_INPUT
+        assert one_error_line(capsys).startswith(f"prvrlab: error: {cfg}: losses.clip+nce: ")
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "results").exists()

@@ -256,3 +256,32 @@ def test_a_batch_size_the_workers_cannot_share_equally_is_refused(batch_size, wo
 def test_a_batch_size_the_workers_share_equally_is_accepted(batch_size, workers):
     cfg = validate(apply_overrides(base(), {"train.batch_size": batch_size, "train.num_workers": workers}))
     assert (cfg.train.batch_size // cfg.train.num_workers) * cfg.train.num_workers == batch_size
+
+
+def _mlflow_refuses(key: str, *, metric: bool = False) -> bool:
+    """Whether MLflow's own check refuses ``key`` as a param (or metric) key, or its length limit does."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, _validate_metric_name, _validate_param_name
+
+    try:
+        (_validate_metric_name if metric else _validate_param_name)(key)
+    except MlflowException:
+        return True
+    return len(key) > MAX_ENTITY_KEY_LENGTH
+
+
+def test_loss_term_names_mlflow_cannot_store_or_dotted_are_refused_naming_the_term():
+    """A term's name is part of the run's param keys (losses.<term>.*) and metric keys (train/<term>):
+    one MLflow would refuse, or with a '.', fails validation (train --check), not the run it creates."""
+    for term in ("clip+nce", "clip.nce", "a//b", "t" * 240, "x y", "a/b", "t:1", "clip_nce2"):
+        raw = base()
+        raw["losses"][term] = {"loss": "infonce", "weight": 0.5, "branch": "clip"}
+        keys = [f"losses.{term}.{k}" for k in ("loss", "weight", "branch")]
+        refused = "." in term or any(_mlflow_refuses(k) for k in keys) or _mlflow_refuses(f"train/{term}", metric=True)
+        if refused:
+            with pytest.raises(ConfigError) as err:
+                validate(raw)
+            assert str(err.value).startswith(f"losses.{term}: "), err.value
+        else:
+            flat = validate(raw).flat()
+            assert set(keys) <= set(flat) and not any(_mlflow_refuses(k) for k in flat)

@@ -21,12 +21,13 @@ restored study reattaches to the same runs instead of duplicating them.
 
 from __future__ import annotations
 
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from ray.tune import Callback
 
 from prvrlab.platform.config import ConfigError
-from prvrlab.platform.failures import ERROR_FILE, record_failure
+from prvrlab.platform.failures import ERROR_FILE, carries_interrupt, record_failure
 from prvrlab.platform import storage
 from prvrlab.platform.tracking.drivers import driver_alive
 from prvrlab.platform.search.checkpoints import repair_checkpoints
@@ -125,13 +126,36 @@ class MlflowStudyCallback(Callback):
         number = len(self.runs.trials) + 1  # start order, kept across --resume by the run map
         tags.update({"prvrlab.trial_id": trial_id, "prvrlab.trial_number": str(number)})
         run_id = self.tracker.start_run(self.study.run_name(number, trial.config), tags=tags, parent_run_id=self.runs.parent)
-        if cfg is not None:
-            self.tracker.log_params(run_id, cfg.flat())
-            self.tracker.log_dataset(run_id, self._dataset(cfg))
-        self.runs.trials[trial_id] = run_id
-        self._save()
+        self.runs.trials[trial_id] = run_id  # mapped and open at once: the closers find it whatever fails next
         self._open.add(trial_id)
+        try:
+            self._save()
+            if cfg is not None:
+                self.tracker.log_params(run_id, cfg.flat())
+                self.tracker.log_dataset(run_id, self._dataset(cfg))
+        except BaseException as exc:
+            self._end_unrecorded(trial_id, run_id, exc)
+            raise
         return run_id
+
+    def _end_unrecorded(self, trial_id: str, run_id: str, exc: BaseException) -> None:
+        """End the new child run whose params or map ``exc`` stopped: KILLED (reopened on ``--resume``) on
+        an interrupt, else FAILED with the error tag; a store that fails again leaves it mapped and open."""
+        if carries_interrupt(exc):
+            status, tags = "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"}
+        else:
+            reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+            status, tags = "FAILED", {"prvrlab.status": "error", "error": f"recording the trial's run failed: {type(exc).__name__}: {reason}"}
+        with suppress(Exception):  # ``exc`` is the error to report; the run's end matters more than its tags
+            self.tracker.set_tags(run_id, tags)
+        try:
+            self.tracker.end_run(run_id, status)
+        except Exception:  # noqa: BLE001 - as above
+            return
+        self._open.discard(trial_id)
+        self.runs.closed[trial_id] = status
+        with suppress(Exception):
+            self._save()
 
     def _dataset(self, cfg):
         """The MLflow dataset of a trial's data (built once per distinct ``data`` section)."""

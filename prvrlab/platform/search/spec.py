@@ -41,6 +41,7 @@ from prvrlab.platform.config import (
     apply_overrides,
     find_next_to,
     load_raw,
+    mlflow_key_problem,
     validate,
     validate_overrides,
 )
@@ -590,6 +591,10 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
         where = f"{path}: variants.{name}"
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"{where}: a variant name must be a non-empty string without '/'")
+        for key in (f"variant.{name}", f"variant/{name}/mean"):  # the parent run's param and metric keys
+            problem = mlflow_key_problem(key)
+            if problem:
+                raise ConfigError(f"{where}: this variant name cannot be recorded in MLflow (key '{key}'): {problem}")
         overrides = _mapping(overrides, where)
         check_override_keys(overrides, base, where)
         validate_with(_as_trials(common), overrides, where)

@@ -13,6 +13,7 @@ import json
 import os
 import queue as stdlib_queue
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from prvrlab.platform.failures import (  # TrainingError lives there: the CLI ca
     ERROR_FILE,
     Failure,
     TrainingError,
+    carries_interrupt,
     explain_exception,
     failure_text,
     interrupts_unwrapped,
@@ -281,6 +283,34 @@ def _forward_reports(
         return exc
 
 
+def _console(write: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``write`` (a console line or progress update) gone quiet once its reader went away (``| head``):
+    a closed pipe never fails a run or stops it from being closed."""
+    gone = False
+
+    def say(item: Any) -> None:
+        nonlocal gone
+        if gone:
+            return
+        try:
+            write(item)
+        except BrokenPipeError:
+            gone = True
+
+    return say
+
+
+def _best_effort(what: str, step: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """One step of recording a run's end (a tag, an artifact, a line); an error only warns on stderr,
+    so the run is still closed. An interrupt (wrapped or not: :func:`carries_interrupt`) goes on."""
+    try:
+        step(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the run must still end
+        if carries_interrupt(exc):
+            raise KeyboardInterrupt from exc
+        print(f"prvrlab: warning: {what} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 def _clearing(live: LiveLine, echo: Callable[[str], None]) -> Callable[[str], None]:
     """``echo`` that first erases the live progress line."""
 
@@ -335,6 +365,8 @@ def train(
     from prvrlab.data.collection import configured_splits
     from prvrlab.platform.tracking.datasets import collection_dataset
 
+    if echo is not None:
+        echo = _console(echo)
     cfg = resolve_config_paths(cfg)
     collection = prepare_data(cfg, progress=echo is not None)
     note = amp_note(cfg)
@@ -360,7 +392,7 @@ def train(
     sync_to = run_files.uri if run_files.remote else None
     live = LiveLine() if echo is not None else None
     if live is not None:
-        echo = _clearing(live, echo)
+        echo = _console(_clearing(live, echo))
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:
         echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
@@ -377,7 +409,7 @@ def train(
             tracker.log_dataset(run_id, collection_dataset(collection, configured_splits(cfg.data)))
             run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomically(run_dir / "config.yaml", cfg.to_yaml())
-            on_progress = live.update if live is not None else None
+            on_progress = _console(live.update) if live is not None else None
             if use_ray:
                 fit_with_ray(cfg, run_dir, name, recorder, on_retry, on_progress, sync_to)
             else:
@@ -400,22 +432,27 @@ def train(
         status = "KILLED"
         raise
     except TrainingError as exc:
-        tracker.set_tags(run_id, {"error": str(exc)})
+        _best_effort("tagging the run's error", tracker.set_tags, run_id, {"error": str(exc)})
         raise
     except Exception as exc:
         failure = explain_exception(exc, origin="the driver")
-        record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
-        tracker.set_tags(run_id, {"error": failure.summary})
+        _best_effort(f"writing {ERROR_FILE}", record_failure, run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
+        _best_effort("tagging the run's error", tracker.set_tags, run_id, {"error": failure.summary})
         raise TrainingError(failure.summary) from exc
     finally:
-        if live is not None:
-            live.clear()
-        if (run_dir / ERROR_FILE).is_file():  # every failure's full text, retried ones included
-            tracker.log_artifacts(run_id, [run_dir / ERROR_FILE])
-            if status != "FINISHED" and echo:
-                echo(f"full error text: {run_dir / ERROR_FILE} (artifact {ERROR_FILE} of MLflow run {run_id})")
-        _push_run_files(run_dir, sync_to, echo)
-        tracker.end_run(run_id, status)
+        try:  # each step best effort, and the run ends whatever they raise
+            if live is not None:
+                _best_effort("clearing the progress line", live.clear)
+            if (run_dir / ERROR_FILE).is_file():  # every failure's full text, retried ones included
+                _best_effort(f"logging {ERROR_FILE} to MLflow", tracker.log_artifacts, run_id, [run_dir / ERROR_FILE])
+                if status != "FINISHED" and echo:
+                    _best_effort("printing where the error text is", echo, f"full error text: {run_dir / ERROR_FILE} (artifact {ERROR_FILE} of MLflow run {run_id})")
+            _best_effort("uploading the run's files", _push_run_files, run_dir, sync_to, echo)
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            tracker.end_run(run_id, status)
     return TrainResult(
         run_id=run_id,
         run_dir=run_dir,

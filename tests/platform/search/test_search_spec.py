@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import optuna
@@ -249,3 +250,30 @@ def test_a_batch_the_trials_workers_cannot_share_equally_is_refused_at_load(base
         load_search_spec(write_spec(tmp_path, **searched))
     spec = load_search_spec(write_spec(tmp_path, space={"train.batch_size": {"choice": [16, 32]}}, resources={"workers_per_trial": 2}))
     assert spec.resources.workers_per_trial == 2
+
+
+def test_variant_names_mlflow_cannot_store_are_refused_at_load_and_by_check(base, tmp_path, capsys):
+    """A variant's name is a param key (variant.<name>) and metric key (variant/<name>/mean) of the
+    parent run: one MLflow refuses fails the spec (ablate --check exits 2 naming it), never the parent run."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, _validate_metric_name, _validate_param_name
+
+    def refused(name: str) -> bool:
+        try:
+            _validate_param_name(f"variant.{name}")
+            _validate_metric_name(f"variant/{name}/mean")
+        except MlflowException:
+            return True
+        return len(f"variant/{name}/mean") > MAX_ENTITY_KEY_LENGTH
+
+    path = tmp_path / "abl.yaml"
+    for name in ("qd+off", ".", "..", "v" * 240, "qd off:1", "no-qd_2", "..."):
+        path.write_text(yaml.safe_dump({"name": "a", "base_config": "base.yaml", "variants": {"full": {}, name: {}}}))
+        if refused(name):
+            with pytest.raises(ConfigError, match=f"^{re.escape(f'{path}: variants.{name}: ')}"):
+                load_ablation_spec(path)
+            assert main(["ablate", str(path), "--check"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"prvrlab: error: {path}: variants.{name}: ") and "\n" not in err
+        else:
+            assert name in load_ablation_spec(path).variants
