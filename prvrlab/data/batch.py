@@ -141,14 +141,23 @@ class Batch:
     def pad_frames(self, length: int) -> "Batch":
         """A copy whose frames (and their mask, keeping its host lengths) are zero/False-padded to ``length``
         slots; the batch itself where they already have that many."""
-        extra = int(length) - self.frames.shape[1]
+        return self._pad("frames", "frame_mask", length, "frame")
+
+    def pad_queries(self, length: int) -> "Batch":
+        """A copy whose query tokens (and their mask, keeping its host lengths) are zero/False-padded to
+        ``length`` slots; the batch itself where they already have that many."""
+        return self._pad("queries", "query_mask", length, "query token")
+
+    def _pad(self, name: str, mask_name: str, length: int, slot: str) -> "Batch":
+        features, mask = getattr(self, name), getattr(self, mask_name)  # (N, L, D), (N, L)
+        extra = int(length) - features.shape[1]
         if extra < 0:
-            raise ValueError(f"cannot pad {self.frames.shape[1]} frame slots to {length}")
+            raise ValueError(f"cannot pad {features.shape[1]} {slot} slots to {length}")
         if extra == 0:
             return self
-        frames = torch.nn.functional.pad(self.frames, (0, 0, 0, extra))  # (B, length, Dv)
-        mask = torch.nn.functional.pad(self.frame_mask, (0, extra))  # (B, length)
-        return replace(self, frames=frames, frame_mask=_keep_mark(self.frame_mask, mask))
+        padded = torch.nn.functional.pad(features, (0, 0, 0, extra))  # (N, length, D)
+        padded_mask = _keep_mark(mask, torch.nn.functional.pad(mask, (0, extra)))  # (N, length)
+        return replace(self, **{name: padded, mask_name: padded_mask})
 
     def pin_memory(self) -> "Batch":
         """A copy with every tensor in pinned memory (used by DataLoader)."""

@@ -227,9 +227,9 @@ def train_loader(
     there by index instead: same videos, same values, no loader processes.
     The loader draws its workers' seeds from its own generator, never from
     torch's global one, so both ways leave the training's random stream alike.
-    ``global_padding``: each rank's frames are padded to the longest video of the
-    step's global batch (every rank's share), known on every rank without
-    communication (:class:`GloballyPadded`).  Call ``sampler.set_epoch(epoch)``
+    ``global_padding``: each rank's frames and query tokens are padded to the longest
+    video and query of the step's global batch (every rank's share), known on every
+    rank without communication (:class:`GloballyPadded`).  Call ``sampler.set_epoch(epoch)``
     before each epoch.
     """
     dataset = VideoDataset(collection, split)
@@ -263,21 +263,29 @@ def train_loader(
 
 class GloballyPadded:
     """The batches of ``loader`` (one rank's shares), each with its frames zero-padded to the longest video of
-    its step's global batch, as one process holding the whole batch pads it (the reference code's collate
-    functions pad each batch to its longest video).  The lengths come from the split's index and the
-    sampler's order, so no rank waits for another; iterated like a DataLoader."""
+    its step's global batch and its query tokens to the longest query of it, as one process holding the whole
+    batch pads it (the reference code's collate functions pad each batch to its longest video and query).
+    The lengths come from the split's index and the sampler's order, so no rank waits for another; iterated
+    like a DataLoader."""
 
     def __init__(self, loader: Iterable[Batch], sampler: VideoBatchSampler, dataset: "VideoDataset") -> None:
         self.loader, self.sampler = loader, sampler
-        frames = np.asarray(dataset.index.frame_counts, dtype=np.int64)  # (num_videos,)
-        self.lengths = np.minimum(frames, dataset.collection.max_frames)  # frames each video keeps
+        index, collection = dataset.index, dataset.collection
+        frames = np.asarray(index.frame_counts, dtype=np.int64)  # (num_videos,)
+        self.lengths = np.minimum(frames, collection.max_frames)  # frames each video keeps
+        tokens = np.minimum(np.asarray(index.token_counts, dtype=np.int64), collection.max_query_len)  # (Nq,)
+        offsets = np.asarray(index.query_offsets, dtype=np.int64)  # (num_videos + 1,)
+        self.query_lengths = np.zeros(len(frames), dtype=np.int64)  # each video's longest query
+        has = offsets[1:] > offsets[:-1]
+        if tokens.size:
+            self.query_lengths[has] = np.maximum.reduceat(tokens, offsets[:-1][has])
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
         for batch, whole in zip(self.loader, self.sampler.global_batches()):
-            padded = batch.pad_frames(int(self.lengths[whole].max()))
+            padded = batch.pad_frames(int(self.lengths[whole].max())).pad_queries(int(self.query_lengths[whole].max()))
             if padded is not batch and batch.frames.device.type == "cpu" and batch.frames.is_pinned():
                 padded = padded.pin_memory()  # as the loader left it: the copy to the device need not wait
             yield padded

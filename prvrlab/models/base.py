@@ -286,6 +286,16 @@ class BranchScores:
 
 
 @dataclass
+class BatchEncoding:
+    """A training batch's encodings before anything compares its rows: each tensor holds one row per
+    video or query, so DDP ranks can gather them into the global batch's (``train.ddp_batch: global``)."""
+
+    query: QueryEmbedding
+    video: VideoEmbedding
+    redrawn: QueryEmbedding | None = None  # the queries encoded a second time (``query_redraw``)
+
+
+@dataclass
 class ModelOutput:
     """What ``RetrievalModel.forward`` returns for a training batch."""
 
@@ -293,6 +303,7 @@ class ModelOutput:
     query: QueryEmbedding
     video: VideoEmbedding
     aux: dict[str, Any] = field(default_factory=dict)  # plug-in training extras, "<plugin>.<key>"
+    batch: Batch | None = None  # the batch the scores span (the global one under train.ddp_batch: global)
 
 
 def rename_legacy_keys(state_dict: dict[str, Any], prefix: str, renames: Mapping[str, str]) -> None:
@@ -478,13 +489,16 @@ class RetrievalModel(nn.Module):
             fresh.pos = query.pos
         return fresh
 
-    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+    def batch_vectors(
+        self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding, redrawn: QueryEmbedding | None = None
+    ) -> dict[str, Tensor]:
         """Training-only (Nq, D) query vectors computed from the whole batch (e.g. queries fused with
         the batch's videos), added to ``query.vectors`` before scoring.  By default only ``redrawn``, where
-        the backbone's ``query_redraw`` is on: the first branch's vector of :meth:`redrawn_queries`."""
-        if not self.query_redraw:
+        the backbone's ``query_redraw`` is on: the first branch's vector of ``redrawn`` (:meth:`redrawn_queries`,
+        encoded by :meth:`encode_batch`)."""
+        if redrawn is None:
             return {}
-        return {"redrawn": self.redrawn_queries(batch).vectors[next(iter(self.score_weights))]}  # (Nq, D)
+        return {"redrawn": redrawn.vectors[next(iter(self.score_weights))]}  # (Nq, D)
 
     def redrawn_queries(self, batch: Batch) -> QueryEmbedding:
         """The batch's queries encoded a second time (in training: another dropout draw), as the reference
@@ -514,13 +528,26 @@ class RetrievalModel(nn.Module):
             raise ValueError("all score_weights are zero")
         return total
 
-    def forward(self, batch: Batch) -> ModelOutput:
-        """The training path: encode with the training-time capabilities, add the batch vectors, score
-        with logits."""
+    def encode_batch(self, batch: Batch) -> BatchEncoding:
+        """The training path's first half: each video and query encoded on its own, with the training-time
+        capabilities (and the queries again under ``query_redraw``)."""
         with self.training_exposure():
             video = self.encode_videos(batch.clips, batch.frames, batch.frame_mask)
             query = self.encode_queries(batch.queries, batch.query_mask)
-            query.vectors.update(self.batch_vectors(batch, query, video))
+            redrawn = self.redrawn_queries(batch) if self.query_redraw else None
+        return BatchEncoding(query=query, video=video, redrawn=redrawn)
+
+    def score_batch(self, batch: Batch, encoding: BatchEncoding) -> ModelOutput:
+        """The training path's second half, over every row of ``batch`` (one rank's share, or the global
+        batch gathered from the DDP ranks): the batch vectors, then every query scored against every
+        video with logits."""
+        query, video = encoding.query, encoding.video
+        with self.training_exposure():
+            query.vectors.update(self.batch_vectors(batch, query, video, encoding.redrawn))
         query.own_video = batch.query_video
         scores = self.score(query, video, with_logits=True)
-        return ModelOutput(scores=scores, query=query, video=video)
+        return ModelOutput(scores=scores, query=query, video=video, batch=batch)
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        """The training path: :meth:`encode_batch`, then :meth:`score_batch`."""
+        return self.score_batch(batch, self.encode_batch(batch))

@@ -25,7 +25,8 @@ from prvrlab.data.batch import Batch
 from prvrlab.losses.weighted import LossResult, WeightedLoss
 from prvrlab.models.base import ModelOutput, RetrievalModel
 from prvrlab.models.component import CAPABILITIES, DATA_CAPABILITIES, Component
-from prvrlab.models.plugins.base import PluggedModel, Plugin
+from prvrlab.models.global_batch import gather_batch
+from prvrlab.models.plugins.base import PluggedModel, Plugin, PluginError
 from prvrlab.registry import BACKBONES, PLUGINS
 
 
@@ -146,11 +147,19 @@ class TrainingSystem(nn.Module):
     losses in full precision.
     """
 
-    def __init__(self, *, model: RetrievalModel, losses: WeightedLoss) -> None:
+    def __init__(self, *, model: RetrievalModel, losses: WeightedLoss, global_batch: bool = False) -> None:
         super().__init__()
         self.model = model
         self.losses = losses
+        self.global_batch = global_batch
         plugins = self.plugins()
+        if global_batch:
+            for name, plugin in plugins.items():
+                if not plugin.supports_global_batch:
+                    raise PluginError(
+                        f"plugins.{name}: '{type(plugin).registered_name}' computes on each DDP rank's share of "
+                        "a batch; set train.ddp_batch: local (or train.num_workers: 1)"
+                    )
         model.request(
             training=set().union(*(c.needs(training=True) for c in self.components().values())),
             retrieval=set().union(*(p.needs(training=False) for p in plugins.values())),
@@ -170,8 +179,13 @@ class TrainingSystem(nn.Module):
         return out
 
     def forward(self, batch: Batch, *, epoch: int) -> tuple[LossResult, ModelOutput]:
-        """(weighted loss, model output) of a training batch."""
-        out = self.model(batch)
+        """(weighted loss, model output) of a training batch; with ``global_batch`` (a DDP rank's share,
+        ``train.ddp_batch: global``) the shares' encodings are gathered first, so the scores and the loss
+        span the global batch (:mod:`prvrlab.models.global_batch`; ``model output.batch`` is that batch)."""
+        encoding = self.model.encode_batch(batch)
+        if self.global_batch:
+            encoding, batch = gather_batch(encoding, batch)
+        out = self.model.score_batch(batch, encoding)
         with torch.autocast(batch.queries.device.type, enabled=False):
             result = self.losses(out, batch, epoch=epoch)
         return result, out
@@ -184,8 +198,10 @@ def build_system(
     *,
     video_dim: int,
     query_dim: int,
+    global_batch: bool = False,
 ) -> TrainingSystem:
-    """Model and losses for training; losses whose needs the backbone lacks are refused here too."""
+    """Model and losses for training; losses whose needs the backbone lacks are refused here too.
+    ``global_batch``: the losses span the global batch gathered from the DDP ranks (:class:`TrainingSystem`)."""
     clash = sorted(set(losses_cfg) & set(plugins_cfg or {}))
     if clash:  # components() keys both by name: the plug-in's hooks and metrics would be lost
         raise ValueError(
@@ -197,7 +213,7 @@ def build_system(
     backbone = model.backbone if isinstance(model, PluggedModel) else model
     active = {f"losses.{t}": loss for t, loss in losses.losses.items() if losses.weights[t] > 0}  # weight 0: never run
     check_needs(backbone, str(model_cfg["name"]), active)
-    return TrainingSystem(model=model, losses=losses)
+    return TrainingSystem(model=model, losses=losses, global_batch=global_batch)
 
 
 def declared_metrics(system: TrainingSystem) -> list[str]:

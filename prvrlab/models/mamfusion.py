@@ -337,13 +337,15 @@ class MamFusion(PooledFrameBackbone):
             dots.append(torch.cat(row_dots, dim=1))
         return BranchScores(sim=torch.cat(sims), logits=torch.cat(dots) if with_logits else None)
 
-    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
+    def batch_vectors(
+        self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding, redrawn: QueryEmbedding | None = None
+    ) -> dict[str, Tensor]:
         """The training-only fused sentence vector ``fused`` (Nq, D) (module docstring); under ``query_redraw``
-        fused from a second encoding of the queries (whose vector is also ``redrawn``), as the reference's
-        ``forward`` fuses the ``video_query`` it encodes again."""
+        fused from the second encoding of the queries (``redrawn``, whose vector is also ``redrawn``), as the
+        reference's ``forward`` fuses the ``video_query`` it encodes again."""
         out: dict[str, Tensor] = {}
-        if self.query_redraw:
-            query = self.redrawn_queries(batch)
+        if redrawn is not None:
+            query = redrawn
             out["redrawn"] = query.vectors["clip"]  # (Nq, D)
         if self.fusion == "batch":
             return {**out, "fused": self._batch_fusion(query.vectors["clip"], video.frame)}

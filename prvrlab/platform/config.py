@@ -53,6 +53,9 @@ class TrainConfig:
     # or as soon as `patience` such epochs passed ("at_patience", one epoch earlier)
     early_stop: Literal["official", "at_patience"] = "official"
     num_workers: int = 1
+    # what a DDP rank's losses span: the global batch (its ranks' encodings gathered: every query against
+    # every video of the step, as one process trains) or only the rank's share (B / num_workers videos)
+    ddp_batch: Literal["global", "local"] = "global"
     use_gpu: bool = False
     cpus_per_worker: float | None = None  # None: derived from the cluster's CPUs
     amp: Literal["none", "bf16", "fp16"] = "none"
@@ -578,6 +581,11 @@ def _check_final_splits(splits: list[str], data: DataConfig) -> None:
             )
 
 
+def spans_ranks(train: TrainConfig) -> bool:
+    """Whether a step's losses span the global batch gathered from several DDP ranks."""
+    return train.num_workers > 1 and train.ddp_batch == "global"
+
+
 def _instantiate_check(cfg: ExperimentConfig) -> None:
     """Build model and losses once on the meta device through the model factory, so that their
     own value checks, the plug-ins' backbone checks and every component's needs run now; then
@@ -609,7 +617,9 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
             raise ConfigError(str(exc)) from None
     try:
         with on_meta():
-            system = build_system(cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8)
+            system = build_system(
+                cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8, global_batch=spans_ranks(cfg.train)
+            )
     except (ValueError, TypeError) as exc:  # PluginError and NeedsError name plugins.<name> / losses.<term>
         raise ConfigError(str(exc)) from None
     provided = {f"{name}.{key}" for name, plugin in system.plugins().items() for key in plugin.aux_keys()}

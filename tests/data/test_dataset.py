@@ -281,3 +281,22 @@ def test_a_globally_padded_loader_pads_each_share_to_its_step_s_longest_video(to
             assert torch.equal(b.frames[:, : p.frames.shape[1]], p.frames) and not b.frames[:, p.frames.shape[1]:].any()
     for k, whole in enumerate(VideoBatchSampler(len(counts), 1, shuffle=False, seed=0, world_size=2).global_batches()):
         assert shares[0][k][0] == shares[1][k][0] == max(counts[i] for i in whole)
+
+
+def test_padding_a_batch_s_queries_adds_zero_slots_and_keeps_its_host_lengths():
+    from prvrlab.data.batch import Batch, prefix_mask
+
+    lengths = np.array([3, 1, 2])
+    queries = torch.arange(3 * 3 * 2, dtype=torch.float32).reshape(3, 3, 2) * prefix_mask(lengths, 3)[:, :, None]
+    b = Batch(
+        frames=torch.zeros(2, 4, 5), frame_mask=torch.ones(2, 4, dtype=torch.bool), clips=torch.zeros(2, 2, 5),
+        queries=queries, query_mask=prefix_mask(lengths, 3), query_video=torch.tensor([0, 0, 1]),
+        video_ids=["a", "b"], query_ids=["q0", "q1", "q2"],
+    )
+    wide = b.pad_queries(6)
+    assert wide.queries.shape == (3, 6, 2) and wide.query_mask.shape == (3, 6)
+    assert torch.equal(wide.queries[:, :3], queries) and not wide.queries[:, 3:].any()
+    assert wide.query_lengths_host.tolist() == wide.query_mask.sum(1).tolist() == [3, 1, 2]
+    assert wide.frames is b.frames and b.pad_queries(3) is b
+    with pytest.raises(ValueError, match="cannot pad 3 query token slots to 2"):
+        b.pad_queries(2)

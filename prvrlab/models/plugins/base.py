@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from prvrlab.data.batch import Batch
-from prvrlab.models.base import BranchScores, ModelOutput, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.base import BatchEncoding, BranchScores, ModelOutput, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import Component
 
 
@@ -52,6 +52,10 @@ class Plugin(Component):
     # Boolean constructor parameters that switch parts on/off (run tags and
     # ablation components list them as ``plugin:<name>.<part>``).
     switch_params: tuple[str, ...] = ()
+    # Whether training_aux and the step hook work on the global batch gathered from the DDP ranks
+    # (train.ddp_batch: global): they read only the encodings and the batch's masks, query_video and
+    # ids, never its features, and count nothing per rank that the ranks' sums would count again.
+    supports_global_batch: ClassVar[bool] = False
 
     def check_backbone(self, backbone: RetrievalModel, backbone_name: str) -> None:
         """Raise PluginError when ``backbone`` lacks what this plug-in needs."""
@@ -175,16 +179,25 @@ class PluggedModel(RetrievalModel):
     def fuse(self, scores: dict[str, BranchScores]) -> Tensor:
         return self.backbone.fuse(scores)
 
-    def batch_vectors(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Tensor]:
-        return self.backbone.batch_vectors(batch, query, video)
+    def batch_vectors(
+        self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding, redrawn: QueryEmbedding | None = None
+    ) -> dict[str, Tensor]:
+        return self.backbone.batch_vectors(batch, query, video, redrawn)
+
+    def redrawn_queries(self, batch: Batch) -> QueryEmbedding:
+        """The backbone's (the plug-ins' query encodings are not drawn again)."""
+        return self.backbone.redrawn_queries(batch)
+
+    @property
+    def query_redraw(self) -> bool:  # type: ignore[override]
+        return self.backbone.query_redraw
 
     def batch_vector_names(self) -> tuple[str, ...]:
         return self.backbone.batch_vector_names()
 
-    def forward(self, batch: Batch) -> ModelOutput:
-        """The training path (whatever the module mode): :meth:`RetrievalModel.forward` through the
-        plug-ins' encoding and scoring, plus every plug-in's aux."""
-        out = super().forward(batch)
+    def score_batch(self, batch: Batch, encoding: BatchEncoding) -> ModelOutput:
+        """:meth:`RetrievalModel.score_batch` through the plug-ins' scoring, plus every plug-in's aux."""
+        out = super().score_batch(batch, encoding)
         for name, plugin in self.plugins.items():
             for key, value in plugin.training_aux(batch, out.query, out.video).items():
                 out.aux[f"{name}.{key}"] = value

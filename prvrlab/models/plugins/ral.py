@@ -342,6 +342,8 @@ class RAL(Plugin):
     score (the baseline cell of an ablation: the bare backbone's results).
     """
 
+    supports_global_batch = True  # training_aux reads the encodings, query_video and the query lengths only
+
     switch_params = ("msra", "csa")
 
     def __init__(

@@ -69,6 +69,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The torch seed DDP rank ``rank`` draws its training randomness from after the model is built
+    (dropout masks, a loss's random negatives): ``seed`` on rank 0, as one process; another stream on
+    every other rank, so two ranks never draw the same masks for the rows of their equal-shaped shares."""
+    return seed if rank == 0 else (seed * 1_000_003 + rank * 7_919) % (2**63)
+
+
 def random_state(device: torch.device) -> dict[str, torch.Tensor]:
     """The generators a resumed run continues: the CPU's and, on a GPU, the device's (dropout draws there)."""
     state = {"rng": torch.get_rng_state()}
@@ -287,10 +294,14 @@ class TrainingLoop:
         self.collection = self.session.open_collection(cfg.data)
         self.truth = self.collection.truth(cfg.data.train_split)  # synthetic ground truth, else None
         dims = {"video_dim": self.collection.video_dim, "query_dim": self.collection.query_dim}
-        self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims).to(self.device)
+        global_batch = self.world > 1 and cfg.train.ddp_batch == "global"  # the losses span every rank's share
+        self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims, global_batch=global_batch).to(self.device)
+        if self.rank > 0:  # the same weights on every rank (above), then each rank's own draws
+            torch.manual_seed(rank_seed(cfg.train.seed, self.rank))
         self.model = self.system.model
-        # a model whose video encodings depend on their batch: every rank pads its share to the global batch's longest video
-        self.global_padding = self.model.batch_dependent_videos() and self.world > 1
+        # a model whose video encodings depend on their batch, or losses over the gathered global batch: every
+        # rank pads its share to the global batch's longest video and query (the gathered batch is one process's)
+        self.global_padding = (self.model.batch_dependent_videos() or global_batch) and self.world > 1
         set_activation_checkpointing(self.system, cfg.train.checkpoint_activations)
         self.components = self.system.components()
         self.per_rank = max(1, cfg.train.batch_size // self.world)
@@ -499,7 +510,7 @@ class TrainingLoop:
             epoch=epoch,
             step=step,
             global_step=self.global_step,
-            batch=batch,
+            batch=out.batch if out.batch is not None else batch,  # the batch the output spans
             output=out,
             terms=result.terms,
             truth=self.truth,

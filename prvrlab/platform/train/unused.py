@@ -52,6 +52,8 @@ def unused_parameters(system: nn.Module, batch: Batch, *, epoch: int = 0) -> lis
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         probe = copy.deepcopy(system).train()
+        if getattr(probe, "global_batch", False):  # each rank probes alone, with no collective: same parameters
+            probe.global_batch = False
         named = [(name, p) for name, p in probe.named_parameters() if p.requires_grad]
         result, _ = probe(batch, epoch=epoch)
         grads = torch.autograd.grad(result.total, [p for _, p in named], allow_unused=True)
