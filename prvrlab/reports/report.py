@@ -24,7 +24,7 @@ from prvrlab.conditions import condition_holds
 from prvrlab.evaluation.metrics import GROUPS, METRIC_KEYS, group_bounds
 from prvrlab.reports import plots, stats
 from prvrlab.reports.errors import ReportError
-from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, check_split, load_study
+from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, check_split, load_study, run_cache
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
@@ -904,7 +904,7 @@ def _profile_section(doc: Doc, study: Study, entries: list[tuple[str, TrialRun |
     for name, run in entries:
         if run is None:
             continue
-        dst = study.cache_dir() / run.run_id / "config"
+        dst = run_cache(study.cache_dir(), run.run_id) / "config"
         try:
             local = study.client.download_artifacts(run.run_id, "config.yaml", str(dst))
         except Exception:

@@ -193,8 +193,8 @@ class Study:
         except Exception:
             return {}
         out = {}
-        for name in names:
-            dst = self.cache_dir() / run.run_id
+        for name in filter(_plain_artifact, names):
+            dst = run_cache(self.cache_dir(), run.run_id)
             local = dst / name
             if not local.is_file():
                 dst.mkdir(parents=True, exist_ok=True)
@@ -219,12 +219,25 @@ class Study:
 # ---------------------------------------------------------------- finding the parent run
 
 
+def run_cache(cache: Path, run_id: str) -> Path:
+    """``cache / run_id``, the folder a run's downloaded artifacts are kept in; a ReportError for a run id that
+    is not a plain name (a tracking server's answer never chooses a path outside the cache)."""
+    if not run_id or not all(c.isalnum() or c in "-_" for c in run_id):
+        raise ReportError(f"run id {run_id!r} from the tracking server is not a plain name; refusing to cache its files")
+    return cache / run_id
+
+
+def _plain_artifact(name: str) -> bool:
+    """Whether an artifact path the server listed stays below its run's folder (no '..', '.', empty or absolute part)."""
+    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in name.split("/"))
+
+
 def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, Any] | None:
     """Per-query ranks a run logged for ``split`` (artifact ``ranks/ranks_<split>.parquet``, downloaded once
     into ``cache``): {"query_id", "rank", "ratio"} arrays sorted by query id, or None without that artifact."""
     from prvrlab.evaluation.metrics import load_ranks
 
-    dst = cache / run_id
+    dst = run_cache(cache, run_id)
     local = dst / "ranks" / f"ranks_{split}.parquet"
     if not local.is_file() and (dst / f"ranks_{split}.parquet").is_file():
         local = dst / f"ranks_{split}.parquet"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 
@@ -10,7 +11,7 @@ import pytest
 from prvrlab.platform.cli import main
 from prvrlab.platform.search.outcome import RunMap
 from prvrlab.platform.search.spec import StudyError, load_search_spec
-from prvrlab.platform.search.study import record_state, spec_hash, study_root, verify_state
+from prvrlab.platform.search.study import forget_state, record_state, spec_hash, state_record, study_root, verify_state
 
 from search_helpers import tiny_spec
 
@@ -59,6 +60,7 @@ def test_modified_state_or_missing_checksums_are_refused(tmp_path, tiny_root, ca
     (study_dir / "tune" / "experiment_state-1.json").write_text(original)
     assert verify_state(study_dir) is None  # back to what the driver recorded
     (study_dir / "state.sha256").unlink()  # a hard-killed driver records nothing: permissions only, with a warning
+    forget_state(study_dir)  # (a run forgets its private record when it starts: a killed one leaves none)
     assert "state.sha256 is missing" in verify_state(study_dir)
     os.chmod(study_dir / "tune", 0o777)
     with pytest.raises(StudyError, match="writable by group or others"):
@@ -79,3 +81,41 @@ def test_resume_with_another_spec_of_the_same_name_is_refused(tmp_path, tiny_roo
     tiny_spec(tmp_path, tiny_root, name="guard", space={"train.lr": {"loguniform": [1e-4, 1e-3]}})
     assert main(["search", str(path), "--resume"]) == 2
     assert "different 'guard' spec" in capsys.readouterr().err
+
+
+def test_checksums_rewritten_beside_planted_state_are_refused_by_the_private_record(tmp_path, tiny_root, capsys):
+    path, study_dir = _study(tmp_path, tiny_root)
+    marker = tmp_path / "pwned"
+    (study_dir / "tune" / "tuner.pkl").write_bytes(pickle.dumps(Planted(str(marker))))
+    sums = study_dir / "state.sha256"  # whoever planted the pickle also rewrote the folder's checksums
+    sums.write_text(sums.read_text() + f"{hashlib.sha256((study_dir / 'tune' / 'tuner.pkl').read_bytes()).hexdigest()}  tune/tuner.pkl\n")
+    assert main(["search", str(path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "tuner.pkl was added" in err and str(state_record(study_dir)) in err
+    assert not marker.exists()
+
+
+def test_an_object_store_study_resumes_only_on_this_users_record_of_its_state(tmp_path, monkeypatch):
+    uri = "s3://lab/studies/search/guard/20250101-000000"
+    study_dir = tmp_path / "staged"  # the pulled copy: ours, whatever the bucket held
+    (study_dir / "tune").mkdir(parents=True)
+    (study_dir / "tune" / "tuner.pkl").write_bytes(b"state")
+    (study_dir / "state.sha256").write_text(  # the bucket's own checksums vouch for nothing
+        f"{hashlib.sha256(b'state').hexdigest()}  tune/tuner.pkl\n"
+    )
+    monkeypatch.delenv("PRVRLAB_TRUST_STUDY_STATE", raising=False)
+    with pytest.raises(StudyError, match=r"no record of s3://lab/studies/search/guard/20250101-000000's Tune state .*PRVRLAB_TRUST_STUDY_STATE=1"):
+        verify_state(study_dir, uri)
+    monkeypatch.setenv("PRVRLAB_TRUST_STUDY_STATE", "1")
+    assert "trusting it" in verify_state(study_dir, uri)
+    monkeypatch.delenv("PRVRLAB_TRUST_STUDY_STATE")
+    record_state(study_dir, uri)  # what this user's driver recorded when the study ran here
+    assert verify_state(study_dir, uri) is None
+    assert state_record(study_dir, uri) != state_record(study_dir)  # keyed by the URI, not the staging folder
+    assert oct(state_record(study_dir, uri).parent.stat().st_mode & 0o777) == "0o700"
+    (study_dir / "tune" / "tuner.pkl").write_bytes(b"planted")
+    (study_dir / "state.sha256").write_text(f"{hashlib.sha256(b'planted').hexdigest()}  tune/tuner.pkl\n")
+    with pytest.raises(StudyError, match="tuner.pkl was modified"):
+        verify_state(study_dir, uri)
+    forget_state(study_dir, uri)
+    assert not state_record(study_dir, uri).exists()

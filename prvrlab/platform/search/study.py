@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from prvrlab.cache import cache_root
 from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
@@ -459,10 +460,38 @@ def state_sums(study_dir: Path) -> dict[str, str]:
     return {str(p.relative_to(study_dir)): _sha256(p) for p in files}
 
 
-def record_state(study_dir: Path) -> None:
-    """Write ``state.sha256`` (``<sha256>  <path>`` lines) for the current Tune state."""
-    lines = [f"{digest}  {rel}\n" for rel, digest in state_sums(study_dir).items()]
-    write_text_atomically(study_dir / STATE_SUMS, "".join(lines))
+TRUST_STATE_ENV = "PRVRLAB_TRUST_STUDY_STATE"  # 1: resume an object-store study this machine has no record of
+
+
+def state_record(study_dir: Path, uri: str | None = None) -> Path:
+    """This user's record of the checksums of a study's Tune state, outside the study folder (nobody who can
+    write the folder or its bucket can vouch for what they wrote): ``<cache>/study-state/<key>.sha256``, keyed
+    by the study's object-store URI, else by its resolved folder."""
+    key = uri if uri and storage.is_remote(uri) else str(Path(study_dir).resolve())
+    return cache_root() / "study-state" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.sha256"
+
+
+def forget_state(study_dir: Path, uri: str | None = None) -> None:
+    """Remove the study's records of its Tune state (stale once Tune writes it again)."""
+    state_record(study_dir, uri).unlink(missing_ok=True)
+
+
+def record_state(study_dir: Path, uri: str | None = None) -> None:
+    """Write ``state.sha256`` (``<sha256>  <path>`` lines) for the current Tune state, in the study folder and
+    in this user's private record (:func:`state_record`)."""
+    text = "".join(f"{digest}  {rel}\n" for rel, digest in state_sums(study_dir).items())
+    write_text_atomically(study_dir / STATE_SUMS, text)
+    record = state_record(study_dir, uri)
+    record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_text_atomically(record, text)
+
+
+def _read_sums(path: Path) -> dict[str, str]:
+    recorded = {}
+    for line in path.read_text().splitlines():
+        digest, _, rel = line.partition("  ")
+        recorded[rel] = digest
+    return recorded
 
 
 def _check_owner(path: Path) -> None:
@@ -475,28 +504,42 @@ def _check_owner(path: Path) -> None:
         raise StudyError(f"refusing to resume: {path} is writable by group or others")
 
 
-def verify_state(study_dir: Path) -> str | None:
+def verify_state(study_dir: Path, uri: str | None = None) -> str | None:
     """Refuse a study folder whose Tune state could have been planted: not ours, group/other
-    writable, or not matching the checksums the driver recorded (checked before anything is unpickled).
+    writable, or not matching the checksums this user's driver recorded (checked before anything is
+    unpickled).  ``uri``: the study's object-store URI, whose pulled copy is checked.
 
-    A driver that was killed hard (SIGKILL, node loss) could not record its last state: then only
-    ownership and permissions are checked, and the returned warning says so (None otherwise).
+    The checksums come from this user's private record (:func:`state_record`).  Without one: a local
+    folder is checked against its own ``state.sha256`` (studies recorded before the private record
+    existed); a study pulled from an object store is refused, since whoever can write the bucket could
+    have written both the state and its checksums, unless ``PRVRLAB_TRUST_STUDY_STATE=1``.  A driver that
+    was killed hard (SIGKILL, node loss) could not record its last state: a local study is then checked
+    on ownership and permissions only, and the returned warning says so (None otherwise).
     """
     tune_dir = study_dir / "tune"
     for path in [study_dir, *([tune_dir, *tune_dir.rglob("*")] if tune_dir.is_dir() else [])]:
         _check_owner(path)
-    sums_file = study_dir / STATE_SUMS
-    if not sums_file.is_file():
-        return (
-            f"warning: {sums_file} is missing (the previous driver was killed before it could record its state); "
-            "resuming on ownership and permission checks only"
+    record = state_record(study_dir, uri)
+    remote = bool(uri and storage.is_remote(uri))
+    if record.is_file():
+        sums_file = record
+    elif remote:
+        if os.environ.get(TRUST_STATE_ENV) == "1":
+            return f"warning: no record of {uri}'s Tune state on this machine; trusting it ({TRUST_STATE_ENV}=1)"
+        raise StudyError(
+            f"refusing to resume: this machine has no record of {uri}'s Tune state ({record}), and anyone who "
+            f"can write the bucket could have written it and its checksums; resume where the study ran, or set "
+            f"{TRUST_STATE_ENV}=1 to trust it"
         )
-    _check_owner(sums_file)
-    recorded = {}
-    for line in sums_file.read_text().splitlines():
-        digest, _, rel = line.partition("  ")
-        recorded[rel] = digest
-    current = state_sums(study_dir)
+    else:
+        sums_file = study_dir / STATE_SUMS
+        if not sums_file.is_file():
+            return (
+                f"warning: {sums_file} is missing (the previous driver was killed before it could record its state); "
+                "resuming on ownership and permission checks only"
+            )
+        _check_owner(sums_file)
+    recorded, current = _read_sums(sums_file), state_sums(study_dir)
     for rel in sorted(set(recorded) | set(current)):
         if recorded.get(rel) != current.get(rel):
             change = "added" if rel not in recorded else "missing" if rel not in current else "modified"
@@ -666,7 +709,7 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
         # object store: a fresh local copy (Tune's checkpoints stay remote: only read as weights)
         found.pull(exclude=("train", "checkpoint_*"), fresh=True)
         study_dir = found.local
-        warning = verify_state(study_dir)
+        warning = verify_state(study_dir, found.uri if found.remote else None)
         if warning:
             echo(warning)
         recorded = RunMap(study_dir).meta.get("spec_hash")
@@ -818,6 +861,7 @@ def run_study(
         INTERRUPTED.clear()
         location = storage.Location(study.storage or study.study_dir)
         location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
+        forget_state(Path(study.study_dir), study.storage or None)
         previous = _sigterm_as_sigint()
         try:
             with ray_logs_to(Path(study.study_dir) / STUDY_LOG), mlflow_cb.mirror.every(SYNC_S):  # warnings off the console
@@ -832,7 +876,7 @@ def run_study(
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
     location.child("tune").pull(exclude=("checkpoint_*",), fresh=True)  # object store: the state to record
-    record_state(Path(study.study_dir))
+    record_state(Path(study.study_dir), study.storage or None)
     mlflow_cb.mirror.push()
     trials = _trials(tuner)
     if INTERRUPTED.is_set() or any(t.status in ("PENDING", "RUNNING", "PAUSED") for t in trials):
