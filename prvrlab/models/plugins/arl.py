@@ -330,6 +330,9 @@ class ARL(Plugin):
     """ARL's ambiguity detection and cross-model encoders (see the module docstring)."""
 
     switch_params = ("text_video", "text_frame", "cross_model")
+    # training_aux reads the encodings and the batch's ids; under a global batch every rank adds the same
+    # ground-truth counts in on_step_end, which scales them alike: the precision and recall ratios hold
+    supports_global_batch = True
 
     def __init__(
         self,
