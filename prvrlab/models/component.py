@@ -129,6 +129,9 @@ class StepContext:
     output: Any  # its ModelOutput
     terms: dict[str, Tensor]  # unweighted, detached loss terms
     truth: Any = None  # the training split's RelevanceTruth (synthetic data only), for diagnostics
+    # DDP ranks holding this same batch and output (the world size under train.ddp_batch: global, else 1):
+    # a count summed over the ranks by an epoch hook counts this step that many times
+    ranks: int = 1
 
 
 # ---------------------------------------------------------------- the base class

@@ -93,6 +93,13 @@ class Plugin(Component):
         by that encoder; none by default."""
         return {}
 
+    def encode_training(self, batch: Batch, video: VideoEmbedding) -> dict[str, Any]:
+        """Training-only per-video values computed from the batch's features (keys without the prefix), added
+        to ``video.extra`` before any row is compared with another: one row per video (tensors, or nested
+        embeddings), so under ``train.ddp_batch: global`` each rank computes its share's and they are
+        gathered with the encodings (ICE's shuffled videos).  None by default."""
+        return {}
+
     def training_aux(self, batch: Batch, query: QueryEmbedding, video: VideoEmbedding) -> dict[str, Any]:
         """Training-only extras (keys without the plug-in prefix)."""
         return {}
@@ -194,6 +201,15 @@ class PluggedModel(RetrievalModel):
 
     def batch_vector_names(self) -> tuple[str, ...]:
         return self.backbone.batch_vector_names()
+
+    def encode_batch(self, batch: Batch) -> BatchEncoding:
+        """:meth:`RetrievalModel.encode_batch` through the plug-ins' encoding, then every plug-in's
+        :meth:`Plugin.encode_training` values in ``video.extra``."""
+        encoding = super().encode_batch(batch)
+        for name, plugin in self.plugins.items():
+            for key, value in plugin.encode_training(batch, encoding.video).items():
+                encoding.video.extra[f"{name}.{key}"] = value
+        return encoding
 
     def score_batch(self, batch: Batch, encoding: BatchEncoding) -> ModelOutput:
         """:meth:`RetrievalModel.score_batch` through the plug-ins' scoring, plus every plug-in's aux."""

@@ -170,6 +170,9 @@ class ICE(Plugin):
     """
 
     switch_params = ("ice", "irm", "tcp")
+    # TCP's shuffled videos come from encode_training (each rank's share); the mining and the classifiers
+    # read encodings only, and the step hook's counts are divided by the ranks sharing the batch
+    supports_global_batch = True
 
     def __init__(
         self,
@@ -266,6 +269,20 @@ class ICE(Plugin):
             aux.update(self._tcp(batch, video))
         return aux
 
+    def encode_training(self, batch: Batch, video: VideoEmbedding) -> dict[str, Any]:
+        """TCP's shuffled videos, from the batch's features: the source position of each frame and clip
+        slot, and the host's encoding of the shuffled sequences (one row per video)."""
+        if not self.tcp:
+            return {}
+        frame_src = shuffle_sources(batch.frame_mask.to(torch.bool), self.shuffle_ratio)  # (B, Lf)
+        clip_mask = torch.ones(batch.clips.shape[:2], dtype=torch.bool, device=batch.clips.device)  # (B, Lc)
+        clip_src = shuffle_sources(clip_mask, self.shuffle_ratio)  # (B, Lc)
+        frames = gather_positions(batch.frames, frame_src)  # (B, Lf, Dv)
+        clips = gather_positions(batch.clips, clip_src)  # (B, Lc, Dv)
+        with self.host.training_exposure():
+            shuffled = self.host.encode_videos(clips, frames, batch.frame_mask)
+        return {"tcp_frame_src": frame_src, "tcp_clip_src": clip_src, "tcp_shuffled": shuffled}
+
     def _query_vector(self, query: QueryEmbedding, branch: str) -> Tensor:
         try:
             return query.vectors[branch]
@@ -313,13 +330,9 @@ class ICE(Plugin):
 
     def _tcp(self, batch: Batch, video: VideoEmbedding) -> dict[str, Tensor]:
         frame_mask = batch.frame_mask.to(torch.bool)  # (B, Lf)
-        clip_mask = torch.ones(batch.clips.shape[:2], dtype=torch.bool, device=batch.clips.device)  # (B, Lc)
-        frame_src = shuffle_sources(frame_mask, self.shuffle_ratio)  # (B, Lf)
-        clip_src = shuffle_sources(clip_mask, self.shuffle_ratio)  # (B, Lc)
-        frames = gather_positions(batch.frames, frame_src)  # (B, Lf, Dv)
-        clips = gather_positions(batch.clips, clip_src)  # (B, Lc, Dv)
-        with self.host.training_exposure():
-            shuffled = self.host.encode_videos(clips, frames, batch.frame_mask)
+        clip_mask = torch.ones(batch.clips.shape[:2], dtype=torch.bool, device=frame_mask.device)  # (B, Lc)
+        frame_src, clip_src = video.extra["ice.tcp_frame_src"], video.extra["ice.tcp_clip_src"]  # (B, Lf), (B, Lc)
+        shuffled = video.extra["ice.tcp_shuffled"]  # encode_training's
         levels = []
         if self.tcp_levels in ("both", "video"):
             levels.append((self.video_classifier, video.frame_tokens()[0], shuffled.frame_tokens()[0], frame_mask, frame_src))
@@ -358,17 +371,18 @@ class ICE(Plugin):
             return
         videos, texts = ctx.output.aux["ice.pair_video"], ctx.output.aux["ice.pair_text"]  # (n_c,) each
         counts = self.__dict__["_counts"]
-        counts["mined"] += float(videos.numel())
+        share = 1.0 / ctx.ranks  # under a global batch every rank counts the same pairs: the epoch's sum is one count
+        counts["mined"] += float(videos.numel()) * share
         truth = ctx.truth
         if truth is not None:  # on the host, but for the mined pairs' hits (summed on their device: no wait)
             relevant = truth.relevant(list(ctx.batch.query_ids), list(ctx.batch.video_ids))  # (Nq, Nv) bool, CPU
             query_video = torch.from_numpy(ctx.batch.host_query_video())  # (Nq,)
             unpaired = ~positive_mask(query_video, relevant.shape[1])  # (Nq, Nv)
             hits = host_to_device(relevant.numpy(), videos.device)[texts, videos]  # (n_c,)
-            counts["correct"] = counts["correct"] + hits.sum(dtype=torch.float64)
-            counts["judged"] += float(videos.numel())
-            counts["chance_hits"] += float((relevant & unpaired).sum())
-            counts["chance_pairs"] += float(unpaired.sum())
+            counts["correct"] = counts["correct"] + hits.sum(dtype=torch.float64) * share
+            counts["judged"] += float(videos.numel()) * share
+            counts["chance_hits"] += float((relevant & unpaired).sum()) * share
+            counts["chance_pairs"] += float(unpaired.sum()) * share
 
     def on_epoch_end(self, ctx: EpochContext) -> dict[str, float]:
         if not self.ice:

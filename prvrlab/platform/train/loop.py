@@ -511,6 +511,7 @@ class TrainingLoop:
             step=step,
             global_step=self.global_step,
             batch=out.batch if out.batch is not None else batch,  # the batch the output spans
+            ranks=self.world if self.system.global_batch else 1,
             output=out,
             terms=result.terms,
             truth=self.truth,

@@ -34,6 +34,12 @@ def case_raw(root: Path, tmp: Path, *, world: int, ddp_batch: str = "global", ki
         raw["plugins"] = {"arl": {"text_video": True, "text_frame": True, "cross_model": True, "warmup_epochs": 0}}
         raw["losses"] = {"ambiguity": {"loss": "arl", "weight": 1.0, "margin": 0.1, "ambiguous_margin": 0.05,
                                        "hard_negative_start_epoch": 0}}
+    if kind == "ice":  # ICE, IRM and TCP (no position shuffled: TCP's draws would differ per rank)
+        raw["plugins"] = {"ice": {"ice": True, "irm": True, "tcp": True, "shuffle_ratio": 0.0, "threshold": 0.0,
+                                  "moment_branch": "clip", "video_branch": "frame"}}
+        raw["losses"]["ice_corr"] = {"loss": "ice_corr", "weight": 1.0, "margin": 0.1, "hard_negative_start_epoch": 0}
+        raw["losses"]["ice_irm"] = {"loss": "ice_irm", "weight": 1.0, "margin": 0.1, "hard_negative_start_epoch": 0}
+        raw["losses"]["ice_tcp"] = {"loss": "ice_tcp", "weight": 1.0}
     if kind == "bf16":  # encodings gathered in bf16 (the losses run in fp32)
         raw["train"]["amp"] = "bf16"
     if kind == "ral":  # RAL-PRVR without sampling (no random draw): MSRA's proxies and CSA's weighted scores
@@ -81,7 +87,7 @@ def relative_difference(grads: dict, reference: dict) -> float:
 
 @pytest.mark.slow
 def test_the_averaged_ddp_gradient_equals_one_process_on_the_global_batch(tiny_root, tmp_path):
-    kinds = ("gmmformer", "redraw_batch_windows", "ral", "arl", "bf16")
+    kinds = ("gmmformer", "redraw_batch_windows", "ral", "arl", "ice", "bf16")
     raws = {kind: case_raw(tiny_root, tmp_path / kind, world=WORLD, kind=kind) for kind in kinds}
     raws["local"] = case_raw(tiny_root, tmp_path / "local", world=WORLD, ddp_batch="local")
     mp.spawn(_rank, args=(WORLD, str(tmp_path / "init"), raws, str(tmp_path)), nprocs=WORLD, join=True)
@@ -109,9 +115,12 @@ def test_the_averaged_ddp_gradient_equals_one_process_on_the_global_batch(tiny_r
                 assert got[kind]["terms"][term] == pytest.approx(value, rel=tolerance, abs=1e-6), (kind, term)
 
 
-def test_a_plugin_that_computes_per_rank_is_refused_under_a_global_batch(tiny_root, tmp_path):
-    raw = case_raw(tiny_root, tmp_path, world=WORLD)
-    raw["plugins"] = {"ice": {"ice": True, "irm": True, "tcp": True, "moment_branch": "clip", "video_branch": "frame"}}
+def test_a_plugin_that_computes_per_rank_is_refused_under_a_global_batch(tiny_root, tmp_path, monkeypatch):
+    from prvrlab.models.plugins.ice import ICE
+
+    raw = case_raw(tiny_root, tmp_path, world=WORLD, kind="ice")
+    assert validate(copy.deepcopy(raw)).train.ddp_batch == "global"
+    monkeypatch.setattr(ICE, "supports_global_batch", False)  # a plug-in that has not opted in
     with pytest.raises(ConfigError, match=r"plugins\.ice: 'ice' computes on each DDP rank's share .*train\.ddp_batch: local"):
         validate(copy.deepcopy(raw))
     local = copy.deepcopy(raw)
