@@ -41,7 +41,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may hand the same buffer to another input
         dist.all_reduce(grad)  # every rank's loss reads every row
         start = sum(ctx.rows[: ctx.rank])
         own = grad[start : start + ctx.rows[ctx.rank]]  # (n_rank, ...)

@@ -100,9 +100,10 @@ def rank_random_state(saved: dict, rank: int) -> dict:
     The ranks' streams part after the first steps (their batches draw different numbers of numbers; dropout),
     so each rank saves its own.  A checkpoint written before per-rank states were saved holds rank 0's only
     (``rng``, ``cuda_rng``): every rank restores that, as then.  A resume with more ranks than wrote the
-    checkpoint gives the ranks beyond them rank 0's state (as a new run seeds every rank alike); with fewer,
-    the extra states are not used.  With another rank count the run does not continue the old one exactly
-    anyway: each rank's shard of the training data changes."""
+    checkpoint gives the ranks beyond them rank 0's state; with fewer, the extra states are not used.  A rank
+    that got rank 0's state then reseeds (:meth:`TrainingLoop.restore`), so no two ranks draw alike.  With
+    another rank count the run does not continue the old one exactly anyway: each rank's shard of the
+    training data changes."""
     states = saved.get(RANK_STATES)
     if states and 0 <= rank < len(states):
         return states[rank]
@@ -368,10 +369,12 @@ class TrainingLoop:
             self.global_step = int(saved.get("global_step", 0))
             restore_random_state(rank_random_state(saved, self.rank), self.device)
             saved_ranks = len(saved.get(RANK_STATES) or [])
+            if self.rank >= saved_ranks > 0 or (self.rank > 0 and not saved_ranks):  # rank 0's state: draw apart
+                torch.manual_seed(rank_seed(self.cfg.train.seed + self.global_step, self.rank))
             if self.rank == 0 and self.world > 1 and saved_ranks != self.world:
                 wrote = f"{saved_ranks} rank(s)" if saved_ranks else "an older prvrlab (rank 0's random state only)"
                 print(f"resuming {self.world} ranks from a checkpoint of {wrote}: the ranks without their own saved "
-                      "random state continue rank 0's", file=sys.stderr, flush=True)
+                      "random state draw from a seed derived from train.seed and the step", file=sys.stderr, flush=True)
 
     def wrap(self) -> torch.nn.Module:
         """The module the steps run: the system, in DDP when there are several ranks.

@@ -131,3 +131,23 @@ def test_a_plugin_that_computes_per_rank_is_refused_under_a_global_batch(tiny_ro
     assert validate(one).train.ddp_batch == "global"
     for kind in ("ral", "arl"):
         assert validate(case_raw(tiny_root, tmp_path, world=WORLD, kind=kind)).train.ddp_batch == "global"
+
+
+def _sum_of_two_gathers(rank: int, init_file: str, out_dir: str) -> None:
+    from prvrlab.models.global_batch import _GatherRows
+
+    with gloo_group(rank, WORLD, init_file):
+        a, b = torch.ones(2, 3, requires_grad=True), torch.ones(2, 3, requires_grad=True)
+        total = _GatherRows.apply(a * 1.0, [2, 2], rank) + _GatherRows.apply(b * 1.0, [2, 2], rank)  # (4, 3)
+        (total * torch.arange(4.0)[:, None]).sum().backward()  # row r of the global batch weighs r
+        torch.save({"a": a.grad, "b": b.grad}, Path(out_dir) / f"grads{rank}.pt")
+
+
+def test_the_gathers_backward_sums_each_rows_gradient_over_the_ranks_and_leaves_autograds_buffer_alone(tmp_path):
+    """An addition hands one gradient buffer to both of its inputs: the gather's backward must not reduce into it
+    (the second input's gradient came out twice too large)."""
+    mp.spawn(_sum_of_two_gathers, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        grads = torch.load(tmp_path / f"grads{rank}.pt")
+        expected = WORLD * torch.arange(2.0 * rank, 2.0 * rank + 2)[:, None].expand(2, 3)  # each rank's loss reads it
+        assert torch.equal(grads["a"], expected) and torch.equal(grads["b"], expected), rank

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from prvrlab.platform.config import validate
-from prvrlab.platform.train.loop import RANK_STATES, TrainingLoop, rank_random_state
+from prvrlab.platform.train.loop import RANK_STATES, TrainingLoop, rank_random_state, rank_seed
 from prvrlab.platform.train.session import LocalSession
 
 from train_helpers import gloo_group, small_raw
@@ -229,8 +229,9 @@ def test_a_resumed_two_rank_run_continues_every_ranks_random_stream(tiny_root, t
 
 
 def test_a_checkpoint_with_one_random_state_gives_it_to_every_rank(tiny_root, tmp_path):
-    """A checkpoint written before per-rank states (rank 0's ``rng`` only) still resumes: every rank restores
-    that state, as before; a rank beyond the saved ones (a resume with more ranks) gets rank 0's."""
+    """A checkpoint written before per-rank states (rank 0's ``rng`` only) still resumes: rank 0 restores that
+    state, as before; another rank (or a rank beyond the saved ones, in a resume with more ranks) gets rank 0's
+    and then reseeds from ``train.seed`` and the step, so no two ranks draw the same dropout masks."""
     cfg = validate(small_raw(tiny_root, tmp_path, epochs=2))
     with pytest.raises(StopAfter):
         _loop(cfg, ScalerSession(tmp_path / "session", stop_after=1), tmp_path / "run").run()
@@ -246,7 +247,12 @@ def test_a_checkpoint_with_one_random_state_gives_it_to_every_rank(tiny_root, tm
         loop.setup()
         torch.manual_seed(123)  # a stream the restore must replace
         loop.restore()
-        assert torch.equal(torch.get_rng_state(), old["rng"]), rank
+        if rank == 0:
+            assert torch.equal(torch.get_rng_state(), old["rng"])
+        else:
+            restored = torch.get_rng_state()
+            torch.manual_seed(rank_seed(cfg.train.seed + old["global_step"], rank))
+            assert torch.equal(restored, torch.get_rng_state()) and not torch.equal(restored, old["rng"])
         assert loop.progress.epoch == 0 and loop.global_step == old["global_step"]
 
     zero, one = torch.tensor([0], dtype=torch.uint8), torch.tensor([1], dtype=torch.uint8)
