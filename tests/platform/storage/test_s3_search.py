@@ -52,10 +52,15 @@ def test_search_resumes_from_the_bucket_after_the_driver_is_killed(tiny_root, tm
         finished_before = {c.data.tags["prvrlab.trial_id"] for c in before if c.info.status == "FINISHED"}
         assert finished_before and len(finished_before) < 3
 
-        # another machine: nothing staged locally, everything comes from the bucket
+        # another machine: nothing staged locally, everything comes from the bucket; the killed driver recorded
+        # no state, so whoever can write the bucket could have written it: resumed only when the user says so
         env["PRVRLAB_STAGING"] = str(tmp_path / "second-machine")
+        refused = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=200)
+        assert refused.returncode == 2 and "PRVRLAB_TRUST_STUDY_STATE=1" in refused.stderr, refused.stderr[-2000:]
+        env["PRVRLAB_TRUST_STUDY_STATE"] = "1"
         done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=500)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "trusting it (PRVRLAB_TRUST_STUDY_STATE=1)" in done.stdout + done.stderr
         assert "resuming search 's3resume' from" in done.stdout
         for trial_id in finished_before:  # ended trials are not rerun, at most their recorded result replayed
             assert f"start  {trial_id}" not in done.stdout, done.stdout
@@ -85,10 +90,16 @@ def test_search_resumes_from_the_bucket_after_the_driver_is_killed(tiny_root, tm
             assert {f"trials/{trial}/files/{f}" for f in ("best_model.pt", "ranks_val.parquet", "outcome.json", "config.yaml")} <= set(keys)
 
         # the recorded state guards the bucket too: a changed Tune file is refused before anything is unpickled
-        (stamp,) = {k[len(prefix):].split("/", 1)[0] for k in bucket_keys(s3, "lab", prefix) if not k.endswith("/")}
+        stamp = _stamp(s3, prefix)
         (state,) = [k for k in keys if k.startswith("tune/") and k.endswith(".pkl")][:1]
         s3_client(s3).put_object(Bucket="lab", Key=f"{prefix}{stamp}/{state}", Body=b"planted")
         env["PRVRLAB_STAGING"] = str(tmp_path / "third-machine")
         refused = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=200)
         assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
         assert f"{state} was modified since the driver recorded" in refused.stderr, refused.stderr
+
+
+def _stamp(s3: dict, prefix: str) -> str:
+    """The one submission folder of the study under ``prefix`` in the bucket."""
+    (stamp,) = {k[len(prefix):].split("/", 1)[0] for k in bucket_keys(s3, "lab", prefix) if not k.endswith("/")}
+    return stamp
