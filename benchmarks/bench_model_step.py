@@ -253,7 +253,7 @@ def main() -> None:
     if official is not None and args.videos == 128:
         for key, value in best.items():
             print(f"{key[0]} {key[1]}: {official / value:.2f}x the official {args.backbone}'s {official} s/step "
-                  "(REFERENCE.md section 8)")
+                  "(the official code run unmodified on the same shapes, fp32, 2 threads, on a slower machine)")
     # The machine's speed varies (shared cores): compare with the fastest any fp32 implementation computing
     # padding (as the reference does) could be right now, i.e. that work at the fp32 GEMM roof.
     floor = padded_gflop / roofs["none"]
