@@ -125,21 +125,54 @@ def max_scores(
             c = v.shape[0]
             dots = (q @ v.reshape(c * length, dim).t()).view(nq, c, length)  # (Nq, C, L)
             v_norm = token_norms(v) if video_norm is None else video_norm[start : start + chunk]  # (C, L)
-            denominator = q_norm[:, None, None] * v_norm[None]  # (Nq, C, L)
-            cos = dots / denominator  # (Nq, C, L); dots stays for the logits
-            if mask is not None:
-                pad = ~mask[start : start + chunk].to(torch.bool)[None]  # (1, C, L)
-                cos = cos.masked_fill_(pad, -1.0) if in_place else cos.masked_fill(pad, -1.0)
-                if with_logits:
-                    dots = dots.masked_fill(pad, torch.finfo(dots.dtype).min)
-            sims.append(cos.amax(dim=-1))  # (Nq, C)
-            if with_logits:
+            pad = None if mask is None else ~mask[start : start + chunk].to(torch.bool)[None]  # (1, C, L)
+            if in_place:
+                cos = dots / (q_norm[:, None, None] * v_norm[None])  # (Nq, C, L); dots stays for the logits
+                if pad is not None:
+                    cos.masked_fill_(pad, -1.0)
+                    dots.masked_fill_(pad, torch.finfo(dots.dtype).min)
+                sims.append(cos.amax(dim=-1))  # (Nq, C)
                 logits.append(dots.amax(dim=-1))  # (Nq, C)
+                continue
+            sim, logit = _max_at_winners(dots, q_norm, v_norm, pad, with_logits)
+            sims.append(sim)
+            if with_logits:
+                logits.append(logit)
         sim = sims[0] if len(sims) == 1 else torch.cat(sims, dim=1)  # (Nq, Nv)
         if not with_logits:
             return BranchScores(sim=sim)
         logit = logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)  # (Nq, Nv)
         return BranchScores(sim=sim, logits=logit)
+
+
+def _max_at_winners(
+    dots: Tensor, q_norm: Tensor, v_norm: Tensor, pad: Tensor | None, with_logits: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The max over L of the cosine ``dots / (q_norm * v_norm)`` and (``with_logits``) of ``dots`` itself,
+    padding never winning, each taken at its winner found without autograd: the gradient reaches only the
+    (Nq, C) winning dots and norms, not every (Nq, C, L) element through the division, masking and max
+    (the same values, bit for bit; between exactly tied maxima the gradient goes to the first, where
+    ``amax`` would share it).  ``dots`` (Nq, C, L), ``q_norm`` (Nq,), ``v_norm`` (C, L), ``pad`` (1, C, L)."""
+    nq, c, _ = dots.shape
+    with torch.no_grad():
+        denominator = q_norm[:, None, None] * v_norm[None]  # (Nq, C, L)
+        cos = dots / denominator
+        if pad is not None:
+            cos.masked_fill_(pad, -torch.inf)  # below every real cosine, rounded ones under -1 included
+        winners = [cos.argmax(dim=-1)]  # (Nq, C)
+        if with_logits:
+            raw = dots.masked_fill(pad, torch.finfo(dots.dtype).min) if pad is not None else dots
+            winners.append(raw.argmax(dim=-1))  # (Nq, C)
+        real = None if pad is None else ~pad[0].all(dim=-1)  # (C,) videos with a real vector
+    picked = dots.gather(2, torch.stack(winners, dim=-1))  # (Nq, C, 1 or 2): one backward scatter for both
+    videos = torch.arange(c, device=dots.device)[None, :]  # (1, C)
+    sim = picked[..., 0] / (q_norm[:, None] * v_norm[videos, winners[0]])  # (Nq, C)
+    logit = picked[..., 1] if with_logits else None
+    if real is not None and not bool(real.all()):
+        sim = sim.masked_fill(~real[None], -1.0)  # a video without a real vector: -1, no gradient
+        if logit is not None:
+            logit = logit.masked_fill(~real[None], torch.finfo(dots.dtype).min)
+    return sim, logit
 
 
 def _retrieval_max_cosine(

@@ -259,3 +259,36 @@ def test_norms_of_a_bf16_gallery_are_read_piece_by_piece_into_one_result(monkeyp
     assert index_token_norms(VideoEmbedding(clip=exact, frame=exact[:, 0]), ("clip",)).clip.dtype == torch.bfloat16
     exact[10, 4, 5] += 1e-3  # the last piece holds a value bf16 cannot: the field stays float32
     assert index_token_norms(VideoEmbedding(clip=exact, frame=exact[:, 0]), ("clip",)).clip.dtype == torch.float32
+
+
+def test_training_scores_take_the_gradient_at_the_winners_as_the_plain_max_does():
+    """The autograd path finds each max without autograd and differentiates only the winning dot: the same
+    scores as the plain formula (divide, mask, max over every element), and the same gradients."""
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(6, 8, generator=g)
+    video = torch.randn(5, 9, 8, generator=g)
+    mask = torch.rand(5, 9, generator=g) > 0.4
+    mask[2] = False  # no real vector: -1 and min-float, no gradient
+    mask[0, 0] = True
+    weights = torch.randn(2, 6, 5, generator=g)
+
+    def plain(q, v):
+        dots = torch.einsum("qd,vld->qvl", q, v)  # (Nq, Nv, L)
+        cos = dots / (q.norm(dim=-1).clamp(min=1e-6)[:, None, None] * v.norm(dim=-1).clamp(min=1e-6)[None])
+        pad = ~mask[None]
+        return cos.masked_fill(pad, -1.0).amax(-1), dots.masked_fill(pad, torch.finfo(dots.dtype).min).amax(-1)
+
+    def fast(q, v):
+        scores = max_scores(q, v, mask, with_logits=True)
+        return scores.sim, scores.logits
+
+    got, expected = [], []
+    for fn, out in ((fast, got), (plain, expected)):
+        q, v = query.clone().requires_grad_(), video.clone().requires_grad_()
+        sim, logits = fn(q, v)
+        (weights[0] * sim + weights[1] * logits.clamp(min=-1e3)).sum().backward()
+        out += [sim.detach(), logits.detach(), q.grad, v.grad]
+    assert got[0][:, 2].eq(-1.0).all() and got[1][:, 2].eq(torch.finfo(torch.float32).min).all()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert got[3][2].abs().sum() == 0  # the video without a real vector gets no gradient
