@@ -73,10 +73,14 @@ class Head:
         return subprocess.run([str(self.bin / "ray"), *args], env=self.env, capture_output=True, text=True, **kwargs)
 
     def submit(self, *args: str, attempts: int = 20, **kwargs) -> subprocess.CompletedProcess:
-        """``ray job submit <args>``, retried while the head's job agent is still starting (busy machines)."""
+        """``ray job submit <args>``, retried while the head's job agent is still starting (busy machines), and
+        when the job server dropped the connection while the working directory was being uploaded (seen once
+        in a full suite: no job exists yet then, so a retry cannot submit it twice)."""
         for _ in range(attempts):
             done = self.ray("job", "submit", "--address", self.url, *args, **kwargs)
-            if done.returncode == 0 or "No available agent" not in done.stderr + done.stdout:
+            said = done.stderr + done.stdout
+            dropped = "Connection aborted" in said and "upload_working_dir_if_needed" in said
+            if done.returncode == 0 or not ("No available agent" in said or dropped):
                 return done
             time.sleep(3)
         return done
