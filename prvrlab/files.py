@@ -33,6 +33,12 @@ def write_text_atomically(target: str | Path, text: str) -> Path:
     return replace_atomically(target, lambda tmp: tmp.write_text(text))
 
 
+def leaves_folder(rel: str) -> bool:
+    """Whether the relative path ``rel`` (``/``-separated, e.g. an object-store key or an artifact path from a
+    server) could leave the folder it is joined to: empty, absolute, or with an empty, ``.`` or ``..`` part."""
+    return not rel or rel.startswith("/") or any(part in ("", ".", "..") for part in rel.split("/"))
+
+
 def _remove_stale(target: Path) -> None:
     """Remove the temporaries of ``target`` older than :data:`STALE_PART_S` (another writer's fresh one stays)."""
     cutoff = time.time() - STALE_PART_S

@@ -26,18 +26,20 @@ from torch import Tensor
 from prvrlab.data.batch import Batch, tag_lengths
 from prvrlab.models.base import BatchEncoding, _map_tensors, tensors_of
 
-MAX_DIMS = 4  # the most dimensions a gathered tensor may have
+def _gather_rows(local: Tensor, rows: list[int]) -> Tensor:
+    """Every rank's first ``rows[r]`` rows of its ``local`` (all padded to one shape), concatenated in rank order."""
+    parts = [torch.empty_like(local) for _ in rows]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat([part[:n] for part, n in zip(parts, rows)])  # (sum(rows), ...)
 
 
 class _GatherRows(torch.autograd.Function):
-    """All ranks' rows of a tensor, concatenated; backward: the gradient of this rank's rows summed over ranks."""
+    """:func:`_gather_rows` with a gradient: the gradient of this rank's rows summed over ranks."""
 
     @staticmethod
     def forward(ctx, local: Tensor, rows: list[int], rank: int) -> Tensor:  # local: (n_max, ...) padded rows
-        parts = [torch.empty_like(local) for _ in rows]
-        dist.all_gather(parts, local.contiguous())
         ctx.rows, ctx.rank, ctx.padded = rows, rank, local.shape[0]
-        return torch.cat([part[:n] for part, n in zip(parts, rows)])  # (sum(rows), ...)
+        return _gather_rows(local, rows)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -48,60 +50,34 @@ class _GatherRows(torch.autograd.Function):
         return F.pad(own, (0, 0) * (own.dim() - 1) + (0, ctx.padded - own.shape[0])), None, None
 
 
-def _shapes(tensors: list[Tensor]) -> Tensor:
-    """(K, MAX_DIMS + 1) int64: each tensor's number of dimensions, then its sizes (0 past the last)."""
-    out = torch.zeros(len(tensors), MAX_DIMS + 1, dtype=torch.int64)
-    for i, t in enumerate(tensors):
-        if t.dim() > MAX_DIMS or t.dim() == 0:
-            raise ValueError(f"cannot gather a tensor of shape {tuple(t.shape)} across ranks (1 to {MAX_DIMS} dimensions)")
-        out[i, 0] = t.dim()
-        out[i, 1 : 1 + t.dim()] = torch.tensor(t.shape)
-    return out
-
-
-def _all_gather_shapes(local: Tensor, world: int, device: torch.device) -> Tensor:
-    """(world, K, MAX_DIMS + 1) every rank's :func:`_shapes` (K must agree: the ranks run one code path)."""
-    local = local.to(device)
-    count = torch.tensor([local.shape[0]], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    if len({int(c) for c in counts}) != 1:
-        raise RuntimeError(f"the DDP ranks hold different numbers of tensors to gather: {[int(c) for c in counts]}")
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local)
-    return torch.stack(parts).cpu()
-
-
 class _Gatherer:
-    """Gathers the tensors of one step in one order on every rank, from the shapes exchanged up front."""
+    """Gathers the tensors of one step in one order on every rank; ``shapes[r]``: rank r's shapes of them, in
+    that order (exchanged with the host values, so the tensors need no exchange of their own)."""
 
-    def __init__(self, tensors: list[Tensor]) -> None:
+    def __init__(self, shapes: list[list[tuple[int, ...]]]) -> None:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        device = tensors[0].device
-        self.shapes = _all_gather_shapes(_shapes(tensors), self.world, device)  # (world, K, MAX_DIMS + 1)
-        self.next = 0
+        if len({len(s) for s in shapes}) != 1:
+            raise RuntimeError(f"the DDP ranks hold different numbers of tensors to gather: {[len(s) for s in shapes]}")
+        self.shapes, self.next = shapes, 0
 
     def __call__(self, t: Tensor) -> Tensor:
-        shapes = self.shapes[:, self.next]  # (world, MAX_DIMS + 1)
+        shapes = [rank_shapes[self.next] for rank_shapes in self.shapes]  # this tensor's shape on every rank
         self.next += 1
-        if len({int(n) for n in shapes[:, 0]}) != 1 or int(shapes[self.rank, 0]) != t.dim():
-            raise RuntimeError(f"the DDP ranks gather tensors of different ranks: {shapes[:, 0].tolist()}")
-        longest = shapes[:, 1 : 1 + t.dim()].max(dim=0).values.tolist()  # the padded shape, rows included
+        if len({len(shape) for shape in shapes}) != 1:
+            raise RuntimeError(f"the DDP ranks gather tensors of different ranks: {shapes}")
+        longest = [max(sizes) for sizes in zip(*shapes)]  # the padded shape, rows included
         pad: list[int] = []
         for dim in reversed(range(t.dim())):
             pad += [0, longest[dim] - t.shape[dim]]
         padded = F.pad(t, pad) if any(pad) else t  # zeros; False for a bool mask
-        rows = shapes[:, 1].tolist()
-        if t.requires_grad:
-            return _GatherRows.apply(padded, rows, self.rank)
-        parts = [torch.empty_like(padded) for _ in rows]
-        dist.all_gather(parts, padded.contiguous())
-        return torch.cat([part[:n] for part, n in zip(parts, rows)])
+        rows = [shape[0] for shape in shapes]
+        return _GatherRows.apply(padded, rows, self.rank) if t.requires_grad else _gather_rows(padded, rows)
 
 
-def _host_part(batch: Batch) -> dict[str, Any]:
-    """What the global batch needs from this rank's share on the host."""
+def _host_part(batch: Batch, tensors: list[Tensor]) -> dict[str, Any]:
+    """What the global batch needs from this rank's share on the host, and the shapes of ``tensors``."""
     return {
+        "shapes": [tuple(t.shape) for t in tensors],
         "videos": batch.num_videos,
         "video_ids": list(batch.video_ids),
         "query_ids": list(batch.query_ids),
@@ -118,12 +94,11 @@ def _joined(parts: list[np.ndarray | None]) -> np.ndarray | None:
 def gather_batch(encoding: BatchEncoding, batch: Batch) -> tuple[BatchEncoding, Batch]:
     """The global batch's encodings and :class:`Batch` on every rank, from each rank's ``encoding`` of its
     share ``batch`` (a collective: every rank calls it once per step, in the same place)."""
-    masks = [batch.frame_mask, batch.query_mask]
-    gather = _Gatherer(tensors_of(encoding) + masks)
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, _host_part(batch, tensors_of(encoding) + [batch.frame_mask, batch.query_mask]))
+    gather = _Gatherer([h["shapes"] for h in hosts])
     gathered = _map_tensors(encoding, gather)
     frame_mask, query_mask = gather(batch.frame_mask), gather(batch.query_mask)  # (B, Lf), (Nq, Lq)
-    hosts: list[Any] = [None] * gather.world
-    dist.all_gather_object(hosts, _host_part(batch))
     offsets = np.cumsum([0] + [h["videos"] for h in hosts[:-1]])
     query_video_host = np.concatenate([h["query_video"] + off for h, off in zip(hosts, offsets)]).astype(np.int64)
     for mask, key in ((frame_mask, "frame_lengths"), (query_mask, "query_lengths")):

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
+from prvrlab.files import leaves_folder
 from prvrlab.allocator import HostAllocator
 from prvrlab.data.config import DataConfig
 from prvrlab.registry import BACKBONES, DATA_DERIVED, LOSSES, PLUGIN_DERIVED, PLUGINS, RegistryError, did_you_mean
@@ -511,7 +512,7 @@ def mlflow_key_problem(key: str) -> str | None:
         return "MLflow keys may only contain letters, digits, '_', '-', '.', ' ', ':' and '/'"
     if len(key) > MLFLOW_KEY_MAX:
         return f"MLflow keys are at most {MLFLOW_KEY_MAX} characters"
-    if any(part in ("", ".", "..") for part in key.split("/")):
+    if leaves_folder(key):
         return "MLflow keys may not have an empty, '.' or '..' part between '/'"
     return None
 
@@ -581,9 +582,10 @@ def _check_final_splits(splits: list[str], data: DataConfig) -> None:
             )
 
 
-def spans_ranks(train: TrainConfig) -> bool:
-    """Whether a step's losses span the global batch gathered from several DDP ranks."""
-    return train.num_workers > 1 and train.ddp_batch == "global"
+def spans_ranks(train: TrainConfig, workers: int | None = None) -> bool:
+    """Whether a step's losses span the global batch gathered from several DDP ranks (``workers``: the ranks
+    that train, ``train.num_workers`` unless given: one under ``--no-ray``)."""
+    return (train.num_workers if workers is None else workers) > 1 and train.ddp_batch == "global"
 
 
 def _instantiate_check(cfg: ExperimentConfig) -> None:

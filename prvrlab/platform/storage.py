@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prvrlab.files import replace_atomically
+from prvrlab.files import leaves_folder, replace_atomically
 from prvrlab.platform.config import ConfigError
 
 KEY = "tracking.storage_path"
@@ -92,12 +92,6 @@ def staging_root() -> Path:
     return root
 
 
-def _unsafe_key(rel: str) -> bool:
-    """Whether an object-store key below a folder could leave it as a local path: empty, ``.`` or
-    ``..`` segments, or an absolute path (S3 and GCS accept ``a/../../b`` as a key)."""
-    return not rel or rel.startswith("/") or any(part in ("", ".", "..") for part in rel.split("/"))
-
-
 def _excluded(rel: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(part, pat) for part in rel.split("/") for pat in patterns)
 
@@ -145,7 +139,7 @@ class Location:
 
         fs, path = _filesystem(self.uri)
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and not _unsafe_key(i.base_name))
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and not leaves_folder(i.base_name))
 
     def has(self, rel: str) -> bool:
         """Whether ``rel`` (a file or folder below) exists."""
@@ -175,7 +169,7 @@ class Location:
             rel = info.path[len(path):].lstrip("/")
             if info.type != pafs.FileType.File or _excluded(rel, exclude + NEVER_SYNCED):
                 continue
-            if _unsafe_key(rel):
+            if leaves_folder(rel):
                 raise ConfigError(
                     f"{self.uri}: refusing to download the object {info.path!r}: its key leaves the folder "
                     "('..', '.' or empty segments); remove it from the bucket"

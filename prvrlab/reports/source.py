@@ -28,6 +28,7 @@ import numpy as np
 import yaml
 
 from prvrlab.evaluation.metrics import METRIC_KEYS
+from prvrlab.files import leaves_folder
 from prvrlab.registry import did_you_mean
 from prvrlab.reports.errors import ReportError
 from prvrlab.uris import sqlite_file
@@ -193,7 +194,7 @@ class Study:
         except Exception:
             return {}
         out = {}
-        for name in filter(_plain_artifact, names):
+        for name in (n for n in names if not leaves_folder(n)):  # a server's path never leaves the cache
             dst = run_cache(self.cache_dir(), run.run_id)
             local = dst / name
             if not local.is_file():
@@ -225,11 +226,6 @@ def run_cache(cache: Path, run_id: str) -> Path:
     if not run_id or not all(c.isalnum() or c in "-_" for c in run_id):
         raise ReportError(f"run id {run_id!r} from the tracking server is not a plain name; refusing to cache its files")
     return cache / run_id
-
-
-def _plain_artifact(name: str) -> bool:
-    """Whether an artifact path the server listed stays below its run's folder (no '..', '.', empty or absolute part)."""
-    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in name.split("/"))
 
 
 def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, Any] | None:

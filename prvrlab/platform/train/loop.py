@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from prvrlab.files import replace_atomically, write_text_atomically
-from prvrlab.platform.config import ExperimentConfig, validate
+from prvrlab.platform.config import ExperimentConfig, spans_ranks, validate
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
 # best_model.pt layout: 2 = resolved config (every default written) + loss-term state;
@@ -295,7 +295,7 @@ class TrainingLoop:
         self.collection = self.session.open_collection(cfg.data)
         self.truth = self.collection.truth(cfg.data.train_split)  # synthetic ground truth, else None
         dims = {"video_dim": self.collection.video_dim, "query_dim": self.collection.query_dim}
-        global_batch = self.world > 1 and cfg.train.ddp_batch == "global"  # the losses span every rank's share
+        global_batch = spans_ranks(cfg.train, self.world)  # the losses span every rank's share
         self.system = build_system(cfg.model, cfg.plugins, cfg.losses, **dims, global_batch=global_batch).to(self.device)
         if self.rank > 0:  # the same weights on every rank (above), then each rank's own draws
             torch.manual_seed(rank_seed(cfg.train.seed, self.rank))
@@ -513,7 +513,7 @@ class TrainingLoop:
             epoch=epoch,
             step=step,
             global_step=self.global_step,
-            batch=out.batch if out.batch is not None else batch,  # the batch the output spans
+            batch=out.batch,  # the batch the output spans (the global one under a global batch)
             ranks=self.world if self.system.global_batch else 1,
             output=out,
             terms=result.terms,
