@@ -33,7 +33,7 @@ from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.precision import weight_cast
-from prvrlab.models.random_bits import random_words
+from prvrlab.models.random_bits import random_mask, random_words
 from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores, vector_scores
 
 
@@ -49,18 +49,26 @@ def dropout_mask(x: Tensor, p: float) -> Tensor:
     ``torch.nn.functional.dropout`` draws one Bernoulli variate per element,
     which dominates the cost of dropout on CPU.
     """
-    return mask_from_draw(dropout_draw(x.shape, p, x.device), p, x.dtype)
+    return mask_from_draw(dropout_draw(x.shape, p, x.device, x.dtype), p, x.dtype)
 
 
-def dropout_draw(shape: Sequence[int], p: float, device: torch.device) -> Tensor:
+def dropout_draw(shape: Sequence[int], p: float, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
     """The random draw behind :func:`dropout_mask` of a tensor of ``shape``, taken now and turned into the
     mask later by :func:`mask_from_draw` (slices of it give the matching slices of the mask): int16 on
-    CPU (2 bytes an element), the float32 mask elsewhere."""
+    CPU (2 bytes an element), the float32 mask elsewhere.  With ``dtype`` (a float type) on CPU, the mask
+    itself in that dtype where the kernel can write it (:func:`~prvrlab.models.random_bits.random_mask`: one
+    pass, the same values from the same draw); ``mask_from_draw`` returns it as it is."""
     if device.type != "cpu":
         return torch.empty(tuple(shape), device=device).bernoulli_(1.0 - p).div_(1.0 - p)
+    shape = tuple(shape)
+    threshold = draw_threshold(p)
+    if dtype is not None and threshold <= 32767:
+        mask = random_mask(shape, threshold, _keep_scale(p, dtype))
+        if mask is not None:
+            return mask
     n = math.prod(shape)
     bits = random_words((n + 3) // 4)  # (n/4,) int64
-    return bits.view(torch.int16)[:n].view(tuple(shape))  # uniform over [-32768, 32767]
+    return bits.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
 
 
 def draw_threshold(p: float) -> int:
@@ -68,12 +76,20 @@ def draw_threshold(p: float) -> int:
     return -32768 + round(p * 65536)
 
 
+def _keep_scale(p: float, dtype: torch.dtype) -> Tensor:
+    """1/(1-p) rounded to ``dtype`` once (from the double): the value every kept element of a mask takes."""
+    return torch.tensor(1.0 / (1.0 - p), dtype=dtype)
+
+
 def mask_from_draw(draw: Tensor, p: float, dtype: torch.dtype) -> Tensor:
     """The dropout multiplier (``dtype``) of a :func:`dropout_draw` (or of a slice of one)."""
-    if draw.dtype != torch.int16:
-        return draw.to(dtype)
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=dtype)
-    return torch.where(draw >= draw_threshold(p), scale, torch.zeros((), dtype=dtype))
+    if draw.dtype == torch.int16:
+        return torch.where(draw >= draw_threshold(p), _keep_scale(p, dtype), torch.zeros((), dtype=dtype))
+    if draw.dtype == dtype:
+        return draw
+    if draw.device.type == "cpu":  # a CPU mask of another dtype: its kept elements, at this dtype's scale
+        return torch.where(draw != 0, _keep_scale(p, dtype), torch.zeros((), dtype=dtype))
+    return draw.to(dtype)
 
 
 def fast_dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -250,7 +266,7 @@ class _BranchGemms(torch.autograd.Function):
         y, hidden = _branch_forward(x, w1, b1, w2, b2, keep=True, draw=draw, p=p)  # (k, N, out), k x (N, hidden)
         ctx.save_for_backward(x, w1, w2, *hidden)
         # the multiplier as mask_from_draw rounds it to the dtype (bf16: 1/(1-p) is rarely exact)
-        ctx.scale = None if draw is None else float(torch.tensor(1.0 / (1.0 - p), dtype=x.dtype))
+        ctx.scale = None if draw is None else float(_keep_scale(p, x.dtype))
         return y
 
     @staticmethod

@@ -313,16 +313,19 @@ class TCGMMBlock(PackedLayer):
         inner = p > 0 and self.ffn_dropout  # dropout after the FFNs' ReLU: a (K, N, F) draw after the two (K, N, D)
         if not (self.checkpoint_activations and torch.is_grad_enabled()):
             a = self.attention.forward_packed(x, packing)  # (K, N, D)
-            draws = [dropout_draw(a.shape, p, a.device) for _ in range(2)] if p > 0 else [None, None]
-            draws.append(dropout_draw((*a.shape[:2], F_), p, a.device) if inner else None)  # (K, N, F)
+            # the masks themselves (a.dtype), drawn in one pass; the residuals' are what addcmul keeps anyway
+            draws = [dropout_draw(a.shape, p, a.device, a.dtype) for _ in range(2)] if p > 0 else [None, None]
+            draws.append(dropout_draw((*a.shape[:2], F_), p, a.device, a.dtype) if inner else None)  # (K, N, F)
             return self._close_branches(x, a, slice(None), *draws)  # (K, N, D)
         K, N, D = self.attention.num_branches, x.shape[0], x.shape[-1]
         attn = self.attention
         attn_p = attn.attn_dropout.p if self.training else 0.0
         shape = (packing.batch, K, attn.num_heads, packing.length, packing.length)
         attn_draw = dropout_draw(shape, attn_p, x.device) if attn_p > 0 else None  # (B, K, H, L, L)
-        draws = [dropout_draw((K, N, D), p, x.device) if p > 0 else None for _ in range(2)]  # (K, N, D) each
-        draws.append(dropout_draw((K, N, F_), p, x.device) if inner else None)  # (K, N, F)
+        # kept until the backward: masks where they are no larger than the int16 draws (2-byte dtypes)
+        kind = x.dtype if x.element_size() <= 2 else None
+        draws = [dropout_draw((K, N, D), p, x.device, kind) if p > 0 else None for _ in range(2)]  # (K, N, D) each
+        draws.append(dropout_draw((K, N, F_), p, x.device, kind) if inner else None)  # (K, N, F)
         outs = []
         for k in range(K):
             branch = slice(k, k + 1)

@@ -67,3 +67,75 @@ def test_without_the_kernel_torch_generator_fills_the_words(monkeypatch):
     torch.manual_seed(3)
     want = torch.empty(1000, dtype=torch.int64).random_(-(2**63), None)
     assert torch.equal(got, want)
+
+
+def hand_mask(seed: int, n: int, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """The dropout mask of ``random_mask``'s definition, by hand: element i keeps 1/(1-p) (rounded to
+    ``dtype`` from the double) where lane i % 4 of word i // 4, as a signed 16-bit integer, is at least
+    -32768 + round(65536 p)."""
+    threshold, keep = -32768 + round(p * 65536), float(torch.tensor(1 / (1 - p), dtype=dtype))
+    out = []
+    for i in range(n):
+        lane = (splitmix64(seed, i // 4) >> (16 * (i % 4))) & 0xFFFF
+        lane = lane - (1 << 16) if lane >> 15 else lane
+        out.append(keep if lane >= threshold else 0.0)
+    return torch.tensor(out, dtype=dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 1_001])
+def test_the_mask_kernel_is_the_lanes_of_the_words_against_the_threshold(dtype, n):
+    p = 0.3
+    torch.manual_seed(11)
+    seed = int(torch.empty((), dtype=torch.int64).random_())
+    torch.manual_seed(11)
+    got = dropout_draw((n,), p, torch.device("cpu"), dtype)
+    assert got.dtype == dtype and mask_from_draw(got, p, dtype) is got
+    assert torch.equal(got, hand_mask(seed, n, p, dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.0, 1 - 2**-18])
+def test_a_mask_drawn_in_one_pass_equals_the_int16_draw_turned_into_a_mask(dtype, p):
+    shape = (3, 70_001, 5)  # more than one thread's range; n % 4 == 1
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        torch.manual_seed(4)
+        want = mask_from_draw(dropout_draw(shape, p, torch.device("cpu")), p, dtype)
+        torch.manual_seed(4)
+        fast = dropout_draw(shape, p, torch.device("cpu"), dtype)
+        torch.set_num_threads(1)
+        torch.manual_seed(4)
+        one_thread = dropout_draw(shape, p, torch.device("cpu"), dtype)
+    finally:
+        torch.set_num_threads(threads)
+    assert (fast.dtype == dtype) == (p < 1 - 2**-17)  # else no element is kept: the int16 draw, as before
+    assert torch.equal(mask_from_draw(fast, p, dtype), want) and torch.equal(mask_from_draw(one_thread, p, dtype), want)
+    assert torch.equal(mask_from_draw(fast[1, 5:9], p, dtype), want[1, 5:9])  # slices give the slices' masks
+
+
+@needs_kernel
+def test_a_mask_of_another_dtype_is_rescaled_to_the_asked_one_not_rounded_twice():
+    p = 0.37  # 1/(1-p) rounded to float32 and then to bf16 is not always bf16's own rounding of it
+    torch.manual_seed(9)
+    wide = dropout_draw((4_000,), p, torch.device("cpu"), torch.float32)
+    torch.manual_seed(9)
+    narrow = dropout_draw((4_000,), p, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(mask_from_draw(wide, p, torch.bfloat16), narrow)
+    assert torch.equal(mask_from_draw(narrow, p, torch.float32), wide)
+
+
+def test_without_the_kernel_a_mask_asked_for_comes_from_the_int16_draw(monkeypatch):
+    monkeypatch.setattr(random_bits, "load", lambda: None)
+    p = 0.25
+    torch.manual_seed(2)
+    draw = dropout_draw((50, 7), p, torch.device("cpu"), torch.bfloat16)
+    assert draw.dtype == torch.int16
+    torch.manual_seed(2)
+    words = torch.empty((350 + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+    lanes = words.view(torch.int16)[:350].view(50, 7)
+    want = torch.where(lanes >= -32768 + round(p * 65536), torch.tensor(1 / (1 - p), dtype=torch.bfloat16), 0)
+    assert torch.equal(mask_from_draw(draw, p, torch.bfloat16), want.to(torch.bfloat16))
