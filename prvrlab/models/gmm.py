@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prvrlab.checks import check_bool, check_choice, check_positive_int
-from prvrlab.models import window_softmax
+from prvrlab.models import row_chunks, window_softmax
 from prvrlab.models.blocks import (
     BranchLinear,
     Dropout,
@@ -218,6 +218,35 @@ def batched_windows(lengths: Tensor, length: int, sigmas: Sequence[float], windo
     return torch.stack([_window_from_offsets(offsets, s, window) for s in sigmas], dim=1)  # (B, K, L, L)
 
 
+class _RowChunks:
+    """Element offsets for :func:`~prvrlab.models.row_chunks.move_chunks` between packed rows and a padded
+    layout whose token (b, l) of "middle" index m starts at ``(b * row_stride + l) * Dh + mid[m]``.
+
+    ``rows`` / ``positions`` (N,): each packed token's (b, l); the padded tensor holds ``batch`` x
+    ``length`` slots; ``padding``: the element offsets of the empty slots' first chunks."""
+
+    def __init__(self, rows: Tensor, positions: Tensor, batch: int, length: int, row_stride: int, dh: int) -> None:
+        self.real = (rows * row_stride + positions) * dh  # (N,)
+        filled = torch.zeros(batch * length, dtype=torch.bool)
+        filled[rows * length + positions] = True
+        empty = (~filled).nonzero().squeeze(1)  # (P,) flat b * length + l
+        self.padding = (torch.div(empty, length, rounding_mode="floor") * row_stride + empty % length) * dh  # (P,)
+        self.packed = torch.arange(rows.numel())  # (N,)
+
+    @staticmethod
+    def usable(rows: Tensor | None, *tensors: Tensor) -> bool:
+        """Whether the kernel takes this move: padded rows given, every tensor contiguous on CPU."""
+        return rows is not None and rows.device.type == "cpu" and row_chunks.usable(*tensors)
+
+
+def _grid(*strides: tuple[int, int]) -> Tensor:
+    """Offsets ``sum_i index_i * stride_i`` over the (count, stride) axes, the first axis outermost: (prod counts,)."""
+    out = torch.zeros(1, dtype=torch.int64)
+    for count, stride in strides:
+        out = (out[:, None] + torch.arange(count)[None, :] * stride).flatten()
+    return out
+
+
 class _HeadLayout(torch.autograd.Function):
     """Packed Q/K/V rows (N, 3, G, Dh) -> ``q, k, v``, each (B, G, L, Dh) contiguous, zeros on padding.
 
@@ -227,12 +256,23 @@ class _HeadLayout(torch.autograd.Function):
     three strided gradients first).  ``rows`` / ``positions`` (N,): each token's row and position,
     None when nothing is padded.  Attention forward + backward over 128 videos of 24-128 frames on an
     AMX CPU, old layout vs this one: v2's 8 widths 1.48 -> 1.38 s in bf16 (3.49 -> 3.23 s in fp32),
-    GMMFormer's 4 widths 0.66 -> 0.51 s (1.61 -> 1.49 s)."""
+    GMMFormer's 4 widths 0.66 -> 0.51 s (1.61 -> 1.49 s).  On CPU with the row-chunk kernel
+    (:mod:`~prvrlab.models.row_chunks`) each slot is written once, copied or zeroed, and the backward
+    gathers straight into its (N, 3, G, Dh) output; elsewhere PyTorch's zero fill, scatter and gathers."""
 
     @staticmethod
     def forward(ctx, projected: Tensor, rows: Tensor | None, positions: Tensor | None, batch: int, length: int):
         N, _, G, Dh = projected.shape
         shape = (3, batch, G, length, Dh)
+        ctx.full = rows is None
+        ctx.chunks = None
+        if _RowChunks.usable(rows, projected):
+            ctx.chunks = chunks = _RowChunks(rows, positions, batch, length, G * length, Dh)
+            heads = projected.new_empty(shape)  # (3, B, G, L, Dh)
+            dst_mid = _grid((3, batch * G * length * Dh), (G, length * Dh))  # (3G,)
+            src_mid = _grid((3 * G, Dh))
+            row_chunks.move_chunks(heads, projected, chunks.real, chunks.packed * (3 * G * Dh), dst_mid, src_mid, Dh, chunks.padding)
+            return heads[0], heads[1], heads[2]
         heads = projected.new_empty(shape) if rows is None else projected.new_zeros(shape)  # (3, B, G, L, Dh)
         slots = heads.permute(1, 3, 0, 2, 4)  # (B, L, 3, G, Dh) view
         if rows is None:
@@ -240,7 +280,6 @@ class _HeadLayout(torch.autograd.Function):
         else:
             slots[rows, positions] = projected
             ctx.save_for_backward(rows, positions)
-        ctx.full = rows is None
         return heads[0], heads[1], heads[2]
 
     @staticmethod
@@ -249,6 +288,13 @@ class _HeadLayout(torch.autograd.Function):
         B, G, L, Dh = grads[0].shape
         if ctx.full:
             out = torch.stack([g.permute(0, 2, 1, 3) for g in grads], dim=2).view(B * L, 3, G, Dh)  # one pass
+        elif ctx.chunks is not None:
+            chunks = ctx.chunks
+            out = grads[0].new_empty((chunks.packed.numel(), 3, G, Dh))  # (N, 3, G, Dh)
+            dst_mid, src_mid = _grid((G, Dh)), _grid((G, L * Dh))
+            for j, g in enumerate(grads):
+                dst_base = chunks.packed * (3 * G * Dh) + j * G * Dh
+                row_chunks.move_chunks(out, g.contiguous(), dst_base, chunks.real, dst_mid, src_mid, Dh)
         else:
             rows, positions = ctx.saved_tensors
             out = torch.stack([g.permute(0, 2, 1, 3)[rows, positions] for g in grads], dim=1)  # (N, 3, G, Dh)
@@ -265,15 +311,25 @@ class _MergeHeads(torch.autograd.Function):
     ``positions`` (N,): each token's row and position, None when nothing is padded.  v2's 8 widths over
     128 videos of 24-128 frames, forward + backward with dropout 0.1, this and the per-branch output
     projection (:class:`~prvrlab.models.blocks.BranchLinear`) against the layout before, 12 alternating
-    pairs on a noisy AMX CPU: 1.04x in bf16 (median of the pairs' ratios), 1.00x in fp32."""
+    pairs on a noisy AMX CPU: 1.04x in bf16 (median of the pairs' ratios), 1.00x in fp32.  On CPU with
+    the row-chunk kernel, the gather and the scatter (each slot written once) are one pass each."""
 
     @staticmethod
     def forward(ctx, heads: Tensor, rows: Tensor | None, positions: Tensor | None) -> Tensor:
         B, K, H, L, Dh = heads.shape
         slots = heads.permute(1, 0, 3, 2, 4)  # (k, B, L, H, Dh) view
         ctx.shape = heads.shape
+        ctx.chunks = None
         if rows is None:
             return slots.reshape(K, B * L, H * Dh)
+        if _RowChunks.usable(rows, heads):
+            ctx.chunks = chunks = _RowChunks(rows, positions, B, L, K * H * L, Dh)
+            N = rows.numel()
+            out = heads.new_empty((K, N, H * Dh))  # (k, N, D)
+            row_chunks.move_chunks(
+                out, heads, chunks.packed * (H * Dh), chunks.real, _grid((K, N * H * Dh), (H, Dh)), _grid((K * H, L * Dh)), Dh
+            )
+            return out
         ctx.save_for_backward(rows, positions)
         return slots[:, rows, positions].view(K, -1, H * Dh)  # (k, N, D)
 
@@ -282,6 +338,21 @@ class _MergeHeads(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         # grad (k, N, D)
         B, K, H, L, Dh = ctx.shape
+        if ctx.chunks is not None:
+            chunks = ctx.chunks
+            N = chunks.packed.numel()
+            out = grad.new_empty(ctx.shape)  # (B, k, H, L, Dh)
+            row_chunks.move_chunks(
+                out,
+                grad.contiguous(),
+                chunks.real,
+                chunks.packed * (H * Dh),
+                _grid((K * H, L * Dh)),
+                _grid((K, N * H * Dh), (H, Dh)),
+                Dh,
+                chunks.padding,
+            )
+            return out, None, None
         saved = ctx.saved_tensors  # read once (activation checkpointing unpacks each saved tensor once)
         if not saved:
             out = grad.new_empty(ctx.shape)  # (B, k, H, L, Dh)

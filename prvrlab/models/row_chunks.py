@@ -1,0 +1,91 @@
+"""Packed rows <-> padded (B, ..., L, ...) layouts in one pass: ``row_chunks.cpp`` built on first use, called
+through ctypes.
+
+Attention runs on padded (B, G, L, Dh) heads while the rest of a GMMFormer block runs on packed (N, D)
+tokens (:mod:`prvrlab.models.gmm`, ``_HeadLayout`` and ``_MergeHeads``).  PyTorch moves the rows with
+advanced indexing: a zero fill of the whole padded tensor, then a scatter (or gather) through its generic
+index kernels, ~10x slower than the memory they touch, and a ``stack`` of the three gathered Q/K/V
+gradients.  Here every destination chunk (one token's Dh values of one head) is written once: copied from
+its source, or zeroed on padding.
+
+Build: :mod:`prvrlab.models.native`; :func:`load` returns None without it (:func:`unavailable_reason`
+says why) and the callers keep PyTorch's path.  Threads: ``torch.get_num_threads()`` ranges of rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from prvrlab.models import native
+
+SOURCE = Path(__file__).with_name("row_chunks.cpp")
+ABI = 1  # prvrlab_chunks_abi() of a library this module can call
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.prvrlab_move_chunks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.prvrlab_move_chunks.restype = None
+
+
+# load(): the built library (built on first use) or None; unavailable_reason(): why None
+load, unavailable_reason = native.loader(SOURCE, abi_symbol="prvrlab_chunks_abi", abi=ABI, declare=_declare)
+
+
+def usable(*tensors: Tensor) -> bool:
+    """Whether :func:`move_chunks` can take these tensors: the kernel is built and every one is a contiguous
+    CPU tensor."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and load() is not None
+
+
+def move_chunks(
+    dst: Tensor,
+    src: Tensor,
+    dst_base: Tensor,
+    src_base: Tensor,
+    dst_mid: Tensor,
+    src_mid: Tensor,
+    chunk: int,
+    pad_base: Tensor | None = None,
+    padded_dst: bool | None = None,
+) -> Tensor:
+    """Copy ``src``'s chunks of ``chunk`` elements into ``dst`` (both contiguous, one dtype) and zero its
+    padding's; returns ``dst``.  Offsets are int64 element offsets: chunk (n, m) goes from
+    ``src_base[n] + src_mid[m]`` to ``dst_base[n] + dst_mid[m]``; ``pad_base`` (P,) rows get zeros at
+    ``pad_base[p] + dst_mid[m]``.  ``padded_dst`` (default: whether ``pad_base`` is given): ``dst`` is the
+    padded side, written one middle index at a time (else one row at a time), which keeps the writes in
+    sequence.  The caller keeps every chunk inside both tensors."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the row-chunk kernel is unavailable: {unavailable_reason()}")
+    if dst.dtype != src.dtype or not usable(dst, src):
+        raise ValueError("move_chunks takes contiguous CPU tensors of one dtype")
+    size = dst.element_size()
+    offsets = [t.to(torch.int64).mul(size).contiguous() for t in (dst_base, src_base, dst_mid, src_mid)]
+    pads = torch.empty(0, dtype=torch.int64) if pad_base is None else pad_base.to(torch.int64).mul(size).contiguous()
+    lib.prvrlab_move_chunks(
+        dst.data_ptr(),
+        src.data_ptr(),
+        offsets[0].data_ptr(),
+        offsets[1].data_ptr(),
+        offsets[0].numel(),
+        offsets[2].data_ptr(),
+        offsets[3].data_ptr(),
+        offsets[2].numel(),
+        chunk * size,
+        pads.data_ptr(),
+        pads.numel(),
+        int(pad_base is not None if padded_dst is None else padded_dst),
+        torch.get_num_threads(),
+    )
+    return dst

@@ -1,0 +1,92 @@
+"""The row-chunk kernel (prvrlab/models/row_chunks.py) and the GaussianAttention layouts that use it
+(prvrlab/models/gmm.py: ``_HeadLayout``, ``_MergeHeads``): chunk moves against a hand loop, and the
+kernel's layouts against PyTorch's, forward and backward, exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prvrlab.models import gmm, row_chunks
+
+needs_kernel = pytest.mark.skipif(row_chunks.load() is None, reason="no C++ compiler to build the kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("padded_dst", [True, False])
+def test_chunks_move_to_their_offsets_and_padding_is_zeroed(padded_dst):
+    torch.manual_seed(0)
+    src = torch.randn(40)
+    dst = torch.full((60,), 7.0)
+    dst_base, src_base = torch.tensor([0, 30, 12]), torch.tensor([1, 20, 9])
+    dst_mid, src_mid = torch.tensor([0, 6]), torch.tensor([0, 3])
+    pad_base = torch.tensor([42, 50])
+    chunk = 2
+    want = dst.clone()
+    for n in range(3):  # by hand: every (row, middle) chunk, then the padding rows' chunks
+        for m in range(2):
+            d, s = int(dst_base[n] + dst_mid[m]), int(src_base[n] + src_mid[m])
+            want[d : d + chunk] = src[s : s + chunk]
+    for p in pad_base.tolist():
+        for m in dst_mid.tolist():
+            want[p + m : p + m + chunk] = 0
+    got = row_chunks.move_chunks(dst, src, dst_base, src_base, dst_mid, src_mid, chunk, pad_base, padded_dst=padded_dst)
+    assert got is dst and torch.equal(dst, want)
+
+
+@needs_kernel
+def test_move_chunks_refuses_mixed_dtypes_and_strided_tensors():
+    idx = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="contiguous CPU tensors of one dtype"):
+        row_chunks.move_chunks(torch.zeros(4), torch.zeros(4, dtype=torch.float64), idx, idx, idx, idx, 1)
+    with pytest.raises(ValueError, match="contiguous CPU tensors of one dtype"):
+        row_chunks.move_chunks(torch.zeros(4, 2).t(), torch.zeros(8), idx, idx, idx, idx, 1)
+
+
+def packing(lengths: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.arange(length)[None] < torch.tensor(lengths)[:, None]  # (B, L)
+    return mask.nonzero(as_tuple=True)
+
+
+def head_layout(projected: torch.Tensor, rows, positions, batch: int, length: int, weights):
+    """q, k, v of ``_HeadLayout`` and the gradient of sum(weights * (q, k, v)) at ``projected``."""
+    x = projected.detach().clone().requires_grad_(True)
+    q, k, v = gmm._HeadLayout.apply(x, rows, positions, batch, length)
+    sum((t.float() * w).sum() for t, w in zip((q, k, v), weights)).backward()
+    return torch.stack([q, k, v]).detach(), x.grad
+
+
+def merge_heads(heads: torch.Tensor, rows, positions, weight):
+    x = heads.detach().clone().requires_grad_(True)
+    out = gmm._MergeHeads.apply(x, rows, positions)
+    (out.float() * weight).sum().backward()
+    return out.detach(), x.grad
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_layouts_equal_pytorchs_forward_and_backward(monkeypatch, dtype):
+    torch.manual_seed(1)
+    lengths, L, G, Dh, K, H = [7, 3, 1, 5, 7], 7, 6, 4, 3, 2
+    B = len(lengths)
+    rows, positions = packing(lengths, L)
+    N = rows.numel()
+    projected = torch.randn(N, 3, G, Dh, dtype=dtype)
+    weights = [torch.randn(B, G, L, Dh) for _ in range(3)]
+    heads = torch.randn(B, K, H, L, Dh, dtype=dtype)
+    merge_weight = torch.randn(K, N, H * Dh)
+    fast = head_layout(projected, rows, positions, B, L, weights), merge_heads(heads, rows, positions, merge_weight)
+    calls = []
+    move = row_chunks.move_chunks
+    monkeypatch.setattr(row_chunks, "move_chunks", lambda *a, **k: calls.append(1) or move(*a, **k))
+    head_layout(projected, rows, positions, B, L, weights), merge_heads(heads, rows, positions, merge_weight)
+    assert len(calls) == 1 + 3 + 1 + 1  # the kernel ran: Q/K/V forward, three gradients, merge and its backward
+    monkeypatch.setattr(row_chunks, "load", lambda: None)
+    plain = head_layout(projected, rows, positions, B, L, weights), merge_heads(heads, rows, positions, merge_weight)
+    for got, want in zip(fast, plain):
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    q_heads = fast[0][0]  # (3, B, G, L, Dh): zeros on every padded slot, the rows on the real ones
+    padded = torch.arange(L)[None] >= torch.tensor(lengths)[:, None]  # (B, L)
+    assert not q_heads.permute(1, 3, 0, 2, 4)[padded].any()
+    assert torch.equal(q_heads.permute(1, 3, 0, 2, 4)[rows, positions], projected)
