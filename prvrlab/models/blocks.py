@@ -247,8 +247,9 @@ class _BranchGemms(torch.autograd.Function):
     second GEMM's input.  With a dropout ``draw`` (dropout ``p`` after the ReLU) the saved input is
     the dropped ReLU output ``d``: ``d > 0`` exactly where the ReLU and the mask both pass, so the ReLU's
     and the dropout's backward are one ``threshold_backward`` on ``d`` times 1/(1-p); nothing more is
-    saved.  v2's branch FFN, (8, 9786, 384) through 1,536 hidden units in bf16 on a
-    noisy AMX CPU, forward + backward, 20 alternating pairs: 1.04x the batched GEMMs' speed (median of
+    saved; the scale is applied inside the backward's GEMM (its alpha: one rounding, and no extra pass
+    over the (N, hidden) gradient: 12.5 -> 6.6 ms a branch in bf16).  v2's branch FFN, (8, 9786, 384)
+    through 1,536 hidden units in bf16 on a noisy AMX CPU, forward + backward, 20 alternating pairs: 1.04x the batched GEMMs' speed (median of
     the pairs' ratios; best 0.94 vs 1.01 s), with one branch's (N, hidden) gradient alive instead of k.
     """
 
@@ -283,9 +284,11 @@ class _BranchGemms(torch.autograd.Function):
             if w2 is not None:
                 h = hidden[k]  # (N, hidden)
                 torch.mm(gh.t(), h, out=gw2[k])
-                gh = torch.ops.aten.threshold_backward(torch.mm(gh, w2[k]), h, 0)
-                if ctx.scale is not None:  # the kept elements' dropout scale (dropped ones: h = 0, cut above)
-                    gh = gh.mul_(ctx.scale)
+                if ctx.scale is None:
+                    gh = torch.mm(gh, w2[k])  # (N, hidden)
+                else:  # the kept elements' dropout scale (dropped ones: h = 0, cut below), inside the GEMM
+                    gh = torch.addmm(gh.new_empty(()), gh, w2[k], beta=0, alpha=ctx.scale)  # (N, hidden)
+                gh = torch.ops.aten.threshold_backward(gh, h, 0)
             torch.sum(gh, 0, out=gb1[k])
             torch.mm(gh.t(), x[k], out=gw1[k])
             if need_x:
@@ -310,16 +313,46 @@ def project(layer: nn.Linear, x: Tensor, parts: int = 1) -> Tensor | tuple[Tenso
     the (N, out) output (GaussianAttention's Q/K/V, (6,052, 384) -> 4,608 in bf16: 32 -> 22 ms).  The same
     values: bf16 operands, float32 accumulation plus the bias, one rounding.  Blocks come out contiguous,
     and narrower products run faster here: GMMFormer's Q/K/V ((8,704, 384) -> 4,608, AVX512-BF16 CPU)
-    at 410 GFLOP/s as three 1,536-wide products against 293 as one, bit for bit the same values."""
-    if torch.is_grad_enabled() or x.device.type != "cpu" or layer.bias is None or not x.is_contiguous():
+    at 410 GFLOP/s as three 1,536-wide products against 293 as one, bit for bit the same values.  With
+    autograd (same conditions) one such call for the whole output and ``addmm``'s backward
+    (:class:`_BiasLinear`), split into views as ``F.linear``'s output would be."""
+    if x.device.type != "cpu" or layer.bias is None or not x.is_contiguous():
         return _split(layer(x), parts)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     if dtype != torch.bfloat16 or not _fused_linear(dtype) or layer.out_features % parts:
         return _split(layer(x), parts)
     x = x.to(dtype)
+    if torch.is_grad_enabled():
+        flat = x.reshape(-1, x.shape[-1])  # (M, in)
+        y = _BiasLinear.apply(flat, weight_cast(layer.weight, dtype), weight_cast(layer.bias, dtype))  # (M, out)
+        return _split(y.view(*x.shape[:-1], -1), parts)
     blocks = zip(weight_cast(layer.weight, dtype).chunk(parts), weight_cast(layer.bias, dtype).chunk(parts))
     out = tuple(torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in blocks)
     return out[0] if parts == 1 else out  # (N, out / parts) each; the weights cast as autocast casts them
+
+
+class _BiasLinear(torch.autograd.Function):
+    """``x @ weightᵀ + bias`` for 2-D ``x`` in one oneDNN call with the bias inside the GEMM, and the
+    backward ``addmm`` has (the same products, so the same gradients): ``F.linear`` on a CPU copies the
+    bias into every row of the output before the GEMM, one more pass over it (v2's Q/K/V for 9,786
+    frames, (9786, 9216) bf16: 35 ms of copying a step)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        # x (M, in), weight (out, in), bias (out,)
+        ctx.save_for_backward(x, weight)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (M, out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        # g (M, out)
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = torch.mm(g, weight) if need_x else None  # (M, in)
+        gw = torch.mm(x.t(), g).t() if need_w else None  # (out, in): addmm's product for its (in, out) operand
+        gb = g.sum(0) if need_b else None  # (out,)
+        return gx, gw, gb
 
 
 def _split(y: Tensor, parts: int) -> Tensor | tuple[Tensor, ...]:
@@ -345,9 +378,49 @@ def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5
     One native LayerNorm per branch, its affine inside the kernel (and its weight and bias gradients
     inside the kernel's backward): (8, 9786, 384) in bf16, forward + backward, 0.14 s against 0.22 s
     for one affine-free LayerNorm followed by a broadcast multiply-add, which also rounded to bf16
-    twice."""
+    twice.  On CPU (:class:`_BranchLayerNorm`) the kernels write each branch's output and gradients into
+    their slices of one tensor (``out=``), where a stack copied the outputs and the unbind's backward
+    stacked the gradients: (8, 9786, 384) bf16, 24 -> 14 ms forward, 49 -> 29 ms backward."""
     D = x.shape[-1]
+    if x.device.type == "cpu" and x.dtype == weight.dtype == bias.dtype:
+        return _BranchLayerNorm.apply(x, weight, bias, eps)
     return torch.stack([F.layer_norm(x_k, (D,), w_k, b_k, eps) for x_k, w_k, b_k in zip(x, weight, bias)])  # (K, N, D)
+
+
+class _BranchLayerNorm(torch.autograd.Function):
+    """:func:`branch_layer_norm` on CPU: ATen's LayerNorm kernels per branch, writing into (K, N, D) outputs
+    and (K, N, D) / (K, D) gradients; the same kernels as ``F.layer_norm``'s autograd, so the same values
+    (on CPU the saved mean and rstd take the input's dtype, as there)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+        # x (K, N, D), weight / bias (K, D)
+        x = x.contiguous()
+        out = torch.empty_like(x)  # (K, N, D)
+        stats = x.new_empty((2, *x.shape[:-1], 1))  # mean, rstd: (K, N, 1) each
+        D = x.shape[-1]
+        for k in range(x.shape[0]):
+            torch.ops.aten.native_layer_norm.out(
+                x[k], [D], weight[k], bias[k], eps, out0=out[k], out1=stats[0, k], out2=stats[1, k]
+            )
+        ctx.save_for_backward(x, weight, bias, stats)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        # g (K, N, D)
+        x, weight, bias, stats = ctx.saved_tensors
+        g = g.contiguous()
+        D = x.shape[-1]
+        needs = list(ctx.needs_input_grad[:3])
+        gx, gw, gb = torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)
+        for k in range(x.shape[0]):
+            torch.ops.aten.native_layer_norm_backward.out(
+                g[k], x[k], [D], stats[0, k], stats[1, k], weight[k], bias[k], [True, True, True],
+                out0=gx[k], out1=gw[k], out2=gb[k],
+            )
+        return (gx if needs[0] else None), (gw if needs[1] else None), (gb if needs[2] else None), None
 
 
 def init_normal_(module: nn.Module, std: float = 0.02) -> None:

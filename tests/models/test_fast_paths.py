@@ -473,8 +473,8 @@ def test_batched_branch_gemms_equal_per_branch_ones(with_second):
 
 @pytest.mark.skipif(not blocks._fused_linear(torch.bfloat16), reason="no oneDNN fused bf16 linear in this torch or on this CPU")
 def test_project_adds_the_bias_inside_the_gemm_with_the_same_values(monkeypatch):
-    """blocks.project at bf16 inference equals the module call bit for bit (bf16 operands, float32 sums
-    plus the bias, one rounding); it falls back to the module elsewhere."""
+    """blocks.project in bf16 equals the module call bit for bit (bf16 operands, float32 sums plus the
+    bias, one rounding), at inference and with autograd; it falls back to the module elsewhere."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 96)
     with torch.no_grad():
@@ -495,8 +495,9 @@ def test_project_adds_the_bias_inside_the_gemm_with_the_same_values(monkeypatch)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.equal(blocks.project(layer, strided), layer(strided))  # not contiguous: the module
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        trained = blocks.project(layer, x32)  # autograd on: the module, with its graph
-    assert trained.requires_grad and len(calls) == 2
+        trained = blocks.project(layer, x32)  # autograd on: one fused call too, with a graph (_BiasLinear)
+        assert torch.equal(trained, layer(x32))
+    assert trained.requires_grad and len(calls) == 3
 
 
 @pytest.mark.skipif(not blocks._fused_linear(torch.bfloat16), reason="no oneDNN fused bf16 linear in this torch or on this CPU")
