@@ -101,6 +101,30 @@ def fast_dropout(x: Tensor, p: float, training: bool) -> Tensor:
     return x * dropout_mask(x, p)
 
 
+def residual_dropout(x: Tensor, a: Tensor, mask: Tensor) -> Tensor:
+    """``x + a * mask`` (``x`` broadcast to ``a``'s shape; ``mask`` a dropout multiplier without a gradient)
+    in one pass, as ``torch.addcmul``, whose backward multiplies ``a``'s gradient by the mask and then again
+    by its scalar value 1, one more pass over the largest tensors of a block ((8, 9786, 384) bf16: ~45 ms
+    on a 2-core CPU).  Here the backward is ``g * mask`` and ``g`` summed to ``x``'s shape: the same values."""
+    return _ResidualDropout.apply(x, a, mask)
+
+
+class _ResidualDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, a: Tensor, mask: Tensor) -> Tensor:
+        ctx.save_for_backward(mask)
+        ctx.x_shape = x.shape
+        return torch.addcmul(x, a, mask)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        (mask,) = ctx.saved_tensors
+        gx = g.sum_to_size(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        ga = g * mask if ctx.needs_input_grad[1] else None
+        return gx, ga, None
+
+
 class Dropout(nn.Module):
     """Drop-in ``nn.Dropout`` using :func:`fast_dropout` (a cheaper mask on CPU)."""
 

@@ -80,6 +80,7 @@ from prvrlab.models.blocks import (
     dropout_mask,
     mask_from_draw,
     project,
+    residual_dropout,
     resolve_ffn_size,
 )
 from prvrlab.models.precision import native_low_precision
@@ -683,7 +684,7 @@ class GMMBlock(PackedLayer):
         dropped = self.training and p > 0
         if dropped or torch.is_grad_enabled():
             # residual (and dropout in the same pass)
-            h = torch.addcmul(x, branches, dropout_mask(branches, p)) if dropped else branches + x  # (K, N, D)
+            h = residual_dropout(x, branches, dropout_mask(branches, p)) if dropped else branches + x  # (K, N, D)
             for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
                 y_k = F.layer_norm(h_k, (D,), w_k, b_k)  # (N, D)
                 y = y_k if y is None else y + y_k

@@ -87,6 +87,7 @@ from prvrlab.models.blocks import (
     init_normal_,
     mask_from_draw,
     legacy_encoder_keys,
+    residual_dropout,
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
@@ -313,7 +314,7 @@ class TCGMMBlock(PackedLayer):
         inner = p > 0 and self.ffn_dropout  # dropout after the FFNs' ReLU: a (K, N, F) draw after the two (K, N, D)
         if not (self.checkpoint_activations and torch.is_grad_enabled()):
             a = self.attention.forward_packed(x, packing)  # (K, N, D)
-            # the masks themselves (a.dtype), drawn in one pass; the residuals' are what addcmul keeps anyway
+            # the masks themselves (a.dtype), drawn in one pass; the residuals' are what their backward keeps anyway
             draws = [dropout_draw(a.shape, p, a.device, a.dtype) for _ in range(2)] if p > 0 else [None, None]
             draws.append(dropout_draw((*a.shape[:2], F_), p, a.device, a.dtype) if inner else None)  # (K, N, F)
             return self._close_branches(x, a, slice(None), *draws)  # (K, N, D)
@@ -343,11 +344,11 @@ class TCGMMBlock(PackedLayer):
         """Residual, LayerNorm, FFN, residual, LayerNorm of the ``branches``' attention outputs (k, N, D);
         ``h_draw`` (k, N, F): the draw of the dropout inside the FFN (``ffn_dropout``)."""
         p = self.dropout.p
-        h = torch.addcmul(x, a, mask_from_draw(a_draw, p, a.dtype)) if a_draw is not None else a + x  # (k, N, D)
+        h = residual_dropout(x, a, mask_from_draw(a_draw, p, a.dtype)) if a_draw is not None else a + x  # (k, N, D)
         w1, b1 = self.norm1_weight[branches].to(h.dtype), self.norm1_bias[branches].to(h.dtype)
         h = branch_layer_norm(h, w1, b1)  # (k, N, D)
         f = branch_mlp(h, self.ffn_in, self.ffn_out, branches, h_draw, p)  # (k, N, D) through (k, N, F)
-        h = torch.addcmul(h, f, mask_from_draw(f_draw, p, f.dtype)) if f_draw is not None else h + f  # (k, N, D)
+        h = residual_dropout(h, f, mask_from_draw(f_draw, p, f.dtype)) if f_draw is not None else h + f  # (k, N, D)
         w2, b2 = self.norm2_weight[branches].to(h.dtype), self.norm2_bias[branches].to(h.dtype)
         return branch_layer_norm(h, w2, b2)  # (k, N, D)
 

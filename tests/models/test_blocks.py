@@ -16,7 +16,9 @@ from prvrlab.models.blocks import (
     PositionalEmbedding,
     SequenceEncoder,
     branch_layer_norm,
+    dropout_mask,
     project,
+    residual_dropout,
 )
 from prvrlab.models.gmm import (
     GaussianAttention,
@@ -437,3 +439,21 @@ def test_project_with_autograd_in_bf16_equals_the_layer_forward_and_backward():
         runs.append([*(o.detach() for o in out), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()])
     for got, want in zip(*runs):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_shape", [(50, 16), (3, 50, 16)])
+def test_residual_dropout_is_addcmul_with_a_one_pass_backward(dtype, x_shape):
+    """residual_dropout(x, a, mask): addcmul's values and gradients exactly, x broadcast or not."""
+    torch.manual_seed(5)
+    x0, a0 = torch.randn(*x_shape, dtype=dtype), torch.randn(3, 50, 16, dtype=dtype)
+    mask, probe = dropout_mask(a0, 0.25), torch.randn(3, 50, 16, dtype=dtype)
+    assert 0 < int((mask == 0).sum()) < mask.numel()
+    runs = []
+    for fn in (residual_dropout, torch.addcmul):
+        x, a = x0.clone().requires_grad_(True), a0.clone().requires_grad_(True)
+        y = fn(x, a, mask)
+        runs.append((y.detach(), *torch.autograd.grad((y * probe).sum(), (x, a))))
+    for got, want in zip(*runs):
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(runs[0][2], (probe * mask))  # a's gradient: the probe through the mask
