@@ -374,7 +374,7 @@ class _BiasLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = torch.mm(g, weight) if need_x else None  # (M, in)
-        gw = torch.mm(x.t(), g).t() if need_w else None  # (out, in): addmm's product for its (in, out) operand
+        gw = torch.mm(g.t(), x) if need_w else None  # (out, in), contiguous: addmm's product for F.linear's weight
         gb = g.sum(0) if need_b else None  # (out,)
         return gx, gw, gb
 
@@ -402,49 +402,11 @@ def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5
     One native LayerNorm per branch, its affine inside the kernel (and its weight and bias gradients
     inside the kernel's backward): (8, 9786, 384) in bf16, forward + backward, 0.14 s against 0.22 s
     for one affine-free LayerNorm followed by a broadcast multiply-add, which also rounded to bf16
-    twice.  On CPU (:class:`_BranchLayerNorm`) the kernels write each branch's output and gradients into
-    their slices of one tensor (``out=``), where a stack copied the outputs and the unbind's backward
-    stacked the gradients: (8, 9786, 384) bf16, 24 -> 14 ms forward, 49 -> 29 ms backward."""
+    twice.  (Writing each branch into a slice of one output with ATen's ``out=`` kernels was tried: those
+    kernels compute and then copy, and in a v2 training step, whose gradients arrive strided, the
+    backward's copies cost more than the stacks they replace.)"""
     D = x.shape[-1]
-    if x.device.type == "cpu" and x.dtype == weight.dtype == bias.dtype:
-        return _BranchLayerNorm.apply(x, weight, bias, eps)
     return torch.stack([F.layer_norm(x_k, (D,), w_k, b_k, eps) for x_k, w_k, b_k in zip(x, weight, bias)])  # (K, N, D)
-
-
-class _BranchLayerNorm(torch.autograd.Function):
-    """:func:`branch_layer_norm` on CPU: ATen's LayerNorm kernels per branch, writing into (K, N, D) outputs
-    and (K, N, D) / (K, D) gradients; the same kernels as ``F.layer_norm``'s autograd, so the same values
-    (on CPU the saved mean and rstd take the input's dtype, as there)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-        # x (K, N, D), weight / bias (K, D)
-        x = x.contiguous()
-        out = torch.empty_like(x)  # (K, N, D)
-        stats = x.new_empty((2, *x.shape[:-1], 1))  # mean, rstd: (K, N, 1) each
-        D = x.shape[-1]
-        for k in range(x.shape[0]):
-            torch.ops.aten.native_layer_norm.out(
-                x[k], [D], weight[k], bias[k], eps, out0=out[k], out1=stats[0, k], out2=stats[1, k]
-            )
-        ctx.save_for_backward(x, weight, bias, stats)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g: Tensor):
-        # g (K, N, D)
-        x, weight, bias, stats = ctx.saved_tensors
-        g = g.contiguous()
-        D = x.shape[-1]
-        needs = list(ctx.needs_input_grad[:3])
-        gx, gw, gb = torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)
-        for k in range(x.shape[0]):
-            torch.ops.aten.native_layer_norm_backward.out(
-                g[k], x[k], [D], stats[0, k], stats[1, k], weight[k], bias[k], [True, True, True],
-                out0=gx[k], out1=gw[k], out2=gb[k],
-            )
-        return (gx if needs[0] else None), (gw if needs[1] else None), (gb if needs[2] else None), None
 
 
 def init_normal_(module: nn.Module, std: float = 0.02) -> None:

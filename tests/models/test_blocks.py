@@ -403,24 +403,6 @@ def test_branch_layer_norm_equals_the_formula_per_branch_with_its_own_affine():
         torch.testing.assert_close(g, e)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_branch_layer_norm_on_cpu_writes_the_same_values_as_a_stack_of_layer_norms(dtype):
-    """The CPU path (ATen's kernels writing into slices of one output, out=) gives exactly the values and
-    gradients of F.layer_norm per branch and a stack, for a strided input and a bias without a gradient."""
-    torch.manual_seed(3)
-    K, N, D = 3, 41, 16
-    x0 = torch.randn(N, K, D, dtype=dtype).transpose(0, 1)  # (K, N, D), not contiguous
-    w0, b0 = torch.randn(K, D, dtype=dtype), torch.randn(K, D, dtype=dtype)
-    probe = torch.randn(K, N, D, dtype=dtype)
-    runs = []
-    for fn in (branch_layer_norm, lambda x, w, b: torch.stack([torch.nn.functional.layer_norm(*a) for a in zip(x, [(D,)] * K, w, b)])):
-        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
-        y = fn(x, w, b0)
-        runs.append((y.detach(), *torch.autograd.grad((y * probe).sum(), (x, w))))
-    for got, want in zip(*runs):
-        assert got.dtype == want.dtype and torch.equal(got, want)
-
-
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_project_with_autograd_in_bf16_equals_the_layer_forward_and_backward():
     """project() under bf16 autocast with autograd (one oneDNN call with the bias inside, addmm's backward)
