@@ -33,7 +33,8 @@ from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.precision import weight_cast
-from prvrlab.models.random_bits import random_mask, random_words
+from prvrlab.models import random_bits
+from prvrlab.models.random_bits import DeferredDraw, apply_mask_, random_mask, random_words
 from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores, vector_scores
 
 
@@ -52,17 +53,23 @@ def dropout_mask(x: Tensor, p: float) -> Tensor:
     return mask_from_draw(dropout_draw(x.shape, p, x.device, x.dtype), p, x.dtype)
 
 
-def dropout_draw(shape: Sequence[int], p: float, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+def dropout_draw(
+    shape: Sequence[int], p: float, device: torch.device, dtype: torch.dtype | None = None, deferred: bool = False
+) -> Tensor | DeferredDraw:
     """The random draw behind :func:`dropout_mask` of a tensor of ``shape``, taken now and turned into the
     mask later by :func:`mask_from_draw` (slices of it give the matching slices of the mask): int16 on
     CPU (2 bytes an element), the float32 mask elsewhere.  With ``dtype`` (a float type) on CPU, the mask
     itself in that dtype where the kernel can write it (:func:`~prvrlab.models.random_bits.random_mask`: one
-    pass, the same values from the same draw); ``mask_from_draw`` returns it as it is."""
+    pass, the same values from the same draw); ``mask_from_draw`` returns it as it is.  ``deferred`` (CPU,
+    with the kernel): a :class:`~prvrlab.models.random_bits.DeferredDraw`, nothing written, for
+    :func:`apply_dropout_` (the same values again)."""
     if device.type != "cpu":
         return torch.empty(tuple(shape), device=device).bernoulli_(1.0 - p).div_(1.0 - p)
     shape = tuple(shape)
     threshold = draw_threshold(p)
-    if dtype is not None and threshold <= 32767:
+    if threshold <= 32767 and (deferred or dtype is not None) and random_bits.load() is not None:
+        if deferred:
+            return DeferredDraw(shape)
         mask = random_mask(shape, threshold, _keep_scale(p, dtype))
         if mask is not None:
             return mask
@@ -81,8 +88,15 @@ def _keep_scale(p: float, dtype: torch.dtype) -> Tensor:
     return torch.tensor(1.0 / (1.0 - p), dtype=dtype)
 
 
-def mask_from_draw(draw: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+def mask_from_draw(draw: Tensor | DeferredDraw, p: float, dtype: torch.dtype) -> Tensor:
     """The dropout multiplier (``dtype``) of a :func:`dropout_draw` (or of a slice of one)."""
+    if isinstance(draw, DeferredDraw):
+        mask = random_mask(draw.shape, draw_threshold(p), _keep_scale(p, dtype), draw)
+        if mask is None:  # a dtype the kernel does not write (float64): float32's mask, rescaled below
+            mask = random_mask(draw.shape, draw_threshold(p), _keep_scale(p, torch.float32), draw)
+        if mask is None:
+            raise RuntimeError(f"a deferred dropout draw needs the random-bits kernel: {random_bits.unavailable_reason()}")
+        draw = mask
     if draw.dtype == torch.int16:
         return torch.where(draw >= draw_threshold(p), _keep_scale(p, dtype), torch.zeros((), dtype=dtype))
     if draw.dtype == dtype:
@@ -90,6 +104,14 @@ def mask_from_draw(draw: Tensor, p: float, dtype: torch.dtype) -> Tensor:
     if draw.device.type == "cpu":  # a CPU mask of another dtype: its kept elements, at this dtype's scale
         return torch.where(draw != 0, _keep_scale(p, dtype), torch.zeros((), dtype=dtype))
     return draw.to(dtype)
+
+
+def apply_dropout_(x: Tensor, draw: Tensor | DeferredDraw, p: float) -> Tensor:
+    """``x.mul_(mask_from_draw(draw, p, x.dtype))``: in place, and without writing the mask for a deferred
+    draw where the kernel takes ``x`` (:func:`~prvrlab.models.random_bits.apply_mask_`); the same values."""
+    if isinstance(draw, DeferredDraw) and apply_mask_(x, draw, draw_threshold(p), float(_keep_scale(p, x.dtype))):
+        return x
+    return x.mul_(mask_from_draw(draw, p, x.dtype))
 
 
 def fast_dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -235,7 +257,7 @@ def _branch_forward(
         if w2 is not None:
             h = _linear_relu(h, w1[k], b1[k])  # (N, hidden)
             if draw is not None:
-                h = h.mul_(mask_from_draw(draw[k], p, h.dtype))  # in place: the ReLU's output is not kept
+                h = apply_dropout_(h, draw[k], p)  # in place: the ReLU's output is not kept
             if keep:
                 hidden.append(h)
         torch.addmm(last_b[k], h, last_w[k].t(), out=y[k])

@@ -316,7 +316,8 @@ class TCGMMBlock(PackedLayer):
             a = self.attention.forward_packed(x, packing)  # (K, N, D)
             # the masks themselves (a.dtype), drawn in one pass; the residuals' are what their backward keeps anyway
             draws = [dropout_draw(a.shape, p, a.device, a.dtype) for _ in range(2)] if p > 0 else [None, None]
-            draws.append(dropout_draw((*a.shape[:2], F_), p, a.device, a.dtype) if inner else None)  # (K, N, F)
+            # the FFN's: deferred, multiplied into its ReLU output without being written
+            draws.append(dropout_draw((*a.shape[:2], F_), p, a.device, a.dtype, deferred=True) if inner else None)  # (K, N, F)
             return self._close_branches(x, a, slice(None), *draws)  # (K, N, D)
         K, N, D = self.attention.num_branches, x.shape[0], x.shape[-1]
         attn = self.attention
@@ -326,7 +327,7 @@ class TCGMMBlock(PackedLayer):
         # kept until the backward: masks where they are no larger than the int16 draws (2-byte dtypes)
         kind = x.dtype if x.element_size() <= 2 else None
         draws = [dropout_draw((K, N, D), p, x.device, kind) if p > 0 else None for _ in range(2)]  # (K, N, D) each
-        draws.append(dropout_draw((K, N, F_), p, x.device, kind) if inner else None)  # (K, N, F)
+        draws.append(dropout_draw((K, N, F_), p, x.device, kind, deferred=True) if inner else None)  # (K, N, F): kept as a seed
         outs = []
         for k in range(K):
             branch = slice(k, k + 1)

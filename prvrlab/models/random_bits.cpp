@@ -7,14 +7,16 @@
 // prvrlab_dropout_mask writes a dropout mask straight from the same words: element i takes the 16-bit
 // lane i % 4 of word i / 4 (little-endian: the int16 view of the words), and is `scale` where that lane,
 // read as a signed integer, is at least `threshold`, else 0.  One pass instead of the draw, a comparison
-// and a select; element sizes 2 (bf16, fp16) and 4 (fp32), `scale` given as its bit pattern.
+// and a select; element sizes 2 (bf16, fp16) and 4 (fp32), `scale` given as its bit pattern.  Both it and
+// prvrlab_dropout_apply (the mask multiplied into a tensor in place, never written) take a run of
+// elements starting at any `offset` of the draw, so a slice of a draw gets the slice of its mask.
 #include <cstdint>
 
 #include "native_common.h"
 
 extern "C" {
 
-int prvrlab_random_abi() { return 2; }
+int prvrlab_random_abi() { return 3; }
 
 }  // extern "C"
 
@@ -27,25 +29,55 @@ inline uint64_t splitmix64(uint64_t seed, int64_t i) {
   return z ^ (z >> 31);
 }
 
-// Elements [4 lo, min(4 hi, n)) of the mask: words lo..hi-1, whole words first, then the last one's lanes.
-template <typename T>
-void mask_words(T* out, int64_t n, uint64_t seed, int64_t lo, int64_t hi, int16_t threshold, T scale) {
-  const int64_t whole = std::min(hi, n / 4);
-  for (int64_t w = lo; w < whole; ++w) {
-    const uint64_t z = splitmix64(seed, w);
-    for (int lane = 0; lane < 4; ++lane) {
-      const int16_t draw = static_cast<int16_t>(static_cast<uint16_t>(z >> (16 * lane)));
-      out[4 * w + lane] = draw >= threshold ? scale : T(0);
-    }
-  }
-  for (int64_t w = std::max(lo, whole); w < hi; ++w) {
-    const uint64_t z = splitmix64(seed, w);
-    for (int lane = 0; lane < 4 && 4 * w + lane < n; ++lane) {
-      const int16_t draw = static_cast<int16_t>(static_cast<uint16_t>(z >> (16 * lane)));
-      out[4 * w + lane] = draw >= threshold ? scale : T(0);
-    }
+// fn(i0, lanes, count) over blocks of the elements [lo, hi) of a run starting at global element `offset`:
+// elements i0 .. i0 + count - 1 (local indices) draw the int16 lanes[0 .. count - 1], global element e
+// taking lane e % 4 of word e / 4.  The words of a block are made first and copied out as int16 lanes (the
+// int16 view of the words, little-endian), so fn's loops over elements are plain and vectorise.
+template <typename F>
+void for_each_block(uint64_t seed, int64_t offset, int64_t lo, int64_t hi, F fn) {
+  constexpr int64_t kWords = 1024;
+  alignas(64) uint64_t words[kWords];
+  alignas(64) int16_t lanes[4 * kWords];
+  int64_t e = offset + lo;
+  const int64_t end = offset + hi;
+  while (e < end) {
+    const int64_t w0 = e >> 2;
+    const int64_t first = e - 4 * w0;  // e's lane in its word: 0..3
+    const int64_t count = std::min<int64_t>(end - e, 4 * kWords - first);
+    const int64_t nw = (first + count + 3) >> 2;
+    for (int64_t w = 0; w < nw; ++w) words[w] = splitmix64(seed, w0 + w);
+    std::memcpy(lanes, words, static_cast<size_t>(nw) * sizeof(uint64_t));
+    fn(e - offset, lanes + first, count);
+    e += count;
   }
 }
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet: torch's (c10) float -> bfloat16.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// x * 0 from x's bits alone (the build's -ffast-math would let the compiler drop signed zeros and NaNs):
+// a zero of x's sign, or a quiet NaN where x is infinite or NaN (Exp: the exponent bits, Quiet: the quiet bit).
+template <typename T, T Exp, T Quiet>
+inline T dropped(T bits) {
+  constexpr T sign = static_cast<T>(T(1) << (sizeof(T) * 8 - 1));
+  if ((bits & Exp) == Exp) return static_cast<T>(bits | Quiet);
+  return static_cast<T>(bits & sign);
+}
+
+constexpr int64_t kGrain = 1 << 16;  // elements per thread at least
 
 }  // namespace
 
@@ -60,22 +92,68 @@ void prvrlab_random_fill(uint64_t* out, int64_t n, uint64_t seed, int threads) {
       1 << 16);
 }
 
-// threshold: the least int16 lane kept, in [-32768, 32767] (the caller handles "none kept");
-// scale_bits: the kept value's bit pattern in the low elem_size bytes (2 or 4; else nothing is written).
-void prvrlab_dropout_mask(void* out, int64_t n, uint64_t seed, int threads, int threshold, uint32_t scale_bits,
-                          int elem_size) {
-  const int64_t words = (n + 3) / 4;
+// The mask of elements [offset, offset + n) of a draw, into out[0, n).  threshold: the least int16 lane
+// kept, in [-32768, 32767] (the caller handles "none kept"); scale_bits: the kept value's bit pattern in
+// the low elem_size bytes (2 or 4; else nothing is written).
+void prvrlab_dropout_mask(void* out, int64_t n, uint64_t seed, int64_t offset, int threads, int threshold,
+                          uint32_t scale_bits, int elem_size) {
   const int16_t t = static_cast<int16_t>(threshold);
   prvrlab::run_parallel(
-      words, threads,
+      n, threads,
       [&](int, int64_t lo, int64_t hi) {
         if (elem_size == 2) {
-          mask_words(static_cast<uint16_t*>(out), n, seed, lo, hi, t, static_cast<uint16_t>(scale_bits));
+          uint16_t* o = static_cast<uint16_t*>(out);
+          const uint16_t kept = static_cast<uint16_t>(scale_bits);
+          for_each_block(seed, offset, lo, hi, [o, kept, t](int64_t i0, const int16_t* lane, int64_t count) {
+            uint16_t* __restrict dst = o + i0;
+            const int16_t* __restrict src = lane;
+            for (int64_t j = 0; j < count; ++j) dst[j] = src[j] >= t ? kept : uint16_t(0);
+          });
         } else if (elem_size == 4) {
-          mask_words(static_cast<uint32_t*>(out), n, seed, lo, hi, t, scale_bits);
+          uint32_t* o = static_cast<uint32_t*>(out);
+          for_each_block(seed, offset, lo, hi, [o, scale_bits, t](int64_t i0, const int16_t* lane, int64_t count) {
+            uint32_t* __restrict dst = o + i0;
+            const int16_t* __restrict src = lane;
+            for (int64_t j = 0; j < count; ++j) dst[j] = src[j] >= t ? scale_bits : 0u;
+          });
         }
       },
-      1 << 14);
+      kGrain);
+}
+
+// x[i] *= the mask of element offset + i, in place: x[i] * (keep ? scale : 0) in float, rounded back as torch
+// rounds a product of its dtype (elem_size 2: bfloat16, round to nearest even; 4: float32).
+void prvrlab_dropout_apply(void* x, int64_t n, uint64_t seed, int64_t offset, int threads, int threshold, float scale,
+                           int elem_size) {
+  const int16_t t = static_cast<int16_t>(threshold);
+  prvrlab::run_parallel(
+      n, threads,
+      [&](int, int64_t lo, int64_t hi) {
+        if (elem_size == 2) {
+          uint16_t* v = static_cast<uint16_t*>(x);
+          for_each_block(seed, offset, lo, hi, [&](int64_t i0, const int16_t* lane, int64_t count) {
+            for (int64_t j = 0; j < count; ++j) {
+              const uint16_t b = v[i0 + j];
+              const uint16_t kept = float_to_bf16(bf16_to_float(b) * scale);
+              v[i0 + j] = lane[j] >= t ? kept : dropped<uint16_t, 0x7f80, 0x0040>(b);
+            }
+          });
+        } else if (elem_size == 4) {
+          uint32_t* v = static_cast<uint32_t*>(x);
+          for_each_block(seed, offset, lo, hi, [&](int64_t i0, const int16_t* lane, int64_t count) {
+            for (int64_t j = 0; j < count; ++j) {
+              const uint32_t b = v[i0 + j];
+              float f;
+              std::memcpy(&f, &b, sizeof f);
+              f *= scale;
+              uint32_t kept;
+              std::memcpy(&kept, &f, sizeof kept);
+              v[i0 + j] = lane[j] >= t ? kept : dropped<uint32_t, 0x7f800000u, 0x00400000u>(b);
+            }
+          });
+        }
+      },
+      kGrain);
 }
 
 }  // extern "C"

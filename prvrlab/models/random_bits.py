@@ -10,6 +10,9 @@ reproduces every mask, and runs that draw in the same order get the same
 masks whichever path computes with them.  :func:`random_mask` writes the
 dropout mask itself from the same words in one pass (the draw, a comparison
 and a select cost 3-4x more: 67 against ~20 ms for (8, 9786, 384) in bf16).
+A :class:`DeferredDraw` is a draw not written at all (its seed and which
+elements): :func:`apply_mask_` multiplies its mask into a tensor in place,
+element by element, where the mask would be written and read again.
 
 Build: :mod:`prvrlab.models.native`; without it, torch's generator fills
 the words (:func:`unavailable_reason` says why).  Threads:
@@ -19,6 +22,7 @@ the words (:func:`unavailable_reason` says why).  Threads:
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 
 import torch
@@ -27,16 +31,17 @@ from torch import Tensor
 from prvrlab.models import native
 
 SOURCE = Path(__file__).with_name("random_bits.cpp")
-ABI = 2  # prvrlab_random_abi() of a library this module can call
+ABI = 3  # prvrlab_random_abi() of a library this module can call
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.prvrlab_random_fill.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int]
     lib.prvrlab_random_fill.restype = None
-    lib.prvrlab_dropout_mask.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_int
-    ]
+    run = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.prvrlab_dropout_mask.argtypes = run + [ctypes.c_uint32, ctypes.c_int]
     lib.prvrlab_dropout_mask.restype = None
+    lib.prvrlab_dropout_apply.argtypes = run + [ctypes.c_float, ctypes.c_int]
+    lib.prvrlab_dropout_apply.restype = None
 
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
@@ -58,14 +63,65 @@ def _seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_())
 
 
-def random_mask(shape: tuple[int, ...], threshold: int, scale: Tensor) -> Tensor | None:
+def random_mask(shape: tuple[int, ...], threshold: int, scale: Tensor, draw: "DeferredDraw | None" = None) -> Tensor | None:
     """A CPU tensor of ``shape`` and ``scale``'s dtype (2 or 4 bytes an element): ``scale`` where the int16 view
     of :func:`random_words` ``((n + 3) // 4)`` (same seed draw) is at least ``threshold`` (in [-32768, 32767]),
-    else 0; None without the kernel (nothing drawn)."""
+    else 0; None without the kernel (nothing drawn).  With ``draw``: the mask of that deferred draw (its seed,
+    its elements), no new draw."""
     lib = load()
     if lib is None or scale.element_size() not in (2, 4):
         return None
     out = torch.empty(shape, dtype=scale.dtype)
+    seed, offset = (_seed(), 0) if draw is None else (draw.seed, draw.offset)
     bits = int(scale.view(torch.int16 if scale.element_size() == 2 else torch.int32)) & 0xFFFFFFFF
-    lib.prvrlab_dropout_mask(out.data_ptr(), out.numel(), _seed(), torch.get_num_threads(), threshold, bits, scale.element_size())
+    lib.prvrlab_dropout_mask(
+        out.data_ptr(), out.numel(), seed, offset, torch.get_num_threads(), threshold, bits, scale.element_size()
+    )
     return out
+
+
+class DeferredDraw:
+    """A dropout draw not written anywhere: the seed of its words (one draw of the default generator, taken
+    when it is made, as :func:`random_mask` takes it) and the element ``offset`` and ``shape`` of this view
+    of it.  Indexing the first dimension (an integer or a step-1 slice) gives the view of those rows, whose
+    mask is that slice of the whole mask.  Its mask is made on demand (:func:`random_mask`) or multiplied
+    into a tensor without ever being written (:func:`apply_mask_`)."""
+
+    def __init__(self, shape: tuple[int, ...], seed: int | None = None, offset: int = 0) -> None:
+        self.shape = tuple(int(n) for n in shape)
+        self.seed = _seed() if seed is None else int(seed)
+        self.offset = int(offset)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __getitem__(self, index: int | slice) -> "DeferredDraw":
+        rows, inner = self.shape[0], math.prod(self.shape[1:])
+        if isinstance(index, slice):
+            start, stop, step = index.indices(rows)
+            if step != 1:
+                raise IndexError("a deferred draw takes step-1 slices of its first dimension")
+            return DeferredDraw((max(0, stop - start), *self.shape[1:]), self.seed, self.offset + start * inner)
+        k = index + rows if index < 0 else index
+        if not 0 <= k < rows:
+            raise IndexError(f"index {index} out of range for {rows} rows")
+        return DeferredDraw(self.shape[1:], self.seed, self.offset + k * inner)
+
+    def __repr__(self) -> str:
+        return f"DeferredDraw(shape={self.shape}, offset={self.offset})"
+
+
+def apply_mask_(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> bool:
+    """``x.mul_(mask)`` for the mask of ``draw`` (kept elements ``scale``, the dropout multiplier as ``x``'s
+    dtype rounds it), computed element by element and never written: True when done, False (``x`` untouched)
+    where the kernel cannot (no kernel, not a contiguous bf16 / float32 CPU tensor, other sizes)."""
+    lib = load()
+    if (
+        lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
+        or not x.is_contiguous() or x.numel() != draw.numel()
+    ):
+        return False
+    lib.prvrlab_dropout_apply(
+        x.data_ptr(), x.numel(), draw.seed, draw.offset, torch.get_num_threads(), threshold, scale, x.element_size()
+    )
+    return True

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prvrlab.models import random_bits
-from prvrlab.models.blocks import dropout_draw, mask_from_draw
+from prvrlab.models.blocks import apply_dropout_, dropout_draw, mask_from_draw
 
 needs_kernel = pytest.mark.skipif(random_bits.load() is None, reason="no C++ compiler to build the kernel")
 MASK = (1 << 64) - 1
@@ -139,3 +139,62 @@ def test_without_the_kernel_a_mask_asked_for_comes_from_the_int16_draw(monkeypat
     lanes = words.view(torch.int16)[:350].view(50, 7)
     want = torch.where(lanes >= -32768 + round(p * 65536), torch.tensor(1 / (1 - p), dtype=torch.bfloat16), 0)
     assert torch.equal(mask_from_draw(draw, p, torch.bfloat16), want.to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_deferred_draw_and_its_row_slices_give_the_written_masks_slices(dtype):
+    p, shape = 0.2, (5, 7, 3)  # 21 elements a row: row offsets that are not whole words
+    torch.manual_seed(8)
+    want = dropout_draw(shape, p, torch.device("cpu"), dtype)
+    after_written = torch.rand(3)
+    torch.manual_seed(8)
+    deferred = dropout_draw(shape, p, torch.device("cpu"), dtype, deferred=True)
+    assert isinstance(deferred, random_bits.DeferredDraw)
+    assert torch.equal(torch.rand(3), after_written)  # one draw of the default generator, as the written mask
+    assert torch.equal(mask_from_draw(deferred, p, dtype), want)
+    for index in (0, 3, -1, slice(1, 4), slice(2, None), slice(0, 0)):
+        part = deferred[index]
+        assert part.shape == tuple(want[index].shape)
+        assert torch.equal(mask_from_draw(part, p, dtype), want[index])
+    assert torch.equal(mask_from_draw(deferred[1:4][1], p, dtype), want[2])  # a slice of a slice
+    with pytest.raises(IndexError):
+        deferred[::2]
+    with pytest.raises(IndexError):
+        deferred[5]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_deferred_mask_multiplied_in_place_equals_the_written_masks_product(dtype):
+    """apply_dropout_ with a deferred draw (kernel: x * mask in float, rounded as torch rounds a product)
+    gives x * mask exactly, signs of zeros and infinities included (NaN where it is NaN), with any thread
+    count."""
+    p = 0.3
+    torch.manual_seed(12)
+    x = (torch.randn(6, 10_001) * 50).to(dtype)
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, -1e-30]).to(dtype)
+    deferred = dropout_draw(x.shape, p, torch.device("cpu"), dtype, deferred=True)
+    want = x * mask_from_draw(deferred, p, dtype)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            got = apply_dropout_(x.clone(), deferred, p)
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan)  # NaN where x * mask is (a NaN's bits vary between torch's paths)
+            assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))  # bit for bit: signed zeros too
+            row = apply_dropout_(x[3].clone(), deferred[3], p)
+            torch.testing.assert_close(row, want[3], rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.set_num_threads(threads)
+    strided = x.t().contiguous().t()  # not contiguous: the written mask's product
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(apply_dropout_(strided, deferred, p), want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_without_the_kernel_no_draw_is_deferred(monkeypatch):
+    monkeypatch.setattr(random_bits, "load", lambda: None)
+    draw = dropout_draw((4, 5), 0.1, torch.device("cpu"), torch.float32, deferred=True)
+    assert isinstance(draw, torch.Tensor) and draw.dtype == torch.int16
