@@ -1,7 +1,8 @@
 """Small C++ kernels (``*.cpp`` beside this module) built on first use and loaded through ctypes.
 
 Build: the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``)
-with ``-O3 -march=native -ffast-math``, no PyTorch headers (a few seconds),
+with ``-O3 -march=native -ffast-math`` and linked without ``-ffast-math`` (which would
+set flush-to-zero for the whole thread that loads it), no PyTorch headers (a few seconds),
 into ``$PRVRLAB_CACHE_DIR/native`` (default ``~/.cache/prvrlab/native``), one
 library per source (with the headers beside it that it includes), flags,
 compiler and CPU (``-march=native`` code must not run on another CPU kind).
@@ -30,7 +31,12 @@ from typing import Callable
 from prvrlab.cache import cache_root
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.h)"', re.MULTILINE)  # headers beside a source: in its key
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c++17", "-pthread")
+# Compiled with -ffast-math, linked without it: at link time it adds crtfastmath.o, whose constructor sets
+# flush-to-zero and denormals-are-zero on the loading thread, so loading a kernel changed torch's own
+# arithmetic on that thread (1e-39 * 1.0 became 0) and made results depend on which thread ran an op.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-pthread")
+LINK_FLAGS = ("-shared", "-pthread")
+FLAGS = (*COMPILE_FLAGS, "-c", "|", *LINK_FLAGS)  # both steps, in the cache key
 
 
 class Unavailable(OSError):
@@ -77,15 +83,18 @@ def _build(compiler: str, source: Path, target: Path) -> None:
         raise Unavailable(f"{target.parent} is not owned by this user or is writable by others")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        run = subprocess.run([compiler, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=600)
-        if run.returncode != 0:
-            raise Unavailable(f"{compiler} failed: {(run.stderr or run.stdout).strip()[-2000:]}")
+        for step in ([*COMPILE_FLAGS, "-c", "-o", obj, str(source)], [*LINK_FLAGS, "-o", tmp, obj]):
+            run = subprocess.run([compiler, *step], capture_output=True, text=True, timeout=600)
+            if run.returncode != 0:
+                raise Unavailable(f"{compiler} failed: {(run.stderr or run.stdout).strip()[-2000:]}")
         os.chmod(tmp, 0o700)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def build_and_load(source: Path, *, abi_symbol: str, abi: int) -> ctypes.CDLL:

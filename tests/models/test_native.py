@@ -1,0 +1,34 @@
+"""The C++ kernels' build (prvrlab/models/native.py): loading a kernel leaves the process's floating-point
+state alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prvrlab.models import random_bits
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import torch
+tiny = torch.tensor(1e-39, dtype=torch.float64).float()  # a float32 subnormal
+assert (tiny * 1.0).item() != 0.0, "subnormals flushed before any kernel was loaded"
+from prvrlab.models import fused_scan, random_bits, row_chunks, window_best, window_softmax
+loaded = [m.__name__ for m in (fused_scan, random_bits, row_chunks, window_best, window_softmax) if m.load() is not None]
+print(len(loaded), (tiny * 1.0).item())
+"""
+
+
+@pytest.mark.skipif(random_bits.load() is None, reason="no C++ compiler to build the kernels")
+def test_loading_the_kernels_does_not_flush_subnormals_to_zero():
+    """A library linked with -ffast-math runs crtfastmath's constructor on load, which turns on flush-to-zero
+    and denormals-are-zero for the loading thread: 1e-39 * 1.0 then gave 0 in torch itself."""
+    run = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    loaded, product = run.stdout.split()
+    assert int(loaded) == 5
+    assert float(product) == pytest.approx(1e-39, rel=1e-6)
