@@ -90,6 +90,8 @@ def _keep_scale(p: float, dtype: torch.dtype) -> Tensor:
 
 def mask_from_draw(draw: Tensor | DeferredDraw, p: float, dtype: torch.dtype) -> Tensor:
     """The dropout multiplier (``dtype``) of a :func:`dropout_draw` (or of a slice of one)."""
+    if draw_threshold(p) > 32767:  # no int16 draw survives (a comparison in int16 would wrap and keep all)
+        return torch.zeros(draw.shape, dtype=dtype, device=getattr(draw, "device", None))
     if isinstance(draw, DeferredDraw):
         mask = random_mask(draw.shape, draw_threshold(p), _keep_scale(p, dtype), draw)
         if mask is None:  # a dtype the kernel does not write (float64): float32's mask, rescaled below
@@ -109,7 +111,8 @@ def mask_from_draw(draw: Tensor | DeferredDraw, p: float, dtype: torch.dtype) ->
 def apply_dropout_(x: Tensor, draw: Tensor | DeferredDraw, p: float) -> Tensor:
     """``x.mul_(mask_from_draw(draw, p, x.dtype))``: in place, and without writing the mask for a deferred
     draw where the kernel takes ``x`` (:func:`~prvrlab.models.random_bits.apply_mask_`); the same values."""
-    if isinstance(draw, DeferredDraw) and apply_mask_(x, draw, draw_threshold(p), float(_keep_scale(p, x.dtype))):
+    threshold = draw_threshold(p)
+    if isinstance(draw, DeferredDraw) and threshold <= 32767 and apply_mask_(x, draw, threshold, float(_keep_scale(p, x.dtype))):
         return x
     return x.mul_(mask_from_draw(draw, p, x.dtype))
 

@@ -227,6 +227,8 @@ class _RowChunks:
     ``length`` slots; ``padding``: the element offsets of the empty slots' first chunks."""
 
     def __init__(self, rows: Tensor, positions: Tensor, batch: int, length: int, row_stride: int, dh: int) -> None:
+        if rows.numel() and not (0 <= int(rows.min()) <= int(rows.max()) < batch and 0 <= int(positions.min()) <= int(positions.max()) < length):
+            raise ValueError(f"packed rows outside the ({batch}, {length}) slots of their padded layout")  # the kernel writes there
         self.real = (rows * row_stride + positions) * dh  # (N,)
         filled = torch.zeros(batch * length, dtype=torch.bool)
         filled[rows * length + positions] = True
@@ -284,6 +286,7 @@ class _HeadLayout(torch.autograd.Function):
         return heads[0], heads[1], heads[2]
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: Tensor):
         # (B, G, L, Dh) each; autograd passes zeros for an unused output (materialized gradients)
         B, G, L, Dh = grads[0].shape

@@ -59,7 +59,7 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
-// Round to nearest even, NaN kept quiet: torch's (c10) float -> bfloat16.
+// float -> bfloat16 rounded to nearest even, as torch rounds (a NaN stays a NaN; its bits may differ from torch's).
 inline uint16_t float_to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);

@@ -68,6 +68,9 @@ def random_mask(shape: tuple[int, ...], threshold: int, scale: Tensor, draw: "De
     of :func:`random_words` ``((n + 3) // 4)`` (same seed draw) is at least ``threshold`` (in [-32768, 32767]),
     else 0; None without the kernel (nothing drawn).  With ``draw``: the mask of that deferred draw (its seed,
     its elements), no new draw."""
+    _check_threshold(threshold)
+    if draw is not None and tuple(shape) != draw.shape:
+        raise ValueError(f"a mask of shape {tuple(shape)} asked of a deferred draw of shape {draw.shape}")
     lib = load()
     if lib is None or scale.element_size() not in (2, 4):
         return None
@@ -78,6 +81,11 @@ def random_mask(shape: tuple[int, ...], threshold: int, scale: Tensor, draw: "De
         out.data_ptr(), out.numel(), seed, offset, torch.get_num_threads(), threshold, bits, scale.element_size()
     )
     return out
+
+
+def _check_threshold(threshold: int) -> None:
+    if not -32768 <= threshold <= 32767:
+        raise ValueError(f"a dropout threshold is an int16 value, got {threshold} (none kept: no mask to draw)")
 
 
 class DeferredDraw:
@@ -114,14 +122,19 @@ class DeferredDraw:
 def apply_mask_(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> bool:
     """``x.mul_(mask)`` for the mask of ``draw`` (kept elements ``scale``, the dropout multiplier as ``x``'s
     dtype rounds it), computed element by element and never written: True when done, False (``x`` untouched)
-    where the kernel cannot (no kernel, not a contiguous bf16 / float32 CPU tensor, other sizes)."""
+    where the kernel cannot (no kernel, not a contiguous bf16 / float32 CPU tensor, a tensor autograd records:
+    the kernel's write is invisible to it).  ``x`` must have the draw's shape."""
+    _check_threshold(threshold)
+    if tuple(x.shape) != draw.shape:
+        raise ValueError(f"a tensor of shape {tuple(x.shape)} given the mask of a draw of shape {draw.shape}")
     lib = load()
     if (
         lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
-        or not x.is_contiguous() or x.numel() != draw.numel()
+        or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled())
     ):
         return False
     lib.prvrlab_dropout_apply(
         x.data_ptr(), x.numel(), draw.seed, draw.offset, torch.get_num_threads(), threshold, scale, x.element_size()
     )
+    torch.autograd.graph.increment_version(x)  # an in-place write, as mul_ would count it for saved tensors
     return True

@@ -28,6 +28,7 @@ void prvrlab_move_chunks(char* dst, const char* src, const int64_t* dst_base, co
         },
         256);
   }
+  if (!middle_outer && pads == 0) return;
   // middle index outermost: a padded destination keeps one middle index's slots together (the (b, g)
   // planes of (3, B, G, L, Dh) heads), so its writes stream through memory, padding zeroed in the same sweep
   prvrlab::run_parallel(

@@ -9,7 +9,8 @@ gradients.  Here every destination chunk (one token's Dh values of one head) is 
 its source, or zeroed on padding.
 
 Build: :mod:`prvrlab.models.native`; :func:`load` returns None without it (:func:`unavailable_reason`
-says why) and the callers keep PyTorch's path.  Threads: ``torch.get_num_threads()`` ranges of rows.
+says why) and the callers keep PyTorch's path.  Threads: ``torch.get_num_threads()`` ranges of rows (of
+middle indices where the destination is the padded side).
 """
 
 from __future__ import annotations

@@ -113,6 +113,8 @@ def test_a_mask_drawn_in_one_pass_equals_the_int16_draw_turned_into_a_mask(dtype
     finally:
         torch.set_num_threads(threads)
     assert (fast.dtype == dtype) == (p < 1 - 2**-17)  # else no element is kept: the int16 draw, as before
+    if p >= 1 - 2**-17:
+        assert not want.any()  # none kept (an int16 comparison with 32768 would wrap and keep every element)
     assert torch.equal(mask_from_draw(fast, p, dtype), want) and torch.equal(mask_from_draw(one_thread, p, dtype), want)
     assert torch.equal(mask_from_draw(fast[1, 5:9], p, dtype), want[1, 5:9])  # slices give the slices' masks
 
@@ -172,8 +174,9 @@ def test_a_deferred_mask_multiplied_in_place_equals_the_written_masks_product(dt
     count."""
     p = 0.3
     torch.manual_seed(12)
-    x = (torch.randn(6, 10_001) * 50).to(dtype)
+    x = (torch.randn(6, 40_001) * 50).to(dtype)  # 240,006 elements: more than two threads' least share
     x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, -1e-30]).to(dtype)
+    x[0, 6:10] = torch.tensor([1e-39, -1e-39, 2e-41, -3e-40], dtype=torch.float64).to(dtype)  # subnormal (fp32)
     deferred = dropout_draw(x.shape, p, torch.device("cpu"), dtype, deferred=True)
     want = x * mask_from_draw(deferred, p, dtype)
     threads = torch.get_num_threads()
@@ -185,8 +188,10 @@ def test_a_deferred_mask_multiplied_in_place_equals_the_written_masks_product(dt
             nan = want.isnan()
             assert torch.equal(got.isnan(), nan)  # NaN where x * mask is (a NaN's bits vary between torch's paths)
             assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))  # bit for bit: signed zeros too
-            row = apply_dropout_(x[3].clone(), deferred[3], p)
+            row = apply_dropout_(x[3].clone(), deferred[3], p)  # starts at element 120,003: mid-word
             torch.testing.assert_close(row, want[3], rtol=0, atol=0, equal_nan=True)
+            rows = apply_dropout_(x[1:5].clone(), deferred[1:5], p)  # 160,004 elements from 40,001
+            torch.testing.assert_close(rows, want[1:5], rtol=0, atol=0, equal_nan=True)
     finally:
         torch.set_num_threads(threads)
     strided = x.t().contiguous().t()  # not contiguous: the written mask's product
@@ -198,3 +203,20 @@ def test_without_the_kernel_no_draw_is_deferred(monkeypatch):
     monkeypatch.setattr(random_bits, "load", lambda: None)
     draw = dropout_draw((4, 5), 0.1, torch.device("cpu"), torch.float32, deferred=True)
     assert isinstance(draw, torch.Tensor) and draw.dtype == torch.int16
+
+
+@needs_kernel
+def test_deferred_draws_refuse_other_shapes_and_thresholds_and_leave_recorded_tensors_to_autograd():
+    draw = dropout_draw((4, 6), 0.1, torch.device("cpu"), torch.float32, deferred=True)
+    with pytest.raises(ValueError, match="shape"):
+        random_bits.apply_mask_(torch.ones(6, 4), draw, -26214, 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        random_bits.random_mask((6, 4), -26214, torch.tensor(1.0), draw)
+    with pytest.raises(ValueError, match="int16"):
+        random_bits.apply_mask_(torch.ones(4, 6), draw, 32768, 1.0)
+    x = torch.ones(4, 6, requires_grad=True)
+    assert not random_bits.apply_mask_(x, draw, -26214, 1.0)  # autograd records x: left to x * mask
+    y = torch.ones(4, 6)
+    version = y._version
+    assert random_bits.apply_mask_(y, draw, -26214, 1.0) and y._version > version  # counted as an in-place write
+    assert not mask_from_draw(draw, 1 - 2**-18, torch.float32).any()  # p this close to 1 keeps none

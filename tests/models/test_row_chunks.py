@@ -90,3 +90,11 @@ def test_the_kernel_layouts_equal_pytorchs_forward_and_backward(monkeypatch, dty
     padded = torch.arange(L)[None] >= torch.tensor(lengths)[:, None]  # (B, L)
     assert not q_heads.permute(1, 3, 0, 2, 4)[padded].any()
     assert torch.equal(q_heads.permute(1, 3, 0, 2, 4)[rows, positions], projected)
+
+
+@needs_kernel
+def test_rows_outside_the_padded_layout_are_refused_before_the_kernel_writes():
+    projected = torch.zeros(2, 3, 1, 2)
+    for rows, positions in ((torch.tensor([0, 2]), torch.tensor([0, 1])), (torch.tensor([0, 1]), torch.tensor([0, -1]))):
+        with pytest.raises(ValueError, match="outside"):
+            gmm._HeadLayout.apply(projected, rows, positions, 2, 3)
