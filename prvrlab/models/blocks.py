@@ -90,17 +90,18 @@ def _keep_scale(p: float, dtype: torch.dtype) -> Tensor:
 
 def mask_from_draw(draw: Tensor | DeferredDraw, p: float, dtype: torch.dtype) -> Tensor:
     """The dropout multiplier (``dtype``) of a :func:`dropout_draw` (or of a slice of one)."""
-    if draw_threshold(p) > 32767:  # no int16 draw survives (a comparison in int16 would wrap and keep all)
+    threshold = draw_threshold(p)
+    if threshold > 32767:  # no int16 draw survives (a comparison in int16 would wrap and keep all)
         return torch.zeros(draw.shape, dtype=dtype, device=getattr(draw, "device", None))
     if isinstance(draw, DeferredDraw):
-        mask = random_mask(draw.shape, draw_threshold(p), _keep_scale(p, dtype), draw)
+        mask = random_mask(draw.shape, threshold, _keep_scale(p, dtype), draw)
         if mask is None:  # a dtype the kernel does not write (float64): float32's mask, rescaled below
-            mask = random_mask(draw.shape, draw_threshold(p), _keep_scale(p, torch.float32), draw)
+            mask = random_mask(draw.shape, threshold, _keep_scale(p, torch.float32), draw)
         if mask is None:
             raise RuntimeError(f"a deferred dropout draw needs the random-bits kernel: {random_bits.unavailable_reason()}")
         draw = mask
     if draw.dtype == torch.int16:
-        return torch.where(draw >= draw_threshold(p), _keep_scale(p, dtype), torch.zeros((), dtype=dtype))
+        return torch.where(draw >= threshold, _keep_scale(p, dtype), torch.zeros((), dtype=dtype))
     if draw.dtype == dtype:
         return draw
     if draw.device.type == "cpu":  # a CPU mask of another dtype: its kept elements, at this dtype's scale
@@ -298,8 +299,9 @@ class _BranchGemms(torch.autograd.Function):
     and the dropout's backward are one ``threshold_backward`` on ``d`` times 1/(1-p); nothing more is
     saved; the scale is applied inside the backward's GEMM (its alpha: one rounding, and no extra pass
     over the (N, hidden) gradient: 12.5 -> 6.6 ms a branch in bf16).  v2's branch FFN, (8, 9786, 384)
-    through 1,536 hidden units in bf16 on a noisy AMX CPU, forward + backward, 20 alternating pairs: 1.04x the batched GEMMs' speed (median of
-    the pairs' ratios; best 0.94 vs 1.01 s), with one branch's (N, hidden) gradient alive instead of k.
+    through 1,536 hidden units in bf16 on a noisy AMX CPU, forward + backward, 20 alternating pairs:
+    1.04x the batched GEMMs' speed (median of the pairs' ratios; best 0.94 vs 1.01 s), with one branch's
+    (N, hidden) gradient alive instead of k.
     """
 
     @staticmethod

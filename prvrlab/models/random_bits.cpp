@@ -77,6 +77,17 @@ inline T dropped(T bits) {
   return static_cast<T>(bits & sign);
 }
 
+// Elements [lo, hi) of a mask (local indices; the draw's run starts at `offset`): `kept` where the lane is
+// at least `t`, else 0.  Restrict pointers: the element loop vectorises.
+template <typename T>
+void write_mask(T* out, T kept, int16_t t, uint64_t seed, int64_t offset, int64_t lo, int64_t hi) {
+  for_each_block(seed, offset, lo, hi, [out, kept, t](int64_t i0, const int16_t* lane, int64_t count) {
+    T* __restrict dst = out + i0;
+    const int16_t* __restrict src = lane;
+    for (int64_t j = 0; j < count; ++j) dst[j] = src[j] >= t ? kept : T(0);
+  });
+}
+
 constexpr int64_t kGrain = 1 << 16;  // elements per thread at least
 
 }  // namespace
@@ -102,20 +113,9 @@ void prvrlab_dropout_mask(void* out, int64_t n, uint64_t seed, int64_t offset, i
       n, threads,
       [&](int, int64_t lo, int64_t hi) {
         if (elem_size == 2) {
-          uint16_t* o = static_cast<uint16_t*>(out);
-          const uint16_t kept = static_cast<uint16_t>(scale_bits);
-          for_each_block(seed, offset, lo, hi, [o, kept, t](int64_t i0, const int16_t* lane, int64_t count) {
-            uint16_t* __restrict dst = o + i0;
-            const int16_t* __restrict src = lane;
-            for (int64_t j = 0; j < count; ++j) dst[j] = src[j] >= t ? kept : uint16_t(0);
-          });
+          write_mask(static_cast<uint16_t*>(out), static_cast<uint16_t>(scale_bits), t, seed, offset, lo, hi);
         } else if (elem_size == 4) {
-          uint32_t* o = static_cast<uint32_t*>(out);
-          for_each_block(seed, offset, lo, hi, [o, scale_bits, t](int64_t i0, const int16_t* lane, int64_t count) {
-            uint32_t* __restrict dst = o + i0;
-            const int16_t* __restrict src = lane;
-            for (int64_t j = 0; j < count; ++j) dst[j] = src[j] >= t ? scale_bits : 0u;
-          });
+          write_mask(static_cast<uint32_t*>(out), scale_bits, t, seed, offset, lo, hi);
         }
       },
       kGrain);

@@ -100,9 +100,6 @@ class DeferredDraw:
         self.seed = _seed() if seed is None else int(seed)
         self.offset = int(offset)
 
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
     def __getitem__(self, index: int | slice) -> "DeferredDraw":
         rows, inner = self.shape[0], math.prod(self.shape[1:])
         if isinstance(index, slice):
