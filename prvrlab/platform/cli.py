@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -482,26 +481,14 @@ STORE_ERRORS = (("mlflow.exceptions", "MlflowException"), ("sqlalchemy.exc", "SQ
 
 def _store_error_line(exc: Exception) -> str | None:
     """One line for an MLflow store or file-system error that reached :func:`main` (None for any other
-    error, left to its traceback): its first line, after the store whose Tracker call raised it if one did."""
+    error, left to its traceback): its first line, after the store whose Tracker client raised it if one did."""
     kinds = tuple(k for k in (getattr(sys.modules.get(m), n, None) for m, n in STORE_ERRORS) if k is not None)
     if not isinstance(exc, (OSError, *kinds)):  # the store's kinds only once loaded: never imported here
         return None
     reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    uri = _tracker_uri(exc)
+    store = sys.modules.get("prvrlab.platform.tracking.store")  # loaded once a Tracker was opened
+    uri = store.store_uri(exc) if store is not None else None
     return f"MLflow store {uri}: {reason}" if uri else reason
-
-
-def _tracker_uri(exc: BaseException) -> str | None:
-    """The tracking URI of the innermost Tracker (a frame's ``self`` or ``tracker``) in ``exc``'s traceback."""
-    store = sys.modules.get("prvrlab.platform.tracking.store")
-    uri = None
-    if store is not None:
-        for frame, _ in traceback.walk_tb(exc.__traceback__):
-            for name in ("self", "tracker"):
-                value = frame.f_locals.get(name)
-                if isinstance(value, store.Tracker):
-                    uri = value.uri
-    return uri
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ are sent in batches, and a run always ends FINISHED, FAILED or KILLED.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -27,6 +28,7 @@ PARAM_MAX = 6000
 # (runs table, metrics) rather than GenAI (traces); the value is one of the UI's ExperimentKind names.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
+STORE_URI_ATTR = "prvrlab_store_uri"  # set on an error a Tracker's client raised: the store's URI (see store_uri)
 STOP_TAGS = ("prvrlab.status", "prvrlab.stop_reason")  # how a run ended; a reopened run drops them
 SERVER_RETRY_S = 0.5  # between tries of a tracking server that refused the connection (Tracker's wait_s)
 STUDY_SERVER_WAIT_S = 60.0  # a study's trial-time Tracker: the server answered when the study began
@@ -184,6 +186,39 @@ def _server_problem(uri: str, timeout_s: float = 10.0, wait_s: float = 0.0) -> s
         time.sleep(min(SERVER_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
+def store_uri(exc: BaseException) -> str | None:
+    """The URI of the store whose :class:`Tracker` client raised ``exc`` (the innermost one where several
+    were involved); None for an error no Tracker's client raised."""
+    return getattr(exc, STORE_URI_ATTR, None)
+
+
+class _StoreClient:
+    """An ``MlflowClient`` whose methods mark the errors they raise with the store's URI (:func:`store_uri`),
+    so that a store error reaching the command line can name its store without reading stack frames."""
+
+    def __init__(self, client: Any, uri: str) -> None:
+        self._client, self._uri = client, uri
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._client, name)
+        if not callable(value):
+            return value
+
+        @functools.wraps(value)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            except Exception as exc:
+                if store_uri(exc) is None:  # an inner store's mark stays
+                    try:
+                        setattr(exc, STORE_URI_ATTR, self._uri)
+                    except AttributeError:  # an exception type without attributes: left unmarked
+                        pass
+                raise
+
+        return call
+
+
 class Tracker:
     """A thin MLflow writer bound to one tracking URI and experiment.
 
@@ -204,7 +239,7 @@ class Tracker:
             raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {problem}")
         template.seed(uri)  # a new SQLite store: a copy of an empty one, not MLflow's ~60 migrations
         with store_errors(uri):
-            self.client = MlflowClient(tracking_uri=uri)
+            self.client = _StoreClient(MlflowClient(tracking_uri=uri), uri)
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 self.experiment_id = self.client.create_experiment(

@@ -57,3 +57,34 @@ def test_artifacts_go_beside_the_sqlite_store_not_into_the_working_dir(tmp_path)
     tracker = Tracker(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}", "a/b")
     location = tracker.client.get_experiment(tracker.experiment_id).artifact_location
     assert location == (tmp_path / "store" / "mlruns" / "a_b").as_uri()
+
+
+def test_an_error_from_a_trackers_client_names_its_store_and_the_innermost_store_wins(tmp_path, monkeypatch):
+    """The CLI names the store of a store error from ``store_uri``; an error the client never raised is unmarked."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from prvrlab.platform.tracking.store import store_uri
+
+    outer = Tracker(f"sqlite:///{tmp_path / 'outer.db'}", "e")
+    inner = Tracker(f"sqlite:///{tmp_path / 'inner.db'}", "e")
+    run_id = outer.start_run("r")
+
+    def failing(self, *args, **kwargs):
+        raise MlflowException("the store went away")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", failing)
+    with pytest.raises(MlflowException) as caught:
+        outer.set_tags(run_id, {"a": "b"})
+    assert store_uri(caught.value) == outer.uri
+
+    def nested(self, *args, **kwargs):  # the outer store's call fails inside the inner store's
+        inner.set_tags(run_id, {"a": "b"})
+
+    monkeypatch.setattr(MlflowClient, "set_terminated", nested)
+    with pytest.raises(MlflowException) as caught:
+        outer.end_run(run_id, "FINISHED")
+    assert store_uri(caught.value) == inner.uri != outer.uri
+    assert store_uri(ValueError("not from a client")) is None
+    assert outer.client.tracking_uri == outer.uri  # attributes pass through unchanged
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
 
 from prvrlab.platform import cli
 from prvrlab.platform.config import validate
@@ -84,13 +85,13 @@ def test_a_console_whose_reader_went_away_neither_fails_nor_strands_the_run(tiny
 def test_a_store_error_that_reaches_the_command_line_is_one_line_naming_the_store(tiny_root, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PRVRLAB_RUN_SENTINEL", "0")
     monkeypatch.setattr(loop, "run_local", _finishing_worker)
-    end_run = Tracker.end_run
+    set_terminated = MlflowClient.set_terminated
 
-    def end_then_fail(self, run_id, status):
-        end_run(self, run_id, status)
+    def end_then_fail(self, run_id, *args, **kwargs):  # the store itself fails, under Tracker.end_run
+        set_terminated(self, run_id, *args, **kwargs)
         raise MlflowException("the store went away\nsecond line")
 
-    monkeypatch.setattr(Tracker, "end_run", end_then_fail)
+    monkeypatch.setattr(MlflowClient, "set_terminated", end_then_fail)
     raw = small_raw(tiny_root, tmp_path)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(raw))
