@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ray.tune import Callback
 
 from prvrlab.platform.config import ConfigError
-from prvrlab.platform.failures import ERROR_FILE, carries_interrupt, record_failure
+from prvrlab.platform.failures import ERROR_FILE, record_failure
 from prvrlab.platform import storage
 from prvrlab.platform.tracking.drivers import driver_alive
 from prvrlab.platform.search.checkpoints import repair_checkpoints
@@ -139,18 +139,17 @@ class MlflowStudyCallback(Callback):
         return run_id
 
     def _end_unrecorded(self, trial_id: str, run_id: str, exc: BaseException) -> None:
-        """End the new child run whose params or map ``exc`` stopped: KILLED (reopened on ``--resume``) on
-        an interrupt, else FAILED with the error tag; a store that fails again leaves it mapped and open."""
-        if carries_interrupt(exc):
-            status, tags = "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"}
-        else:
-            reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-            status, tags = "FAILED", {"prvrlab.status": "error", "error": f"recording the trial's run failed: {type(exc).__name__}: {reason}"}
-        with suppress(Exception):  # ``exc`` is the error to report; the run's end matters more than its tags
-            self.tracker.set_tags(run_id, tags)
-        try:
-            self.tracker.end_run(run_id, status)
-        except Exception:  # noqa: BLE001 - as above
+        """End the new child run whose params or map ``exc`` stopped (:meth:`Tracker.end_stopped`: KILLED and
+        reopened on ``--resume`` after an interrupt, else FAILED with the error); one the store cannot end
+        stays mapped and open."""
+        reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        status = self.tracker.end_stopped(
+            run_id,
+            exc,
+            failed_tags={"prvrlab.status": "error", "error": f"recording the trial's run failed: {type(exc).__name__}: {reason}"},
+            killed_tags={"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"},
+        )
+        if status is None:
             return
         self._open.discard(trial_id)
         self.runs.closed[trial_id] = status

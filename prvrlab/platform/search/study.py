@@ -39,7 +39,6 @@ import os
 import re
 import signal
 import stat
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -53,7 +52,7 @@ from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
 from prvrlab.platform.ray_logs import ray_logs_to
 from prvrlab.platform.resources import local_cluster, shortfall
-from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, carries_interrupt, explain_exception, failure_text, record_failure
+from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, explain_exception, failure_text, record_failure
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
 from prvrlab.platform.search.outcome import (
     FAILED_OUTCOMES,
@@ -773,24 +772,10 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
         runs.meta.update({"kind": kind, "name": spec.name, "spec": project_relative(spec.path), "spec_hash": spec_hash(spec)})
         runs.save()
     except BaseException as exc:
-        _end_unheld_parent(tracker, run_id, exc)
+        error = explain_exception(exc, hint=STUDY_HINT, origin="the driver").summary
+        tracker.end_stopped(run_id, exc, failed_tags={"error": error})
         raise
     return run_id
-
-
-def _end_unheld_parent(tracker, run_id: str, exc: BaseException) -> None:
-    """End a parent run that ``exc`` stopped :func:`open_parent` from handing over: KILLED on an interrupt,
-    else FAILED with the error tag; a store that fails again only warns (``exc`` is what the caller sees)."""
-    killed = carries_interrupt(exc)
-    try:
-        if not killed:
-            tracker.set_tags(run_id, {"error": explain_exception(exc, hint=STUDY_HINT, origin="the driver").summary})
-    except Exception as again:  # noqa: BLE001 - closing the run matters more than its tag
-        print(f"prvrlab: warning: could not tag run {run_id} with its error: {again}", file=sys.stderr)
-    try:
-        tracker.end_run(run_id, "KILLED" if killed else "FAILED")
-    except Exception as again:  # noqa: BLE001 - the original error is the one to report
-        print(f"prvrlab: warning: could not end run {run_id}: {again}", file=sys.stderr)
 
 
 def run_study(

@@ -11,6 +11,7 @@ import functools
 import os
 import re
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from prvrlab.checks import is_number
 from prvrlab.platform.config import ConfigError
+from prvrlab.platform.failures import carries_interrupt
 from prvrlab.platform.tracking import closer, template
 from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
 from prvrlab.uris import SQLITE, file_store, sqlite_file
@@ -348,3 +350,24 @@ class Tracker:
         closer.wait_for_closer()
         self.client.set_terminated(run_id, status=status)
         closer.closed(run_id)
+
+    def end_stopped(
+        self, run_id: str, exc: BaseException, *, failed_tags: dict[str, Any], killed_tags: dict[str, Any] | None = None
+    ) -> str | None:
+        """End a run that ``exc`` stopped while it was being set up: KILLED, tagged ``killed_tags``, when
+        ``exc`` carries an interrupt (the run is reopened on ``--resume``), else FAILED, tagged
+        ``failed_tags``.  ``exc`` stays the error to report, so a store that fails again only warns on
+        stderr.  Returns the status the run ended with, or None where it could not be ended."""
+        killed = carries_interrupt(exc)
+        status, tags = ("KILLED", killed_tags or {}) if killed else ("FAILED", failed_tags)
+        if tags:
+            try:
+                self.set_tags(run_id, tags)
+            except Exception as again:  # noqa: BLE001 - ending the run matters more than its tags
+                print(f"prvrlab: warning: could not tag run {run_id} with how it ended: {again}", file=sys.stderr)
+        try:
+            self.end_run(run_id, status)
+        except Exception as again:  # noqa: BLE001 - as above
+            print(f"prvrlab: warning: could not end run {run_id}: {again}", file=sys.stderr)
+            return None
+        return status

@@ -88,3 +88,23 @@ def test_an_error_from_a_trackers_client_names_its_store_and_the_innermost_store
     assert store_uri(ValueError("not from a client")) is None
     assert outer.client.tracking_uri == outer.uri  # attributes pass through unchanged
 
+
+@pytest.mark.parametrize("error, status", [(ValueError("bad"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
+def test_end_stopped_ends_a_run_whose_tags_fail_and_warns_when_the_store_cannot_end_it(tmp_path, monkeypatch, capsys, error, status):
+    from mlflow.exceptions import MlflowException
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "e")
+    first, second = tracker.start_run("a"), tracker.start_run("b")
+
+    def failing(*args, **kwargs):
+        raise MlflowException("the store went away")
+
+    monkeypatch.setattr(tracker, "set_tags", failing)
+    tags = {"failed_tags": {"error": "x"}, "killed_tags": {"prvrlab.status": "killed"}}
+    assert tracker.end_stopped(first, error, **tags) == status  # its tags failed: ended all the same
+    assert tracker.client.get_run(first).info.status == status
+    monkeypatch.setattr(tracker, "end_run", failing)
+    assert tracker.end_stopped(second, error, **tags) is None
+    assert tracker.client.get_run(second).info.status == "RUNNING"
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(warnings) == 3 and f"could not end run {second}" in warnings[-1]
