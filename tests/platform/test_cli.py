@@ -241,3 +241,31 @@ def test_a_bad_spec_is_refused_before_ray_tune_is_imported(tmp_path, command):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "2 False", out.stdout + out.stderr[-2000:]
     assert ("train.lrr" if command == "search" else "query_diverze") in out.stderr
+
+
+def test_the_console_script_shuts_ray_down_itself_only_where_the_command_connected(monkeypatch, capsys):
+    """run() ends a connected Ray (before its exit handler's 0.5 s log wait); no Ray, nothing to do; a failing
+    shutdown only warns."""
+    import sys
+    from types import SimpleNamespace
+
+    from prvrlab.platform import cli
+
+    calls = []
+
+    def fake_ray(connected: bool, fails: bool = False):
+        def shutdown():
+            calls.append("shutdown")
+            if fails:
+                raise RuntimeError("raylet gone")
+
+        return SimpleNamespace(is_initialized=lambda: connected, shutdown=shutdown)
+
+    for connected, fails, expected in ((False, False, []), (True, False, ["shutdown"]), (True, True, ["shutdown"])):
+        calls.clear()
+        monkeypatch.setitem(sys.modules, "ray", fake_ray(connected, fails))
+        cli._shutdown_ray()
+        assert calls == expected
+    assert "shutting Ray down failed: raylet gone" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "ray")
+    cli._shutdown_ray()  # Ray never imported: nothing to do
