@@ -202,6 +202,8 @@ class _StoreClient:
         self._client, self._uri = client, uri
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("_client", "_uri") or name.startswith("__"):  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         value = getattr(self._client, name)
         if not callable(value):
             return value

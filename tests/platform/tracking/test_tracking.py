@@ -87,6 +87,9 @@ def test_an_error_from_a_trackers_client_names_its_store_and_the_innermost_store
     assert store_uri(caught.value) == inner.uri != outer.uri
     assert store_uri(ValueError("not from a client")) is None
     assert outer.client.tracking_uri == outer.uri  # attributes pass through unchanged
+    import copy
+
+    assert copy.copy(outer.client).tracking_uri == outer.uri  # a copy made without __init__ does not recurse
 
 
 @pytest.mark.parametrize("error, status", [(ValueError("bad"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
