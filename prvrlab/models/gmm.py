@@ -266,6 +266,9 @@ class _HeadLayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, projected: Tensor, rows: Tensor | None, positions: Tensor | None, batch: int, length: int):
         N, _, G, Dh = projected.shape
+        expected = batch * length if rows is None else rows.numel()
+        if N != expected:
+            raise ValueError(f"{N} projected tokens for a packing of {expected}")
         shape = (3, batch, G, length, Dh)
         ctx.full = rows is None
         ctx.chunks = None

@@ -107,6 +107,9 @@ class DeferredDraw:
             if step != 1:
                 raise IndexError("a deferred draw takes step-1 slices of its first dimension")
             return DeferredDraw((max(0, stop - start), *self.shape[1:]), self.seed, self.offset + start * inner)
+        if isinstance(index, bool) or not hasattr(index, "__index__"):  # a bool is an int, but indexes otherwise
+            raise IndexError(f"a deferred draw takes an integer or a step-1 slice, got {index!r}")
+        index = index.__index__()
         k = index + rows if index < 0 else index
         if not 0 <= k < rows:
             raise IndexError(f"index {index} out of range for {rows} rows")
@@ -120,7 +123,8 @@ def apply_mask_(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> 
     """``x.mul_(mask)`` for the mask of ``draw`` (kept elements ``scale``, the dropout multiplier as ``x``'s
     dtype rounds it), computed element by element and never written: True when done, False (``x`` untouched)
     where the kernel cannot (no kernel, not a contiguous bf16 / float32 CPU tensor, a tensor autograd records:
-    the kernel's write is invisible to it).  ``x`` must have the draw's shape."""
+    the kernel's write is invisible to it, an inference tensor outside inference mode, which ``mul_``
+    refuses).  ``x`` must have the draw's shape."""
     _check_threshold(threshold)
     if tuple(x.shape) != draw.shape:
         raise ValueError(f"a tensor of shape {tuple(x.shape)} given the mask of a draw of shape {draw.shape}")
@@ -128,6 +132,7 @@ def apply_mask_(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> 
     if (
         lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
         or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled())
+        or (x.is_inference() and not torch.is_inference_mode_enabled())
     ):
         return False
     lib.prvrlab_dropout_apply(

@@ -49,6 +49,38 @@ def usable(*tensors: Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and load() is not None
 
 
+def _span(base: Tensor, mid: Tensor) -> tuple[int, int]:
+    """The smallest and largest ``base[n] + mid[m]`` (0, -1 where there is none)."""
+    if base.numel() == 0 or mid.numel() == 0:
+        return 0, -1
+    return int(base.min()) + int(mid.min()), int(base.max()) + int(mid.max())
+
+
+def _check_chunks(
+    dst: Tensor, src: Tensor, dst_base: Tensor, src_base: Tensor, dst_mid: Tensor, src_mid: Tensor, chunk: int,
+    pad_base: Tensor | None,
+) -> None:
+    """ValueError unless the offsets pair up (one source row and middle offset per destination one) and every
+    chunk, copied or zeroed, lies inside its tensor."""
+    if dst_base.numel() != src_base.numel() or dst_mid.numel() != src_mid.numel():
+        raise ValueError(
+            f"move_chunks: {dst_base.numel()} destination rows against {src_base.numel()} source rows, "
+            f"{dst_mid.numel()} destination middle offsets against {src_mid.numel()} source ones"
+        )
+    if chunk < 0:
+        raise ValueError(f"move_chunks: chunk must be >= 0, got {chunk}")
+    sides = [("destination", dst, dst_base, dst_mid), ("source", src, src_base, src_mid)]
+    if pad_base is not None:
+        sides.append(("padding", dst, pad_base, dst_mid))
+    for name, tensor, base, mid in sides:
+        low, high = _span(base, mid)
+        if high >= low and (low < 0 or high + chunk > tensor.numel()):
+            raise ValueError(
+                f"move_chunks: a {name} chunk spans elements {low}..{high + chunk - 1}, outside the "
+                f"{tensor.numel()} of its tensor"
+            )
+
+
 def move_chunks(
     dst: Tensor,
     src: Tensor,
@@ -65,12 +97,14 @@ def move_chunks(
     ``src_base[n] + src_mid[m]`` to ``dst_base[n] + dst_mid[m]``; ``pad_base`` (P,) rows get zeros at
     ``pad_base[p] + dst_mid[m]``.  ``padded_dst`` (default: whether ``pad_base`` is given): ``dst`` is the
     padded side, written one middle index at a time (else one row at a time), which keeps the writes in
-    sequence.  The caller keeps every chunk inside both tensors."""
+    sequence.  Every chunk must lie inside both tensors: checked here (a few reductions over the offsets),
+    ValueError otherwise, so that no call reads or writes outside them."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"the row-chunk kernel is unavailable: {unavailable_reason()}")
     if dst.dtype != src.dtype or not usable(dst, src):
         raise ValueError("move_chunks takes contiguous CPU tensors of one dtype")
+    _check_chunks(dst, src, dst_base, src_base, dst_mid, src_mid, chunk, pad_base)
     size = dst.element_size()
     offsets = [t.to(torch.int64).mul(size).contiguous() for t in (dst_base, src_base, dst_mid, src_mid)]
     pads = torch.empty(0, dtype=torch.int64) if pad_base is None else pad_base.to(torch.int64).mul(size).contiguous()

@@ -220,3 +220,17 @@ def test_deferred_draws_refuse_other_shapes_and_thresholds_and_leave_recorded_te
     version = y._version
     assert random_bits.apply_mask_(y, draw, -26214, 1.0) and y._version > version  # counted as an in-place write
     assert not mask_from_draw(draw, 1 - 2**-18, torch.float32).any()  # p this close to 1 keeps none
+
+
+def test_a_deferred_draw_takes_integers_and_slices_only_and_leaves_inference_tensors_to_mul():
+    draw = dropout_draw((4, 6), 0.1, torch.device("cpu"), torch.float32, deferred=True)
+    assert draw[torch.tensor(2)].offset == draw[2].offset == draw[-2].offset == 12  # any integer: row 2 of 4 x 6
+    for index in (True, 1.0, None):  # a bool would be row 1 otherwise; a tensor's t[True] adds a dimension
+        with pytest.raises(IndexError, match="an integer or a step-1 slice"):
+            draw[index]
+    with torch.inference_mode():
+        frozen = torch.ones(4, 6)
+    assert not random_bits.apply_mask_(frozen, draw, -26214, 1.0)  # mul_ refuses it outside inference mode
+    assert (frozen == 1).all()
+    with torch.inference_mode():
+        assert random_bits.apply_mask_(frozen, draw, -26214, 1.0)

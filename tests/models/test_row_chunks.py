@@ -98,3 +98,34 @@ def test_rows_outside_the_padded_layout_are_refused_before_the_kernel_writes():
     for rows, positions in ((torch.tensor([0, 2]), torch.tensor([0, 1])), (torch.tensor([0, 1]), torch.tensor([0, -1]))):
         with pytest.raises(ValueError, match="outside"):
             gmm._HeadLayout.apply(projected, rows, positions, 2, 3)
+
+
+@needs_kernel
+def test_move_chunks_refuses_unpaired_offsets_and_chunks_outside_either_tensor_before_writing():
+    """Every refused call leaves ``dst`` untouched: no offset pairing or chunk reaches past a tensor."""
+    dst, src = torch.full((8,), -1.0), torch.arange(8.0)
+    one, two = torch.tensor([0]), torch.tensor([0, 4])
+    bad_calls = {
+        "source rows": (two, one, one, one, 4, None),  # src_base shorter than dst_base
+        "middle offsets": (one, one, two, one, 2, None),  # src_mid shorter than dst_mid
+        "destination chunk": (torch.tensor([4]), one, one, one, 8, None),  # 4..11 of 8
+        "source chunk": (one, torch.tensor([6]), one, one, 4, None),  # 6..9 of 8
+        "padding chunk": (one, one, one, one, 4, torch.tensor([-1])),  # -1..2: before the start
+        "chunk must be": (one, one, one, one, -1, None),
+    }
+    for what, (dst_base, src_base, dst_mid, src_mid, chunk, pad) in bad_calls.items():
+        with pytest.raises(ValueError, match=what):
+            row_chunks.move_chunks(dst, src, dst_base, src_base, dst_mid, src_mid, chunk, pad)
+        assert (dst == -1).all()
+    row_chunks.move_chunks(dst, src, torch.tensor([4]), torch.tensor([0]), one, one, 4)  # the last chunk fits
+    assert dst.tolist() == [-1.0] * 4 + [0.0, 1.0, 2.0, 3.0]
+
+
+@needs_kernel
+def test_a_head_layout_refuses_a_projection_whose_rows_are_not_the_packings_tokens():
+    rows, positions = packing([2, 1], 3)  # 3 tokens
+    for tokens in (2, 4):
+        with pytest.raises(ValueError, match=f"{tokens} projected tokens for a packing of 3"):
+            gmm._HeadLayout.apply(torch.zeros(tokens, 3, 1, 2), rows, positions, 2, 3)
+    with pytest.raises(ValueError, match="5 projected tokens for a packing of 6"):
+        gmm._HeadLayout.apply(torch.zeros(5, 3, 1, 2), None, None, 2, 3)
