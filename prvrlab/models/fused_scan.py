@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from prvrlab.checks import check_positive_int
 from prvrlab.models import native
 
 SOURCE = Path(__file__).with_name("selective_scan.cpp")
@@ -47,16 +48,38 @@ def _ptr(t: Tensor) -> int:
     return t.data_ptr()
 
 
+def _full(t: Tensor, shape: tuple[int, ...], name: str) -> Tensor:
+    """``t`` as a contiguous float32 CPU tensor of ``shape``, expanded from a broadcastable shape (as the
+    PyTorch scan's products broadcast it); ValueError naming ``name`` otherwise."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if t.dim() > len(shape) or any(s not in (1, f) for s, f in zip(reversed(t.shape), reversed(shape))):
+        raise ValueError(f"{name} must be {shape} or broadcast to it, got {tuple(t.shape)}")
+    return t.expand(shape).contiguous()
+
+
 class FusedScan(torch.autograd.Function):
     """The scan without the skip through the fused kernel: float32 CPU tensors, (B, L, E) x and delta,
-    (E, N) A, (B, L, N) B and C -> (B, L, E) y."""
+    (E, N) A, (B, L, N) B and C -> (B, L, E) y; ``delta``, ``A``, ``B`` and ``C`` may broadcast to those
+    shapes (expanded here; their gradients summed back), anything else raises ValueError.  ``chunk``: a
+    positive int, clamped to L as in :func:`~prvrlab.models.mamba.selective_scan_chunked`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int) -> Tensor:
         lib = load()
+        check_positive_int(chunk, "chunk")
+        for name, t, dims, shape in (("x", x, 3, "(B, L, E)"), ("A", A, 2, "(E, N)")):
+            if t.dim() != dims:
+                raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
         batch, length, channels = x.shape
         state = A.shape[1]
-        x, delta, B, C = (t.contiguous() for t in (x, delta, B, C))
+        ctx.shapes = tuple(t.shape for t in (delta, A, B, C))
+        x = _full(x, (batch, length, channels), "x")
+        delta = _full(delta, (batch, length, channels), "delta")  # (B, L, E)
+        A = _full(A, (channels, state), "A")  # (E, N)
+        B = _full(B, (batch, length, state), "B")  # (B, L, N)
+        C = _full(C, (batch, length, state), "C")  # (B, L, N)
+        chunk = max(1, min(chunk, length))  # scratch of chunk x N x 16 floats per thread in the backward
         At = A.t().contiguous()  # (N, E)
         y = torch.empty_like(x)
         entering = x.new_empty(-(-length // chunk), batch, state, channels)  # (K, B, N, E)
@@ -80,4 +103,5 @@ class FusedScan(torch.autograd.Function):
         load().prvrlab_scan_backward(_ptr(x), _ptr(delta), _ptr(At), _ptr(B), _ptr(C), _ptr(entering), _ptr(dy),
                                      _ptr(dx), _ptr(ddelta), _ptr(dAt), _ptr(dB), _ptr(dC),
                                      batch, length, channels, state, ctx.chunk, threads)
-        return dx, ddelta, dAt.sum(0).t(), dB, dC, None
+        grads = (ddelta, dAt.sum(0).t(), dB, dC)
+        return dx, *(g.sum_to_size(shape) for g, shape in zip(grads, ctx.shapes)), None

@@ -5,10 +5,12 @@ against each of the video's P proposals ((Q, V, P) floats: 12.5 G at TVR's
 test size), reads them again for the maximum and its index (the index
 reduction alone runs ~5x slower than the maximum on CPUs), then gathers the
 winning proposal's attended frame vector for each pair.  The kernel keeps
-one pair's P scores in a buffer (window sums from a float64 prefix sum of
-the pair's Lc clip dots), and a video's scales and attended vectors in
-cache while all queries pass.  Same scores as the PyTorch path to float32
-rounding, same first-maximum rule (``tests/models/test_window_best.py``).
+one pair's P scores in a buffer (each window's sum of the pair's Lc clip
+dots accumulated left to right in float32, the windows of length k
+extending those of length k - 1 by one item), and a video's scales and
+attended vectors in cache while all queries pass.  Same scores as the
+PyTorch path to float32 rounding, same first-maximum rule
+(``tests/models/test_window_best.py``).
 
 Build: :mod:`prvrlab.models.native`.  When it cannot be had, :func:`load`
 returns None and :func:`unavailable_reason` says why; :class:`MSSL` then
@@ -59,19 +61,39 @@ def window_best(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(Q, V, L) clip dots, (V, P) proposal scales [, (V, P, D) unit attended vectors, (Q, D) frame query
     vectors] -> ``top`` (Q, V): max over proposals of window sum x scale, ``best`` (Q, V) int64: its first
-    index, ``frame_dot`` (Q, V): ``q_frame . unit[v, best]`` (None without ``unit``)."""
+    index, ``frame_dot`` (Q, V): ``q_frame . unit[v, best]`` (None without ``unit``).
+
+    CPU tensors; ``dots``, ``scale`` and ``q_frame`` float32, ``unit`` any float dtype, read as float32
+    (as the PyTorch path's ``.float()``); at least one proposal (``max_window`` >= 1 and L >= 1: the
+    maximum over none is undefined, as ``torch.max`` over an empty dim).  Else ValueError."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"the fused window kernel is unavailable: {unavailable_reason()}")
+    named = {"dots": dots, "scale": scale, "unit": unit, "q_frame": q_frame}
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got one on {t.device}")
+        if name == "unit" and not t.is_floating_point():
+            raise ValueError(f"unit must be a floating-point tensor, got {t.dtype}")
+        if name != "unit" and t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    if dots.dim() != 3:
+        raise ValueError(f"dots must be (Q, V, L), got {tuple(dots.shape)}")
     nq, nv, length = dots.shape
+    if int(max_window) < 1 or length < 1:
+        raise ValueError(f"window_best needs at least one proposal: max_window={max_window} and L={length} "
+                         "must both be >= 1")
     dim = 0 if unit is None else unit.shape[-1]
     expected = (nv, num_proposals(length, int(max_window)))
     if tuple(scale.shape) != expected:
         raise ValueError(f"scale must be (V, P) = {expected}, got {tuple(scale.shape)}")
-    if unit is not None and (q_frame is None or unit.shape[:2] != scale.shape or q_frame.shape != (nq, dim)):
+    if unit is not None and (q_frame is None or unit.dim() != 3 or unit.shape[:2] != scale.shape
+                             or q_frame.shape != (nq, dim)):
         raise ValueError("unit must be (V, P, D) with q_frame (Q, D)")
     dots, scale = dots.contiguous(), scale.contiguous()
-    unit = None if unit is None else unit.contiguous()
+    unit = None if unit is None else unit.float().contiguous()
     q_frame = None if q_frame is None else q_frame.contiguous()
     top = dots.new_empty((nq, nv))
     best = torch.empty((nq, nv), dtype=torch.int64)

@@ -33,6 +33,7 @@ from prvrlab.models.blocks import draw_threshold
 SOURCE = Path(__file__).with_name("window_softmax.cpp")
 ABI = 1  # prvrlab_softmax_abi() of a library this module can call
 DTYPES = (torch.float32, torch.bfloat16)
+ROW_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # rows' dtypes, read as int64
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -60,18 +61,66 @@ def takes(p: float) -> bool:
     return draw_threshold(p) <= 32767
 
 
+def _dense_tail(t: Tensor, n: int) -> bool:
+    """Whether the last ``n`` dims of ``t`` are laid out as a contiguous block (size-1 dims ignored)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[-n:]), reversed(t.stride()[-n:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check_cpu(t: Tensor, name: str) -> None:
+    """ValueError naming ``name`` unless ``t`` is on the CPU (the kernel reads host pointers)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got one on {t.device}")
+
+
+def _checked_window(window: Tensor | float, shape: tuple[int, ...]) -> Tensor | float:
+    """``window`` as the kernel reads it: a float, or a float32 (1 or B, 1 or K, 1, L, L) CPU tensor whose
+    (L, L) blocks are contiguous (copied when they are not)."""
+    if not isinstance(window, Tensor):
+        return float(window)
+    B, K, _, L, _ = shape
+    _check_cpu(window, "window")
+    if window.dtype != torch.float32:
+        raise ValueError(f"window must be float32, got {window.dtype}")
+    broadcast = window.dim() == 5 and window.shape[0] in (1, B) and window.shape[1] in (1, K)
+    if not broadcast or tuple(window.shape[2:]) != (1, L, L):
+        raise ValueError(f"window must be (1 or B, 1 or K, 1, L, L) with (B, K, L) = {(B, K, L)}, "
+                         f"got {tuple(window.shape)}")
+    return window if _dense_tail(window, 2) else window.contiguous()
+
+
+def _checked_draw(draw: Tensor | None, p: float, shape: tuple[int, ...]) -> Tensor | None:
+    """``draw`` as the kernel reads it: an int16 CPU tensor of the logits' shape whose (H, L, L) blocks are
+    contiguous (copied when they are not; batch and branch strides are free), for a ``p`` it can express."""
+    if draw is None:
+        return None
+    _check_cpu(draw, "draw")
+    if draw.dtype != torch.int16:
+        raise ValueError(f"draw must be an int16 dropout_draw, got {draw.dtype}")
+    if tuple(draw.shape) != shape:
+        raise ValueError(f"draw must have the logits' shape {shape}, got {tuple(draw.shape)}")
+    if not (0.0 <= p and takes(p)):
+        raise ValueError(f"p must be in [0, 1 - 2^-17) with a draw, got {p!r}")
+    return draw if _dense_tail(draw, 3) else draw.contiguous()
+
+
 def _window_args(window: Tensor | float) -> tuple[int, int, int, float]:
-    """(pointer, batch stride, branch stride, scalar scale) of a float or a float32 (1 or B, K, 1, L, L) window."""
+    """(pointer, batch stride, branch stride, scalar scale) of a float or a checked window (stride 0 on a
+    broadcast dim)."""
     if not isinstance(window, Tensor):
         return 0, 0, 0, float(window)
-    L = window.shape[-1]
     batch_stride = 0 if window.shape[0] == 1 else window.stride(0)
-    return window.data_ptr(), batch_stride, L * L, 1.0
+    branch_stride = 0 if window.shape[1] == 1 else window.stride(1)
+    return window.data_ptr(), batch_stride, branch_stride, 1.0
 
 
 def _draw_args(draw: Tensor | None, p: float, dtype: torch.dtype) -> tuple[int, int, int, int, float]:
-    """(pointer, batch stride, branch stride, threshold, keep scale) of a (B, K, H, L, L) int16 draw; the
-    keep scale in ``dtype``, as :func:`~prvrlab.models.blocks.mask_from_draw` multiplies."""
+    """(pointer, batch stride, branch stride, threshold, keep scale) of a checked draw; the keep scale in
+    ``dtype``, as :func:`~prvrlab.models.blocks.mask_from_draw` multiplies."""
     if draw is None:
         return 0, 0, 0, 0, 1.0
     keep = torch.tensor(1.0 / (1.0 - p), dtype=dtype).item()
@@ -79,22 +128,44 @@ def _draw_args(draw: Tensor | None, p: float, dtype: torch.dtype) -> tuple[int, 
 
 
 class WindowSoftmax(torch.autograd.Function):
-    """(B, K, H, L, L) logits -> (B, K, H, L, L) weights ``softmax(window * logits)`` over the keys of
-    ``keys`` (B, L) bool (None: all), zeros on query rows at or beyond ``rows`` (B,) (None: none), times
-    the dropout mask of ``draw`` (:func:`prvrlab.models.blocks.dropout_draw`, (B, K, H, L, L) int16 with
-    contiguous (H, L, L) blocks; None: no dropout).  ``window``: a float scale, or float32
-    (1 or B, K, 1, L, L) windows with the scale folded in."""
+    """(B, K, H, L, L) contiguous float32 or bf16 CPU logits -> (B, K, H, L, L) weights
+    ``softmax(window * logits)`` over the keys of ``keys`` (B, L) bool (None: all), zeros on query rows at
+    or beyond ``rows`` (B,) integers (None: none), times the dropout mask of ``draw``
+    (:func:`prvrlab.models.blocks.dropout_draw`, (B, K, H, L, L) int16, any batch and branch strides;
+    None: no dropout) for ``p``.  ``window``: a float scale, or float32 (1 or B, 1 or K, 1, L, L) windows
+    with the scale folded in.  Inputs of another dtype, device or shape raise ValueError; a window or draw
+    whose (L, L) / (H, L, L) blocks are not contiguous is copied first.
+
+    Known limits (the kernel's, not PyTorch's): a row with a non-finite logit, ``-inf`` included, gets
+    NaN weights (PyTorch gives a ``-inf`` logit weight 0); finite window x logit products below about
+    -1e38 are taken for masked keys (the kernel's sentinel is -3e38): weight 0, as in PyTorch, unless
+    every key of the row is that low, which gives NaN weights instead of PyTorch's softmax over them."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, window: Tensor | float, keys: Tensor | None, rows: Tensor | None,
                 draw: Tensor | None, p: float):
+        _check_cpu(logits, "logits")
+        square = logits.dim() == 5 and logits.shape[3] == logits.shape[4]
+        if logits.dtype not in DTYPES or not square or not logits.is_contiguous():
+            raise ValueError(f"logits must be contiguous float32 or bf16 (B, K, H, L, L), got {logits.dtype} "
+                             f"{tuple(logits.shape)} with strides {logits.stride()}")
         B, K, H, L, _ = logits.shape
+        window = _checked_window(window, tuple(logits.shape))
+        draw = _checked_draw(draw, p, tuple(logits.shape))
+        if keys is not None:
+            _check_cpu(keys, "keys")
+            if keys.dtype != torch.bool or tuple(keys.shape) != (B, L):
+                raise ValueError(f"keys must be (B, L) = {(B, L)} bool, got {keys.dtype} {tuple(keys.shape)}")
+            keys = keys.to(torch.uint8).contiguous()  # (B, L)
+        if rows is not None:
+            _check_cpu(rows, "rows")
+            if rows.dtype not in ROW_DTYPES or tuple(rows.shape) != (B,):
+                raise ValueError(f"rows must be (B,) = {(B,)} integers, got {rows.dtype} {tuple(rows.shape)}")
+            rows = rows.to(torch.int64).contiguous()  # (B,)
         probs = torch.empty_like(logits)
         dropped = None if draw is None else torch.empty_like(logits)
         w, w_b, w_k, scale = _window_args(window)
         d, d_b, d_k, threshold, keep = _draw_args(draw, p, logits.dtype)
-        keys = None if keys is None else keys.to(torch.uint8).contiguous()
-        rows = None if rows is None else rows.to(torch.int64).contiguous()
         load().prvrlab_softmax_forward(
             logits.data_ptr(), probs.data_ptr(), 0 if dropped is None else dropped.data_ptr(), w, w_b, w_k, scale,
             0 if keys is None else keys.data_ptr(), 0 if rows is None else rows.data_ptr(), d, d_b, d_k, threshold,

@@ -154,3 +154,52 @@ def test_fused_kernel_refuses_non_cpu_requests():
     cpu = torch.zeros(1, 3, 2)
     assert _fused_or_none(cpu, "torch") is None
     assert _fused_or_none(cpu, "auto") is fused_scan.FusedScan
+
+
+def test_broadcast_inputs_give_the_recurrence_of_their_expanded_shapes():
+    """delta (B, L, 1) (one step per token), A (1, N), B and C (1, L, N) broadcast as in the recurrence's
+    products; their gradients are the expanded ones summed back."""
+    batch, length, channels, state = 3, 13, 20, 4
+    full = scan_inputs(batch, length, channels, state, seed=5)
+    ref_args = [full[0], full[1][..., :1], full[2][:1], full[3][:1], full[4][:1]]
+    ref_args = [t.clone().requires_grad_() for t in ref_args]
+    args = [t.detach().float().requires_grad_() for t in ref_args]
+    weights = torch.randn(batch, length, channels, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    expected = selective_scan_reference(*ref_args)
+    want = torch.autograd.grad((expected * weights).sum(), ref_args)
+    got = fused(*args, chunk=4)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad((got * weights.float()).sum(), args)
+    for name, g, w in zip(("x", "delta", "A", "B", "C"), grads, want):
+        assert g.shape == w.shape, name
+        scale = float(w.abs().max()) + 1e-6
+        assert float((g.double() - w).abs().max()) / scale < 2e-5, name
+
+
+@pytest.mark.parametrize(
+    "name, index, shape",
+    [("delta", 1, (2, 6, 3)), ("delta", 1, (2, 5, 20)), ("A", 2, (8, 4)), ("A", 2, (4,)), ("B", 3, (2, 6, 5)),
+     ("C", 4, (2, 1, 6, 4)), ("x", 0, (6, 20))],
+)
+def test_shapes_that_do_not_broadcast_are_refused(name, index, shape):
+    args = [t.float() for t in scan_inputs(batch=2, length=6, channels=20, state=4, seed=1)][:5]
+    args[index] = torch.rand(shape)
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        fused(*args)
+
+
+def test_a_chunk_longer_than_the_sequence_is_clamped_and_a_bad_one_refused():
+    """The backward's scratch is chunk x N x 16 floats: a huge chunk is the sequence length, as in the
+    chunked scan."""
+    args = [t.float().requires_grad_() for t in scan_inputs(batch=2, length=6, channels=20, state=16, seed=3)][:5]
+    results = []
+    for chunk in (6, 2**40, 2**59):
+        y = fused(*args, chunk=chunk)
+        results.append((y, torch.autograd.grad(y.square().sum(), args)))
+    for y, grads in results[1:]:
+        assert torch.equal(y, results[0][0])
+        for g, w in zip(grads, results[0][1]):
+            assert torch.equal(g, w)
+    for chunk in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="chunk must be a positive integer"):
+            fused(*args, chunk=chunk)

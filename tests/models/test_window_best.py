@@ -134,3 +134,51 @@ def test_the_kernel_library_is_built_from_its_own_source():
     lib = window_best.load()
     assert lib.prvrlab_window_abi() == window_best.ABI
     assert any(p.name.startswith("window_best-") for p in native.cache_dir().glob("*.so"))
+
+
+@pytest.mark.parametrize("length, max_window", [(5, 0), (0, 4), (5, -1)])
+def test_zero_proposals_are_refused_as_the_pytorch_maximum_over_none(length, max_window):
+    """No window fits: the PyTorch path's ``max(dim=-1)`` over an empty dim has no answer either."""
+    with pytest.raises(IndexError):
+        torch.zeros(4, 3, 0).max(dim=-1)
+    dots = torch.randn(4, 3, length)
+    with pytest.raises(ValueError, match="at least one proposal"):
+        window_best.window_best(dots, torch.rand(3, 0), max_window)
+    with pytest.raises(ValueError, match="at least one proposal"):
+        window_best.window_best(dots, torch.rand(3, 0), max_window, torch.rand(3, 0, 8), torch.rand(4, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_unit_of_another_float_dtype_is_read_as_float32(dtype):
+    """MSSL passes ``extra["attended"]`` as stored; its PyTorch path reads it through ``.float()``."""
+    gen = torch.Generator().manual_seed(11)
+    nq, nv, length, max_window, dim = 4, 6, 9, 4, 32
+    props = window_best.num_proposals(length, max_window)
+    dots = torch.randn(nq, nv, length, generator=gen)
+    scale = torch.rand(nv, props, generator=gen) + 0.1
+    unit = torch.randn(nv, props, dim, generator=gen).to(dtype)
+    q_frame = torch.randn(nq, dim, generator=gen)
+    top, best, frame = window_best.window_best(dots, scale, max_window, unit, q_frame)
+    e_top, e_best, e_frame = brute_force(dots, scale, max_window, unit.float(), q_frame)
+    assert frame.dtype == torch.float32
+    torch.testing.assert_close(best, e_best)
+    torch.testing.assert_close(frame.double(), e_frame, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_the_kernel_cannot_read_are_refused():
+    dots, scale = torch.randn(2, 3, 4), torch.rand(3, 10)
+    unit, q_frame = torch.rand(3, 10, 5), torch.rand(2, 5)
+    with pytest.raises(ValueError, match="dots must be float32"):
+        window_best.window_best(dots.double(), scale, 4)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        window_best.window_best(dots, scale.bfloat16(), 4)
+    with pytest.raises(ValueError, match="q_frame must be float32"):
+        window_best.window_best(dots, scale, 4, unit, q_frame.double())
+    with pytest.raises(ValueError, match="unit must be a floating-point tensor"):
+        window_best.window_best(dots, scale, 4, unit.to(torch.int32), q_frame)
+    with pytest.raises(ValueError, match="dots must be a CPU tensor"):
+        window_best.window_best(dots.to("meta"), scale, 4)
+    with pytest.raises(ValueError, match="unit must be"):  # (V, P) read as (V, P, D)
+        window_best.window_best(dots, scale, 4, torch.rand(3, 10), torch.rand(2, 10))
+    with pytest.raises(ValueError, match="dots must be"):
+        window_best.window_best(dots[0], scale, 4)

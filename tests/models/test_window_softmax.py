@@ -144,3 +144,73 @@ def test_gaussian_attention_training_with_the_kernel_equals_the_plain_path(amp):
     for got, want in zip(results[0], results[1]):
         scale = max(1.0, float(want.abs().max()))
         assert float((got - want).abs().max()) <= tol * scale
+
+
+def _refused_inputs():
+    """(argument named in the error, logits, window, keys, rows, draw, p) that do not fit the logits."""
+    logits, window, keys, rows = inputs(torch.float32, seed=6)
+    torch.manual_seed(2)
+    draw = dropout_draw(logits.shape, 0.3, logits.device)
+    return [
+        ("window", logits, window.bfloat16(), keys, rows, None, 0.0),  # read as float32 by the kernel
+        ("window", logits, window.double(), keys, rows, None, 0.0),
+        ("window", logits, window.expand(1, K, H, L, L), keys, rows, None, 0.0),  # one window per head
+        ("window", logits, window[..., :-1, :-1], keys, rows, None, 0.0),
+        ("window", logits, torch.rand(2, K, 1, L, L), keys, rows, None, 0.0),  # 2 windows for B = 3
+        ("keys", logits, window, keys[:1], rows, None, 0.0),  # one row of keys for B = 3
+        ("keys", logits, window, keys[:, :-1], rows, None, 0.0),
+        ("keys", logits, window, keys.to(torch.uint8), rows, None, 0.0),  # the plain path's ~keys needs bool
+        ("rows", logits, window, keys, rows[:1], None, 0.0),  # rows of another batch entry zeroed
+        ("rows", logits, window, keys, rows.float(), None, 0.0),
+        ("draw", logits, window, keys, rows, draw[:, :1], 0.3),  # one branch's draw for K = 2
+        ("draw", logits, window, keys, rows, draw.to(torch.int32), 0.3),
+        ("p", logits, window, keys, rows, draw, -0.1),  # a threshold below int16
+        ("p", logits, window, keys, rows, draw, 1 - 2**-18),  # above int16
+        ("logits", logits.transpose(-1, -2), window, keys, rows, None, 0.0),
+        ("logits", logits.half(), window, keys, rows, None, 0.0),
+        ("logits", logits[..., :-1], window, keys, rows, None, 0.0),  # (L, L - 1) matrices
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_refused_inputs())))
+def test_inputs_that_do_not_fit_the_logits_are_refused_before_the_kernel_runs(case):
+    name, *args = _refused_inputs()[case]
+    with pytest.raises(ValueError, match=f"^{name} must"):
+        window_softmax.WindowSoftmax.apply(*args)
+
+
+def test_a_draw_with_transposed_blocks_gives_the_mask_of_its_values():
+    logits, window, keys, rows = inputs(torch.float32, seed=7)
+    p = 0.4
+    torch.manual_seed(3)
+    draw = dropout_draw(logits.shape, p, logits.device).transpose(-1, -2)  # (H, L, L) blocks not contiguous
+    leaf = logits.clone().requires_grad_()
+    out = window_softmax.WindowSoftmax.apply(leaf, window, keys, rows, draw, p)
+    ref_leaf = logits.double().requires_grad_()
+    ref = formula(ref_leaf, window, keys, rows, draw, p)
+    assert_close(out, ref.detach(), REL[torch.float32])
+    grad = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4))
+    (got,) = torch.autograd.grad(out, leaf, grad)
+    (want,) = torch.autograd.grad(ref, ref_leaf, grad.double())
+    assert_close(got, want, 2e-6, 2e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("layout", ["one branch", "transposed"])
+def test_a_broadcast_or_strided_window_gives_the_formula(layout):
+    """A (1, 1, 1, L, L) window multiplies every branch (PyTorch's broadcasting); a window whose (L, L)
+    blocks are transposed views gives the values it holds."""
+    logits, _, keys, rows = inputs(torch.float32, seed=8)
+    g = torch.Generator().manual_seed(8)
+    if layout == "one branch":
+        window = torch.rand(1, 1, 1, L, L, generator=g)
+    else:
+        window = torch.rand(B, K, 1, L, L, generator=g).transpose(-1, -2)
+    leaf = logits.clone().requires_grad_()
+    out = window_softmax.WindowSoftmax.apply(leaf, window, keys, rows, None, 0.0)
+    ref_leaf = logits.double().requires_grad_()
+    ref = formula(ref_leaf, window, keys, rows, None, 0.0)
+    assert_close(out, ref.detach(), REL[torch.float32])
+    grad = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
+    (got,) = torch.autograd.grad(out, leaf, grad)
+    (want,) = torch.autograd.grad(ref, ref_leaf, grad.double())
+    assert_close(got, want, 2e-6, 2e-6 * float(want.abs().max()))
