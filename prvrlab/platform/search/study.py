@@ -39,6 +39,7 @@ import os
 import re
 import signal
 import stat
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -46,7 +47,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from prvrlab.cache import cache_root
 from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
@@ -65,9 +65,18 @@ from prvrlab.platform.search.outcome import (
     trial_outcome,
 )
 from prvrlab.platform.search.spec import StudyError, StudySpec
+from prvrlab.platform.tracking import closer
+from prvrlab.platform.study_state import (
+    STATE_SUMS,
+    TRUST_STATE_ENV,
+    forget_state,
+    read_sums,
+    record_state,
+    state_record,
+    state_sums,
+)
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
-STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the driver after each run
 STUDY_LOG = "study.log"  # Ray's and Tune's log lines and Python warnings of every submission
 DRIVER_PUSH_EXCLUDE = ("tune", "train", *storage.WORKER_FILES)  # written to the store by Tune, Train and rank 0
 SYNC_S = 2.0  # the driver pushes the study's files this often (as often as Tune saves its state)
@@ -444,55 +453,6 @@ def spec_hash(spec: StudySpec) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def state_sums(study_dir: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file under ``<study>/tune`` (what a restore may unpickle)."""
-    tune_dir = study_dir / "tune"
-    files = sorted(p for p in tune_dir.rglob("*") if p.is_file() and not p.is_symlink()) if tune_dir.is_dir() else []
-    return {str(p.relative_to(study_dir)): _sha256(p) for p in files}
-
-
-TRUST_STATE_ENV = "PRVRLAB_TRUST_STUDY_STATE"  # 1: resume an object-store study this machine has no record of
-
-
-def state_record(study_dir: Path, uri: str | None = None) -> Path:
-    """This user's record of the checksums of a study's Tune state, outside the study folder (nobody who can
-    write the folder or its bucket can vouch for what they wrote): ``<cache>/study-state/<key>.sha256``, keyed
-    by the study's object-store URI, else by its resolved folder."""
-    key = uri if uri and storage.is_remote(uri) else str(Path(study_dir).resolve())
-    return cache_root() / "study-state" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.sha256"
-
-
-def forget_state(study_dir: Path, uri: str | None = None) -> None:
-    """Remove the study's records of its Tune state (stale once Tune writes it again)."""
-    state_record(study_dir, uri).unlink(missing_ok=True)
-
-
-def record_state(study_dir: Path, uri: str | None = None) -> None:
-    """Write ``state.sha256`` (``<sha256>  <path>`` lines) for the current Tune state, in the study folder and
-    in this user's private record (:func:`state_record`)."""
-    text = "".join(f"{digest}  {rel}\n" for rel, digest in state_sums(study_dir).items())
-    write_text_atomically(study_dir / STATE_SUMS, text)
-    record = state_record(study_dir, uri)
-    record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_text_atomically(record, text)
-
-
-def _read_sums(path: Path) -> dict[str, str]:
-    recorded = {}
-    for line in path.read_text().splitlines():
-        digest, _, rel = line.partition("  ")
-        recorded[rel] = digest
-    return recorded
-
-
 def _check_owner(path: Path) -> None:
     info = path.lstat()
     if stat.S_ISLNK(info.st_mode):
@@ -508,42 +468,48 @@ def verify_state(study_dir: Path, uri: str | None = None) -> str | None:
     writable, or not matching the checksums this user's driver recorded (checked before anything is
     unpickled).  ``uri``: the study's object-store URI, whose pulled copy is checked.
 
-    The checksums come from this user's private record (:func:`state_record`).  Without one: a local
-    folder is checked against its own ``state.sha256`` (studies recorded before the private record
-    existed); a study pulled from an object store is refused, since whoever can write the bucket could
-    have written both the state and its checksums, unless ``PRVRLAB_TRUST_STUDY_STATE=1``.  A driver that
-    was killed hard (SIGKILL, node loss) could not record its last state: a local study is then checked
-    on ownership and permissions only, and the returned warning says so (None otherwise).
+    The checksums come from this user's private record (:func:`state_record`), written by the driver when
+    its run ended or, for a local study whose driver was killed outright, by its run sentinel
+    (:func:`prvrlab.platform.tracking.closer.watch`; a resume started while that sentinel is still at
+    work waits for it).  A study with no record (run elsewhere, recorded before the private record
+    existed, or its driver and sentinel both killed) is refused, since whoever wrote its folder or bucket
+    could have written the state and its ``state.sha256`` too, unless ``PRVRLAB_TRUST_STUDY_STATE=1``:
+    then the returned warning says so (None otherwise).
     """
     tune_dir = study_dir / "tune"
     for path in [study_dir, *([tune_dir, *tune_dir.rglob("*")] if tune_dir.is_dir() else [])]:
         _check_owner(path)
-    record = state_record(study_dir, uri)
     remote = bool(uri and storage.is_remote(uri))
-    if record.is_file():
-        sums_file = record
-    elif remote:
+    if not remote:
+        from prvrlab.platform.tracking.closer import await_study_record
+
+        driver = await_study_record(study_dir)
+        if driver is not None:
+            raise StudyError(f"refusing to resume: {study_dir} is being run by a live driver (pid {driver})")
+    record = state_record(study_dir, uri)
+    if not record.is_file():
+        where = uri if remote else str(study_dir)
         if os.environ.get(TRUST_STATE_ENV) == "1":
-            return f"warning: no record of {uri}'s Tune state on this machine; trusting it ({TRUST_STATE_ENV}=1)"
+            return f"warning: no record of {where}'s Tune state on this machine; trusting it ({TRUST_STATE_ENV}=1)"
         raise StudyError(
-            f"refusing to resume: this machine has no record of {uri}'s Tune state ({record}), and anyone who "
-            f"can write the bucket could have written it and its checksums; resume where the study ran, or set "
-            f"{TRUST_STATE_ENV}=1 to trust it"
+            f"refusing to resume: this machine has no record of {where}'s Tune state ({record}): it ran elsewhere, "
+            f"or its driver was killed with its run sentinel, and whoever wrote the study could have written its "
+            f"state and checksums; resume where the study ran, or set {TRUST_STATE_ENV}=1 to trust it"
         )
-    else:
-        sums_file = study_dir / STATE_SUMS
-        if not sums_file.is_file():
-            return (
-                f"warning: {sums_file} is missing (the previous driver was killed before it could record its state); "
-                "resuming on ownership and permission checks only"
-            )
-        _check_owner(sums_file)
-    recorded, current = _read_sums(sums_file), state_sums(study_dir)
+    recorded, current = read_sums(record), state_sums(study_dir)
     for rel in sorted(set(recorded) | set(current)):
         if recorded.get(rel) != current.get(rel):
             change = "added" if rel not in recorded else "missing" if rel not in current else "modified"
-            raise StudyError(f"refusing to resume: {study_dir / rel} was {change} since the driver recorded {sums_file}")
+            raise StudyError(f"refusing to resume: {study_dir / rel} was {change} since the driver recorded {record}")
     return None
+
+
+def _record_final_state(location: storage.Location, study: StudyContext) -> None:
+    """The driver's record of the Tune state it leaves (object store: pulled back first); its sentinel no
+    longer needs to record it."""
+    location.child("tune").pull(exclude=("checkpoint_*",), fresh=True)  # object store: the state to record
+    record_state(Path(study.study_dir), study.storage or None)
+    closer.unwatch_study(study.study_dir)
 
 
 def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, whole: bool = True) -> tuple[float, float]:
@@ -847,6 +813,8 @@ def run_study(
         location = storage.Location(study.storage or study.study_dir)
         location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
         forget_state(Path(study.study_dir), study.storage or None)
+        if not study.storage:  # a local study: a driver killed outright has its sentinel record the state
+            closer.watch_study(study.study_dir)
         previous = _sigterm_as_sigint()
         try:
             with ray_logs_to(Path(study.study_dir) / STUDY_LOG), mlflow_cb.mirror.every(SYNC_S):  # warnings off the console
@@ -856,12 +824,17 @@ def run_study(
             results = None
         except Unplaced as exc:
             unplaced, results = exc, None
+        except BaseException:  # Tune failed: its state is still what a --resume restores
+            try:
+                _record_final_state(location, study)
+            except Exception as exc:  # noqa: BLE001 - the failure above is the one to report
+                print(f"prvrlab: warning: could not record the study's Tune state: {exc}", file=sys.stderr)
+            raise
         finally:
             stop_admission()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-    location.child("tune").pull(exclude=("checkpoint_*",), fresh=True)  # object store: the state to record
-    record_state(Path(study.study_dir), study.storage or None)
+    _record_final_state(location, study)
     mlflow_cb.mirror.push()
     trials = _trials(tuner)
     if INTERRUPTED.is_set() or any(t.status in ("PENDING", "RUNNING", "PAUSED") for t in trials):

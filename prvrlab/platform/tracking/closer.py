@@ -19,7 +19,9 @@ gone (or a zombie), closes KILLED the runs the driver's ledger file still lists 
 RUNNING runs its driver tags name in the stores the ledger lists (a run created in the instant
 before the driver could list it).  The sentinel starts, and the store is listed, before the first
 run is created.  The driver rewrites the ledger at each run it opens or closes and removes it at a
-normal exit, which ends the sentinel.
+normal exit, which ends the sentinel.  The ledger also lists the local studies whose Tune state the
+driver has not recorded yet (:func:`watch_study`): a sentinel whose driver died records it
+(:mod:`prvrlab.platform.study_state`), which is what a later ``--resume`` checks before Tune unpickles it.
 Only killing the sentinel too (a cgroup kill: a container whose main process
 is the driver, Slurm's step teardown, a Kubernetes OOM kill) leaves runs
 RUNNING; the next ``prvrlab train`` on the same host then closes them
@@ -56,6 +58,7 @@ from prvrlab.uris import file_store, sqlite_file
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
 _STORES: set[tuple[str, str]] = set()  # (tracking URI, experiment id) where this process creates runs
+_STUDIES: set[str] = set()  # local study folders whose Tune state the sentinel records if this process dies
 _LOCK = threading.RLock()  # re-entrant: a stop signal's handler runs in the main thread, which may hold it
 _SPAWN = threading.Lock()  # one sentinel start at a time
 _CLOSER: subprocess.Popen | None = None
@@ -64,6 +67,9 @@ WAIT_S = 30.0  # how long the driver's own closing waits for the detached closer
 STOP_GRACE_S = 30.0  # how long a stopped driver may take to wind down before it exits anyway
 SENTINEL_ENV = "PRVRLAB_RUN_SENTINEL"  # "0": no sentinel (tests of the next-train fallback)
 POLL_S = 1.0  # how often the sentinel looks at its driver
+LEDGER_PREFIX = "prvrlab-open-runs-"  # the sentinel's ledger: <tmp>/prvrlab-open-runs-*.json
+RECORD_WAIT_S = 60.0  # how long a resume waits for a dead driver's sentinel to record the study's state
+LEDGER_FRESH_S = 30.0  # a dead driver's ledger touched this recently: its sentinel is still at work
 _GUARD = {"on": False, "ledger": None, "sentinel": None, "warned": False}  # this process's sentinel, once started
 HTTP_RETRIES, HTTP_TIMEOUT_S = "2", "10"  # the helpers' MLflow client against an unreachable server (unless set)
 
@@ -117,6 +123,57 @@ def closed(run_id: str) -> None:
         _best_effort(_write_ledger)
 
 
+def watch_study(study_dir: str | Path) -> None:
+    """Have the sentinel record the Tune state of local study ``study_dir`` if this process dies before it
+    records it itself (:func:`unwatch_study`); see :func:`watch`."""
+    with _LOCK:
+        _STUDIES.add(str(Path(study_dir).resolve()))
+        _best_effort(_write_ledger)
+
+
+def unwatch_study(study_dir: str | Path) -> None:
+    """This process recorded the study's state itself."""
+    with _LOCK:
+        _STUDIES.discard(str(Path(study_dir).resolve()))
+        _best_effort(_write_ledger)
+
+
+def _ledgers() -> list[tuple[Path, dict]]:
+    """This user's sentinel ledgers in the temporary folder and what they list (unreadable ones skipped)."""
+    found = []
+    for path in Path(tempfile.gettempdir()).glob(f"{LEDGER_PREFIX}*.json"):
+        try:
+            if path.lstat().st_uid != os.getuid() or path.is_symlink():
+                continue
+            found.append((path, json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def await_study_record(study_dir: str | Path, *, timeout_s: float = RECORD_WAIT_S) -> int | None:
+    """Before a resume of local study ``study_dir``: the pid of a live driver running it (whose ledger lists
+    it), else None once no sentinel of a dead driver is still recording its state (waited for up to
+    ``timeout_s``)."""
+    key = str(Path(study_dir).resolve())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = False
+        for path, listed in _ledgers():
+            pid, start = listed.get("driver", (None, None))
+            if key not in listed.get("studies", ()) or pid is None or int(pid) == os.getpid():
+                continue
+            if process_alive(int(pid), str(start)):
+                return int(pid)
+            try:  # a sentinel at work touches its ledger; an older one's sentinel died with its driver
+                pending = pending or time.time() - path.stat().st_mtime < LEDGER_FRESH_S
+            except OSError:  # done: the sentinel removed it
+                pass
+        if not pending or time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+
+
 def _best_effort(step) -> None:
     """Run a bookkeeping ``step``; a failure (no process or file can be made) warns once, never fails a run."""
     try:
@@ -137,7 +194,10 @@ def _write_ledger() -> None:
     fd, tmp = tempfile.mkstemp(dir=ledger.parent, prefix=ledger.name + ".")  # mode 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"runs": dict(_OPEN), "stores": sorted(_STORES)}, fh)
+            json.dump({
+                "runs": dict(_OPEN), "stores": sorted(_STORES), "studies": sorted(_STUDIES),
+                "driver": [os.getpid(), start_time(os.getpid())],
+            }, fh)
         os.replace(tmp, ledger)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -175,7 +235,7 @@ def _start_sentinel() -> None:
             return
         with _LOCK:
             if _GUARD["ledger"] is None:
-                fd, name = tempfile.mkstemp(prefix="prvrlab-open-runs-", suffix=".json")
+                fd, name = tempfile.mkstemp(prefix=LEDGER_PREFIX, suffix=".json")
                 os.close(fd)
                 _GUARD["ledger"] = Path(name)
                 atexit.register(_release_ledger)
@@ -201,8 +261,10 @@ def _release_ledger() -> None:
 
 
 def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
-    """The sentinel: wait until driver ``pid`` is gone, then close the runs its ``ledger`` lists; end
-    without closing anything when the ledger disappears (the driver's normal exit)."""
+    """The sentinel: wait until driver ``pid`` is gone, then record the Tune state of the local studies its
+    ``ledger`` lists (once each has stopped changing: :func:`~prvrlab.platform.study_state.record_settled`;
+    the ledger stays until then, so a resume waits: :func:`await_study_record`) and close the runs it lists;
+    end without doing anything when the ledger disappears (the driver's normal exit)."""
     while process_alive(pid, start):
         if not ledger.exists():
             return 0
@@ -210,8 +272,20 @@ def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
     try:
         listed = json.loads(ledger.read_text(encoding="utf-8"))
         runs, stores = dict(listed["runs"]), [tuple(store) for store in listed["stores"]]
+        studies = [str(study) for study in listed.get("studies", ())]
     except (OSError, ValueError, KeyError, TypeError):
+        ledger.unlink(missing_ok=True)
         return 0  # removed at the driver's exit, or never written
+    try:
+        if studies:
+            from prvrlab.platform.study_state import record_settled
+
+            for study in studies:
+                try:
+                    os.utime(ledger)  # at work: a resume waits (await_study_record)
+                    record_settled(Path(study))
+                except OSError:  # removed meanwhile: nothing to resume
+                    pass
     finally:
         ledger.unlink(missing_ok=True)
     driver = driver_tags(pid, start)

@@ -1,0 +1,90 @@
+"""Checksums of a study's Ray Tune state, the only record ``--resume`` trusts before Tune unpickles it.
+
+The driver records the state when its run ends (:func:`record_state`); a driver killed outright records
+nothing, so its run sentinel (:mod:`prvrlab.platform.tracking.closer`) records it once the driver is gone and
+the folder has stopped changing (:func:`record_settled`).  The record is this user's, outside the study
+folder (:func:`state_record`): whoever can write the folder or its bucket cannot vouch for what they wrote.
+Light on imports: the sentinel loads this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+from prvrlab.cache import cache_root
+from prvrlab.files import write_text_atomically
+from prvrlab.platform import storage
+
+STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the driver after each run
+TRUST_STATE_ENV = "PRVRLAB_TRUST_STUDY_STATE"  # 1: resume a study this user has no record of
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def state_sums(study_dir: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``<study>/tune`` (what a restore may unpickle)."""
+    tune_dir = study_dir / "tune"
+    files = sorted(p for p in tune_dir.rglob("*") if p.is_file() and not p.is_symlink()) if tune_dir.is_dir() else []
+    return {str(p.relative_to(study_dir)): _sha256(p) for p in files}
+
+
+def state_record(study_dir: Path, uri: str | None = None) -> Path:
+    """This user's record of the checksums of a study's Tune state, outside the study folder (nobody who can
+    write the folder or its bucket can vouch for what they wrote): ``<cache>/study-state/<key>.sha256``, keyed
+    by the study's object-store URI, else by its resolved folder."""
+    key = uri if uri and storage.is_remote(uri) else str(Path(study_dir).resolve())
+    return cache_root() / "study-state" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.sha256"
+
+
+def forget_state(study_dir: Path, uri: str | None = None) -> None:
+    """Remove the study's records of its Tune state (stale once Tune writes it again)."""
+    state_record(study_dir, uri).unlink(missing_ok=True)
+
+
+def _write(study_dir: Path, uri: str | None, sums: dict[str, str]) -> None:
+    text = "".join(f"{digest}  {rel}\n" for rel, digest in sums.items())
+    write_text_atomically(study_dir / STATE_SUMS, text)
+    record = state_record(study_dir, uri)
+    record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_text_atomically(record, text)
+
+
+def record_state(study_dir: Path, uri: str | None = None) -> None:
+    """Write ``state.sha256`` (``<sha256>  <path>`` lines) for the current Tune state, in the study folder and
+    in this user's private record (:func:`state_record`)."""
+    _write(study_dir, uri, state_sums(study_dir))
+
+
+def record_settled(study_dir: Path, *, settle_s: float = 1.0, timeout_s: float = 20.0) -> bool:
+    """:func:`record_state` of a local study once two readings ``settle_s`` apart agree (a killed driver's
+    trial processes may still be writing for a moment); False, recording nothing, when it is still changing
+    after ``timeout_s`` or has no Tune state."""
+    deadline = time.monotonic() + timeout_s
+    before = state_sums(study_dir)
+    while time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = state_sums(study_dir)
+        if now == before:
+            if not now:
+                return False
+            _write(study_dir, None, now)
+            return True
+        before = now
+    return False
+
+
+def read_sums(path: Path) -> dict[str, str]:
+    """The ``relative path -> sha256`` lines of a record or ``state.sha256`` file."""
+    recorded = {}
+    for line in path.read_text().splitlines():
+        digest, _, rel = line.partition("  ")
+        recorded[rel] = digest
+    return recorded
