@@ -384,6 +384,10 @@ def synthesize(out_root: str | Path, *, preset: str | SynthPreset, seed: int = 0
             return out_root
         written = [Path("FeatureData") / VISUAL_FEATURE, Path("synth.json")]
         written += [Path("TextData") / f.name for f in (staging / "TextData").iterdir()]
+        for rel in written:  # nothing written or removed through a link to elsewhere
+            for part in (rel, *rel.parents[:-1]):
+                if (out_root / part).is_symlink():
+                    raise DataError(f"{out_root / part} is a symbolic link; not replacing a synthetic collection through it")
         for rel in written:
             dst = out_root / rel
             if dst.is_dir():
@@ -410,8 +414,14 @@ def refresh_if_outdated(root: str | Path) -> bool:
     if int(info.get("generator_version", 1)) >= GENERATOR_VERSION:
         return False
     fields = {f.name for f in dataclasses.fields(SynthPreset)}
-    preset = SynthPreset(**{k: tuple(v) if isinstance(v, list) else v for k, v in info.items() if k in fields})
-    synthesize(root, preset=preset, seed=int(info["seed"]), progress=False)
+    try:
+        preset = SynthPreset(**{k: tuple(v) if isinstance(v, list) else v for k, v in info.items() if k in fields})
+        known = get_preset(preset.name)
+    except (DataError, TypeError, ValueError):
+        return False  # not a preset this generator wrote: left as it is
+    if preset != known:  # sizes from the folder, not a preset's: not regenerated (they could fill the disk)
+        return False
+    synthesize(root, preset=known, seed=int(info["seed"]), progress=False)
     return True
 
 

@@ -162,6 +162,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from prvrlab.evaluation.metrics import METRIC_KEYS
     from prvrlab.platform import storage
     from prvrlab.platform.train.checkpoint_eval import (
+        check_own_data,
         checkpoint_config,
         checkpoint_epoch,
         evaluate_checkpoint,
@@ -175,6 +176,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"recovery checkpoint evaluated with the config {blob['config_file']}")
     if args.data_root is not None:
         _check_data_root(args.data_root, checkpoint_config(blob, checkpoint).data)
+    else:
+        check_own_data(checkpoint_config(blob, checkpoint), checkpoint)
     ranks = args.ranks
     if ranks:
         storage.check_file(ranks, "--ranks")

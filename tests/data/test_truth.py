@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -78,3 +79,30 @@ def test_an_older_synthetic_collection_is_refreshed_with_identical_features(tmp_
     assert (root / "TextData" / "synthtrain.truth.json").is_file()
     assert json.loads((root / "synth.json").read_text())["generator_version"] == GENERATOR_VERSION
     assert not refresh_if_outdated(root)  # current: nothing to do
+
+
+def test_a_refresh_never_writes_through_a_link_nor_regenerates_sizes_no_preset_has(tmp_path):
+    """An outdated synth.json is a folder's word, not a preset: a link in the collection (to a folder
+    elsewhere) is refused before anything is written or removed, and sizes no preset has are left alone."""
+    root = tmp_path / "old"
+    synthesize(root, preset="tiny", seed=5, progress=False)
+    info = json.loads((root / "synth.json").read_text())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    shutil.rmtree(root / "FeatureData")
+    (root / "FeatureData").symlink_to(outside, target_is_directory=True)
+    (root / "synth.json").write_text(json.dumps({**info, "generator_version": 1}))
+    with pytest.raises(DataError, match="symbolic link"):
+        refresh_if_outdated(root)
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt"]
+
+    huge = tmp_path / "huge"
+    synthesize(huge, preset="tiny", seed=5, progress=False)
+    before = {p: p.stat().st_mtime_ns for p in huge.rglob("*") if p.is_file()}
+    big = {**json.loads((huge / "synth.json").read_text()), "generator_version": 1, "videos": [10**7, 1, 1]}
+    (huge / "synth.json").write_text(json.dumps(big))
+    assert not refresh_if_outdated(huge)
+    assert {p: p.stat().st_mtime_ns for p in huge.rglob("*") if p.is_file() and p.name != "synth.json"} == {
+        p: t for p, t in before.items() if p.name != "synth.json"
+    }

@@ -352,3 +352,21 @@ def test_a_loss_term_name_mlflow_cannot_store_fails_train_check_naming_it(tiny_r
         assert main(command) == EXIT_BAD_INPUT
         assert one_error_line(capsys).startswith(f"prvrlab: error: {cfg}: losses.clip+nce: ")
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "results").exists()
+
+
+def test_a_checkpoint_naming_a_missing_synthetic_root_elsewhere_creates_nothing(synthetic_model, tmp_path, capsys, no_evaluation):
+    """The data root in a checkpoint's config is the checkpoint's word: eval reads it, never writes it."""
+    import torch
+
+    blob = torch.load(synthetic_model, map_location="cpu", weights_only=True)
+    elsewhere = tmp_path / "anywhere" / "planted"
+    blob["config"]["data"]["root"] = str(elsewhere)
+    moved = tmp_path / "moved" / "best_model.pt"
+    moved.parent.mkdir()
+    torch.save(blob, moved)
+    assert main(["eval", str(moved)]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (
+        f"prvrlab: error: {moved}: its data root {elsewhere} does not exist; write the model's synthetic collection "
+        f"there with  prvrlab data synth --preset tiny --seed 0 --out {elsewhere}  (or give --data-root)"
+    )
+    assert not (tmp_path / "anywhere").exists()

@@ -167,6 +167,21 @@ def checkpoint_config(blob: dict, path: str | Path) -> ExperimentConfig:
         raise ConfigError(f"{path}: stored config is invalid: {exc}") from None
 
 
+def check_own_data(cfg: ExperimentConfig, path: str | Path) -> None:
+    """The data root a checkpoint's config names, for an evaluation without ``--data-root``: it must exist (a
+    checkpoint says where its data is, it never has a folder created: nothing it holds writes files) and hold
+    the synthetic preset the config names, if any; DataError saying how to make it otherwise."""
+    from prvrlab.data.collection import check_synthetic_root, collection_root
+
+    if cfg.data.synthesize and not Path(cfg.data.root).exists():
+        raise DataError(
+            f"{path}: its data root {cfg.data.root} does not exist; write the model's synthetic collection there "
+            f"with  prvrlab data synth --preset {cfg.data.synthesize} --seed {cfg.data.synth_seed} --out "
+            f"{cfg.data.root}  (or give --data-root)"
+        )
+    check_synthetic_root(cfg.data, collection_root(cfg.data))
+
+
 def eval_device(cfg: ExperimentConfig, requested: str | None = None) -> torch.device:
     """Where ``prvrlab eval`` runs the model of a run configured by ``cfg`` (:func:`saved_model_device`)."""
     from prvrlab.evaluation.retrieval import saved_model_device
@@ -198,7 +213,9 @@ def evaluate_checkpoint(
     cfg = checkpoint_config(blob, path)
     if data_root is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(Path(data_root).resolve())))
-    collection = open_collection(cfg.data, allow_synthesize=data_root is None)  # a given root is never written
+    if data_root is None:
+        check_own_data(cfg, path)
+    collection = open_collection(cfg.data, allow_synthesize=False)  # a checkpoint's or given root: never written
     collection.split(split)
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     try:
