@@ -73,6 +73,8 @@ def normalize(value: str | Path, base: Path | None = None, key: str = KEY) -> st
     if not bucket:
         raise ConfigError(f"{key}: {text!r} names no bucket")
     path = path.strip("/")
+    if any(part in (".", "..") for part in (bucket, *path.split("/"))):  # the local staging copy mirrors the path
+        raise ConfigError(f"{key}: {text!r} has a '.' or '..' segment; name the object-store path without them")
     return f"{REMOTE_SCHEMES[scheme]}://{bucket}" + (f"/{path}" if path else "")
 
 

@@ -45,6 +45,9 @@ def test_normalize_resolves_relative_local_paths_against_the_base(tmp_path):
         ("s3:///results", ["names no bucket"]),
         ("s3://lab/runs?endpoint_override=http://127.0.0.1:9000", ["carries a query", "AWS_ENDPOINT_URL"]),
         ("file://otherhost/srv", ["names host 'otherhost'"]),
+        ("s3://lab/runs/../../../home", ["'..' segment"]),  # its local staging copy would leave the staging folder
+        ("gs://../x", ["'..' segment"]),
+        ("s3://lab/./x", ["'.' or '..' segment"]),
     ],
 )
 def test_bad_storage_uris_are_refused_at_validation_naming_the_key(tiny_root, tmp_path, given, words):
