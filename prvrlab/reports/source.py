@@ -265,6 +265,11 @@ def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, An
             out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
     except (ValueError, TypeError, ArithmeticError) as exc:
         raise ReportError(f"{artifact} is not a ranks table: {_first_line(exc)}") from None
+    ids = out["query_id"]
+    if ids.size and (ids[1:] == ids[:-1]).any():  # sorted: a repeat sits next to its twin
+        raise ReportError(f"{artifact} ranks query {str(ids[1:][ids[1:] == ids[:-1]][0])!r} more than once")
+    if out["rank"].size and out["rank"].min() < 1:
+        raise ReportError(f"{artifact} holds rank {int(out['rank'].min())}; ranks start at 1")
     return out
 
 

@@ -51,6 +51,8 @@ def hits(ranks: Sequence[int] | np.ndarray, ks: Sequence[int] = DEFAULT_KS) -> n
     r = np.asarray(ranks, dtype=np.int64).reshape(-1)
     if r.size == 0:
         raise ValueError("no ranks given")
+    if r.min() < 1:
+        raise ValueError(f"ranks start at 1, got {int(r.min())}")
     return (r[:, None] <= np.asarray(ks, dtype=np.int64)[None, :]).astype(np.float64) * 100.0
 
 
@@ -117,6 +119,9 @@ def align(a_ids: Sequence[str], a_values: np.ndarray, b_ids: Sequence[str], b_va
     """Rows of ``a_values`` and ``b_values`` for the query ids both have, sorted by id."""
     a_pos = {str(q): i for i, q in enumerate(a_ids)}
     b_pos = {str(q): i for i, q in enumerate(b_ids)}
+    for ids, pos in ((a_ids, a_pos), (b_ids, b_pos)):
+        if len(pos) != len(ids):
+            raise ValueError(f"{len(ids) - len(pos)} query id(s) repeated among a run's ranks; each query is ranked once")
     common = sorted(set(a_pos) & set(b_pos))
     if not common:
         raise ValueError("the two runs share no query id")
@@ -146,6 +151,8 @@ def paired_test(
         b = b.sum(axis=1)
     if v.shape != b.shape or v.size == 0:
         raise ValueError(f"paired arrays must have the same non-empty shape, got {v.shape} and {b.shape}")
+    if n_perm < 1:
+        raise ValueError(f"n_perm must be >= 1, got {n_perm}")
     d = v - b
     n = d.size
     observed = float(d.mean())

@@ -146,10 +146,25 @@ def _text_ranks(path):
     pq.write_table(pa.table({"query_id": QUERIES, "rank": ["first"] * len(QUERIES)}), path)
 
 
+def _repeated_query(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"query_id": [*QUERIES, QUERIES[2]], "rank": [1] * (len(QUERIES) + 1)}), path)
+
+
+def _rank_zero(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"query_id": QUERIES, "rank": [0] + [1] * (len(QUERIES) - 1)}), path)
+
+
 @pytest.mark.parametrize(
     ("artifact", "reason"),
     [(_garbage, "cannot be read as a ranks table"), (_no_query_id, "is not a ranks table: no column query_id"),
-     (_text_ranks, "is not a ranks table")],
+     (_text_ranks, "is not a ranks table"), (_repeated_query, f"ranks query '{QUERIES[2]}' more than once"),
+     (_rank_zero, "holds rank 0; ranks start at 1")],
 )
 def test_a_corrupt_or_foreign_ranks_artifact_is_one_line(store, capsys, artifact, reason):
     a, b = store(), store(artifact=artifact)

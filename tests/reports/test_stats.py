@@ -124,3 +124,14 @@ def test_seed_differences_constant_up_to_float_noise_get_no_t_test():
     assert np.isnan(stats.seed_test([1.5, 2.5], [1.0, 2.0]).p_ttest)  # exactly constant: the same verdict
     small = stats.seed_test([10.0, 10.2 + 1e-6, 9.9], [9.9, 10.1, 9.8])  # a real (small) spread keeps its test
     assert small.p_ttest == pytest.approx(sps.ttest_rel([10.0, 10.2 + 1e-6, 9.9], [9.9, 10.1, 9.8]).pvalue)
+
+
+def test_hits_align_and_the_query_test_refuse_what_has_no_meaning():
+    """A rank below 1 would count as a hit at every K; a repeated query id would be silently collapsed; no
+    permutation gives no p-value."""
+    with pytest.raises(ValueError, match="ranks start at 1"):
+        stats.hits([1, 0, 3])
+    with pytest.raises(ValueError, match="repeated"):
+        stats.align(["q1", "q1"], np.zeros(2), ["q1"], np.zeros(1))
+    with pytest.raises(ValueError, match="n_perm must be >= 1"):
+        stats.paired_test(np.ones(3), np.zeros(3), n_perm=0)
