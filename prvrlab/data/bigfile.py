@@ -71,6 +71,8 @@ def read_video2frames(path: Path) -> dict[str, list[str]]:
             mapping = json.loads(text.replace("'", '"'))
         except ValueError:
             mapping = None
+        except RecursionError as exc:
+            raise DataError(f"{path}: not a Python dict literal (RecursionError: {exc})") from None
     if mapping is None:
         try:
             mapping = ast.literal_eval(text)

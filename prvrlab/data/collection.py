@@ -33,6 +33,7 @@ from prvrlab.data.text import (
     QueryFeatures,
     caption_path,
     missing_split_message,
+    not_a_regular_file,
     moment_ratios,
     read_captions,
     read_timestamps,
@@ -160,7 +161,8 @@ class Collection:
     def _build_split(self, name: str) -> SplitIndex:
         path = self.caption_file(name)
         if not path.is_file():
-            raise DataError(missing_split_message(self.text_dir, self.name, name))
+            why = not_a_regular_file(path) if path.exists() else missing_split_message(self.text_dir, self.name, name)
+            raise DataError(why)
         captions = read_captions(path)
         if not captions:
             raise DataError(f"{path}: no caption")

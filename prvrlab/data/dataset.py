@@ -68,7 +68,8 @@ class VideoDataset(Dataset):
     def query(self, j: int) -> np.ndarray:
         """Preprocessed tokens (Lq, Dq) of query ``j`` of the split."""
         c = self.collection
-        return preprocess_query(c.queries.tokens(self.index.query_ids[j]), c.max_query_len, normalize=c.normalize)
+        tokens = c.queries.tokens(self.index.query_ids[j], max_len=c.max_query_len)  # (Lq, Dq)
+        return preprocess_query(tokens, c.max_query_len, normalize=c.normalize)
 
     def __getitem__(self, i: int) -> VideoItem:
         frames, clips = self.video(i)
@@ -384,7 +385,7 @@ class _EvalBatches(Dataset):
         longest = int(lengths.max())
         queries = np.zeros((len(items), longest, c.query_dim), dtype=np.float32)  # (N, Lq, Dq)
         for row, qid in enumerate(ids):
-            tokens = c.queries.tokens(qid)[: c.max_query_len]  # (Lq_i, Dq), as read
+            tokens = c.queries.tokens(qid, max_len=c.max_query_len)  # (Lq_i, Dq), as read
             if tokens.shape[0] != lengths[row]:
                 raise ValueError(f"query {qid!r}: {tokens.shape[0]} tokens as read, its index says {lengths[row]}")
             queries[row, : lengths[row]] = tokens

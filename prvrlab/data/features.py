@@ -154,28 +154,52 @@ class H5Arrays:
         for p in positions.tolist():
             key = index.keys[p]
             dsid = self._dataset(fid, key)
-            shape = dsid.shape
-            if len(shape) != 2:
-                raise DataError(f"{self.path}: dataset {key!r} has shape {shape}, expected (n, D)")
+            shape = self._checked_shape(dsid, key)
             offset = dsid.get_offset()  # None unless contiguous (so unfiltered) and allocated
             f32 = offset is not None and dsid.get_storage_size() == 4 * shape[0] * shape[1] and dsid.get_type().equal(_F32)
             index.shapes[p] = shape
             index.offsets[p] = int(offset) if f32 else UNKNOWN
 
-    def read(self, key: str) -> np.ndarray:
-        """The dataset ``key`` as a float32 array (n, D)."""
+    def read(self, key: str, *, max_rows: int | None = None) -> np.ndarray:
+        """The dataset ``key`` as a float32 array (n, D), only its first ``max_rows`` rows when given."""
         run = self._runs.get(key)
         if run is not None and self._raw_fd() is not None:
             offset, rows, cols = run
+            rows = rows if max_rows is None else min(rows, max_rows)
             return read_float32(self._fd, offset, (rows, cols), short=f"{self.path}: ends inside dataset {key!r}")
         dsid = self._dataset(self._file().id, key)
+        shape = self._checked_shape(dsid, key)
+        rows = shape[0] if max_rows is None else min(shape[0], max_rows)
+        out = np.empty((rows, shape[1]), dtype=np.float32)  # (n, D)
+        if out.size and rows == shape[0]:
+            dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+        elif out.size:  # the first rows only
+            space = dsid.get_space()
+            space.select_hyperslab((0, 0), out.shape)
+            dsid.read(h5py.h5s.create_simple(out.shape), space, out)
+        return out
+
+    def _checked_shape(self, dsid, key: str) -> tuple[int, int]:
+        """The (n, D) shape of dataset ``key``; DataError naming the file and key when it is not 2-D with D >= 1,
+        not numeric, or declares more values than :data:`MAX_ELEMENTS` or (stored unfiltered) than the file holds."""
         shape = dsid.shape
         if len(shape) != 2:
             raise DataError(f"{self.path}: dataset {key!r} has shape {shape}, expected (n, D)")
-        out = np.empty(shape, dtype=np.float32)  # (n, D)
-        if out.size:
-            dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
-        return out
+        n, d = (int(x) for x in shape)
+        if d < 1:
+            raise DataError(f"{self.path}: dataset {key!r}: invalid shape N={n} D={d}")
+        dtype = dsid.get_type()
+        if dtype.get_class() not in (h5py.h5t.FLOAT, h5py.h5t.INTEGER):
+            raise DataError(f"{self.path}: dataset {key!r} holds {dsid.dtype} values, expected numbers (float or int)")
+        nbytes = n * d * dtype.get_size()
+        if n * d > MAX_ELEMENTS:
+            raise DataError(f"{self.path}: dataset {key!r} declares shape ({n}, {d}), more than {MAX_ELEMENTS} values")
+        if nbytes > self._file().id.get_filesize() and dsid.get_create_plist().get_nfilters() == 0:
+            raise DataError(
+                f"{self.path}: dataset {key!r} declares shape ({n}, {d}) ({nbytes} bytes), "
+                "more than the file holds (uncompressed)"
+            )
+        return n, d
 
     def close(self) -> None:
         """Close this process's handle and descriptor (reopened on the next read)."""
@@ -231,6 +255,7 @@ class H5Arrays:
 
 
 _F32 = h5py.h5t.IEEE_F32LE
+MAX_ELEMENTS = 1 << 31  # values one video's or one query's dataset may declare (8 GiB of float32)
 
 
 class HDF5Features:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from prvrlab.data.collection import SplitIndex, configured_splits, open_collection
-from prvrlab.data.integrity import check_visual_features
+from prvrlab.data.integrity import check_query_features, check_visual_features
 from prvrlab.evaluation.metrics import GROUPS, ratio_groups
 
 if TYPE_CHECKING:
@@ -139,14 +139,16 @@ def inspect_collection(cfg: "DataConfig", splits: Sequence[str] | None = None) -
     feature.bin size against shape.txt, id.txt and video2frames.txt
     consistency, a caption whose video has no features, a query id missing
     from the query HDF5, dimension mismatches, empty videos or queries,
-    zero-frame videos and NaN/inf features anywhere in the store.  The
-    first problem raises :class:`DataError` naming the file and the id.
+    zero-frame videos, NaN/inf features anywhere in the store and in the
+    inspected splits' query tokens.  The first problem raises
+    :class:`DataError` naming the file and the id.
     Never generates synthetic data.
     """
     collection = open_collection(cfg, validate_splits=False, allow_synthesize=False)
     check_visual_features(collection.visual)
     names = list(splits) if splits is not None else configured_splits(cfg)
     indexes = [collection.split(n) for n in names]
+    check_query_features(collection.queries, list(dict.fromkeys(q for i in indexes for q in i.query_ids)))
     collection.close()
     warnings = []
     seen: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Whole-store checks of visual features: zero-frame videos and non-finite values.
+"""Whole-store checks of visual features (zero-frame videos, non-finite values) and of query features.
 
 :func:`check_visual_features` scans every frame once, in chunks of the memory
 map (BigFile) or per video (HDF5), and raises :class:`DataError` naming the
@@ -19,6 +19,7 @@ import numpy as np
 from prvrlab.data import index_cache
 from prvrlab.data.errors import DataError
 from prvrlab.data.features import VisualFeatures
+from prvrlab.data.text import QueryFeatures
 
 CHUNK_BYTES = 64 << 20
 FINITE = "finite"  # the index_cache kind of a clean scan (no arrays: its version is what is remembered)
@@ -93,3 +94,18 @@ def _scan_videos(visual: VisualFeatures, show: bool) -> None:
         if i % 256 == 0:
             _progress(show, visual.path, i, len(ids))
     visual.close()
+
+
+def check_query_features(queries: QueryFeatures, query_ids: list[str], *, progress: bool | None = None) -> None:
+    """Raise DataError naming the file and the query id for a NaN/inf value in any token of ``query_ids``.
+
+    ``progress`` (default: stderr is a TTY) prints one updating progress line.
+    """
+    show = sys.stderr.isatty() if progress is None else progress
+    for i, qid in enumerate(query_ids):
+        queries.tokens(qid)  # raises DataError on a non-finite value
+        if i % 1024 == 0:
+            _progress(show, queries.path, i, len(query_ids))
+    if show:
+        print(file=sys.stderr)
+    queries.close()

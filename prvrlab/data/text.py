@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -53,6 +54,17 @@ def missing_split_message(text_dir: str | Path, collection: str, split: str) -> 
     return f"split {split!r} not found in {text_dir}; splits with captions: {', '.join(known)}{hint}"
 
 
+def not_a_regular_file(path: Path) -> str:
+    """Why ``path``, which exists, cannot be read as a text file: what kind of file it is."""
+    mode = path.stat().st_mode
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f"{path}: is {kind}, expected a regular text file"
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
 def timestamps_path(text_dir: str | Path, collection: str, split: str) -> Path:
     """``TextData/<collection><split>.timestamps.json``."""
     return Path(text_dir) / f"{collection}{split}.timestamps.json"
@@ -68,7 +80,7 @@ def read_captions(path: str | Path) -> list[tuple[str, str]]:
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"caption file not found: {path}")
+        raise DataError(not_a_regular_file(path) if path.exists() else f"caption file not found: {path}")
     out: list[tuple[str, str]] = []
     data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
     if b"\r" in data:
@@ -151,11 +163,17 @@ class QueryFeatures:
             raise DataError(f"{self.path}: query {cap_ids[int(empty[0])]!r} has no token")
         return shapes[:, 0].copy()
 
-    def tokens(self, cap_id: str) -> np.ndarray:
-        """Token features of ``cap_id``, (n_tokens, Dq) float32."""
-        out = self._arrays.read(cap_id)  # (n, Dq)
+    def tokens(self, cap_id: str, *, max_len: int | None = None) -> np.ndarray:
+        """Token features of ``cap_id``, (n_tokens, Dq) float32: only its first ``max_len`` tokens when given.
+
+        Raises DataError naming this file and ``cap_id`` for a wrong shape or a NaN/inf value in what is read.
+        """
+        out = self._arrays.read(cap_id, max_rows=max_len)  # (n, Dq)
         if out.shape[1] != self._dim or out.shape[0] == 0:
             raise DataError(f"{self.path}: query {cap_id!r} has shape {out.shape}, expected (n >= 1, {self._dim})")
+        if not np.isfinite(out).all():
+            row = int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])
+            raise DataError(f"{self.path}: non-finite value (NaN/inf) in query {cap_id!r}, token {row}")
         return out
 
     def close(self) -> None:
@@ -173,7 +191,7 @@ def read_timestamps(path: str | Path) -> dict[str, tuple[float, float, float]] |
         return None
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise DataError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise DataError(f"{path}: expected a JSON object {{cap_id: [start, end, duration]}}")

@@ -28,6 +28,7 @@ import torch
 from prvrlab.data.errors import DataError
 
 _ANY = -1  # a concept part the query does not name
+MAX_TABLE_CELLS = 1 << 28  # videos x concept columns a truth file may need (the tvr preset's train split: 7.4e7)
 
 
 def truth_file_name(collection: str, split: str) -> str:
@@ -55,13 +56,16 @@ class RelevanceTruth:
 
     @classmethod
     def load(cls, path: str | Path) -> "RelevanceTruth":
-        """Read a ``*.truth.json`` file; DataError naming the file when it is malformed."""
+        """Read a ``*.truth.json`` file; DataError naming the file when it is malformed, an id is negative or
+        out of range, or its concept ids would need a table of more than :data:`MAX_TABLE_CELLS` cells."""
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-            return cls(queries=raw["queries"], videos=raw["videos"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            queries, videos = raw["queries"], raw["videos"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             raise DataError(f"{path}: not a ground-truth file ({type(err).__name__}: {err})") from err
+        _check(path, queries=queries, videos=videos)
+        return cls(queries=queries, videos=videos)
 
     def _column(self, query_id: str) -> int:
         try:
@@ -85,3 +89,36 @@ class RelevanceTruth:
         except KeyError as err:
             raise KeyError(f"video {err.args[0]!r} is not in the ground truth") from None
         return torch.from_numpy(np.ascontiguousarray(self._shows[np.ix_(rows, cols)].T))  # (Nq, Nv)
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_pair(value: object) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(map(_is_id, value))
+
+
+def _check(path: Path, *, queries: object, videos: object) -> None:
+    """DataError naming ``path`` (and the id) unless ``queries`` / ``videos`` are what :class:`RelevanceTruth` reads."""
+    if not (isinstance(queries, dict) and isinstance(videos, dict)):
+        raise DataError(f"{path}: not a ground-truth file ('queries' and 'videos' must be JSON objects)")
+    actions = objects = 0
+    for vid, shown in videos.items():
+        if not (isinstance(shown, list) and all(map(_is_pair, shown))):
+            raise DataError(f"{path}: video {vid!r}: expected [[action, object], ...] of ids >= 0, got {shown!r:.80}")
+        for a, o in shown:
+            actions, objects = max(actions, a + 1), max(objects, o + 1)
+    cells = len(videos) * (actions * objects + actions + objects)
+    if cells > MAX_TABLE_CELLS:
+        raise DataError(
+            f"{path}: concept ids up to action {actions - 1}, object {objects - 1} for {len(videos)} videos need "
+            f"{cells} table cells (at most {MAX_TABLE_CELLS}): ids must count from 0"
+        )
+    for qid, named in queries.items():
+        ok = isinstance(named, list) and len(named) == 2 and named != [None, None]
+        if not ok or not all(v is None or (_is_id(v) and v < top) for v, top in zip(named, (actions, objects))):
+            raise DataError(
+                f"{path}: query {qid!r}: expected [action | null, object | null] naming concepts that some video "
+                f"shows (actions < {actions}, objects < {objects}), got {named!r:.80}"
+            )
