@@ -9,8 +9,11 @@
 // int64 real query rows per batch entry (rows beyond are written as zeros) or null for all; draw int16
 // (L, L) blocks at draw + b * d_b + k * d_k + h * L * L, or null: no dropout.  A key survives dropout
 // when its draw is >= `threshold` and is then scaled by `keep` (prvrlab.models.blocks.mask_from_draw).
-// A row without keys gets uniform weights (what the additive -inf bias gives in PyTorch); a row with a
-// non-finite logit gets NaN weights (the build assumes finite arithmetic, so this is checked on the bits).
+// Non-finite values follow GaussianAttention's PyTorch path (softmax of S * W plus a huge finite negative
+// bias on padded keys): a row where some product S_ij * W_ij, padded key or not, is NaN or +inf gets NaN
+// weights; a -inf product weighs 0; a row whose real keys all have -inf (or no real keys) is uniform
+// over its keys whose product is not -inf, and NaN when there are none.  The build assumes finite
+// arithmetic, so every product is classified on its bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,12 +33,11 @@ inline float load(const uint16_t* p, int64_t j) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-inline bool finite(const float* p, int64_t j) {
+inline uint32_t bits_of(float v) {
   uint32_t bits;
-  std::memcpy(&bits, p + j, sizeof bits);
-  return (bits & 0x7f800000u) != 0x7f800000u;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits;
 }
-inline bool finite(const uint16_t* p, int64_t j) { return (p[j] & 0x7f80u) != 0x7f80u; }
 
 inline void store(float* p, int64_t j, float v) { p[j] = v; }
 inline void store(uint16_t* p, int64_t j, float v) {  // round to nearest even; NaN stays NaN
@@ -119,33 +121,66 @@ inline float rounded(float v, uint16_t*) {
   return r;
 }
 
+// Into x (L), the weights of a row of logits s and window w with a non-finite product or no real key
+// (module comment).
+template <typename T>
+void special_row(const T* s, const float* w, const uint8_t* keys, int64_t L, float* x) {
+  float top = -std::numeric_limits<float>::max();
+  int64_t bad = 0, real = 0, not_minus_inf = 0;
+  for (int64_t j = 0; j < L; ++j) {
+    x[j] = load(s, j) * w[j];
+    const uint32_t bits = bits_of(x[j]);
+    const bool non_finite = (bits & 0x7f800000u) == 0x7f800000u, minus_inf = bits == 0xff800000u;
+    bad += non_finite && !minus_inf;
+    not_minus_inf += !minus_inf;
+    if (keys[j] && !non_finite) {
+      ++real;
+      top = std::max(top, x[j]);
+    }
+  }
+  if (bad || !real) {  // NaN weights, or uniform ones over the keys not at -inf
+    const bool none = bad || !not_minus_inf;
+    const float u = none ? std::numeric_limits<float>::quiet_NaN() : 1.0f / static_cast<float>(not_minus_inf);
+    for (int64_t j = 0; j < L; ++j) x[j] = none || bits_of(x[j]) != 0xff800000u ? u : 0.0f;
+    return;
+  }
+  float sum = 0.0f;  // the softmax over the real keys with finite products; the -inf ones weigh 0
+  for (int64_t j = 0; j < L; ++j) {
+    const bool take = keys[j] && (bits_of(x[j]) & 0x7f800000u) != 0x7f800000u;
+    x[j] = take ? prvrlab::exp_fast(x[j] - top) : 0.0f;
+    sum += x[j];
+  }
+  for (int64_t j = 0; j < L; ++j) x[j] /= sum;
+}
+
 template <typename T>
 void forward(const Args& a, int threads) {
   const int64_t L = a.L;
-  const float nan = std::numeric_limits<float>::quiet_NaN();
   const int16_t threshold = static_cast<int16_t>(a.draw ? a.threshold : INT16_MIN);
   const float keep = a.keep;
   each_row<T>(a, threads, [&](const Matrix& mx, int64_t i, int64_t row, float* x) {
     const T* s = static_cast<const T*>(a.S) + row;
     const float* w = mx.w + i * mx.w_row;
-    float top = -3.0e38f;
-    int64_t bad = 0, valid = 0;
+    const float lowest = -std::numeric_limits<float>::max();
+    float top = lowest;
+    uint32_t odd = 0;  // nonzero once some product is not finite
+    int64_t valid = 0;
     for (int64_t j = 0; j < L; ++j) {
-      const float v = mx.keys[j] ? load(s, j) * w[j] : -3.0e38f;
-      bad += !finite(s, j);
+      const float v = load(s, j) * w[j];
+      odd |= (bits_of(v) & 0x7f800000u) == 0x7f800000u;
       valid += mx.keys[j];
-      x[j] = v;
-      top = std::max(top, v);
+      x[j] = mx.keys[j] ? v : lowest;
+      top = std::max(top, x[j]);
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < L; ++j) {
-      const float e = x[j] > -1.0e38f ? prvrlab::exp_fast(x[j] - top) : 0.0f;
-      x[j] = e;
-      sum += e;
-    }
-    if (bad || !valid) {  // NaN weights, or uniform ones (module comment)
-      for (int64_t j = 0; j < L; ++j) x[j] = bad ? nan : 1.0f / L;
+    if (odd || !valid) {
+      special_row(s, w, mx.keys, L, x);
     } else {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < L; ++j) {
+        const float e = mx.keys[j] ? prvrlab::exp_fast(x[j] - top) : 0.0f;
+        x[j] = e;
+        sum += e;
+      }
       const float inv = 1.0f / sum;
       for (int64_t j = 0; j < L; ++j) x[j] *= inv;
     }

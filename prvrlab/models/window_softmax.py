@@ -136,10 +136,11 @@ class WindowSoftmax(torch.autograd.Function):
     with the scale folded in.  Inputs of another dtype, device or shape raise ValueError; a window or draw
     whose (L, L) / (H, L, L) blocks are not contiguous is copied first.
 
-    Known limits (the kernel's, not PyTorch's): a row with a non-finite logit, ``-inf`` included, gets
-    NaN weights (PyTorch gives a ``-inf`` logit weight 0); finite window x logit products below about
-    -1e38 are taken for masked keys (the kernel's sentinel is -3e38): weight 0, as in PyTorch, unless
-    every key of the row is that low, which gives NaN weights instead of PyTorch's softmax over them."""
+    Non-finite products follow GaussianAttention's PyTorch path (``window * logits`` plus ``finfo.min / 2``
+    on padded keys): NaN or ``+inf`` anywhere in a row makes the row NaN, a ``-inf`` key weighs 0, and a row
+    whose real keys are all ``-inf`` (or that has none) is uniform over its keys that are not ``-inf``, NaN
+    when none is left.  One difference, where PyTorch's finite bias runs out: a real key's finite product
+    below ``finfo.min / 2`` still outweighs every padded key here."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, window: Tensor | float, keys: Tensor | None, rows: Tensor | None,

@@ -214,3 +214,38 @@ def test_a_broadcast_or_strided_window_gives_the_formula(layout):
     (got,) = torch.autograd.grad(out, leaf, grad)
     (want,) = torch.autograd.grad(ref, ref_leaf, grad.double())
     assert_close(got, want, 2e-6, 2e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_infinite_logits_follow_the_plain_paths_finite_key_bias(dtype):
+    """-inf and +inf logits give what GaussianAttention's PyTorch path gives, softmax(window * logits + a
+    bias of finfo.min / 2 on padded keys): a -inf key weighs 0, a row whose real keys are all -inf spreads
+    its weight over the padded keys that are not -inf (NaN when none is left), +inf anywhere makes the row NaN."""
+    logits, window, keys, _ = inputs(torch.float32, seed=6)  # keys: batch 0 all real, 1 four, 2 one
+    minus, plus = float("-inf"), float("inf")
+    logits[0, 0, 0, 0, 2] = minus  # one real key at -inf among finite ones
+    logits[0, 1, 1, 3, :] = minus  # every key real and at -inf: NaN
+    logits[1, 0, 0, 1, :4] = minus  # all real keys at -inf: uniform over the three padded ones
+    logits[1, 0, 1, 2, :4] = minus
+    logits[1, 0, 1, 2, 5] = minus  # ... over the two padded ones not at -inf
+    logits[1, 1, 0, 0, :] = minus  # every key at -inf: NaN
+    logits[1, 1, 1, 4, 6] = minus  # a padded key at -inf: an ordinary row
+    logits[2, 0, 0, 5, 3] = plus  # +inf on a padded key: NaN
+    logits[2, 1, 1, 6, 0] = plus  # +inf on the real key: NaN
+    logits = logits.to(dtype)
+    bias = torch.zeros(B, L).masked_fill(~keys, torch.finfo(torch.float32).min / 2)
+    want = torch.softmax(logits.float() * window + bias[:, None, None, None, :], dim=-1)
+    got = window_softmax.WindowSoftmax.apply(logits, window, keys, None, None, 0.0).float()
+    torch.testing.assert_close(got, want, rtol=REL[dtype], atol=1e-7, equal_nan=True)
+    assert got[0, 0, 0, 0, 2] == 0 and got[0, 0, 0, 0].sum().item() == pytest.approx(1, rel=1e-2)
+    assert torch.equal(got[1, 0, 0, 1], torch.tensor([0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3]).to(dtype).float())
+    assert torch.equal(got[1, 0, 1, 2], torch.tensor([0, 0, 0, 0, 0.5, 0, 0.5]))
+    nan_rows = [(0, 1, 1, 3), (1, 1, 0, 0), (2, 0, 0, 5), (2, 1, 1, 6)]
+    for index in nan_rows:
+        assert got[index].isnan().all(), index
+    assert got.isnan().sum() == len(nan_rows) * L
+    grad = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    leaf = logits.clone().requires_grad_()
+    (dlogits,) = torch.autograd.grad(window_softmax.WindowSoftmax.apply(leaf, window, keys, None, None, 0.0), leaf,
+                                     grad)
+    assert dlogits[0, 0, 0, 0, 2] == 0 and dlogits[1, 0, 0, 1, :4].abs().max() == 0  # no gradient into -inf keys
