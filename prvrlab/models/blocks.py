@@ -288,6 +288,18 @@ def _batched_mlp(
     return torch.baddbmm(b2[:, None, :], h, w2.transpose(1, 2))  # (k, N, out)
 
 
+def weight_grad(g: Tensor, x: Tensor, out: Tensor | None = None) -> Tensor:
+    """``gᵀ x``, a linear layer's (out, in) weight gradient from its output gradient ``g`` (M, out) and input ``x``
+    (M, in), contiguous (into ``out`` if given).  In bf16 on a CPU, where ``out < in`` the transposed product
+    ``(xᵀ g)ᵀ`` is computed and copied: oneDNN runs the long reduction faster with the wide side as rows
+    ((9786, 384) x (9786, 1536) on AMX: 7.1 against 9.3 ms; the copy is one (out, in) pass).  The same
+    products and float32 sums (only their order may differ), one rounding."""
+    if g.device.type == "cpu" and g.dtype == torch.bfloat16 and g.shape[1] < x.shape[1]:
+        product = torch.mm(x.t(), g).t()  # (out, in), a transposed view
+        return product.contiguous() if out is None else out.copy_(product)
+    return torch.mm(g.t(), x) if out is None else torch.mm(g.t(), x, out=out)
+
+
 class _BranchGemms(torch.autograd.Function):
     """``relu(x_k W1_kᵀ + b1_k) W2_kᵀ + b2_k`` (or ``x_k W1_kᵀ + b1_k``) for each branch k, forward and backward.
 
@@ -334,14 +346,14 @@ class _BranchGemms(torch.autograd.Function):
             gh = g[k]  # (N, out); below, with a second layer, (N, hidden): the gradient at the first GEMM's output
             if w2 is not None:
                 h = hidden[k]  # (N, hidden)
-                torch.mm(gh.t(), h, out=gw2[k])
+                weight_grad(gh, h, out=gw2[k])
                 if ctx.scale is None:
                     gh = torch.mm(gh, w2[k])  # (N, hidden)
                 else:  # the kept elements' dropout scale (dropped ones: h = 0, cut below), inside the GEMM
                     gh = torch.addmm(gh.new_empty(()), gh, w2[k], beta=0, alpha=ctx.scale)  # (N, hidden)
                 gh = torch.ops.aten.threshold_backward(gh, h, 0)
             torch.sum(gh, 0, out=gb1[k])
-            torch.mm(gh.t(), x[k], out=gw1[k])
+            weight_grad(gh, x[k], out=gw1[k])
             if need_x:
                 torch.mm(gh, w1[k], out=gx[k])
         if w2 is None:
@@ -401,7 +413,7 @@ class _BiasLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = torch.mm(g, weight) if need_x else None  # (M, in)
-        gw = torch.mm(g.t(), x) if need_w else None  # (out, in), contiguous: addmm's product for F.linear's weight
+        gw = weight_grad(g, x) if need_w else None  # (out, in), contiguous: addmm's product for F.linear's weight
         gb = g.sum(0) if need_b else None  # (out,)
         return gx, gw, gb
 

@@ -439,3 +439,23 @@ def test_residual_dropout_is_addcmul_with_a_one_pass_backward(dtype, x_shape):
     for got, want in zip(*runs):
         assert got.shape == want.shape and torch.equal(got, want)
     assert torch.equal(runs[0][2], (probe * mask))  # a's gradient: the probe through the mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("widths", [(24, 96), (96, 24)], ids=["narrow-output", "wide-output"])
+def test_weight_grad_is_g_transposed_times_x_contiguous_in_either_orientation(dtype, widths):
+    from prvrlab.models.blocks import weight_grad
+
+    g_gen = torch.Generator().manual_seed(3)
+    n_out, n_in = widths
+    g = torch.randn(300, n_out, generator=g_gen).to(dtype)  # (M, out)
+    x = torch.randn(300, n_in, generator=g_gen).to(dtype)  # (M, in)
+    want = g.double().t() @ x.double()  # (out, in): exact products of the stored values
+    got = weight_grad(g, x)
+    out = torch.full((n_out, n_in), float("nan"), dtype=dtype)
+    into = weight_grad(g, x, out=out)
+    assert got.shape == (n_out, n_in) and got.dtype == dtype and got.is_contiguous()
+    assert into is out and torch.equal(out, got)
+    # float32 sums of 300 products, then (bf16) one rounding of the result
+    rel = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.double() - want).abs() <= rel * want.abs() + 1e-4 * want.abs().max()).all()

@@ -292,3 +292,48 @@ def test_training_scores_take_the_gradient_at_the_winners_as_the_plain_max_does(
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert got[3][2].abs().sum() == 0  # the video without a real vector gets no gradient
+
+
+def test_training_scores_of_bf16_embeddings_run_on_bf16_units_with_float32_sums(monkeypatch):
+    """bf16 query and video embeddings (bf16 autocast's outputs), with autograd: the scores are float32 sums
+    of exact products, as from float32 copies of the same values (float32 summation error); the gradients
+    reach the bf16 inputs within one more bf16 rounding of the incoming gradient (2^-8 of their scale);
+    float32 embeddings keep the float32 products bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(7, 64, generator=g).bfloat16()
+    video = torch.randn(6, 11, 64, generator=g).bfloat16()
+    mask = torch.rand(6, 11, generator=g) > 0.3
+    mask[:, 0] = True
+    weights = torch.randn(2, 7, 6, generator=g)
+
+    def run(q, v):
+        q, v = q.clone().requires_grad_(), v.clone().requires_grad_()
+        scores = max_scores(q, v, mask, with_logits=True)
+        (weights[0] * scores.sim + weights[1] * scores.logits).sum().backward()
+        return scores.sim.detach(), scores.logits.detach(), q.grad, v.grad
+
+    asked = []
+    real = scoring.bf16_products
+
+    def recording(enabled=True):
+        asked.append(enabled)
+        return real(enabled)
+
+    monkeypatch.setattr(scoring, "bf16_products", recording)
+    sim, logits, gq, gv = run(query, video)
+    assert asked == [True, True]  # forward and backward asked for the bf16 units
+    ref_sim, ref_logits, ref_gq, ref_gv = run(query.float(), video.float())
+    assert asked == [True, True, False, False]  # float32 embeddings: float32 products
+    assert sim.dtype == torch.float32 and gq.dtype == gv.dtype == torch.bfloat16
+    torch.testing.assert_close(sim, ref_sim, atol=2e-6, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5 * float(ref_logits.abs().max()), rtol=0)
+    for got, want in ((gq, ref_gq), (gv, ref_gv)):
+        scale = float(want.abs().max())
+        assert (got.float() - want).abs().max() <= 2**-8 * scale, float((got.float() - want).abs().max()) / scale
+    q32, v32 = query.float().requires_grad_(), video.float().requires_grad_()
+    flat = v32.reshape(-1, 64)
+    dots = scoring._Dots.apply(q32, flat, False)
+    assert torch.equal(dots, q32.detach() @ flat.detach().t())
+    dots.sum().backward()
+    assert torch.equal(q32.grad, torch.ones(7, 66) @ flat.detach())
+    assert torch.equal(v32.grad.reshape(66, 64), torch.ones(66, 7) @ q32.detach())
