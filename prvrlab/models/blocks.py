@@ -32,6 +32,7 @@ from prvrlab.checks import check_int, check_positive_int, check_probability, is_
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS
+from prvrlab.models.layer_norm import LayerNorm, layer_norm
 from prvrlab.models.precision import weight_cast
 from prvrlab.models import random_bits
 from prvrlab.models.random_bits import DeferredDraw, apply_mask_, random_mask, random_words
@@ -438,14 +439,13 @@ def _fused_linear(dtype: torch.dtype) -> bool:
 def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dim of (K, N, D) with a per-branch affine ``weight``/``bias`` (K, D).
 
-    One native LayerNorm per branch, its affine inside the kernel (and its weight and bias gradients
+    One native LayerNorm per branch (:func:`~prvrlab.models.layer_norm.layer_norm`: the fused bf16 backward), its affine inside the kernel (and its weight and bias gradients
     inside the kernel's backward): (8, 9786, 384) in bf16, forward + backward, 0.14 s against 0.22 s
     for one affine-free LayerNorm followed by a broadcast multiply-add, which also rounded to bf16
     twice.  (Writing each branch into a slice of one output with ATen's ``out=`` kernels was tried: those
     kernels compute and then copy, and in a v2 training step, whose gradients arrive strided, the
     backward's copies cost more than the stacks they replace.)"""
-    D = x.shape[-1]
-    return torch.stack([F.layer_norm(x_k, (D,), w_k, b_k, eps) for x_k, w_k, b_k in zip(x, weight, bias)])  # (K, N, D)
+    return torch.stack([layer_norm(x_k, w_k, b_k, eps) for x_k, w_k, b_k in zip(x, weight, bias)])  # (K, N, D)
 
 
 def init_normal_(module: nn.Module, std: float = 0.02) -> None:
@@ -640,7 +640,7 @@ class InputProjection(nn.Module):
         super().__init__()
         check_positive_int(in_dim, "in_dim")
         check_positive_int(out_dim, "out_dim")
-        self.norm = nn.LayerNorm(in_dim)
+        self.norm = LayerNorm(in_dim)
         self.dropout = Dropout(dropout)
         self.linear = nn.Linear(in_dim, out_dim)
 
@@ -662,7 +662,7 @@ class PositionalEmbedding(nn.Module):
         super().__init__()
         self.max_len = check_positive_int(max_len, "max_len")
         self.embedding = nn.Embedding(max_len, check_positive_int(hidden_size, "hidden_size"))
-        self.norm = nn.LayerNorm(hidden_size)
+        self.norm = LayerNorm(hidden_size)
         self.dropout = Dropout(dropout)
 
     def _check(self, length: int) -> None:

@@ -83,6 +83,7 @@ from prvrlab.models.blocks import (
     residual_dropout,
     resolve_ffn_size,
 )
+from prvrlab.models.layer_norm import LayerNorm, layer_norm
 from prvrlab.models.precision import native_low_precision
 
 DEFAULT_SIGMAS: tuple[float, ...] = (0.5, 1.0, 5.0, math.inf)
@@ -673,7 +674,7 @@ class GMMBlock(PackedLayer):
         if ffn_size:
             inner = ffn_inner(ffn_activation, dropout if ffn_dropout else 0.0)
             self.ffn = nn.Sequential(nn.Linear(hidden_size, ffn_size), inner, nn.Linear(ffn_size, hidden_size))
-            self.ffn_norm = nn.LayerNorm(hidden_size)
+            self.ffn_norm = LayerNorm(hidden_size)
 
     @property
     def sigmas(self) -> tuple[float, ...]:
@@ -692,7 +693,7 @@ class GMMBlock(PackedLayer):
             # residual (and dropout in the same pass)
             h = residual_dropout(x, branches, dropout_mask(branches, p)) if dropped else branches + x  # (K, N, D)
             for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
-                y_k = F.layer_norm(h_k, (D,), w_k, b_k)  # (N, D)
+                y_k = layer_norm(h_k, w_k, b_k)  # (N, D)
                 y = y_k if y is None else y + y_k
         else:  # inference: one branch's (N, D) residual sum at a time, not the (K, N, D) one; summed in place
             for a_k, w_k, b_k in zip(branches.unbind(0), weights, biases):

@@ -100,6 +100,7 @@ from prvrlab.models.gmm import (
     ffn_inner,
     parse_sigmas,
 )
+from prvrlab.models.layer_norm import LayerNorm
 from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores
 from prvrlab.registry import BACKBONES
 
@@ -153,10 +154,10 @@ class LearnedQueryAttention(nn.Module):
         self.key = nn.Linear(hidden_size, hidden_size, bias=False)  # a key bias cancels in the softmax
         self.value = nn.Linear(hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, hidden_size) if out_projection else None
-        self.norm1 = nn.LayerNorm(hidden_size)
+        self.norm1 = LayerNorm(hidden_size)
         inner = ffn_inner("relu", dropout if ffn_dropout else 0.0)  # ffn.0 / ffn.2 either way
         self.ffn = nn.Sequential(nn.Linear(hidden_size, hidden_size), inner, nn.Linear(hidden_size, hidden_size))
-        self.norm2 = nn.LayerNorm(hidden_size)
+        self.norm2 = LayerNorm(hidden_size)
         self.dropout = Dropout(dropout)
         self.attn_dropout = Dropout(attention_dropout, name="attention_dropout")
         self._token_owner: list[tuple[nn.Module, str]] = []

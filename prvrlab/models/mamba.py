@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from prvrlab.checks import check_choice, check_positive_int
 from prvrlab.models import fused_scan
 from prvrlab.models.blocks import PackedLayer, Packing, decay_norm_gains
+from prvrlab.models.layer_norm import LayerNorm
 
 SCAN_KERNELS = ("auto", "fused", "torch")
 MAMBA_INITS = ("official", "mamba_ssm")
@@ -383,7 +384,7 @@ class MambaLayer(PackedLayer):
         super().__init__()
         self.mamba = Mamba(hidden_size=hidden_size, d_state=d_state, d_conv=d_conv, expand=expand, scan_chunk=scan_chunk,
                            scan_kernel=scan_kernel)
-        self.norm = nn.LayerNorm(hidden_size)
+        self.norm = LayerNorm(hidden_size)
         if zero_init:
             nn.init.zeros_(self.norm.weight)
         decay_norm_gains(self.norm, decay_norm_gain)

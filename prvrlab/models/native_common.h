@@ -33,6 +33,24 @@ inline float exp_fast(float v) {
   return p * scale;
 }
 
+// Element j of a float32 or bfloat16 (uint16 bits) array, as float; store() writes v there, bf16 rounded to
+// nearest even (a NaN stays a NaN).
+inline float load(const float* p, int64_t j) { return p[j]; }
+inline float load(const uint16_t* p, int64_t j) {
+  const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* p, int64_t j, float v) { p[j] = v; }
+inline void store(uint16_t* p, int64_t j, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p[j] = nan ? static_cast<uint16_t>(0x7fc0u) : static_cast<uint16_t>(bits >> 16);
+}
+
 // fn(worker, lo, hi) over `threads` contiguous ranges of [0, items) (at most one per item, at least
 // `grain` items each), the first on the calling thread.
 template <typename F>

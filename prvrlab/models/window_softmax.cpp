@@ -26,26 +26,13 @@
 
 namespace {
 
-inline float load(const float* p, int64_t j) { return p[j]; }
-inline float load(const uint16_t* p, int64_t j) {
-  const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using prvrlab::load;
+using prvrlab::store;
+
 inline uint32_t bits_of(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
   return bits;
-}
-
-inline void store(float* p, int64_t j, float v) { p[j] = v; }
-inline void store(uint16_t* p, int64_t j, float v) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  p[j] = nan ? static_cast<uint16_t>(0x7fc0u) : static_cast<uint16_t>(bits >> 16);
 }
 
 struct Args {

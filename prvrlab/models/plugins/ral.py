@@ -78,6 +78,7 @@ from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import decay_norm_gains, init_normal_
 from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
+from prvrlab.models.layer_norm import LayerNorm
 from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS
 
@@ -130,7 +131,7 @@ class MultiGranularityAggregator(nn.Module):
         if aggregation in ("both", "local"):
             self.gate_hidden = nn.Linear(hidden_size, hidden_size, bias=False)  # W1
             self.gate_score = nn.Linear(hidden_size, 1, bias=False)  # w2
-        self.norm = nn.LayerNorm(hidden_size)
+        self.norm = LayerNorm(hidden_size)
 
     def forward(self, tokens: Tensor, member: Tensor) -> Tensor:
         """``tokens`` (N, D), ``member`` (G, N) bool token-in-group (a token in no group is ignored) -> (G, D)."""
@@ -193,7 +194,7 @@ class OfficialGaussianEncoder(nn.Module):
             self.sigma_fc = nn.Linear(hidden_size, hidden_size)
         if aggregation in ("both", "global"):
             self.sigma_pool_fc = nn.Linear(hidden_size, hidden_size)
-        self.mu_norm = nn.LayerNorm(hidden_size)
+        self.mu_norm = LayerNorm(hidden_size)
         self.logvar_clamp = logvar_clamp
 
     def forward(
