@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_bool, check_choice, check_number, check_positive_int
+from prvrlab.models import branch_mix
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
@@ -382,7 +383,7 @@ class TCGMMBlock(PackedLayer):
             return branches.mean(dim=0)  # (N, D)
         if weights.dim() == 1:
             return torch.einsum("k,knd->nd", weights.to(branches.dtype), branches)  # (N, D)
-        return torch.einsum("nk,knd->nd", weights.to(branches.dtype), branches)  # (N, D)
+        return branch_mix.mix(weights.to(branches.dtype), branches)  # (N, D)
 
 
 @BACKBONES.register("gmmformer_v2")
