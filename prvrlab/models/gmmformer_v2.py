@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from prvrlab.checks import check_bool, check_choice, check_number, check_positive_int
-from prvrlab.models import branch_mix
+from prvrlab.models import branch_mix, summary_pool
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
     AttentionPooling,
@@ -197,11 +197,15 @@ class LearnedQueryAttention(nn.Module):
         if not packing.is_full:
             probs = probs * packing.mask[:, :, None, None]  # rows without real tokens pool to zero
         probs = self.attn_dropout(probs)  # (B, L, K, H); identity at inference or rate 0
-        # the tokens unpacked branch-major: each (branch, video) product reads a contiguous (L, D) block, where
-        # a (B, L, K, D) layout was copied to (B, K, L, D) for the products and its gradient copied back
-        # (forward + backward of v2's (8, ~9.8k, 384) branches over 128 videos: 1.19x bf16, 1.22x fp32)
-        padded = packing.unpack(x, dim=1)  # (K, B, L, D)
-        pooled = torch.matmul(probs.permute(2, 0, 3, 1).to(padded.dtype), padded)  # (K, B, H, D)
+        if summary_pool.takes(x):  # bf16 on a CPU: each video's packed tokens pooled in place (summary_pool.py)
+            weights = packing.pack(probs.to(x.dtype)).transpose(0, 1)  # (K, N, H)
+            pooled = summary_pool.pool(weights, x, summary_pool.segment_offsets(packing))  # (K, B, H, D)
+        else:
+            # the tokens unpacked branch-major: each (branch, video) product reads a contiguous (L, D) block, where
+            # a (B, L, K, D) layout was copied to (B, K, L, D) for the products and its gradient copied back
+            # (forward + backward of v2's (8, ~9.8k, 384) branches over 128 videos: 1.19x bf16, 1.22x fp32)
+            padded = packing.unpack(x, dim=1)  # (K, B, L, D)
+            pooled = torch.matmul(probs.permute(2, 0, 3, 1).to(padded.dtype), padded)  # (K, B, H, D)
         w_v = self.value.weight.view(H, Dh, D)
         ctx = torch.einsum("kbhd,hed->bkhe", pooled, w_v.to(pooled.dtype)).reshape(B, K, D)  # (B, K, D)
         ctx = ctx + self.value.bias.to(ctx.dtype)
