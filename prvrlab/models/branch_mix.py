@@ -27,13 +27,10 @@ SOURCE = Path(__file__).with_name("branch_mix.cpp")
 ABI = 1  # prvrlab_branch_mix_abi() of a library this module can call
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.prvrlab_branch_mix_forward.argtypes = [ptr] * 3 + [i64] * 3 + [c_int]
-    lib.prvrlab_branch_mix_forward.restype = None
-    lib.prvrlab_branch_mix_backward.argtypes = [ptr] * 5 + [i64] * 3 + [c_int]
-    lib.prvrlab_branch_mix_backward.restype = None
-
+_declare = native.void_functions(
+    prvrlab_branch_mix_forward=[ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int],
+    prvrlab_branch_mix_backward=[ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int],
+)
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
 load, unavailable_reason = native.loader(SOURCE, abi_symbol="prvrlab_branch_mix_abi", abi=ABI, declare=_declare)

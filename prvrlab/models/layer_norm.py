@@ -32,10 +32,9 @@ ABI = 1  # prvrlab_layer_norm_abi() of a library this module can call
 AFFINE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.prvrlab_layer_norm_backward.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    lib.prvrlab_layer_norm_backward.restype = None
-
+_declare = native.void_functions(
+    prvrlab_layer_norm_backward=[ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int],
+)
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
 load, unavailable_reason = native.loader(SOURCE, abi_symbol="prvrlab_layer_norm_abi", abi=ABI, declare=_declare)

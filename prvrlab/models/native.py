@@ -124,6 +124,19 @@ def build_and_load(source: Path, *, abi_symbol: str, abi: int) -> ctypes.CDLL:
     return lib
 
 
+def void_functions(**signatures: list) -> Callable[[ctypes.CDLL], None]:
+    """A ``declare`` for :func:`loader`: each named function of the library takes these ctypes argument
+    types and returns nothing."""
+
+    def declare(lib: ctypes.CDLL) -> None:
+        for name, argtypes in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = None
+
+    return declare
+
+
 def loader(
     source: Path, *, abi_symbol: str, abi: int, declare: Callable[[ctypes.CDLL], None]
 ) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], str | None]]:

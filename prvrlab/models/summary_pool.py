@@ -30,13 +30,10 @@ SOURCE = Path(__file__).with_name("summary_pool.cpp")
 ABI = 1  # prvrlab_summary_pool_abi() of a library this module can call
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.prvrlab_summary_pool.argtypes = [ptr] * 4 + [i64] * 5 + [c_int]
-    lib.prvrlab_summary_pool.restype = None
-    lib.prvrlab_summary_pool_backward.argtypes = [ptr] * 6 + [i64] * 5 + [c_int]
-    lib.prvrlab_summary_pool_backward.restype = None
-
+_declare = native.void_functions(
+    prvrlab_summary_pool=[ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int],
+    prvrlab_summary_pool_backward=[ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int],
+)
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
 load, unavailable_reason = native.loader(SOURCE, abi_symbol="prvrlab_summary_pool_abi", abi=ABI, declare=_declare)
