@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
+from prvrlab.models.column_sum import column_sum
 from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.layer_norm import LayerNorm, layer_norm
 from prvrlab.models.precision import weight_cast
@@ -353,7 +354,7 @@ class _BranchGemms(torch.autograd.Function):
                 else:  # the kept elements' dropout scale (dropped ones: h = 0, cut below), inside the GEMM
                     gh = torch.addmm(gh.new_empty(()), gh, w2[k], beta=0, alpha=ctx.scale)  # (N, hidden)
                 gh = torch.ops.aten.threshold_backward(gh, h, 0)
-            torch.sum(gh, 0, out=gb1[k])
+            column_sum(gh, out=gb1[k])
             weight_grad(gh, x[k], out=gw1[k])
             if need_x:
                 torch.mm(gh, w1[k], out=gx[k])
@@ -415,7 +416,7 @@ class _BiasLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = torch.mm(g, weight) if need_x else None  # (M, in)
         gw = weight_grad(g, x) if need_w else None  # (out, in), contiguous: addmm's product for F.linear's weight
-        gb = g.sum(0) if need_b else None  # (out,)
+        gb = column_sum(g) if need_b else None  # (out,)
         return gx, gw, gb
 
 

@@ -1,0 +1,33 @@
+"""The bf16 column-sum kernel (prvrlab/models/column_sum.py) against float64 sums of the stored values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prvrlab.models import column_sum as cs
+
+pytestmark = pytest.mark.skipif(cs.load() is None, reason="no C++ compiler to build the kernel")
+
+
+def test_wide_bf16_sums_equal_the_float64_column_sums_rounded_once():
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(301, cs.WIDE + 37, generator=gen) * 3).bfloat16()  # (N, C): more rows than a thread's grain
+    got = cs.column_sum(x)
+    want = x.double().sum(0)
+    assert got.dtype == torch.bfloat16 and got.shape == (cs.WIDE + 37,)
+    # float32 sums of 301 values, rounded once to bf16
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * x.double().abs().sum(0)).all()
+    out = torch.full((cs.WIDE + 37,), float("nan"), dtype=torch.bfloat16)
+    assert cs.column_sum(x, out=out) is out and torch.equal(out, got)
+    torch.testing.assert_close(got.float(), x.sum(0).float(), rtol=2**-7, atol=1e-2)  # ATen's, to rounding
+
+
+def test_narrow_float32_strided_and_recorded_inputs_are_atens_sum():
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(20, cs.WIDE, generator=gen).bfloat16()
+    for x in (wide[:, :64], wide.float(), wide.t().contiguous().t()[:, :cs.WIDE], wide.clone().requires_grad_()):
+        got = cs.column_sum(x)
+        assert torch.equal(got, x.sum(0)), x.shape
+    with pytest.raises(ValueError, match="2-D"):
+        cs.column_sum(wide[0])
