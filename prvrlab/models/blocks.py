@@ -440,8 +440,9 @@ def _fused_linear(dtype: torch.dtype) -> bool:
 def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dim of (K, N, D) with a per-branch affine ``weight``/``bias`` (K, D).
 
-    One native LayerNorm per branch (:func:`~prvrlab.models.layer_norm.layer_norm`: the fused bf16 backward), its affine inside the kernel (and its weight and bias gradients
-    inside the kernel's backward): (8, 9786, 384) in bf16, forward + backward, 0.14 s against 0.22 s
+    One native LayerNorm per branch (:func:`~prvrlab.models.layer_norm.layer_norm`: the fused bf16
+    backward), its affine inside the kernel (and its weight and bias gradients inside the kernel's
+    backward): (8, 9786, 384) in bf16, forward + backward, 0.14 s against 0.22 s
     for one affine-free LayerNorm followed by a broadcast multiply-add, which also rounded to bf16
     twice.  (Writing each branch into a slice of one output with ATen's ``out=`` kernels was tried: those
     kernels compute and then copy, and in a v2 training step, whose gradients arrive strided, the

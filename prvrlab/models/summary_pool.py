@@ -59,14 +59,14 @@ def segment_offsets(packing: Packing) -> Tensor:
 def pool(p: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
     """``pooled[k, b, h] = sum_n p[k, n, h] x[k, n]`` over video b's rows ``[offsets[b], offsets[b + 1])``:
     (K, N, H) weights and (K, N, D) tokens, both bf16 (:func:`takes`) -> (K, B, H, D)."""
-    K, N, D = x.shape
-    B = offsets.shape[0] - 1
-    if tuple(p.shape[:2]) != (K, N) or p.dtype != x.dtype or not takes(x):
-        raise ValueError(f"pool takes (K, N, H) = {(K, N)} weights and tokens, both bf16 CPU tensors, got "
+    if x.dim() != 3 or p.dim() != 3 or tuple(p.shape[:2]) != tuple(x.shape[:2]) or p.dtype != x.dtype or not takes(x):
+        raise ValueError(f"pool takes (K, N, H) weights and (K, N, D) tokens, both bf16 CPU tensors, got "
                          f"{tuple(p.shape)} {p.dtype} and {tuple(x.shape)} {x.dtype} on {x.device}")
-    if offsets.dtype != torch.int64 or int(offsets[0]) != 0 or int(offsets[-1]) != N or B < 0 or (
-            B > 0 and bool((offsets[1:] < offsets[:-1]).any())):
-        raise ValueError(f"offsets must be (B + 1,) int64 rising from 0 to N = {N}")
+    K, N, D = x.shape
+    B = offsets.shape[0] - 1 if offsets.dim() == 1 else -1
+    if (B < 0 or offsets.dtype != torch.int64 or offsets.device.type != "cpu" or int(offsets[0]) != 0
+            or int(offsets[-1]) != N or bool((offsets[1:] < offsets[:-1]).any())):
+        raise ValueError(f"offsets must be (B + 1,) int64 CPU values rising from 0 to N = {N}")
     return _Pool.apply(p, x, offsets.contiguous())
 
 

@@ -50,8 +50,16 @@ def test_bad_inputs_are_refused_and_float32_is_not_taken():
         summary_pool.pool(p, x, torch.tensor([0, 3, 2, 5]))
     with pytest.raises(ValueError, match="offsets"):
         summary_pool.pool(p, x, torch.tensor([0, 4]))
-    with pytest.raises(ValueError, match="weights and tokens"):
+    with pytest.raises(ValueError, match="offsets"):
+        summary_pool.pool(p, x, torch.tensor([[0, 5]]))
+    with pytest.raises(ValueError, match="offsets"):
+        summary_pool.pool(p, x, torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="weights and"):
         summary_pool.pool(p.float(), x, torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="weights and"):
+        summary_pool.pool(p[..., 0], x, torch.tensor([0, 5]))  # 2-D weights
+    with pytest.raises(ValueError, match="weights and"):
+        summary_pool.pool(p, x[0], torch.tensor([0, 5]))  # 2-D tokens
     assert not summary_pool.takes(x.float()) and summary_pool.takes(x)
 
 
