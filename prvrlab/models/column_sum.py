@@ -31,14 +31,15 @@ load, unavailable_reason = native.loader(SOURCE, abi_symbol="prvrlab_column_sum_
 
 
 def column_sum(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """``x.sum(0)`` of a 2-D ``x`` (N, C) -> (C,) in x's dtype (into ``out`` if given), through the kernel
-    for a contiguous bf16 CPU ``x`` at least :data:`WIDE` columns wide without autograd recording (on
-    narrower rows ATen is as fast or faster: (9,786, 384) 0.31 against 0.50 ms; (9,786, 1,536) 1.83
-    against 1.06)."""
+    """``x.sum(0)`` of a 2-D ``x`` (N, C) -> (C,) in x's dtype (into ``out`` if given, with ``torch.sum``'s
+    handling of an ``out`` of another shape), through the kernel for a contiguous bf16 CPU ``x`` at least
+    :data:`WIDE` columns wide, without autograd recording and with ``out`` (C,) or None.  (ATen is faster
+    on narrow rows: (9,786, 384) 0.31 ms against the kernel's 0.50; on (9,786, 1,536) the kernel takes
+    1.06 against 1.83.)"""
     if x.dim() != 2:
         raise ValueError(f"column_sum takes a 2-D tensor, got shape {tuple(x.shape)}")
     fused = (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1] >= WIDE
-             and x.shape[0] > 0
+             and x.shape[0] > 0 and (out is None or tuple(out.shape) == (x.shape[1],))
              and not (torch.is_grad_enabled() and x.requires_grad) and load() is not None)
     if not fused:
         return x.sum(0) if out is None else torch.sum(x, 0, out=out)

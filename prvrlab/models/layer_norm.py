@@ -56,7 +56,9 @@ def _takes(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """``F.layer_norm(x, (D,), weight, bias, eps)`` over the last dim of ``x`` (..., D), with the fused
-    backward where it takes them (module docstring); ``weight`` and ``bias`` (D,) or None."""
+    backward where it takes them (module docstring); ``weight`` and ``bias`` (D,) or None.  That backward
+    is once differentiable: a second-order gradient through a bf16 LayerNorm raises (use ``F.layer_norm``
+    there)."""
     if not _takes(x, weight, bias):
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return _LayerNorm.apply(x, weight, bias, eps)

@@ -150,10 +150,13 @@ def loader(
     def load() -> ctypes.CDLL | None:
         try:
             lib = build_and_load(source, abi_symbol=abi_symbol, abi=abi)
+            try:
+                declare(lib)
+            except AttributeError as exc:  # a function the library does not have: no kernel, not a crash
+                raise Unavailable(f"{source.name}: {exc}") from exc
         except Unavailable as exc:
             reasons.append(str(exc))
             return None
-        declare(lib)
         return lib
 
     def unavailable_reason() -> str | None:

@@ -51,6 +51,24 @@ inline void store(uint16_t* p, int64_t j, float v) {
   p[j] = nan ? static_cast<uint16_t>(0x7fc0u) : static_cast<uint16_t>(bits >> 16);
 }
 
+// x * 0 from x's bits alone (the build's -ffast-math would let the compiler drop signed zeros and NaNs):
+// a zero of x's sign, or a quiet NaN where x is infinite or NaN (Exp: the exponent bits, Quiet: the quiet bit).
+template <typename T, T Exp, T Quiet>
+inline T dropped(T bits) {
+  constexpr T sign = static_cast<T>(T(1) << (sizeof(T) * 8 - 1));
+  if ((bits & Exp) == Exp) return static_cast<T>(bits | Quiet);
+  return static_cast<T>(bits & sign);
+}
+
+// v * 0 for a float32 v, from its bits (see dropped): a zero of v's sign, or a NaN where v is not finite.
+inline float times_zero(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = dropped<uint32_t, 0x7f800000u, 0x00400000u>(bits);
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 // fn(worker, lo, hi) over `threads` contiguous ranges of [0, items) (at most one per item, at least
 // `grain` items each), the first on the calling thread.
 template <typename F>

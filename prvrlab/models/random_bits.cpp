@@ -68,15 +68,6 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// x * 0 from x's bits alone (the build's -ffast-math would let the compiler drop signed zeros and NaNs):
-// a zero of x's sign, or a quiet NaN where x is infinite or NaN (Exp: the exponent bits, Quiet: the quiet bit).
-template <typename T, T Exp, T Quiet>
-inline T dropped(T bits) {
-  constexpr T sign = static_cast<T>(T(1) << (sizeof(T) * 8 - 1));
-  if ((bits & Exp) == Exp) return static_cast<T>(bits | Quiet);
-  return static_cast<T>(bits & sign);
-}
-
 // Elements [lo, hi) of a mask (local indices; the draw's run starts at `offset`): `kept` where the lane is
 // at least `t`, else 0.  Restrict pointers: the element loop vectorises.
 template <typename T>
@@ -135,7 +126,7 @@ void prvrlab_dropout_apply(void* x, int64_t n, uint64_t seed, int64_t offset, in
             for (int64_t j = 0; j < count; ++j) {
               const uint16_t b = v[i0 + j];
               const uint16_t kept = float_to_bf16(bf16_to_float(b) * scale);
-              v[i0 + j] = lane[j] >= t ? kept : dropped<uint16_t, 0x7f80, 0x0040>(b);
+              v[i0 + j] = lane[j] >= t ? kept : prvrlab::dropped<uint16_t, 0x7f80, 0x0040>(b);
             }
           });
         } else if (elem_size == 4) {
@@ -148,7 +139,7 @@ void prvrlab_dropout_apply(void* x, int64_t n, uint64_t seed, int64_t offset, in
               f *= scale;
               uint32_t kept;
               std::memcpy(&kept, &f, sizeof kept);
-              v[i0 + j] = lane[j] >= t ? kept : dropped<uint32_t, 0x7f800000u, 0x00400000u>(b);
+              v[i0 + j] = lane[j] >= t ? kept : prvrlab::dropped<uint32_t, 0x7f800000u, 0x00400000u>(b);
             }
           });
         }

@@ -59,9 +59,10 @@ def segment_offsets(packing: Packing) -> Tensor:
 def pool(p: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
     """``pooled[k, b, h] = sum_n p[k, n, h] x[k, n]`` over video b's rows ``[offsets[b], offsets[b + 1])``:
     (K, N, H) weights and (K, N, D) tokens, both bf16 (:func:`takes`) -> (K, B, H, D)."""
-    if x.dim() != 3 or p.dim() != 3 or tuple(p.shape[:2]) != tuple(x.shape[:2]) or p.dtype != x.dtype or not takes(x):
+    if (x.dim() != 3 or p.dim() != 3 or tuple(p.shape[:2]) != tuple(x.shape[:2]) or p.dtype != x.dtype
+            or p.device.type != "cpu" or not takes(x)):
         raise ValueError(f"pool takes (K, N, H) weights and (K, N, D) tokens, both bf16 CPU tensors, got "
-                         f"{tuple(p.shape)} {p.dtype} and {tuple(x.shape)} {x.dtype} on {x.device}")
+                         f"{tuple(p.shape)} {p.dtype} on {p.device} and {tuple(x.shape)} {x.dtype} on {x.device}")
     K, N, D = x.shape
     B = offsets.shape[0] - 1 if offsets.dim() == 1 else -1
     if (B < 0 or offsets.dtype != torch.int64 or offsets.device.type != "cpu" or int(offsets[0]) != 0

@@ -176,7 +176,10 @@ void forward(const Args& a, int threads) {
     if (!a.out2) return;
     T* pd = static_cast<T*>(a.out2) + row;
     const int16_t* d = mx.draw + i * mx.d_row;
-    for (int64_t j = 0; j < L; ++j) store(pd, j, rounded(x[j], p) * static_cast<float>(d[j] >= threshold) * keep);
+    for (int64_t j = 0; j < L; ++j) {  // a dropped NaN stays NaN, as PyTorch's multiply by the mask gives
+      const float v = rounded(x[j], p);
+      store(pd, j, d[j] >= threshold ? v * keep : prvrlab::times_zero(v));
+    }
   });
 }
 
@@ -190,7 +193,10 @@ void backward(const Args& a, int threads) {
     const T* dpd = static_cast<const T*>(a.dPd) + row;
     const float* w = mx.w + i * mx.w_row;
     const int16_t* d = mx.draw + i * mx.d_row;
-    for (int64_t j = 0; j < L; ++j) g[j] = load(dpd, j) * static_cast<float>(d[j] >= threshold) * keep;
+    for (int64_t j = 0; j < L; ++j) {  // a dropped NaN or inf gradient gives NaN, as in PyTorch
+      const float v = load(dpd, j);
+      g[j] = d[j] >= threshold ? v * keep : prvrlab::times_zero(v);
+    }
     float dot = 0.0f;
     for (int64_t j = 0; j < L; ++j) dot += load(p, j) * g[j];
     T* ds = static_cast<T*>(a.out) + row;

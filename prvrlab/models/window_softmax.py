@@ -139,8 +139,13 @@ class WindowSoftmax(torch.autograd.Function):
     Non-finite products follow GaussianAttention's PyTorch path (``window * logits`` plus ``finfo.min / 2``
     on padded keys): NaN or ``+inf`` anywhere in a row makes the row NaN, a ``-inf`` key weighs 0, and a row
     whose real keys are all ``-inf`` (or that has none) is uniform over its keys that are not ``-inf``, NaN
-    when none is left.  One difference, where PyTorch's finite bias runs out: a real key's finite product
-    below ``finfo.min / 2`` still outweighs every padded key here."""
+    when none is left; with dropout, a dropped NaN stays NaN (forward and backward), as the mask multiply
+    gives.  This holds for products of magnitude below ``finfo.max / 2`` (~1.7e38); beyond, PyTorch's
+    finite bias runs out or its bf16 rounding overflows and the two differ: a real key's finite product
+    below ``finfo.min / 2`` still outweighs every padded key here, a padded key's product above
+    ``finfo.max / 2`` gets no weight here (all of it in PyTorch), a padded product below ``finfo.min / 2``
+    stays in the uniform fallback here, and a bf16 product the kernel holds as a finite float32 can be
+    ``inf`` (a NaN row) in PyTorch."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, window: Tensor | float, keys: Tensor | None, rows: Tensor | None,

@@ -64,3 +64,19 @@ def test_only_the_wanted_gradients_are_computed():
     w = weights.clone().requires_grad_()
     (dw,) = torch.autograd.grad(branch_mix.mix(w, branches), (w,), grad)
     assert within_bf16(dw, torch.stack([(grad.double() * branches.double()[k]).sum(-1) for k in range(3)], dim=1))
+
+
+def test_tokens_over_two_threads():
+    weights, branches, grad = inputs(N=1100, K=3, D=16, seed=3)  # over 256-token grains
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w, br = weights.clone().requires_grad_(), branches.clone().requires_grad_()
+        out = branch_mix.mix(w, br)
+        dw, dbr = torch.autograd.grad(out, (w, br), grad)
+    finally:
+        torch.set_num_threads(before)
+    w64, b64, g64 = weights.double(), branches.double(), grad.double()
+    assert within_bf16(out, sum(w64[:, k, None] * b64[k] for k in range(3)))
+    assert within_bf16(dbr, torch.stack([w64[:, k, None] * g64 for k in range(3)]))
+    assert within_bf16(dw, torch.stack([(g64 * b64[k]).sum(-1) for k in range(3)], dim=1))

@@ -31,3 +31,24 @@ def test_narrow_float32_strided_and_recorded_inputs_are_atens_sum():
         assert torch.equal(got, x.sum(0)), x.shape
     with pytest.raises(ValueError, match="2-D"):
         cs.column_sum(wide[0])
+
+
+def test_an_out_of_another_shape_gets_torch_sums_handling():
+    x = torch.randn(30, cs.WIDE).bfloat16()
+    rows = torch.zeros(3, cs.WIDE, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="resized"):
+        got = cs.column_sum(x, out=rows)  # resized as torch.sum resizes it, not filled row by row
+    assert got.shape == (cs.WIDE,) and torch.equal(got, x.sum(0))
+
+
+def test_two_threads_add_their_partial_sums():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(500, cs.WIDE, generator=gen).bfloat16()  # several 64-row grains
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cs.column_sum(x)
+    finally:
+        torch.set_num_threads(before)
+    want = x.double().sum(0)
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * x.double().abs().sum(0)).all()

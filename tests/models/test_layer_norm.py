@@ -96,3 +96,21 @@ def test_the_module_keeps_nn_layernorms_parameters_and_takes_the_fused_backward(
     _, rx, rw, rb = reference(x.detach(), plain.weight.detach(), plain.bias.detach(), g)
     for a, r in zip(got, (rx, rw, rb)):
         assert (a.double() - r).abs().max() <= 2**-8 * r.abs().max()
+
+
+def test_the_affine_gradients_add_every_threads_rows():
+    """Rows over several threads (64-row grains): each thread's partial weight and bias sums are added."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(517, 48, generator=gen) * 2).bfloat16()
+    w, b = torch.rand(48, generator=gen) + 0.5, torch.randn(48, generator=gen)
+    g = torch.randn(517, 48, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, dx, dw, db = grads(ln.layer_norm, x, w, b, g)
+    finally:
+        torch.set_num_threads(before)
+    _, rx, rw, rb = reference(x, w, b, g)
+    assert ((dx.double() - rx).abs() <= 2**-8 * rx.abs() + 1e-5 * rx.abs().max()).all()
+    for got, want in ((dw, rw), (db, rb)):
+        assert ((got.double() - want).abs() <= 1e-5 * want.abs() + 1e-5 * want.abs().max()).all()

@@ -17,8 +17,11 @@ PROBE = """
 import torch
 tiny = torch.tensor(1e-39, dtype=torch.float64).float()  # a float32 subnormal
 assert (tiny * 1.0).item() != 0.0, "subnormals flushed before any kernel was loaded"
-from prvrlab.models import fused_scan, random_bits, row_chunks, window_best, window_softmax
-loaded = [m.__name__ for m in (fused_scan, random_bits, row_chunks, window_best, window_softmax) if m.load() is not None]
+from prvrlab.models import (branch_mix, column_sum, fused_scan, layer_norm, random_bits, row_chunks, summary_pool,
+                            window_best, window_softmax)
+kernels = (branch_mix, column_sum, fused_scan, layer_norm, random_bits, row_chunks, summary_pool, window_best,
+           window_softmax)
+loaded = [m.__name__ for m in kernels if m.load() is not None]
 print(len(loaded), (tiny * 1.0).item())
 """
 
@@ -30,5 +33,14 @@ def test_loading_the_kernels_does_not_flush_subnormals_to_zero():
     run = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     loaded, product = run.stdout.split()
-    assert int(loaded) == 5
+    assert int(loaded) == 9
     assert float(product) == pytest.approx(1e-39, rel=1e-6)
+
+
+@pytest.mark.skipif(random_bits.load() is None, reason="no C++ compiler to build the kernels")
+def test_a_declared_function_the_library_lacks_makes_the_kernel_unavailable_not_a_crash():
+    from prvrlab.models import column_sum, native
+
+    load, reason = native.loader(column_sum.SOURCE, abi_symbol="prvrlab_column_sum_abi", abi=column_sum.ABI,
+                                 declare=native.void_functions(prvrlab_no_such_function=[]))
+    assert load() is None and "prvrlab_no_such_function" in reason()

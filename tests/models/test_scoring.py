@@ -3,6 +3,7 @@ zero vectors, negative maxima, chunking; with and without logits and autograd.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -337,3 +338,27 @@ def test_training_scores_of_bf16_embeddings_run_on_bf16_units_with_float32_sums(
     dots.sum().backward()
     assert torch.equal(q32.grad, torch.ones(7, 66) @ flat.detach())
     assert torch.equal(v32.grad.reshape(66, 64), torch.ones(66, 7) @ q32.detach())
+
+
+def test_the_bf16_units_take_the_scores_backward_with_the_gradient_rounded_once():
+    """Where the CPU has bf16 units: _Dots' backward equals float32 sums of the bf16-rounded incoming
+    gradient times the (bf16-valued) embeddings, measurably not the float32 gradient's products, so the
+    units did run (the float32 path would match the latter)."""
+    from prvrlab.models.precision import bf16_products
+
+    with bf16_products() as on:
+        pass
+    if not on:
+        pytest.skip("no native bf16 matrix units here: _Dots runs float32 products")
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(6, 64, generator=gen).bfloat16().float().requires_grad_()
+    v = torch.randn(50, 64, generator=gen).bfloat16().float().requires_grad_()
+    dots = scoring._Dots.apply(q, v, True)
+    torch.testing.assert_close(dots, q.detach() @ v.detach().t(), rtol=0, atol=1e-5)  # exact products
+    g = torch.randn(6, 50, generator=gen)  # float32 values, not bf16-exact
+    dots.backward(g)
+    rounded = g.bfloat16().double() @ v.detach().double()  # (6, 64)
+    exact = g.double() @ v.detach().double()
+    scale = float(exact.abs().max())
+    assert float((q.grad.double() - rounded).abs().max()) <= 1e-5 * scale
+    assert float((q.grad.double() - exact).abs().max()) > 1e-4 * scale

@@ -59,6 +59,8 @@ def test_bad_inputs_are_refused_and_float32_is_not_taken():
     with pytest.raises(ValueError, match="weights and"):
         summary_pool.pool(p[..., 0], x, torch.tensor([0, 5]))  # 2-D weights
     with pytest.raises(ValueError, match="weights and"):
+        summary_pool.pool(p.to("meta"), x, torch.tensor([0, 5]))  # weights off the CPU (segfaulted; review)
+    with pytest.raises(ValueError, match="weights and"):
         summary_pool.pool(p, x[0], torch.tensor([0, 5]))  # 2-D tokens
     assert not summary_pool.takes(x.float()) and summary_pool.takes(x)
 

@@ -249,3 +249,29 @@ def test_infinite_logits_follow_the_plain_paths_finite_key_bias(dtype):
     (dlogits,) = torch.autograd.grad(window_softmax.WindowSoftmax.apply(leaf, window, keys, None, None, 0.0), leaf,
                                      grad)
     assert dlogits[0, 0, 0, 0, 2] == 0 and dlogits[1, 0, 0, 1, :4].abs().max() == 0  # no gradient into -inf keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dropped_non_finite_values_stay_nan_as_the_mask_multiply_gives(dtype):
+    """With dropout, a NaN weight or an inf / NaN incoming gradient on a dropped element is NaN times 0 in
+    PyTorch, not 0: the row of a NaN logit is NaN in every element, dropped or kept, and a NaN gradient on a
+    dropped element makes its row's gradient NaN (the build assumes finite math; found by review)."""
+    p = 0.5
+    logits = torch.zeros(2, 1, 1, 4, 4)
+    logits[0, 0, 0, 0, 1] = float("nan")
+    draw = torch.full(logits.shape, -32768, dtype=torch.int16)  # every element dropped ...
+    draw[..., 0, 0] = 32767  # ... but key 0 of each row 0
+    leaf = logits.to(dtype).requires_grad_()
+    got = window_softmax.WindowSoftmax.apply(leaf, 1.0, None, None, draw, p)
+    ref_leaf = logits.to(dtype).float().requires_grad_()
+    want = torch.softmax(ref_leaf, -1) * mask_from_draw(draw, p, torch.float32)
+    torch.testing.assert_close(got.float(), want, equal_nan=True, rtol=REL[dtype], atol=0)
+    assert got[0, 0, 0, 0].isnan().all() and got[1].isfinite().all()
+    g = torch.ones(logits.shape)
+    g[1, 0, 0, 1, 2] = float("nan")  # dropped
+    g[1, 0, 0, 2, 3] = float("inf")  # dropped
+    (d_got,) = torch.autograd.grad(got, leaf, g.to(dtype))
+    (d_want,) = torch.autograd.grad(want, ref_leaf, g)
+    torch.testing.assert_close(d_got.float(), d_want, equal_nan=True, rtol=REL[dtype], atol=1e-6)
+    assert d_got[1, 0, 0, 1].isnan().all() and d_got[1, 0, 0, 2].isnan().all()
+    assert d_got[1, 0, 0, 3].isfinite().all()
