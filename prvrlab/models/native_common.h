@@ -60,13 +60,19 @@ inline T dropped(T bits) {
   return static_cast<T>(bits & sign);
 }
 
-// v * 0 for a float32 v, from its bits (see dropped): a zero of v's sign, or a NaN where v is not finite.
-inline float times_zero(float v) {
-  uint32_t bits;
+// kept ? v * scale : v * 0 for a float32 v, the zero taken from v's bits (see dropped: a zero of v's sign, or
+// a NaN where v is not finite), selected on the bits so that loops calling it vectorise.
+inline float keep_or_drop(float v, bool kept, float scale) {
+  uint32_t bits, scaled;
+  const float s = v * scale;
   std::memcpy(&bits, &v, sizeof bits);
-  bits = dropped<uint32_t, 0x7f800000u, 0x00400000u>(bits);
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
+  std::memcpy(&scaled, &s, sizeof scaled);
+  const uint32_t zero = (bits & 0x7f800000u) == 0x7f800000u ? (bits | 0x00400000u) : (bits & 0x80000000u);
+  const uint32_t mask = 0u - static_cast<uint32_t>(kept);  // all ones where kept
+  const uint32_t out = (scaled & mask) | (zero & ~mask);
+  float r;
+  std::memcpy(&r, &out, sizeof r);
+  return r;
 }
 
 // fn(worker, lo, hi) over `threads` contiguous ranges of [0, items) (at most one per item, at least

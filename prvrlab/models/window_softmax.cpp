@@ -178,7 +178,7 @@ void forward(const Args& a, int threads) {
     const int16_t* d = mx.draw + i * mx.d_row;
     for (int64_t j = 0; j < L; ++j) {  // a dropped NaN stays NaN, as PyTorch's multiply by the mask gives
       const float v = rounded(x[j], p);
-      store(pd, j, d[j] >= threshold ? v * keep : prvrlab::times_zero(v));
+      store(pd, j, prvrlab::keep_or_drop(v, d[j] >= threshold, keep));
     }
   });
 }
@@ -195,7 +195,7 @@ void backward(const Args& a, int threads) {
     const int16_t* d = mx.draw + i * mx.d_row;
     for (int64_t j = 0; j < L; ++j) {  // a dropped NaN or inf gradient gives NaN, as in PyTorch
       const float v = load(dpd, j);
-      g[j] = d[j] >= threshold ? v * keep : prvrlab::times_zero(v);
+      g[j] = prvrlab::keep_or_drop(v, d[j] >= threshold, keep);
     }
     float dot = 0.0f;
     for (int64_t j = 0; j < L; ++j) dot += load(p, j) * g[j];
