@@ -2,7 +2,9 @@
 
 Build: the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``)
 with ``-O3 -march=native -ffast-math`` and linked without ``-ffast-math`` (which would
-set flush-to-zero for the whole thread that loads it), no PyTorch headers (a few seconds),
+set flush-to-zero for the whole thread that loads it), no PyTorch headers (a few seconds);
+a kernel that must reproduce PyTorch's IEEE arithmetic and NaN rules exactly is built with
+``fast_math=False`` (``-ffp-contract=off`` instead, no ``-ffast-math``),
 into ``$PRVRLAB_CACHE_DIR/native`` (default ``~/.cache/prvrlab/native``), one
 library per source (with the headers beside it that it includes), flags,
 compiler and CPU (``-march=native`` code must not run on another CPU kind).
@@ -35,8 +37,20 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.h)"', re.MULTILINE)  # 
 # flush-to-zero and denormals-are-zero on the loading thread, so loading a kernel changed torch's own
 # arithmetic on that thread (1e-39 * 1.0 became 0) and made results depend on which thread ran an op.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-pthread")
+# IEEE arithmetic as PyTorch's (fast_math=False): no reassociation, reciprocals or finite-only assumptions, no fused
+# multiply-adds (each product rounded as ATen's own element-wise ops round it)
+EXACT_COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-std=c++17", "-pthread")
 LINK_FLAGS = ("-shared", "-pthread")
-FLAGS = (*COMPILE_FLAGS, "-c", "|", *LINK_FLAGS)  # both steps, in the cache key
+
+
+def _compile_flags(fast_math: bool) -> tuple[str, ...]:
+    return COMPILE_FLAGS if fast_math else EXACT_COMPILE_FLAGS
+
+
+def _flags(fast_math: bool) -> tuple[str, ...]:
+    """Both steps' flags, as they enter the cache key."""
+    return (*_compile_flags(fast_math), "-c", "|", *LINK_FLAGS)
+
 
 
 class Unavailable(OSError):
@@ -77,7 +91,7 @@ def _trusted(path: Path) -> bool:
     return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
 
 
-def _build(compiler: str, source: Path, target: Path) -> None:
+def _build(compiler: str, source: Path, target: Path, fast_math: bool = True) -> None:
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not _trusted(target.parent):
         raise Unavailable(f"{target.parent} is not owned by this user or is writable by others")
@@ -85,7 +99,7 @@ def _build(compiler: str, source: Path, target: Path) -> None:
     os.close(fd)
     obj = tmp[: -len(".so")] + ".o"
     try:
-        for step in ([*COMPILE_FLAGS, "-c", "-o", obj, str(source)], [*LINK_FLAGS, "-o", tmp, obj]):
+        for step in ([*_compile_flags(fast_math), "-c", "-o", obj, str(source)], [*LINK_FLAGS, "-o", tmp, obj]):
             run = subprocess.run([compiler, *step], capture_output=True, text=True, timeout=600)
             if run.returncode != 0:
                 raise Unavailable(f"{compiler} failed: {(run.stderr or run.stdout).strip()[-2000:]}")
@@ -97,9 +111,10 @@ def _build(compiler: str, source: Path, target: Path) -> None:
                 os.unlink(path)
 
 
-def build_and_load(source: Path, *, abi_symbol: str, abi: int) -> ctypes.CDLL:
+def build_and_load(source: Path, *, abi_symbol: str, abi: int, fast_math: bool = True) -> ctypes.CDLL:
     """The library built from ``source`` (built now unless cached) whose ``abi_symbol()`` returns ``abi``;
-    raises :class:`Unavailable` with the reason otherwise."""
+    raises :class:`Unavailable` with the reason otherwise.  ``fast_math=False``: built for IEEE arithmetic
+    (:data:`EXACT_COMPILE_FLAGS`)."""
     compiler = _compiler()
     if compiler is None:
         raise Unavailable("no C++ compiler found (set $CXX or install g++/clang++)")
@@ -107,11 +122,11 @@ def build_and_load(source: Path, *, abi_symbol: str, abi: int) -> ctypes.CDLL:
         texts = [source.read_text()]
         texts += [(source.parent / name).read_text() for name in _LOCAL_INCLUDE.findall(texts[0])]
         key = hashlib.sha256(
-            "\0".join([*texts, " ".join(FLAGS), _version(compiler), _cpu_identity()]).encode()
+            "\0".join([*texts, " ".join(_flags(fast_math)), _version(compiler), _cpu_identity()]).encode()
         ).hexdigest()[:16]
         target = cache_dir() / f"{source.stem}-{key}.so"
         if not target.exists():
-            _build(compiler, source, target)
+            _build(compiler, source, target, fast_math)
         if not _trusted(target):
             raise Unavailable(f"{target} is not owned by this user or is writable by others; not loaded")
         lib = ctypes.CDLL(str(target))
@@ -138,18 +153,18 @@ def void_functions(**signatures: list) -> Callable[[ctypes.CDLL], None]:
 
 
 def loader(
-    source: Path, *, abi_symbol: str, abi: int, declare: Callable[[ctypes.CDLL], None]
+    source: Path, *, abi_symbol: str, abi: int, declare: Callable[[ctypes.CDLL], None], fast_math: bool = True
 ) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], str | None]]:
     """``(load, unavailable_reason)`` for one kernel source: ``load()`` builds the library on first use
     and returns it with ``declare`` applied (its functions' argument types), or None when it cannot be
     had; ``unavailable_reason()`` says why (None when it could).  ``load`` is cached
-    (``load.cache_clear()`` forgets it)."""
+    (``load.cache_clear()`` forgets it); ``fast_math``: as :func:`build_and_load`'s."""
     reasons: list[str] = []
 
     @functools.lru_cache(maxsize=None)
     def load() -> ctypes.CDLL | None:
         try:
-            lib = build_and_load(source, abi_symbol=abi_symbol, abi=abi)
+            lib = build_and_load(source, abi_symbol=abi_symbol, abi=abi, fast_math=fast_math)
             try:
                 declare(lib)
             except AttributeError as exc:  # a function the library does not have: no kernel, not a crash

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from prvrlab.models import winners
 from prvrlab.models.base import BranchScores, VideoEmbedding, tensors_of
 from prvrlab.models.precision import bf16_exact, bf16_products
 
@@ -184,18 +185,21 @@ def _max_at_winners(
     ``amax`` would share it).  ``dots`` (Nq, C, L), ``q_norm`` (Nq,), ``v_norm`` (C, L), ``pad`` (1, C, L)."""
     nq, c, _ = dots.shape
     with torch.no_grad():
-        denominator = q_norm[:, None, None] * v_norm[None]  # (Nq, C, L)
-        cos = dots / denominator
-        if pad is not None:
-            cos.masked_fill_(pad, -torch.inf)  # below every real cosine, rounded ones under -1 included
-        winners = [cos.argmax(dim=-1)]  # (Nq, C)
-        if with_logits:
-            raw = dots.masked_fill(pad, torch.finfo(dots.dtype).min) if pad is not None else dots
-            winners.append(raw.argmax(dim=-1))  # (Nq, C)
+        found = winners.winners(dots, q_norm, v_norm, pad, with_logits)  # (Nq, C, 1 or 2); one pass on a CPU
+        if found is None:
+            denominator = q_norm[:, None, None] * v_norm[None]  # (Nq, C, L)
+            cos = dots / denominator
+            if pad is not None:
+                cos.masked_fill_(pad, -torch.inf)  # below every real cosine, rounded ones under -1 included
+            found = [cos.argmax(dim=-1)]  # (Nq, C)
+            if with_logits:
+                raw = dots.masked_fill(pad, torch.finfo(dots.dtype).min) if pad is not None else dots
+                found.append(raw.argmax(dim=-1))  # (Nq, C)
+            found = torch.stack(found, dim=-1)  # (Nq, C, 1 or 2)
         real = None if pad is None else ~pad[0].all(dim=-1)  # (C,) videos with a real vector
-    picked = dots.gather(2, torch.stack(winners, dim=-1))  # (Nq, C, 1 or 2): one backward scatter for both
+    picked = dots.gather(2, found)  # (Nq, C, 1 or 2): one backward scatter for both
     videos = torch.arange(c, device=dots.device)[None, :]  # (1, C)
-    sim = picked[..., 0] / (q_norm[:, None] * v_norm[videos, winners[0]])  # (Nq, C)
+    sim = picked[..., 0] / (q_norm[:, None] * v_norm[videos, found[..., 0]])  # (Nq, C)
     logit = picked[..., 1] if with_logits else None
     if real is not None and not bool(real.all()):
         sim = sim.masked_fill(~real[None], -1.0)  # a video without a real vector: -1, no gradient

@@ -18,9 +18,9 @@ import torch
 tiny = torch.tensor(1e-39, dtype=torch.float64).float()  # a float32 subnormal
 assert (tiny * 1.0).item() != 0.0, "subnormals flushed before any kernel was loaded"
 from prvrlab.models import (branch_mix, column_sum, fused_scan, layer_norm, random_bits, row_chunks, summary_pool,
-                            window_best, window_softmax)
+                            window_best, window_softmax, winners)
 kernels = (branch_mix, column_sum, fused_scan, layer_norm, random_bits, row_chunks, summary_pool, window_best,
-           window_softmax)
+           window_softmax, winners)
 loaded = [m.__name__ for m in kernels if m.load() is not None]
 print(len(loaded), (tiny * 1.0).item())
 """
@@ -33,7 +33,7 @@ def test_loading_the_kernels_does_not_flush_subnormals_to_zero():
     run = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     loaded, product = run.stdout.split()
-    assert int(loaded) == 9
+    assert int(loaded) == 10
     assert float(product) == pytest.approx(1e-39, rel=1e-6)
 
 
