@@ -679,3 +679,47 @@ def test_v2_checkpointed_branches_equal_one_pass_with_ffn_dropout(switches):
         assert_close_scaled(ckpt[key], one[key], FP32_TOL, key)
     for key in one_grads:
         assert_close_scaled(ckpt_grads[key], one_grads[key], FP32_TOL, f"grad of {key}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scores_product_gives_autograds_gradients_with_a_contiguous_key_gradient(dtype):
+    """gmm._Scores: q kᵀ and its gradients against a float64 hand sum, the key gradient contiguous (autograd's
+    matmul gives a transposed view of qᵀ dS there)."""
+    gen = torch.Generator().manual_seed(4)
+    q64, k64 = torch.randn(2, 3, 7, 5, generator=gen, dtype=torch.float64), torch.randn(2, 3, 7, 5, generator=gen, dtype=torch.float64)
+    g64 = torch.randn(2, 3, 7, 7, generator=gen, dtype=torch.float64)
+    q, k, g = (t.to(dtype) for t in (q64, k64, g64))
+    q.requires_grad_(), k.requires_grad_()
+    scores = gmm._Scores.apply(q, k)
+    scores.backward(g)
+    qd, kd, gd = (t.double() for t in (q.detach(), k.detach(), g))  # the stored values, summed in float64
+    want_s = torch.einsum("bhid,bhjd->bhij", qd, kd)
+    want_dq = torch.einsum("bhij,bhjd->bhid", gd, kd)
+    want_dk = torch.einsum("bhij,bhid->bhjd", gd, qd)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]  # bf16: one rounding of the result
+    for got, want in ((scores.detach(), want_s), (q.grad, want_dq), (k.grad, want_dk)):
+        assert got.dtype == dtype
+        assert_close_scaled(got.double(), want, tol, "scores")
+    assert k.grad.is_contiguous() and q.grad.is_contiguous()
+
+
+def test_the_fused_path_hands_the_head_layout_contiguous_key_gradients(monkeypatch):
+    """The fused windowed path on CPU computes its logits with gmm._Scores, so _HeadLayout's backward gets
+    three contiguous gradients (no whole copy before its gather); the plain path keeps autograd's matmul."""
+    seen = []
+    backward = gmm._HeadLayout.backward
+
+    def spy(ctx, *grads):
+        seen.append([g.is_contiguous() for g in grads])
+        return backward(ctx, *grads)
+
+    monkeypatch.setattr(gmm._HeadLayout, "backward", staticmethod(spy))
+    attention = GaussianAttention(hidden_size=16, num_heads=2, sigmas=(0.3, 1.0))
+    packing = Packing.from_mask(torch.arange(6)[None] < torch.tensor([[6], [4]]), 2, 6, "cpu")
+    x = torch.randn(packing.num_tokens, 16, requires_grad=True)
+    attention.forward_packed(x, packing).sum().backward()
+    assert seen == [[True, True, True]]
+    seen.clear()
+    monkeypatch.setattr(GaussianAttention, "fused", False)
+    attention.forward_packed(x, packing).sum().backward()
+    assert seen and not all(seen[0])
