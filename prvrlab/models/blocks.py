@@ -34,6 +34,7 @@ from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, Vi
 from prvrlab.models.column_sum import column_sum
 from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.layer_norm import LayerNorm, layer_norm
+from prvrlab.models.layer_norm import branch_layer_norm as native_branch_layer_norm
 from prvrlab.models.precision import weight_cast
 from prvrlab.models import random_bits
 from prvrlab.models.random_bits import DeferredDraw, apply_mask_, random_mask, random_words
@@ -446,7 +447,11 @@ def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5
     for one affine-free LayerNorm followed by a broadcast multiply-add, which also rounded to bf16
     twice.  (Writing each branch into a slice of one output with ATen's ``out=`` kernels was tried: those
     kernels compute and then copy, and in a v2 training step, whose gradients arrive strided, the
-    backward's copies cost more than the stacks they replace.)"""
+    backward's copies cost more than the stacks they replace.)  With autograd on bf16 CPU tensors, all
+    branches in one kernel call instead (:func:`~prvrlab.models.layer_norm.branch_layer_norm`: no stacks)."""
+    fused = native_branch_layer_norm(x, weight, bias, eps)  # (K, N, D) or None
+    if fused is not None:
+        return fused
     return torch.stack([layer_norm(x_k, w_k, b_k, eps) for x_k, w_k, b_k in zip(x, weight, bias)])  # (K, N, D)
 
 

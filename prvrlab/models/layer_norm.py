@@ -9,7 +9,9 @@ thread order): 1.35 against 2.25 ms there.  The forward is ATen's (the same valu
 input gradient differs from ATen's by float32 summation order (one bf16 rounding in both), and the
 affine gradients are float32 sums where ATen's mixed-type kernel loses bf16-sized amounts (on a
 (37, 24) example, ATen's weight gradient was 0.11 off the float64 value, this one 1e-6;
-``tests/models/test_layer_norm.py``).  Float32 inputs keep ATen's backward.
+``tests/models/test_layer_norm.py``).  Float32 inputs keep ATen's backward.  :func:`branch_layer_norm`
+(GMMFormer v2's per-branch LayerNorms over (K, N, D)) also runs its forward in the kernel, writing all
+branches into one output without a stack; its mean and 1/std are its own float32 ones.
 
 Build: :mod:`prvrlab.models.native`; without it (:func:`unavailable_reason` says why), on other devices,
 dtypes, or without autograd, :func:`layer_norm` is ``F.layer_norm``.  Threads: ``torch.get_num_threads()``
@@ -34,6 +36,7 @@ AFFINE_DTYPES = (torch.float32, torch.bfloat16)
 
 _declare = native.void_functions(
     prvrlab_layer_norm_backward=[ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int],
+    prvrlab_layer_norm_forward=[ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int],
 )
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
@@ -64,6 +67,16 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     return _LayerNorm.apply(x, weight, bias, eps)
 
 
+def _gradient_buffers(ctx, x: Tensor, affine: tuple[int, ...]) -> tuple[Tensor | None, ...]:
+    """Empty (dx, dw, db) for the kernel's backward, None where that input needs no gradient: dx as ``x``,
+    the affine's float32 of shape ``affine``."""
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    dx = torch.empty_like(x) if need_x else None
+    dw = torch.empty(affine, dtype=torch.float32) if need_w else None
+    db = torch.empty(affine, dtype=torch.float32) if need_b else None
+    return dx, dw, db
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
@@ -79,13 +92,10 @@ class _LayerNorm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         x, weight, mean, rstd = ctx.saved_tensors
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
         D = x.shape[-1]
         N = x.numel() // D
         g = g.to(torch.bfloat16).contiguous()  # (..., D) as x
-        dx = torch.empty_like(x) if need_x else None
-        dw = torch.empty(D, dtype=torch.float32) if need_w else None
-        db = torch.empty(D, dtype=torch.float32) if need_b else None
+        dx, dw, db = _gradient_buffers(ctx, x, (D,))
         w = None if weight is None else weight.detach().float().contiguous()  # (D,)
         mean, rstd = mean.float().contiguous(), rstd.float().contiguous()  # (N,) each as (..., 1)
         load().prvrlab_layer_norm_backward(
@@ -96,6 +106,57 @@ class _LayerNorm(torch.autograd.Function):
             dx,
             None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(ctx.bias_dtype),
+            None,
+        )
+
+
+def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor | None:
+    """LayerNorm over the last dim of bf16 (K, N, D) with branch k's affine ``weight[k]``, ``bias[k]`` ((K, D)
+    float32 or bf16), forward and backward in the kernel, written straight into (K, N, D) outputs (one
+    LayerNorm per branch and a ``torch.stack``, forward and backward, made two more passes over them:
+    v2's (8, 9,786, 384), forward + backward, 33 -> 16 ms).  The forward computes its own mean and 1/std in
+    float32 (two passes over a row) where ATen's bf16 kernel keeps bf16 ones: outputs agree with ATen's to
+    a bf16 rounding (``tests/models/test_layer_norm.py``).  None where it does not take them (the
+    conditions of :func:`layer_norm`'s fused backward: autograd recording, a bf16 CPU ``x``; and ``x``
+    3-D with (K, D) affines); the caller keeps the per-branch path."""
+    if x.dim() != 3 or not _takes(x, weight, bias) or weight.shape != (x.shape[0], x.shape[2]) or bias.shape != weight.shape:
+        return None
+    return _BranchLayerNorm.apply(x, weight, bias, eps)
+
+
+class _BranchLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+        K, N, D = x.shape
+        x = x.contiguous()  # (K, N, D)
+        w, b = weight.detach().float().contiguous(), bias.detach().float().contiguous()  # (K, D) each
+        out = torch.empty_like(x)
+        mean = torch.empty(K, N, dtype=torch.float32)
+        rstd = torch.empty(K, N, dtype=torch.float32)
+        load().prvrlab_layer_norm_forward(x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(), mean.data_ptr(),
+                                          rstd.data_ptr(), K * N, D, max(N, 1), eps, torch.get_num_threads())
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.dtypes = (weight.dtype, bias.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        x, w, mean, rstd = ctx.saved_tensors
+        K, N, D = x.shape
+        g = g.to(torch.bfloat16).contiguous()  # (K, N, D)
+        dx, dw, db = _gradient_buffers(ctx, x, (K, D))
+        row, vec = N * D * x.element_size(), D * 4  # bytes of one branch's (N, D) bf16 block and (D,) float32 row
+        for k in range(K):  # branch k's rows with its own affine and affine gradients
+            load().prvrlab_layer_norm_backward(
+                g.data_ptr() + k * row, x.data_ptr() + k * row, mean.data_ptr() + k * N * 4,
+                rstd.data_ptr() + k * N * 4, w.data_ptr() + k * vec, 0 if dx is None else dx.data_ptr() + k * row,
+                0 if dw is None else dw.data_ptr() + k * vec, 0 if db is None else db.data_ptr() + k * vec,
+                N, D, torch.get_num_threads())
+        return (
+            dx,
+            None if dw is None else dw.to(ctx.dtypes[0]),
+            None if db is None else db.to(ctx.dtypes[1]),
             None,
         )
 

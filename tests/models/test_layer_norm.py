@@ -114,3 +114,49 @@ def test_the_affine_gradients_add_every_threads_rows():
     assert ((dx.double() - rx).abs() <= 2**-8 * rx.abs() + 1e-5 * rx.abs().max()).all()
     for got, want in ((dw, rw), (db, rb)):
         assert ((got.double() - want).abs() <= 1e-5 * want.abs() + 1e-5 * want.abs().max()).all()
+
+
+def branch_reference(x, w, b, g, eps=1e-5):
+    """(y, dx, dw, db) of a LayerNorm per branch in float64 from the stored values: (K, N, D) x, g; (K, D) w, b."""
+    x64, g64, w64, b64 = (t.double() for t in (x, g, w, b))
+    mean = x64.mean(-1, keepdim=True)
+    rstd = ((x64 - mean).pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    xhat = (x64 - mean) * rstd  # (K, N, D)
+    gw = g64 * w64[:, None]
+    dx = rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    return xhat * w64[:, None] + b64[:, None], dx, (g64 * xhat).sum(1), g64.sum(1)
+
+
+@pytest.mark.parametrize("affine", [torch.float32, torch.bfloat16])
+def test_branch_layer_norm_equals_the_float64_layer_norm_of_each_branch(affine):
+    """All branches in one kernel call, each with its own affine: forward and gradients against float64
+    LayerNorms of the stored values (one bf16 rounding), and within a bf16 rounding of ATen's per-branch
+    LayerNorms and their stack (the path it replaces)."""
+    gen = torch.Generator().manual_seed(8)
+    K, N, D = 3, 150, 40  # more rows than a thread's grain: both threads' rows
+    x = (torch.randn(K, N, D, generator=gen) * 3 + torch.arange(K)[:, None, None]).bfloat16()
+    w = (torch.rand(K, D, generator=gen) + 0.5).to(affine)
+    b = torch.randn(K, D, generator=gen).to(affine)
+    g = torch.randn(K, N, D, generator=gen).bfloat16()
+    y, dx, dw, db = grads(ln.branch_layer_norm, x, w, b, g)
+    ry, rx, rw, rb = branch_reference(x, w, b, g)
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == affine
+    assert ((y.double() - ry).abs() <= 2**-8 * ry.abs() + 1e-5 * ry.abs().max()).all()
+    assert ((dx.double() - rx).abs() <= 2**-8 * rx.abs() + 1e-5 * rx.abs().max()).all()
+    rel = 2**-8 if affine == torch.bfloat16 else 1e-5
+    for got, want in ((dw, rw), (db, rb)):
+        assert ((got.double() - want).abs() <= rel * want.abs() + 1e-5 * want.abs().max()).all()
+    stacked = lambda x, w, b: torch.stack([ln.layer_norm(x[k], w[k], b[k]) for k in range(K)])  # noqa: E731
+    for got, want in zip((y, dx, dw, db), grads(stacked, x, w, b, g)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+
+
+def test_branch_layer_norm_leaves_what_it_does_not_take_to_the_caller():
+    x = torch.randn(2, 5, 8).bfloat16().requires_grad_()
+    w, b = torch.ones(2, 8), torch.zeros(2, 8)
+    assert ln.branch_layer_norm(x.detach().float().requires_grad_(), w, b) is None  # float32
+    assert ln.branch_layer_norm(x[0], w[0], b[0]) is None  # not (K, N, D)
+    assert ln.branch_layer_norm(x, w[:1], b[:1]) is None  # not (K, D) affines
+    with torch.no_grad():
+        assert ln.branch_layer_norm(x, w, b) is None  # inference keeps ATen's forward
+    assert ln.branch_layer_norm(x, w, b).grad_fn.name() == "_BranchLayerNormBackward"
