@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.models.column_sum import column_sum
+from prvrlab.models.column_sum import column_sum, relu_grad_column_sum
 from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.layer_norm import LayerNorm, layer_norm
 from prvrlab.models.layer_norm import branch_layer_norm as native_branch_layer_norm
@@ -354,8 +354,9 @@ class _BranchGemms(torch.autograd.Function):
                     gh = torch.mm(gh, w2[k])  # (N, hidden)
                 else:  # the kept elements' dropout scale (dropped ones: h = 0, cut below), inside the GEMM
                     gh = torch.addmm(gh.new_empty(()), gh, w2[k], beta=0, alpha=ctx.scale)  # (N, hidden)
-                gh = torch.ops.aten.threshold_backward(gh, h, 0)
-            column_sum(gh, out=gb1[k])
+                gh = relu_grad_column_sum(gh, h, gb1[k])  # the ReLU's backward and the first bias's gradient
+            else:
+                column_sum(gh, out=gb1[k])
             weight_grad(gh, x[k], out=gw1[k])
             if need_x:
                 torch.mm(gh, w1[k], out=gx[k])

@@ -52,3 +52,35 @@ def test_two_threads_add_their_partial_sums():
         torch.set_num_threads(before)
     want = x.double().sum(0)
     assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * x.double().abs().sum(0)).all()
+
+
+def test_relu_grad_column_sum_is_threshold_backward_then_the_column_sums_in_place():
+    """g = h <= 0 ? 0 : g bit for bit as ATen's threshold_backward (a NaN h keeps g; -0, +0, -inf drop it),
+    in place, and its float32 column sums rounded once, over rows of both threads."""
+    gen = torch.Generator().manual_seed(2)
+    N, C = 301, cs.WIDE + 64
+    g = (torch.randn(N, C, generator=gen) * 3).bfloat16()
+    h = torch.randn(N, C, generator=gen)
+    specials = torch.tensor([float("nan"), -float("nan"), 0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-40])
+    h[:, : specials.numel()] = specials  # every row: each special value once
+    h = h.bfloat16()
+    want_g = torch.ops.aten.threshold_backward(g, h, 0)
+    out = torch.full((C,), float("nan"), dtype=torch.bfloat16)
+    original = g.clone()
+    got = cs.relu_grad_column_sum(g, h, out)
+    assert got.data_ptr() == g.data_ptr() and torch.equal(got, want_g)  # in place, ATen's values
+    assert not torch.equal(got, original)  # some gradients were dropped
+    want = want_g.double().sum(0)
+    assert ((out.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want_g.double().abs().sum(0)).all()
+
+
+def test_relu_grad_column_sum_leaves_other_inputs_to_aten_without_touching_g():
+    gen = torch.Generator().manual_seed(3)
+    for shape, dtype in (((20, cs.WIDE), torch.float32), ((20, 64), torch.bfloat16)):
+        g = torch.randn(shape, generator=gen).to(dtype)
+        h = torch.randn(shape, generator=gen).to(dtype)
+        original = g.clone()
+        out = torch.empty(shape[1], dtype=dtype)
+        got = cs.relu_grad_column_sum(g, h, out)
+        want = torch.ops.aten.threshold_backward(original, h, 0)
+        assert torch.equal(g, original) and torch.equal(got, want) and torch.equal(out, want.sum(0))
