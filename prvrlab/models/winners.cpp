@@ -4,7 +4,7 @@
 //     the cosine  dots[q, c, l] / (q_norm[q] * v_norm[c, l])   (-inf on padding), and, with logits,
 //     the raw dot dots[q, c, l]                                  (-FLT_MAX on padding),
 // each as torch.argmax picks it: the first NaN if there is one, else the first of the largest values.
-// One read of the (Q, C, L) dots where PyTorch made five passes (the denominators, the division, two
+// One read of the (Q, C, L) dots where PyTorch made six passes (the denominators, the division, two
 // masked fills, two argmax).  Built without -ffast-math (prvrlab/models/native.py, fast_math=False):
 // the quotient is rounded as ATen's division rounds it (the product first, then the division) and NaN
 // compares as IEEE says, so the winners are torch's, bit for bit.
@@ -37,7 +37,8 @@ inline int32_t rank_of(float v) {
 }
 
 // The first position of the largest rank among x[0 .. L), padding (keys[l] == 0) ranked `padding`: one max
-// reduction over (rank, L - 1 - l) packed into an int64 (ties go to the least l), which vectorises.
+// reduction over (rank, L - 1 - l) packed into an int64 (ties go to the least l), which vectorises;
+// L < 2^31 (the caller checks).
 inline int64_t first_best(const float* __restrict x, const uint8_t* __restrict keys, int32_t padding, int64_t L) {
   int64_t top = INT64_MIN;
   for (int64_t l = 0; l < L; ++l) {

@@ -2,7 +2,7 @@
 first use (without ``-ffast-math``), called through ctypes.
 
 With autograd, ``max_scores`` finds each (query, video) pair's winning vector without recording, then
-takes the gradient through that one dot.  PyTorch found the winners in five passes over the (Nq, C, L)
+takes the gradient through that one dot.  PyTorch found the winners in six passes over the (Nq, C, L)
 float32 dots: the (Nq, C, L) denominators, the cosines, a masked fill, a masked copy of the dots and two
 ``argmax`` (v2's frame scores, 640 x 128 x 128: 37 ms a step, in either precision).  The kernel reads the
 dots once and computes the same quotients, so its winners are torch's, NaN and ties included
@@ -40,10 +40,11 @@ def winners(dots: Tensor, q_norm: Tensor, v_norm: Tensor, pad: Tensor | None, wi
     """(Nq, C, 1) int64 indices over L of ``argmax(dots / (q_norm * v_norm))`` with -inf on ``pad``, and with
     ``with_logits`` a second column, ``argmax(dots)`` with the float32 minimum on ``pad``: (Nq, C, 2).  ``dots``
     (Nq, C, L) float32, ``q_norm`` (Nq,), ``v_norm`` (C, L), ``pad`` (1, C, L) bool (True: padding) or None.
-    None where the kernel does not take them (not all float32 on the CPU, L = 0, or no kernel)."""
+    None where the kernel does not take them (not all float32 on the CPU, L = 0 or L >= 2^31: its
+    positions are packed into 32 bits, or no kernel)."""
     nq, c, length = dots.shape
     tensors = (dots, q_norm, v_norm)
-    if length == 0 or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+    if not 0 < length < 2**31 or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
         return None
     if tuple(q_norm.shape) != (nq,) or tuple(v_norm.shape) != (c, length):
         raise ValueError(f"norms of shapes {tuple(q_norm.shape)} and {tuple(v_norm.shape)} for dots of {tuple(dots.shape)}")
