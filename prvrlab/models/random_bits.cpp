@@ -8,7 +8,7 @@
 // lane i % 4 of word i / 4 (little-endian: the int16 view of the words), and is `scale` where that lane,
 // read as a signed integer, is at least `threshold`, else 0.  One pass instead of the draw, a comparison
 // and a select; element sizes 2 (bf16, fp16) and 4 (fp32), `scale` given as its bit pattern.  Both it and
-// prvrlab_dropout_apply (the mask multiplied into a tensor in place, never written) take a run of
+// prvrlab_dropout_apply(_to) (the mask multiplied into a tensor, in place or into another, never written) take a run of
 // elements starting at any `offset` of the draw, so a slice of a draw gets the slice of its mask.
 #include <cstdint>
 
@@ -16,7 +16,7 @@
 
 extern "C" {
 
-int prvrlab_random_abi() { return 3; }
+int prvrlab_random_abi() { return 4; }
 
 }  // extern "C"
 
@@ -79,6 +79,37 @@ void write_mask(T* out, T kept, int16_t t, uint64_t seed, int64_t offset, int64_
   });
 }
 
+// b * (lane >= t ? scale : 0) for the bits b of a bfloat16 (uint16) or float32 (uint32), rounded as torch rounds the
+// product; a dropped element is 0 of b's sign, or NaN where b is not finite (prvrlab::dropped).
+inline uint16_t masked(uint16_t b, int16_t lane, int16_t t, float scale) {
+  const uint16_t kept = float_to_bf16(bf16_to_float(b) * scale);
+  return lane >= t ? kept : prvrlab::dropped<uint16_t, 0x7f80, 0x0040>(b);
+}
+inline uint32_t masked(uint32_t b, int16_t lane, int16_t t, float scale) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  f *= scale;
+  uint32_t kept;
+  std::memcpy(&kept, &f, sizeof kept);
+  return lane >= t ? kept : prvrlab::dropped<uint32_t, 0x7f800000u, 0x00400000u>(b);
+}
+
+// Elements [lo, hi) of a run (local indices) masked from src into dst: one pointer where they are the same (in
+// place), restrict ones otherwise, so that both loops vectorise without a runtime overlap check.
+template <typename U>
+void apply_run(const U* src, U* dst, uint64_t seed, int64_t offset, int64_t lo, int64_t hi, int16_t t, float scale) {
+  for_each_block(seed, offset, lo, hi, [&](int64_t i0, const int16_t* lane, int64_t count) {
+    if (src == dst) {
+      U* v = dst + i0;
+      for (int64_t j = 0; j < count; ++j) v[j] = masked(v[j], lane[j], t, scale);
+      return;
+    }
+    const U* __restrict in = src + i0;
+    U* __restrict out = dst + i0;
+    for (int64_t j = 0; j < count; ++j) out[j] = masked(in[j], lane[j], t, scale);
+  });
+}
+
 constexpr int64_t kGrain = 1 << 16;  // elements per thread at least
 
 }  // namespace
@@ -112,39 +143,28 @@ void prvrlab_dropout_mask(void* out, int64_t n, uint64_t seed, int64_t offset, i
       kGrain);
 }
 
-// x[i] *= the mask of element offset + i, in place: x[i] * (keep ? scale : 0) in float, rounded back as torch
-// rounds a product of its dtype (elem_size 2: bfloat16, round to nearest even; 4: float32).
-void prvrlab_dropout_apply(void* x, int64_t n, uint64_t seed, int64_t offset, int threads, int threshold, float scale,
-                           int elem_size) {
+// dst[i] = src[i] * the mask of element offset + i: src[i] * (keep ? scale : 0) in float, rounded back as torch
+// rounds a product of its dtype (elem_size 2: bfloat16, round to nearest even; 4: float32).  dst == src: in
+// place; otherwise the two must not overlap.
+void prvrlab_dropout_apply_to(const void* src, void* dst, int64_t n, uint64_t seed, int64_t offset, int threads,
+                              int threshold, float scale, int elem_size) {
   const int16_t t = static_cast<int16_t>(threshold);
   prvrlab::run_parallel(
       n, threads,
       [&](int, int64_t lo, int64_t hi) {
         if (elem_size == 2) {
-          uint16_t* v = static_cast<uint16_t*>(x);
-          for_each_block(seed, offset, lo, hi, [&](int64_t i0, const int16_t* lane, int64_t count) {
-            for (int64_t j = 0; j < count; ++j) {
-              const uint16_t b = v[i0 + j];
-              const uint16_t kept = float_to_bf16(bf16_to_float(b) * scale);
-              v[i0 + j] = lane[j] >= t ? kept : prvrlab::dropped<uint16_t, 0x7f80, 0x0040>(b);
-            }
-          });
+          apply_run(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), seed, offset, lo, hi, t, scale);
         } else if (elem_size == 4) {
-          uint32_t* v = static_cast<uint32_t*>(x);
-          for_each_block(seed, offset, lo, hi, [&](int64_t i0, const int16_t* lane, int64_t count) {
-            for (int64_t j = 0; j < count; ++j) {
-              const uint32_t b = v[i0 + j];
-              float f;
-              std::memcpy(&f, &b, sizeof f);
-              f *= scale;
-              uint32_t kept;
-              std::memcpy(&kept, &f, sizeof kept);
-              v[i0 + j] = lane[j] >= t ? kept : prvrlab::dropped<uint32_t, 0x7f800000u, 0x00400000u>(b);
-            }
-          });
+          apply_run(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), seed, offset, lo, hi, t, scale);
         }
       },
       kGrain);
+}
+
+// x[i] *= the mask of element offset + i, in place (prvrlab_dropout_apply_to with dst = src).
+void prvrlab_dropout_apply(void* x, int64_t n, uint64_t seed, int64_t offset, int threads, int threshold, float scale,
+                           int elem_size) {
+  prvrlab_dropout_apply_to(x, x, n, seed, offset, threads, threshold, scale, elem_size);
 }
 
 }  // extern "C"

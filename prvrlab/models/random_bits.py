@@ -12,7 +12,8 @@ dropout mask itself from the same words in one pass (the draw, a comparison
 and a select cost 3-4x more: 67 against ~20 ms for (8, 9786, 384) in bf16).
 A :class:`DeferredDraw` is a draw not written at all (its seed and which
 elements): :func:`apply_mask_` multiplies its mask into a tensor in place,
-element by element, where the mask would be written and read again.
+element by element, where the mask would be written and read again, and
+:func:`masked` into a new tensor.
 
 Build: :mod:`prvrlab.models.native`; without it, torch's generator fills
 the words (:func:`unavailable_reason` says why).  Threads:
@@ -31,7 +32,7 @@ from torch import Tensor
 from prvrlab.models import native
 
 SOURCE = Path(__file__).with_name("random_bits.cpp")
-ABI = 3  # prvrlab_random_abi() of a library this module can call
+ABI = 4  # prvrlab_random_abi() of a library this module can call
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -42,6 +43,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.prvrlab_dropout_mask.restype = None
     lib.prvrlab_dropout_apply.argtypes = run + [ctypes.c_float, ctypes.c_int]
     lib.prvrlab_dropout_apply.restype = None
+    lib.prvrlab_dropout_apply_to.argtypes = [ctypes.c_void_p] + run + [ctypes.c_float, ctypes.c_int]
+    lib.prvrlab_dropout_apply_to.restype = None
 
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
@@ -117,6 +120,23 @@ class DeferredDraw:
 
     def __repr__(self) -> str:
         return f"DeferredDraw(shape={self.shape}, offset={self.offset})"
+
+
+def masked(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> Tensor | None:
+    """``x * mask`` for the mask of ``draw`` (as :func:`apply_mask_`) into a new tensor, in one pass that reads
+    ``x`` and writes the result (the mask is never written); None where the kernel cannot (no kernel, not a
+    contiguous bf16 / float32 CPU tensor).  No autograd: the caller records it (``x`` must have the draw's
+    shape)."""
+    _check_threshold(threshold)
+    if tuple(x.shape) != draw.shape:
+        raise ValueError(f"a tensor of shape {tuple(x.shape)} given the mask of a draw of shape {draw.shape}")
+    lib = load()
+    if lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous():
+        return None
+    out = torch.empty_like(x)
+    lib.prvrlab_dropout_apply_to(x.data_ptr(), out.data_ptr(), x.numel(), draw.seed, draw.offset,
+                                 torch.get_num_threads(), threshold, scale, x.element_size())
+    return out
 
 
 def apply_mask_(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> bool:

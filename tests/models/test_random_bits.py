@@ -234,3 +234,44 @@ def test_a_deferred_draw_takes_integers_and_slices_only_and_leaves_inference_ten
     assert (frozen == 1).all()
     with torch.inference_mode():
         assert random_bits.apply_mask_(frozen, draw, -26214, 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_dropout_equals_the_written_masks_product_forward_and_backward(dtype):
+    """fast_dropout on CPU (blocks._DeferredDropout, the mask never written) gives x * dropout_mask(x, p) after
+    the same generator state, bit for bit (NaN where it is NaN), and the gradient g * mask; out of place: x
+    is left as it was; with any thread count."""
+    from prvrlab.models.blocks import dropout_mask, fast_dropout
+
+    p = 0.25
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 30_011, generator=gen) * 20).to(dtype)  # more than two threads' least share
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-30]).to(dtype)
+    g = torch.randn(7, 30_011, generator=gen).to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            torch.manual_seed(21)
+            mask = dropout_mask(x, p)
+            want, want_grad = x * mask, g * mask
+            torch.manual_seed(21)
+            leaf = x.clone().requires_grad_()
+            got = fast_dropout(leaf, p, training=True)
+            assert got.grad_fn is not None and got.grad_fn.name() == "_DeferredDropoutBackward"
+            got.backward(g)
+            assert torch.equal(leaf.detach().view(bits), x.view(bits))  # the input is untouched
+            for a, b in ((got.detach(), want), (leaf.grad, want_grad)):
+                nan = b.isnan()
+                assert torch.equal(a.isnan(), nan)
+                assert torch.equal(a[~nan].view(bits), b[~nan].view(bits))
+    finally:
+        torch.set_num_threads(threads)
+    assert fast_dropout(x, p, training=False) is x
+    torch.manual_seed(5)
+    strided = x.t()  # not contiguous: made contiguous first, the same values
+    got = fast_dropout(strided, p, training=True)
+    torch.manual_seed(5)
+    torch.testing.assert_close(got, strided * dropout_mask(strided, p), rtol=0, atol=0, equal_nan=True)
