@@ -43,8 +43,22 @@ EXACT_COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-s
 LINK_FLAGS = ("-shared", "-pthread")
 
 
+# Where the CPU has AVX512-BF16 (Sapphire Rapids and later, Zen 4), whose 512-bit units run at full clock: the
+# compiler's 512-bit loops instead of its default 256-bit ones (measured on an AMX Xeon, 2 threads: the fused
+# window softmax's forward 24 -> 20 ms, the winners 9.5 -> 5.5 ms, branch LayerNorm forward + backward 28 -> 25
+# ms).  Older AVX-512 CPUs keep 256 bits: their 512-bit instructions lower the clock.
+WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
+
+
 def _compile_flags(fast_math: bool) -> tuple[str, ...]:
-    return COMPILE_FLAGS if fast_math else EXACT_COMPILE_FLAGS
+    flags = COMPILE_FLAGS if fast_math else EXACT_COMPILE_FLAGS
+    return (*flags, *WIDE_VECTOR_FLAGS) if _wide_vectors() else flags
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_vectors() -> bool:
+    """Whether this CPU lists ``avx512_bf16`` (Linux /proc/cpuinfo flags)."""
+    return re.search(r"\bavx512_bf16\b", _cpu_identity()) is not None
 
 
 def _flags(fast_math: bool) -> tuple[str, ...]:

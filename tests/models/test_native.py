@@ -44,3 +44,20 @@ def test_a_declared_function_the_library_lacks_makes_the_kernel_unavailable_not_
     load, reason = native.loader(column_sum.SOURCE, abi_symbol="prvrlab_column_sum_abi", abi=column_sum.ABI,
                                  declare=native.void_functions(prvrlab_no_such_function=[]))
     assert load() is None and "prvrlab_no_such_function" in reason()
+
+
+def test_wide_vectors_only_where_the_cpu_lists_avx512_bf16(monkeypatch):
+    """512-bit loops on CPUs with AVX512-BF16; other AVX-512 CPUs (whose 512-bit instructions lower the clock)
+    and the rest keep the compiler's default; the choice enters the cache key with the flags."""
+    from prvrlab.models import native
+
+    keys = {}
+    for name, flags in (("spr", "flags : fpu avx512f avx512_bf16 amx_tile"), ("skx", "flags : fpu avx512f avx512bw"),
+                        ("zen1", "flags : fpu avx2 fma")):
+        monkeypatch.setattr(native, "_cpu_identity", lambda flags=flags: f"model name : x\n{flags}")
+        native._wide_vectors.cache_clear()
+        keys[name] = native._flags(True)
+        assert ("-mprefer-vector-width=512" in native._compile_flags(True)) == (name == "spr")
+        assert ("-mprefer-vector-width=512" in native._compile_flags(False)) == (name == "spr")
+    native._wide_vectors.cache_clear()
+    assert keys["spr"] != keys["skx"] == keys["zen1"]
