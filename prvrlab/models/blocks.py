@@ -254,19 +254,47 @@ def branch_mlp(
     devices (not measured there) batched GEMMs.  Under autocast the GEMMs take
     its dtype.
     """
+    layers = (first,) if second is None else (first, second)
+    return _mlp(x, [(layer.weight, layer.bias) for layer in layers], branches, draw, p)
+
+
+def _mlp(x: Tensor, layers: list[tuple[Tensor, Tensor]], branches: slice, draw, p: float) -> Tensor:
+    """:func:`branch_mlp` from its layers' (k, out, in) weights and (k, out) biases (rows ``branches`` of them)."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    layers = (first,) if second is None else (first, second)
-    if draw is not None and (second is None or p <= 0):
+    if draw is not None and (len(layers) == 1 or p <= 0):
         draw = None
     with torch.autocast(device, enabled=False):
-        params = [weight_cast(t, dtype, branches) for layer in layers for t in (layer.weight, layer.bias)]
+        params = [weight_cast(t, dtype, branches) for layer in layers for t in layer]
         x = x.to(dtype)  # (k, N, in)
         if not torch.is_grad_enabled():
             return _branch_forward(x, *params, draw=draw, p=p)[0]
         if device == "cpu":
             return _BranchGemms.apply(x, *params, draw, p)
         return _batched_mlp(x, *params, draw=draw, p=p)
+
+
+def relu_ffn(ffn: nn.Sequential, x: Tensor) -> Tensor:
+    """``ffn(x)`` for (N, in) ``x`` and a ``Linear -> ReLU [-> Dropout] -> Linear`` FFN (:func:`~prvrlab.models.gmm.ffn_inner`'s
+    layout; others run as they are): on a CPU with autograd, through :class:`_BranchGemms` as one branch (the
+    ReLU fused into the first GEMM, the dropout applied in place from a deferred draw that takes the
+    generator draw the ``Dropout`` module would, its backward folded into the second GEMM's and the ReLU's,
+    and the first bias's gradient summed in the ReLU's backward pass): the same forward values.  (v2's query
+    FFN, (12,116, 384) through 1,536 in bf16.)"""
+    first, inner, second = ffn[0], ffn[1], ffn[2]
+    parts = list(inner) if isinstance(inner, nn.Sequential) else [inner]
+    drop = parts[1] if len(parts) == 2 else None
+    takes = (
+        x.device.type == "cpu" and x.dim() == 2 and torch.is_grad_enabled() and len(ffn) == 3
+        and isinstance(parts[0], nn.ReLU) and len(parts) <= 2 and (drop is None or isinstance(drop, Dropout))
+        and all(isinstance(m, nn.Linear) and m.bias is not None for m in (first, second))
+    )
+    if not takes:
+        return ffn(x)
+    p = drop.p if drop is not None and drop.training else 0.0
+    draw = dropout_draw((1, x.shape[0], first.out_features), p, x.device, deferred=True) if p > 0 else None
+    layers = [(m.weight[None], m.bias[None]) for m in (first, second)]  # (1, out, in), (1, out): one branch
+    return _mlp(x[None], layers, slice(None), draw, p)[0]  # (N, out)
 
 
 def _branch_forward(

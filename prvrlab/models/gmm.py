@@ -80,6 +80,7 @@ from prvrlab.models.blocks import (
     dropout_mask,
     mask_from_draw,
     project,
+    relu_ffn,
     residual_dropout,
     resolve_ffn_size,
 )
@@ -727,7 +728,7 @@ class GMMBlock(PackedLayer):
                 y_k = F.layer_norm(x + a_k, (D,), w_k, b_k)  # (N, D)
                 y = y_k if y is None else y.add_(y_k)
         if self.ffn is not None:
-            y = self.ffn_norm(y + self.dropout(self.ffn(y)))  # (N, D)
+            y = self.ffn_norm(y + self.dropout(relu_ffn(self.ffn, y)))  # (N, D)
         return y
 
 

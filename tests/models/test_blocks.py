@@ -459,3 +459,46 @@ def test_weight_grad_is_g_transposed_times_x_contiguous_in_either_orientation(dt
     # float32 sums of 300 products, then (bf16) one rounding of the result
     rel = 2**-8 if dtype == torch.bfloat16 else 1e-5
     assert ((got.double() - want).abs() <= rel * want.abs() + 1e-4 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_relu_ffn_gives_the_sequentials_forward_and_its_gradients(amp):
+    """blocks.relu_ffn on a Linear -> ReLU -> Dropout -> Linear FFN (ffn_inner's layout): the forward of the
+    nn.Sequential bit for bit after the same generator state (the same dropout mask), the gradients of the
+    input and every parameter to 1e-6 in float32 and to a bf16 rounding under bf16 autocast; a GELU FFN and
+    inference run the Sequential itself."""
+    from torch import nn
+
+    from prvrlab.models.blocks import relu_ffn
+    from prvrlab.models.gmm import ffn_inner
+
+    torch.manual_seed(0)
+    ffn = nn.Sequential(nn.Linear(16, 64), ffn_inner("relu", 0.3), nn.Linear(64, 16)).train()
+    x = torch.randn(50, 16)
+    weights = torch.linspace(-1, 1, 50 * 16).view(50, 16)
+
+    def run(fn):
+        torch.manual_seed(7)
+        leaf = x.clone().requires_grad_()
+        ffn.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            y = fn(leaf)
+        (y.float() * weights).sum().backward()
+        return y.detach(), [leaf.grad] + [p.grad.clone() for p in ffn.parameters()]
+
+    want_y, want_grads = run(ffn)
+    got_y, got_grads = run(lambda v: relu_ffn(ffn, v))
+    assert got_y.dtype == want_y.dtype and torch.equal(got_y, want_y)
+    tol = 2**-7 if amp else 1e-6
+    for got, want in zip(got_grads, want_grads):
+        assert float((got - want).abs().max()) <= tol * max(1.0, float(want.abs().max()))
+    torch.manual_seed(1)
+    y = relu_ffn(ffn, x.requires_grad_())
+    assert y.grad_fn.next_functions[0][0].name() == "_BranchGemmsBackward"  # (N, out) row 0 of one branch
+    gelu = nn.Sequential(nn.Linear(16, 64), ffn_inner("gelu", 0.3), nn.Linear(64, 16))
+    assert relu_ffn(gelu, x).grad_fn.name() == ffn(x).grad_fn.name() == "AddmmBackward0"
+    with torch.no_grad():
+        torch.manual_seed(2)
+        a = relu_ffn(ffn, x)
+        torch.manual_seed(2)
+        assert torch.equal(a, ffn(x))
