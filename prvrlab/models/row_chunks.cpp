@@ -4,6 +4,10 @@
 // is zeroed.  Every offset is in bytes; `middle_outer` picks the loop order that writes the destination
 // in sequence (1 for a padded destination, 0 for a packed one).  So each chunk of the destination is written once, where PyTorch
 // zero-fills the whole padded tensor and then scatters the real rows through generic index kernels.
+//
+// prvrlab_gather_rows_bf16 packs float32 rows into bfloat16 ones in one pass: dst[n] = bf16(src[rows[n]])
+// (round to nearest even, NaN -> 0x7fc0: torch's conversion), where PyTorch gathered the float32 rows (an
+// index_select) and then converted them (a second pass over a copy).
 #include <cstdint>
 #include <cstring>
 
@@ -11,7 +15,7 @@
 
 extern "C" {
 
-int prvrlab_chunks_abi() { return 1; }
+int prvrlab_chunks_abi() { return 2; }
 
 void prvrlab_move_chunks(char* dst, const char* src, const int64_t* dst_base, const int64_t* src_base, int64_t rows,
                          const int64_t* dst_mid, const int64_t* src_mid, int64_t mids, int64_t chunk,
@@ -44,6 +48,21 @@ void prvrlab_move_chunks(char* dst, const char* src, const int64_t* dst_base, co
         }
       },
       1);
+}
+
+// dst (n, width) bfloat16 (uint16 storage) = src's rows rows[0 .. n) (float32, rows of `width`), rounded.
+void prvrlab_gather_rows_bf16(uint16_t* dst, const float* src, const int64_t* rows, int64_t n, int64_t width,
+                              int threads) {
+  prvrlab::run_parallel(
+      n, threads,
+      [&](int, int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const float* __restrict s = src + rows[i] * width;
+          uint16_t* __restrict d = dst + i * width;
+          for (int64_t j = 0; j < width; ++j) prvrlab::store(d, j, s[j]);
+        }
+      },
+      16);
 }
 
 }  // extern "C"

@@ -24,7 +24,7 @@ from torch import Tensor
 from prvrlab.models import native
 
 SOURCE = Path(__file__).with_name("row_chunks.cpp")
-ABI = 1  # prvrlab_chunks_abi() of a library this module can call
+ABI = 2  # prvrlab_chunks_abi() of a library this module can call
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -37,6 +37,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.prvrlab_move_chunks.restype = None
+    lib.prvrlab_gather_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.prvrlab_gather_rows_bf16.restype = None
 
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
@@ -124,3 +126,21 @@ def move_chunks(
         torch.get_num_threads(),
     )
     return dst
+
+
+def gather_rows_bf16(x: Tensor, index: Tensor) -> Tensor | None:
+    """``x.index_select(0, index).to(torch.bfloat16)`` in one pass (the same values) for a contiguous float32 CPU
+    ``x`` (M, *F) that autograd does not record and (N,) ``index`` in [0, M) (ValueError otherwise); None
+    where the kernel cannot take ``x`` (not such a tensor, or no kernel)."""
+    if (x.dtype != torch.float32 or x.dim() < 1 or not usable(x) or (x.requires_grad and torch.is_grad_enabled())):
+        return None
+    index = index.to(torch.int64).contiguous()
+    if index.dim() != 1 or index.device.type != "cpu":
+        return None
+    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < x.shape[0]):
+        raise ValueError(f"gather_rows_bf16: row indices outside the {x.shape[0]} rows of the source")
+    out = torch.empty((index.numel(), *x.shape[1:]), dtype=torch.bfloat16)
+    width = x[0].numel() if x.shape[0] else 0
+    load().prvrlab_gather_rows_bf16(out.data_ptr(), x.data_ptr(), index.data_ptr(), index.numel(), width,
+                                    torch.get_num_threads())
+    return out

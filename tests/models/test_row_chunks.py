@@ -129,3 +129,41 @@ def test_a_head_layout_refuses_a_projection_whose_rows_are_not_the_packings_toke
             gmm._HeadLayout.apply(torch.zeros(tokens, 3, 1, 2), rows, positions, 2, 3)
     with pytest.raises(ValueError, match="5 projected tokens for a packing of 6"):
         gmm._HeadLayout.apply(torch.zeros(5, 3, 1, 2), None, None, 2, 3)
+
+
+def test_gather_rows_bf16_is_index_select_then_the_cast_bit_for_bit():
+    """row_chunks.gather_rows_bf16: float32 rows gathered and rounded to bf16 in one pass, the values of
+    index_select followed by .to(bfloat16): ties to even, NaN, infinities, signed zeros, subnormals; rows of
+    both threads; indices outside the source refused; what it cannot take left to the caller (None)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(300, 3, 47, generator=gen) * 1e3
+    x[0, 0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, -1e-39, 3e38])
+    # exact ties between two bf16 values (the low 16 bits 0x8000): rounded to the even one
+    x[1, 0, :4] = torch.tensor([0x3F808000, 0x3F818000, -0x40808000 & 0xFFFFFFFF, 0x00018000], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    index = torch.randint(0, 300, (257,), generator=gen)
+    index[:3] = torch.tensor([0, 1, 299])
+    got = row_chunks.gather_rows_bf16(x, index)
+    want = x.index_select(0, index).to(torch.bfloat16)
+    assert got.shape == want.shape == (257, 3, 47) and got.dtype == torch.bfloat16
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert row_chunks.gather_rows_bf16(x, index[:0]).shape == (0, 3, 47)
+    with pytest.raises(ValueError, match="outside"):
+        row_chunks.gather_rows_bf16(x, torch.tensor([300]))
+    assert row_chunks.gather_rows_bf16(x.double(), index) is None
+    assert row_chunks.gather_rows_bf16(x.transpose(1, 2), index) is None  # not contiguous
+    assert row_chunks.gather_rows_bf16(x.clone().requires_grad_(), index) is None
+
+
+def test_an_encoders_input_is_packed_and_cast_as_autocast_would_cast_it():
+    """Packing.pack_input under bf16 autocast: the packed float32 rows cast to bf16 (one pass on a CPU), the
+    same values as pack() then the cast; without autocast, pack() itself."""
+    from prvrlab.models.blocks import Packing
+
+    x = torch.randn(4, 6, 10)
+    mask = torch.arange(6)[None] < torch.tensor([6, 2, 5, 1])[:, None]
+    packing = Packing.from_mask(mask, 4, 6, "cpu")
+    assert torch.equal(packing.pack_input(x), packing.pack(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = packing.pack_input(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, packing.pack(x).to(torch.bfloat16))
