@@ -129,26 +129,25 @@ def fast_dropout(x: Tensor, p: float, training: bool) -> Tensor:
     if x.device.type != "cpu":
         return F.dropout(x, p, training=True)
     if x.dtype in (torch.bfloat16, torch.float32) and draw_threshold(p) <= 32767 and random_bits.load() is not None:
-        return _DeferredDropout.apply(x.contiguous(), p)
+        return _DeferredDropout.apply(x.contiguous(), DeferredDraw(tuple(x.shape)), p)
     return x * dropout_mask(x, p)
 
 
 class _DeferredDropout(torch.autograd.Function):
-    """``x * dropout_mask(x, p)`` from a :class:`~prvrlab.models.random_bits.DeferredDraw` (the same generator
-    draw, so the same mask): forward and backward each read their input once and write their output once,
-    where the mask was written, read by the multiply and kept for the backward ((9786, 3072) bf16, the
-    frames' input dropout: 60 MB written and read twice, held through the step)."""
+    """``x * mask`` for the mask of a :class:`~prvrlab.models.random_bits.DeferredDraw` taken as
+    :func:`dropout_mask` takes its draw (so the same mask): forward and backward each read their input once
+    and write their output once, where the mask was written, read by the multiply and kept for the backward
+    ((9786, 3072) bf16, the frames' input dropout: 60 MB written and read twice, held through the step).
+    The backward is the same product with the same draw, so it is differentiable again."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, p: float) -> Tensor:
-        draw = DeferredDraw(tuple(x.shape))
+    def forward(ctx, x: Tensor, draw: DeferredDraw, p: float) -> Tensor:
         ctx.draw, ctx.p = draw, p
         return _apply_draw(x, draw, p)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        return _apply_draw(g.contiguous(), ctx.draw, ctx.p), None
+        return _DeferredDropout.apply(g.contiguous(), ctx.draw, ctx.p), None, None
 
 
 def _apply_draw(x: Tensor, draw: DeferredDraw, p: float) -> Tensor:
@@ -281,11 +280,13 @@ def relu_ffn(ffn: nn.Sequential, x: Tensor) -> Tensor:
     generator draw the ``Dropout`` module would, its backward folded into the second GEMM's and the ReLU's,
     and the first bias's gradient summed in the ReLU's backward pass): the same forward values.  (v2's query
     FFN, (12,116, 384) through 1,536 in bf16.)"""
+    if not (isinstance(ffn, nn.Sequential) and len(ffn) == 3):
+        return ffn(x)
     first, inner, second = ffn[0], ffn[1], ffn[2]
     parts = list(inner) if isinstance(inner, nn.Sequential) else [inner]
     drop = parts[1] if len(parts) == 2 else None
     takes = (
-        x.device.type == "cpu" and x.dim() == 2 and torch.is_grad_enabled() and len(ffn) == 3
+        x.device.type == "cpu" and x.dim() == 2 and torch.is_grad_enabled()
         and isinstance(parts[0], nn.ReLU) and len(parts) <= 2 and (drop is None or isinstance(drop, Dropout))
         and all(isinstance(m, nn.Linear) and m.bias is not None for m in (first, second))
     )

@@ -73,5 +73,6 @@ def relu_grad_column_sum(g: Tensor, h: Tensor, out: Tensor) -> Tensor:
     sums = torch.empty(g.shape[1], dtype=torch.float32)  # (C,)
     load().prvrlab_relu_grad_column_sum(g.data_ptr(), h.data_ptr(), sums.data_ptr(), g.shape[0], g.shape[1],
                                         torch.get_num_threads())
+    torch.autograd.graph.increment_version(g)  # an in-place write, as threshold_backward_ would count it
     out.copy_(sums)
     return g

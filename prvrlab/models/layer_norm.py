@@ -116,7 +116,9 @@ def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5
     LayerNorm per branch and a ``torch.stack``, forward and backward, made two more passes over them:
     v2's (8, 9,786, 384), forward + backward, 33 -> 16 ms).  The forward computes its own mean and 1/std in
     float32 (two passes over a row) where ATen's bf16 kernel keeps bf16 ones: outputs agree with ATen's to
-    a bf16 rounding (``tests/models/test_layer_norm.py``).  None where it does not take them (the
+    a bf16 rounding (``tests/models/test_layer_norm.py``; not for rows whose spread passes ~1e18, where its
+    float32 sum of squares overflows to a NaN row while ATen's Welford sums stay finite, if already
+    inaccurate).  None where it does not take them (the
     conditions of :func:`layer_norm`'s fused backward: autograd recording, a bf16 CPU ``x``; and ``x``
     3-D with (K, D) affines); the caller keeps the per-branch path."""
     if x.dim() != 3 or not _takes(x, weight, bias) or weight.shape != (x.shape[0], x.shape[2]) or bias.shape != weight.shape:

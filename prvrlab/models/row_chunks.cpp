@@ -6,7 +6,8 @@
 // zero-fills the whole padded tensor and then scatters the real rows through generic index kernels.
 //
 // prvrlab_gather_rows_bf16 packs float32 rows into bfloat16 ones in one pass: dst[n] = bf16(src[rows[n]])
-// (round to nearest even, NaN -> 0x7fc0: torch's conversion), where PyTorch gathered the float32 rows (an
+// (round to nearest even as torch rounds; a NaN stays a NaN, its bits may differ from torch's), where
+// PyTorch gathered the float32 rows (an
 // index_select) and then converted them (a second pass over a copy).
 #include <cstdint>
 #include <cstring>

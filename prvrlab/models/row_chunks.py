@@ -129,7 +129,7 @@ def move_chunks(
 
 
 def gather_rows_bf16(x: Tensor, index: Tensor) -> Tensor | None:
-    """``x.index_select(0, index).to(torch.bfloat16)`` in one pass (the same values) for a contiguous float32 CPU
+    """``x.index_select(0, index).to(torch.bfloat16)`` in one pass (the same values; a NaN's bits may differ) for a contiguous float32 CPU
     ``x`` (M, *F) that autograd does not record and (N,) ``index`` in [0, M) (ValueError otherwise); None
     where the kernel cannot take ``x`` (not such a tensor, or no kernel)."""
     if (x.dtype != torch.float32 or x.dim() < 1 or not usable(x) or (x.requires_grad and torch.is_grad_enabled())):

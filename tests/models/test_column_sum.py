@@ -66,9 +66,10 @@ def test_relu_grad_column_sum_is_threshold_backward_then_the_column_sums_in_plac
     h = h.bfloat16()
     want_g = torch.ops.aten.threshold_backward(g, h, 0)
     out = torch.full((C,), float("nan"), dtype=torch.bfloat16)
-    original = g.clone()
+    original, version = g.clone(), g._version
     got = cs.relu_grad_column_sum(g, h, out)
     assert got.data_ptr() == g.data_ptr() and torch.equal(got, want_g)  # in place, ATen's values
+    assert g._version > version  # counted as an in-place write: autograd would refuse a saved copy of g
     assert not torch.equal(got, original)  # some gradients were dropped
     want = want_g.double().sum(0)
     assert ((out.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want_g.double().abs().sum(0)).all()

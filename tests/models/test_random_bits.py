@@ -275,3 +275,21 @@ def test_deferred_dropout_equals_the_written_masks_product_forward_and_backward(
     got = fast_dropout(strided, p, training=True)
     torch.manual_seed(5)
     torch.testing.assert_close(got, strided * dropout_mask(strided, p), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernel
+def test_deferred_dropout_is_differentiable_twice():
+    """The backward of fast_dropout's unwritten-mask product is the same product, recorded: a gradient of the
+    gradient is the mask again (as for x * dropout_mask(x, p))."""
+    from prvrlab.models.blocks import dropout_mask, fast_dropout
+
+    x = torch.randn(5, 300, requires_grad=True)
+    c = torch.randn(5, 300, requires_grad=True)
+    e = torch.randn(5, 300)
+    torch.manual_seed(4)
+    y = fast_dropout(x, 0.4, training=True)
+    (gx,) = torch.autograd.grad((y * c).sum(), x, create_graph=True)  # c * mask, a function of c
+    (gc,) = torch.autograd.grad((gx * e).sum(), c)  # e * mask
+    torch.manual_seed(4)
+    mask = dropout_mask(x, 0.4)
+    assert torch.equal(gx.detach(), c.detach() * mask) and torch.equal(gc, e * mask)
