@@ -226,9 +226,12 @@ class _RowChunks:
     layout whose token (b, l) of "middle" index m starts at ``(b * row_stride + l) * Dh + mid[m]``.
 
     ``rows`` / ``positions`` (N,): each packed token's (b, l); the padded tensor holds ``batch`` x
-    ``length`` slots; ``padding``: the element offsets of the empty slots' first chunks."""
+    ``length`` slots; ``padding``: the element offsets of the empty slots' first chunks; ``packed`` (N,):
+    the tokens' rows in the packed tensor (default: 0 .. N - 1; a length bucket's tokens are some of them)."""
 
-    def __init__(self, rows: Tensor, positions: Tensor, batch: int, length: int, row_stride: int, dh: int) -> None:
+    def __init__(
+        self, rows: Tensor, positions: Tensor, batch: int, length: int, row_stride: int, dh: int, packed: Tensor | None = None
+    ) -> None:
         if rows.numel() and not (0 <= int(rows.min()) <= int(rows.max()) < batch and 0 <= int(positions.min()) <= int(positions.max()) < length):
             raise ValueError(f"packed rows outside the ({batch}, {length}) slots of their padded layout")  # the kernel writes there
         self.real = (rows * row_stride + positions) * dh  # (N,)
@@ -236,7 +239,7 @@ class _RowChunks:
         filled[rows * length + positions] = True
         empty = (~filled).nonzero().squeeze(1)  # (P,) flat b * length + l
         self.padding = (torch.div(empty, length, rounding_mode="floor") * row_stride + empty % length) * dh  # (P,)
-        self.packed = torch.arange(rows.numel())  # (N,)
+        self.packed = torch.arange(rows.numel()) if packed is None else packed  # (N,) each token's packed row
 
     @staticmethod
     def usable(rows: Tensor | None, *tensors: Tensor) -> bool:
@@ -249,6 +252,46 @@ def _grid(*strides: tuple[int, int]) -> Tensor:
     out = torch.zeros(1, dtype=torch.int64)
     for count, stride in strides:
         out = (out[:, None] + torch.arange(count)[None, :] * stride).flatten()
+    return out
+
+
+def _heads_from_rows(projected: Tensor, chunks: _RowChunks, batch: int, length: int) -> Tensor:
+    """(3, B, G, L, Dh) heads of the packed rows ``chunks.packed`` of ``projected`` (N, 3, G, Dh), zeros on padding."""
+    _, _, G, Dh = projected.shape
+    heads = projected.new_empty((3, batch, G, length, Dh))  # (3, B, G, L, Dh)
+    dst_mid = _grid((3, batch * G * length * Dh), (G, length * Dh))  # (3G,)
+    src_mid = _grid((3 * G, Dh))
+    row_chunks.move_chunks(heads, projected, chunks.real, chunks.packed * (3 * G * Dh), dst_mid, src_mid, Dh, chunks.padding)
+    return heads
+
+
+def _rows_from_heads(out: Tensor, grads: Sequence[Tensor], chunks: _RowChunks) -> None:
+    """The real rows of the (B, G, L, Dh) q, k, v gradients into rows ``chunks.packed`` of ``out`` (N, 3, G, Dh)."""
+    _, G, L, Dh = grads[0].shape
+    dst_mid, src_mid = _grid((G, Dh)), _grid((G, L * Dh))
+    for j, g in enumerate(grads):
+        dst_base = chunks.packed * (3 * G * Dh) + j * G * Dh
+        row_chunks.move_chunks(out, g.contiguous(), dst_base, chunks.real, dst_mid, src_mid, Dh)
+
+
+def _merge_into(out: Tensor, heads: Tensor, chunks: _RowChunks) -> None:
+    """Attention outputs ``heads`` (B, k, H, L, Dh) into rows ``chunks.packed`` of ``out`` (k, N, H * Dh)."""
+    B, K, H, L, Dh = heads.shape
+    N = out.shape[1]
+    row_chunks.move_chunks(
+        out, heads, chunks.packed * (H * Dh), chunks.real, _grid((K, N * H * Dh), (H, Dh)), _grid((K * H, L * Dh)), Dh
+    )
+
+
+def _unmerge(grad: Tensor, chunks: _RowChunks, shape: tuple[int, ...]) -> Tensor:
+    """Rows ``chunks.packed`` of ``grad`` (k, N, H * Dh) as (B, k, H, L, Dh) of ``shape``, zeros on padding."""
+    B, K, H, L, Dh = shape
+    N = grad.shape[1]
+    out = grad.new_empty(shape)  # (B, k, H, L, Dh)
+    row_chunks.move_chunks(
+        out, grad.contiguous(), chunks.real, chunks.packed * (H * Dh), _grid((K * H, L * Dh)),
+        _grid((K, N * H * Dh), (H, Dh)), Dh, chunks.padding,
+    )
     return out
 
 
@@ -276,10 +319,7 @@ class _HeadLayout(torch.autograd.Function):
         ctx.chunks = None
         if _RowChunks.usable(rows, projected):
             ctx.chunks = chunks = _RowChunks(rows, positions, batch, length, G * length, Dh)
-            heads = projected.new_empty(shape)  # (3, B, G, L, Dh)
-            dst_mid = _grid((3, batch * G * length * Dh), (G, length * Dh))  # (3G,)
-            src_mid = _grid((3 * G, Dh))
-            row_chunks.move_chunks(heads, projected, chunks.real, chunks.packed * (3 * G * Dh), dst_mid, src_mid, Dh, chunks.padding)
+            heads = _heads_from_rows(projected, chunks, batch, length)  # (3, B, G, L, Dh)
             return heads[0], heads[1], heads[2]
         heads = projected.new_empty(shape) if rows is None else projected.new_zeros(shape)  # (3, B, G, L, Dh)
         slots = heads.permute(1, 3, 0, 2, 4)  # (B, L, 3, G, Dh) view
@@ -298,12 +338,8 @@ class _HeadLayout(torch.autograd.Function):
         if ctx.full:
             out = torch.stack([g.permute(0, 2, 1, 3) for g in grads], dim=2).view(B * L, 3, G, Dh)  # one pass
         elif ctx.chunks is not None:
-            chunks = ctx.chunks
-            out = grads[0].new_empty((chunks.packed.numel(), 3, G, Dh))  # (N, 3, G, Dh)
-            dst_mid, src_mid = _grid((G, Dh)), _grid((G, L * Dh))
-            for j, g in enumerate(grads):
-                dst_base = chunks.packed * (3 * G * Dh) + j * G * Dh
-                row_chunks.move_chunks(out, g.contiguous(), dst_base, chunks.real, dst_mid, src_mid, Dh)
+            out = grads[0].new_empty((ctx.chunks.packed.numel(), 3, G, Dh))  # (N, 3, G, Dh)
+            _rows_from_heads(out, grads, ctx.chunks)
         else:
             rows, positions = ctx.saved_tensors
             out = torch.stack([g.permute(0, 2, 1, 3)[rows, positions] for g in grads], dim=1)  # (N, 3, G, Dh)
@@ -356,11 +392,8 @@ class _MergeHeads(torch.autograd.Function):
             return slots.reshape(K, B * L, H * Dh)
         if _RowChunks.usable(rows, heads):
             ctx.chunks = chunks = _RowChunks(rows, positions, B, L, K * H * L, Dh)
-            N = rows.numel()
-            out = heads.new_empty((K, N, H * Dh))  # (k, N, D)
-            row_chunks.move_chunks(
-                out, heads, chunks.packed * (H * Dh), chunks.real, _grid((K, N * H * Dh), (H, Dh)), _grid((K * H, L * Dh)), Dh
-            )
+            out = heads.new_empty((K, rows.numel(), H * Dh))  # (k, N, D)
+            _merge_into(out, heads, chunks)
             return out
         ctx.save_for_backward(rows, positions)
         return slots[:, rows, positions].view(K, -1, H * Dh)  # (k, N, D)
@@ -371,20 +404,7 @@ class _MergeHeads(torch.autograd.Function):
         # grad (k, N, D)
         B, K, H, L, Dh = ctx.shape
         if ctx.chunks is not None:
-            chunks = ctx.chunks
-            N = chunks.packed.numel()
-            out = grad.new_empty(ctx.shape)  # (B, k, H, L, Dh)
-            row_chunks.move_chunks(
-                out,
-                grad.contiguous(),
-                chunks.real,
-                chunks.packed * (H * Dh),
-                _grid((K * H, L * Dh)),
-                _grid((K, N * H * Dh), (H, Dh)),
-                Dh,
-                chunks.padding,
-            )
-            return out, None, None
+            return _unmerge(grad, ctx.chunks, ctx.shape), None, None
         saved = ctx.saved_tensors  # read once (activation checkpointing unpacks each saved tensor once)
         if not saved:
             out = grad.new_empty(ctx.shape)  # (B, k, H, L, Dh)
