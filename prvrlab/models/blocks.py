@@ -549,7 +549,9 @@ class Packing:
     real token in its row; ``index`` (N,) flat index ``b * L + t`` of each real
     token, or None when nothing is padded (packing is then a free reshape).
     ``keys`` (B, L) bool, only in a :meth:`grid`: every slot is a token, but
-    attention looks at these only.
+    attention looks at these only.  ``window_span``: the length a ``padded``
+    Gaussian window spans where it is not ``length`` (a length bucket of a
+    batch padded to that length, :func:`~prvrlab.models.gmm.length_buckets`).
     """
 
     batch: int
@@ -559,6 +561,7 @@ class Packing:
     index: Tensor | None
     mask: Tensor
     keys: Tensor | None = None
+    window_span: int | None = None
 
     @staticmethod
     def grid(mask: Tensor) -> "Packing":

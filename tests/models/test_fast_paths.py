@@ -725,3 +725,86 @@ def test_the_fused_path_hands_the_head_layout_contiguous_key_gradients(monkeypat
     monkeypatch.setattr(GaussianAttention, "fused", False)
     attention.forward_packed(x, packing).sum().backward()
     assert seen and not all(seen[0])
+
+
+def bucket_packing(lengths: list[int], length: int) -> Packing:
+    mask = torch.arange(length)[None] < torch.tensor(lengths)[:, None]
+    return Packing.from_mask(mask, len(lengths), length, "cpu")
+
+
+def test_length_buckets_partition_the_tokens_by_video_length():
+    """gmm.length_buckets: equal video counts by increasing length, each bucket padded to its longest video
+    rounded up to LENGTH_STEP (at most the batch's length); every packed token in exactly one bucket, at its
+    video's row in the bucket and its own position (a hand loop over the packing); None where nothing is
+    padded, where the work would not fall enough, or for a mask that is not each video's first positions."""
+    lengths = [5, 40, 17, 64, 3, 33, 9, 50]
+    packing = bucket_packing(lengths, 64)
+    buckets = gmm.length_buckets(packing, 4)
+    starts = [sum(lengths[:b]) for b in range(len(lengths))]
+    seen = []
+    for bucket in buckets:
+        videos = bucket.videos.tolist()
+        assert len(videos) == 2 and videos == sorted(videos)
+        longest = max(lengths[v] for v in videos)
+        assert bucket.length == min(64, -(-longest // gmm.LENGTH_STEP) * gmm.LENGTH_STEP)
+        assert bucket.packing.window_span == 64 and bucket.packing.batch == 2
+        want_tokens, want_rows, want_positions = [], [], []
+        for row, v in enumerate(videos):
+            for t in range(lengths[v]):
+                want_tokens.append(starts[v] + t), want_rows.append(row), want_positions.append(t)
+        assert bucket.tokens.tolist() == want_tokens and bucket.rows.tolist() == want_rows
+        assert bucket.positions.tolist() == want_positions
+        seen += want_tokens
+    assert sorted(seen) == list(range(sum(lengths)))
+    assert [sorted(lengths[v] for v in b.videos.tolist()) for b in buckets] == [[3, 5], [9, 17], [33, 40], [50, 64]]
+    assert gmm.length_buckets(bucket_packing([64] * 8, 64), 4) is None  # nothing padded
+    assert gmm.length_buckets(bucket_packing([60, 64, 58, 63], 64), 4) is None  # every bucket 64 long: no gain
+    assert gmm.length_buckets(packing, 1) is None
+    gaps = torch.tensor([[True, False, True, True], [True, True, False, False]])  # not each row's first positions
+    built = Packing(2, 4, gaps.sum(1), torch.tensor([0, 2, 3, 0, 1]), gaps.reshape(-1).nonzero().squeeze(1), gaps)
+    assert gmm.length_buckets(built, 2) is None
+
+
+@pytest.mark.parametrize("window", ["official", "official_raw", "centred"])
+def test_a_buckets_windows_are_the_top_left_block_of_the_batchs(window):
+    """A bucket attends with the first L_b positions of the batch's windows (span = the batch's length), the
+    same values as the (L, L) windows cut to (L_b, L_b), for the padded span and per-video real lengths."""
+    sigmas = (0.05, 0.3, 1.0, 5.0)
+    full = gmm._cached_stack(96, 96, sigmas, window, 1.0, torch.float32, torch.device("cpu"))
+    part = gmm._cached_stack(48, 96, sigmas, window, 1.0, torch.float32, torch.device("cpu"))
+    assert torch.equal(part, full[..., :48, :48])
+    lengths = torch.tensor([48, 40, 7, 1])
+    assert torch.equal(gmm.batched_windows(lengths, 48, sigmas, window), gmm.batched_windows(lengths, 96, sigmas, window)[..., :48, :48])
+
+
+@pytest.mark.parametrize("window_length", ["padded", "real", 80])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_attention_over_length_buckets_equals_attention_over_the_batch(window_length, amp, monkeypatch):
+    """GaussianAttention's fast CPU path over length buckets gives the unbucketed output and gradients (input
+    and Q/K/V weights): float32 to 1e-5 of scale, bf16 autocast to BF16_TOL; with attention dropout in
+    training it does not bucket (the batch's draw) and gives the same values."""
+    torch.manual_seed(0)
+    lengths = torch.randint(3, 65, (24,))
+    lengths[0] = 64
+    packing = bucket_packing(lengths.tolist(), 64)
+    assert gmm.length_buckets(packing, 4) is not None
+    for dropout in (0.0, 0.2):
+        attention = GaussianAttention(hidden_size=32, num_heads=2, sigmas=(0.3, 1.0, float("inf")),
+                                      window_length=window_length, dropout=dropout).train()
+        x = torch.randn(packing.num_tokens, 32)
+        weights = torch.linspace(-1, 1, 3 * packing.num_tokens * 32).view(3, -1, 32)
+        runs, calls = [], []
+        monkeypatch.setattr(gmm, "_BucketMerge", type("Spy", (), {"apply": staticmethod(
+            lambda *a, _f=gmm._BucketMerge.apply: calls.append(1) or _f(*a))}))
+        for count in (1, 4):
+            monkeypatch.setattr(GaussianAttention, "max_buckets", count)
+            torch.manual_seed(5)
+            leaf = x.clone().requires_grad_()
+            attention.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                y = attention.forward_packed(leaf, packing)
+            (y.float() * weights).sum().backward()
+            runs.append((y.detach().float(), leaf.grad, attention.qkv.weight.grad.clone()))
+        assert bool(calls) == (dropout == 0.0)  # bucketed only without attention dropout
+        for got, want in zip(runs[1], runs[0]):
+            assert_close_scaled(got, want, BF16_TOL if amp else FP32_TOL, f"buckets {window_length}")
