@@ -346,7 +346,10 @@ def length_buckets(packing: Packing, count: int) -> list[LengthBucket] | None:
     lengths = packing.lengths.numpy().astype(np.int64)  # (B,)
     starts = np.cumsum(lengths) - lengths  # (B,) each video's first packed row
     expected = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)  # (N,) prefix positions in row order
-    if packing.positions.numel() != expected.size or not np.array_equal(packing.positions.numpy(), expected):
+    flat = np.repeat(np.arange(B) * L, lengths) + expected  # (N,) each token's b * L + t, rows in order
+    if packing.positions.numel() != expected.size or not (
+        np.array_equal(packing.positions.numpy(), expected) and np.array_equal(packing.index.cpu().numpy(), flat)
+    ):
         return None
     groups = [np.sort(g) for g in np.array_split(np.argsort(lengths, kind="stable"), min(count, B)) if g.size]
     spans = [min(L, -(-int(lengths[g].max()) // LENGTH_STEP) * LENGTH_STEP) for g in groups]
@@ -362,9 +365,9 @@ def length_buckets(packing: Packing, count: int) -> list[LengthBucket] | None:
         inner = Packing.from_lengths(lens, span, "cpu")
         buckets.append(LengthBucket(
             videos=torch.from_numpy(videos), tokens=torch.from_numpy(tokens), rows=torch.from_numpy(np.repeat(np.arange(videos.size), lens)),
-            positions=torch.from_numpy(local), packing=replace(inner, window_span=L),
+            positions=torch.from_numpy(local), packing=replace(inner, window_span=packing.window_span or L),
         ))
-    return buckets
+    return buckets or None  # None: no tokens at all
 
 
 class _BucketHeads(torch.autograd.Function):
@@ -797,6 +800,8 @@ class GaussianAttention(nn.Module):
             return None
         if packing.index is None or not _RowChunks.usable(packing.index, projected) or window_softmax.load() is None:
             return None
+        if isinstance(self.window_length, int) and packing.length > self.window_length:
+            return None  # the batch's path refuses it (_logit_scale), whatever the buckets' lengths
         return length_buckets(packing, GaussianAttention.max_buckets)
 
     def _attend_buckets(self, projected: Tensor, buckets: list[LengthBucket], sigmas: tuple[float, ...]) -> Tensor:

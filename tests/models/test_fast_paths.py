@@ -777,19 +777,20 @@ def test_a_buckets_windows_are_the_top_left_block_of_the_batchs(window):
     assert torch.equal(gmm.batched_windows(lengths, 48, sigmas, window), gmm.batched_windows(lengths, 96, sigmas, window)[..., :48, :48])
 
 
+@pytest.mark.parametrize("window", ["official", "centred"])
 @pytest.mark.parametrize("window_length", ["padded", "real", 80])
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
-def test_attention_over_length_buckets_equals_attention_over_the_batch(window_length, amp, monkeypatch):
+def test_attention_over_length_buckets_equals_attention_over_the_batch(window, window_length, amp, monkeypatch):
     """GaussianAttention's fast CPU path over length buckets gives the unbucketed output and gradients (input
     and Q/K/V weights): float32 to 1e-5 of scale, bf16 autocast to BF16_TOL; with attention dropout in
     training it does not bucket (the batch's draw) and gives the same values."""
     torch.manual_seed(0)
     lengths = torch.randint(3, 65, (24,))
-    lengths[0] = 64
+    lengths[0], lengths[1], lengths[2] = 64, 0, 0  # two videos without a frame
     packing = bucket_packing(lengths.tolist(), 64)
     assert gmm.length_buckets(packing, 4) is not None
     for dropout in (0.0, 0.2):
-        attention = GaussianAttention(hidden_size=32, num_heads=2, sigmas=(0.3, 1.0, float("inf")),
+        attention = GaussianAttention(hidden_size=32, num_heads=2, sigmas=(0.3, 1.0, float("inf")), window=window,
                                       window_length=window_length, dropout=dropout).train()
         x = torch.randn(packing.num_tokens, 32)
         weights = torch.linspace(-1, 1, 3 * packing.num_tokens * 32).view(3, -1, 32)
@@ -808,3 +809,21 @@ def test_attention_over_length_buckets_equals_attention_over_the_batch(window_le
         assert bool(calls) == (dropout == 0.0)  # bucketed only without attention dropout
         for got, want in zip(runs[1], runs[0]):
             assert_close_scaled(got, want, BF16_TOL if amp else FP32_TOL, f"buckets {window_length}")
+
+
+def test_length_buckets_leave_empty_batches_hand_built_layouts_and_short_spans_to_the_batchs_path(monkeypatch):
+    """No bucketing (the batch's own path) for a batch without a real token, for tokens out of row order,
+    and for an int window span shorter than the batch (which that path refuses); a packing's own window_span
+    carries over to its buckets."""
+    assert gmm.length_buckets(bucket_packing([0, 0, 0, 0], 16), 4) is None
+    attention = GaussianAttention(hidden_size=16, num_heads=2, sigmas=(0.3, 1.0))
+    assert attention.forward_packed(torch.zeros(0, 16), bucket_packing([0, 0], 16)).shape == (2, 0, 16)
+    mask = torch.tensor([[True, True, False, False], [True, True, False, False]])
+    shuffled = Packing(2, 4, torch.tensor([2, 2]), torch.tensor([0, 1, 0, 1]), torch.tensor([0, 5, 4, 1]), mask)
+    assert gmm.length_buckets(shuffled, 2) is None
+    packing = bucket_packing([5, 40, 17, 64, 3, 33, 9, 50], 64)
+    spanned = dataclasses.replace(packing, window_span=128)
+    assert {b.packing.window_span for b in gmm.length_buckets(spanned, 4)} == {128}
+    short = GaussianAttention(hidden_size=16, num_heads=2, sigmas=(0.3, 1.0), window_length=48)
+    with pytest.raises(ValueError, match="window_length=48"):
+        short.forward_packed(torch.randn(int(sum([5, 40, 17, 30, 3, 33, 9, 20])), 16), bucket_packing([5, 40, 17, 30, 3, 33, 9, 20], 64))
