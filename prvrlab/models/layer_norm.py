@@ -114,7 +114,7 @@ def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5
     """LayerNorm over the last dim of bf16 (K, N, D) with branch k's affine ``weight[k]``, ``bias[k]`` ((K, D)
     float32 or bf16), forward and backward in the kernel, written straight into (K, N, D) outputs (one
     LayerNorm per branch and a ``torch.stack``, forward and backward, made two more passes over them:
-    v2's (8, 9,786, 384), forward + backward, 33 -> 16 ms).  The forward computes its own mean and 1/std in
+    v2's (8, 9,786, 384), forward + backward, 38 -> 27 ms).  The forward computes its own mean and 1/std in
     float32 (two passes over a row) where ATen's bf16 kernel keeps bf16 ones: outputs agree with ATen's to
     a bf16 rounding (``tests/models/test_layer_norm.py``; not for rows whose spread passes ~1e18, where its
     float32 sum of squares overflows to a NaN row while ATen's Welford sums stay finite, if already

@@ -122,16 +122,25 @@ class DeferredDraw:
         return f"DeferredDraw(shape={self.shape}, offset={self.offset})"
 
 
-def masked(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> Tensor | None:
-    """``x * mask`` for the mask of ``draw`` (as :func:`apply_mask_`) into a new tensor, in one pass that reads
-    ``x`` and writes the result (the mask is never written); None where the kernel cannot (no kernel, not a
-    contiguous bf16 / float32 CPU tensor).  No autograd: the caller records it (``x`` must have the draw's
-    shape)."""
+def _applying_library(x: Tensor, draw: DeferredDraw, threshold: int) -> ctypes.CDLL | None:
+    """The kernel library where it can apply ``draw``'s mask to ``x`` (a contiguous bf16 / float32 CPU tensor),
+    else None; ValueError for a threshold outside int16 or an ``x`` not of the draw's shape."""
     _check_threshold(threshold)
     if tuple(x.shape) != draw.shape:
         raise ValueError(f"a tensor of shape {tuple(x.shape)} given the mask of a draw of shape {draw.shape}")
     lib = load()
     if lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous():
+        return None
+    return lib
+
+
+def masked(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> Tensor | None:
+    """``x * mask`` for the mask of ``draw`` (as :func:`apply_mask_`) into a new tensor, in one pass that reads
+    ``x`` and writes the result (the mask is never written); None where the kernel cannot (no kernel, not a
+    contiguous bf16 / float32 CPU tensor).  No autograd: the caller records it (``x`` must have the draw's
+    shape)."""
+    lib = _applying_library(x, draw, threshold)
+    if lib is None:
         return None
     out = torch.empty_like(x)
     lib.prvrlab_dropout_apply_to(x.data_ptr(), out.data_ptr(), x.numel(), draw.seed, draw.offset,
@@ -145,15 +154,8 @@ def apply_mask_(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> 
     where the kernel cannot (no kernel, not a contiguous bf16 / float32 CPU tensor, a tensor autograd records:
     the kernel's write is invisible to it, an inference tensor outside inference mode, which ``mul_``
     refuses).  ``x`` must have the draw's shape."""
-    _check_threshold(threshold)
-    if tuple(x.shape) != draw.shape:
-        raise ValueError(f"a tensor of shape {tuple(x.shape)} given the mask of a draw of shape {draw.shape}")
-    lib = load()
-    if (
-        lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
-        or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled())
-        or (x.is_inference() and not torch.is_inference_mode_enabled())
-    ):
+    lib = _applying_library(x, draw, threshold)
+    if lib is None or (x.requires_grad and torch.is_grad_enabled()) or (x.is_inference() and not torch.is_inference_mode_enabled()):
         return False
     lib.prvrlab_dropout_apply(
         x.data_ptr(), x.numel(), draw.seed, draw.offset, torch.get_num_threads(), threshold, scale, x.element_size()

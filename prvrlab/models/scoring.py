@@ -187,15 +187,7 @@ def _max_at_winners(
     with torch.no_grad():
         found = winners.winners(dots, q_norm, v_norm, pad, with_logits)  # (Nq, C, 1 or 2); one pass on a CPU
         if found is None:
-            denominator = q_norm[:, None, None] * v_norm[None]  # (Nq, C, L)
-            cos = dots / denominator
-            if pad is not None:
-                cos.masked_fill_(pad, -torch.inf)  # below every real cosine, rounded ones under -1 included
-            found = [cos.argmax(dim=-1)]  # (Nq, C)
-            if with_logits:
-                raw = dots.masked_fill(pad, torch.finfo(dots.dtype).min) if pad is not None else dots
-                found.append(raw.argmax(dim=-1))  # (Nq, C)
-            found = torch.stack(found, dim=-1)  # (Nq, C, 1 or 2)
+            found = _argmax_winners(dots, q_norm, v_norm, pad, with_logits)
         real = None if pad is None else ~pad[0].all(dim=-1)  # (C,) videos with a real vector
     picked = dots.gather(2, found)  # (Nq, C, 1 or 2): one backward scatter for both
     videos = torch.arange(c, device=dots.device)[None, :]  # (1, C)
@@ -206,6 +198,18 @@ def _max_at_winners(
         if logit is not None:
             logit = logit.masked_fill(~real[None], torch.finfo(dots.dtype).min)
     return sim, logit
+
+
+def _argmax_winners(dots: Tensor, q_norm: Tensor, v_norm: Tensor, pad: Tensor | None, with_logits: bool) -> Tensor:
+    """:func:`~prvrlab.models.winners.winners` in PyTorch passes (arguments as there): (Nq, C, 1 or 2)."""
+    cos = dots / (q_norm[:, None, None] * v_norm[None])  # (Nq, C, L)
+    if pad is not None:
+        cos.masked_fill_(pad, -torch.inf)  # below every real cosine, rounded ones under -1 included
+    found = [cos.argmax(dim=-1)]  # (Nq, C)
+    if with_logits:
+        raw = dots.masked_fill(pad, torch.finfo(dots.dtype).min) if pad is not None else dots
+        found.append(raw.argmax(dim=-1))  # (Nq, C)
+    return torch.stack(found, dim=-1)
 
 
 def _retrieval_max_cosine(
