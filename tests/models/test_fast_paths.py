@@ -827,3 +827,41 @@ def test_length_buckets_leave_empty_batches_hand_built_layouts_and_short_spans_t
     short = GaussianAttention(hidden_size=16, num_heads=2, sigmas=(0.3, 1.0), window_length=48)
     with pytest.raises(ValueError, match="window_length=48"):
         short.forward_packed(torch.randn(int(sum([5, 40, 17, 30, 3, 33, 9, 20])), 16), bucket_packing([5, 40, 17, 30, 3, 33, 9, 20], 64))
+
+
+@pytest.mark.skipif(not blocks._fused_linear(torch.bfloat16), reason="no oneDNN fused bf16 linear in this torch or on this CPU")
+def test_input_projection_trains_its_linear_through_project_with_the_modules_values(monkeypatch):
+    """InputProjection under bf16 autocast with autograd: its linear runs as blocks.project's one fused call
+    (_BiasLinear: the bias inside the GEMM, weight_grad's product for the weight gradient); the outputs equal
+    the module call's bit for bit and every gradient (the linear's, the LayerNorm's affine) is the module
+    path's to the bf16 tolerance, with the same dropout mask."""
+    torch.manual_seed(0)
+    proj = blocks.InputProjection(in_dim=96, out_dim=48, dropout=0.25).train()
+    with torch.no_grad():
+        proj.linear.bias.normal_(0.0, 2.0)
+        proj.norm.weight.normal_(1.0, 0.3)
+        proj.norm.bias.normal_(0.0, 0.3)
+    x = torch.randn(3, 41, 96)
+    probe = torch.randn(3, 41, 48)
+    fused = []
+    real_apply = blocks._BiasLinear.apply
+    monkeypatch.setattr(blocks._BiasLinear, "apply", lambda *a: fused.append(a[0].shape) or real_apply(*a))
+
+    def run():
+        proj.zero_grad(set_to_none=True)
+        torch.manual_seed(7)  # the dropout's draw
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = proj(x)
+        (y.float() * probe).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in proj.named_parameters()}
+
+    fast, fast_grads = run()
+    assert fused == [(3 * 41, 96)]
+    monkeypatch.setattr(blocks, "project", lambda layer, h, parts=1: layer(h))  # the module call
+    plain, plain_grads = run()
+    assert len(fused) == 1 and fast.dtype == torch.bfloat16
+    assert torch.equal(fast, plain)
+    assert (plain == 0).float().mean() > 0.3  # the ReLU cut some outputs (the comparison covers its backward)
+    assert fast_grads.keys() == plain_grads.keys() == {"norm.weight", "norm.bias", "linear.weight", "linear.bias"}
+    for name in plain_grads:
+        assert_close_scaled(fast_grads[name], plain_grads[name], BF16_TOL, f"grad of {name}")
