@@ -42,6 +42,7 @@ from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.models.gmm import GaussianAttention
 from prvrlab.models.precision import native_low_precision
 from prvrlab.registry import BACKBONES
+from prvrlab.reports.products import ProductTimer, product_lines
 
 LOSSES = {
     "clip_trip": {"loss": "triplet", "weight": 1.0, "branch": "clip", "margin": 0.1},
@@ -79,6 +80,10 @@ def parse_args() -> argparse.Namespace:
                    help="a backbone hyperparameter (YAML value), repeatable")
     p.add_argument("--variants", metavar="KEY=V1,V2,...",
                    help="one runner per value of this backbone key, alternating with the others")
+    p.add_argument("--products", type=int, default=0, metavar="N",
+                   help="after the timed steps, one more step per runner with every matrix product timed: their share "
+                        "of the step and the N (op, shapes) that lost the most time against the GEMM roof "
+                        "(prvrlab/reports/products.py)")
     p.add_argument("--host-allocator", choices=list(HOST_ALLOCATORS), default="keep",
                    help="train.host_allocator of this process (benchmarks/bench_allocator.py compares them)")
     return p.parse_args()
@@ -261,6 +266,13 @@ def main() -> None:
         print(f"{key[0]} {key[1]}: {floor / value:.2f}x an ideal fp32 step computing padding at today's roof "
               f"({floor:.2f} s)")
     print(f"peak resident memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    if args.products > 0:
+        for runner in runners:
+            with ProductTimer() as timer:  # one more step, every matrix product timed (after the memory figure)
+                runner.step(batch, record=False)
+            print(f"{runner.name}:")
+            lines = product_lines(list(timer.stats.values()), roofs[runner.amp], min(runner.times["step"]), args.products)
+            print("\n".join(lines))
 
 
 if __name__ == "__main__":
