@@ -1,16 +1,18 @@
 """Where a training step's matrix products lose time: every product timed by shape, against the machine's roof.
 
 :class:`ProductTimer` is a ``TorchDispatchMode`` that times each matrix product dispatched inside it (``mm``,
-``addmm``, ``bmm``, ``baddbmm``, oneDNN's fused ``_linear_pointwise``; ``linear`` and ``matmul`` reach the
-dispatcher as these) and counts its FLOPs (a multiply-add is 2).  :func:`product_lines` sums them up and lists
-the shapes that lost the most time against a roof (GFLOP/s of a large product on the same machine): a product
-of ``F`` FLOPs taking ``t`` seconds lost ``t - F / roof``.  ``benchmarks/bench_model_step.py --products N``
-prints it for each precision of a training step.
+``addmm``, ``bmm``, ``baddbmm`` and their in-place forms, ``mv``, ``addmv``, oneDNN's fused
+``_linear_pointwise``; ``linear`` and ``matmul`` reach the dispatcher as these) and counts its FLOPs (a
+multiply-add is 2).  :func:`product_lines` sums them up and lists the shapes that lost the most time against a
+roof (GFLOP/s of a large product on the same machine): a product of ``F`` FLOPs taking ``t`` seconds lost
+``t - F / roof``.  ``benchmarks/bench_model_step.py --products N`` prints it for each precision of a training
+step.
 
-Each product is timed on the host: on a GPU the stream is synchronised before and after every product (every
-other kernel's time then lands outside the products), so the figures are meant for CPUs.  Operations other
-than these products (attention kernels, element-wise passes) are not timed; the share of the step left over is
-theirs, Python's and the autograd engine's.  Dispatching through the mode adds a few microseconds a call.
+Not timed: products inside this project's C++ kernels (called through ctypes, invisible to the dispatcher:
+e.g. GMMFormer v2's branch mix in bf16, which float32 runs as ``bmm``), convolutions, and every other
+operation; the share of the step left over is theirs, Python's and the autograd engine's.  Each product is
+timed on the host: on a GPU the stream is synchronised before and after every product, so the figures are
+meant for CPUs.  Dispatching through the mode adds a few microseconds a call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # the products timed: the op's name as the dispatcher prints it (before the overload)
-PRODUCT_OPS: tuple[str, ...] = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "mkldnn._linear_pointwise")
+PRODUCT_OPS: tuple[str, ...] = (
+    "aten.mm", "aten.addmm", "aten.addmm_", "aten.bmm", "aten.baddbmm", "aten.baddbmm_", "aten.mv", "aten.addmv",
+    "mkldnn._linear_pointwise",
+)
 
 
 @dataclass
@@ -41,20 +46,22 @@ class ProductStat:
         return self.seconds - self.flops / (roof_gflops * 1e9)
 
 
-def product_flops(op: str, tensors: list[torch.Tensor]) -> float:
+def product_flops(op: str, tensors: list[torch.Tensor], overload: str = "default") -> float:
     """FLOPs of one product from its tensor arguments (in call order; a bias or ``input`` first for
-    ``addmm`` / ``baddbmm``, the weight (out, in) second for ``_linear_pointwise``)."""
+    ``addmm`` / ``baddbmm`` / ``addmv``; for ``_linear_pointwise`` the weight (out, in) second, or third in its
+    ``binary`` ``overload`` (x, other, weight, bias))."""
     if op == "mkldnn._linear_pointwise":
-        x, weight = tensors[0], tensors[1]
+        x, weight = tensors[0], tensors[2 if overload == "binary" else 1]
         return 2.0 * (x.numel() // max(1, x.shape[-1])) * weight.shape[1] * weight.shape[0]
-    a, b = tensors[-2], tensors[-1]  # (M, K) @ (K, N), or batched (B, M, K) @ (B, K, N)
+    a, b = tensors[-2], tensors[-1]  # (M, K) @ (K, N) or (K,), or batched (B, M, K) @ (B, K, N)
     batch = a.shape[0] if a.dim() == 3 else 1
-    return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+    columns = b.shape[-1] if b.dim() >= 2 else 1
+    return 2.0 * batch * a.shape[-2] * a.shape[-1] * columns
 
 
 def _operand(t: torch.Tensor) -> str:
     dtype = str(t.dtype).removeprefix("torch.")
-    return f"{tuple(t.shape)}{'T' if not t.is_contiguous() else ''} {dtype}"
+    return f"{tuple(t.shape)}{'T' if not t.is_contiguous() else ''} {dtype}"  # 'T': any non-contiguous view
 
 
 class ProductTimer(TorchDispatchMode):
@@ -83,7 +90,7 @@ class ProductTimer(TorchDispatchMode):
         stat = self.stats.setdefault((op, operands), ProductStat(op, operands))
         stat.calls += 1
         stat.seconds += elapsed
-        stat.flops += product_flops(op, tensors)
+        stat.flops += product_flops(op, tensors, func._overloadname)
         return out
 
 
@@ -91,8 +98,11 @@ def product_lines(stats: list[ProductStat], roof_gflops: float, step_seconds: fl
     """A summary line (the products' time and share of a step of ``step_seconds``, their GFLOP/s against
     ``roof_gflops``) and the ``top`` (op, operands) that lost the most time against the roof, per step over
     ``steps`` timed steps."""
-    if roof_gflops <= 0 or not math.isfinite(roof_gflops):
-        raise ValueError(f"roof_gflops must be a positive number, got {roof_gflops}")
+    for name, value in (("roof_gflops", roof_gflops), ("step_seconds", step_seconds)):
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive number, got {value}")
+    if steps < 1 or top < 0:
+        raise ValueError(f"steps must be >= 1 and top >= 0, got steps={steps}, top={top}")
     seconds = sum(s.seconds for s in stats) / steps
     flops = sum(s.flops for s in stats) / steps
     rate = flops / seconds / 1e9 if seconds > 0 else 0.0
@@ -107,7 +117,7 @@ def product_lines(stats: list[ProductStat], roof_gflops: float, step_seconds: fl
     for s in ranked:
         speed = s.flops / s.seconds / 1e9 if s.seconds > 0 else 0.0
         lines.append(
-            f"  {s.seconds / steps * 1e3:8.1f} {s.lost(roof_gflops) / steps * 1e3:8.1f} {s.calls // steps:5d} "
+            f"  {s.seconds / steps * 1e3:8.1f} {s.lost(roof_gflops) / steps * 1e3:8.1f} {s.calls / steps:5.3g} "
             f"{speed:8.0f}  {s.op}: {s.operands}"
         )
     return lines

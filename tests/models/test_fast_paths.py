@@ -865,3 +865,25 @@ def test_input_projection_trains_its_linear_through_project_with_the_modules_val
     assert fast_grads.keys() == plain_grads.keys() == {"norm.weight", "norm.bias", "linear.weight", "linear.bias"}
     for name in plain_grads:
         assert_close_scaled(fast_grads[name], plain_grads[name], BF16_TOL, f"grad of {name}")
+
+
+@pytest.mark.skipif(not blocks._fused_linear(torch.bfloat16), reason="no oneDNN fused bf16 linear in this torch or on this CPU")
+def test_flop_counts_see_the_fused_linear_and_empty_inputs_project_to_empty_outputs():
+    """FlopCounterMode has no formula of its own for oneDNN's fused linear: blocks registers one, so a bf16
+    input projection counts the FLOPs the float32 one does (forward and backward, 2 x rows x in x out
+    each), and blocks.project maps an input without rows to an output without rows, as the module does."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    proj = blocks.InputProjection(in_dim=64, out_dim=32, dropout=0.1).train()
+    counts = {}
+    for amp in (False, True):
+        counter = FlopCounterMode(display=False)
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            proj(torch.randn(10, 64)).sum().backward()
+        counts[amp] = counter.get_total_flops()
+    assert counts[True] == counts[False] == 3 * 2 * 10 * 64 * 32  # forward, input gradient, weight gradient
+    layer = torch.nn.Linear(96, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for shape in ((0, 96), (2, 0, 96)):
+            x = torch.randn(*shape, requires_grad=True)
+            assert blocks.project(layer, x).shape == layer(x).shape == (*shape[:-1], 48)

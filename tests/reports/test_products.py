@@ -54,3 +54,29 @@ def test_the_summary_and_the_ranking_against_the_roof():
     assert lines[2].split()[:4] == ["500.0", "400.0", "1", "200"]  # ms/step, lost ms/step, calls/step, GFLOP/s
     with pytest.raises(ValueError, match="roof_gflops"):
         product_lines([big], roof_gflops=0.0, step_seconds=1.0, top=1)
+
+
+def test_in_place_and_vector_products_are_timed_too():
+    a, v, out = torch.randn(6, 4), torch.randn(4), torch.zeros(6, 3)
+    with ProductTimer() as timer:
+        torch.mv(a, v)
+        torch.addmv(torch.zeros(6), a, v)
+        out.addmm_(a, torch.randn(4, 3))
+    flops = {op: s.flops for (op, _), s in timer.stats.items()}
+    assert flops == {"aten.mv": 2 * 6 * 4, "aten.addmv": 2 * 6 * 4, "aten.addmm_": 2 * 6 * 4 * 3}
+
+
+def test_the_binary_fused_linear_takes_its_weight_third():
+    x, other, weight, bias = torch.randn(10, 7), torch.randn(10, 3), torch.randn(3, 7), torch.randn(3)
+    assert product_flops("mkldnn._linear_pointwise", [x, other, weight, bias], "binary") == 2 * 10 * 7 * 3
+    assert product_flops("mkldnn._linear_pointwise", [x, weight, bias]) == 2 * 10 * 7 * 3
+
+
+def test_summary_rejects_what_it_cannot_divide_by_and_shows_calls_per_step():
+    stat = ProductStat("aten.mm", "odd", calls=3, seconds=0.2, flops=1e9)
+    assert product_lines([stat], roof_gflops=100.0, step_seconds=1.0, top=1, steps=2)[2].split()[2] == "1.5"
+    for kwargs in ({"step_seconds": 0.0}, {"steps": 0}, {"top": -1}, {"roof_gflops": float("inf")}):
+        args = {"roof_gflops": 100.0, "step_seconds": 1.0, "top": 1, "steps": 1, **kwargs}
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            product_lines([stat], **args)
+    assert product_lines([], roof_gflops=100.0, step_seconds=1.0, top=3)[0].startswith("matrix products: 0 ms a step")
