@@ -5,13 +5,18 @@ generator's own state (``search_gen_state-*.json``: trial counter, concurrency l
 one after the other, and copies them to the study folder in the background. A driver killed
 between two of them leaves files from two moments: a counter older than the trial list samples a
 trial over the budget; a trial missing from the list (started after the last save) would keep its
-slot taken. :class:`ResumableSearchGenerator` makes the restored state agree with the restored
-trials; a base searcher that defines ``forget_lost(trials)`` is told which trials those are.
+slot taken. A driver killed while a file was being copied leaves it cut short (an empty
+``searcher-state`` file was seen): Tune's restore then failed half way, with the limiter's live set
+restored and nothing after it, and Tune went on as a new experiment whose limiter waited for a
+trial that would never run, for ever. :class:`ResumableSearchGenerator` makes the restored state agree
+with the restored trials, and resumes from the trial list alone where a state file cannot be read; a
+base searcher that defines ``forget_lost(trials)`` is told which trials those are.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,6 +24,7 @@ from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.search_generator import SearchGenerator
 
 ENDED = ("TERMINATED", "ERROR")
+logger = logging.getLogger(__name__)
 
 
 class RestoredTrial(NamedTuple):
@@ -50,13 +56,36 @@ class ResumableSearchGenerator(SearchGenerator):
     On restore the trial counter becomes the number of restored trials (so a lost trial's slot is
     sampled again and no trial is sampled over the budget), the concurrency limiter's live set
     their unfinished ones, and the base searcher's ``forget_lost`` (if any) is given the trials.
+    Where Tune's own restore fails on a state file it cannot read but the trial list is there, the
+    search resumes from the trial list: an ablation's cells are rebuilt from it exactly; a searcher
+    that learns (Optuna) starts without the restored trials' results, and a warning says so.
     """
 
     def restore_from_dir(self, dirpath: str) -> None:
-        super().restore_from_dir(dirpath)
-        trials = restored_trials(dirpath)
-        if trials is None:
-            return
+        failed = None
+        try:
+            super().restore_from_dir(dirpath)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file: the trial list below decides
+            failed = exc
+        try:
+            trials = restored_trials(dirpath)
+        except (OSError, ValueError):  # the trial list cut short too (json's errors are ValueErrors)
+            trials = None
+        if failed is not None:
+            if trials is None:  # Tune starts a new experiment: no trial of the old one holds a slot
+                self._agree_with({})
+                raise failed
+            logger.warning(
+                "the search state in %s could not be read (%s: %s; a driver killed while it was being copied "
+                "leaves it cut short): resuming from the trial list alone (%s; a searcher that learns from "
+                "results, as Optuna does, goes on without the restored trials' ones)",
+                dirpath, type(failed).__name__, failed, type(_base(self.searcher)).__name__,
+            )
+        if trials is not None:
+            self._agree_with(trials)
+
+    def _agree_with(self, trials: dict[str, RestoredTrial]) -> None:
+        """Counter, live set and the base searcher's lost trials as the restored ``trials`` say."""
         self._counter = len(trials)
         self._finished = False  # asked again: an exhausted searcher says so at its next suggestion
         searcher = self.searcher
@@ -68,6 +97,13 @@ class ResumableSearchGenerator(SearchGenerator):
         forget = getattr(searcher, "forget_lost", None)
         if forget is not None:
             forget(trials)
+
+
+def _base(searcher: Searcher) -> Searcher:
+    """The searcher inside any wrappers (a ConcurrencyLimiter's ``searcher``)."""
+    while hasattr(searcher, "searcher"):
+        searcher = searcher.searcher
+    return searcher
 
 
 def resumable(searcher: Searcher, max_concurrent: int) -> ResumableSearchGenerator:

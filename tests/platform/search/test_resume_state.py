@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import optuna
+import pytest
 from ray.tune.experiment.trial import Trial
 from prvrlab.platform.search.resumable import ListSearcher, ResumableSearchGenerator, resumable, restored_trials
 from prvrlab.platform.search.tuning import TolerantOptunaSearch
@@ -212,3 +213,62 @@ def test_a_resumed_grid_search_trains_every_point_once_more_after_a_lost_trial(t
     rest = _suggest_rest(gen)
     assert len(rest) == len(GRID) - 1 and rest[0] == asked["lost"]
     assert sorted([asked["a"], *rest]) == sorted(GRID)
+
+
+def test_a_searcher_state_cut_short_is_rebuilt_from_the_trial_list(tmp_path, caplog):
+    """A driver killed while Tune copied its state leaves a file cut short (an empty ``searcher-state`` was
+    seen): Tune's restore failed half way, the limiter's live set restored and nothing after it, and the
+    resumed study waited for ever for a trial that would never run.  The restore now goes on from the
+    trial list: each cell once, the lost one again, and the search ends."""
+    old = _cells()
+    for trial_id in ("a", "b"):
+        _ask(old, trial_id)
+    old.save_to_dir(str(tmp_path), session_str="s")
+    (tmp_path / "searcher-state-s.pkl").write_text("")  # cut short
+    _write_trials(tmp_path, "s", {"a": Trial.TERMINATED, "b": Trial.RUNNING}, cell=True)
+    gen = _cells()
+    gen.restore_from_dir(str(tmp_path))
+    assert "could not be read" in caplog.text and "(ListSearcher;" in caplog.text
+    assert gen._counter == 2 and gen.searcher.live_trials == {"b"}
+    assert gen.searcher.searcher.given == {"a": 0, "b": 1}
+    assert gen.searcher.suggest("c") == {"cell": "v2/seed0"}  # the free slot: the third cell, not a's or b's
+    assert gen.searcher.suggest("d") is None  # two at a time
+    gen.on_trial_complete("b", {})
+    assert gen.searcher.suggest("d") == ListSearcher.FINISHED
+
+    (tmp_path / "search_gen_state-s.json").write_text("{")  # the generator's own state cut short as well
+    gen = _cells()
+    gen.restore_from_dir(str(tmp_path))
+    assert gen._counter == 2 and gen.searcher.live_trials == {"b"}
+
+
+def test_an_optuna_state_cut_short_resumes_without_its_history_and_within_the_budget(tmp_path, caplog):
+    old = _generator(budget=3)
+    for trial_id in ("a", "b"):
+        _ask(old, trial_id)
+    old.save_to_dir(str(tmp_path), session_str="s")
+    (tmp_path / "searcher-state-s.pkl").write_bytes(b"\x80\x04")  # a pickle cut short
+    _write_trials(tmp_path, "s", {"a": Trial.TERMINATED, "b": Trial.RUNNING})
+    gen = _generator(budget=3)
+    gen.restore_from_dir(str(tmp_path))
+    assert "(TolerantOptunaSearch; a searcher that learns" in caplog.text
+    assert gen._counter == 2 and gen.searcher.live_trials == {"b"}
+    gen.on_trial_complete("b", {"val/sumr": 1.0})  # a trial Optuna never asked for: skipped, slot freed
+    _ask(gen, "c")
+    assert gen._counter == 3  # the budget's last trial
+
+
+def test_an_unreadable_trial_list_leaves_no_slot_taken_for_the_new_experiment(tmp_path):
+    """Without a readable trial list Tune starts a new experiment: the error goes on to Tune, and the
+    limiter holds no trial of the old one (it had restored its live set before the failure)."""
+    old = _cells()
+    for trial_id in ("a", "b"):
+        _ask(old, trial_id)
+    old.save_to_dir(str(tmp_path), session_str="s")
+    (tmp_path / "searcher-state-s.pkl").write_text("")
+    (tmp_path / "experiment_state-s.json").write_text('{"trial_data": [')  # cut short
+    gen = _cells()
+    with pytest.raises(ValueError):
+        gen.restore_from_dir(str(tmp_path))
+    assert gen._counter == 0 and gen.searcher.live_trials == set()
+    assert gen.searcher.suggest("x") == {"cell": "v0/seed0"}
