@@ -94,7 +94,9 @@ class ProgressCallback(Callback):
                 running += 1
         best = self._overall_best()
         best_text = f"best {self.metric} {best[1]:.2f} ({best[0]})" if best else f"best {self.metric} -"
-        return f"{done + failed}/{self.total} done ({failed} failed), {running} running | {best_text}"
+        # a resumed ablation counts only its cells left to run, but Tune's restored list can hold finished ones
+        total = max(self.total, len(trials))
+        return f"{done + failed}/{total} done ({failed} failed), {running} running | {best_text}"
 
     def _overall_best(self) -> tuple[str, float] | None:
         best = None

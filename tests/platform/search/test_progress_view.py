@@ -56,3 +56,14 @@ def test_an_ended_trial_restored_by_tune_is_announced_as_a_replay(capsys, tmp_pa
     out = capsys.readouterr().out
     assert "replay t_00000" in out and "start  t_00000" not in out
     assert "start  t_00001  lr=0.002" in out
+
+
+def test_the_count_of_a_resumed_ablation_includes_the_finished_trials_tune_restored(capsys):
+    """A resumed ablation runs only its cells left (total 1 here), but Tune's restored trial list also holds
+    a cell that finished before the interruption: the line said '2/1 done'; the total is never below the
+    trials Tune lists."""
+    view = ProgressCallback("val/sumr", "max", 1, lambda c: f"lr={c['train.lr']:g}")
+    restored, rerun = trial("t_00000", "TERMINATED", 1e-3), trial("t_00001", "RUNNING", 2e-3)
+    view.on_trial_complete(0, [restored, rerun], rerun)
+    assert "2/2 done (0 failed), 0 running" in capsys.readouterr().out
+    assert view._counts([trial("t_00002", "RUNNING", 1e-3)]).startswith("0/1 done")  # never below the planned total
