@@ -9,8 +9,8 @@ slot taken. A driver killed while a file was being copied leaves it cut short (a
 ``searcher-state`` file was seen): Tune's restore then failed half way, with the limiter's live set
 restored and nothing after it, and Tune went on as a new experiment whose limiter waited for a
 trial that would never run, for ever. :class:`ResumableSearchGenerator` makes the restored state agree
-with the restored trials, and resumes from the trial list alone where a state file cannot be read; a
-base searcher that defines ``forget_lost(trials)`` is told which trials those are.
+with the restored trials, and resumes from the trial list alone where the base searcher's state cannot
+be read; a base searcher that defines ``forget_lost(trials)`` is told which trials those are.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.search_generator import SearchGenerator
+from ray.tune.utils.util import _load_newest_checkpoint
 
 ENDED = ("TERMINATED", "ERROR")
 logger = logging.getLogger(__name__)
@@ -56,30 +57,46 @@ class ResumableSearchGenerator(SearchGenerator):
     On restore the trial counter becomes the number of restored trials (so a lost trial's slot is
     sampled again and no trial is sampled over the budget), the concurrency limiter's live set
     their unfinished ones, and the base searcher's ``forget_lost`` (if any) is given the trials.
-    Where Tune's own restore fails on a state file it cannot read but the trial list is there, the
-    search resumes from the trial list: an ablation's cells are rebuilt from it exactly; a searcher
-    that learns (Optuna) starts without the restored trials' results, and a warning says so.
+    Where the base searcher's state cannot be read but the trial list can, the search resumes from the
+    trial list (the generator's counter, budget and experiment restored as saved): an ablation's cells
+    are rebuilt exactly; a searcher that learns (Optuna) goes on without the restored trials' results and
+    may sample points it tried before, and a warning says so.  (A generator state cut short fails in
+    Tune's own check before this restore; Tune then starts a new experiment.)
     """
 
     def restore_from_dir(self, dirpath: str) -> None:
+        """Tune's restore (the generator's own state, its wrappers', then the base searcher's), where a
+        base searcher's state that cannot be read does not stop the rest: the generator's counter, budget
+        and experiment are set either way, then everything is made to agree with the trial list."""
+        state = _load_newest_checkpoint(dirpath, self.CKPT_FILE_TMPL.format("*"))
+        if not state:
+            raise RuntimeError(f"no search state to restore in {dirpath}")
+        searcher = self.searcher
+        while hasattr(searcher, "searcher"):  # the wrappers' states, as Tune saved them by class name
+            wrapper = state.pop("name:" + type(searcher).__name__, None)
+            if wrapper is not None:
+                searcher.set_state(wrapper)
+            searcher = searcher.searcher
         failed = None
         try:
-            super().restore_from_dir(dirpath)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file: the trial list below decides
+            searcher.restore_from_dir(dirpath)
+        except Exception as exc:  # noqa: BLE001 - a file cut short, or anything else: the trial list decides
             failed = exc
         try:
             trials = restored_trials(dirpath)
-        except (OSError, ValueError):  # the trial list cut short too (json's errors are ValueErrors)
+        except Exception:  # noqa: BLE001 - cut short or of another shape: as if there were none
             trials = None
+        if failed is not None and trials is None:  # Tune starts a new experiment: no old trial holds a slot
+            self._agree_with({})
+            raise failed
+        self.set_state(state)  # counter, budget, finished, experiment: Tune skips adding the experiment on resume
         if failed is not None:
-            if trials is None:  # Tune starts a new experiment: no trial of the old one holds a slot
-                self._agree_with({})
-                raise failed
             logger.warning(
                 "the search state in %s could not be read (%s: %s; a driver killed while it was being copied "
                 "leaves it cut short): resuming from the trial list alone (%s; a searcher that learns from "
-                "results, as Optuna does, goes on without the restored trials' ones)",
-                dirpath, type(failed).__name__, failed, type(_base(self.searcher)).__name__,
+                "results, as Optuna does, goes on without the restored trials' ones and may sample points "
+                "it tried before)",
+                dirpath, type(failed).__name__, failed, type(searcher).__name__,
             )
         if trials is not None:
             self._agree_with(trials)
@@ -97,13 +114,6 @@ class ResumableSearchGenerator(SearchGenerator):
         forget = getattr(searcher, "forget_lost", None)
         if forget is not None:
             forget(trials)
-
-
-def _base(searcher: Searcher) -> Searcher:
-    """The searcher inside any wrappers (a ConcurrencyLimiter's ``searcher``)."""
-    while hasattr(searcher, "searcher"):
-        searcher = searcher.searcher
-    return searcher
 
 
 def resumable(searcher: Searcher, max_concurrent: int) -> ResumableSearchGenerator:

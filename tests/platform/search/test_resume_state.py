@@ -236,10 +236,27 @@ def test_a_searcher_state_cut_short_is_rebuilt_from_the_trial_list(tmp_path, cap
     gen.on_trial_complete("b", {})
     assert gen.searcher.suggest("d") == ListSearcher.FINISHED
 
-    (tmp_path / "search_gen_state-s.json").write_text("{")  # the generator's own state cut short as well
-    gen = _cells()
+
+
+def test_after_a_cut_short_searcher_state_the_budget_and_experiment_come_back_and_new_cells_run(tmp_path):
+    """On Tune's resume the generator comes from tuner.pkl, pickled before the experiment was added (no
+    budget, no experiment), and Tune does not add it again: both must come from the saved generator state
+    even where the base searcher's state cannot be read, or the search ends at once with cells never run."""
+    old = _cells(budget=4)
+    old._experiment = "the experiment"  # what Tune's Experiment would be: restored as saved
+    for trial_id in ("a", "b"):
+        _ask(old, trial_id)
+    old.save_to_dir(str(tmp_path), session_str="s")
+    (tmp_path / "searcher-state-s.pkl").write_text("")  # cut short
+    _write_trials(tmp_path, "s", {"a": Trial.TERMINATED, "b": Trial.RUNNING}, cell=True)
+    gen = resumable(ListSearcher([{"cell": f"v{i}/seed0"} for i in range(4)]), max_concurrent=2)
+    assert gen._total_samples == 0 and gen._experiment is None  # as tuner.pkl holds it
     gen.restore_from_dir(str(tmp_path))
-    assert gen._counter == 2 and gen.searcher.live_trials == {"b"}
+    assert (gen._total_samples, gen._experiment, gen._counter) == (4, "the experiment", 2)
+    assert not gen.is_finished()
+    assert gen.searcher.suggest("c") == {"cell": "v2/seed0"}
+    gen.on_trial_complete("b", {})
+    assert gen.searcher.suggest("d") == {"cell": "v3/seed0"}
 
 
 def test_an_optuna_state_cut_short_resumes_without_its_history_and_within_the_budget(tmp_path, caplog):
@@ -266,9 +283,10 @@ def test_an_unreadable_trial_list_leaves_no_slot_taken_for_the_new_experiment(tm
         _ask(old, trial_id)
     old.save_to_dir(str(tmp_path), session_str="s")
     (tmp_path / "searcher-state-s.pkl").write_text("")
-    (tmp_path / "experiment_state-s.json").write_text('{"trial_data": [')  # cut short
-    gen = _cells()
-    with pytest.raises(ValueError):
-        gen.restore_from_dir(str(tmp_path))
-    assert gen._counter == 0 and gen.searcher.live_trials == set()
-    assert gen.searcher.suggest("x") == {"cell": "v0/seed0"}
+    for trial_list in ('{"trial_data": [', '{"trial_data": null}'):  # cut short; of another shape
+        (tmp_path / "experiment_state-s.json").write_text(trial_list)
+        gen = _cells()
+        with pytest.raises(ValueError):  # the searcher state's own error, for Tune to restart on
+            gen.restore_from_dir(str(tmp_path))
+        assert gen._counter == 0 and gen.searcher.live_trials == set()
+        assert gen.searcher.suggest("x") == {"cell": "v0/seed0"}
