@@ -21,6 +21,17 @@ def statuses(raw: dict) -> list[str]:
     return [r.info.status for r in tracker.client.search_runs([tracker.experiment_id])]
 
 
+def settled_statuses(raw: dict, limit_s: float = 30) -> list[str]:
+    """The runs' statuses once none is RUNNING (or at ``limit_s``).  Under ``timeout`` the SIGTERM reaches
+    the whole process group, Ray's workers too, and the driver can end before its own closing ran (seen
+    once in a full suite: the driver's stderr had no "prvrlab: interrupted"); its sentinel, in a session
+    of its own, then closes the run KILLED within ~1 s of the driver's death plus MLflow's import."""
+    deadline = time.monotonic() + limit_s
+    while "RUNNING" in (found := statuses(raw)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
 def wait_until_running(raw: dict, proc: subprocess.Popen, limit_s: float = 90) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
@@ -64,6 +75,6 @@ def test_sigterm_on_ray_train_closes_the_run_as_killed(tiny_root, tmp_path, unde
     finally:
         proc.kill()
     assert rc not in (0, 134) and rc > 0, (rc, err[-2000:])
-    assert statuses(raw) == ["KILLED"], err[-3000:]
+    assert settled_statuses(raw) == ["KILLED"], err[-3000:]
     _, alive = psutil.wait_procs(started, timeout=20)
     assert not alive, [p.name() for p in alive]
