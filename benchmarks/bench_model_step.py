@@ -1,7 +1,9 @@
 """Time one training step of a GMMFormer-family backbone on a synthetic TVR-shaped batch.
 
 A step is forward + losses (triplet, InfoNCE on both branches, query-diverse)
-+ backward + AdamW, data excluded; the reference figure for the official
++ backward + the trainer's optimiser (BertAdam with per-tensor clipping at
+``--grad-clip``, as the configs; ``--optimizer foreach`` for its foreach form
+instead of the one-pass kernel), data excluded; the reference figure for the official
 GMMFormer on this kind of 2-core machine is 12.8 s (fp32, frames padded to 128).
 
     .venv/bin/python benchmarks/bench_model_step.py                 # fp32 and bf16, all 128 frames real
@@ -41,6 +43,7 @@ from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.models.gmm import GaussianAttention
 from prvrlab.models.precision import native_low_precision
+from prvrlab.platform.train.optim import build_optimizer
 from prvrlab.registry import BACKBONES
 from prvrlab.reports.products import ProductTimer, product_lines
 
@@ -73,6 +76,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per precision")
     p.add_argument("--amp", choices=["none", "bf16", "both"], default="both")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="the optimiser's per-tensor clipping norm (the configs' train.grad_clip; 0: none)")
+    p.add_argument("--optimizer", choices=["fused", "foreach"], default="fused",
+                   help="BertAdam's one-pass kernel (prvrlab/models/adam_step.py) or its foreach form")
     p.add_argument("--backbone", default="gmmformer", help="a registered backbone (gmmformer, gmmformer_v2, ...)")
     p.add_argument("--paths", nargs="+", choices=["fast", "unfused", "plain"], default=["fast"],
                    help="attention paths to time side by side")
@@ -144,7 +151,7 @@ def gemm_roof(dtype: torch.dtype, repeats: int = 3) -> float:
 
 
 class Runner:
-    """A model, its losses and AdamW, trained on one batch under one precision."""
+    """A model, its losses and the trainer's optimiser, trained on one batch under one precision."""
 
     def __init__(self, args: argparse.Namespace, amp: str, path: str = "fast", variant: tuple[str, object] | None = None) -> None:
         torch.manual_seed(args.seed)
@@ -159,8 +166,10 @@ class Runner:
             chosen[variant[0]] = variant[1]
         self.model = BACKBONES.build(args.backbone, video_dim=args.video_dim, query_dim=args.query_dim, **chosen).train()
         self.criterion = WeightedLoss.from_config(LOSSES)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.01)
-        self.times: dict[str, list[float]] = {"forward": [], "losses": [], "backward": [], "AdamW": [], "step": []}
+        self.optimizer, _ = build_optimizer(self.model, lr=3e-4, weight_decay=0.01, total_steps=1000,
+                                            warmup_proportion=0.0, max_grad_norm=args.grad_clip,
+                                            fused=args.optimizer == "fused")
+        self.times: dict[str, list[float]] = {"forward": [], "losses": [], "backward": [], "optimiser": [], "step": []}
 
     def step(self, batch: Batch, record: bool) -> None:
         dtype = resolve_amp_dtype(self.amp)

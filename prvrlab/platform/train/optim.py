@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from prvrlab.models import adam_step
+
 Warmup = Literal["official", "shifted"]
 WARMUPS: tuple[str, ...] = ("official", "shifted")
 NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
@@ -28,6 +30,9 @@ class BertAdam(torch.optim.Optimizer):
     ``max_grad_norm > 0`` first rescales each parameter's gradient to at most
     that L2 norm, tensor by tensor (as the reference BertAdam); 0: no clipping.
     Under a GradScaler the gradients reaching :meth:`step` are already unscaled.
+
+    ``fused``: update contiguous float32 CPU parameters in one pass (:mod:`prvrlab.models.adam_step`, the same
+    roundings as the foreach form); other tensors, or without the built kernel, take the foreach form.
     """
 
     def __init__(
@@ -39,6 +44,7 @@ class BertAdam(torch.optim.Optimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.0,
         max_grad_norm: float = 0.0,
+        fused: bool = True,
     ) -> None:
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -48,6 +54,7 @@ class BertAdam(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
+        self.fused = fused
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -71,11 +78,17 @@ class BertAdam(torch.optim.Optimizer):
             if not params:
                 continue
             max_norm = group.get("max_grad_norm", self.defaults["max_grad_norm"])  # absent from older checkpoints
+            scales = None
             if max_norm > 0:
                 norms = torch._foreach_norm(grads)  # one 0-dim norm per tensor
                 scales = [(max_norm / (n + 1e-6)).clamp_(max=1.0) for n in norms]
-                grads = torch._foreach_mul(grads, scales)
             b1, b2 = group["betas"]
+            if self.fused and adam_step.takes(params, grads, exp_avg, exp_sq):
+                adam_step.step(params, grads, exp_avg, exp_sq, scales=None if scales is None else [float(s) for s in scales],
+                               lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], weight_decay=group["weight_decay"])
+                continue
+            if scales is not None:
+                grads = torch._foreach_mul(grads, scales)
             torch._foreach_mul_(exp_avg, b1)
             torch._foreach_add_(exp_avg, grads, alpha=1 - b1)
             torch._foreach_mul_(exp_sq, b2)
@@ -155,8 +168,11 @@ def build_optimizer(
     warmup_proportion: float,
     warmup: Warmup = "official",
     max_grad_norm: float = 0.0,
+    fused: bool = True,
 ):
-    """The optimiser (per-tensor clipping at ``max_grad_norm``, 0: none) and its LambdaLR schedule."""
-    opt = BertAdam(param_groups(model, weight_decay), lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+    """The optimiser (per-tensor clipping at ``max_grad_norm``, 0: none; ``fused``: as :class:`BertAdam`'s) and
+    its LambdaLR schedule."""
+    opt = BertAdam(param_groups(model, weight_decay), lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                   fused=fused)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(total_steps, warmup_proportion, warmup))
     return opt, sched
