@@ -4,8 +4,8 @@
 //     m = m * b1 + (1 - b1) g                   v = v * b2 + (1 - b2) g g
 //     u = m / (sqrt(v) + eps) + wd p            p = p - lr u
 // Each element is read once and written once where the foreach form of the same update makes nine passes
-// over memory.  Each operation rounds as ATen's element-wise op of the foreach form does (built without
-// -ffast-math and with -ffp-contract=off, prvrlab/models/native.py): products and sums rounded one by one,
+// over memory.  Each operation rounds as ATen's AVX2 / AVX-512 element-wise op of the foreach form does (built
+// without -ffast-math and with -ffp-contract=off, prvrlab/models/native.py): products and sums rounded one by one,
 // an add with alpha (m + (1 - b1) g, u + wd p, p - lr u) as ATen's vectorised fmadd, one rounding, and the
 // addcmul v + ((1 - b2) g) g as ATen's build contracts it, ((1 - b2) g) rounded, then one fused multiply-add.
 // One difference: the square root here is IEEE (correctly rounded); ATen's vectorised one is not (MKL's: one ulp

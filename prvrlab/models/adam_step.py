@@ -4,10 +4,12 @@
 (two multiplies, two adds with alpha, an addcmul, a sqrt, an add, a divide, the weight decay, the step).  For a
 GMMFormer v2 of 32.3 M float32 parameters on this kind of 2-core CPU they took 124 ms a step; the kernel reads
 each element once and takes ~20 ms (``benchmarks/bench_model_step.py`` prints the optimiser's share of a step).
-Each operation rounds as the foreach form's ATen op does, except the square root, which is correctly rounded here
-and not in ATen (MKL's vectorised one is one ulp off for ~0.7% of elements): an element can differ from the foreach
-form in its last bit (``tests/models/test_adam_step.py`` checks the kernel against the foreach form and against
-the formula in float64).
+Each operation rounds as the foreach form's ATen op does where ATen runs its AVX2 / AVX-512 kernels (elsewhere
+:func:`takes` is False), except the square root, which is correctly rounded here and not in ATen (MKL's vectorised
+one is one ulp off for ~0.7% of elements; a process's first call can be off by ~4,000 ulp for the half of the
+elements another thread computes, seen in 5 of 16 fresh processes with torch 2.13): an element can differ from the
+foreach form in its last bit (``tests/models/test_adam_step.py`` checks the kernel against the foreach form and
+against the formula in float64).
 
 Build: :mod:`prvrlab.models.native` (IEEE arithmetic, ``fast_math=False``); without it (:func:`unavailable_reason`
 says why), or for tensors that are not contiguous float32 CPU tensors, :func:`takes` is False and the caller keeps
@@ -38,14 +40,26 @@ load, unavailable_reason = native.loader(
 )
 
 
+# ATen CPU kernels whose add-with-alpha is a fused multiply-add, as the kernel's (the DEFAULT ones round twice)
+FMA_CAPABILITIES = ("AVX2", "AVX512")
+
+
 def takes(*tensor_lists: Sequence[Tensor]) -> bool:
-    """Whether the kernel can update these tensors: every one a contiguous, dense float32 CPU tensor, and the
-    kernel built."""
+    """Whether the kernel can update these tensors as the foreach form would: every one a contiguous, dense
+    float32 CPU tensor, no two sharing memory (a tied weight listed twice, overlapping views: the foreach form
+    updates them one after the other, the kernel's threads would race), ATen running FMA kernels
+    (:data:`FMA_CAPABILITIES`), and the kernel built."""
+    spans = []
     for tensors in tensor_lists:
         for t in tensors:
             if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() or t.is_sparse:
                 return False
-    return load() is not None
+            if t.numel():
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    if any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])):
+        return False
+    return torch.backends.cpu.get_cpu_capability() in FMA_CAPABILITIES and load() is not None
 
 
 def step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg: Sequence[Tensor], exp_avg_sq: Sequence[Tensor],
