@@ -11,17 +11,17 @@ from torch import nn
 
 from prvrlab.models import adam_step
 from prvrlab.platform.train.optim import BertAdam
+from prvrlab.vector_math import settle_vector_math
 
 pytestmark = pytest.mark.skipif(adam_step.load() is None, reason="no C++ compiler to build the kernel")
 ROUNDS_AS_ATEN = torch.backends.cpu.get_cpu_capability() in adam_step.FMA_CAPABILITIES
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _warm_atens_sqrt():
+def _settled_sqrt():
     """torch 2.13's first square root in a process can be ~4,000 ulp off for the elements a second thread
-    computes (5 of 16 fresh processes here); the foreach form compared below would carry that."""
-    for _ in range(2):
-        torch._foreach_sqrt([torch.rand(300, 64) * 1e-7, torch.rand(70_001)])
+    computes (prvrlab/vector_math.py); the foreach form compared below would carry that."""
+    settle_vector_math()
 
 # sizes that put thread boundaries inside tensors, tails shorter than a vector, and a tensor of one element
 SHAPES = [(3,), (40_000,), (384, 300), (17, 33), (1,), (70_001,)]

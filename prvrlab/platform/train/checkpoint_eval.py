@@ -208,6 +208,7 @@ def evaluate_checkpoint(
     from prvrlab.evaluation.metrics import save_ranks
     from prvrlab.evaluation.retrieval import evaluate, resolve_amp_dtype
     from prvrlab.models.factory import build_model
+    from prvrlab.vector_math import settle_vector_math
 
     blob = blob if blob is not None else load_checkpoint(path, config=config)
     cfg = checkpoint_config(blob, path)
@@ -225,6 +226,7 @@ def evaluate_checkpoint(
     device = eval_device(cfg, device)
     model.to(device)
     set_host_allocator(cfg.train.host_allocator)
+    settle_vector_math()  # before the first multi-threaded sqrt / exp / log: pytorch/pytorch#188792
     with primitive_cache_limit():  # one evaluation: the primitives of its batch shapes are not reused
         result = evaluate(
             model, collection, split, cfg.eval, device=device, amp_dtype=resolve_amp_dtype(amp), release_memory=True

@@ -285,10 +285,12 @@ class TrainingLoop:
         from prvrlab.models.base import set_activation_checkpointing
         from prvrlab.models.factory import build_system
         from prvrlab.platform.train.optim import build_optimizer
+        from prvrlab.vector_math import settle_vector_math
 
         cfg = self.cfg
         set_host_allocator(cfg.train.host_allocator)
         cap_primitive_caches()  # before the first product: batch shapes would otherwise pile up 1,024 of each
+        settle_vector_math()  # before the first multi-threaded sqrt / exp / log: pytorch/pytorch#188792
         torch.set_num_threads(cfg.train.torch_threads or max(1, math.ceil(self.cpus_per_worker)))
         self.device = self._device()
         seed_everything(cfg.train.seed)
