@@ -181,6 +181,32 @@ class _ResidualDropout(torch.autograd.Function):
         return gx, ga, None
 
 
+def residual_dropout_draw(x: Tensor, a: Tensor, draw: Tensor | DeferredDraw, p: float) -> Tensor:
+    """:func:`residual_dropout` with the mask of a :func:`dropout_draw` for dropout ``p``: the same values.  For a
+    :class:`~prvrlab.models.random_bits.DeferredDraw` and bf16 CPU tensors the mask is never written: the forward
+    adds ``a`` times it to ``x`` and the backward multiplies ``a``'s gradient by it, each in one pass
+    (:func:`~prvrlab.models.random_bits.residual_masked`), where the written mask cost a pass to write, one to
+    read forward and one backward, and stayed in memory until then (v2's (8, 9,786, 384) bf16: 60 MB each)."""
+    threshold = draw_threshold(p)
+    if isinstance(draw, DeferredDraw) and threshold <= 32767 and random_bits.residual_takes(x, a, draw, threshold):
+        return _DeferredResidualDropout.apply(x, a, draw, p)
+    return residual_dropout(x, a, mask_from_draw(draw, p, a.dtype))
+
+
+class _DeferredResidualDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, a: Tensor, draw: DeferredDraw, p: float) -> Tensor:
+        ctx.draw, ctx.p, ctx.x_shape = draw, p, x.shape
+        return random_bits.residual_masked(x, a, draw, draw_threshold(p), float(_keep_scale(p, a.dtype)))  # (k, N, D)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        gx = g.sum_to_size(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        ga = _apply_draw(g.contiguous(), ctx.draw, ctx.p) if ctx.needs_input_grad[1] else None
+        return gx, ga, None, None
+
+
 class Dropout(nn.Module):
     """Drop-in ``nn.Dropout`` using :func:`fast_dropout` (a cheaper mask on CPU)."""
 

@@ -87,11 +87,10 @@ from prvrlab.models.blocks import (
     PackedLayer,
     Packing,
     dropout_draw,
-    dropout_mask,
     mask_from_draw,
     project,
     relu_ffn,
-    residual_dropout,
+    residual_dropout_draw,
     resolve_ffn_size,
 )
 from prvrlab.models.layer_norm import LayerNorm, layer_norm
@@ -892,7 +891,8 @@ class GMMBlock(PackedLayer):
         dropped = self.training and p > 0
         if dropped or torch.is_grad_enabled():
             # residual (and dropout in the same pass)
-            h = residual_dropout(x, branches, dropout_mask(branches, p)) if dropped else branches + x  # (K, N, D)
+            draw = dropout_draw(branches.shape, p, branches.device, branches.dtype, deferred=True) if dropped else None
+            h = residual_dropout_draw(x, branches, draw, p) if dropped else branches + x  # (K, N, D)
             for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
                 y_k = layer_norm(h_k, w_k, b_k)  # (N, D)
                 y = y_k if y is None else y + y_k

@@ -86,9 +86,8 @@ from prvrlab.models.blocks import (
     decay_norm_gains,
     dropout_draw,
     init_normal_,
-    mask_from_draw,
     legacy_encoder_keys,
-    residual_dropout,
+    residual_dropout_draw,
     resolve_ffn_size,
 )
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
@@ -320,8 +319,8 @@ class TCGMMBlock(PackedLayer):
         inner = p > 0 and self.ffn_dropout  # dropout after the FFNs' ReLU: a (K, N, F) draw after the two (K, N, D)
         if not (self.checkpoint_activations and torch.is_grad_enabled()):
             a = self.attention.forward_packed(x, packing)  # (K, N, D)
-            # the masks themselves (a.dtype), drawn in one pass; the residuals' are what their backward keeps anyway
-            draws = [dropout_draw(a.shape, p, a.device, a.dtype) for _ in range(2)] if p > 0 else [None, None]
+            # deferred: the residuals' masks are applied forward and backward without being written (bf16 CPU)
+            draws = [dropout_draw(a.shape, p, a.device, a.dtype, deferred=True) for _ in range(2)] if p > 0 else [None, None]
             # the FFN's: deferred, multiplied into its ReLU output without being written
             draws.append(dropout_draw((*a.shape[:2], F_), p, a.device, a.dtype, deferred=True) if inner else None)  # (K, N, F)
             return self._close_branches(x, a, slice(None), *draws)  # (K, N, D)
@@ -330,9 +329,10 @@ class TCGMMBlock(PackedLayer):
         attn_p = attn.attn_dropout.p if self.training else 0.0
         shape = (packing.batch, K, attn.num_heads, packing.length, packing.length)
         attn_draw = dropout_draw(shape, attn_p, x.device) if attn_p > 0 else None  # (B, K, H, L, L)
-        # kept until the backward: masks where they are no larger than the int16 draws (2-byte dtypes)
+        # kept until the backward as seeds (deferred draws, the same masks), or masks where they are no larger
+        # than the int16 draws (2-byte dtypes)
         kind = x.dtype if x.element_size() <= 2 else None
-        draws = [dropout_draw((K, N, D), p, x.device, kind) if p > 0 else None for _ in range(2)]  # (K, N, D) each
+        draws = [dropout_draw((K, N, D), p, x.device, kind, deferred=True) if p > 0 else None for _ in range(2)]  # (K, N, D) each
         draws.append(dropout_draw((K, N, F_), p, x.device, kind, deferred=True) if inner else None)  # (K, N, F): kept as a seed
         outs = []
         for k in range(K):
@@ -351,11 +351,11 @@ class TCGMMBlock(PackedLayer):
         """Residual, LayerNorm, FFN, residual, LayerNorm of the ``branches``' attention outputs (k, N, D);
         ``h_draw`` (k, N, F): the draw of the dropout inside the FFN (``ffn_dropout``)."""
         p = self.dropout.p
-        h = residual_dropout(x, a, mask_from_draw(a_draw, p, a.dtype)) if a_draw is not None else a + x  # (k, N, D)
+        h = residual_dropout_draw(x, a, a_draw, p) if a_draw is not None else a + x  # (k, N, D)
         w1, b1 = self.norm1_weight[branches].to(h.dtype), self.norm1_bias[branches].to(h.dtype)
         h = branch_layer_norm(h, w1, b1)  # (k, N, D)
         f = branch_mlp(h, self.ffn_in, self.ffn_out, branches, h_draw, p)  # (k, N, D) through (k, N, F)
-        h = residual_dropout(h, f, mask_from_draw(f_draw, p, f.dtype)) if f_draw is not None else h + f  # (k, N, D)
+        h = residual_dropout_draw(h, f, f_draw, p) if f_draw is not None else h + f  # (k, N, D)
         w2, b2 = self.norm2_weight[branches].to(h.dtype), self.norm2_bias[branches].to(h.dtype)
         return branch_layer_norm(h, w2, b2)  # (k, N, D)
 

@@ -9,14 +9,15 @@
 // read as a signed integer, is at least `threshold`, else 0.  One pass instead of the draw, a comparison
 // and a select; element sizes 2 (bf16, fp16) and 4 (fp32), `scale` given as its bit pattern.  Both it and
 // prvrlab_dropout_apply(_to) (the mask multiplied into a tensor, in place or into another, never written) take a run of
-// elements starting at any `offset` of the draw, so a slice of a draw gets the slice of its mask.
+// elements starting at any `offset` of the draw, so a slice of a draw gets the slice of its mask;
+// prvrlab_dropout_residual adds a bfloat16 tensor times the mask to another (a residual connection's dropout).
 #include <cstdint>
 
 #include "native_common.h"
 
 extern "C" {
 
-int prvrlab_random_abi() { return 4; }
+int prvrlab_random_abi() { return 5; }
 
 }  // extern "C"
 
@@ -110,6 +111,29 @@ void apply_run(const U* src, U* dst, uint64_t seed, int64_t offset, int64_t lo, 
   });
 }
 
+// Elements [lo, hi) of x + a * mask for bfloat16 x, a and out, x read at element i % period (a residual stream
+// shared by every branch: period = its size; else period = n).  a * scale is exact in float (two 8-bit
+// significands), so the float sum rounded once to bfloat16 is what torch.addcmul(x, a, mask) gives; a dropped
+// element adds a * 0 (prvrlab::keep_or_drop: 0 of a's sign, or NaN where a is not finite).
+void residual_run(const uint16_t* x, const uint16_t* a, uint16_t* out, int64_t period, uint64_t seed,
+                  int64_t offset, int64_t lo, int64_t hi, int16_t t, float scale) {
+  for_each_block(seed, offset, lo, hi, [&](int64_t i0, const int16_t* lane, int64_t count) {
+    const uint16_t* __restrict av = a + i0;
+    uint16_t* __restrict o = out + i0;
+    int64_t j = 0;
+    while (j < count) {
+      const int64_t xi = (i0 + j) % period;
+      const int64_t run = std::min<int64_t>(count - j, period - xi);  // elements before x wraps around
+      const uint16_t* __restrict xv = x + xi;
+      for (int64_t r = 0; r < run; ++r) {
+        const float product = prvrlab::keep_or_drop(bf16_to_float(av[j + r]), lane[j + r] >= t, scale);
+        o[j + r] = float_to_bf16(bf16_to_float(xv[r]) + product);
+      }
+      j += run;
+    }
+  });
+}
+
 constexpr int64_t kGrain = 1 << 16;  // elements per thread at least
 
 }  // namespace
@@ -165,6 +189,20 @@ void prvrlab_dropout_apply_to(const void* src, void* dst, int64_t n, uint64_t se
 void prvrlab_dropout_apply(void* x, int64_t n, uint64_t seed, int64_t offset, int threads, int threshold, float scale,
                            int elem_size) {
   prvrlab_dropout_apply_to(x, x, n, seed, offset, threads, threshold, scale, elem_size);
+}
+
+// out[i] = x[i % period] + a[i] * the mask of element offset + i, for bfloat16 x, a and out (residual_run); out
+// must not overlap x or a.
+void prvrlab_dropout_residual(const void* x, const void* a, void* out, int64_t n, int64_t period, uint64_t seed,
+                              int64_t offset, int threads, int threshold, float scale) {
+  const int16_t t = static_cast<int16_t>(threshold);
+  prvrlab::run_parallel(
+      n, threads,
+      [&](int, int64_t lo, int64_t hi) {
+        residual_run(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(a), static_cast<uint16_t*>(out),
+                     period, seed, offset, lo, hi, t, scale);
+      },
+      kGrain);
 }
 
 }  // extern "C"

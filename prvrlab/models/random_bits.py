@@ -12,8 +12,9 @@ dropout mask itself from the same words in one pass (the draw, a comparison
 and a select cost 3-4x more: 67 against ~20 ms for (8, 9786, 384) in bf16).
 A :class:`DeferredDraw` is a draw not written at all (its seed and which
 elements): :func:`apply_mask_` multiplies its mask into a tensor in place,
-element by element, where the mask would be written and read again, and
-:func:`masked` into a new tensor.
+element by element, where the mask would be written and read again,
+:func:`masked` into a new tensor, and :func:`residual_masked` adds a tensor
+times it to another (a residual connection's dropout).
 
 Build: :mod:`prvrlab.models.native`; without it, torch's generator fills
 the words (:func:`unavailable_reason` says why).  Threads:
@@ -32,7 +33,7 @@ from torch import Tensor
 from prvrlab.models import native
 
 SOURCE = Path(__file__).with_name("random_bits.cpp")
-ABI = 4  # prvrlab_random_abi() of a library this module can call
+ABI = 5  # prvrlab_random_abi() of a library this module can call
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -45,6 +46,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.prvrlab_dropout_apply.restype = None
     lib.prvrlab_dropout_apply_to.argtypes = [ctypes.c_void_p] + run + [ctypes.c_float, ctypes.c_int]
     lib.prvrlab_dropout_apply_to.restype = None
+    lib.prvrlab_dropout_residual.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64] + run[2:] + [ctypes.c_float]
+    lib.prvrlab_dropout_residual.restype = None
 
 
 # load(): the built library (built on first use) or None; unavailable_reason(): why None
@@ -145,6 +148,33 @@ def masked(x: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> Tenso
     out = torch.empty_like(x)
     lib.prvrlab_dropout_apply_to(x.data_ptr(), out.data_ptr(), x.numel(), draw.seed, draw.offset,
                                  torch.get_num_threads(), threshold, scale, x.element_size())
+    return out
+
+
+def _residual_library(x: Tensor, a: Tensor, draw: DeferredDraw, threshold: int) -> ctypes.CDLL | None:
+    """The kernel library where :func:`residual_masked` can compute (its docstring), else None."""
+    lib = _applying_library(a, draw, threshold)
+    fits = (a.dtype == torch.bfloat16 and x.dtype == a.dtype and x.device == a.device and x.is_contiguous()
+            and tuple(x.shape) in (tuple(a.shape), tuple(a.shape[1:])))
+    return lib if fits else None
+
+
+def residual_takes(x: Tensor, a: Tensor, draw: DeferredDraw, threshold: int) -> bool:
+    """Whether :func:`residual_masked` computes for these tensors (rather than returning None)."""
+    return _residual_library(x, a, draw, threshold) is not None
+
+
+def residual_masked(x: Tensor, a: Tensor, draw: DeferredDraw, threshold: int, scale: float) -> Tensor | None:
+    """``torch.addcmul(x, a, mask)`` for the mask of ``draw`` (``a``'s shape; ``x`` of ``a``'s shape or of its
+    trailing dimensions, broadcast over the first) into a new tensor, in one pass that never writes the mask: the
+    same values, a * scale being exact in float for bfloat16.  None where the kernel cannot (no kernel, ``x`` and
+    ``a`` not contiguous bfloat16 CPU tensors, another shape of ``x``).  No autograd: the caller records it."""
+    lib = _residual_library(x, a, draw, threshold)
+    if lib is None:
+        return None
+    out = torch.empty_like(a)
+    lib.prvrlab_dropout_residual(x.data_ptr(), a.data_ptr(), out.data_ptr(), a.numel(), max(1, x.numel()), draw.seed,
+                                 draw.offset, torch.get_num_threads(), threshold, scale)
     return out
 
 
