@@ -2,18 +2,17 @@
 
 :class:`prvrlab.platform.train.optim.BertAdam` updates its parameters with nine foreach passes over memory
 (two multiplies, two adds with alpha, an addcmul, a sqrt, an add, a divide, the weight decay, the step).  For a
-GMMFormer v2 of 32.3 M float32 parameters on this kind of 2-core CPU they took 124 ms a step; the kernel reads
-each element once and takes ~20 ms (``benchmarks/bench_model_step.py`` prints the optimiser's share of a step).
-Each operation rounds as the foreach form's ATen op does where ATen runs its AVX2 / AVX-512 kernels (elsewhere
-:func:`takes` is False), except the square root, which is correctly rounded here and not in ATen (MKL's vectorised
-one is one ulp off for ~0.7% of elements; a process's first call can be off by ~4,000 ulp for the half of the
-elements another thread computes, seen in 5 of 16 fresh processes with torch 2.13): an element can differ from the
-foreach form in its last bit (``tests/models/test_adam_step.py`` checks the kernel against the foreach form and
-against the formula in float64).
+GMMFormer v2 of 32.3 M float32 parameters on this kind of 2-core CPU they took 83 ms a step (122-131 ms with
+per-tensor clipping); the kernel reads each element once and takes 19.5 ms (32 ms) (``benchmarks/bench_model_step.py``
+prints the optimiser's share of a step).  Each operation rounds as the foreach form's ATen op does where ATen runs
+its AVX2 / AVX-512 kernels (elsewhere :func:`takes` is False), except the square root, which is correctly rounded
+here and not in ATen (MKL's vectorised one is one ulp off for ~0.7% of elements; see also
+:mod:`prvrlab.vector_math`): an element can differ from the foreach form in its last bit
+(``tests/models/test_adam_step.py`` checks the kernel against the foreach form and against the formula in float64).
 
 Build: :mod:`prvrlab.models.native` (IEEE arithmetic, ``fast_math=False``); without it (:func:`unavailable_reason`
-says why), or for tensors that are not contiguous float32 CPU tensors, :func:`takes` is False and the caller keeps
-its foreach form.  Threads: ``torch.get_num_threads()`` ranges of the elements.
+says why), or for tensors it does not take (:func:`takes`), the caller keeps its foreach form.  Threads:
+``torch.get_num_threads()`` ranges of the elements.
 """
 
 from __future__ import annotations

@@ -891,8 +891,10 @@ class GMMBlock(PackedLayer):
         dropped = self.training and p > 0
         if dropped or torch.is_grad_enabled():
             # residual (and dropout in the same pass)
-            draw = dropout_draw(branches.shape, p, branches.device, branches.dtype, deferred=True) if dropped else None
-            h = residual_dropout_draw(x, branches, draw, p) if dropped else branches + x  # (K, N, D)
+            if dropped:
+                h = residual_dropout_draw(x, branches, dropout_draw(branches.shape, p, branches.device, deferred=True), p)
+            else:
+                h = branches + x  # (K, N, D)
             for h_k, w_k, b_k in zip(h.unbind(0), weights, biases):  # unbind: a one-pass backward
                 y_k = layer_norm(h_k, w_k, b_k)  # (N, D)
                 y = y_k if y is None else y + y_k

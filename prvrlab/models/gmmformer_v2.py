@@ -320,20 +320,18 @@ class TCGMMBlock(PackedLayer):
         if not (self.checkpoint_activations and torch.is_grad_enabled()):
             a = self.attention.forward_packed(x, packing)  # (K, N, D)
             # deferred: the residuals' masks are applied forward and backward without being written (bf16 CPU)
-            draws = [dropout_draw(a.shape, p, a.device, a.dtype, deferred=True) for _ in range(2)] if p > 0 else [None, None]
+            draws = [dropout_draw(a.shape, p, a.device, deferred=True) for _ in range(2)] if p > 0 else [None, None]
             # the FFN's: deferred, multiplied into its ReLU output without being written
-            draws.append(dropout_draw((*a.shape[:2], F_), p, a.device, a.dtype, deferred=True) if inner else None)  # (K, N, F)
+            draws.append(dropout_draw((*a.shape[:2], F_), p, a.device, deferred=True) if inner else None)  # (K, N, F)
             return self._close_branches(x, a, slice(None), *draws)  # (K, N, D)
         K, N, D = self.attention.num_branches, x.shape[0], x.shape[-1]
         attn = self.attention
         attn_p = attn.attn_dropout.p if self.training else 0.0
         shape = (packing.batch, K, attn.num_heads, packing.length, packing.length)
         attn_draw = dropout_draw(shape, attn_p, x.device) if attn_p > 0 else None  # (B, K, H, L, L)
-        # kept until the backward as seeds (deferred draws, the same masks), or masks where they are no larger
-        # than the int16 draws (2-byte dtypes)
-        kind = x.dtype if x.element_size() <= 2 else None
-        draws = [dropout_draw((K, N, D), p, x.device, kind, deferred=True) if p > 0 else None for _ in range(2)]  # (K, N, D) each
-        draws.append(dropout_draw((K, N, F_), p, x.device, kind, deferred=True) if inner else None)  # (K, N, F): kept as a seed
+        # kept until the backward as seeds (deferred draws: the same masks as the one-pass run's)
+        draws = [dropout_draw((K, N, D), p, x.device, deferred=True) if p > 0 else None for _ in range(2)]  # (K, N, D) each
+        draws.append(dropout_draw((K, N, F_), p, x.device, deferred=True) if inner else None)  # (K, N, F)
         outs = []
         for k in range(K):
             branch = slice(k, k + 1)

@@ -31,8 +31,9 @@ class BertAdam(torch.optim.Optimizer):
     that L2 norm, tensor by tensor (as the reference BertAdam); 0: no clipping.
     Under a GradScaler the gradients reaching :meth:`step` are already unscaled.
 
-    ``fused``: update contiguous float32 CPU parameters in one pass (:mod:`prvrlab.models.adam_step`, the same
-    roundings as the foreach form); other tensors, or without the built kernel, take the foreach form.
+    ``fused``: update float32 CPU parameters in one pass where :func:`prvrlab.models.adam_step.takes` them (the
+    foreach form's roundings but a correctly rounded square root); other tensors, or without the built kernel,
+    take the foreach form.
     """
 
     def __init__(
