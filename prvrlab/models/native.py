@@ -8,6 +8,10 @@ a kernel that must reproduce PyTorch's IEEE arithmetic and NaN rules exactly is 
 into ``$PRVRLAB_CACHE_DIR/native`` (default ``~/.cache/prvrlab/native``), one
 library per source (with the headers beside it that it includes), flags,
 compiler and CPU (``-march=native`` code must not run on another CPU kind).
+Threads: where PyTorch's CPU operations run on GNU OpenMP (``libgomp.so.1``, the
+Linux wheels) and the compiler is GCC, a kernel is built with ``-fopenmp`` and runs
+its ranges on that same runtime's thread team (:func:`openmp_runtime`); elsewhere it
+starts threads for each call.  The ranges, and so the results, are the same.
 A library is written to a private temporary file and renamed into place, so
 concurrent builds are safe, and it is loaded only when it is owned by this
 user and writable by nobody else (a library is code: nothing else may plant
@@ -42,6 +46,16 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "
 # from the maths functions (which changes no result, and lets a loop that takes a square root vectorise)
 EXACT_COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-std=c++17", "-pthread")
 LINK_FLAGS = ("-shared", "-pthread")
+# A kernel's ranges on the OpenMP team PyTorch's own operations run on (native_common.h's run_parallel): that team's
+# workers spin for a while after each operation (libgomp's default wait policy), so threads a kernel started for
+# itself shared the cores with them: on 2 cores the kernels took 2-3x their time alone, v2's bf16 step 1.99 ->
+# 1.70 s in the same run.  g++ links -fopenmp code against GNU OpenMP's soname, libgomp.so.1, which the loader
+# binds to the copy PyTorch already loaded.
+OPENMP_COMPILE_FLAGS = ("-fopenmp", "-DPRVRLAB_OPENMP")
+OPENMP_LINK_FLAGS = ("-fopenmp",)
+# a mapped OpenMP runtime's file name: GNU's, Intel's, LLVM's, and copies renamed by wheel tools (libgomp-1a2b3c.so.1)
+_OPENMP_FILE = re.compile(r"^lib(gomp|iomp5|omp)([-.][^/]*)?\.so(\.[0-9]+)*$")
+_GNU_OPENMP_FILE = re.compile(r"^libgomp(-[0-9a-f]+)?\.so(\.[0-9]+)*$")  # libgomp.so.1(.0.0), libgomp-1a2b3c.so.1
 
 
 # Where the CPU has AVX512-BF16 (Sapphire Rapids and later, Zen 4), whose 512-bit units run at full clock: the
@@ -51,9 +65,14 @@ LINK_FLAGS = ("-shared", "-pthread")
 WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
 
 
-def _compile_flags(fast_math: bool) -> tuple[str, ...]:
+def _compile_flags(fast_math: bool, openmp: bool = False) -> tuple[str, ...]:
     flags = COMPILE_FLAGS if fast_math else EXACT_COMPILE_FLAGS
-    return (*flags, *WIDE_VECTOR_FLAGS) if _wide_vectors() else flags
+    flags = (*flags, *WIDE_VECTOR_FLAGS) if _wide_vectors() else flags
+    return (*flags, *OPENMP_COMPILE_FLAGS) if openmp else flags
+
+
+def _link_flags(openmp: bool = False) -> tuple[str, ...]:
+    return (*LINK_FLAGS, *OPENMP_LINK_FLAGS) if openmp else LINK_FLAGS
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,14 +81,59 @@ def _wide_vectors() -> bool:
     return re.search(r"\bavx512_bf16\b", _cpu_identity()) is not None
 
 
-def _flags(fast_math: bool) -> tuple[str, ...]:
+def _flags(fast_math: bool, openmp: bool = False) -> tuple[str, ...]:
     """Both steps' flags, as they enter the cache key."""
-    return (*_compile_flags(fast_math), "-c", "|", *LINK_FLAGS)
+    return (*_compile_flags(fast_math, openmp), "-c", "|", *_link_flags(openmp))
+
+
+def mapped_openmp_runtimes() -> frozenset[str]:
+    """Paths of the OpenMP runtime libraries mapped into this process (Linux's /proc/self/maps; empty where it
+    cannot be read)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    fields = (line.split(maxsplit=5) for line in lines)  # address, perms, offset, device, inode[, path]
+    paths = (f[5] for f in fields if len(f) == 6 and f[5].startswith("/"))
+    return frozenset(p for p in paths if _OPENMP_FILE.match(os.path.basename(p)))
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_on_openmp() -> bool:
+    """Whether this process's PyTorch runs its CPU operations on OpenMP (its parallel backend)."""
+    import torch
+
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def openmp_runtime(compiler: str | None = None) -> str | None:
+    """The OpenMP runtime a kernel built now can share with PyTorch: the path of the one mapped OpenMP runtime
+    where it is GNU's and PyTorch runs on OpenMP, and ``compiler`` (default: the one kernels are built with) is
+    GCC, whose ``-fopenmp`` links against GNU OpenMP's soname (``libgomp.so.1``); else None (the kernels start
+    their own threads: a second runtime would compete with PyTorch's).  Whether the loader binds a library to
+    this copy is checked when it is loaded (:func:`build_and_load`): a copy renamed with its soname
+    (``libgomp-1a2b3c.so.1``) is not bound to."""
+    compiler = compiler or _compiler()
+    runtimes = mapped_openmp_runtimes()
+    if compiler is None or len(runtimes) != 1:
+        return None
+    try:
+        if "clang" in _version(compiler).lower():
+            return None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    (path,) = runtimes
+    return path if _GNU_OPENMP_FILE.match(os.path.basename(path)) and _torch_on_openmp() else None
 
 
 
 class Unavailable(OSError):
     """A kernel library could not be built or loaded (the message says why)."""
+
+
+class NoSharedOpenMP(Unavailable):
+    """A kernel library cannot run on PyTorch's OpenMP team here (no runtime to share, a build with ``-fopenmp``
+    failed, or the library mapped another runtime): it can still be had on threads of its own."""
 
 
 def cache_dir() -> Path:
@@ -95,6 +159,7 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep)) or f"{platform.machine()} {platform.processor()}"
 
 
+@functools.lru_cache(maxsize=None)
 def _version(compiler: str) -> str:
     out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
     return out.stdout.splitlines()[0] if out.stdout else compiler
@@ -106,7 +171,7 @@ def _trusted(path: Path) -> bool:
     return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
 
 
-def _build(compiler: str, source: Path, target: Path, fast_math: bool = True) -> None:
+def _build(compiler: str, source: Path, target: Path, fast_math: bool = True, openmp: bool = False) -> None:
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not _trusted(target.parent):
         raise Unavailable(f"{target.parent} is not owned by this user or is writable by others")
@@ -114,7 +179,8 @@ def _build(compiler: str, source: Path, target: Path, fast_math: bool = True) ->
     os.close(fd)
     obj = tmp[: -len(".so")] + ".o"
     try:
-        for step in ([*_compile_flags(fast_math), "-c", "-o", obj, str(source)], [*LINK_FLAGS, "-o", tmp, obj]):
+        for step in ([*_compile_flags(fast_math, openmp), "-c", "-o", obj, str(source)],
+                     [*_link_flags(openmp), "-o", tmp, obj]):
             run = subprocess.run([compiler, *step], capture_output=True, text=True, timeout=600)
             if run.returncode != 0:
                 raise Unavailable(f"{compiler} failed: {(run.stderr or run.stdout).strip()[-2000:]}")
@@ -126,25 +192,45 @@ def _build(compiler: str, source: Path, target: Path, fast_math: bool = True) ->
                 os.unlink(path)
 
 
-def build_and_load(source: Path, *, abi_symbol: str, abi: int, fast_math: bool = True) -> ctypes.CDLL:
+def build_and_load(
+    source: Path, *, abi_symbol: str, abi: int, fast_math: bool = True, openmp: bool | None = None
+) -> ctypes.CDLL:
     """The library built from ``source`` (built now unless cached) whose ``abi_symbol()`` returns ``abi``;
     raises :class:`Unavailable` with the reason otherwise.  ``fast_math=False``: built for IEEE arithmetic
-    (:data:`EXACT_COMPILE_FLAGS`)."""
+    (:data:`EXACT_COMPILE_FLAGS`).  ``openmp``: True, its ranges on PyTorch's OpenMP team (:func:`openmp_runtime`)
+    or :class:`NoSharedOpenMP` (also where the library maps another runtime when loaded: a compiler that links its
+    own); False, on threads of its own; None, the first where it can be had (own threads only where
+    ``$PRVRLAB_KERNEL_OPENMP`` is ``0``; any other failure is not retried: an untrusted file stays refused)."""
+    if openmp is None:
+        if os.environ.get("PRVRLAB_KERNEL_OPENMP", "1") != "0":
+            try:
+                return build_and_load(source, abi_symbol=abi_symbol, abi=abi, fast_math=fast_math, openmp=True)
+            except NoSharedOpenMP:
+                pass
+        return build_and_load(source, abi_symbol=abi_symbol, abi=abi, fast_math=fast_math, openmp=False)
     compiler = _compiler()
     if compiler is None:
         raise Unavailable("no C++ compiler found (set $CXX or install g++/clang++)")
     try:
+        runtime = openmp_runtime(compiler) if openmp else None
+        if openmp and runtime is None:
+            raise NoSharedOpenMP(f"no OpenMP runtime to share with PyTorch here (mapped: {sorted(mapped_openmp_runtimes())})")
         texts = [source.read_text()]
         texts += [(source.parent / name).read_text() for name in _LOCAL_INCLUDE.findall(texts[0])]
         key = hashlib.sha256(
-            "\0".join([*texts, " ".join(_flags(fast_math)), _version(compiler), _cpu_identity()]).encode()
+            "\0".join([*texts, " ".join(_flags(fast_math, openmp)), _version(compiler), _cpu_identity()]).encode()
         ).hexdigest()[:16]
         target = cache_dir() / f"{source.stem}-{key}.so"
         if not target.exists():
-            _build(compiler, source, target, fast_math)
+            try:
+                _build(compiler, source, target, fast_math, openmp)
+            except Unavailable as exc:
+                raise (NoSharedOpenMP(f"built with -fopenmp: {exc}") if openmp else exc) from exc
         if not _trusted(target):
             raise Unavailable(f"{target} is not owned by this user or is writable by others; not loaded")
         lib = ctypes.CDLL(str(target))
+        if openmp and mapped_openmp_runtimes() != {runtime}:
+            raise NoSharedOpenMP(f"{target} loaded another OpenMP runtime: {sorted(mapped_openmp_runtimes() - {runtime})}")
         if getattr(lib, abi_symbol)() != abi:
             raise Unavailable(f"{target}: unexpected interface version")
     except Unavailable:
@@ -152,6 +238,21 @@ def build_and_load(source: Path, *, abi_symbol: str, abi: int, fast_math: bool =
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         raise Unavailable(str(exc)) from exc
     return lib
+
+
+def kernel_openmp(lib: ctypes.CDLL) -> bool:
+    """Whether a loaded kernel library runs its ranges on PyTorch's OpenMP team (built for it)."""
+    function = lib.prvrlab_kernel_openmp
+    function.restype = ctypes.c_int
+    return function() == 1
+
+
+def kernel_threads() -> str:
+    """Where a kernel built now runs its ranges, in words (for benchmarks' headers)."""
+    if os.environ.get("PRVRLAB_KERNEL_OPENMP", "1") == "0":
+        return "threads of their own ($PRVRLAB_KERNEL_OPENMP=0)"
+    runtime = openmp_runtime()
+    return f"PyTorch's OpenMP team ({runtime})" if runtime else "threads of their own (no OpenMP runtime to share)"
 
 
 def void_functions(**signatures: list) -> Callable[[ctypes.CDLL], None]:
@@ -173,7 +274,8 @@ def loader(
     """``(load, unavailable_reason)`` for one kernel source: ``load()`` builds the library on first use
     and returns it with ``declare`` applied (its functions' argument types), or None when it cannot be
     had; ``unavailable_reason()`` says why (None when it could).  ``load`` is cached
-    (``load.cache_clear()`` forgets it); ``fast_math``: as :func:`build_and_load`'s."""
+    (``load.cache_clear()`` forgets it); ``load.variant(openmp=...)`` gives either threading build;
+    ``fast_math``: as :func:`build_and_load`'s."""
     reasons: list[str] = []
 
     @functools.lru_cache(maxsize=None)
@@ -192,4 +294,12 @@ def loader(
     def unavailable_reason() -> str | None:
         return reasons[-1] if load() is None and reasons else None
 
+    def variant(*, openmp: bool) -> ctypes.CDLL:
+        """The library built for ``openmp`` (True: PyTorch's OpenMP team, False: threads of its own), declared;
+        raises :class:`Unavailable` (for same-run comparisons of the two)."""
+        lib = build_and_load(source, abi_symbol=abi_symbol, abi=abi, fast_math=fast_math, openmp=openmp)
+        declare(lib)
+        return lib
+
+    load.variant = variant  # type: ignore[attr-defined]
     return load, unavailable_reason

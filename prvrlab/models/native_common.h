@@ -9,6 +9,20 @@
 #include <thread>
 #include <vector>
 
+#ifdef PRVRLAB_OPENMP
+#include <omp.h>
+#endif
+
+// 1 where this library runs its ranges on the OpenMP team PyTorch runs on (built with PRVRLAB_OPENMP), else 0: every
+// kernel library is one source file, so each defines it once (prvrlab/models/native.py: kernel_openmp).
+extern "C" int prvrlab_kernel_openmp() {
+#ifdef PRVRLAB_OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 namespace prvrlab {
 
 // exp(v) in a form the compiler vectorises inline (the C library's vector exp is an out-of-line call):
@@ -76,15 +90,30 @@ inline float keep_or_drop(float v, bool kept, float scale) {
 }
 
 // fn(worker, lo, hi) over `threads` contiguous ranges of [0, items) (at most one per item, at least
-// `grain` items each), the first on the calling thread.
+// `grain` items each), range 0 on the calling thread.  Built with OpenMP (PRVRLAB_OPENMP: the runtime PyTorch's
+// own operations run on, prvrlab/models/native.py), the ranges run on that runtime's thread team, whose workers
+// are still spinning from PyTorch's last operation; otherwise on threads started for the call (which then share
+// the cores with those spinning workers).  The ranges are the same either way: a result never depends on it.
 template <typename F>
 void run_parallel(int64_t items, int threads, F fn, int64_t grain = 1) {
   const int64_t most = std::max<int64_t>(1, items / std::max<int64_t>(1, grain));
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
+  if (n == 1) {
+    fn(0, 0, items);
+    return;
+  }
+#ifdef PRVRLAB_OPENMP
+#pragma omp parallel num_threads(n)
+  {
+    const int team = omp_get_num_threads();  // fewer than n where the runtime allows fewer: a thread takes several
+    for (int i = omp_get_thread_num(); i < n; i += team) fn(i, items * i / n, items * (i + 1) / n);
+  }
+#else
   std::vector<std::thread> pool;
   for (int i = 1; i < n; ++i) pool.emplace_back(fn, i, items * i / n, items * (i + 1) / n);
   fn(0, 0, items / n);
   for (auto& t : pool) t.join();
+#endif
 }
 
 }  // namespace prvrlab
