@@ -55,6 +55,7 @@ from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import query_batches, video_batches
 from prvrlab.evaluation import retrieval
 from prvrlab.evaluation.retrieval import EvalResult, evaluate, evaluate_batches
+from prvrlab.models.native import kernel_threads
 from prvrlab.models.precision import native_low_precision
 from prvrlab.models.factory import build_model
 from prvrlab.models.gmm import GaussianAttention
@@ -168,6 +169,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     root = bench_collection(args)
     print(f"machine: {machine()}; native bf16 matrix units: {native_low_precision('cpu')}")
+    print(f"this project's C++ kernels run on: {kernel_threads()}")
     if args.peak_of is None:  # not in the fresh peak-memory processes: the probe's buffers would count
         print(host_probe())
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -42,6 +42,7 @@ from prvrlab.data.batch import Batch
 from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.models.gmm import GaussianAttention
+from prvrlab.models.native import kernel_threads
 from prvrlab.models.precision import native_low_precision
 from prvrlab.platform.train.optim import build_optimizer
 from prvrlab.registry import BACKBONES
@@ -216,6 +217,7 @@ def main() -> None:
     roofs = {"none": gemm_roof(torch.float32), "bf16": gemm_roof(torch.bfloat16)}
     print(f"GEMM roof now: fp32 {roofs['none']:.1f} GFLOP/s, bf16 {roofs['bf16']:.1f} GFLOP/s")
     print(f"native bf16 matrix units on this CPU: {native_low_precision('cpu')}")
+    print(f"this project's C++ kernels run on: {kernel_threads()}")
     amps = ["none", "bf16"] if args.amp == "both" else [args.amp]
     variants: list[tuple[str, object] | None] = [None]
     if args.variants:
