@@ -55,7 +55,9 @@ OPENMP_COMPILE_FLAGS = ("-fopenmp", "-DPRVRLAB_OPENMP")
 OPENMP_LINK_FLAGS = ("-fopenmp",)
 # a mapped OpenMP runtime's file name: GNU's, Intel's, LLVM's, and copies renamed by wheel tools (libgomp-1a2b3c.so.1)
 _OPENMP_FILE = re.compile(r"^lib(gomp|iomp5|omp)([-.][^/]*)?\.so(\.[0-9]+)*$")
-_GNU_OPENMP_FILE = re.compile(r"^libgomp(-[0-9a-f]+)?\.so(\.[0-9]+)*$")  # libgomp.so.1(.0.0), libgomp-1a2b3c.so.1
+_GNU_OPENMP_FILE = re.compile(r"^libgomp\.so(\.[0-9]+)*$")  # libgomp.so.1, or the file it names: libgomp.so.1.0.0
+GNU_OPENMP_SONAME = "libgomp.so.1"  # what g++ -fopenmp code asks the loader for
+_PROCESS = os.getpid()  # the process that imported this module (a forked child is another)
 
 
 # Where the CPU has AVX512-BF16 (Sapphire Rapids and later, Zen 4), whose 512-bit units run at full clock: the
@@ -94,8 +96,17 @@ def mapped_openmp_runtimes() -> frozenset[str]:
     except OSError:
         return frozenset()
     fields = (line.split(maxsplit=5) for line in lines)  # address, perms, offset, device, inode[, path]
-    paths = (f[5] for f in fields if len(f) == 6 and f[5].startswith("/"))
+    paths = (f[5].removesuffix(" (deleted)") for f in fields if len(f) == 6 and f[5].startswith("/"))
     return frozenset(p for p in paths if _OPENMP_FILE.match(os.path.basename(p)))
+
+
+def _soname_loaded(soname: str) -> bool:
+    """Whether a library the loader knows as ``soname`` is in the process (``dlopen`` with ``RTLD_NOLOAD``)."""
+    try:
+        ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,14 +119,15 @@ def _torch_on_openmp() -> bool:
 
 def openmp_runtime(compiler: str | None = None) -> str | None:
     """The OpenMP runtime a kernel built now can share with PyTorch: the path of the one mapped OpenMP runtime
-    where it is GNU's and PyTorch runs on OpenMP, and ``compiler`` (default: the one kernels are built with) is
-    GCC, whose ``-fopenmp`` links against GNU OpenMP's soname (``libgomp.so.1``); else None (the kernels start
-    their own threads: a second runtime would compete with PyTorch's).  Whether the loader binds a library to
-    this copy is checked when it is loaded (:func:`build_and_load`): a copy renamed with its soname
-    (``libgomp-1a2b3c.so.1``) is not bound to."""
+    where it is GNU's, loaded under the soname GCC's ``-fopenmp`` code asks for (:data:`GNU_OPENMP_SONAME`, so the
+    loader binds a kernel to this copy), PyTorch runs on OpenMP, ``compiler`` (default: the one kernels are built
+    with) is GCC, and this is the process that imported this module; else None, and the kernels start their own
+    threads: a second runtime would compete with PyTorch's (a wheel's renamed copy, ``libgomp-1a2b3c.so.1``, has
+    a renamed soname too), and GNU OpenMP's team does not survive a fork.  :func:`build_and_load` checks after
+    loading that no other runtime came with the library."""
     compiler = compiler or _compiler()
     runtimes = mapped_openmp_runtimes()
-    if compiler is None or len(runtimes) != 1:
+    if compiler is None or len(runtimes) != 1 or os.getpid() != _PROCESS:
         return None
     try:
         if "clang" in _version(compiler).lower():
@@ -123,7 +135,8 @@ def openmp_runtime(compiler: str | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     (path,) = runtimes
-    return path if _GNU_OPENMP_FILE.match(os.path.basename(path)) and _torch_on_openmp() else None
+    gnu = _GNU_OPENMP_FILE.match(os.path.basename(path)) and _soname_loaded(GNU_OPENMP_SONAME)
+    return path if gnu and _torch_on_openmp() else None
 
 
 
@@ -224,11 +237,14 @@ def build_and_load(
         if not target.exists():
             try:
                 _build(compiler, source, target, fast_math, openmp)
-            except Unavailable as exc:
+            except (Unavailable, subprocess.SubprocessError) as exc:
                 raise (NoSharedOpenMP(f"built with -fopenmp: {exc}") if openmp else exc) from exc
         if not _trusted(target):
             raise Unavailable(f"{target} is not owned by this user or is writable by others; not loaded")
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as exc:  # e.g. a runtime symbol version the loaded libgomp lacks
+            raise (NoSharedOpenMP(f"{target}: {exc}") if openmp else exc) from exc
         if openmp and mapped_openmp_runtimes() != {runtime}:
             raise NoSharedOpenMP(f"{target} loaded another OpenMP runtime: {sorted(mapped_openmp_runtimes() - {runtime})}")
         if getattr(lib, abi_symbol)() != abi:

@@ -11,6 +11,7 @@
 
 #ifdef PRVRLAB_OPENMP
 #include <omp.h>
+#include <unistd.h>
 #endif
 
 // 1 where this library runs its ranges on the OpenMP team PyTorch runs on (built with PRVRLAB_OPENMP), else 0: every
@@ -89,11 +90,19 @@ inline float keep_or_drop(float v, bool kept, float scale) {
   return r;
 }
 
+#ifdef PRVRLAB_OPENMP
+// The process that loaded this library: GNU OpenMP's team does not survive fork() (a child's first team waits for
+// workers that exist only in the parent), so a forked child starts threads of its own instead.
+inline const pid_t kLoadedBy = getpid();
+#endif
+
 // fn(worker, lo, hi) over `threads` contiguous ranges of [0, items) (at most one per item, at least
 // `grain` items each), range 0 on the calling thread.  Built with OpenMP (PRVRLAB_OPENMP: the runtime PyTorch's
 // own operations run on, prvrlab/models/native.py), the ranges run on that runtime's thread team, whose workers
 // are still spinning from PyTorch's last operation; otherwise on threads started for the call (which then share
 // the cores with those spinning workers).  The ranges are the same either way: a result never depends on it.
+// (One difference: a started thread takes the caller's floating-point mode, flush-to-zero included, where the
+// team's workers keep the one they started with, as for PyTorch's own operations; this project never sets it.)
 template <typename F>
 void run_parallel(int64_t items, int threads, F fn, int64_t grain = 1) {
   const int64_t most = std::max<int64_t>(1, items / std::max<int64_t>(1, grain));
@@ -103,17 +112,19 @@ void run_parallel(int64_t items, int threads, F fn, int64_t grain = 1) {
     return;
   }
 #ifdef PRVRLAB_OPENMP
+  if (getpid() == kLoadedBy) {
 #pragma omp parallel num_threads(n)
-  {
-    const int team = omp_get_num_threads();  // fewer than n where the runtime allows fewer: a thread takes several
-    for (int i = omp_get_thread_num(); i < n; i += team) fn(i, items * i / n, items * (i + 1) / n);
+    {
+      const int team = omp_get_num_threads();  // fewer than n where the runtime allows fewer: a thread takes several
+      for (int i = omp_get_thread_num(); i < n; i += team) fn(i, items * i / n, items * (i + 1) / n);
+    }
+    return;
   }
-#else
+#endif
   std::vector<std::thread> pool;
   for (int i = 1; i < n; ++i) pool.emplace_back(fn, i, items * i / n, items * (i + 1) / n);
   fn(0, 0, items / n);
   for (auto& t : pool) t.join();
-#endif
 }
 
 }  // namespace prvrlab

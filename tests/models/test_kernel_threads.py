@@ -16,8 +16,8 @@ from prvrlab.models import column_sum, layer_norm, native, random_bits
 REPO = Path(__file__).resolve().parents[2]
 TORCH_RUNTIME = native.openmp_runtime()
 shared = pytest.mark.skipif(
-    random_bits.load() is None or TORCH_RUNTIME is None,
-    reason="no kernels, or PyTorch's OpenMP runtime is not one GCC's -fopenmp code can share",
+    random_bits.load() is None or not native.kernel_openmp(random_bits.load()),
+    reason="no kernels, or they do not run on PyTorch's OpenMP team here (another runtime, no -fopenmp build)",
 )
 
 
@@ -126,7 +126,7 @@ def test_a_library_that_maps_another_runtime_when_loaded_is_not_used(monkeypatch
     [
         ({"/t/torch/lib/libgomp.so.1"}, "g++ (Debian 12.2.0-14) 12.2.0", "/t/torch/lib/libgomp.so.1"),
         ({"/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0"}, "c++ (GCC) 13.1.1", "/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0"),
-        ({"/t/torch.libs/libgomp-a34b3233.so.1"}, "g++ (GCC) 11.2.0", "/t/torch.libs/libgomp-a34b3233.so.1"),
+        ({"/t/torch.libs/libgomp-a34b3233.so.1"}, "g++ (GCC) 11.2.0", None),  # renamed with its soname: not bound to
         ({"/t/torch/lib/libgomp.so.1"}, "Debian clang version 14.0.6", None),  # clang's -fopenmp: LLVM's runtime
         ({"/t/torch/lib/libiomp5.so"}, "g++ (GCC) 12.2.0", None),  # Intel's runtime
         ({"/t/torch/lib/libomp.so"}, "g++ (GCC) 12.2.0", None),  # LLVM's (macOS-style builds)
@@ -138,7 +138,14 @@ def test_which_runtime_is_shared(monkeypatch, mapped, version, expected):
     monkeypatch.setattr(native, "mapped_openmp_runtimes", lambda: frozenset(mapped))
     monkeypatch.setattr(native, "_version", lambda compiler: version)
     monkeypatch.setattr(native, "_torch_on_openmp", lambda: True)
+    monkeypatch.setattr(native, "_soname_loaded", lambda soname: soname == "libgomp.so.1")
     assert native.openmp_runtime("/usr/bin/c++") == expected
+    monkeypatch.setattr(native, "_soname_loaded", lambda soname: False)  # the loader knows no libgomp.so.1
+    assert native.openmp_runtime("/usr/bin/c++") is None
+    monkeypatch.setattr(native, "_soname_loaded", lambda soname: soname == "libgomp.so.1")
+    monkeypatch.setattr(native, "_PROCESS", -1)  # a forked child of the process that imported native
+    assert native.openmp_runtime("/usr/bin/c++") is None
+    monkeypatch.setattr(native, "_PROCESS", native.os.getpid())
     monkeypatch.setattr(native, "_torch_on_openmp", lambda: False)  # ATen's pool is another (its native backend)
     assert native.openmp_runtime("/usr/bin/c++") is None
 
@@ -182,3 +189,58 @@ def test_a_compiler_that_cannot_build_openmp_code_gives_the_own_threads_build(mo
     library.chmod(0o777)
     with pytest.raises(native.Unavailable, match="writable by others"):
         native.build_and_load(column_sum.SOURCE, **kwargs)
+
+
+@shared
+def test_a_library_the_loader_refuses_gives_the_own_threads_build(monkeypatch):
+    """E.g. a symbol version PyTorch's older libgomp lacks: the OpenMP build fails to load, the other one is used."""
+    real = native.ctypes.CDLL
+    refused = []
+
+    def cdll(name, *args, **kwargs):
+        if str(name).startswith(str(native.cache_dir())) and not refused:
+            refused.append(name)
+            raise OSError(f"{name}: version `GOMP_9.9' not found")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(native.ctypes, "CDLL", cdll)
+    kwargs = dict(abi_symbol="prvrlab_column_sum_abi", abi=column_sum.ABI)
+    lib = native.build_and_load(column_sum.SOURCE, **kwargs)
+    assert refused and not native.kernel_openmp(lib)
+
+
+FORKED = """
+import os, signal, sys
+import torch
+from prvrlab.models import column_sum, native
+x = torch.randn(4096, 1536).bfloat16()  # (N, C)
+expected = x.float().sum(0)
+torch.set_num_threads(2)
+(torch.randn(2048, 2048) @ torch.randn(2048, 2048)).sum()  # PyTorch's team is made: a child cannot use it
+if sys.argv[1] == "loaded":
+    column_sum.column_sum(x)  # the kernel runs in the parent before the fork
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)
+    got = column_sum.column_sum(x)
+    lib = column_sum.load()
+    print(native.kernel_openmp(lib), torch.allclose(got.float(), expected, rtol=1e-2, atol=1e-1), flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("exit", os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
+"""
+
+
+@shared
+@pytest.mark.parametrize("parent", ["loaded", "not loaded"])
+def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(parent):
+    """GNU OpenMP's team does not survive fork(): a child's first parallel region waits for workers that exist only
+    in the parent (PyTorch's own operations hang there).  The kernels take threads of their own in a child, whether
+    the parent had loaded them (the library checks its process id) or not (the build chosen in the child)."""
+    run = subprocess.run([sys.executable, "-c", FORKED, parent], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    child, parent_line = run.stdout.strip().split("\n")
+    assert parent_line == "exit True", run.stdout
+    built_for_openmp, right = child.split()
+    assert right == "True"
+    assert built_for_openmp == ("True" if parent == "loaded" else "False")  # the parent's library, or the child's
