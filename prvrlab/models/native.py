@@ -205,6 +205,11 @@ def _build(compiler: str, source: Path, target: Path, fast_math: bool = True, op
                 os.unlink(path)
 
 
+def _own_threads_asked() -> bool:
+    """Whether ``$PRVRLAB_KERNEL_OPENMP`` is ``0``: kernels on threads of their own wherever they are built."""
+    return os.environ.get("PRVRLAB_KERNEL_OPENMP", "1") == "0"
+
+
 def build_and_load(
     source: Path, *, abi_symbol: str, abi: int, fast_math: bool = True, openmp: bool | None = None
 ) -> ctypes.CDLL:
@@ -215,7 +220,7 @@ def build_and_load(
     own); False, on threads of its own; None, the first where it can be had (own threads only where
     ``$PRVRLAB_KERNEL_OPENMP`` is ``0``; any other failure is not retried: an untrusted file stays refused)."""
     if openmp is None:
-        if os.environ.get("PRVRLAB_KERNEL_OPENMP", "1") != "0":
+        if not _own_threads_asked():
             try:
                 return build_and_load(source, abi_symbol=abi_symbol, abi=abi, fast_math=fast_math, openmp=True)
             except NoSharedOpenMP:
@@ -265,7 +270,7 @@ def kernel_openmp(lib: ctypes.CDLL) -> bool:
 
 def kernel_threads() -> str:
     """Where a kernel built now runs its ranges, in words (for benchmarks' headers)."""
-    if os.environ.get("PRVRLAB_KERNEL_OPENMP", "1") == "0":
+    if _own_threads_asked():
         return "threads of their own ($PRVRLAB_KERNEL_OPENMP=0)"
     runtime = openmp_runtime()
     return f"PyTorch's OpenMP team ({runtime})" if runtime else "threads of their own (no OpenMP runtime to share)"
