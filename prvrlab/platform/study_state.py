@@ -63,21 +63,24 @@ def record_state(study_dir: Path, uri: str | None = None) -> None:
     _write(study_dir, uri, state_sums(study_dir))
 
 
-def record_settled(study_dir: Path, *, settle_s: float = 1.0, timeout_s: float = 20.0) -> bool:
-    """:func:`record_state` of a local study once two readings ``settle_s`` apart agree (a killed driver's
-    trial processes may still be writing for a moment); False, recording nothing, when it is still changing
-    after ``timeout_s`` or has no Tune state."""
+def record_settled(study_dir: Path, *, settle_s: float = 1.0, quiet_s: float = 3.0, timeout_s: float = 20.0) -> bool:
+    """:func:`record_state` of a local study once it has not changed for ``quiet_s`` (read every ``settle_s``): a
+    killed driver's trial processes may still be writing for a moment, until Ray notices the driver is gone, and
+    a trial between two reports writes nothing for a while (with one quiet second a checkpoint written after the
+    record made the next ``--resume`` refuse the study, once in a full suite); False, recording nothing, when it
+    is still changing after ``timeout_s`` or has no Tune state."""
     deadline = time.monotonic() + timeout_s
-    before = state_sums(study_dir)
+    before, since = state_sums(study_dir), time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(settle_s)
         now = state_sums(study_dir)
-        if now == before:
+        if now != before:
+            before, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
             if not now:
                 return False
             _write(study_dir, None, now)
             return True
-        before = now
     return False
 
 
