@@ -1,8 +1,9 @@
 """Checksums of a study's Ray Tune state, the only record ``--resume`` trusts before Tune unpickles it.
 
 The driver records the state when its run ends (:func:`record_state`); a driver killed outright records
-nothing, so its run sentinel (:mod:`prvrlab.platform.tracking.closer`) records it once the driver is gone and
-the folder has stopped changing (:func:`record_settled`).  The record is this user's, outside the study
+nothing, so its run sentinel (:mod:`prvrlab.platform.tracking.closer`) records it once the driver is gone, so
+are the trial processes of this host that wrote for it (:func:`register_writer`), and the folder has stopped
+changing (:func:`record_settled`).  The record is this user's, outside the study
 folder (:func:`state_record`): whoever can write the folder or its bucket cannot vouch for what they wrote.
 Light on imports: the sentinel loads this module.
 """
@@ -10,15 +11,19 @@ Light on imports: the sentinel loads this module.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from pathlib import Path
+from typing import Callable
 
 from prvrlab.cache import cache_root
 from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
+from prvrlab.platform.tracking.drivers import HOST_TAG, PID_TAG, START_TAG, driver_alive, driver_tags
 
 STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the driver after each run
 TRUST_STATE_ENV = "PRVRLAB_TRUST_STUDY_STATE"  # 1: resume a study this user has no record of
+WRITERS = "writers"  # <study>/writers/<host>.<pid>.<start>.json: a trial process that writes under tune/
 
 
 def _sha256(path: Path) -> str:
@@ -63,15 +68,70 @@ def record_state(study_dir: Path, uri: str | None = None) -> None:
     _write(study_dir, uri, state_sums(study_dir))
 
 
-def record_settled(study_dir: Path, *, settle_s: float = 1.0, quiet_s: float = 3.0, timeout_s: float = 20.0) -> bool:
-    """:func:`record_state` of a local study once it has not changed for ``quiet_s`` (read every ``settle_s``): a
-    killed driver's trial processes may still be writing for a moment, until Ray notices the driver is gone, and
-    a trial between two reports writes nothing for a while (with one quiet second a checkpoint written after the
-    record made the next ``--resume`` refuse the study, once in a full suite); False, recording nothing, when it
-    is still changing after ``timeout_s`` or has no Tune state."""
+def register_writer(study_dir: Path, driver: dict[str, str]) -> None:
+    """Note in ``<study>/writers/`` that this process (a trial actor) writes the study's Tune state for the
+    driver named by ``driver`` (:func:`~prvrlab.platform.tracking.drivers.driver_tags`): once that driver is
+    killed, its sentinel records the state only after this process is gone too (:func:`record_settled`)."""
+    me = driver_tags()
+    folder = Path(study_dir) / WRITERS
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{me[HOST_TAG]}.{me[PID_TAG]}.{me[START_TAG]}.json"
+    write_text_atomically(folder / name, json.dumps({"writer": me, "driver": dict(driver)}))
+
+
+def _writers(study_dir: Path) -> list[tuple[Path, dict[str, str], dict[str, str]]]:
+    """The study's writer registrations: (file, the writer's tags, its driver's tags)."""
+    found = []
+    for path in sorted((Path(study_dir) / WRITERS).glob("*.json")):
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            found.append((path, dict(entry["writer"]), dict(entry["driver"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def live_writers(study_dir: Path, driver: dict[str, str]) -> list[dict[str, str]]:
+    """The registered writers of ``driver`` that still run on this host (those of other hosts cannot be told)."""
+    return [
+        writer
+        for _, writer, by in _writers(study_dir)
+        if all(by.get(tag) == driver.get(tag) for tag in (HOST_TAG, PID_TAG, START_TAG)) and driver_alive(writer)
+    ]
+
+
+def forget_writers(study_dir: Path) -> None:
+    """Remove the registrations of writers that are gone from this host (whichever driver they wrote for)."""
+    for path, writer, _ in _writers(study_dir):
+        if driver_alive(writer) is False:
+            path.unlink(missing_ok=True)
+
+
+def record_settled(
+    study_dir: Path,
+    *,
+    driver: dict[str, str] | None = None,
+    settle_s: float = 1.0,
+    quiet_s: float = 3.0,
+    timeout_s: float = 20.0,
+    writers_timeout_s: float = 30.0,
+    heartbeat: Callable[[], None] = lambda: None,
+) -> bool:
+    """:func:`record_state` of a killed driver's local study once its trial processes of this host are gone
+    (``driver``'s :func:`register_writer` entries; Ray stops them a moment after their driver, and until then
+    one may still write a checkpoint; waited for up to ``writers_timeout_s``) and the study has not changed
+    for ``quiet_s`` (read every ``settle_s``: writers of other hosts); False, recording nothing, when it is
+    still changing after ``timeout_s`` more or has no Tune state.  ``heartbeat`` is called at every reading
+    (the sentinel touches its ledger: a resume waits while it is fresh)."""
+    if driver is not None:
+        until = time.monotonic() + writers_timeout_s
+        while live_writers(study_dir, driver) and time.monotonic() < until:
+            heartbeat()
+            time.sleep(min(settle_s, 0.2))
     deadline = time.monotonic() + timeout_s
     before, since = state_sums(study_dir), time.monotonic()
     while time.monotonic() < deadline:
+        heartbeat()
         time.sleep(settle_s)
         now = state_sums(study_dir)
         if now != before:
@@ -80,6 +140,7 @@ def record_settled(study_dir: Path, *, settle_s: float = 1.0, quiet_s: float = 3
             if not now:
                 return False
             _write(study_dir, None, now)
+            forget_writers(study_dir)
             return True
     return False
 

@@ -70,11 +70,14 @@ from prvrlab.platform.study_state import (
     STATE_SUMS,
     TRUST_STATE_ENV,
     forget_state,
+    forget_writers,
     read_sums,
     record_state,
+    register_writer,
     state_record,
     state_sums,
 )
+from prvrlab.platform.tracking.drivers import driver_tags
 
 TRIAL_ACTOR_CPU = 0.01  # the Tune actor of a multi-worker trial only waits on its TorchTrainer
 STUDY_LOG = "study.log"  # Ray's and Tune's log lines and Python warnings of every submission
@@ -115,6 +118,7 @@ class StudyContext:
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
     reuse_workers: bool = False  # trials train on their slot's long-lived pool (search/workers.py)
     storage: str = ""  # the study folder's object-store URI; "" when study_dir is the folder itself
+    driver: dict[str, str] = field(default_factory=dict)  # the driver process (drivers.driver_tags): trials register as its writers
 
     def ranks_note(self) -> str:
         """How a multi-worker trial gets its DDP ranks, for the study's first console line ("" for one
@@ -273,6 +277,11 @@ def run_trial(config: dict[str, Any], study: StudyContext, spares: list[list[Any
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
+    if study.driver and not study.storage:  # a local study: its sentinel waits for this process (study_state)
+        try:
+            register_writer(Path(study.study_dir), study.driver)
+        except OSError:  # unwritable: the sentinel falls back to waiting for the folder to go quiet
+            pass
     check = validate
     if study.reuse_workers:  # the slot's pool starts now (or is adopted) and checks the config
         from prvrlab.platform.search.workers import offer, prestart, validate_on_pool
@@ -509,6 +518,7 @@ def _record_final_state(location: storage.Location, study: StudyContext) -> None
     longer needs to record it."""
     location.child("tune").pull(exclude=("checkpoint_*",), fresh=True)  # object store: the state to record
     record_state(Path(study.study_dir), study.storage or None)
+    forget_writers(Path(study.study_dir))  # those of its trials that are gone
     closer.unwatch_study(study.study_dir)
 
 
@@ -983,6 +993,7 @@ def make_study(
     )
     location = study_location(base.tracking.storage_path, kind, spec.name).child(Path(study_dir).name)
     study.storage = location.uri if location.remote else ""
+    study.driver = driver_tags()
     study.resolved.update(resolved or {})
     for cell in cells or {}:  # an ablation's configs are all known: resolve them once, here
         study.experiment_config({"cell": cell})

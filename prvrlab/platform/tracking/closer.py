@@ -262,7 +262,8 @@ def _release_ledger() -> None:
 
 def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
     """The sentinel: wait until driver ``pid`` is gone, then record the Tune state of the local studies its
-    ``ledger`` lists (once each has stopped changing: :func:`~prvrlab.platform.study_state.record_settled`;
+    ``ledger`` lists (once the trial processes that wrote them are gone and each has stopped changing:
+    :func:`~prvrlab.platform.study_state.record_settled`;
     the ledger stays until then, so a resume waits: :func:`await_study_record`) and close the runs it lists;
     end without doing anything when the ledger disappears (the driver's normal exit)."""
     while process_alive(pid, start):
@@ -276,19 +277,18 @@ def watch(pid: int, start: str, ledger: Path, *, poll_s: float = POLL_S) -> int:
     except (OSError, ValueError, KeyError, TypeError):
         ledger.unlink(missing_ok=True)
         return 0  # removed at the driver's exit, or never written
+    driver = driver_tags(pid, start)
     try:
         if studies:
             from prvrlab.platform.study_state import record_settled
 
             for study in studies:
-                try:
-                    os.utime(ledger)  # at work: a resume waits (await_study_record)
-                    record_settled(Path(study))
+                try:  # touching the ledger while at work: a resume waits (await_study_record)
+                    record_settled(Path(study), driver=driver, heartbeat=lambda: os.utime(ledger))
                 except OSError:  # removed meanwhile: nothing to resume
                     pass
     finally:
         ledger.unlink(missing_ok=True)
-    driver = driver_tags(pid, start)
     for uri, experiment_id in stores:  # runs created but not yet listed when the driver died
         runs.update(dict.fromkeys(_driven_runs(uri, experiment_id, driver), uri))
     if not runs:

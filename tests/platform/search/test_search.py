@@ -234,3 +234,50 @@ def test_an_ablation_resumed_after_the_driver_is_killed_runs_every_cell_once(tin
     assert finished == ["full/seed0", "no_query_diverse/seed0"], finished  # each cell once, none lost
     (first,) = [c for c in children if c.data.tags["prvrlab.cell"] in ended]
     assert [m.step for m in metric_history(tmp_path, first.info.run_id, "val/sumr")] == list(range(1, 13))
+
+
+def test_a_killed_drivers_state_is_recorded_after_its_trial_processes_are_gone(tiny_root, tmp_path):
+    """Each trial actor registers as a writer of its driver's study; after the driver is SIGKILLed its
+    sentinel records the Tune state only once those processes of this host are gone (a stand-in writer,
+    ended 8 s after the kill, holds the record back past the 3 s quiet time)."""
+    from prvrlab.platform.search.study import latest_study_dir
+    from prvrlab.platform.study_state import STATE_SUMS, WRITERS
+    from prvrlab.platform.tracking.closer import await_study_record
+    from prvrlab.platform.tracking.drivers import driver_tags, process_alive
+
+    proc, _, _ = _search_until_a_trial_ends(tiny_root, tmp_path, "writers")
+    try:
+        study_dir = latest_study_dir(tmp_path / "results" / "search" / "writers")
+        driver = driver_tags(proc.pid)
+        entries = [json.loads(p.read_text()) for p in (study_dir / WRITERS).glob("*.json")]
+        actors = [e["writer"] for e in entries if e["driver"] == driver]
+        assert actors, entries
+        for writer in actors:
+            pid = int(writer["prvrlab.driver_pid"])
+            assert pid != proc.pid and process_alive(pid, writer["prvrlab.driver_start"])
+            assert "ImplicitFunc" in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        stand_in = subprocess.Popen(
+            [sys.executable, "-c", "import json, sys, time; from pathlib import Path; "
+             "from prvrlab.platform.study_state import register_writer; "
+             "register_writer(Path(sys.argv[1]), json.loads(sys.argv[2])); print('registered', flush=True); time.sleep(120)",
+             str(study_dir), json.dumps(driver)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        assert stand_in.stdout.readline().strip() == "registered"
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(8)
+        ended = time.time()
+        stand_in.kill()
+        stand_in.wait()
+        assert await_study_record(study_dir, timeout_s=60) is None  # the sentinel is done
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert (study_dir / STATE_SUMS).stat().st_mtime >= ended
+    assert list((study_dir / WRITERS).glob("*.json")) == []  # all gone, all forgotten
