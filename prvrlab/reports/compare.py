@@ -172,6 +172,7 @@ def compare_runs(
     with tempfile.TemporaryDirectory(prefix="prvrlab-compare-") as cache:
         ranks = [run_ranks(client, r.run_id, split, Path(cache)) for r in runs]
     reference, ref_ranks = runs[0], ranks[0]
+    notes += [f"{_label(r)} logged no ranks for {split}: no test." for r, x in zip(runs, ranks) if x is None and len(runs) > 1]
     ref_hits = None if ref_ranks is None else stats.hits(ref_ranks["rank"])  # (n, 4)
     rows = []
     tested: dict[int, tuple[str, float]] = {}  # table row -> (run id, raw p)
@@ -182,13 +183,11 @@ def compare_runs(
             label = f"{_label(run)} (reference)"
         else:
             label = _label(run)
-            if run_ranks_ is None or ref_ranks is None:
-                notes.append(f"{_label(run if run_ranks_ is None else reference)} logged no ranks for {split}: no test.")
-            else:
+            if run_ranks_ is not None and ref_ranks is not None:  # else no test (noted above)
                 try:
                     a, b = stats.align(run_ranks_["query_id"], stats.hits(run_ranks_["rank"]),
                                        ref_ranks["query_id"], ref_hits)
-                except ValueError:
+                except stats.NoSharedQueries:
                     raise ReportError(f"runs '{run.run_id}' and '{reference.run_id}' ranked no common {split} query: "
                                       "they were evaluated on different collections") from None
                 _check_ground_truth(run, run_ranks_, reference, ref_ranks, split)

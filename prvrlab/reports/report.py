@@ -233,7 +233,7 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
     ranked = {name: {s: x for s, x in by_seed.items() if x is not None} for name, by_seed in ranks.items()}
     base_row = next((r for r in rows if r.name == baseline), None)
     base_ranked = ranked.get(baseline, {})
-    table_rows, tested, subsets = [], {}, {}
+    table_rows, tested, subsets, disjoint = [], {}, {}, []
     for r in rows:
         own = ranked[r.name]
         h = _seed_hits(list(own.values()))
@@ -245,9 +245,9 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
         if r.name != baseline and base_row is not None:
             paired = [s for s in own if s in base_ranked]
             hv, hb = (_seed_hits([x[s] for s in paired]) for x in (own, base_ranked))
-            if hv is not None and hb is not None:
-                a, b = stats.align(*hv, *hb)
-                pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
+            aligned = _aligned(hv, hb, r.name, disjoint)
+            if aligned is not None:
+                pr = stats.paired_test(*aligned, n_perm=opt.n_boot, seed=opt.seed)
                 delta = delta_cell(pr.delta, pr.low, pr.high)
                 if fewer_seeds(paired, own, base_ranked):
                     delta += f" {SUBSET}"
@@ -281,10 +281,32 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
         + (f" {NOT_TESTED_LEGEND}" if any(row[-1] == NOT_TESTED for row in table_rows) else "")
     )
     notes = [subset_note(subsets, "ΔSumR and p (queries) on the seeds both finished with ranks"),
-             _no_ranks_note(ranks, split)]
+             _no_ranks_note(ranks, split), _disjoint_note(disjoint, "the baseline", split)]
     if any(notes):
         doc.add(" ".join(n for n in notes if n))
     return significance
+
+
+def _aligned(a: tuple[np.ndarray, np.ndarray] | None, b: tuple[np.ndarray, np.ndarray] | None, name: str,
+             disjoint: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``stats.align`` of two (query ids, hits); None when either is None, or when they share no query
+    (evaluated on other data: ``name`` is added to ``disjoint``, the comparison is not tested)."""
+    if a is None or b is None:
+        return None
+    try:
+        return stats.align(*a, *b)
+    except stats.NoSharedQueries:
+        disjoint.append(name)
+        return None
+
+
+def _disjoint_note(names: list[str], against: str, split: str) -> str:
+    """Which rows ranked no query that ``against`` ranked (their tests over queries were not made)."""
+    if not names:
+        return ""
+    named = ", ".join(f"`{escape(n)}`" for n in names)
+    return (f"Ranked no {split} query that {against} ranked (evaluated on other data), so not tested over "
+            f"queries: {named}.")
 
 
 def _no_ranks_note(ranks, split: str) -> str:
@@ -851,15 +873,16 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
     ref_run, ref = loaded[0]
     ref_is_best = ref_run is top[0][0]
     ref_name = "best" if ref_is_best else "reference"
-    rows, tested = [], {}
+    rows, tested, disjoint = [], {}, []
+    ref_hits = (ref["query_id"], stats.hits(ref["rank"]))
     for r, x in loaded:
         h = stats.hits(x["rank"])
         ci = stats.bootstrap_ci(hit_matrix=h, n_boot=opt.n_boot, seed=opt.seed)
         cells = [_ci_cell(ci[m]) for m in CI_METRICS]
         delta = p = DASH
-        if r is not ref_run:
-            a, b = stats.align(x["query_id"], h, ref["query_id"], stats.hits(ref["rank"]))
-            pr = stats.paired_test(a, b, n_perm=opt.n_boot, seed=opt.seed)
+        aligned = None if r is ref_run else _aligned((x["query_id"], h), ref_hits, r.trial_id, disjoint)
+        if aligned is not None:
+            pr = stats.paired_test(*aligned, n_perm=opt.n_boot, seed=opt.seed)
             delta = delta_cell(pr.delta, pr.low, pr.high)
             p = fmt_p(pr.p_value)
             tested[len(rows)] = (r.trial_id, pr.p_value)
@@ -874,6 +897,8 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
             f"with a two-sided paired sign-flip test on per-query SumR. "
             + adjusted_legend(opt.adjust, len(tested), f"comparisons with the {ref_name} trial")
             + f" {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)}).")
+    if disjoint:
+        doc.add(_disjoint_note(disjoint, f"the {ref_name} trial", split))
     if bare:
         named = ", ".join(f"`{r.trial_id}`" + (" (the best)" if r is top[0][0] else "") for r in bare)
         doc.add(f"Left out, no ranks artifact (`ranks/ranks_{split}.parquet`): {named}.")

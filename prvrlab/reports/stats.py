@@ -115,8 +115,13 @@ class PairedResult:
         return self.p_value < ALPHA
 
 
+class NoSharedQueries(ValueError):
+    """Two runs' ranks have no query id in common (evaluated on different collections)."""
+
+
 def align(a_ids: Sequence[str], a_values: np.ndarray, b_ids: Sequence[str], b_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of ``a_values`` and ``b_values`` for the query ids both have, sorted by id."""
+    """Rows of ``a_values`` and ``b_values`` for the query ids both have, sorted by id (:class:`NoSharedQueries`
+    when there is none)."""
     a_pos = {str(q): i for i, q in enumerate(a_ids)}
     b_pos = {str(q): i for i, q in enumerate(b_ids)}
     for ids, pos in ((a_ids, a_pos), (b_ids, b_pos)):
@@ -124,7 +129,7 @@ def align(a_ids: Sequence[str], a_values: np.ndarray, b_ids: Sequence[str], b_va
             raise ValueError(f"{len(ids) - len(pos)} query id(s) repeated among a run's ranks; each query is ranked once")
     common = sorted(set(a_pos) & set(b_pos))
     if not common:
-        raise ValueError("the two runs share no query id")
+        raise NoSharedQueries("the two runs share no query id")
     return (
         np.asarray(a_values)[[a_pos[q] for q in common]],
         np.asarray(b_values)[[b_pos[q] for q in common]],

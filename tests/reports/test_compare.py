@@ -134,3 +134,26 @@ def test_the_tracking_store_defaults_to_mlflow_tracking_uri(three_runs, monkeypa
     monkeypatch.setenv("MLFLOW_TRACKING_URI", three_runs["uri"])
     assert main(["compare", *three_runs["ids"][:2], "--split", "val", "--bootstrap", "20"]) == 0
     assert f"`{three_runs['ids'][1][:8]}`" in capsys.readouterr().out
+
+
+def test_a_reference_without_ranks_is_named_once_and_no_adjustment_is_claimed(monkeypatch):
+    import numpy as np
+
+    from prvrlab.reports import compare
+    from prvrlab.reports.source import TrialRun
+
+    def run(i: int) -> TrialRun:
+        metrics = {f"final/test/{m}": v for m, v in (("r1", 10.0), ("r5", 20.0), ("r10", 30.0), ("r100", 60.0), ("sumr", 120.0 + i))}
+        return TrialRun(f"run{i}aaaaaaaa", f"run {i}", "FINISHED", 0, {}, {"data.collection": "synth"}, metrics)
+
+    runs = [run(0), run(1), run(2)]
+    rng = np.random.default_rng(0)
+    ranks = {"run0aaaaaaaa": None, "run1aaaaaaaa": None,
+             "run2aaaaaaaa": {"query_id": np.array([f"q{i}" for i in range(40)]), "rank": rng.integers(1, 50, 40)}}
+    monkeypatch.setattr(compare, "load_runs", lambda uri, ids: (None, runs, [[], [], []]))
+    monkeypatch.setattr(compare, "run_ranks", lambda client, run_id, split, cache: ranks[run_id])
+    text = compare_runs("sqlite:///unused.db", [r.run_id for r in runs], n_boot=50)
+    notes = [ln for ln in text.splitlines() if "logged no ranks" in ln]
+    assert notes == ["`run0aaaa` run 0 logged no ranks for test: no test.", "`run1aaaa` run 1 logged no ranks for test: no test."]
+    assert "0 comparisons" not in text
+    assert "p (Holm): none of the table's comparisons with the reference was tested over queries, so none adjusted." in text

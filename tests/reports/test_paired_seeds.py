@@ -81,7 +81,7 @@ def test_a_variant_without_ranks_is_marked_untested_and_keeps_its_tests_over_see
 
     table = {r[0]: r for r in md_rows(md, "## Ablation (test)")}
     assert table["bare"][6].endswith(" n.t.") and not table["tested"][6].endswith(" n.t.")
-    legend = "n.t. = not tested over queries (no ranks on the seeds the variant shares with the baseline)."
+    legend = "n.t. = not tested over queries (no ranks on the seeds the variant shares with the baseline, or no query in common with its ranks)."
     assert md.count(legend) == 2  # the ablation legend and the confidence legend
     conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
     assert conf["bare"][-1] == "n.t." and conf["bare"][7] == "—"
@@ -110,3 +110,28 @@ def test_a_fully_paired_table_has_no_seed_notes(tmp_path):
     md = _report(tmp_path, fake_study(runs, logged, baseline="base", seeds=[0, 1]))
     conf = md.split("## Confidence")[1]
     assert "‡" not in md and "ranks artifact" not in md and "\n\n\n" not in conf
+
+
+def test_a_variant_ranked_on_other_queries_is_not_tested_and_the_report_is_still_written(tmp_path):
+    """A variant evaluated on other data (say a ``data.*`` override) shares no query id with the baseline:
+    the report used to end in a traceback (``stats.align``); now that row is n.t. and named."""
+    rng = np.random.default_rng(3)
+    base, other, var = rng.integers(1, 60, N), rng.integers(1, 60, N), rng.integers(1, 60, N)
+    runs = [fake_run("base", 0, base), fake_run("moved", 0, other), fake_run("var", 0, var)]
+    study = fake_study(runs, {"base-seed0": base, "moved-seed0": other, "var-seed0": var}, baseline="base", seeds=[0])
+    plain = study.ranks
+
+    def ranks(run, split):
+        x = plain(run, split)
+        if run.run_id == "moved-seed0":
+            x = {**x, "query_id": np.array([f"elsewhere{i:04d}" for i in range(N)])}
+        return x
+
+    study.ranks = ranks
+    md = _report(tmp_path, study)
+    conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
+    assert conf["moved"][-1] == "n.t." and conf["moved"][6] == "—" and conf["moved"][7] == "—"
+    assert conf["var"][6].startswith(f"{(sumr_per_query(var) - sumr_per_query(base)).mean():+.1f} [")  # still tested
+    assert "Ranked no test query that the baseline ranked (evaluated on other data), so not tested over queries: `moved`." in md
+    table = {r[0]: r for r in md_rows(md, "## Ablation (test)")}
+    assert table["moved"][6].endswith(" n.t.") and not table["var"][6].endswith(" n.t.")

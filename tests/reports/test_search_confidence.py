@@ -25,3 +25,22 @@ def test_the_reference_is_named_when_the_best_trial_has_no_ranks(tmp_path):
     assert "each trial against the reference `t1-seed0`, the best trial with ranks (the best, `t0-seed0`, logged none)," in md
     assert "Left out, no ranks artifact (`ranks/ranks_val.parquet`): `t0-seed0` (the best)." in md
     assert "(best)" not in md.split("## Confidence")[1]
+
+
+def test_a_trial_ranked_on_other_queries_is_not_tested_against_the_best(tmp_path):
+    rng = np.random.default_rng(4)
+    ranks = {"t0": rng.integers(1, 8, N), "t1": rng.integers(1, 30, N), "t2": rng.integers(1, 60, N)}
+    runs = [fake_run(name, 0, x, split="val") for name, x in ranks.items()]
+    study = fake_study(runs, {f"{name}-seed0": x for name, x in ranks.items()}, baseline="", seeds=[0], kind="search")
+    plain = study.ranks
+
+    def moved(run, split):
+        x = plain(run, split)
+        return {**x, "query_id": np.array([f"other{i}" for i in range(N)])} if run.run_id == "t1-seed0" else x
+
+    study.ranks = moved
+    md = write_report(study, tmp_path, Options(n_boot=100)).read_text()
+    conf = {r[0]: r for r in md_rows(md, "## Confidence (val")}
+    assert conf["`t1-seed0`"][6:8] == ["—", "—"]
+    assert conf["`t2-seed0`"][6].startswith(f"{(sumr_per_query(ranks['t2']) - sumr_per_query(ranks['t0'])).mean():+.1f} [")
+    assert "Ranked no val query that the best trial ranked (evaluated on other data), so not tested over queries: `t1-seed0`." in md

@@ -7,7 +7,7 @@ from prvrlab.reports.tables import VariantRow, ablation_table, adjusted_cells, b
 
 
 def test_fmt_and_bold():
-    assert fmt(-0.04) == "0.0" and fmt(1.25, signed=True) == "+1.2" and fmt(None) == "—" and fmt(float("nan")) == "—"
+    assert fmt(-0.04) == "0.0" and fmt(1.25, signed=True) == "+1.3" and fmt(None) == "—" and fmt(float("nan")) == "—"
     assert bold_best(["1.0", "2.0", "3.0"], [1.0, 2.0, 3.0]) == ["1.0", "2.0", "**3.0**"]
     assert md_table(["a", "b"], [["x", "1"]]).splitlines()[1] == "|:--|--:|"
 
@@ -56,3 +56,45 @@ def test_delta_sumr_bolds_only_a_unique_improvement_above_zero_as_printed():
     assert table(180.0, 180.04, 180.02) == {"a (baseline)": "—", "b": "0.0", "c": "0.0"}
     assert table(180.0, 181.0, 179.0)["b"] == "**+1.0**"
     assert table(180.0, 181.02, 180.96)["b"] == "+1.0"  # a tie as printed: no bold
+
+
+def test_one_value_prints_one_way_wherever_it_was_computed():
+    """R@1 of 109 hits in 400 queries is 27.250000000000004 as the logged count ratio and 27.25 as the
+    confidence table's mean of hits: Python's rounding printed 27.3 and 27.2 in one report."""
+    import numpy as np
+
+    from prvrlab.reports.tables import fmt_p
+
+    hits = np.zeros(400)
+    hits[:109] = 100.0
+    ratio, mean = float((np.arange(400) < 109).mean() * 100), float(hits.mean())
+    assert ratio != mean  # the two computations differ in the last bits
+    assert fmt(ratio) == fmt(mean) == "27.3"
+    for n in (400, 800, 2000):  # every exact half: away from zero, however it was computed
+        for k in range(n + 1):
+            value = 100 * k / n
+            text = f"{value:.12g}"
+            if "." in text and len(text.split(".")[1]) == 2 and text.endswith("5"):
+                whole, tenths = divmod(int(round(value * 100)) + 5, 100)  # half up, in integer arithmetic
+                expected = f"{whole}.{tenths // 10}"
+                assert fmt(value) == fmt(float((np.arange(n) < k).mean() * 100)) == expected, (n, k)
+                assert fmt(-value, signed=True) == f"-{expected}"
+    assert fmt_p(0.0625) == "0.063" and fmt_p(0.1875) == "0.188"  # exact seed-test p-values, half up
+    assert fmt_p(0.0496) == "0.0496" and fmt_p(0.04995) == "0.04995" and fmt_p(0.05) == "0.050"  # the side of α kept
+    assert bold_best(["27.3", "27.3"], [ratio, mean]) == ["27.3", "27.3"]  # a tie as printed
+
+
+def test_a_cell_whose_runs_finished_without_the_splits_metrics_says_so_not_failed():
+    base = VariantRow("base", ("loss:a",), (0, 1), {"sumr": [10.0, 11.0]}, (0, 1))
+    unmeasured = VariantRow("valonly", ("loss:a",), (0, 1), problems={0: "no test metrics", 1: "no test metrics"})
+    partly = VariantRow("mixed", ("loss:a",), (0, 1), problems={0: "no test metrics", 1: "missing"})
+    crashed = VariantRow("crashed", ("loss:a",), (0, 1), problems={0: "no test metrics", 1: "failed"})
+    assert unmeasured.empty_label == partly.empty_label == "no test metrics"
+    assert crashed.empty_label == "failed"
+    lines = ablation_table([base, unmeasured, crashed], "base", several_seeds=True).splitlines()
+    (row,) = [ln for ln in lines if ln.startswith("| valonly")]
+    assert "*no test metrics*" in row and "*failed*" not in row
+    (row,) = [ln for ln in lines if ln.startswith("| crashed")]
+    assert "*failed*" in row
+    (row,) = [ln for ln in lines if ln.startswith("| base")]  # finished, logged SumR only: no value, not failed
+    assert row.split(" | ")[1:3] == ["—", "—"] and "*" not in row
