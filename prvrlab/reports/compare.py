@@ -20,7 +20,7 @@ from typing import Sequence
 from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.reports import stats
 from prvrlab.reports.errors import ReportError
-from prvrlab.reports.source import TrialRun, check_split, mlflow_client, run_ranks, trial_run
+from prvrlab.reports.source import TrialRun, check_split, ground_truth_difference, mlflow_client, run_ranks, trial_run
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
@@ -138,15 +138,13 @@ def _label(run: TrialRun) -> str:
 def _check_ground_truth(run: TrialRun, ranks: dict, reference: TrialRun, ref_ranks: dict, split: str) -> None:
     """A ReportError when a query both ranks tables hold has another ground-truth video in each (tables
     without ``video_id`` are not checked)."""
-    if "video_id" not in ranks or "video_id" not in ref_ranks:
-        return
-    ref_video = dict(zip(ref_ranks["query_id"], ref_ranks["video_id"]))
-    for query, video in zip(ranks["query_id"], ranks["video_id"]):
-        if query in ref_video and ref_video[query] != video:
-            raise ReportError(
-                f"runs '{reference.run_id}' and '{run.run_id}' were evaluated on different data: {split} query "
-                f"'{query}' has ground-truth video '{ref_video[query]}' vs '{video}' (ranks/ranks_{split}.parquet)"
-            )
+    differs = ground_truth_difference(ranks, ref_ranks)
+    if differs is not None:
+        query, video, ref_video = differs
+        raise ReportError(
+            f"runs '{reference.run_id}' and '{run.run_id}' were evaluated on different data: {split} query "
+            f"'{query}' has ground-truth video '{ref_video}' vs '{video}' (ranks/ranks_{split}.parquet)"
+        )
 
 
 def compare_runs(

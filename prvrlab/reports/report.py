@@ -24,7 +24,7 @@ from prvrlab.conditions import condition_holds
 from prvrlab.evaluation.metrics import GROUPS, METRIC_KEYS, group_bounds
 from prvrlab.reports import plots, stats
 from prvrlab.reports.errors import ReportError
-from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, check_split, load_study, run_cache
+from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, check_split, ground_truth_difference, load_study, run_cache
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
@@ -245,7 +245,8 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
         if r.name != baseline and base_row is not None:
             paired = [s for s in own if s in base_ranked]
             hv, hb = (_seed_hits([x[s] for s in paired]) for x in (own, base_ranked))
-            aligned = _aligned(hv, hb, r.name, disjoint)
+            moved = any(ground_truth_difference(own[s], base_ranked[s]) for s in paired)
+            aligned = _aligned(hv, hb, r.name, disjoint, moved)
             if aligned is not None:
                 pr = stats.paired_test(*aligned, n_perm=opt.n_boot, seed=opt.seed)
                 delta = delta_cell(pr.delta, pr.low, pr.high)
@@ -288,25 +289,28 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
 
 
 def _aligned(a: tuple[np.ndarray, np.ndarray] | None, b: tuple[np.ndarray, np.ndarray] | None, name: str,
-             disjoint: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
-    """``stats.align`` of two (query ids, hits); None when either is None, or when they share no query
-    (evaluated on other data: ``name`` is added to ``disjoint``, the comparison is not tested)."""
+             disjoint: list[str], moved: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """``stats.align`` of two (query ids, hits); None when either is None, or when the two were evaluated on
+    other data (``moved``: a shared query has another ground-truth video; or no query in common): then
+    ``name`` is added to ``disjoint`` and the comparison is not tested."""
     if a is None or b is None:
         return None
     try:
-        return stats.align(*a, *b)
+        if not moved:
+            return stats.align(*a, *b)
     except stats.NoSharedQueries:
-        disjoint.append(name)
-        return None
+        pass
+    disjoint.append(name)
+    return None
 
 
 def _disjoint_note(names: list[str], against: str, split: str) -> str:
-    """Which rows ranked no query that ``against`` ranked (their tests over queries were not made)."""
+    """Which rows were evaluated on other data than ``against`` (their tests over queries were not made)."""
     if not names:
         return ""
     named = ", ".join(f"`{escape(n)}`" for n in names)
-    return (f"Ranked no {split} query that {against} ranked (evaluated on other data), so not tested over "
-            f"queries: {named}.")
+    return (f"Evaluated on other {split} data than {against} (no query in common, or a shared query with another "
+            f"ground-truth video), so not tested over queries: {named}.")
 
 
 def _no_ranks_note(ranks, split: str) -> str:
@@ -880,7 +884,8 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
         ci = stats.bootstrap_ci(hit_matrix=h, n_boot=opt.n_boot, seed=opt.seed)
         cells = [_ci_cell(ci[m]) for m in CI_METRICS]
         delta = p = DASH
-        aligned = None if r is ref_run else _aligned((x["query_id"], h), ref_hits, r.trial_id, disjoint)
+        moved = r is not ref_run and ground_truth_difference(x, ref) is not None
+        aligned = None if r is ref_run else _aligned((x["query_id"], h), ref_hits, r.trial_id, disjoint, moved)
         if aligned is not None:
             pr = stats.paired_test(*aligned, n_perm=opt.n_boot, seed=opt.seed)
             delta = delta_cell(pr.delta, pr.low, pr.high)

@@ -228,6 +228,18 @@ def run_cache(cache: Path, run_id: str) -> Path:
     return cache / run_id
 
 
+def ground_truth_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[str, str, str] | None:
+    """The first query both ranks tables hold whose ground-truth video differs (query, ``a``'s video, ``b``'s):
+    the two runs were evaluated on different data; None when they agree or a table has no ``video_id``."""
+    if "video_id" not in a or "video_id" not in b:
+        return None
+    b_video = dict(zip(b["query_id"], b["video_id"]))
+    for query, video in zip(a["query_id"], a["video_id"]):
+        if query in b_video and b_video[query] != video:
+            return str(query), str(video), str(b_video[query])
+    return None
+
+
 def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, Any] | None:
     """Per-query ranks a run logged for ``split`` (artifact ``ranks/ranks_<split>.parquet``, downloaded once
     into ``cache``): {"query_id", "rank", "ratio"} arrays sorted by query id, or None without that artifact."""

@@ -132,6 +132,32 @@ def test_a_variant_ranked_on_other_queries_is_not_tested_and_the_report_is_still
     conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
     assert conf["moved"][-1] == "n.t." and conf["moved"][6] == "—" and conf["moved"][7] == "—"
     assert conf["var"][6].startswith(f"{(sumr_per_query(var) - sumr_per_query(base)).mean():+.1f} [")  # still tested
-    assert "Ranked no test query that the baseline ranked (evaluated on other data), so not tested over queries: `moved`." in md
+    assert ("Evaluated on other test data than the baseline (no query in common, or a shared query with another "
+            "ground-truth video), so not tested over queries: `moved`.") in md
     table = {r[0]: r for r in md_rows(md, "## Ablation (test)")}
     assert table["moved"][6].endswith(" n.t.") and not table["var"][6].endswith(" n.t.")
+
+
+def test_a_variant_whose_shared_queries_have_other_ground_truth_is_not_tested(tmp_path):
+    """Same query ids, other videos (say another synthetic data seed): pairing them query by query would
+    compare different questions, so the row is n.t. and named, as ``prvrlab compare`` refuses such runs."""
+    rng = np.random.default_rng(5)
+    base, moved, same = (rng.integers(1, 60, N) for _ in range(3))
+    runs = [fake_run("base", 0, base), fake_run("moved", 0, moved), fake_run("same", 0, same)]
+    study = fake_study(runs, {"base-seed0": base, "moved-seed0": moved, "same-seed0": same}, baseline="base", seeds=[0])
+    plain = study.ranks
+    videos = np.array([f"v{i % 50:03d}" for i in range(N)])
+
+    def ranks(run, split):
+        x = plain(run, split)
+        video = videos.copy()
+        if run.run_id == "moved-seed0":
+            video[7] = "elsewhere"  # one shared query with another ground-truth video
+        return {**x, "video_id": video}
+
+    study.ranks = ranks
+    md = _report(tmp_path, study)
+    conf = {r[0]: r for r in md_rows(md, "## Confidence (test")}
+    assert conf["moved"][-1] == "n.t." and conf["moved"][6] == "—"
+    assert conf["same"][6].startswith(f"{(sumr_per_query(same) - sumr_per_query(base)).mean():+.1f} [")
+    assert "so not tested over queries: `moved`." in md

@@ -43,4 +43,25 @@ def test_a_trial_ranked_on_other_queries_is_not_tested_against_the_best(tmp_path
     conf = {r[0]: r for r in md_rows(md, "## Confidence (val")}
     assert conf["`t1-seed0`"][6:8] == ["—", "—"]
     assert conf["`t2-seed0`"][6].startswith(f"{(sumr_per_query(ranks['t2']) - sumr_per_query(ranks['t0'])).mean():+.1f} [")
-    assert "Ranked no val query that the best trial ranked (evaluated on other data), so not tested over queries: `t1-seed0`." in md
+    assert ("Evaluated on other val data than the best trial (no query in common, or a shared query with another "
+            "ground-truth video), so not tested over queries: `t1-seed0`.") in md
+
+
+def test_a_trial_whose_shared_queries_have_other_ground_truth_is_not_tested(tmp_path):
+    rng = np.random.default_rng(6)
+    ranks = {"t0": rng.integers(1, 8, N), "t1": rng.integers(1, 30, N), "t2": rng.integers(1, 60, N)}
+    runs = [fake_run(name, 0, x, split="val") for name, x in ranks.items()]
+    study = fake_study(runs, {f"{name}-seed0": x for name, x in ranks.items()}, baseline="", seeds=[0], kind="search")
+    plain = study.ranks
+
+    def with_videos(run, split):
+        video = np.array([f"v{i % 40}" for i in range(N)])
+        if run.run_id == "t2-seed0":
+            video[0] = "elsewhere"
+        return {**plain(run, split), "video_id": video}
+
+    study.ranks = with_videos
+    md = write_report(study, tmp_path, Options(n_boot=100)).read_text()
+    conf = {r[0]: r for r in md_rows(md, "## Confidence (val")}
+    assert conf["`t2-seed0`"][6:8] == ["—", "—"] and conf["`t1-seed0`"][6] != "—"
+    assert "so not tested over queries: `t2-seed0`." in md
