@@ -27,19 +27,23 @@ def test_the_reference_is_named_when_the_best_trial_has_no_ranks(tmp_path):
     assert "(best)" not in md.split("## Confidence")[1]
 
 
-def test_a_trial_ranked_on_other_queries_is_not_tested_against_the_best(tmp_path):
-    rng = np.random.default_rng(4)
+def _search_report(tmp_path, seed: int, change) -> tuple[dict, str]:
+    """Three trials' random val ranks (t0 the best), each run's ranks dict passed through ``change(run_id, x)``:
+    (the ranks, the report's markdown)."""
+    rng = np.random.default_rng(seed)
     ranks = {"t0": rng.integers(1, 8, N), "t1": rng.integers(1, 30, N), "t2": rng.integers(1, 60, N)}
     runs = [fake_run(name, 0, x, split="val") for name, x in ranks.items()]
     study = fake_study(runs, {f"{name}-seed0": x for name, x in ranks.items()}, baseline="", seeds=[0], kind="search")
     plain = study.ranks
+    study.ranks = lambda run, split: change(run.run_id, plain(run, split))
+    return ranks, write_report(study, tmp_path, Options(n_boot=100)).read_text()
 
-    def moved(run, split):
-        x = plain(run, split)
-        return {**x, "query_id": np.array([f"other{i}" for i in range(N)])} if run.run_id == "t1-seed0" else x
 
-    study.ranks = moved
-    md = write_report(study, tmp_path, Options(n_boot=100)).read_text()
+def test_a_trial_ranked_on_other_queries_is_not_tested_against_the_best(tmp_path):
+    def moved(run_id, x):
+        return {**x, "query_id": np.array([f"other{i}" for i in range(N)])} if run_id == "t1-seed0" else x
+
+    ranks, md = _search_report(tmp_path, 4, moved)
     conf = {r[0]: r for r in md_rows(md, "## Confidence (val")}
     assert conf["`t1-seed0`"][6:8] == ["—", "—"]
     assert conf["`t2-seed0`"][6].startswith(f"{(sumr_per_query(ranks['t2']) - sumr_per_query(ranks['t0'])).mean():+.1f} [")
@@ -48,20 +52,13 @@ def test_a_trial_ranked_on_other_queries_is_not_tested_against_the_best(tmp_path
 
 
 def test_a_trial_whose_shared_queries_have_other_ground_truth_is_not_tested(tmp_path):
-    rng = np.random.default_rng(6)
-    ranks = {"t0": rng.integers(1, 8, N), "t1": rng.integers(1, 30, N), "t2": rng.integers(1, 60, N)}
-    runs = [fake_run(name, 0, x, split="val") for name, x in ranks.items()]
-    study = fake_study(runs, {f"{name}-seed0": x for name, x in ranks.items()}, baseline="", seeds=[0], kind="search")
-    plain = study.ranks
-
-    def with_videos(run, split):
+    def with_videos(run_id, x):
         video = np.array([f"v{i % 40}" for i in range(N)])
-        if run.run_id == "t2-seed0":
+        if run_id == "t2-seed0":
             video[0] = "elsewhere"
-        return {**plain(run, split), "video_id": video}
+        return {**x, "video_id": video}
 
-    study.ranks = with_videos
-    md = write_report(study, tmp_path, Options(n_boot=100)).read_text()
+    _, md = _search_report(tmp_path, 6, with_videos)
     conf = {r[0]: r for r in md_rows(md, "## Confidence (val")}
     assert conf["`t2-seed0`"][6:8] == ["—", "—"] and conf["`t1-seed0`"][6] != "—"
     assert "so not tested over queries: `t2-seed0`." in md
