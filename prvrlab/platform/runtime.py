@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -161,6 +162,9 @@ def _init_ray(num_cpus: int | None, echo: Callable[[str], None] | None = None) -
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
         print(f"joining the Ray cluster at {address}", file=sys.stderr, flush=True)
+        silent = unreachable(address)
+        if silent:  # ray.init would retry for ever, deaf to Ctrl-C and SIGTERM
+            raise ConfigError(f"RAY_ADDRESS={address}: cannot join the Ray cluster ({silent})")
         try:
             ray.init(
                 address=address,
@@ -169,7 +173,9 @@ def _init_ray(num_cpus: int | None, echo: Callable[[str], None] | None = None) -
                 configure_logging=True,
             )
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise ConfigError(f"RAY_ADDRESS={address}: cannot join the Ray cluster ({_first_line(exc)})") from None
+            raise ConfigError(
+                f"RAY_ADDRESS={address}: cannot join the Ray cluster ({_first_line(exc)}){_token_hint()}"
+            ) from None
     else:
         cpus = num_cpus or os.cpu_count()
         if echo is not None:
@@ -183,6 +189,31 @@ def _init_ray(num_cpus: int | None, echo: Callable[[str], None] | None = None) -
             configure_logging=True,
             _node_ip_address=_local_node_ip(ray_bind_address()),
         )
+
+
+def unreachable(address: str, *, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at a ``host:port`` (or ``ray://host:port``) Ray address: a TCP connection to it
+    fails or times out; None when one opens, or for addresses Ray resolves itself (``auto``, ``local``)."""
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        why = "no answer within {:g} s".format(timeout_s) if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        return f"nothing answers at {host}:{port}: {why}"
+
+
+def _token_hint() -> str:
+    """Where this machine holds a Ray token but ``RAY_AUTH_MODE`` is unset: the likely cause of a refused join."""
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if "RAY_AUTH_MODE" in os.environ or not (os.environ.get("RAY_AUTH_TOKEN") or Path(token).is_file()):
+        return ""
+    return (f"; {token} exists: a cluster started with token authentication refuses this process unless "
+            "RAY_AUTH_MODE=token is set, as for the ray commands")
 
 
 def _first_line(exc: BaseException) -> str:
