@@ -30,6 +30,7 @@ from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import ERROR_FILE, record_failure
 from prvrlab.platform import storage
 from prvrlab.platform.tracking.drivers import driver_alive
+from prvrlab.platform.tracking.store import best_point
 from prvrlab.platform.search.checkpoints import repair_checkpoints
 from prvrlab.platform.search.outcome import (
     INTERRUPTED,
@@ -313,9 +314,8 @@ class MlflowStudyCallback(Callback):
         if kind == "epoch":
             self.tracker.log_metrics(run_id, metrics, step=int(result["epoch"]))
         elif kind == "final":
-            final = {f"final/{k}": v for k, v in metrics.items()}
-            final.update({k: metrics[k] for k in ("best/sumr", "best/epoch") if k in metrics})
-            self.tracker.log_metrics(run_id, final)
+            self.tracker.log_metrics(run_id, {f"final/{k}": v for k, v in metrics.items()})
+            self.tracker.log_metrics(run_id, *best_point(metrics))
         elif kind == "nonfinite":
             self.tracker.set_tags(run_id, {"error": str(result.get("error", "non-finite loss"))})
 

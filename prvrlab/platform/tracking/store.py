@@ -223,6 +223,13 @@ class _StoreClient:
         return call
 
 
+def best_point(final: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The final round's ``best/sumr`` and ``best/epoch``, and the step to log them at: the best epoch's, where
+    its epoch report logged the same values (at step 0 they added a point before epoch 1 to both curves)."""
+    best = {k: final[k] for k in ("best/sumr", "best/epoch") if k in final}
+    return best, int(best.get("best/epoch", 0))
+
+
 class Tracker:
     """A thin MLflow writer bound to one tracking URI and experiment.
 

@@ -39,7 +39,7 @@ from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_pa
 from prvrlab.platform.train.live import LiveLine
 from prvrlab.platform.train.session import process_group_backend
 from prvrlab.platform.tracking.drivers import close_dead_runs
-from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri, store_errors
+from prvrlab.platform.tracking.store import Tracker, best_point, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
 
 
@@ -421,7 +421,7 @@ def train(
                 raise TrainingError(recorder.error)
             if not recorder.final:
                 raise TrainingError("training ended without its final report")
-            tracker.log_metrics(run_id, {"best/sumr": recorder.final["best/sumr"], "best/epoch": recorder.final["best/epoch"]})
+            tracker.log_metrics(run_id, *best_point(recorder.final))
             tracker.log_artifacts(run_id, [run_dir / "config.yaml"])
             tracker.log_artifacts(run_id, sorted(run_dir.glob("ranks_*.parquet")), "ranks")
             tracker.log_artifacts(run_id, sorted((run_dir / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)

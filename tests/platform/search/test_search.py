@@ -73,6 +73,8 @@ def test_search_end_to_end_with_ddp_trials(tiny_root, tmp_path, capsys, monkeypa
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.data.tags["prvrlab.status"] == "finished"
         assert child.data.params["train.num_workers"] == "2"
+        best_steps = [m.step for m in metric_history(tmp_path, child.info.run_id, "best/epoch")]
+        assert 0 not in best_steps and sorted(set(best_steps)) == [1, 2], best_steps  # no point before epoch 1
         assert "final/val/sumr" in child.data.metrics and "train/clip_triplet" in child.data.metrics
         assert [m.step for m in metric_history(tmp_path, child.info.run_id, "val/sumr")] == [1, 2]  # epochs count from 1
     best = load_config(result.best["path"])

@@ -79,6 +79,9 @@ def assert_epochs_count_from_one(result, run, lines: list[str], raw: dict) -> No
     assert re.search(r"best [\d.]+@(\d+)", epoch_lines[-1]).group(1) == str(best)
     client = Tracker(raw["tracking"]["uri"], raw["tracking"]["experiment"]).client
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/sumr")] == list(range(1, n + 1))
+    for key in ("best/sumr", "best/epoch"):  # the final round's point sits at the best epoch, not at step 0
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == sorted([*range(1, n + 1), best]), (key, steps)
     assert run.data.tags["prvrlab.epoch_base"] == "1"
     blob = torch.load(result.run_dir / "best_model.pt", map_location="cpu", weights_only=True)
     assert blob["format"] == CHECKPOINT_FORMAT == 8 and blob["epoch"] == best == checkpoint_epoch(blob)
