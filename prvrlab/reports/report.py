@@ -541,6 +541,7 @@ def problems_section(doc: Doc, runs: list[TrialRun], missing: list[str]) -> None
 
 
 def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
+    study, earlier = study.of_latest_configs()
     split = pick_split(study, opt.split)
     rows, chosen, baseline, seeds = ablation_cells(study, split)
     several = len(seeds) > 1
@@ -553,7 +554,9 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
         ("Baseline", escape(baseline)),
         ("Variants", str(len(rows))),
         ("Seeds", ", ".join(str(s) for s in seeds) or DASH),
-        ("Runs", _counts_text(counts) + (f", {len(missing)} missing" if missing else "")),
+        ("Runs", _counts_text(counts) + (f", {len(missing)} missing" if missing else "")
+         + (f"; {earlier} of earlier configurations of these cells left out (another base config, `--set` or "
+            "default than the latest submission's: their config hash differs)" if earlier else "")),
         ("Metric", f"{study.metric} ({study.mode})"),
     ]))
     variant_overrides = study.spec.get("variants") or {}

@@ -20,7 +20,7 @@ import math
 import shutil
 import tempfile
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,6 +37,7 @@ STUDY_KINDS = ("search", "ablation")
 OK_STATUSES = ("finished", "early_stopped")  # prvrlab.status of a trial with usable metrics
 TRAIN_PREFIX = "train/"  # per-epoch training metrics: train/<loss term>, train/<component>.<name>
 NOT_SPLITS = ("best",)  # final/best/{sumr,epoch}: the best epoch's validation SumR, logged with final/<split>/*
+CELL_HASH_TAG = "prvrlab.cell_hash."  # + cell, on an ablation's parent: that cell's config hash in its latest submission
 RANKS_COLUMNS = ("query_id", "rank")  # what a ranks artifact must have (save_ranks also writes video_id, ratio)
 DISTRIBUTIONS_DIR = "distributions"  # run artifacts <component>.<name>.json of binned series (docs/extending.md)
 
@@ -162,6 +163,17 @@ class Study:
     @property
     def mode(self) -> str:
         return self.params.get("spec.mode", self.spec.get("mode", "max"))
+
+    def of_latest_configs(self) -> tuple["Study", int]:
+        """This study with only the runs of the cell configs its latest submission ran (an ablation parent's
+        ``prvrlab.cell_hash.<cell>`` tags: a resubmission with another base config, ``--set`` or default keeps
+        the same parent), and how many runs of other configs were left out; as it is without such tags (a
+        search, or an ablation recorded before they were written).  A cell the spec no longer has keeps its runs."""
+        wanted = {k[len(CELL_HASH_TAG):]: v for k, v in self.tags.items() if k.startswith(CELL_HASH_TAG)}
+        if not wanted:
+            return self, 0
+        keep = [r for r in self.runs if wanted.get(r.tags.get("prvrlab.cell", ""), r.tags.get("config_hash")) == r.tags.get("config_hash")]
+        return replace(self, runs=keep), len(self.runs) - len(keep)
 
     def cache_dir(self) -> Path:
         """The study's download folder, made on first use."""

@@ -5,7 +5,10 @@ Child runs carry ``prvrlab.variant``, ``prvrlab.seed``, ``components`` and
 ``config_hash``; resubmitting the spec
 reuses the study's parent run, closes child runs a killed driver left RUNNING
 as KILLED, and skips every cell whose config hash already has a FINISHED child
-run of this study in the experiment.
+run of this study in the experiment.  Each submission tags the parent with its
+cells' config hashes (``prvrlab.cell_hash.<cell>``): its summary and the
+report count only the runs of those configs, not those of an earlier
+submission with another base config, ``--set`` or default.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from prvrlab.platform.failures import interrupts_unwrapped
 from prvrlab.platform.search.outcome import STUDY_FILE, RunMap
@@ -31,6 +34,8 @@ from prvrlab.platform.search.study import (
 )
 from prvrlab.platform.search.spec import AblationSpec
 from prvrlab.platform.tracking.drivers import driver_alive, driver_tags
+
+CELL_HASH_TAG = "prvrlab.cell_hash."  # + cell: the config hash this cell has in the parent's latest submission
 
 
 def finished_hashes(tracker, name: str) -> dict[str, str]:
@@ -67,8 +72,9 @@ def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
     return orphans
 
 
-def summarise(tracker, name: str, metric: str, cells: dict[str, dict[str, Any]], spec: AblationSpec) -> dict[str, tuple[float, float, int]]:
-    """variant -> (mean, std, n) of ``final/<metric>`` (else ``<metric>``) over finished seeds."""
+def summarise(tracker, name: str, metric: str, hashes: dict[str, str], spec: AblationSpec) -> dict[str, tuple[float, float, int]]:
+    """variant -> (mean, std, n) of ``final/<metric>`` (else ``<metric>``) over finished seeds, counting for
+    each cell only a run of its config (``hashes``: cell -> config hash)."""
     runs = tracker.client.search_runs(
         [tracker.experiment_id],
         filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'FINISHED'",
@@ -78,7 +84,9 @@ def summarise(tracker, name: str, metric: str, cells: dict[str, dict[str, Any]],
     seen: set[str] = set()
     for r in runs:
         cell = r.data.tags.get("prvrlab.cell")
-        if r.data.tags.get("prvrlab.status") != "finished" or cell not in cells or cell in seen:
+        if r.data.tags.get("prvrlab.status") != "finished" or cell not in hashes or cell in seen:
+            continue
+        if r.data.tags.get("config_hash") != hashes[cell]:  # another submission's config of this cell
             continue
         value = r.data.metrics.get(f"final/{metric}", r.data.metrics.get(metric))
         if value is not None and math.isfinite(value):
@@ -115,11 +123,13 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
         gpus_per_worker=spec.resources.gpus_per_worker, tracking_uri=base.tracking.uri,
         experiment=base.tracking.experiment, cells=all_cells,
     )
-    todo = {c: o for c, o in all_cells.items() if plain.experiment_config({"cell": c}).fingerprint() not in done}
+    hashes = {c: plain.experiment_config({"cell": c}).fingerprint() for c in all_cells}
+    todo = {c: o for c, o in all_cells.items() if hashes[c] not in done}
     skipped = len(all_cells) - len(todo)
     root = study_root(base.tracking.storage_path, "ablation", spec.name)
     study_location(base.tracking.storage_path, "ablation", spec.name).pull(include=(STUDY_FILE,))  # object store: earlier parents
     parent = open_parent(tracker, runs, spec, "ablation", study_dir, parent_run_id=None if resumed else previous_parent_excluding(root, study_dir))
+    tracker.set_tags(parent, {f"{CELL_HASH_TAG}{c}": h for c, h in hashes.items()})
     echo(
         f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "
         f"{skipped} already finished; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
@@ -147,8 +157,8 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
                     progress=progress,
                     echo=echo,
                 )
-            summary = summarise(tracker, spec.name, spec.metric, all_cells, spec)
-            counts = _cell_counts(tracker, spec.name, all_cells, plain)
+            summary = summarise(tracker, spec.name, spec.metric, hashes, spec)
+            counts = _cell_counts(tracker, spec.name, hashes)
             metrics: dict[str, float] = {f"cells/{k}": v for k, v in counts.items()}
             if summary:
                 echo(f"{'variant':<24} {spec.metric + ' mean':>16} {'std':>8} {'seeds':>6}")
@@ -178,15 +188,15 @@ def previous_parent_excluding(root: Path, current: Path) -> str | None:
     return None
 
 
-def _cell_counts(tracker, name: str, cells: dict[str, dict[str, Any]], study) -> dict[str, int]:
-    """finished / failed / missing cells of the whole ablation (over all submissions)."""
+def _cell_counts(tracker, name: str, hashes: dict[str, str]) -> dict[str, int]:
+    """finished / failed / missing cells of the whole ablation (over all submissions, each cell's runs of its
+    config only: ``hashes``, cell -> config hash)."""
     runs = tracker.client.search_runs(
         [tracker.experiment_id],
         filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation'",
         max_results=5000,
     )
+    runs = [r for r in runs if hashes.get(r.data.tags.get("prvrlab.cell", "")) == r.data.tags.get("config_hash")]
     finished = {r.data.tags.get("prvrlab.cell") for r in runs if r.data.tags.get("prvrlab.status") == "finished" and r.info.status == "FINISHED"}
     failed = {r.data.tags.get("prvrlab.cell") for r in runs if r.info.status == "FAILED"} - finished
-    finished &= set(cells)
-    failed &= set(cells)
-    return {"finished": len(finished), "failed": len(failed), "missing": len(cells) - len(finished) - len(failed)}
+    return {"finished": len(finished), "failed": len(failed), "missing": len(hashes) - len(finished) - len(failed)}

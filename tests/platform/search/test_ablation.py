@@ -58,3 +58,39 @@ def test_two_variants_two_seeds_then_resubmit_skips_everything(tiny_root, tmp_pa
     parents, children = study_runs(tmp_path)
     assert len(children) == 4 and len(parents) == 1  # no new runs, same parent
     assert parents[0].info.status == "FINISHED"
+
+
+def test_a_resubmission_with_another_config_does_not_mix_its_runs_into_the_summary_or_the_report(tiny_root, tmp_path):
+    """One spec name keeps one parent: after a submission with 2 epochs, one with 1 epoch again skips its
+    finished cell, and its summary, parent metrics and report count only the 1-epoch run (they showed the
+    newer 2-epoch run's figures, the spec's overrides still saying 1)."""
+    from prvrlab.reports.report import Options, write_report
+    from prvrlab.reports.source import load_study
+    from prvrlab.reports.tables import fmt
+
+    def submit(epochs: int, lines: list[str]):
+        path = tiny_spec(tmp_path, tiny_root, name="configs", overrides={"train.epochs": epochs, "eval.final_splits": []},
+                         variants={"full": {}}, seeds=[0])
+        return ablate(load_ablation_spec(path), echo=lines.append)
+
+    first, second, third = [], [], []
+    submit(1, first)
+    submit(2, second)
+    assert submit(1, third).counts == {"finished": 1, "failed": 0, "missing": 0}
+    assert "1 already finished" in "\n".join(third)
+    parents, children = study_runs(tmp_path)
+    (parent,) = parents
+    by_epochs = {int(c.data.params["train.epochs"]): c for c in children}
+    assert sorted(by_epochs) == [1, 2]
+    one, two = by_epochs[1].data.metrics["final/val/sumr"], by_epochs[2].data.metrics["final/val/sumr"]
+    assert one != two
+    (row,) = [ln for ln in third if ln.startswith("full ")]
+    assert float(row.split()[1]) == pytest.approx(one, abs=0.005)  # the console's mean: the 1-epoch run's
+    assert parent.data.metrics["variant/full/mean"] == pytest.approx(one)
+    assert parent.data.tags["prvrlab.cell_hash.full/seed0"] == by_epochs[1].data.tags["config_hash"]
+
+    md = write_report(load_study(f"sqlite:///{tmp_path / 'mlflow.db'}", parent.info.run_id), tmp_path / "report",
+                      Options(n_boot=50, split="val")).read_text()
+    assert "1 of earlier configurations of these cells left out" in md
+    table = [ln for ln in md.splitlines() if ln.startswith("| full (baseline)")]
+    assert table and f"| {fmt(one)} |" in table[0].replace("**", ""), table
