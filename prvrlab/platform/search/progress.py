@@ -82,6 +82,8 @@ class ProgressCallback(Callback):
     def _counts(self, trials, ended=None, error: bool = False) -> str:
         done = failed = running = 0
         for t in trials:
+            if t.trial_id not in self.best and t.last_result:  # restored by a resume: reported before it
+                self._note(t, t.last_result)
             status = ("ERROR" if error else "TERMINATED") if t is ended else t.status
             if status == "TERMINATED":
                 if trial_outcome(t.last_result) in FAILED_OUTCOMES:
@@ -94,8 +96,7 @@ class ProgressCallback(Callback):
                 running += 1
         best = self._overall_best()
         best_text = f"best {self.metric} {best[1]:.2f} ({best[0]})" if best else f"best {self.metric} -"
-        # a resumed ablation counts only its cells left to run, but Tune's restored list can hold finished ones
-        total = max(self.total, len(trials))
+        total = max(self.total, len(trials))  # the first submission's count (study.trials_total), or more
         return f"{done + failed}/{total} done ({failed} failed), {running} running | {best_text}"
 
     def _overall_best(self) -> tuple[str, float] | None:

@@ -754,6 +754,18 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
     return run_id
 
 
+def trials_total(study_dir: str | Path, total: int, resume: bool) -> int:
+    """How many trials the progress lines count: ``total`` for a new submission, recorded in ``study.json``;
+    for a resume the first submission's count (Tune restores that submission's trial list, finished trials
+    included, while a resumed ablation's caller counts only the cells left to run)."""
+    runs = RunMap(study_dir)
+    if resume and runs.meta.get("trials_total"):
+        return int(runs.meta["trials_total"])
+    runs.meta["trials_total"] = total
+    runs.save()
+    return total
+
+
 def run_study(
     spec: StudySpec,
     study: StudyContext,
@@ -785,6 +797,7 @@ def run_study(
     with spare_ranks(spec, total, pooled=study.reuse_workers, cpus=study.cpus_per_worker) as spares:  # killed once Tune's trials have ended
         trainable = _trainable(study, resources, spares)
         tune_path = study.where("tune")
+        total = trials_total(study.study_dir, total, resume)
         mlflow_cb = MlflowStudyCallback(study)
         callbacks: list[Any] = [mlflow_cb]
         if progress:

@@ -67,3 +67,32 @@ def test_the_count_of_a_resumed_ablation_includes_the_finished_trials_tune_resto
     view.on_trial_complete(0, [restored, rerun], rerun)
     assert "2/2 done (0 failed), 0 running" in capsys.readouterr().out
     assert view._counts([trial("t_00002", "RUNNING", 1e-3)]).startswith("0/1 done")  # never below the planned total
+
+
+def test_the_best_so_far_of_a_resumed_study_includes_the_trials_tune_restored(capsys):
+    """A trial that finished before the interruption reports nothing after the resume: its restored result
+    still counts for the best (the line said 150.81 while the study's best was 197.58)."""
+    view = ProgressCallback("val/sumr", "max", 3, lambda c: f"lr={c['train.lr']:g}")
+    restored, fresh = trial("t_00000", "TERMINATED", 1e-3), trial("t_00001", "RUNNING", 2e-3)
+    restored.last_result = {"kind": "final", "val/sumr": 197.58}
+    view.on_trial_result(0, [restored, fresh], fresh, {"kind": "epoch", "epoch": 1, "val/sumr": 150.81})
+    assert "best val/sumr 197.58 (t_00000)" in capsys.readouterr().out
+    view = ProgressCallback("val/sumr", "min", 3, lambda c: "")  # the better one, either way
+    view.on_trial_result(0, [restored, fresh], fresh, {"kind": "epoch", "epoch": 1, "val/sumr": 150.81})
+    assert "best val/sumr 150.81 (t_00001)" in capsys.readouterr().out
+
+
+def test_a_resumed_study_counts_the_trials_of_its_first_submission(tmp_path):
+    """A resumed ablation's caller counts only the cells left to run (3 of 4 here), while Tune restores the
+    first submission's trials: the lines said 1/3 done, then 3/4."""
+    from prvrlab.platform.search.outcome import RunMap
+    from prvrlab.platform.search.study import trials_total
+
+    RunMap(tmp_path).save()
+    assert trials_total(tmp_path, 4, resume=False) == 4
+    assert trials_total(tmp_path, 3, resume=True) == 4
+    assert RunMap(tmp_path).meta["trials_total"] == 4
+    assert trials_total(tmp_path, 2, resume=False) == 2  # a new submission records its own
+    fresh = tmp_path / "older"
+    fresh.mkdir()
+    assert trials_total(fresh, 3, resume=True) == 3  # recorded before there was a count: the caller's
