@@ -55,6 +55,10 @@ def read_frame_ids(path: Path) -> list[str]:
     return list(map(bytes.decode, path.read_bytes().split(), repeat("latin-1")))
 
 
+class _Pairs(list):
+    """A JSON object's (key, value) pairs in file order (``json.loads``' ``object_pairs_hook``): repeats kept."""
+
+
 def read_video2frames(path: Path) -> dict[str, list[str]]:
     """Parse ``video2frames.txt``, a Python dict literal, as data (never ``eval``).
 
@@ -65,19 +69,28 @@ def read_video2frames(path: Path) -> dict[str, list[str]]:
     0.3 s instead of 6 s and 2 GB); any JSON error falls back to literal_eval.
     """
     text = path.read_bytes().decode("latin-1").strip()
-    mapping = None
+    mapping, keys = None, None
     if "\\" not in text and '"' not in text:
         try:
-            mapping = json.loads(text.replace("'", '"'))
+            pairs = json.loads(text.replace("'", '"'), object_pairs_hook=_Pairs)
         except ValueError:
-            mapping = None
+            pairs = None
         except RecursionError as exc:
             raise DataError(f"{path}: not a Python dict literal (RecursionError: {exc})") from None
+        if isinstance(pairs, _Pairs):  # a JSON object
+            keys, mapping = [k for k, _ in pairs], {k: dict(v) if isinstance(v, _Pairs) else v for k, v in pairs}
     if mapping is None:
         try:
-            mapping = ast.literal_eval(text)
+            tree = ast.parse(text, mode="eval")
+            mapping = ast.literal_eval(tree)
         except (ValueError, SyntaxError, MemoryError, RecursionError) as exc:
             raise DataError(f"{path}: not a Python dict literal ({type(exc).__name__}: {exc})") from None
+        if isinstance(tree.body, ast.Dict):
+            keys = [k.value if isinstance(k, ast.Constant) else None for k in tree.body.keys]
+    if keys is not None and isinstance(mapping, dict) and len(keys) != len(mapping):  # eval keeps the last entry
+        seen: set = set()
+        twice = next(k for k in keys if k in seen or seen.add(k))
+        raise DataError(f"{path}: video {twice!r} is listed {keys.count(twice)} times; each video must be listed once")
     if not isinstance(mapping, dict):
         raise DataError(f"{path}: expected a dict {{video_id: [frame_id, ...]}}, got {type(mapping).__name__}")
     key_types = set(map(type, mapping))
@@ -157,6 +170,11 @@ class BigFile:
         self._offsets = np.zeros(len(v2f) + 1, dtype=np.int64)
         np.cumsum(counts, out=self._offsets[1:])
         row_of = dict(zip(ids, range(n)))
+        if len(row_of) != n:  # the official reader would take the last row of a repeated id: ambiguous features
+            seen: set[str] = set()
+            twice = next(i for i in ids if i in seen or seen.add(i))
+            raise DataError(f"{self.path / 'id.txt'}: frame id {twice!r} names {ids.count(twice)} rows of feature.bin "
+                            f"({n - len(row_of)} repeated ids in total); each frame id must name one row")
         flat = list(chain.from_iterable(v2f.values()))
         self._rows = np.fromiter(map(row_of.get, flat, repeat(-1)), dtype=np.int64, count=len(flat))
         missing = np.flatnonzero(self._rows < 0)

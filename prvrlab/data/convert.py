@@ -39,7 +39,7 @@ def convert_bigfile(src_folder: str | Path, dst_h5: str | Path, *, progress: boo
         raise DataError(f"{dst_h5}: {problem}")
     src = BigFile(src_folder)
     dst = Path(dst_h5)
-    bad = [v for v in src.video_ids() if "/" in v or v in ("", ".")]
+    bad = [v for v in src.video_ids() if "/" in v or "\0" in v or v in ("", ".")]  # HDF5 cuts a name at a NUL
     if bad:
         raise DataError(
             f"{src.path / 'video2frames.txt'}: video id {bad[0]!r} cannot be an HDF5 dataset name "

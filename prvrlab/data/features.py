@@ -171,18 +171,23 @@ class H5Arrays:
         shape = self._checked_shape(dsid, key)
         rows = shape[0] if max_rows is None else min(shape[0], max_rows)
         out = np.empty((rows, shape[1]), dtype=np.float32)  # (n, D)
-        if out.size and rows == shape[0]:
-            dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
-        elif out.size:  # the first rows only
-            space = dsid.get_space()
-            space.select_hyperslab((0, 0), out.shape)
-            dsid.read(h5py.h5s.create_simple(out.shape), space, out)
+        try:
+            if out.size and rows == shape[0]:
+                dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+            elif out.size:  # the first rows only
+                space = dsid.get_space()
+                space.select_hyperslab((0, 0), out.shape)
+                dsid.read(h5py.h5s.create_simple(out.shape), space, out)
+        except OSError as exc:  # a corrupt chunk, a failing filter: h5py names neither file nor dataset
+            raise DataError(f"{self.path}: cannot read dataset {key!r} ({exc})") from None
         return out
 
     def _checked_shape(self, dsid, key: str) -> tuple[int, int]:
         """The (n, D) shape of dataset ``key``; DataError naming the file and key when it is not 2-D with D >= 1,
         not numeric, or declares more values than :data:`MAX_ELEMENTS` or (stored unfiltered) than the file holds."""
         shape = dsid.shape
+        if shape is None:  # a null dataspace (h5py.Empty)
+            raise DataError(f"{self.path}: dataset {key!r} has no shape (an empty dataspace), expected (n, D)")
         if len(shape) != 2:
             raise DataError(f"{self.path}: dataset {key!r} has shape {shape}, expected (n, D)")
         n, d = (int(x) for x in shape)

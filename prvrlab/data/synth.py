@@ -409,9 +409,10 @@ def refresh_if_outdated(root: str | Path) -> bool:
     root = Path(root)
     try:
         info = json.loads((root / "synth.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if int(info.get("generator_version", 1)) >= GENERATOR_VERSION:
+        version = int(info.get("generator_version", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False  # unreadable or not this generator's record: left to check_synthetic_root to refuse
+    if version >= GENERATOR_VERSION:
         return False
     fields = {f.name for f in dataclasses.fields(SynthPreset)}
     try:
