@@ -205,6 +205,7 @@ def evaluate_checkpoint(
     :func:`load_checkpoint` already read from ``path`` (it is not read again)."""
     from prvrlab.allocator import primitive_cache_limit, set_host_allocator
     from prvrlab.data.collection import open_collection
+    from prvrlab.data.integrity import check_visual_features
     from prvrlab.evaluation.metrics import save_ranks
     from prvrlab.evaluation.retrieval import evaluate, resolve_amp_dtype
     from prvrlab.models.factory import build_model
@@ -217,6 +218,7 @@ def evaluate_checkpoint(
     if data_root is None:
         check_own_data(cfg, path)
     collection = open_collection(cfg.data, allow_synthesize=False)  # a checkpoint's or given root: never written
+    check_visual_features(collection.visual)  # a NaN frame would score -inf, silently (scanned once per data version)
     collection.split(split)
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
     try:
