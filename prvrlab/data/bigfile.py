@@ -31,7 +31,9 @@ from prvrlab.data import index_cache
 from prvrlab.data.errors import DataError
 
 FILES = ("feature.bin", "shape.txt", "id.txt", "video2frames.txt")
-INDEX_KIND = "bigfile"  # its index_cache entries: what id.txt and video2frames.txt say, per version of the four files
+# its index_cache entries: what id.txt and video2frames.txt say, per version of the four files; "-2" since repeated
+# ids are refused (an index cached before would open such a folder without the check)
+INDEX_KIND = "bigfile-2"
 
 
 def read_shape(path: Path) -> tuple[int, int]:

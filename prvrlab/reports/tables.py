@@ -36,12 +36,13 @@ SUBSET = "‡"  # a comparison made on the seeds both rows share, fewer than all
 
 def rounded(value: float, digits: int = 1) -> Decimal | float:
     """``value`` at ``digits`` decimals, halves away from zero, once binary noise is cut (12 significant
-    digits): R@1 of 109 hits in 400 queries is 27.250000000000004 as a count ratio and 27.25 as a mean of
-    hits, and both print 27.3 (Python's ``round`` and ``format`` gave 27.3 and 27.2).  Magnitudes of 1e15
-    and above are returned as they are."""
+    digits, where they reach a decimal below the printed ones): R@1 of 109 hits in 400 queries is
+    27.250000000000004 as a count ratio and 27.25 as a mean of hits, and both print 27.3 (Python's ``round``
+    and ``format`` gave 27.3 and 27.2).  Magnitudes of 1e15 and above are returned as they are."""
     if not math.isfinite(value) or abs(value) >= 1e15:
         return value
-    return Decimal(f"{value:.12g}").quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+    text = f"{value:.12g}" if abs(value) < 10.0 ** (11 - digits) else repr(float(value))  # larger: every digit
+    return Decimal(text).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
 
 
 def fmt(value: float | None, digits: int = 1, signed: bool = False) -> str:
@@ -75,7 +76,7 @@ def fmt_p(p: float | None) -> str:
     alpha = Decimal(repr(stats.ALPHA))  # as written (a float compared with a Decimal is its binary value)
     while (rounded(p, digits) < alpha) != (p < stats.ALPHA):
         if digits >= 12:  # closer to α than the noise cut: every digit
-            return repr(p)
+            return repr(float(p))
         digits += 1
     return fmt(p, digits)
 

@@ -14,7 +14,6 @@ from prvrlab.data.errors import DataError
 from prvrlab.data.features import HDF5Features
 from prvrlab.data.synth import refresh_if_outdated
 
-from conftest import write_bigfile
 
 
 @pytest.fixture(autouse=True)
@@ -22,13 +21,13 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PRVRLAB_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def test_a_frame_id_naming_two_rows_is_refused_not_read_from_the_last(tmp_path):
+def test_a_frame_id_naming_two_rows_is_refused_not_read_from_the_last(tmp_path, files):
     """The official reader's name -> row dict keeps the last row: video v read frame f0 from row 2."""
     m = np.arange(6, dtype=np.float32).reshape(3, 2)
-    folder = write_bigfile(tmp_path / "a", ["f0", "f1", "f0"], m, {"v": ["f0", "f1"]})
+    folder = files.write_bigfile(tmp_path / "a", ["f0", "f1", "f0"], m, {"v": ["f0", "f1"]})
     with pytest.raises(DataError, match=r"id\.txt: frame id 'f0' names 2 rows of feature\.bin \(1 repeated ids in total\)"):
         BigFile(folder)
-    assert BigFile(write_bigfile(tmp_path / "b", ["f0", "f1", "f2"], m, {"v": ["f0", "f1"]})).frames("v").tolist() == [[0, 1], [2, 3]]
+    assert BigFile(files.write_bigfile(tmp_path / "b", ["f0", "f1", "f2"], m, {"v": ["f0", "f1"]})).frames("v").tolist() == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("text", ["{'v': ['f0'], 'w': ['f1'], 'v': ['f2']}", '{"v": ["f0"], "w": ["f1"], "v": ["f2"]}',
@@ -88,10 +87,24 @@ def test_a_malformed_synth_record_is_left_to_the_root_check(tmp_path, record):
     assert json.loads((tmp_path / "synth.json").read_text()) == json.loads(record)  # left as it is
 
 
-def test_convert_refuses_a_video_id_with_a_nul(tmp_path):
+def test_convert_refuses_a_video_id_with_a_nul(tmp_path, files):
     """HDF5 cuts a dataset name at a NUL: 'a\\0b' was stored as 'a', or collided with it in a traceback."""
     m = np.arange(4, dtype=np.float32).reshape(2, 2)
-    folder = write_bigfile(tmp_path / "bf", ["f0", "f1"], m, {"a\0b": ["f0"], "a": ["f1"]})
+    folder = files.write_bigfile(tmp_path / "bf", ["f0", "f1"], m, {"a\0b": ["f0"], "a": ["f1"]})
     with pytest.raises(DataError, match=r"video id 'a\\x00b' cannot be an HDF5 dataset name \(1 such ids\)"):
         convert_bigfile(folder, tmp_path / "out.h5", progress=False)
     assert not (tmp_path / "out.h5").exists()
+
+
+def test_an_index_cached_before_the_repeat_checks_is_not_read(tmp_path, files):
+    """An index saved under the earlier kind (by a prvrlab without the checks) opened a folder with repeated ids
+    silently: the kind changed with them, so such a folder is indexed, and refused, again."""
+    from prvrlab.data import bigfile, index_cache
+
+    m = np.arange(6, dtype=np.float32).reshape(3, 2)
+    folder = files.write_bigfile(tmp_path / "a", ["f0", "f1", "f0"], m, {"v": ["f0", "f1"]})
+    stamp = index_cache.version(*(folder / name for name in bigfile.FILES))
+    old = {"offsets": np.array([0, 2]), "rows": np.array([2, 1]), "contiguous": np.array([False])}  # f0: the last row
+    index_cache.save("bigfile", folder, stamp, ["v"], old)  # what the code before the checks cached
+    with pytest.raises(DataError, match="names 2 rows"):
+        BigFile(folder)

@@ -98,3 +98,15 @@ def test_a_cell_whose_runs_finished_without_the_splits_metrics_says_so_not_faile
     assert "*failed*" in row
     (row,) = [ln for ln in lines if ln.startswith("| base")]  # finished, logged SumR only: no value, not failed
     assert row.split(" | ")[1:3] == ["—", "—"] and "*" not in row
+
+
+def test_large_values_keep_their_digits_and_numpy_p_values_print_as_numbers():
+    """The 12-digit noise cut dropped digits from 1e12 on (123456789012345.6 printed 123456789012000.0); a numpy
+    p-value within the cut of α printed as ``np.float64(...)``."""
+    import numpy as np
+
+    from prvrlab.reports.tables import fmt_p
+
+    assert fmt(123456789012345.6) == "123456789012345.6" and fmt(9876543210123.25) == "9876543210123.3"
+    assert fmt(12345678901.25) == "12345678901.3" and fmt(1234.5678, 3) == "1234.568"
+    assert fmt_p(np.float64(0.049999999999999004)) == "0.049999999999999004"

@@ -68,7 +68,8 @@ STOP_GRACE_S = 30.0  # how long a stopped driver may take to wind down before it
 SENTINEL_ENV = "PRVRLAB_RUN_SENTINEL"  # "0": no sentinel (tests of the next-train fallback)
 POLL_S = 1.0  # how often the sentinel looks at its driver
 LEDGER_PREFIX = "prvrlab-open-runs-"  # the sentinel's ledger: <tmp>/prvrlab-open-runs-*.json
-RECORD_WAIT_S = 60.0  # how long a resume waits for a dead driver's sentinel to record the study's state
+RECORD_WAIT_S = 90.0  # how long a resume waits for a dead driver's sentinel to record the study's state (its
+# writers for up to 30 s, then up to 20 s for the folder to settle, plus hashing it)
 LEDGER_FRESH_S = 30.0  # a dead driver's ledger touched this recently: its sentinel is still at work
 _GUARD = {"on": False, "ledger": None, "sentinel": None, "warned": False}  # this process's sentinel, once started
 HTTP_RETRIES, HTTP_TIMEOUT_S = "2", "10"  # the helpers' MLflow client against an unreachable server (unless set)
