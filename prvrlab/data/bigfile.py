@@ -57,6 +57,12 @@ def read_frame_ids(path: Path) -> list[str]:
     return list(map(bytes.decode, path.read_bytes().split(), repeat("latin-1")))
 
 
+def _first_repeat(items: list) -> object:
+    """The first item of ``items`` seen before in it (the caller knows there is one)."""
+    seen: set = set()
+    return next(x for x in items if x in seen or seen.add(x))
+
+
 class _Pairs(list):
     """A JSON object's (key, value) pairs in file order (``json.loads``' ``object_pairs_hook``): repeats kept."""
 
@@ -90,8 +96,7 @@ def read_video2frames(path: Path) -> dict[str, list[str]]:
         if isinstance(tree.body, ast.Dict):
             keys = [k.value if isinstance(k, ast.Constant) else None for k in tree.body.keys]
     if keys is not None and isinstance(mapping, dict) and len(keys) != len(mapping):  # eval keeps the last entry
-        seen: set = set()
-        twice = next(k for k in keys if k in seen or seen.add(k))
+        twice = _first_repeat(keys)
         raise DataError(f"{path}: video {twice!r} is listed {keys.count(twice)} times; each video must be listed once")
     if not isinstance(mapping, dict):
         raise DataError(f"{path}: expected a dict {{video_id: [frame_id, ...]}}, got {type(mapping).__name__}")
@@ -173,8 +178,7 @@ class BigFile:
         np.cumsum(counts, out=self._offsets[1:])
         row_of = dict(zip(ids, range(n)))
         if len(row_of) != n:  # the official reader would take the last row of a repeated id: ambiguous features
-            seen: set[str] = set()
-            twice = next(i for i in ids if i in seen or seen.add(i))
+            twice = _first_repeat(ids)
             raise DataError(f"{self.path / 'id.txt'}: frame id {twice!r} names {ids.count(twice)} rows of feature.bin "
                             f"({n - len(row_of)} repeated ids in total); each frame id must name one row")
         flat = list(chain.from_iterable(v2f.values()))

@@ -295,11 +295,11 @@ def _aligned(a: tuple[np.ndarray, np.ndarray] | None, b: tuple[np.ndarray, np.nd
     ``name`` is added to ``disjoint`` and the comparison is not tested."""
     if a is None or b is None:
         return None
-    try:
-        if not moved:
+    if not moved:
+        try:
             return stats.align(*a, *b)
-    except stats.NoSharedQueries:
-        pass
+        except stats.NoSharedQueries:
+            pass
     disjoint.append(name)
     return None
 
