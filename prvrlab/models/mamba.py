@@ -365,7 +365,8 @@ class MambaLayer(PackedLayer):
     learns how much of the mixer to add (the reference adds a unit-variance
     term of the untrained mixer from the first step).  ``decay_norm_gain``: the
     LayerNorm's gain is weight-decayed (``decayed_parameters``), as the
-    reference's name-based grouping does for this LayerNorm alone.
+    reference's name-based grouping does for this LayerNorm alone.  ``bare``: the mixer's output
+    alone, no residual and no LayerNorm (the paper's Eq. 5, ``V_fm = Mamba(V_fg)``).
     """
 
     def __init__(
@@ -377,21 +378,25 @@ class MambaLayer(PackedLayer):
         expand: int = 2,
         mask_padding: bool = False,
         zero_init: bool = False,
+        bare: bool = False,
         decay_norm_gain: bool = False,
         scan_chunk: int = DEFAULT_SCAN_CHUNK,
         scan_kernel: str = "auto",
     ) -> None:
         super().__init__()
+        if zero_init and bare:
+            raise ValueError("zero_init and bare exclude each other: a bare layer has no LayerNorm to start at 0")
         self.mamba = Mamba(hidden_size=hidden_size, d_state=d_state, d_conv=d_conv, expand=expand, scan_chunk=scan_chunk,
                            scan_kernel=scan_kernel)
-        self.norm = LayerNorm(hidden_size)
+        self.norm = None if bare else LayerNorm(hidden_size)
         if zero_init:
             nn.init.zeros_(self.norm.weight)
-        decay_norm_gains(self.norm, decay_norm_gain)
+        if self.norm is not None:
+            decay_norm_gains(self.norm, decay_norm_gain)
         self.mask_padding = bool(mask_padding)
 
     def forward_packed(self, x: Tensor, packing: Packing) -> Tensor:
         """(N, D) packed tokens -> (N, D)."""
         mask = packing.key_mask if self.mask_padding else None
-        mixed = self.mamba(packing.unpack(x), mask)  # (B, L, D)
-        return x + self.norm(packing.pack(mixed))  # (N, D)
+        mixed = packing.pack(self.mamba(packing.unpack(x), mask))  # (N, D)
+        return mixed if self.norm is None else x + self.norm(mixed)

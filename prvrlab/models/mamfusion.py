@@ -12,8 +12,9 @@ applied in this order; the reference code calls them the other way round):
 * ``v2t`` (video to text): text tokens attend to the fused video, ``Q' = Q * Attn(Q -> V')``.
 
 Both are multi-head cross-attentions whose output multiplies their input
-element-wise (the reference code's combination; the paper writes the bare
-attention).  ``fusion`` picks what attends to what:
+element-wise (``fusion_combine: multiply``, the reference code's combination;
+``replace``: the attention output itself, as the paper's Eqs. 3-4 write it).
+``fusion`` picks what attends to what:
 
 * ``batch`` (the reference code): the pooled video vectors of the batch attend
   to the batch's sentence vectors, then the sentence vectors to the fused
@@ -68,7 +69,8 @@ from prvrlab.models.scoring import vector_scores
 from prvrlab.registry import BACKBONES
 
 FUSIONS: tuple[str, ...] = ("batch", "temporal")
-MAMBA_RESIDUALS: tuple[str, ...] = ("official", "zero_init")
+MAMBA_RESIDUALS: tuple[str, ...] = ("official", "zero_init", "paper")
+FUSION_COMBINES: tuple[str, ...] = ("multiply", "replace")
 
 
 class GMMMambaBlock(PackedLayer):
@@ -85,15 +87,17 @@ class GMMMambaBlock(PackedLayer):
 
 
 class MultiplicativeCrossAttention(nn.Module):
-    """``x * W_o MultiHead(x W_q, m W_k, m W_v)``: ``x`` attends to the memory ``m``, padding keys masked.
+    """``x * W_o MultiHead(x W_q, m W_k, m W_v)``: ``x`` attends to the memory ``m``, padding keys masked
+    (``multiply: false``: ``W_o MultiHead(...)`` alone, the attention output replacing ``x``).
 
     Leading dimensions broadcast (a (1, Nv, L, D) ``x`` against (Nq, 1, M, D)
     memory gives every pair), so the projections run once per item.
     """
 
-    def __init__(self, *, hidden_size: int, num_heads: int) -> None:
+    def __init__(self, *, hidden_size: int, num_heads: int, multiply: bool = True) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.multiply = bool(multiply)
         self.query = nn.Linear(hidden_size, hidden_size)
         self.key_value = nn.Linear(hidden_size, 2 * hidden_size)
         self.out = nn.Linear(hidden_size, hidden_size)
@@ -121,7 +125,8 @@ class MultiplicativeCrossAttention(nn.Module):
             pad = ~memory_mask.to(torch.bool)[..., None, None, :]  # (..., 1, 1, M)
             logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
         context = torch.matmul(torch.softmax(logits, dim=-1), v)  # (..., H, L, Dh)
-        return x * self.out(context.transpose(-2, -3).flatten(-2))  # (..., L, D)
+        attended = self.out(context.transpose(-2, -3).flatten(-2))  # (..., L, D)
+        return x * attended if self.multiply else attended.expand(torch.broadcast_shapes(x.shape, attended.shape))
 
 
 @BACKBONES.register("mamfusion")
@@ -137,13 +142,16 @@ class MamFusion(PooledFrameBackbone):
     Linear with zero biases, Mamba's included; ``mamba_ssm``: the Mamba package's own,
     :meth:`~prvrlab.models.mamba.Mamba.init_like_mamba_ssm_`), ``mamba_residual`` (``official``:
     ``x + LN(Mamba(x))`` from the first step; ``zero_init``: the LN's scale starts at 0, so every
-    Mamba layer starts as the identity), ``mamba_norm_decay`` (the Mamba layers' LayerNorm gains are
+    Mamba layer starts as the identity; ``paper``: the mixer's output alone, ``V_fm = Mamba(V_fg)`` as the
+    paper's Eq. 5 writes it, no residual and no LayerNorm), ``mamba_norm_decay`` (the Mamba layers' LayerNorm gains are
     weight-decayed, as the reference's grouping by name does), ``mask_padding``, ``scan_chunk`` (the chunk
     length of the selective scan), ``scan_kernel`` (``auto``: mamba_ssm's
     CUDA kernel on GPU, the fused C++ kernel on CPU when it builds, else the
     PyTorch chunked scan; ``fused`` / ``torch`` force one:
     :mod:`prvrlab.models.mamba`); ``t2v`` / ``v2t`` (the two fusions),
-    ``fusion`` (``batch`` | ``temporal``), ``fusion_at_retrieval`` and
+    ``fusion`` (``batch`` | ``temporal``), ``fusion_combine`` (``multiply``: the attention output
+    multiplies its input, the reference; ``replace``: it is the fused representation, the paper's
+    Eqs. 3-4), ``fusion_at_retrieval`` and
     ``fused_weight`` (the fused branch in the retrieval score), ``fusion_chunk``
     (max elements of one intermediate tensor of the pairwise fusion), ``fusion_init``
     (``official``: the fusions' Q/K/V projections start as ``nn.MultiheadAttention``'s, which the
@@ -179,7 +187,7 @@ class MamFusion(PooledFrameBackbone):
         d_conv: int = 4,
         expand: int = 2,
         mamba_init: Literal["official", "mamba_ssm"] = "official",
-        mamba_residual: Literal["official", "zero_init"] = "official",
+        mamba_residual: Literal["official", "zero_init", "paper"] = "official",
         mamba_norm_decay: bool = True,
         mask_padding: bool = False,
         scan_chunk: int = DEFAULT_SCAN_CHUNK,
@@ -187,6 +195,7 @@ class MamFusion(PooledFrameBackbone):
         t2v: bool = True,
         v2t: bool = True,
         fusion: Literal["batch", "temporal"] = "batch",
+        fusion_combine: Literal["multiply", "replace"] = "multiply",
         fusion_at_retrieval: bool = False,
         fused_weight: float = 0.3,
         fusion_chunk: int = 1 << 24,
@@ -215,7 +224,8 @@ class MamFusion(PooledFrameBackbone):
         self.fusion = check_choice(fusion, "fusion", FUSIONS)
         self.query_redraw = check_bool(query_redraw, "query_redraw")
         check_choice(mamba_init, "mamba_init", MAMBA_INITS)
-        zero_init = check_choice(mamba_residual, "mamba_residual", MAMBA_RESIDUALS) == "zero_init"
+        residual = check_choice(mamba_residual, "mamba_residual", MAMBA_RESIDUALS)
+        multiply = check_choice(fusion_combine, "fusion_combine", FUSION_COMBINES) == "multiply"
         if check_bool(fusion_at_retrieval, "fusion_at_retrieval") and fusion != "temporal":
             raise ValueError(
                 "fusion_at_retrieval: true needs fusion: temporal (the batch fusion depends on the whole "
@@ -234,8 +244,8 @@ class MamFusion(PooledFrameBackbone):
         def block(span: WindowLength) -> GMMMambaBlock:
             gmm = GMMBlock(**layer_args, sigmas=self.sigmas, ffn_size=ffn, window=window, window_length=span)
             args = {"d_state": d_state, "d_conv": d_conv, "expand": expand, "mask_padding": mask_padding,
-                    "zero_init": zero_init, "decay_norm_gain": mamba_norm_decay, "scan_chunk": scan_chunk,
-                    "scan_kernel": scan_kernel}
+                    "zero_init": residual == "zero_init", "bare": residual == "paper",
+                    "decay_norm_gain": mamba_norm_decay, "scan_chunk": scan_chunk, "scan_kernel": scan_kernel}
             return GMMMambaBlock(gmm=gmm, mamba=MambaLayer(hidden_size=hidden_size, **args) if mamba else None)
 
         def pool() -> AttentionPooling:
@@ -244,8 +254,9 @@ class MamFusion(PooledFrameBackbone):
         self.query = sizes.query_encoder(lambda: TransformerLayer(**layer_args, ffn_size=ffn), pool=pool)
         self.clip = sizes.video_encoder(lambda: block(clip_span), num_layers=num_gmm_blocks)
         self.frame = sizes.video_encoder(lambda: block(frame_span), num_layers=num_gmm_blocks, pool=pool)
-        self.t2v = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if t2v else None
-        self.v2t = MultiplicativeCrossAttention(hidden_size=hidden_size, num_heads=num_heads) if v2t else None
+        fusion_args = {"hidden_size": hidden_size, "num_heads": num_heads, "multiply": multiply}
+        self.t2v = MultiplicativeCrossAttention(**fusion_args) if t2v else None
+        self.v2t = MultiplicativeCrossAttention(**fusion_args) if v2t else None
         init_normal_(self)
         if check_choice(fusion_init, "fusion_init", ("official", "normal")) == "official":
             for attention in (a for a in (self.t2v, self.v2t) if a is not None):

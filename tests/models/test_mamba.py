@@ -288,3 +288,14 @@ def test_every_blocking_gives_the_same_outputs_and_gradients(block_elements):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     with torch.no_grad():
         torch.testing.assert_close(selective_scan_chunked(*args, mask=mask, chunk=4, block_elements=block_elements), ref)
+
+
+def test_a_bare_mamba_layer_is_the_mixer_alone_and_refuses_zero_init():
+    torch.manual_seed(0)
+    layer = MambaLayer(hidden_size=8, scan_chunk=4, bare=True)
+    assert layer.norm is None and not any("norm" in name for name, _ in layer.named_parameters())
+    packing = Packing.from_mask(torch.tensor([[True] * 5, [True] * 2 + [False] * 3]), 2, 5, DEVICE)
+    x = torch.randn(packing.num_tokens, 8)
+    torch.testing.assert_close(layer.forward_packed(x, packing), packing.pack(layer.mamba(packing.unpack(x))))
+    with pytest.raises(ValueError, match="zero_init"):
+        MambaLayer(hidden_size=8, zero_init=True, bare=True)

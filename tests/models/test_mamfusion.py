@@ -324,3 +324,51 @@ def test_a_plugged_model_adds_the_backbones_batch_vectors():
     batch = standard_batch()
     with torch.no_grad():
         torch.testing.assert_close(wrapped(batch).query.vectors["fused"], backbone(batch).query.vectors["fused"])
+
+
+def test_fusion_combine_replace_is_the_attention_output_the_multiply_switch_scales():
+    """``replace`` (the paper's Eqs. 3-4) returns A with x * A the reference's product, which
+    attend_by_hand computes row by row; A has the broadcast (pair) shape of the product."""
+    torch.manual_seed(0)
+    product = MultiplicativeCrossAttention(hidden_size=8, num_heads=2)
+    replace = MultiplicativeCrossAttention(hidden_size=8, num_heads=2, multiply=False)
+    replace.load_state_dict(product.state_dict())
+    x, memory, mask = torch.randn(5, 8), torch.randn(4, 8), torch.tensor([True, True, False, True])
+    with torch.no_grad():
+        attended = replace(x, memory, mask)
+        torch.testing.assert_close(x * attended, attend_by_hand(product, x, memory, mask), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(attended, product(x, memory, mask))
+        pairs = replace(torch.randn(1, 3, 5, 8), torch.randn(2, 1, 4, 8))  # every (query, video) pair
+    assert pairs.shape == (2, 3, 5, 8)
+
+
+def test_batch_fusion_with_fusion_combine_replace_chains_the_bare_attentions():
+    torch.manual_seed(0)
+    model = build("mamfusion", dropout=0.0, fusion_combine="replace").eval()
+    assert not model.t2v.multiply and not model.v2t.multiply and build("mamfusion").t2v.multiply
+    with torch.no_grad():
+        out = model(standard_batch())
+        q, v = out.query.vectors["clip"], out.video.frame  # (Nq, D), (Nv, D)
+        fused_videos = model.t2v(v, q)  # (Nv, D)
+        torch.testing.assert_close(fused_videos * v, attend_by_hand(model.t2v, v, q), rtol=1e-5, atol=1e-6)
+        expected = model.v2t(q, fused_videos)  # (Nq, D)
+        torch.testing.assert_close(expected * q, attend_by_hand(model.v2t, q, fused_videos), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.query.vectors["fused"], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="fusion_combine"):
+        build("mamfusion", fusion_combine="add")
+
+
+def test_mamba_residual_paper_is_the_bare_mixer_after_every_gmm_block():
+    """Eq. 5, V_fm = Mamba(V_fg): no LayerNorm and no residual around the mixer."""
+    torch.manual_seed(0)
+    model = build("mamfusion", mamba_residual="paper").eval()
+    layers = [m for m in model.modules() if isinstance(m, MambaLayer)]
+    assert len(layers) >= 2 and all(layer.norm is None for layer in layers)  # clip and frame branches
+    official = build("mamfusion").eval()
+    missing, unexpected = official.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and missing and all(".mamba.norm." in k for k in missing)
+    block = model.clip.layers[0]
+    x = torch.randn(2, 6, model.hidden_size)
+    with torch.no_grad():
+        gmm = block.gmm(x)  # (B, L, D)
+        torch.testing.assert_close(block(x), block.mamba.mamba(gmm), rtol=1e-5, atol=1e-6)
