@@ -41,6 +41,15 @@ from prvrlab.models.component import QUERY_GROUPS
 from prvrlab.registry import LOSSES
 
 
+def _focus(base: Tensor, pair: Tensor, gamma: float) -> Tensor:
+    """``base^gamma`` of the (Nq, Nq) ``1 + cos``, with finite gradients: where ``base`` is not above
+    float32's eps (antipodal queries, or below 0 by rounding) or the entry is no pair, the value is the
+    same but its gradient is cut (d/dx x^gamma is infinite at 0 for gamma < 1, and 0 * inf of a masked
+    entry was a NaN gradient)."""
+    live = pair & (base > torch.finfo(torch.float32).eps)  # (Nq, Nq)
+    return torch.where(live, torch.where(live, base, 1.0).pow(gamma), base.detach().clamp(min=0.0).pow(gamma))
+
+
 def query_diverse_focal(
     vectors: Tensor,
     query_video: Tensor,
@@ -58,8 +67,8 @@ def query_diverse_focal(
     eye = torch.eye(n, dtype=torch.bool, device=q.device)
     pair = (query_video[:, None] == query_video[None, :]) & ~eye  # (Nq, Nq), ordered pairs
     per_pair = F.softplus(alpha * (cos + delta))  # (Nq, Nq), finite everywhere
-    if gamma != 0.0:  # 1 + cos >= 0 up to rounding; the clamp keeps fractional powers real
-        per_pair = per_pair * (1.0 + cos).clamp(min=0.0).pow(gamma)
+    if gamma != 0.0:
+        per_pair = per_pair * _focus(1.0 + cos, pair, gamma)
     per_pair = per_pair * pair  # non-pairs contribute exact zeros (and zero gradient)
     if reduction == "query":
         return per_pair.sum() / max(n, 1)

@@ -165,3 +165,31 @@ def test_invalid_hyperparameters(kwargs, param):
 def test_missing_branch_is_a_clear_error():
     with pytest.raises(ValueError, match="branch='frame'"):
         QueryDiverseFocalLoss(branch="frame")(make_output(vectors=torch.randn(2, 3)), make_batch([0, 0], 1), epoch=0)
+
+
+@pytest.mark.parametrize("gamma", [0.3, 0.5, 1.0])
+def test_antipodal_queries_keep_the_value_and_give_finite_gradients(gamma):
+    """(1 + c)^gamma has an infinite slope at c = -1 for gamma < 1: antipodal queries of other videos (no
+    pair: masked) and of the same video must neither make a NaN gradient nor change the value; the other
+    pairs' gradients are autograd's of the plain formula in float64."""
+    torch.manual_seed(0)
+    base = torch.randn(6, 5)
+    base[0], base[1] = torch.tensor([2.0, 0, 0, 0, 0]), torch.tensor([-3.0, 0, 0, 0, 0])  # same video, cos = -1
+    base[2], base[4] = torch.tensor([0, 1.0, 0, 0, 0]), torch.tensor([0, -0.5, 0, 0, 0])  # other videos, cos = -1
+    query_video = [0, 0, 1, 1, 2, 2]
+    vectors = base.clone().requires_grad_(True)
+    loss_fn = QueryDiverseFocalLoss(alpha=4.0, delta=0.2, gamma=gamma)
+    loss = loss_fn(make_output(vectors=vectors), make_batch(query_video, 3), epoch=0)
+    # float32's 1 + c of the antipodal pair is 0 give or take its eps: (2 eps)^gamma bounds that factor
+    expected = loop_loss(base.tolist(), query_video, 4.0, 0.2, gamma)
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=(2 * torch.finfo(torch.float32).eps) ** gamma)
+    loss.backward()
+    assert torch.isfinite(vectors.grad).all()
+    plain = base.double().requires_grad_(True)  # videos 1 and 2 have no antipodal pair: the plain formula
+    q = torch.nn.functional.normalize(plain, dim=-1)
+    total = 0.0
+    for i, j in ((2, 3), (3, 2), (4, 5), (5, 4)):
+        c = q[i] @ q[j]
+        total = total + (1 + c) ** gamma * torch.nn.functional.softplus(4.0 * (c + 0.2))
+    (total / 6).backward()
+    torch.testing.assert_close(vectors.grad[2:].double(), plain.grad[2:], rtol=1e-4, atol=1e-6)
