@@ -9,9 +9,11 @@ cosine (Eq. 6); then::
 
     loss = mean over all assigned (i, j) pairs of the batch of (1 - pi_ij)
 
-i.e. the reference code's reduction (one mean over the pairs of all videos,
-so a video weighs in proportion to its queries; the paper's Eq. 7 writes
-the per-video mean).  The assignment is not differentiated; the gradient
+i.e. the reference code's reduction (``reduction: pair``: one mean over the
+pairs of all videos, so a video weighs in proportion to its queries).
+``reduction: video`` is the paper's Eq. 7, ``1/M_v sum_ij (1 - pi_ij) a*_ij``
+per video, then the mean over the videos with >= 2 queries (every video
+weighs the same).  The assignment is not differentiated; the gradient
 flows through the assigned cosines.  A video with more queries than clips
 (M_v > Lc) gets a rectangular problem: only Lc of its queries are assigned
 (the ones the solver picks) and the others are left out of the loss.  When
@@ -27,11 +29,14 @@ page-locked memory (no wait).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from prvrlab.checks import check_choice
 from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.losses._common import check_branch, query_vectors
 from prvrlab.losses.base import Loss
@@ -90,13 +95,15 @@ def matching_cosines(vectors: Tensor, clips: Tensor, query_video: Tensor | np.nd
 
 @LOSSES.register("optimal_matching")
 class OptimalMatchingLoss(Loss):
-    """Optimal-matching loss of GMMFormer v2 between ``out.query.vectors[branch]`` and ``out.video.clip``."""
+    """Optimal-matching loss of GMMFormer v2 between ``out.query.vectors[branch]`` and ``out.video.clip``;
+    ``reduction``: ``pair`` (the reference code) or ``video`` (the paper's Eq. 7), see the module docstring."""
 
     reads_query_vectors = True
 
-    def __init__(self, *, branch: str = "clip") -> None:
+    def __init__(self, *, branch: str = "clip", reduction: Literal["pair", "video"] = "pair") -> None:
         super().__init__()
         self.branch = check_branch(branch)
+        self.reduction = check_choice(reduction, "reduction", ("pair", "video"))
 
     def needs(self, *, training: bool) -> frozenset[str]:
         """Each video's clip (moment) embeddings and its group of queries."""
@@ -105,8 +112,13 @@ class OptimalMatchingLoss(Loss):
     def forward(self, out: ModelOutput, batch: Batch, *, epoch: int) -> Tensor:
         vectors = query_vectors(out, self.branch, "optimal_matching")  # (Nq, D)
         clips, _ = out.video.moment_tokens()  # (B, Lc, D)
-        result = matching_cosines(vectors, clips, batch.host_query_video())
+        query_video = batch.host_query_video()  # (Nq,)
+        result = matching_cosines(vectors, clips, query_video)
         if result is None:
             return (vectors.sum() + clips.sum()).float() * 0.0
-        assigned, _ = result
-        return (1.0 - assigned).mean()
+        assigned, queries = result  # (P,) each
+        if self.reduction == "pair":
+            return (1.0 - assigned).mean()
+        counts = np.bincount(query_video, minlength=clips.shape[0])  # (B,) M_v
+        share = 1.0 / (counts[query_video] * np.count_nonzero(counts >= 2))  # (Nq,) 1 / (M_v * videos with pairs)
+        return ((1.0 - assigned) * host_to_device(share.astype(np.float32), assigned.device)[queries]).sum()

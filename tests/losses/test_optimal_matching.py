@@ -131,3 +131,28 @@ def test_the_loss_reads_the_batchs_host_copy_of_query_video():
     for batch in (plain, with_host, misled):
         assert loss(output(vectors, clips), batch, epoch=0).item() == pytest.approx(expected, abs=1e-6)
     assert brute_force(vectors, clips, other) != pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("seed", range(3))
+def test_video_reduction_is_eq7_per_video_then_the_mean_over_videos(seed):
+    """The paper's Eq. 7: per video 1/M_v times the sum over its assigned pairs (a video with more queries
+    than clips still divides by M_v), then the mean over the videos with >= 2 queries."""
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    query_video = [0, 0, 1, 2, 2, 2, 2, 2, 3, 3, 3]  # video 2: 5 queries, 4 clips
+    vectors = torch.randn(11, 4, generator=g, requires_grad=True)
+    clips = torch.randn(4, 4, 4, generator=g)
+    loss = OptimalMatchingLoss(reduction="video")(output(vectors, clips), make_batch(query_video, 4), epoch=0)
+    per_video = []
+    for v in (0, 2, 3):
+        alone = [qv if qv == v else -1 for qv in query_video]  # brute_force sees only video v's queries
+        m = query_video.count(v)
+        per_video.append(brute_force(vectors.detach(), clips, alone) * min(m, 4) / m)  # mean -> sum / M_v
+    assert loss.item() == pytest.approx(sum(per_video) / 3, abs=1e-6)
+    pooled = OptimalMatchingLoss()(output(vectors, clips), make_batch(query_video, 4), epoch=0)
+    assert pooled.item() == pytest.approx(brute_force(vectors.detach(), clips, query_video), abs=1e-6)
+    assert abs(pooled.item() - loss.item()) > 1e-4  # the two reductions weigh the videos differently
+    loss.backward()
+    assert torch.all(vectors.grad[2] == 0) and torch.isfinite(vectors.grad).all()
+    with pytest.raises(ValueError, match="reduction"):
+        OptimalMatchingLoss(reduction="mean")
