@@ -91,6 +91,7 @@ def restore_random_state(saved: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(saved["cuda_rng"].cpu(), device)
 
 
+NEXT_BEST = "best_model.next.pt"  # a new best model before its epoch's checkpoint is reported
 RANK_STATES = "rank_random_states"  # a checkpoint's key: every rank's random_state(), in rank order
 
 
@@ -264,7 +265,7 @@ class TrainingLoop:
         self.cfg = cfg
         self.session = session
         self.run_dir = Path(run_dir)
-        self.mirror = Mirror(self.run_dir, sync_to)  # rank 0 pushes its files to an object store (no-op otherwise)
+        self.mirror = Mirror(self.run_dir, sync_to, exclude=(NEXT_BEST,))  # rank 0 pushes its files (no-op locally)
         self.cpus_per_worker = cpus_per_worker
         self.fault = fault
         self.rank, self.world = session.rank, session.world_size
@@ -340,13 +341,37 @@ class TrainingLoop:
         self.amp_dtype = resolve_amp_dtype(cfg.train.amp)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype is torch.float16)
         self.best_path = self.run_dir / "best_model.pt"
+        self.next_best_path = self.run_dir / NEXT_BEST  # a new best until its epoch's checkpoint is reported
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def restore(self) -> None:
         """Resume from the session's latest checkpoint (weights, optimiser, schedule, fp16 gradient scaler, this
         rank's RNG (:func:`rank_random_state`), progress); a checkpoint without the scaler's state (written before
-        it was saved) starts a fresh scaler."""
+        it was saved) starts a fresh scaler.  Then the best model agrees with the progress (:meth:`settle_best`)."""
+        try:
+            self._restore()
+        finally:
+            if self.rank == 0:
+                self.settle_best()
+
+    def settle_best(self) -> None:
+        """A new best model is written beside ``best_model.pt`` and takes its place once its epoch's checkpoint is
+        reported (:meth:`report`).  One left by an attempt that died in between is the restored progress's best
+        (the checkpoint was reported, the rename not done: it takes its place now) or an epoch the checkpoint
+        does not know (removed: ``best_model.pt`` then still holds the checkpoint's best)."""
+        if not self.next_best_path.exists():
+            return
+        try:
+            epoch = torch.load(self.next_best_path, map_location="cpu", weights_only=True).get("epoch")
+        except Exception:  # noqa: BLE001 - a file cut short by the death of its writer
+            epoch = None
+        if epoch is not None and epoch == self.progress.best_epoch + 1:
+            os.replace(self.next_best_path, self.best_path)
+        else:
+            self.next_best_path.unlink()
+
+    def _restore(self) -> None:
         with self.session.checkpoint_dir() as ckpt:
             if ckpt is None:
                 return
@@ -568,8 +593,7 @@ class TrainingLoop:
             if sumr > state.best_sumr:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
                 blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "format": CHECKPOINT_FORMAT}
-                _atomic_save(self._weights() | blob, self.best_path)
-                self.mirror.push()
+                _atomic_save(self._weights() | blob, self.next_best_path)  # best_model.pt once reported
             else:
                 state.bad_epochs += 1
         self.progress = Progress(**_broadcast(asdict(state)))
@@ -610,6 +634,9 @@ class TrainingLoop:
                 state["scaler"] = self.scaler.state_dict()
             torch.save(state, tmp / "state.pt")
             self.session.report(metrics, tmp)
+        if self.next_best_path.exists():  # the checkpoint that names this epoch best is reported: it is the best now
+            os.replace(self.next_best_path, self.best_path)
+            self.mirror.push()
 
     def final_evaluation(self) -> None:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""
@@ -678,7 +705,13 @@ class TrainingLoop:
         from prvrlab.evaluation.retrieval import evaluate
 
         cfg = self.cfg
-        if self.rank == 0 and self.best_path.exists():
+        if self.rank == 0 and self.progress.best_epoch >= 0:
+            if not self.best_path.exists():
+                raise RuntimeError(
+                    f"{self.best_path} is missing: the best model (epoch {self.progress.best_epoch + 1}) cannot be "
+                    "evaluated (a retry on another node without the run's folder, or the folder was cleaned); "
+                    "the last epoch's weights are not reported in its place"
+                )
             self.model.load_state_dict(torch.load(self.best_path, map_location=self.device, weights_only=True)["model"])
         if _distributed():
             for tensor in self.model.state_dict().values():
