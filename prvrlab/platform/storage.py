@@ -38,7 +38,9 @@ from prvrlab.platform.config import ConfigError
 
 KEY = "tracking.storage_path"
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
-NEVER_SYNCED = ("progress.json", "*.tmp", "*.part", "local_session")  # rewritten every second / half-written / scratch
+PREV_BEST = "best_model.prev.pt"  # the best model a new best replaced, kept until that epoch's checkpoint is reported
+NEVER_SYNCED = ("progress.json", "*.tmp", "*.part", "local_session", PREV_BEST)  # rewritten every second / half-written
+# / scratch / a local recovery aid
 WORKER_FILES = ("best_model.pt", "ranks_*.parquet")  # pushed by rank 0 itself
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 _MALFORMED = re.compile(r"^(s3|gs|gcs|file):(?!//)", re.IGNORECASE)  # s3:/bucket, gs:bucket: a URI missing a slash

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from prvrlab.files import replace_atomically, write_text_atomically
 from prvrlab.platform.config import ExperimentConfig, spans_ranks, validate
+from prvrlab.platform.storage import PREV_BEST
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
 # best_model.pt layout: 2 = resolved config (every default written) + loss-term state;
@@ -91,7 +92,6 @@ def restore_random_state(saved: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(saved["cuda_rng"].cpu(), device)
 
 
-NEXT_BEST = "best_model.next.pt"  # a new best model before its epoch's checkpoint is reported
 RANK_STATES = "rank_random_states"  # a checkpoint's key: every rank's random_state(), in rank order
 
 
@@ -185,6 +185,14 @@ def _atomic_save(obj: Any, path: Path) -> None:
     replace_atomically(path, lambda tmp: torch.save(obj, tmp))
 
 
+def _saved_epoch(path: Path) -> int | None:
+    """The ``epoch`` field of a saved best model; None when there is none or it cannot be read."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True).get("epoch")
+    except Exception:  # noqa: BLE001 - missing, or cut short by the death of its writer
+        return None
+
+
 def fault_hook_from_env() -> dict[str, Any] | None:
     """The driver-side test hook: crash rank 0 once after an epoch (see FAULT_*_ENV)."""
     epoch, marker = os.environ.get(FAULT_EPOCH_ENV), os.environ.get(FAULT_MARKER_ENV)
@@ -265,7 +273,7 @@ class TrainingLoop:
         self.cfg = cfg
         self.session = session
         self.run_dir = Path(run_dir)
-        self.mirror = Mirror(self.run_dir, sync_to, exclude=(NEXT_BEST,))  # rank 0 pushes its files (no-op locally)
+        self.mirror = Mirror(self.run_dir, sync_to)  # rank 0 pushes its files to an object store (no-op otherwise)
         self.cpus_per_worker = cpus_per_worker
         self.fault = fault
         self.rank, self.world = session.rank, session.world_size
@@ -341,7 +349,7 @@ class TrainingLoop:
         self.amp_dtype = resolve_amp_dtype(cfg.train.amp)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype is torch.float16)
         self.best_path = self.run_dir / "best_model.pt"
-        self.next_best_path = self.run_dir / NEXT_BEST  # a new best until its epoch's checkpoint is reported
+        self.prev_best_path = self.run_dir / PREV_BEST  # the best a new one replaced, until its checkpoint is reported
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -356,20 +364,17 @@ class TrainingLoop:
                 self.settle_best()
 
     def settle_best(self) -> None:
-        """A new best model is written beside ``best_model.pt`` and takes its place once its epoch's checkpoint is
-        reported (:meth:`report`).  One left by an attempt that died in between is the restored progress's best
-        (the checkpoint was reported, the rename not done: it takes its place now) or an epoch the checkpoint
-        does not know (removed: ``best_model.pt`` then still holds the checkpoint's best)."""
-        if not self.next_best_path.exists():
+        """A new best model moves the one it replaces to ``best_model.prev.pt``, removed once the epoch's checkpoint
+        is reported (:meth:`validate`, :meth:`report`).  One left by an attempt that died in between goes back
+        in place when ``best_model.pt`` is not the restored progress's best and it is (the dead attempt's
+        epoch was never checkpointed); otherwise it is removed."""
+        if not self.prev_best_path.exists():
             return
-        try:
-            epoch = torch.load(self.next_best_path, map_location="cpu", weights_only=True).get("epoch")
-        except Exception:  # noqa: BLE001 - a file cut short by the death of its writer
-            epoch = None
-        if epoch is not None and epoch == self.progress.best_epoch + 1:
-            os.replace(self.next_best_path, self.best_path)
+        want = self.progress.best_epoch + 1  # the file's epoch field: 1-based
+        if _saved_epoch(self.best_path) != want and _saved_epoch(self.prev_best_path) == want:
+            os.replace(self.prev_best_path, self.best_path)
         else:
-            self.next_best_path.unlink()
+            self.prev_best_path.unlink()
 
     def _restore(self) -> None:
         with self.session.checkpoint_dir() as ckpt:
@@ -593,7 +598,10 @@ class TrainingLoop:
             if sumr > state.best_sumr:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
                 blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "format": CHECKPOINT_FORMAT}
-                _atomic_save(self._weights() | blob, self.next_best_path)  # best_model.pt once reported
+                if self.best_path.exists():  # kept until this epoch's checkpoint is reported (settle_best)
+                    os.replace(self.best_path, self.prev_best_path)
+                _atomic_save(self._weights() | blob, self.best_path)
+                self.mirror.push()
             else:
                 state.bad_epochs += 1
         self.progress = Progress(**_broadcast(asdict(state)))
@@ -634,9 +642,7 @@ class TrainingLoop:
                 state["scaler"] = self.scaler.state_dict()
             torch.save(state, tmp / "state.pt")
             self.session.report(metrics, tmp)
-        if self.next_best_path.exists():  # the checkpoint that names this epoch best is reported: it is the best now
-            os.replace(self.next_best_path, self.best_path)
-            self.mirror.push()
+        self.prev_best_path.unlink(missing_ok=True)  # the checkpoint naming the new best is reported
 
     def final_evaluation(self) -> None:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""

@@ -1,7 +1,7 @@
 """best_model.pt always holds the epoch the run reports as best, whatever point an attempt died at.
 
-A new best is written beside best_model.pt and takes its place once its epoch's recovery checkpoint is
-reported; a retry settles what a dead attempt left. The validation SumRs are scripted, so which epoch is
+A new best moves the one it replaces aside until its epoch's recovery checkpoint is reported; a retry
+settles what a dead attempt left. The validation SumRs are scripted, so which epoch is
 best does not depend on training.
 """
 
@@ -13,7 +13,8 @@ import torch
 import prvrlab.evaluation.retrieval as retrieval
 from prvrlab.platform.config import validate
 from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
-from prvrlab.platform.train.loop import NEXT_BEST, TrainingLoop
+from prvrlab.platform.storage import PREV_BEST
+from prvrlab.platform.train.loop import TrainingLoop
 from prvrlab.platform.train.session import LocalSession
 
 from train_helpers import small_raw
@@ -72,24 +73,25 @@ def test_a_best_whose_checkpoint_was_never_reported_does_not_replace_the_checkpo
     cfg = validate(small_raw(tiny_root, tmp_path, epochs=3))
     scripted([10.0, 20.0])  # epoch 2 is a new best, and the attempt dies reporting it
     assert attempt(cfg, tmp_path, DyingSession(tmp_path / "session", die_at=2)) is None
-    assert saved_epoch(tmp_path) == 1 and (tmp_path / "run" / NEXT_BEST).exists()
+    assert saved_epoch(tmp_path) == 2 and (tmp_path / "run" / PREV_BEST).exists()  # epoch 1's, set aside
     scripted([5.0, 5.0])  # the retry trains epochs 2 and 3 again, both worse than epoch 1
     final = attempt(cfg, tmp_path, DyingSession(tmp_path / "session"))
     assert final["best/epoch"] == 1 and final["best/sumr"] == 10.0
-    assert saved_epoch(tmp_path) == 1 and not (tmp_path / "run" / NEXT_BEST).exists()
+    assert saved_epoch(tmp_path) == 1 and not (tmp_path / "run" / PREV_BEST).exists()
     plain = evaluate_checkpoint(tmp_path / "run" / "best_model.pt", split="val")
     assert final["val/sumr"] == pytest.approx(plain.metrics["sumr"], abs=1e-5)  # the reported best's own weights
 
 
-def test_a_best_whose_checkpoint_was_reported_takes_its_place_on_the_retry(tiny_root, tmp_path, scripted):
+def test_a_best_whose_checkpoint_was_reported_stays_when_the_attempt_ends_in_its_report(tiny_root, tmp_path, scripted):
+    """Tune stops a trial (a scheduler's decision) inside the report of the epoch: nothing after it runs."""
     cfg = validate(small_raw(tiny_root, tmp_path, epochs=3))
-    scripted([10.0, 20.0])  # epoch 2's checkpoint is kept, then the worker dies before the best's rename
+    scripted([10.0, 20.0])
     assert attempt(cfg, tmp_path, DyingSession(tmp_path / "session", die_at=2, after_checkpoint=True)) is None
-    assert saved_epoch(tmp_path) == 1
+    assert saved_epoch(tmp_path) == 2  # what the trial's artifacts take when it was stopped here
     scripted([5.0])
     final = attempt(cfg, tmp_path, DyingSession(tmp_path / "session"))
     assert final["best/epoch"] == 2 and final["best/sumr"] == 20.0
-    assert saved_epoch(tmp_path) == 2 and not (tmp_path / "run" / NEXT_BEST).exists()
+    assert saved_epoch(tmp_path) == 2 and not (tmp_path / "run" / PREV_BEST).exists()
 
 
 def test_a_missing_best_model_stops_the_final_round_instead_of_reporting_the_last_weights(tiny_root, tmp_path, monkeypatch):
