@@ -234,6 +234,28 @@ def _base_types(annotation: Any) -> set[Any]:
     return {annotation} if annotation in (int, float, bool, str) else {Any}
 
 
+def _as_number(value: Any, annotation: Any) -> Any:
+    """A string naming a number (PyYAML reads ``3e-3``, without a dot, as the string '3e-3') as that number
+    where ``annotation`` is a numeric key's; anything else unchanged."""
+    kinds = _base_types(annotation)
+    if not isinstance(value, str) or not kinds or not kinds <= {int, float}:
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return int(number) if kinds == {int} and number.is_integer() else number
+
+
+def _condition_numbers(expected: Any, annotation: Any) -> Any:
+    """A ``when`` condition with its values read by :func:`_as_number`."""
+    if isinstance(expected, dict):
+        return {op: _condition_numbers(value, annotation) for op, value in expected.items()}
+    if isinstance(expected, list):
+        return [_as_number(value, annotation) for value in expected]
+    return _as_number(expected, annotation)
+
+
 def key_annotation(cfg: ExperimentConfig, key: str) -> Any:
     """The declared type of a dotted config key: a section field or a registered constructor
     parameter (``Any`` when unknown)."""
@@ -475,7 +497,7 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
         raise ConfigError(f"{path}: space: unknown config key '{key}'{did_you_mean(key, keys)}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping like {{loguniform: [low, high]}}, got {raw!r}")
-    when = _mapping(raw.get("when"), f"{where}.when")
+    when = {k: _condition_numbers(v, key_annotation(base, str(k))) for k, v in _mapping(raw.get("when"), f"{where}.when").items()}
     kinds = [k for k in raw if k != "when"]
     if len(kinds) != 1 or kinds[0] not in DISTRIBUTIONS:
         bad = next((k for k in kinds if k not in DISTRIBUTIONS), None)
@@ -488,7 +510,7 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
     if kind in ("choice", "grid"):
         if not isinstance(args, list) or not args:
             raise ConfigError(f"{where}.{kind}: expected a non-empty list of values, got {args!r}")
-        args = tuple(args)
+        args = tuple(_as_number(value, key_annotation(base, key)) for value in args)
     else:
         if not isinstance(args, list) or len(args) != 2:
             raise ConfigError(f"{where}.{kind}: expected [low, high], got {args!r}")

@@ -277,3 +277,33 @@ def test_variant_names_mlflow_cannot_store_are_refused_at_load_and_by_check(base
             assert err.startswith(f"prvrlab: error: {path}: variants.{name}: ") and "\n" not in err
         else:
             assert name in load_ablation_spec(path).variants
+
+
+def test_choice_and_condition_values_written_without_a_dot_are_numbers(base, tmp_path):
+    """PyYAML reads 3e-3 (no dot) as the string '3e-3': a numeric key's choices and conditions take the
+    number (a '>' condition had compared the string with 0 and ended the search after --check passed)."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "name: s\nbase_config: base.yaml\nsampler: {type: random, seed: 0}\nspace:\n"
+        "  train.epochs: {choice: [1e0, 2]}\n"
+        "  losses.query_diverse.weight: {choice: [0, 3e-3]}\n"
+        "  losses.query_diverse.delta: {uniform: [0.1, 0.3], when: {losses.query_diverse.weight: {'>': 0}}}\n"
+        "  losses.query_diverse.alpha: {choice: [16, 32], when: {losses.query_diverse.weight: 3e-3}}\n"
+    )
+    assert yaml.safe_load(path.read_text())["space"]["losses.query_diverse.weight"]["choice"][1] == "3e-3"
+    spec = load_search_spec(path)
+    params = {p.key: p for p in spec.space}
+    assert params["losses.query_diverse.weight"].args == (0, 0.003)
+    assert params["train.epochs"].args == (1, 2) and all(type(v) is int for v in params["train.epochs"].args)
+    assert params["losses.query_diverse.alpha"].when == {"losses.query_diverse.weight": 0.003}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    fn = spec.define_by_run()
+    for _ in range(10):
+        trial = study.ask()
+        fn(trial)
+        on = trial.params["losses.query_diverse.weight"] > 0
+        assert ("losses.query_diverse.delta" in trial.params) == on == ("losses.query_diverse.alpha" in trial.params)
+        study.tell(trial, 0.0)
+    words = tmp_path / "words.yaml"  # a string key keeps its strings
+    words.write_text("name: s\nbase_config: base.yaml\nspace:\n  model.window: {choice: [official, centred]}\n")
+    assert load_search_spec(words).space[0].args == ("official", "centred")
