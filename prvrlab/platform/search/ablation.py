@@ -31,6 +31,7 @@ from prvrlab.platform.search.study import (
     study_location,
     study_root,
     prepare_environment,
+    tag_study_error,
 )
 from prvrlab.platform.search.spec import AblationSpec
 from prvrlab.platform.tracking.drivers import driver_alive, driver_tags
@@ -172,6 +173,9 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
             return StudyResult(study_dir, parent, counts, None, interrupted)
     except KeyboardInterrupt:
         status = "KILLED"
+        raise
+    except Exception as exc:
+        tag_study_error(tracker, parent, exc)
         raise
     finally:
         tracker.end_run(parent, status)

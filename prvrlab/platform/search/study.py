@@ -952,6 +952,16 @@ def count_outcomes(trials, killed: set[str] = frozenset()) -> dict[str, int]:
     return counts
 
 
+def tag_study_error(tracker, parent: str, exc: BaseException) -> None:
+    """Tag a study's parent run that an error ended with ``prvrlab.status: failed`` and the error's one line
+    (best effort: the run is closed whatever this raises).  A refusal already tagged keeps its reason."""
+    try:
+        tags = {"prvrlab.status": "failed", "error": explain_exception(exc, hint=STUDY_HINT, origin="the driver").summary}
+        tracker.set_tags(parent, tags)
+    except Exception as tag_exc:  # noqa: BLE001 - the parent run must still end
+        print(f"prvrlab: warning: tagging the study's error failed: {type(tag_exc).__name__}: {tag_exc}", file=sys.stderr)
+
+
 def parent_status(tracker, parent: str, *, interrupted: bool, ok: bool, complete: bool) -> str:
     """The MLflow status a study's parent run closes with, tagging ``prvrlab.status`` when the study ran
     to its end: FAILED / ``failed`` when nothing usable came out (not ``ok``), else FINISHED with

@@ -27,6 +27,7 @@ from prvrlab.platform.search.study import (
     prepare_study,
     run_study,
     runs_for,
+    tag_study_error,
 )
 
 
@@ -195,6 +196,9 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
             return StudyResult(study_dir, parent, counts, best, interrupted)
     except KeyboardInterrupt:
         status = "KILLED"
+        raise
+    except Exception as exc:
+        tag_study_error(tracker, parent, exc)
         raise
     finally:
         tracker.end_run(parent, status)

@@ -88,3 +88,27 @@ def test_a_child_run_whose_params_fail_is_ended_and_mapped(tmp_path, monkeypatch
     assert ("error" in child.data.tags) == (status == "FAILED")
     saved = RunMap(study.study_dir)
     assert saved.trials == {"t1": child.info.run_id} and saved.closed == {"t1": status}
+
+
+@pytest.mark.parametrize("kind", ["search", "ablation"])
+def test_an_unexpected_error_in_the_driver_ends_the_parent_failed_with_its_line(tiny_root, tmp_path, monkeypatch, kind):
+    """An error the study did not foresee (a bug, a broken environment) leaves its one line on the parent run,
+    as a failed trial's run has, instead of a bare FAILED."""
+    from prvrlab.platform.search import ablation as ablation_driver
+    from prvrlab.platform.search import tuning
+    from prvrlab.platform.search.spec import load_search_spec
+
+    module = tuning if kind == "search" else ablation_driver
+    monkeypatch.setattr(module, "prepare_environment", _raises(TypeError("'>' not supported between 'str' and 'int'")))
+    if kind == "search":
+        spec = load_search_spec(tiny_spec(tmp_path, tiny_root))
+        run = lambda: tuning.search(spec, echo=None)  # noqa: E731
+    else:
+        spec = load_ablation_spec(tiny_spec(tmp_path, tiny_root, variants={"full": {}}, seeds=[0]))
+        run = lambda: ablation_driver.ablate(spec, echo=None)  # noqa: E731
+    with pytest.raises(TypeError):
+        run()
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "tests")
+    (parent,) = tracker.client.search_runs([tracker.experiment_id])
+    assert parent.info.status == "FAILED" and parent.data.tags["prvrlab.status"] == "failed"
+    assert "TypeError: '>' not supported" in parent.data.tags["error"]
