@@ -781,6 +781,20 @@ def published_pairs(run: TrialRun, split: str) -> list[tuple[str, str]]:
     return [(f"Published ({escape(source)})", recall_text(values)), ("This run − published", recall_text(deltas, signed=True))]
 
 
+def rank_trials(study: Study, scored: list[tuple[TrialRun, float]]) -> list[tuple[TrialRun, float]]:
+    """Trials best first; a tie goes to the trial the search named best (the parent's ``prvrlab.best_trial``:
+    ``tuning.best_trial`` keeps the first in start order), then to start order (``prvrlab.trial_number``)."""
+    sign = -1.0 if study.mode == "max" else 1.0
+    named = study.tags.get("prvrlab.best_trial")
+
+    def key(item: tuple[TrialRun, float]) -> tuple:
+        run, value = item
+        number = run.tags.get("prvrlab.trial_number", "")
+        return sign * value, run.trial_id != named, int(number) if number.isdigit() else math.inf, run.trial_id
+
+    return sorted(scored, key=key)
+
+
 def search_report(doc: Doc, study: Study, opt: Options) -> None:
     split = pick_split(study, opt.split)
     space = _space(study)
@@ -789,8 +803,7 @@ def search_report(doc: Doc, study: Study, opt: Options) -> None:
     for r in study.runs:
         value = objective(study, r) if r.ok else None
         scored.append((r, value))
-    sign = -1.0 if study.mode == "max" else 1.0
-    ranked = sorted([(r, v) for r, v in scored if v is not None], key=lambda x: (sign * x[1], x[0].trial_id))
+    ranked = rank_trials(study, [(r, v) for r, v in scored if v is not None])
     doc.add(f"# Search: {escape(study.name)}")
     counts = _status_counts(study.runs)
     doc.add(kv_table([

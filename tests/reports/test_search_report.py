@@ -157,3 +157,20 @@ def test_the_searched_value_of_a_metric_is_the_best_of_every_report_as_the_searc
     top = md_rows(md, "## Top trials")[2:]
     assert [(r[1], r[-1]) for r in top] == [("`t00`", f"{searched['run00']:.2f}"), ("`t01`", f"{searched['run01']:.2f}")]
     assert "val/r1: the searched value, the best the trial reported over its epochs and its final evaluation" in md
+
+
+def test_a_tie_goes_to_the_trial_the_search_named_best_then_to_start_order(tmp_path):
+    """The search keeps the first of tied trials in start order and tags the parent with it; trial ids are
+    random, so ranking ties by id named another trial (and its config) than best_config.yaml."""
+    from prvrlab.reports.report import rank_trials
+
+    runs = [search_trial(i, {LR: 1e-3 * (i + 1)}, {"final/val/sumr": sumr}) for i, sumr in enumerate([150.0, 180.0, 180.0, 180.0])]
+    for run, number in zip(runs, [4, 3, 1, 2]):  # t02 started first, then t03, t01
+        run.tags["prvrlab.trial_number"] = str(number)
+    study = fake_search(runs, {LR: {"loguniform": [1e-4, 1e-2]}})
+    scored = [(r, r.metrics["final/val/sumr"]) for r in runs]
+    assert [r.trial_id for r, _ in rank_trials(study, scored)] == ["t02", "t03", "t01", "t00"]
+    study.tags["prvrlab.best_trial"] = "t03"
+    assert [r.trial_id for r, _ in rank_trials(study, scored)] == ["t03", "t02", "t01", "t00"]
+    best = md_rows(write_report(study, tmp_path, OPT).read_text(), "## Best trial")
+    assert ["Trial", "`t03`"] in best
