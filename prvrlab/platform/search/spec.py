@@ -536,6 +536,20 @@ def _as_trials(common: dict[str, Any]) -> dict[str, Any]:
     return apply_overrides(common["base_raw"], {"train.num_workers": common["resources"].workers_per_trial})
 
 
+def _check_overridden(path: Path, params: list[SearchParam], spec_overrides: dict[str, Any], extra: dict[str, Any]) -> None:
+    """A key every trial samples (no ``when``) that ``overrides`` or ``--set`` also sets: that value would never
+    be used.  A conditional key may have one (the value its trials take where the condition does not hold)."""
+    for param in params:
+        if param.when:
+            continue
+        for where, given in (("--set", extra), ("overrides", spec_overrides)):
+            if param.key in given:
+                raise ConfigError(
+                    f"{path}: space.{param.key}: also set by {where} ({given[param.key]!r}), a value no trial would "
+                    f"use: every trial samples {param.key}; remove it from {where} or from space"
+                )
+
+
 def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = None) -> SearchSpec:
     """Read and validate a search spec; raises ConfigError naming the file and key."""
     path, raw = _read_spec(path, "search")
@@ -558,6 +572,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
             if searched is not None and searched.kind in ("choice", "grid"):
                 _check_condition_values(expected, f"{path}: space.{key}.when.{cond_key}", searched)
         params.append(param)
+    _check_overridden(path, params, _mapping(raw.get("overrides"), f"{path}: overrides"), extra_overrides or {})
 
     budget = _mapping(raw.get("budget"), f"{path}: budget")
     _check_keys(budget, ("trials", "time_limit_s"), f"{path}: budget")

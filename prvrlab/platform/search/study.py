@@ -710,6 +710,8 @@ def _spec_params(spec: StudySpec) -> dict[str, Any]:
     spec_raw = read_yaml(spec.path)
     params = {"spec.metric": spec.metric, "spec.mode": spec.mode, "spec.base_config": project_relative(spec.base_config)}
     params.update({f"spec.{k}": v for k, v in spec_raw.items() if k not in ("space", "variants", "name", "base_config")})
+    if spec.overrides:  # the file's and --set's, as applied (the file's alone left a --set unrecorded)
+        params["spec.overrides"] = spec.overrides
     for key, value in (spec_raw.get("space") or {}).items():
         params[f"space.{key}"] = value
     for key, value in (spec_raw.get("variants") or {}).items():

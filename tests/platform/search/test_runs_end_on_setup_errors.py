@@ -112,3 +112,14 @@ def test_an_unexpected_error_in_the_driver_ends_the_parent_failed_with_its_line(
     (parent,) = tracker.client.search_runs([tracker.experiment_id])
     assert parent.info.status == "FAILED" and parent.data.tags["prvrlab.status"] == "failed"
     assert "TypeError: '>' not supported" in parent.data.tags["error"]
+
+
+def test_the_parent_run_records_the_overrides_as_applied_set_included(tiny_root, tmp_path):
+    from prvrlab.platform.search.spec import load_search_spec
+
+    spec = load_search_spec(tiny_spec(tmp_path, tiny_root), extra_overrides={"train.epochs": 3})
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "tests")
+    parent = open_parent(tracker, RunMap(tmp_path / "study"), spec, "search", tmp_path / "study")
+    logged = tracker.client.get_run(parent).data.params["spec.overrides"]
+    assert "'train.epochs': 3" in logged and "'data.root'" in logged  # --set beside the file's own
+    tracker.end_run(parent, "FINISHED")

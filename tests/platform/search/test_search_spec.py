@@ -307,3 +307,19 @@ def test_choice_and_condition_values_written_without_a_dot_are_numbers(base, tmp
     words = tmp_path / "words.yaml"  # a string key keeps its strings
     words.write_text("name: s\nbase_config: base.yaml\nspace:\n  model.window: {choice: [official, centred]}\n")
     assert load_search_spec(words).space[0].args == ("official", "centred")
+
+
+def test_an_override_of_a_key_every_trial_samples_is_refused(base, tmp_path):
+    """Every trial samples train.lr, so a value from overrides or --set would never be used (it had been
+    accepted silently); a conditional key may keep one: its trials take it where the condition fails."""
+    path = write_spec(tmp_path, overrides={"train.lr": 5e-4})
+    with pytest.raises(ConfigError, match=r"space.train.lr: also set by overrides \(0.0005\), a value no trial"):
+        load_search_spec(path)
+    with pytest.raises(ConfigError, match=r"space.train.lr: also set by --set \(0.5\)"):
+        load_search_spec(write_spec(tmp_path), extra_overrides={"train.lr": 0.5})
+    space = {
+        "losses.query_diverse.weight": {"choice": [0.0, 0.003]},
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"losses.query_diverse.weight": 0.003}},
+    }
+    spec = load_search_spec(write_spec(tmp_path, space=space), extra_overrides={"losses.query_diverse.delta": 0.25})
+    assert spec.overrides["losses.query_diverse.delta"] == 0.25
