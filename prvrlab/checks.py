@@ -40,6 +40,17 @@ def check_positive_int(value: object, name: str) -> int:
     return value
 
 
+MAX_LAYERS = 256  # a stack's depth: the papers use 1-4; a typo's 10**9 would build for hours before failing
+
+
+def check_layer_count(value: object, name: str) -> int:
+    """``value`` as the number of layers of a stack: an int in [1, MAX_LAYERS]."""
+    check_positive_int(value, name)
+    if value > MAX_LAYERS:  # type: ignore[operator]
+        raise ValueError(f"{name} must be at most {MAX_LAYERS} layers, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def check_probability(value: object, name: str) -> float:
     """``value`` as a float in [0, 1)."""
     if not is_number(value) or not 0.0 <= value < 1.0:  # type: ignore[operator]
@@ -66,3 +77,9 @@ def check_choice(value: object, name: str, options: tuple[str, ...]) -> str:
     if value not in options:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first non-empty line, for a one-line message (torch's C++ errors append a stack of frames);
+    its type's name when it has no text."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)

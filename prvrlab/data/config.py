@@ -13,6 +13,9 @@ from prvrlab.checks import check_choice, check_int, check_positive_int
 from prvrlab.data.preprocess import LAST_BIN_CHOICES, NORMALIZE_CHOICES
 
 
+MAX_LENGTH = 1 << 20  # frames, clips or query tokens of one item
+
+
 @dataclass
 class DataConfig:
     """Where the features are and how they are preprocessed."""
@@ -38,7 +41,10 @@ class DataConfig:
     def check(self) -> None:
         """A ValueError naming the ``data.<key>`` that is out of range."""
         for name in ("max_frames", "num_clips", "max_query_len"):
-            check_positive_int(getattr(self, name), f"data.{name}")
+            value = check_positive_int(getattr(self, name), f"data.{name}")
+            if value > MAX_LENGTH:  # a typo's 10**20 had failed inside the run: numpy and torch refuse such sizes
+                raise ValueError(f"data.{name} must be at most {MAX_LENGTH}, got {value!r}")
+        check_int(self.synth_seed, "data.synth_seed", minimum=0)
         check_choice(self.last_bin, "data.last_bin", LAST_BIN_CHOICES)
         check_choice(self.normalize, "data.normalize", NORMALIZE_CHOICES)
         check_int(self.loader_workers, "data.loader_workers", minimum=0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from prvrlab.checks import check_positive_int
+from prvrlab.checks import check_layer_count
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import AttentionPooling, BackboneSizes, check_score_weights, init_normal_, resolve_ffn_size
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
@@ -69,7 +69,7 @@ class ARLModel(RetrievalModel):
             max_query_len=max_query_len,
         )
         ffn = resolve_ffn_size(ffn_size, hidden_size)
-        check_positive_int(num_layers, "num_layers")
+        check_layer_count(num_layers, "num_layers")
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
         self.score_weights = check_score_weights({"frame": 1.0})
 

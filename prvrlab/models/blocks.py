@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from prvrlab.checks import check_int, check_positive_int, check_probability, is_number
+from prvrlab.checks import check_int, check_layer_count, check_positive_int, check_probability, is_number
 from prvrlab.data.batch import host_lengths, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.column_sum import column_sum, relu_grad_column_sum
@@ -909,7 +909,7 @@ class SequenceEncoder(PackedLayer):
         pool: Callable[[], nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        check_positive_int(num_layers, "num_layers")
+        check_layer_count(num_layers, "num_layers")
         self.proj = InputProjection(in_dim=in_dim, out_dim=hidden_size, dropout=dropout)
         self.pos = PositionalEmbedding(max_len=max_len, hidden_size=hidden_size, dropout=dropout)
         self.layers = nn.ModuleList(layer() for _ in range(num_layers))

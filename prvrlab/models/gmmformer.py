@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from prvrlab.checks import check_bool, check_positive_int
+from prvrlab.checks import check_bool, check_layer_count
 from prvrlab.models.blocks import (
     AttentionPooling,
     BackboneSizes,
@@ -107,7 +107,7 @@ class GMMFormer(PooledFrameBackbone):
         )
         self.sigmas = parse_sigmas(sigmas)
         ffn = resolve_ffn_size(ffn_size, hidden_size)
-        check_positive_int(num_gmm_blocks, "num_gmm_blocks")
+        check_layer_count(num_gmm_blocks, "num_gmm_blocks")
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from prvrlab.checks import check_bool, check_choice, check_number, check_positive_int
+from prvrlab.checks import check_bool, check_choice, check_layer_count, check_number, check_positive_int
 from prvrlab.models import branch_mix, summary_pool
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
@@ -495,7 +495,7 @@ class GMMFormerV2(RetrievalModel):
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
         self.aggregation = aggregation
         self.tau = check_number(tau, "tau", minimum=0, strict=True)
-        check_positive_int(num_blocks, "num_blocks")
+        check_layer_count(num_blocks, "num_blocks")
         self.score_weights = check_score_weights({"clip": clip_weight, "frame": frame_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from prvrlab.checks import check_positive_int
+from prvrlab.checks import check_layer_count
 from prvrlab.models.blocks import (
     AdditiveAttentionPooling,
     BackboneSizes,
@@ -89,7 +89,7 @@ class ICEBase(PooledFrameBackbone):
             max_query_len=max_query_len,
         )
         ffn = resolve_ffn_size(ffn_size, hidden_size)
-        check_positive_int(num_layers, "num_layers")
+        check_layer_count(num_layers, "num_layers")
         self.score_weights = check_score_weights({"moment": moment_weight, "video": video_weight})
         self.hidden_size, self.max_frames, self.max_query_len = hidden_size, max_frames, max_query_len
 

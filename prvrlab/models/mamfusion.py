@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from prvrlab.checks import check_bool, check_choice, check_positive_int, check_probability
+from prvrlab.checks import check_bool, check_choice, check_layer_count, check_positive_int, check_probability
 from prvrlab.data.batch import Batch
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.blocks import (
@@ -215,7 +215,7 @@ class MamFusion(PooledFrameBackbone):
         )
         self.sigmas = parse_sigmas(sigmas)
         ffn = resolve_ffn_size(ffn_size, hidden_size)
-        check_positive_int(num_gmm_blocks, "num_gmm_blocks")
+        check_layer_count(num_gmm_blocks, "num_gmm_blocks")
         clip_span, frame_span = video_window_spans(window, window_length, max_frames)
         flags = (("mamba", mamba), ("mask_padding", mask_padding), ("mamba_norm_decay", mamba_norm_decay), ("t2v", t2v),
                  ("v2t", v2t))

@@ -42,6 +42,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def seed_value(text: str) -> int:
+    """argparse type of a resampling seed: an integer in [0, 2**32) (what NumPy and Optuna's importances take;
+    -1 had ended report and compare in a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type of counts and sizes: an integer >= 1."""
     try:
@@ -411,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else $MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when logged, else val)")
     p.add_argument("--bootstrap", type=positive_int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the resampling and importances (default 0)")
+    p.add_argument("--seed", type=seed_value, default=0, help="seed of the resampling and importances (default 0)")
     p.add_argument("--adjust", choices=["holm", "none"], default="holm",
                    help="adjust a table's p-values for its number of comparisons (default holm: Holm-Bonferroni)")
     p.add_argument("--profile", action="store_true", help="add an efficiency table (prvrlab profile of each variant's config)")
@@ -424,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when every run logged it, else val)")
     p.add_argument("--bootstrap", type=positive_int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the resampling (default 0)")
+    p.add_argument("--seed", type=seed_value, default=0, help="seed of the resampling (default 0)")
     p.add_argument("--adjust", choices=["holm", "none"], default="holm", help="adjust the p-values over the table's comparisons (default holm)")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.set_defaults(func=cmd_compare)

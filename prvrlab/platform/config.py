@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
+from prvrlab.checks import first_line
 from prvrlab.files import leaves_folder
 from prvrlab.allocator import HostAllocator
 from prvrlab.data.config import DataConfig
@@ -350,7 +351,26 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
 # ---------------------------------------------------------------- validation
 
 
+def _check_int_range(value: Any, key: str) -> None:
+    """An integer past 64 bits is no count, size or seed of a run (torch and numpy refused it later, in the run,
+    naming no key); checked after a section's own checks, which may say more."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        raise ConfigError(f"{key}: {value!r} is out of range (a 64-bit integer)")
+
+
+def _check_names(given: dict[Any, Any], where: str) -> None:
+    """A ConfigError for a key that is not a string: YAML reads unquoted numbers, yes/no/on/off/true/false and
+    null (~) as such (they had reached the key checks and ended in a TypeError traceback)."""
+    for key in given:
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"{where or 'the config'}: the key {key!r} is read as {type(key).__name__}, not as a name (YAML reads "
+                "unquoted numbers, yes/no/on/off/true/false and ~ as values: quote it)"
+            )
+
+
 def _check_keys(given: dict[str, Any], valid: typing.Iterable[str], where: str) -> None:
+    _check_names(given, where)
     valid = list(valid)
     for key in given:
         if key not in valid:
@@ -383,6 +403,8 @@ def _build_section(cls: type, raw: Any, where: str) -> Any:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    for key, value in values.items():
+        _check_int_range(value, f"{where}.{key}")
     return section
 
 
@@ -411,6 +433,7 @@ def _check_component(
         raise ConfigError(f"{where}: {exc}") from None
     out: dict[str, Any] = {}
     settable = [p for p in known if p not in derived]
+    _check_names(params, base)
     for key, value in params.items():
         if key not in settable:
             raise ConfigError(
@@ -418,6 +441,7 @@ def _check_component(
                 f"{did_you_mean(key, list(settable) + list(skip))}; valid: {', '.join(list(skip) + settable)}"
             )
         out[key] = coerce(value, known[key].annotation, f"{base}.{key}")
+        _check_int_range(out[key], f"{base}.{key}")
     for p in known.values():
         if p.name in out or p.name in derived:
             continue
@@ -467,6 +491,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     if not losses_raw:
         raise ConfigError("losses: expected a mapping of term name -> {loss, weight, ...}")
     losses: dict[str, dict[str, Any]] = {}
+    _check_names(losses_raw, "losses")
     for term, spec in losses_raw.items():
         where = f"losses.{term}"
         if not isinstance(spec, dict):
@@ -486,6 +511,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
 
     plugins_raw = _mapping(raw.get("plugins"), "plugins", "{<plugin>: {<param>: <value>}}")
     plugins: dict[str, dict[str, Any]] = {}
+    _check_names(plugins_raw, "plugins")
     for plugin_name, params in plugins_raw.items():
         where = f"plugins.{plugin_name}"
         if params is None:
@@ -588,6 +614,12 @@ def spans_ranks(train: TrainConfig, workers: int | None = None) -> bool:
     return (train.num_workers if workers is None else workers) > 1 and train.ddp_batch == "global"
 
 
+# What building a component from validated values can raise: its own checks (ValueError, TypeError), and
+# torch refusing sizes past what it can index (RuntimeError, OverflowError; MemoryError for a Python list)
+BUILD_ERRORS = (ValueError, TypeError, RuntimeError, OverflowError, MemoryError)
+MAX_PARAMETERS = 1 << 36  # ~69 billion: no PRVR model comes near; past it the sizes are a typo
+
+
 def _instantiate_check(cfg: ExperimentConfig) -> None:
     """Build model and losses once on the meta device through the model factory, so that their
     own value checks, the plug-ins' backbone checks and every component's needs run now; then
@@ -597,15 +629,21 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
     try:
         with on_meta():
             backbone = build_backbone(cfg.model, video_dim=8, query_dim=8)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"model: {exc}") from None
+    except BUILD_ERRORS as exc:
+        raise ConfigError(f"model: {first_line(exc)}") from None
+    size = sum(p.numel() for p in backbone.parameters())
+    if size > MAX_PARAMETERS:
+        raise ConfigError(
+            f"model: {size:.3g} parameters, more than {MAX_PARAMETERS:.3g}: more than any training machine holds; "
+            "check its sizes (hidden_size, ffn_size, the number of layers)"
+        )
     branches = list(getattr(backbone, "score_weights", {}))
     for term, spec in cfg.losses.items():
         try:
             with on_meta():
                 loss = LOSSES.build(spec["loss"], **{k: v for k, v in spec.items() if k not in ("loss", "weight")})
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"losses.{term}: {exc}") from None
+        except BUILD_ERRORS as exc:
+            raise ConfigError(f"losses.{term}: {first_line(exc)}") from None
         branch = spec.get("branch")
         readable = branches + (list(backbone.batch_vector_names()) if type(loss).reads_query_vectors else [])
         if spec["weight"] > 0 and isinstance(branch, str) and branches and branch not in readable:
@@ -622,8 +660,8 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
             system = build_system(
                 cfg.model, cfg.plugins, cfg.losses, video_dim=8, query_dim=8, global_batch=spans_ranks(cfg.train)
             )
-    except (ValueError, TypeError) as exc:  # PluginError and NeedsError name plugins.<name> / losses.<term>
-        raise ConfigError(str(exc)) from None
+    except BUILD_ERRORS as exc:  # PluginError and NeedsError name plugins.<name> / losses.<term>
+        raise ConfigError(first_line(exc)) from None
     provided = {f"{name}.{key}" for name, plugin in system.plugins().items() for key in plugin.aux_keys()}
     for term, spec in cfg.losses.items():
         missing = [key for key in system.losses.losses[term].required_aux() if key not in provided]

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from prvrlab.checks import first_line
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.storage import normalize
 from prvrlab.platform.tracking.store import resolve_tracking_uri
@@ -174,7 +175,7 @@ def _init_ray(num_cpus: int | None, echo: Callable[[str], None] | None = None) -
             )
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise ConfigError(
-                f"RAY_ADDRESS={address}: cannot join the Ray cluster ({_first_line(exc)}){_token_hint()}"
+                f"RAY_ADDRESS={address}: cannot join the Ray cluster ({first_line(exc)}){_token_hint()}"
             ) from None
     else:
         cpus = num_cpus or os.cpu_count()
@@ -216,6 +217,3 @@ def _token_hint() -> str:
             "RAY_AUTH_MODE=token is set, as for the ray commands")
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
+from prvrlab.checks import first_line
 from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.files import leaves_folder
 from prvrlab.registry import did_you_mean
@@ -274,7 +275,7 @@ def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, An
     try:
         table = load_ranks(local)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError... for a file that is no Parquet
-        raise ReportError(f"{artifact} cannot be read as a ranks table: {_first_line(exc)}") from None
+        raise ReportError(f"{artifact} cannot be read as a ranks table: {first_line(exc)}") from None
     missing = [c for c in RANKS_COLUMNS if c not in table.column_names]
     if missing:
         raise ReportError(f"{artifact} is not a ranks table: no column {', '.join(missing)} "
@@ -288,7 +289,7 @@ def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, An
         if "ratio" in table.column_names:
             out["ratio"] = np.asarray(table.column("ratio").to_numpy(), dtype=np.float64)[order]
     except (ValueError, TypeError, ArithmeticError) as exc:
-        raise ReportError(f"{artifact} is not a ranks table: {_first_line(exc)}") from None
+        raise ReportError(f"{artifact} is not a ranks table: {first_line(exc)}") from None
     ids = out["query_id"]
     if ids.size and (ids[1:] == ids[:-1]).any():  # sorted: a repeat sits next to its twin
         raise ReportError(f"{artifact} ranks query {str(ids[1:][ids[1:] == ids[:-1]][0])!r} more than once")
@@ -297,8 +298,6 @@ def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, An
     return out
 
 
-def _first_line(exc: BaseException) -> str:
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
 
 
 def trial_run(r: Any) -> TrialRun:

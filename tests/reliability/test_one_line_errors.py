@@ -228,3 +228,15 @@ def test_a_seeded_store_is_whole_before_mlflow_opens_it(tmp_path, monkeypatch):
         Tracker(f"sqlite:///{db}", "tests")
     assert [p.name for p in db.parent.iterdir()] == ["mlflow.db"]
     assert db.read_bytes() == template.template_path().read_bytes()
+
+
+@pytest.mark.parametrize("command", [["compare", "run_a", "run_b"], ["report", "--run-id", "parent"]])
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "x"])
+def test_a_resampling_seed_numpy_refuses_is_a_usage_error(command, seed, capsys):
+    """--seed -1 or 2**32 had ended compare and report in a traceback (NumPy's and Optuna's refusals)."""
+    from prvrlab.platform.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([*command, "--seed", seed])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--seed: expected an integer in [0, 2**32)" in err and "Traceback" not in err

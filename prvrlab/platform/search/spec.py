@@ -633,6 +633,8 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
             if problem:
                 raise ConfigError(f"{where}: this variant name cannot be recorded in MLflow (key '{key}'): {problem}")
         overrides = _mapping(overrides, where)
+        if "train.seed" in overrides:  # cells() sets every cell's seed from the seeds list: it would be ignored
+            raise ConfigError(f"{where}: train.seed: every variant runs each of the spec's seeds; list them in seeds")
         check_override_keys(overrides, base, where)
         validate_with(_as_trials(common), overrides, where)
         variants[name] = dict(overrides)
@@ -643,6 +645,9 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
     if not isinstance(seeds_raw, list) or not seeds_raw:
         raise ConfigError(f"{path}: seeds: expected a non-empty list of integers, got {seeds_raw!r}")
     seeds = tuple(_number(s, f"{path}: seeds[{i}]", integer=True, minimum=0) for i, s in enumerate(seeds_raw))
+    for i, seed in enumerate(seeds):
+        if seed >= 2**64:  # train.seed's range (the cells had failed after the study folder was made)
+            raise ConfigError(f"{path}: seeds[{i}]: must be below 2**64 (train.seed's range), got {seed!r}")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"{path}: seeds: repeated seed in {list(seeds)}")
     return AblationSpec(**common, baseline=baseline, variants=variants, seeds=seeds)

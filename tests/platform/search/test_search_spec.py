@@ -323,3 +323,15 @@ def test_an_override_of_a_key_every_trial_samples_is_refused(base, tmp_path):
     }
     spec = load_search_spec(write_spec(tmp_path, space=space), extra_overrides={"losses.query_diverse.delta": 0.25})
     assert spec.overrides["losses.query_diverse.delta"] == 0.25
+
+
+def test_an_ablation_refuses_seeds_past_train_seeds_range_and_a_variant_seed(base, tmp_path):
+    path = tmp_path / "abl.yaml"
+    raw = {"name": "a", "base_config": "base.yaml", "variants": {"full": {}}, "seeds": [0, 2**64]}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"seeds\[1\]: must be below 2\*\*64"):
+        load_ablation_spec(path)
+    raw = {"name": "a", "base_config": "base.yaml", "variants": {"full": {}, "other": {"train.seed": 5}}, "seeds": [0]}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"variants.other: train.seed: every variant runs each of the spec's seeds"):
+        load_ablation_spec(path)
