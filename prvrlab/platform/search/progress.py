@@ -82,16 +82,15 @@ class ProgressCallback(Callback):
     def _counts(self, trials, ended=None, error: bool = False) -> str:
         done = failed = running = 0
         for t in trials:
+            status = ("ERROR" if error else "TERMINATED") if t is ended else t.status
+            if status == "ERROR" or (status == "TERMINATED" and trial_outcome(t.last_result) in FAILED_OUTCOMES):
+                failed += 1
+                self.best.pop(t.trial_id, None)  # as tuning.best_trial: a failed trial is no one's best
+                continue
             if t.trial_id not in self.best and t.last_result:  # restored by a resume: reported before it
                 self._note(t, t.last_result)
-            status = ("ERROR" if error else "TERMINATED") if t is ended else t.status
             if status == "TERMINATED":
-                if trial_outcome(t.last_result) in FAILED_OUTCOMES:
-                    failed += 1
-                else:
-                    done += 1
-            elif status == "ERROR":
-                failed += 1
+                done += 1
             elif status == "RUNNING":
                 running += 1
         best = self._overall_best()

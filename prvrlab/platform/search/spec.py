@@ -596,6 +596,11 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
                 raise ConfigError(f"{path}: space.{p.key}.when: conditional keys are not supported by the grid sampler")
         grid_size = math.prod(len(p.args) for p in params)
     trials = budget.get("trials", grid_size if grid_size is not None else 10)
+    if grid_size is not None and _number(trials, f"{path}: budget.trials", integer=True, minimum=1) > grid_size:
+        raise ConfigError(
+            f"{path}: budget.trials: {trials} is more than the grid's {grid_size} points; the grid sampler would run "
+            f"points again: leave budget.trials out (it defaults to the grid's size) or use a sampler that draws"
+        )
     time_limit = budget.get("time_limit_s")
     epochs = base.train.epochs
     grace = _number(sched.get("grace_period", 1), f"{path}: scheduler.grace_period", integer=True, minimum=1)

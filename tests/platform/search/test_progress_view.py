@@ -96,3 +96,20 @@ def test_a_resumed_study_counts_the_trials_of_its_first_submission(tmp_path):
     fresh = tmp_path / "older"
     fresh.mkdir()
     assert trials_total(fresh, 3, resume=True) == 3  # recorded before there was a count: the caller's
+
+
+def test_a_trial_that_fails_is_dropped_from_the_best_so_far(capsys):
+    """A trial that reported the best value and then failed (non-finite loss, or crashed for good) is no
+    one's best, as the search's own best_trial has it."""
+    view = ProgressCallback("val/sumr", "max", 3, lambda c: f"lr={c['train.lr']:g}")
+    high, low, crash = trial("t_a", "RUNNING", 1e-3), trial("t_b", "RUNNING", 2e-3), trial("t_c", "RUNNING", 3e-3)
+    view.on_trial_result(0, [high, low, crash], high, {"kind": "epoch", "epoch": 1, "val/sumr": 190.0})
+    view.on_trial_result(0, [high, low, crash], low, {"kind": "epoch", "epoch": 1, "val/sumr": 150.0})
+    view.on_trial_result(0, [high, low, crash], crash, {"kind": "epoch", "epoch": 1, "val/sumr": 170.0})
+    assert "best val/sumr 190.00 (t_a)" in capsys.readouterr().out
+    high.status, high.last_result = "TERMINATED", {"kind": "nonfinite", "epoch": 2, "error": "non-finite loss"}
+    view.on_trial_complete(0, [high, low, crash], high)
+    assert "2 running | best val/sumr 170.00 (t_c)" in capsys.readouterr().out
+    crash.status = "ERROR"
+    view.on_trial_result(0, [high, low, crash], low, {"kind": "epoch", "epoch": 2, "val/sumr": 151.0})
+    assert "best val/sumr 151.00 (t_b)" in capsys.readouterr().out

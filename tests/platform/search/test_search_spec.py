@@ -335,3 +335,11 @@ def test_an_ablation_refuses_seeds_past_train_seeds_range_and_a_variant_seed(bas
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"variants.other: train.seed: every variant runs each of the spec's seeds"):
         load_ablation_spec(path)
+
+
+def test_a_grid_budget_past_the_grid_is_refused(base, tmp_path):
+    """The grid sampler runs its points again past the grid (Optuna only warns, in study.log)."""
+    space = {"train.lr": {"grid": [1e-3, 1e-4]}, "losses.clip_nce.weight": {"choice": [0.01, 0.02, 0.05]}}
+    with pytest.raises(ConfigError, match=r"budget.trials: 9 is more than the grid's 6 points"):
+        load_search_spec(write_spec(tmp_path, space=space, sampler={"type": "grid"}, budget={"trials": 9}))
+    assert load_search_spec(write_spec(tmp_path, space=space, sampler={"type": "grid"}, budget={"trials": 4})).trials == 4
