@@ -354,15 +354,21 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     from prvrlab.data.config import DataConfig
     from prvrlab.data.collection import collection_root, visual_feature_of
     from prvrlab.data.text import caption_splits
-    from prvrlab.platform.config import load_config
+    from prvrlab.platform.config import ConfigError, load_config
 
     splits = None
+    given = [f"--{name.replace('_', '-')}" for name in ("root", "collection", "visual_feature", "text_feature")
+             if getattr(args, name) is not None]
+    if args.config and given:  # they had been ignored silently
+        raise ConfigError(f"{given[0]}: not used with --config, which names the data; override it with --set data.<key>=...")
+    if args.set and not args.config:
+        raise ConfigError("--set: overrides the config --config names; without --config use --root, --collection, ...")
     if args.config:
         data = load_config(args.config, _overrides(args.set)).data
     else:
         data = DataConfig(
-            root=args.root,
-            collection=args.collection,
+            root=args.root or "data/synth",
+            collection=args.collection or "synth",
             visual_feature=args.visual_feature,
             text_feature=args.text_feature,
         )
@@ -472,8 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = data.add_parser("inspect", help="summarise and check a collection")
     p.add_argument("--config", default=None, help="take the data section of this experiment config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override of --config, repeatable")
-    p.add_argument("--root", default="data/synth", help="folder holding FeatureData/ and TextData/, or its parent (default data/synth)")
-    p.add_argument("--collection", default="synth", help="collection name, the caption file prefix (default synth)")
+    p.add_argument("--root", default=None, help="folder holding FeatureData/ and TextData/, or its parent (default data/synth)")
+    p.add_argument("--collection", default=None, help="collection name, the caption file prefix (default synth)")
     p.add_argument(
         "--visual-feature", default=None, help="FeatureData/ BigFile folder or .hdf5 file (default: the only one there)"
     )

@@ -370,3 +370,13 @@ def test_a_checkpoint_naming_a_missing_synthetic_root_elsewhere_creates_nothing(
         f"there with  prvrlab data synth --preset tiny --seed 0 --out {elsewhere}  (or give --data-root)"
     )
     assert not (tmp_path / "anywhere").exists()
+
+
+def test_data_inspect_refuses_options_its_config_would_override(tmp_path, capsys):
+    """--root, --collection, ... with --config, and --set without it, had been ignored silently."""
+    config = tmp_path / "c.yaml"
+    config.write_text("name: c\n")
+    assert main(["data", "inspect", "--config", str(config), "--root", str(tmp_path / "nope")]) == EXIT_BAD_INPUT
+    assert "--root: not used with --config" in capsys.readouterr().err
+    assert main(["data", "inspect", "--root", str(tmp_path), "--set", "data.root=/nope"]) == EXIT_BAD_INPUT
+    assert "--set: overrides the config --config names" in capsys.readouterr().err
