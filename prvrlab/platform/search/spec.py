@@ -563,14 +563,26 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     if not space_raw:
         raise ConfigError(f"{path}: space: expected at least one searched key")
     params: list[SearchParam] = []
+    flat = validate(trial_raw).flat()  # what a key not searched is in every trial
     for key, value in space_raw.items():
         param = _param(path, str(key), value, trial_raw, keys, base)
         for cond_key, expected in param.when.items():
             if cond_key in space_raw and cond_key not in [p.key for p in params]:
                 raise ConfigError(f"{path}: space.{key}.when: '{cond_key}' must be listed before '{key}'")
             searched = next((p for p in params if p.key == cond_key), None)
+            where = f"{path}: space.{key}.when.{cond_key}"
             if searched is not None and searched.kind in ("choice", "grid"):
-                _check_condition_values(expected, f"{path}: space.{key}.when.{cond_key}", searched)
+                _check_condition_values(expected, where, searched)
+            elif searched is not None and searched.kind in ("uniform", "loguniform") and _named_values(expected):
+                raise ConfigError(
+                    f"{where}: '{cond_key}' is drawn from a continuous range, which an equality or membership test "
+                    "(almost) never matches or always does; compare it with >, >=, < or <="
+                )
+            elif searched is None and not condition_holds(flat.get(cond_key), expected):
+                raise ConfigError(
+                    f"{where}: never holds: '{cond_key}' is not searched and is {flat.get(cond_key)!r} in every trial, "
+                    f"so '{key}' would never be sampled"
+                )
         params.append(param)
     _check_overridden(path, params, _mapping(raw.get("overrides"), f"{path}: overrides"), extra_overrides or {})
 

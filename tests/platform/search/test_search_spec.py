@@ -343,3 +343,20 @@ def test_a_grid_budget_past_the_grid_is_refused(base, tmp_path):
     with pytest.raises(ConfigError, match=r"budget.trials: 9 is more than the grid's 6 points"):
         load_search_spec(write_spec(tmp_path, space=space, sampler={"type": "grid"}, budget={"trials": 9}))
     assert load_search_spec(write_spec(tmp_path, space=space, sampler={"type": "grid"}, budget={"trials": 4})).trials == 4
+
+
+def test_conditions_that_never_hold_or_test_a_continuous_key_for_equality_are_refused(base, tmp_path):
+    """Both had passed --check and left the conditional key unsampled in every trial."""
+    continuous = {
+        "train.lr": {"loguniform": [1e-4, 1e-2]},
+        "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"train.lr": 0.0005}},
+    }
+    with pytest.raises(ConfigError, match=r"when.train.lr: 'train.lr' is drawn from a continuous range"):
+        load_search_spec(write_spec(tmp_path, space=continuous))
+    ordered = {**continuous, "losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"train.lr": {">": 1e-3}}}}
+    assert len(load_search_spec(write_spec(tmp_path, space=ordered)).space) == 2
+    never = {"losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"train.epochs": 99}}}
+    with pytest.raises(ConfigError, match=r"when.train.epochs: never holds: 'train.epochs' is not searched and is 8"):
+        load_search_spec(write_spec(tmp_path, space=never))
+    holds = {"losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"train.epochs": 8}}}
+    assert load_search_spec(write_spec(tmp_path, space=holds)).space[0].when == {"train.epochs": 8}
