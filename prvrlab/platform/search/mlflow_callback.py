@@ -189,7 +189,6 @@ class MlflowStudyCallback(Callback):
             tracker.log_artifacts(run_id, sorted(files.glob("ranks_*.parquet")), "ranks")
             tracker.log_artifacts(run_id, sorted((files / DISTRIBUTIONS_DIR).glob("*.json")), DISTRIBUTIONS_DIR)
             tracker.log_artifacts(run_id, [files / "best_model.pt"], "checkpoints")
-            (files / storage.PREV_BEST).unlink(missing_ok=True)  # left by a trial stopped inside its report
         tracker.set_tags(run_id, tags)
         tracker.end_run(run_id, status)
         self._open.discard(trial_id)

@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from prvrlab.files import replace_atomically, write_text_atomically
 from prvrlab.platform.config import ExperimentConfig, spans_ranks, validate
-from prvrlab.platform.storage import PREV_BEST
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
 
 # best_model.pt layout: 2 = resolved config (every default written) + loss-term state;
@@ -185,11 +184,13 @@ def _atomic_save(obj: Any, path: Path) -> None:
     replace_atomically(path, lambda tmp: torch.save(obj, tmp))
 
 
-def _saved_epoch(path: Path) -> int | None:
-    """The ``epoch`` field of a saved best model; None when there is none or it cannot be read."""
+def _saved_best(path: Path) -> tuple[int, float] | None:
+    """A saved best model's (0-based epoch, validation SumR); None when the file is missing, unreadable or written
+    before the SumR was saved with it."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True).get("epoch")
-    except Exception:  # noqa: BLE001 - missing, or cut short by the death of its writer
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        return int(blob["epoch"]) - 1, float(blob["val_sumr"])
+    except Exception:  # noqa: BLE001 - missing, an older file, or cut short by the death of its writer
         return None
 
 
@@ -349,37 +350,39 @@ class TrainingLoop:
         self.amp_dtype = resolve_amp_dtype(cfg.train.amp)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype is torch.float16)
         self.best_path = self.run_dir / "best_model.pt"
-        self.prev_best_path = self.run_dir / PREV_BEST  # the best a new one replaced, until its checkpoint is reported
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def restore(self) -> None:
         """Resume from the session's latest checkpoint (weights, optimiser, schedule, fp16 gradient scaler, this
         rank's RNG (:func:`rank_random_state`), progress); a checkpoint without the scaler's state (written before
-        it was saved) starts a fresh scaler.  Then the best model agrees with the progress (:meth:`settle_best`)."""
-        try:
-            self._restore()
-        finally:
-            if self.rank == 0:
-                self.settle_best()
+        it was saved) starts a fresh scaler.  Then the progress takes its best from ``best_model.pt``
+        (:meth:`adopt_saved_best`)."""
+        if self._restore():
+            self.adopt_saved_best()
 
-    def settle_best(self) -> None:
-        """A new best model moves the one it replaces to ``best_model.prev.pt``, removed once the epoch's checkpoint
-        is reported (:meth:`validate`, :meth:`report`).  One left by an attempt that died in between goes back
-        in place when ``best_model.pt`` is not the restored progress's best and it is (the dead attempt's
-        epoch was never checkpointed); otherwise it is removed."""
-        if not self.prev_best_path.exists():
-            return
-        want = self.progress.best_epoch + 1  # the file's epoch field: 1-based
-        if _saved_epoch(self.best_path) != want and _saved_epoch(self.prev_best_path) == want:
-            os.replace(self.prev_best_path, self.best_path)
-        else:
-            self.prev_best_path.unlink()
+    def adopt_saved_best(self) -> None:
+        """``best_model.pt`` is written when an epoch validates best, before that epoch's checkpoint is saved; an
+        attempt that died in between (or whose checkpoint a session had not saved yet: Tune saves a reused pool's
+        later) left a best the restored progress does not know, while the weights of the best it knows are
+        gone.  The progress then takes the file's epoch and SumR, so the best reported is the one evaluated.
+        Every rank joins (a broadcast)."""
+        state = self.progress
+        if self.rank == 0:
+            saved = _saved_best(self.best_path)
+            if saved is not None and saved != (state.best_epoch, state.best_sumr):
+                print(f"best_model.pt holds epoch {saved[0] + 1} (val SumR {saved[1]:.2f}), not the checkpoint's best "
+                      f"epoch {state.best_epoch + 1}: an earlier attempt wrote it after its last saved checkpoint; "
+                      "it is the run's best now", file=sys.stderr, flush=True)
+                state.best_epoch, state.best_sumr = saved
+                state.bad_epochs = max(0, state.epoch - saved[0])  # epochs since it (none when it is later)
+        self.progress = Progress(**_broadcast(asdict(state)))
 
-    def _restore(self) -> None:
+    def _restore(self) -> bool:
+        """:meth:`restore`'s loading; whether there was a checkpoint."""
         with self.session.checkpoint_dir() as ckpt:
             if ckpt is None:
-                return
+                return False
             path = Path(ckpt) / "state.pt"
             saved = torch.load(path, map_location=self.device, weights_only=True)
             parts = [("model weights", self.model, "model"), ("optimiser state", self.optimizer, "optimizer"),
@@ -407,6 +410,7 @@ class TrainingLoop:
                 wrote = f"{saved_ranks} rank(s)" if saved_ranks else "an older prvrlab (rank 0's random state only)"
                 print(f"resuming {self.world} ranks from a checkpoint of {wrote}: the ranks without their own saved "
                       "random state draw from a seed derived from train.seed and the step", file=sys.stderr, flush=True)
+        return True
 
     def wrap(self) -> torch.nn.Module:
         """The module the steps run: the system, in DDP when there are several ranks.
@@ -587,6 +591,7 @@ class TrainingLoop:
 
         metrics: dict[str, float] = {}
         state = self.progress
+        previous_best = state.best_epoch  # an adopted best (adopt_saved_best) may be this epoch of a dead attempt
         result = evaluate(
             self.model, self.collection, self.cfg.data.val_split, self.cfg.eval, device=self.device,
             amp_dtype=self.amp_dtype, rank=self.rank, world_size=self.world,
@@ -597,16 +602,14 @@ class TrainingLoop:
             sumr = result.metrics["sumr"]
             if sumr > state.best_sumr:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
-                blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "format": CHECKPOINT_FORMAT}
-                if self.best_path.exists():  # kept until this epoch's checkpoint is reported (settle_best)
-                    os.replace(self.best_path, self.prev_best_path)
+                blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "val_sumr": sumr, "format": CHECKPOINT_FORMAT}
                 _atomic_save(self._weights() | blob, self.best_path)
                 self.mirror.push()
             else:
                 state.bad_epochs += 1
         self.progress = Progress(**_broadcast(asdict(state)))
         self.progress.epoch = epoch
-        if self.progress.best_epoch == epoch:  # every rank: the final round reuses this evaluation
+        if self.progress.best_epoch == epoch != previous_best:  # every rank: the final round reuses this evaluation
             self.best_val = (epoch, result)
         return metrics
 
@@ -642,7 +645,6 @@ class TrainingLoop:
                 state["scaler"] = self.scaler.state_dict()
             torch.save(state, tmp / "state.pt")
             self.session.report(metrics, tmp)
-        self.prev_best_path.unlink(missing_ok=True)  # the checkpoint naming the new best is reported
 
     def final_evaluation(self) -> None:
         """The ``kind="final"`` round: the best model on ``eval.final_splits``, per-query ranks written."""

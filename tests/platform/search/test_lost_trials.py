@@ -133,17 +133,3 @@ def test_unmapped_child_runs_the_sentinel_already_closed_are_marked_lost_or_reat
     assert client.get_run(unsaved["done"]).info.status == "FINISHED"
     children = client.search_runs([tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
     assert len(children) == 6
-
-
-def test_a_closed_trial_logs_its_best_model_and_drops_the_one_a_stop_left_aside(tmp_path):
-    """A trial stopped inside its report leaves the best model its last best replaced as best_model.prev.pt."""
-    from prvrlab.platform.storage import PREV_BEST
-
-    study, runs, client = _study(tmp_path)
-    files = study.trial_dir("known")
-    files.mkdir(parents=True)
-    (files / "best_model.pt").write_bytes(b"new best")
-    (files / PREV_BEST).write_bytes(b"older best")
-    MlflowStudyCallback(study).close_id("known", "FINISHED", {})
-    assert [f.path for f in client.list_artifacts(runs["known"], "checkpoints")] == ["checkpoints/best_model.pt"]
-    assert not (files / PREV_BEST).exists() and (files / "best_model.pt").exists()

@@ -1,8 +1,9 @@
-"""best_model.pt always holds the epoch the run reports as best, whatever point an attempt died at.
+"""The best model a run reports is the one in best_model.pt, whatever point an attempt died at.
 
-A new best moves the one it replaces aside until its epoch's recovery checkpoint is reported; a retry
-settles what a dead attempt left. The validation SumRs are scripted, so which epoch is
-best does not depend on training.
+best_model.pt is written when an epoch validates best, before that epoch's checkpoint is saved (a reused
+pool's session saves it later still). A retry resumed from an earlier checkpoint takes the file's epoch and
+SumR as its best: the weights of the best the checkpoint knew are gone. The validation SumRs are scripted,
+so which epoch is best does not depend on training.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 import prvrlab.evaluation.retrieval as retrieval
 from prvrlab.platform.config import validate
 from prvrlab.platform.train.checkpoint_eval import evaluate_checkpoint
-from prvrlab.platform.storage import PREV_BEST
 from prvrlab.platform.train.loop import TrainingLoop
 from prvrlab.platform.train.session import LocalSession
 
@@ -65,33 +65,33 @@ def attempt(cfg, tmp_path, session):
     return session.reports[-1]
 
 
-def saved_epoch(tmp_path) -> int:
-    return torch.load(tmp_path / "run" / "best_model.pt", map_location="cpu", weights_only=True)["epoch"]
+def saved(tmp_path) -> tuple[int, float]:
+    blob = torch.load(tmp_path / "run" / "best_model.pt", map_location="cpu", weights_only=True)
+    return blob["epoch"], blob["val_sumr"]
 
 
-def test_a_best_whose_checkpoint_was_never_reported_does_not_replace_the_checkpoints_best(tiny_root, tmp_path, scripted):
+def test_a_best_whose_checkpoint_was_never_saved_is_the_runs_best_on_the_retry(tiny_root, tmp_path, scripted, capsys):
     cfg = validate(small_raw(tiny_root, tmp_path, epochs=3))
-    scripted([10.0, 20.0])  # epoch 2 is a new best, and the attempt dies reporting it
+    scripted([10.0, 20.0])  # epoch 2 is a new best, and the attempt dies before its checkpoint is kept
     assert attempt(cfg, tmp_path, DyingSession(tmp_path / "session", die_at=2)) is None
-    assert saved_epoch(tmp_path) == 2 and (tmp_path / "run" / PREV_BEST).exists()  # epoch 1's, set aside
-    scripted([5.0, 5.0])  # the retry trains epochs 2 and 3 again, both worse than epoch 1
+    assert saved(tmp_path) == (2, 20.0)  # epoch 1's weights are gone
+    scripted([5.0, 5.0])  # the retry trains epochs 2 and 3 again, both worse
     final = attempt(cfg, tmp_path, DyingSession(tmp_path / "session"))
-    assert final["best/epoch"] == 1 and final["best/sumr"] == 10.0
-    assert saved_epoch(tmp_path) == 1 and not (tmp_path / "run" / PREV_BEST).exists()
+    assert "best_model.pt holds epoch 2 (val SumR 20.00), not the checkpoint's best epoch 1" in capsys.readouterr().err
+    assert (final["best/epoch"], final["best/sumr"]) == saved(tmp_path) == (2, 20.0)
     plain = evaluate_checkpoint(tmp_path / "run" / "best_model.pt", split="val")
-    assert final["val/sumr"] == pytest.approx(plain.metrics["sumr"], abs=1e-5)  # the reported best's own weights
+    # the final round evaluates the file's weights (not the retried epoch 2's validation, scripted to 5)
+    assert final["val/sumr"] == pytest.approx(plain.metrics["sumr"], abs=1e-5)
 
 
-def test_a_best_whose_checkpoint_was_reported_stays_when_the_attempt_ends_in_its_report(tiny_root, tmp_path, scripted):
-    """Tune stops a trial (a scheduler's decision) inside the report of the epoch: nothing after it runs."""
+def test_a_best_whose_checkpoint_was_saved_is_kept_as_it_is(tiny_root, tmp_path, scripted, capsys):
     cfg = validate(small_raw(tiny_root, tmp_path, epochs=3))
     scripted([10.0, 20.0])
     assert attempt(cfg, tmp_path, DyingSession(tmp_path / "session", die_at=2, after_checkpoint=True)) is None
-    assert saved_epoch(tmp_path) == 2  # what the trial's artifacts take when it was stopped here
     scripted([5.0])
     final = attempt(cfg, tmp_path, DyingSession(tmp_path / "session"))
-    assert final["best/epoch"] == 2 and final["best/sumr"] == 20.0
-    assert saved_epoch(tmp_path) == 2 and not (tmp_path / "run" / PREV_BEST).exists()
+    assert "best_model.pt holds" not in capsys.readouterr().err
+    assert (final["best/epoch"], final["best/sumr"]) == saved(tmp_path) == (2, 20.0)
 
 
 def test_a_missing_best_model_stops_the_final_round_instead_of_reporting_the_last_weights(tiny_root, tmp_path, monkeypatch):
