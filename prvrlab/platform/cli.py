@@ -503,10 +503,12 @@ STORE_ERRORS = (("mlflow.exceptions", "MlflowException"), ("sqlalchemy.exc", "SQ
 def _store_error_line(exc: Exception) -> str | None:
     """One line for an MLflow store or file-system error that reached :func:`main` (None for any other
     error, left to its traceback): its first line, after the store whose Tracker client raised it if one did."""
+    from prvrlab.checks import first_line
+
     kinds = tuple(k for k in (getattr(sys.modules.get(m), n, None) for m, n in STORE_ERRORS) if k is not None)
     if not isinstance(exc, (OSError, *kinds)):  # the store's kinds only once loaded: never imported here
         return None
-    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    reason = first_line(exc)
     store = sys.modules.get("prvrlab.platform.tracking.store")  # loaded once a Tracker was opened
     uri = store.store_uri(exc) if store is not None else None
     return f"MLflow store {uri}: {reason}" if uri else reason

@@ -33,14 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prvrlab.checks import first_line
 from prvrlab.files import leaves_folder, replace_atomically
 from prvrlab.platform.config import ConfigError
 
 KEY = "tracking.storage_path"
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
-PREV_BEST = "best_model.prev.pt"  # the best model a new best replaced, kept until that epoch's checkpoint is reported
-NEVER_SYNCED = ("progress.json", "*.tmp", "*.part", "local_session", PREV_BEST)  # rewritten every second / half-written
-# / scratch / a local recovery aid
+NEVER_SYNCED = ("progress.json", "*.tmp", "*.part", "local_session")  # rewritten every second / half-written / scratch
 WORKER_FILES = ("best_model.pt", "ranks_*.parquet")  # pushed by rank 0 itself
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 _MALFORMED = re.compile(r"^(s3|gs|gcs|file):(?!//)", re.IGNORECASE)  # s3:/bucket, gs:bucket: a URI missing a slash
@@ -294,8 +293,7 @@ def check(value: str, key: str = KEY, *, create: bool = True) -> None:
             out.write(b"")
         fs.delete_file(path)
     except Exception as exc:  # pyarrow raises OSError or ArrowInvalid/ArrowException subclasses
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{key} {value}: not writable ({first})") from None
+        raise ConfigError(f"{key} {value}: not writable ({first_line(exc)})") from None
 
 
 def check_file(value: str, key: str) -> None:
@@ -328,8 +326,7 @@ def fetch(uri: str, key: str = KEY) -> Path:
         fs, path = _filesystem(location.uri)
         return replace_atomically(target, lambda tmp: _download(fs, path, tmp))
     except Exception as exc:  # OSError, FileNotFoundError, pyarrow's ArrowException
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{key} {uri}: cannot be read ({first})") from None
+        raise ConfigError(f"{key} {uri}: cannot be read ({first_line(exc)})") from None
 
 
 def _download(fs, path: str, local: Path) -> None:

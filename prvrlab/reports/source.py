@@ -332,7 +332,7 @@ def mlflow_client(uri: str, *, existing: bool = False):
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)
     except (MlflowException, OSError) as exc:
-        reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        reason = first_line(exc)
         raise ReportError(f"tracking store {uri}: cannot use it: {reason}") from None
     return client
 

@@ -55,6 +55,8 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from prvrlab.checks import first_line
+
 NAMESPACE = "prvrlab"
 LEASE_S = 15.0  # a grant or a wait not renewed for this long lapses (its trial is gone)
 POLL_S = 1.0  # how often a waiting trial asks again
@@ -398,7 +400,7 @@ class LedgerPoller:
                 self.reporter.observe(ray.get(ready[0]))
                 self._error = None
             except Exception as exc:  # the ledger restarting after its node died: said once
-                error = str(exc).splitlines()[0]
+                error = first_line(exc)  # an empty message had been an IndexError
                 if error != self._error:
                     self.reporter.say(f"admission status unavailable: {error}")
                 self._error = error

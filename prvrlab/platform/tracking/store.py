@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from prvrlab.checks import is_number
+from prvrlab.checks import first_line, is_number
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import carries_interrupt
 from prvrlab.platform.tracking import closer, template
@@ -129,9 +129,7 @@ def store_errors(uri: str) -> Iterator[None]:
     try:
         yield
     except (MlflowException, SQLAlchemyError, OSError) as exc:
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        reason = lines[0] if lines else type(exc).__name__
-        raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {reason}") from None
+        raise ConfigError(f"tracking.uri {uri}: cannot use this MLflow store: {first_line(exc)}") from None
 
 
 def _sqlite_problem(uri: str) -> str | None:
