@@ -636,6 +636,9 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
     path, raw = _read_spec(path, "ablate")
     _check_keys(raw, ABLATION_KEYS, str(path))
     common = _common(path, raw, extra_overrides)
+    for where, given in (("--set", extra_overrides or {}), ("overrides", _mapping(raw.get("overrides"), f"{path}: overrides"))):
+        if "train.seed" in given:  # cells() sets every cell's seed from the seeds list: it would be ignored
+            raise ConfigError(f"{path}: {where}: train.seed: every variant runs each of the spec's seeds; list them in seeds")
     base = validate(common["base_raw"])
     variants_raw = _mapping(raw.get("variants"), f"{path}: variants")
     if not variants_raw:

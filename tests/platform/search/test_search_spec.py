@@ -360,3 +360,15 @@ def test_conditions_that_never_hold_or_test_a_continuous_key_for_equality_are_re
         load_search_spec(write_spec(tmp_path, space=never))
     holds = {"losses.query_diverse.delta": {"uniform": [0.1, 0.3], "when": {"train.epochs": 8}}}
     assert load_search_spec(write_spec(tmp_path, space=holds)).space[0].when == {"train.epochs": 8}
+
+
+def test_an_ablation_refuses_train_seed_in_its_overrides_or_set(base, tmp_path):
+    path = tmp_path / "abl.yaml"
+    raw = {"name": "a", "base_config": "base.yaml", "variants": {"full": {}}, "seeds": [0, 1], "overrides": {"train.seed": 7}}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"overrides: train.seed: every variant runs each of the spec's seeds"):
+        load_ablation_spec(path)
+    del raw["overrides"]
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"--set: train.seed"):
+        load_ablation_spec(path, extra_overrides={"train.seed": 7})
