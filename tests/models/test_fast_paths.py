@@ -15,7 +15,7 @@ import prvrlab.models.gmm as gmm
 from prvrlab.models.base import set_activation_checkpointing
 from prvrlab.models.blocks import Packing
 from prvrlab.models.gmm import GaussianAttention, gaussian_window
-from test_backbones import NAMES, build, standard_batch
+from test_backbones import BUILT_IN, NAMES, build, standard_batch
 from device_under_test import DEVICE
 
 BACKBONES = NAMES  # every registered backbone: each optimised path must keep its results
@@ -143,7 +143,10 @@ def test_checkpointed_input_projections_equal_one_pass_fp32(name):
     batch = standard_batch()
     torch.manual_seed(1)
     plain, plain_grads = outputs(model, batch, fast=True)
-    assert set_activation_checkpointing(model, True) >= 2
+    switched = set_activation_checkpointing(model, True)
+    if switched == 0 and name not in BUILT_IN:
+        pytest.skip(f"{name} has no checkpointable parts (train.checkpoint_activations changes nothing)")
+    assert switched >= 2
     torch.manual_seed(1)
     ckpt, ckpt_grads = outputs(model, batch, fast=True)
     assert plain.keys() == ckpt.keys() and plain_grads.keys() == ckpt_grads.keys()
@@ -263,6 +266,8 @@ def test_inference_input_projection_of_mostly_real_batches_runs_padded(monkeypat
     projections run on the padded layout, and the embeddings equal the packed path's (fp32, 1e-5)."""
     torch.manual_seed(0)
     model = build(name).eval()
+    if name not in BUILT_IN and not any(isinstance(m, blocks.InputProjection) for m in model.modules()):
+        pytest.skip(f"{name} has no InputProjection")
     batch = standard_batch()
     B, L = batch.frame_mask.shape
     mask = torch.ones(B, L, dtype=torch.bool)

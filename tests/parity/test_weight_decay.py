@@ -61,7 +61,8 @@ def models() -> list:
 
 @pytest.mark.parametrize("backbone,plugins,losses", models())
 def test_decay_group_is_everything_but_biases_and_norm_affines(backbone, plugins, losses):
-    cfg = {"name": backbone, "hidden_size": 32, "num_heads": 4}
+    sizes = {"hidden_size": 32, "num_heads": 4}
+    cfg = {"name": backbone, **{k: v for k, v in sizes.items() if k in BACKBONES.params(backbone)}}
     if losses:
         model: nn.Module = build_system(cfg, plugins, losses, **DIMS)
     else:

@@ -13,6 +13,7 @@ from prvrlab.platform.config import (
     parse_override,
     validate,
 )
+from prvrlab.registry import BACKBONES, PLUGINS
 
 from config_helpers import base
 
@@ -22,10 +23,13 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
-    stem = path.stem.rsplit("_", 1)[0]  # <backbone>[_<plugin>...]_<collection>
+    stem = path.stem.rsplit("_", 1)[0]  # <backbone>[_<plugin>...][_<what else it adds>]_<collection>
     for plugin in cfg.plugins:
         stem = stem.removesuffix(f"_{plugin}")
-    assert cfg.backbone == stem
+    longer = [name for name in BACKBONES.names() if len(name) > len(cfg.backbone) and stem.startswith(name)]
+    assert (cfg.backbone == stem or stem.startswith(f"{cfg.backbone}_")) and not longer, "name it <backbone>_..."
+    rest = stem[len(cfg.backbone):].strip("_").split("_")  # what else it adds: no plug-in it does not enable
+    assert not set(rest) & set(PLUGINS.names()), f"{path.name} names a plug-in it does not enable"
     assert sum(spec["weight"] for spec in cfg.losses.values()) > 0
 
 

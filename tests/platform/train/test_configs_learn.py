@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from prvrlab.platform.config import load_raw
+from prvrlab.registry import BACKBONES
 
 from train_helpers import untrained_val_sumr, val_sumr_by_epoch
 
@@ -21,7 +22,8 @@ def tiny_raw(path: Path, root: Path, tmp: Path) -> dict:
     """The config with its model shrunk (width 32, 2 heads, no dropout) and 6 short epochs on ``root``."""
     raw = load_raw(path)  # its extends resolved
     raw["data"] = {"root": str(root), "collection": "synth", "visual_feature": "synth_feat"}
-    raw["model"].update(hidden_size=32, num_heads=2, dropout=0.0)
+    known = BACKBONES.params(raw["model"]["name"])
+    raw["model"].update({k: v for k, v in {"hidden_size": 32, "num_heads": 2, "dropout": 0.0}.items() if k in known})
     if "ffn_size" in raw["model"]:
         raw["model"]["ffn_size"] = 64
     if "arl" in raw.get("plugins", {}):
