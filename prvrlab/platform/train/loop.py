@@ -358,17 +358,16 @@ class TrainingLoop:
         rank's RNG (:func:`rank_random_state`), progress); a checkpoint without the scaler's state (written before
         it was saved) starts a fresh scaler.  Then the progress takes its best from ``best_model.pt``
         (:meth:`adopt_saved_best`)."""
-        if self._restore():
-            self.adopt_saved_best()
+        self.adopt_saved_best(restored=self._restore())
 
-    def adopt_saved_best(self) -> None:
+    def adopt_saved_best(self, *, restored: bool) -> None:
         """``best_model.pt`` is written when an epoch validates best, before that epoch's checkpoint is saved; an
         attempt that died in between (or whose checkpoint a session had not saved yet: Tune saves a reused pool's
         later) left a best the restored progress does not know, while the weights of the best it knows are
         gone.  The progress then takes the file's epoch and SumR, so the best reported is the one evaluated.
-        Every rank joins (a broadcast)."""
+        Every rank joins (a broadcast of rank 0's progress), restored or not."""
         state = self.progress
-        if self.rank == 0:
+        if self.rank == 0 and restored:
             saved = _saved_best(self.best_path)
             if saved is not None and saved != (state.best_epoch, state.best_sumr):
                 print(f"best_model.pt holds epoch {saved[0] + 1} (val SumR {saved[1]:.2f}), not the checkpoint's best "
