@@ -41,6 +41,9 @@ def tiny_spec(tmp: Path, tiny_root: Path, name: str = "tiny", overrides: dict | 
     if "variants" not in fields:
         spec.update({"budget": {"trials": 3}, "sampler": {"type": "tpe", "seed": 0}, "space": {"train.lr": {"loguniform": [3e-4, 3e-3]}}})
     spec.update(fields)
+    sampled = [k for k, v in (spec.get("space") or {}).items() if isinstance(v, dict) and "when" not in v]
+    for key in sampled:  # a key every trial samples takes no override (the spec would be refused)
+        spec["overrides"].pop(key, None)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
