@@ -667,6 +667,12 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
         missing = [key for key in system.losses.losses[term].required_aux() if key not in provided]
         if missing and spec["weight"] > 0:
             section = missing[0].split(".", 1)[0]
+            if section in cfg.plugins:  # enabled, but a switch of it leaves that output out
+                raise ConfigError(
+                    f"losses.{term}: loss '{spec['loss']}' reads {', '.join(missing)} from the model output, which "
+                    f"plugins.{section} does not produce with its parameters (a part of it switched off?); switch that "
+                    f"part on or set losses.{term}.weight: 0"
+                )
             raise ConfigError(
                 f"losses.{term}: loss '{spec['loss']}' reads {', '.join(missing)} from the model output, "
                 f"which no enabled plug-in produces; enable it under plugins.{section} "

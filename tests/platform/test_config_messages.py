@@ -157,3 +157,13 @@ def test_a_spec_of_the_other_kind_is_pointed_to_its_command(tmp_path):
         load_search_spec(ablation)
     assert str(err.value) == f"{ablation}: this is a spec for 'prvrlab ablate' (it has 'variants'); run it with 'prvrlab ablate {ablation}'"
     assert load_search_spec(search).name == "s" and load_ablation_spec(ablation).name == "a"
+
+
+def test_a_loss_reading_an_output_an_enabled_plug_in_switched_off_says_so():
+    """It had said 'enable it under plugins.ral (enabled: ral)'."""
+    raw = apply_overrides(base(), {"plugins": {"ral": {"msra": False, "csa": True}}, "losses.da": {"loss": "ral_da", "weight": 0.1}})
+    message = error(raw)
+    assert "which plugins.ral does not produce with its parameters (a part of it switched off?)" in message
+    assert "enable it under" not in message
+    assert "which no enabled plug-in produces; enable it under plugins.ral (enabled: none)" in error(
+        apply_overrides(base(), {"losses.da": {"loss": "ral_da", "weight": 0.1}}))
