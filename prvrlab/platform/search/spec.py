@@ -563,7 +563,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     if not space_raw:
         raise ConfigError(f"{path}: space: expected at least one searched key")
     params: list[SearchParam] = []
-    flat = validate(trial_raw).flat()  # what a key not searched is in every trial
+    flat = base.flat()  # what a key not searched is in every trial, as the sampler reads it (DefineByRun)
     for key, value in space_raw.items():
         param = _param(path, str(key), value, trial_raw, keys, base)
         for cond_key, expected in param.when.items():
@@ -631,14 +631,20 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     )
 
 
+def _refuse_seed(overrides: dict[str, Any], where: str) -> None:
+    """An ablation's cells take their seeds from its ``seeds`` list (:meth:`AblationSpec.cells`): a
+    ``train.seed`` set anywhere else would be ignored."""
+    if "train.seed" in overrides:
+        raise ConfigError(f"{where}: train.seed: every variant runs each of the spec's seeds; list them in seeds")
+
+
 def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None = None) -> AblationSpec:
     """Read and validate an ablation spec; every variant x seed config is validated now."""
     path, raw = _read_spec(path, "ablate")
     _check_keys(raw, ABLATION_KEYS, str(path))
     common = _common(path, raw, extra_overrides)
-    for where, given in (("--set", extra_overrides or {}), ("overrides", _mapping(raw.get("overrides"), f"{path}: overrides"))):
-        if "train.seed" in given:  # cells() sets every cell's seed from the seeds list: it would be ignored
-            raise ConfigError(f"{path}: {where}: train.seed: every variant runs each of the spec's seeds; list them in seeds")
+    _refuse_seed(extra_overrides or {}, f"{path}: --set")
+    _refuse_seed(_mapping(raw.get("overrides"), f"{path}: overrides"), f"{path}: overrides")
     base = validate(common["base_raw"])
     variants_raw = _mapping(raw.get("variants"), f"{path}: variants")
     if not variants_raw:
@@ -653,8 +659,7 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
             if problem:
                 raise ConfigError(f"{where}: this variant name cannot be recorded in MLflow (key '{key}'): {problem}")
         overrides = _mapping(overrides, where)
-        if "train.seed" in overrides:  # cells() sets every cell's seed from the seeds list: it would be ignored
-            raise ConfigError(f"{where}: train.seed: every variant runs each of the spec's seeds; list them in seeds")
+        _refuse_seed(overrides, where)
         check_override_keys(overrides, base, where)
         validate_with(_as_trials(common), overrides, where)
         variants[name] = dict(overrides)
