@@ -79,9 +79,18 @@ def torch_device(text: str) -> str:
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
-    from prvrlab.platform.config import parse_override
+    """The ``--set`` pairs in order; a key given twice is refused (which one was meant is not known)."""
+    from prvrlab.platform.config import ConfigError, parse_override
 
-    return dict(parse_override(p) for p in pairs)
+    overrides: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for pair in pairs:
+        key, value = parse_override(pair)
+        text = pair.split("=", 1)[1].strip()
+        if key in overrides:
+            raise ConfigError(f"--set {key}: given twice ({given[key]}, then {text}); give each key once")
+        overrides[key], given[key] = value, text
+    return overrides
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -121,6 +130,14 @@ def _published_lines(published, final: dict[str, float]) -> list[str]:
     ]
 
 
+def _check_resume(spec, kind: str) -> None:
+    """``--check --resume``: name the submission the resume would continue, or fail as it would."""
+    from prvrlab.platform.search.study import check_resume
+
+    study_dir = check_resume(spec, kind, echo=lambda line: print(line, file=sys.stderr))
+    print(f"--resume would continue {kind} '{spec.name}' from {study_dir}")
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     from prvrlab.platform.search.spec import load_search_spec
 
@@ -128,6 +145,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.check:
         spec.check_cluster()
         print(f"{args.spec}: valid search spec ({len(spec.space)} keys, {spec.trials} trials)")
+        if args.resume:
+            _check_resume(spec, "search")
         return 0
     from prvrlab.platform.search.tuning import search
 
@@ -155,6 +174,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.check:
         spec.check_cluster()
         print(f"{args.spec}: valid ablation spec ({len(spec.variants)} variants x {len(spec.seeds)} seeds)")
+        if args.resume:
+            _check_resume(spec, "ablation")
         return 0
     from prvrlab.platform.search.ablation import ablate
 

@@ -380,3 +380,14 @@ def test_data_inspect_refuses_options_its_config_would_override(tmp_path, capsys
     assert "--root: not used with --config" in capsys.readouterr().err
     assert main(["data", "inspect", "--root", str(tmp_path), "--set", "data.root=/nope"]) == EXIT_BAD_INPUT
     assert "--set: overrides the config --config names" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["train", "configs/gmmformer_synth.yaml", "--check"],
+                                     ["search", "search_spaces/gmmformer_synth_tiny.yaml", "--check"]])
+def test_a_set_key_given_twice_is_refused_naming_both_values(capsys, command):
+    """The last value had won silently; a typo'd sweep script could train the wrong setting."""
+    repo = Path(__file__).resolve().parents[2]
+    argv = [command[0], str(repo / command[1]), *command[2:], "--set", "train.early_stop_patience=5", "--set", " train.early_stop_patience=7"]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert "--set train.early_stop_patience: given twice (5, then 7); give each key once" in one_error_line(capsys)
+    assert main(argv[:-2]) == 0  # once is fine

@@ -678,21 +678,7 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
     location = study_location(base.tracking.storage_path, kind, spec.name)
     root = location.local
     if resume:
-        found = latest_study(location)
-        if found is None:
-            raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {location.uri}")
-        # object store: a fresh local copy (Tune's checkpoints stay remote: only read as weights)
-        found.pull(exclude=("train", "checkpoint_*"), fresh=True)
-        study_dir = found.local
-        warning = verify_state(study_dir, found.uri if found.remote else None)
-        if warning:
-            echo(warning)
-        recorded = RunMap(study_dir).meta.get("spec_hash")
-        if recorded is not None and recorded != spec_hash(spec):
-            raise StudyError(
-                f"refusing to resume: {study_dir} was run with a different '{spec.name}' spec; "
-                "submit it again without --resume to start a fresh study"
-            )
+        study_dir = resumable_study(spec, location, kind, echo)
         echo(f"resuming {kind} '{spec.name}' from {study_dir}")
         return base, study_dir, True
     study_dir = root / _stamp()
@@ -701,6 +687,37 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
         study_dir = root / _stamp()
     study_dir.mkdir(parents=True)
     return base, study_dir, False
+
+
+def resumable_study(spec: StudySpec, location: storage.Location, kind: str, echo: Callable[[str], None]) -> Path:
+    """The local folder of the submission ``--resume`` continues (a fresh copy when it is on an object
+    store), verified as safe to unpickle and run with this spec; StudyError when there is none or it differs."""
+    found = latest_study(location)
+    if found is None:
+        raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {location.uri}")
+    # object store: a fresh local copy (Tune's checkpoints stay remote: only read as weights)
+    found.pull(exclude=("train", "checkpoint_*"), fresh=True)
+    study_dir = found.local
+    warning = verify_state(study_dir, found.uri if found.remote else None)
+    if warning:
+        echo(warning)
+    recorded = RunMap(study_dir).meta.get("spec_hash")
+    if recorded is not None and recorded != spec_hash(spec):
+        raise StudyError(
+            f"refusing to resume: {study_dir} was run with a different '{spec.name}' spec; "
+            "submit it again without --resume to start a fresh study"
+        )
+    return study_dir
+
+
+def check_resume(spec: StudySpec, kind: str, echo: Callable[[str], None]) -> Path:
+    """``--check --resume``: the folder a resume would continue, refused as the resume would refuse it;
+    nothing is started or recorded (no data preparation, no Ray, no MLflow)."""
+    from prvrlab.platform.runtime import resolve_config_paths
+
+    base = resolve_config_paths(spec.base)
+    storage.check(base.tracking.storage_path)
+    return resumable_study(spec, study_location(base.tracking.storage_path, kind, spec.name), kind, echo)
 
 
 def _spec_params(spec: StudySpec) -> dict[str, Any]:
