@@ -280,6 +280,7 @@ class TrainingLoop:
         self.rank, self.world = session.rank, session.world_size
         self.progress = Progress()
         self.global_step = 0
+        self.step_lr: float | None = None  # the rate the latest optimiser step used (an epoch reports its last step's)
         self.ddp_unused: list[str] | None = None  # wrap(): the probe's unused parameters (None: not probed)
         self.setup_s: float | None = None  # setup + restore + DDP wrap, reported once per attempt as time/setup_s
         self.best_val: tuple[int, Any] | None = None  # (epoch, its validation EvalResult: rank 0, else None) of the best model
@@ -540,6 +541,7 @@ class TrainingLoop:
             torch.nn.utils.clip_grad_norm_(self.system.parameters(), self.cfg.train.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.step_lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         sums.add("loss", result.total)
         for term, value in result.terms.items():
@@ -619,7 +621,7 @@ class TrainingLoop:
             {
                 "kind": "epoch",
                 "epoch": epoch + 1,
-                "lr": self.scheduler.get_last_lr()[0],
+                "lr": self.step_lr,
                 "best/sumr": self.progress.best_sumr,
                 "best/epoch": self.progress.best_epoch + 1,
                 "time/train_s": train_time,
