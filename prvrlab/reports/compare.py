@@ -205,7 +205,7 @@ def compare_runs(
         f"R@K in %, as logged (final/{split}/*). ΔSumR: the run minus the reference on the queries both ranked, "
         f"with a paired-bootstrap 95% interval; p (queries): two-sided sign-flip permutation test on the per-query "
         f"SumR differences ({n_boot} resamples, seed {seed}); "
-        + adjusted_legend(adjust, len(tested), "comparisons with the reference")
+        + adjusted_legend(adjust, len(tested), "comparisons with the reference", n_boot)
         + f" Significant: p < {stats.ALPHA}."
     )
     published = {}

@@ -113,7 +113,8 @@ def distribution_plot(
 ) -> Path:
     """One panel per (label, bin edges, {series: counts}), each series a density step line; the x range is
     trimmed to the bins any panel fills."""
-    filled = [i for _, _, series in panels for counts in series.values() for i, c in enumerate(counts) if c > 0]
+    filled = [(edges[i], edges[i + 1]) for _, edges, series in panels for counts in series.values()
+              for i, c in enumerate(counts) if c > 0]  # each panel's own edges (they may differ between panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels) + 0.6, 2.8), dpi=120, sharex=True, squeeze=False)
     for ax, (label, edges, series) in zip(axes[0], panels):
         for name, counts in series.items():
@@ -122,7 +123,7 @@ def distribution_plot(
                 density = [c / total / (edges[i + 1] - edges[i]) for i, c in enumerate(counts)]
                 ax.stairs(density, edges, label=f"{name} (n={total:,})")
         if filled:
-            ax.set_xlim(panels[0][1][min(filled)], panels[0][1][max(filled) + 1])
+            ax.set_xlim(min(lo for lo, _ in filled), max(hi for _, hi in filled))
         ax.set_title(label, fontsize=8)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.grid(True, alpha=0.3)

@@ -24,7 +24,9 @@ from prvrlab.conditions import condition_holds
 from prvrlab.evaluation.metrics import GROUPS, METRIC_KEYS, group_bounds
 from prvrlab.reports import plots, stats
 from prvrlab.reports.errors import ReportError
-from prvrlab.reports.source import TRAIN_PREFIX, Study, TrialRun, check_split, ground_truth_difference, load_study, run_cache
+from prvrlab.reports.source import (
+    TRAIN_PREFIX, Study, TrialRun, check_split, ground_truth_difference, load_study, run_cache, yaml_numbers,
+)
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
@@ -275,7 +277,7 @@ def confidence_section(doc: Doc, rows: list[VariantRow], ranks, baseline: str, s
         "variant minus baseline on the seeds both finished with ranks (hits averaged over those seeds) and the "
         "queries both share, with a paired-bootstrap interval; p (queries): two-sided sign-flip "
         f"permutation test on the per-query SumR differences ({opt.n_boot} resamples); "
-        + adjusted_legend(opt.adjust, len(tested), "comparisons with the baseline")
+        + adjusted_legend(opt.adjust, len(tested), "comparisons with the baseline", opt.n_boot)
         + " p (seeds): exact two-sided sign-flip test over the per-seed SumR differences on the seeds both finished "
         "(min = smallest p attainable with that many seeds; above 16 seeds, 2^16 sign vectors drawn) and a paired t-test. "
         f"{NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)})."
@@ -363,7 +365,7 @@ def component_section(
     doc.add(md_table([what, *(f"`{escape(k)}`" for k in keys)], rows))
     several = any(len(runs) > 1 for _, runs in entries)
     doc.add(f"What the losses and plug-ins report every epoch (MLflow `{TRAIN_PREFIX}<component>.<name>`): the value "
-            f"of the last epoch{', mean ± std over the finished seeds' if several else ''}; — = not logged.")
+            f"of the last epoch{', mean ± sample std (n − 1) over the finished seeds' if several else ''}; — = not logged.")
     for key in keys:
         points = [(r.trial_id, study.history(r, TRAIN_PREFIX + key)) for r in curves if key in r.component_metrics]
         if points:
@@ -377,16 +379,20 @@ QUANTILES = (0.1, 0.5, 0.9)
 
 def merged_distributions(study: Study, entries: list[tuple[str, list[TrialRun]]]) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """``<component>.<name>`` -> [(label, record)] with each entry's runs merged: bin counts and n summed,
-    means weighted by n (runs whose bin edges differ from the first run's are left out)."""
+    means weighted by n.  Bins of other edges cannot be summed: the entry keeps the edges most of its runs
+    logged (a tie: the first run's) and names the others in the record's ``left_out``."""
     out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     per_run = {r.run_id: study.distributions(r) for _, runs in entries for r in runs}
     keys = sorted({k for records in per_run.values() for k in records})
     for key in keys:
         for label, runs in entries:
-            records = [per_run[r.run_id][key] for r in runs if key in per_run[r.run_id]]
-            records = [rec for rec in records if records and rec["edges"] == records[0]["edges"]]
-            if not records:
+            logged = [(r, per_run[r.run_id][key]) for r in runs if key in per_run[r.run_id]]
+            if not logged:
                 continue
+            edges = [tuple(rec["edges"]) for _, rec in logged]
+            kept = max(dict.fromkeys(edges), key=edges.count)
+            records = [rec for (_, rec), e in zip(logged, edges) if e == kept]
+            left_out = [f"seed {r.seed}" if r.seed is not None else r.name for (r, _), e in zip(logged, edges) if e != kept]
             merged: dict[str, dict[str, Any]] = {}
             for rec in records:
                 for name, ser in rec["series"].items():
@@ -395,7 +401,8 @@ def merged_distributions(study: Study, entries: list[tuple[str, list[TrialRun]]]
                     m["n"] += ser["n"]
                     m["sum"] += ser["mean"] * ser["n"] if ser["n"] else 0.0
             epochs = sorted({int(rec.get("epoch", 0)) for rec in records})
-            out.setdefault(key, []).append((label, {"edges": records[0]["edges"], "series": merged, "epochs": epochs}))
+            out.setdefault(key, []).append(
+                (label, {"edges": records[0]["edges"], "series": merged, "epochs": epochs, "left_out": left_out}))
     return out
 
 
@@ -421,6 +428,10 @@ def distribution_section(doc: Doc, study: Study, entries: list[tuple[str, list[T
         doc.add(f"### `{escape(key)}`")
         doc.add(md_table([what, "Series", "n", "Mean", *(f"q{int(q * 100)}" for q in QUANTILES), "Epoch"], table,
                          ["l", "l", "r", "r", "r", "r", "r", "r"]))
+        left = [f"{label}: {', '.join(escape(x) for x in rec['left_out'])}" for label, rec in rows if rec["left_out"]]
+        if left:
+            doc.add(f"Left out (bin edges other than those most runs of the {what.lower()} logged, which cannot be "
+                    f"summed with them): {'; '.join(left)}.")
         name = f"distribution_{plots.safe_name(key)}.png"
         panels = [(label, rec["edges"], {n: ser["counts"] for n, ser in rec["series"].items()}) for label, rec in rows]
         plots.distribution_plot(panels, doc.out / name, xlabel=key, title=f"{key}: density per series")
@@ -571,13 +582,15 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
     significance = {}
     ranks = ranks_by_seed(study, rows, chosen, split)
     conf = Doc(doc.out)
-    if any(x is not None for by_seed in ranks.values() for x in by_seed.values()):
-        significance = confidence_section(conf, rows, ranks, baseline, split, opt)
+    base_row = next((r for r in rows if r.name == baseline), None)
+    seed_pairs = base_row is not None and any(r.name != baseline and len(seed_deltas(r, base_row)) > 1 for r in rows)
+    if seed_pairs or any(x is not None for by_seed in ranks.values() for x in by_seed.values()):
+        significance = confidence_section(conf, rows, ranks, baseline, split, opt)  # tests over seeds need no ranks
     for r in rows:
         r.delta_significant = significance.get(r.name)
     doc.section(f"Ablation ({split})")
     doc.add(ablation_table(rows, baseline, several_seeds=several))
-    legend = [f"{'Mean ± std over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
+    legend = [f"{'Mean ± sample std (n − 1) over seeds; ' if several else ''}R@K in %, SumR = R@1 + R@5 + R@10 + R@100; "
               f"ΔSumR: the variant's SumR minus the baseline's on the seeds both finished (mean of the per-seed "
               "differences); a unique best value per column in bold (in ΔSumR the largest improvement, when it is "
               "unique and above 0.0 as printed); ✓ / – = component on / off (run tag `components`)."]
@@ -632,7 +645,7 @@ def _space(study: Study) -> dict[str, dict[str, Any]]:
     out = {}
     for k, v in study.params.items():
         if k.startswith("space."):
-            out[k[len("space."):]] = _parse(v)
+            out[k[len("space."):]] = yaml_numbers(_parse(v))
     return dict(sorted(out.items()))
 
 
@@ -916,7 +929,7 @@ def _search_confidence(doc: Doc, study: Study, top: list[tuple[TrialRun, float]]
                                                   f"(the best, `{top[0][0].trial_id}`, logged none),")
     doc.add(f"Percentile bootstrap over queries ({opt.n_boot} resamples, seed {opt.seed}); each trial against {against} "
             f"with a two-sided paired sign-flip test on per-query SumR. "
-            + adjusted_legend(opt.adjust, len(tested), f"comparisons with the {ref_name} trial")
+            + adjusted_legend(opt.adjust, len(tested), f"comparisons with the {ref_name} trial", opt.n_boot)
             + f" {NOT_SIGNIFICANT} = not significant at α = {stats.ALPHA} ({_adjusted_name(opt.adjust)}).")
     if disjoint:
         doc.add(_disjoint_note(disjoint, f"the {ref_name} trial", split))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import tempfile
 import weakref
@@ -57,8 +58,12 @@ class TrialRun:
 
     @property
     def status(self) -> str:
-        """prvrlab.status: finished | early_stopped | nonfinite | error | killed | resumed | running."""
-        return self.tags.get("prvrlab.status", "running" if self.run_status == "RUNNING" else self.run_status.lower())
+        """prvrlab.status: finished | early_stopped | nonfinite | error | killed | resumed | running (a resumed
+        trial whose run is open again is running)."""
+        tag = self.tags.get("prvrlab.status")
+        if self.run_status == "RUNNING" and tag in (None, "resumed"):
+            return "running"
+        return tag or self.run_status.lower()
 
     @property
     def ok(self) -> bool:
@@ -389,6 +394,26 @@ def find_parent(
 # ---------------------------------------------------------------- loading
 
 
+_YAML12_INT = re.compile(r"[-+]?[0-9]+")
+_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+def yaml_numbers(value: Any) -> Any:
+    """``value`` with the strings YAML 1.2 reads as numbers read as numbers, in lists and mapping values: PyYAML
+    reads ``3e-3`` (no dot) as the string '3e-3', which the spec loader takes as the number on numeric keys,
+    so the report reads a logged spec's space and variants the same way (a string would match no trial's value)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if _YAML12_INT.fullmatch(text):
+            return int(text)
+        return float(text) if _YAML12_FLOAT.fullmatch(text) else value
+    if isinstance(value, dict):
+        return {k: yaml_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [yaml_numbers(v) for v in value]
+    return value
+
+
 def _spec_artifact(client, run_id: str) -> dict[str, Any]:
     try:
         files = [f.path for f in client.list_artifacts(run_id, "spec") if f.path.endswith((".yaml", ".yml"))]
@@ -399,7 +424,9 @@ def _spec_artifact(client, run_id: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="prvrlab-report-") as tmp:
         local = client.download_artifacts(run_id, sorted(files)[0], tmp)
         data = yaml.safe_load(Path(local).read_text())
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: yaml_numbers(v) if k in ("space", "variants") else v for k, v in data.items()}
 
 
 def _sort_key(run: TrialRun) -> tuple:

@@ -110,14 +110,31 @@ def adjusted_header(method: str) -> str:
     return "p (Holm)" if method == "holm" else "p (unadjusted)"
 
 
-def adjusted_legend(method: str, m: int, family: str) -> str:
-    """The legend sentence of :func:`adjusted_header`'s column, for ``m`` comparisons named ``family``."""
+def adjusted_legend(method: str, m: int, family: str, resamples: int) -> str:
+    """The legend sentence of :func:`adjusted_header`'s column, for ``m`` comparisons named ``family`` tested
+    with ``resamples`` sign vectors each (which bound the smallest p the table can show)."""
     if m == 0:
         return f"{adjusted_header(method)}: none of the table's {family} was tested over queries, so none adjusted."
     if method == "holm":
-        return (f"p (Holm): the same p-values adjusted by Holm–Bonferroni over the table's {m} {family}, so that "
+        text = (f"p (Holm): the same p-values adjusted by Holm–Bonferroni over the table's {m} {family}, so that "
                 f"the chance of any false \"significant\" in the table stays below α = {stats.ALPHA}.")
-    return f"p (unadjusted): not adjusted for the table's {m} {family} (`--adjust none`)."
+    else:
+        text = f"p (unadjusted): not adjusted for the table's {m} {family} (`--adjust none`)."
+    return f"{text} {p_floor_note(method, m, resamples)}"
+
+
+def p_floor_note(method: str, m: int, resamples: int) -> str:
+    """The smallest p the permutation test over queries can give (1/(resamples + 1); Holm: m times that), and a
+    warning when it cannot reach α, so that no row of the table can be significant whatever its difference."""
+    floor = 1.0 / (resamples + 1)
+    adjusted = min(1.0, m * floor) if method == "holm" else floor
+    text = f"With {resamples} resamples a p over queries is at least 1/{resamples + 1} = {fmt_p(floor)}"
+    text += f" ({fmt_p(adjusted)} after Holm over {m})." if method == "holm" and m > 1 else "."
+    if adjusted >= stats.ALPHA:
+        need = math.ceil((m if method == "holm" else 1) / stats.ALPHA)  # resamples + 1 > m / α
+        text += (f" **No row can be significant at α = {stats.ALPHA} with so few resamples**: give `--bootstrap` "
+                 f"{need} or more.")
+    return text
 
 
 def adjusted_cells(table_rows: list[list[str]], tested: dict[int, tuple[str, float]], method: str, p_col: int) -> dict[str, bool]:

@@ -55,3 +55,24 @@ def test_significance_follows_the_adjusted_p_values(table, tmp_path, method):
 def test_an_unknown_adjustment_is_refused():
     with pytest.raises(ValueError, match="adjust must be one of holm, none, got 'bh'"):
         Options(adjust="bh")
+
+
+@pytest.mark.parametrize("method", ["holm", "none"])
+def test_the_legend_gives_the_smallest_attainable_p_and_says_when_no_row_can_be_significant(tmp_path, method):
+    """A huge difference with ``--bootstrap 40`` and 7 comparisons read "not significant" without a word why."""
+    rng = np.random.default_rng(0)
+    base = {"query_id": np.array([f"q{i}" for i in range(200)]), "rank": rng.integers(1, 50, 200)}
+    better = {"query_id": base["query_id"], "rank": np.maximum(1, base["rank"] - 30)}  # far better on every query
+    names = ["base", *(f"v{i}" for i in range(7))]
+    rows = [VariantRow(name=n, components=None, seeds_expected=(0,), values={"sumr": [100.0]}, seeds_ok=(0,)) for n in names]
+    ranks = {n: {0: base if n == "base" else better} for n in names}
+    m = len(names) - 1
+    for n_boot in (40, 200):
+        doc = Doc(tmp_path)
+        confidence_section(doc, rows, ranks, "base", "test", Options(n_boot=n_boot, adjust=method))
+        text = doc.text()
+        smallest = (m if method == "holm" else 1) / (n_boot + 1)  # every row's raw p is 1/(n_boot + 1) here
+        assert f"at least 1/{n_boot + 1}" in text
+        verdicts = [r[-1] for r in md_rows(text, "## Confidence")[3:]]
+        hopeless = "No row can be significant" in text
+        assert hopeless == (smallest >= stats.ALPHA) and all(v.startswith("no") for v in verdicts) == hopeless

@@ -161,3 +161,21 @@ def test_a_variant_whose_shared_queries_have_other_ground_truth_is_not_tested(tm
     assert conf["moved"][-1] == "n.t." and conf["moved"][6] == "—"
     assert conf["same"][6].startswith(f"{(sumr_per_query(same) - sumr_per_query(base)).mean():+.1f} [")
     assert "so not tested over queries: `moved`." in md
+
+
+def test_the_seed_tests_are_reported_when_no_run_logged_ranks(tmp_path):
+    """They rest on the final metrics only; the whole Confidence section had been left out without ranks."""
+    from prvrlab.reports.tables import fmt_p
+
+    rng = np.random.default_rng(5)
+    runs = [fake_run(v, s, np.maximum(1, rng.integers(1, 40, N) - (8 if v == "b" else 0))) for v in ("base", "b") for s in range(5)]
+    md = _report(tmp_path, fake_study(runs, {}, baseline="base", seeds=list(range(5))))  # no ranks for any run
+    sumr = {(r.variant, r.seed): r.metrics["final/test/sumr"] for r in runs}
+    deltas = np.array([sumr["b", s] - sumr["base", s] for s in range(5)])
+    flips = [abs(np.mean(deltas * np.array(signs))) >= abs(deltas.mean()) - 1e-12
+             for signs in itertools.product([1, -1], repeat=5)]
+    exact = sum(flips) / len(flips)
+    t_p = sps.ttest_rel(deltas, np.zeros(5)).pvalue
+    row = next(r for r in md_rows(md, "## Confidence") if r[0] == "b")
+    assert row[-3].startswith(f"{fmt_p(exact)} (n=5") and row[-2] == fmt_p(t_p)
+    assert row[-1] == "n.t." and row[1] == "—"  # nothing over queries without ranks

@@ -110,3 +110,23 @@ def test_large_values_keep_their_digits_and_numpy_p_values_print_as_numbers():
     assert fmt(123456789012345.6) == "123456789012345.6" and fmt(9876543210123.25) == "9876543210123.3"
     assert fmt(12345678901.25) == "12345678901.3" and fmt(1234.5678, 3) == "1234.568"
     assert fmt_p(np.float64(0.049999999999999004)) == "0.049999999999999004"
+
+
+def test_a_resumed_trial_whose_run_is_open_again_is_running_not_failed(tmp_path):
+    """``prvrlab.status: resumed`` marks a trial reopened after a killed driver; while it runs its cell is *running*."""
+    from prvrlab.reports.report import Options, write_report
+    from prvrlab.reports.source import TrialRun
+
+    from report_helpers import fake_run, fake_study, md_rows
+
+    base = [fake_run("base", 0, [1, 2, 30])]
+
+    def open_cell(tags: dict) -> TrialRun:
+        return TrialRun("c0", "c0", "RUNNING", 0, {"prvrlab.variant": "c", "prvrlab.seed": "0", **tags}, {}, {})
+
+    for tags, label in [({"prvrlab.status": "resumed"}, "running"), ({}, "running")]:
+        study = fake_study(base + [open_cell(tags)], {}, baseline="base", seeds=[0])
+        md = write_report(study, tmp_path / label, Options(n_boot=20)).read_text()
+        row = next(r for r in md_rows(md, "## Ablation") if r[0] == "c")
+        assert row[1] == f"*{label}*", row
+    assert TrialRun("c0", "c0", "KILLED", 0, {"prvrlab.status": "resumed"}, {}, {}).status == "resumed"
