@@ -93,6 +93,30 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
+def _staged_file(value: str, key: str) -> Path:
+    """Where a command writes its output file ``value``, checked first (one line naming ``key``): the local path
+    (a ``file://`` URI's too), or for ``s3://`` / ``gs://`` a copy in the staging folder that
+    :func:`storage.put` uploads once it is whole."""
+    from prvrlab.platform import storage
+
+    storage.check_file(value, key)
+    uri = storage.normalize(value, key=key)
+    return storage.Location(uri).local if storage.is_remote(uri) else Path(uri)
+
+
+def _local_folder(value: str, key: str) -> Path:
+    """The local folder ``value`` names (a ``file://`` URI's path); an object-store URI is refused naming ``key``:
+    the command writes many files to local disk (it had made a folder named ``s3:`` or ``file:`` here)."""
+    from prvrlab.platform import storage
+    from prvrlab.platform.config import ConfigError
+
+    uri = storage.normalize(value, key=key)
+    if storage.is_remote(uri):
+        raise ConfigError(f"{key} {value}: an object-store folder; this command writes a local folder "
+                          "(give a local path, then copy the folder up)")
+    return Path(uri)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from prvrlab.evaluation.metrics import METRIC_KEYS
     from prvrlab.platform.config import load_config
@@ -211,16 +235,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _check_data_root(args.data_root, checkpoint_config(blob, checkpoint).data)
     else:
         check_own_data(checkpoint_config(blob, checkpoint), checkpoint)
-    ranks = args.ranks
-    if ranks:
-        storage.check_file(ranks, "--ranks")
-        if storage.is_remote(ranks):
-            ranks = str(storage.Location(storage.normalize(ranks, key="--ranks")).local)
+    ranks = _staged_file(args.ranks, "--ranks") if args.ranks else None
     result = evaluate_checkpoint(
-        checkpoint, split=args.split, data_root=args.data_root, ranks_out=ranks, amp=args.amp, device=args.device, blob=blob,
+        checkpoint, split=args.split, data_root=args.data_root, ranks_out=None if ranks is None else str(ranks), amp=args.amp,
+        device=args.device, blob=blob,
     )
-    if ranks != args.ranks:
-        storage.put(ranks, args.ranks)
+    if ranks is not None:
+        storage.put(ranks, storage.normalize(args.ranks, key="--ranks"))  # s3:// or gs://: upload the staged file
     m = result.metrics
     epoch = checkpoint_epoch(blob)
     print(
@@ -299,13 +320,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     from prvrlab.reports.report import Options, report, written_text
 
     uri, parent = _report_parent(args)
-    if args.out:
-        storage.check(args.out, "--out", create=False)
+    out = _local_folder(args.out, "--out") if args.out else None
+    if out is not None:
+        storage.check(str(out), "--out", create=False)
     options = Options(
         split=args.split, n_boot=args.bootstrap, seed=args.seed, profile=args.profile,
         galleries=tuple(args.gallery) if args.gallery else None, read_config=validate, adjust=args.adjust,
     )
-    path = report(tracking_uri=uri, parent_id=parent, out=args.out, options=options, log_artifact=not args.no_log)
+    path = report(tracking_uri=uri, parent_id=parent, out=out, options=options, log_artifact=not args.no_log)
     print(f"wrote {written_text(path)}; " + ("not logged" if args.no_log else f"logged as artifact report/ of run {parent}"))
     return 0
 
@@ -350,8 +372,9 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
     from prvrlab.data.synth import synthesize
     from prvrlab.platform import storage
 
-    storage.check(args.out, "--out", create=False)
-    path = synthesize(Path(args.out), preset=args.preset, seed=args.seed, progress=not args.quiet)
+    out = _local_folder(args.out, "--out")
+    storage.check(str(out), "--out", create=False)
+    path = synthesize(out, preset=args.preset, seed=args.seed, progress=not args.quiet)
     print(f"wrote synthetic collection '{args.preset}' to {path}")
     return 0
 
@@ -361,12 +384,14 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
     from prvrlab.platform import storage
     from prvrlab.platform.config import ConfigError
 
-    problem = destination_problem(args.src, args.dst)  # before check_file: it would only call the source a folder
+    dst = storage.normalize(args.dst, key="dst")  # a file:// URI: its local path
+    problem = destination_problem(args.src, dst)  # before check_file: it would only call the source a folder
     if problem:
         raise ConfigError(f"dst {args.dst}: {problem}")
-    storage.check_file(args.dst, "dst")
-    path = convert_bigfile(Path(args.src), Path(args.dst), progress=not args.quiet)
-    print(f"wrote {path}")
+    local = _staged_file(dst, "dst")
+    convert_bigfile(Path(args.src), local, progress=not args.quiet)
+    storage.put(local, dst)  # s3:// or gs://: upload the staged file
+    print(f"wrote {dst}")
     return 0
 
 
@@ -396,7 +421,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
         root = collection_root(data)
         if args.visual_feature is None and root.is_dir():
             visual_feature_of(data, root, key="--visual-feature")  # none or several stores: name the option to pass
-        splits = caption_splits(root / "TextData", args.collection) or None
+        splits = caption_splits(root / "TextData", data.collection) or None
     report = inspect_collection(data, splits=splits)
     print(report.format())
     return 0

@@ -391,3 +391,40 @@ def test_a_set_key_given_twice_is_refused_naming_both_values(capsys, command):
     assert main(argv) == EXIT_BAD_INPUT
     assert "--set train.early_stop_patience: given twice (5, then 7); give each key once" in one_error_line(capsys)
     assert main(argv[:-2]) == 0  # once is fine
+
+
+def test_file_uri_outputs_are_written_at_their_path_and_object_store_folders_refused(tiny_root, tmp_path, capsys, monkeypatch):
+    """``file:///abs`` had been written to a folder named ``file:`` under the current directory (and ``s3://`` to
+    ``s3:``), while the command said it wrote the URI."""
+    import shutil
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    synth = tmp_path / "synth"
+    assert main(["data", "synth", "--preset", "tiny", "--out", synth.as_uri(), "--quiet"]) == 0
+    assert (synth / "FeatureData").is_dir() and f"to {synth}" in capsys.readouterr().out
+    assert main(["data", "synth", "--preset", "tiny", "--out", "s3://bucket/synth", "--quiet"]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == ("prvrlab: error: --out s3://bucket/synth: an object-store folder; this command "
+                                      "writes a local folder (give a local path, then copy the folder up)")
+    src = tmp_path / "feat"
+    shutil.copytree(tiny_root / "FeatureData" / "synth_feat", src)
+    out = tmp_path / "feat.h5"
+    assert main(["data", "convert", str(src), out.as_uri(), "--quiet"]) == 0 and out.is_file()
+    assert main(["data", "convert", str(src), (src / "x.h5").as_uri(), "--quiet"]) == EXIT_BAD_INPUT  # inside: refused
+    assert "lies inside the source folder" in one_error_line(capsys)
+    assert list(work.iterdir()) == []  # no 'file:' or 's3:' folder here
+
+
+def test_data_inspect_root_without_collection_reads_the_splits_present(tiny_root, tmp_path, capsys):
+    """Without --collection it had looked for 'None*.caption.txt' and fallen back to train/val/test."""
+    import shutil
+
+    root = tmp_path / "notest"
+    shutil.copytree(tiny_root, root)
+    for f in (root / "TextData").glob("synthtest*"):
+        f.unlink()
+    assert main(["data", "inspect", "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    splits = [line.split()[0] for line in out.splitlines() if line.strip().startswith(("train ", "val ", "test "))]
+    assert splits == ["train", "val"]
