@@ -5,7 +5,9 @@ A BigFile folder holds every frame of every video in one matrix:
 - ``feature.bin``: raw little-endian float32, row-major, ``N x D``;
 - ``shape.txt``: one line ``"N D"``;
 - ``id.txt``: ``N`` whitespace-separated frame ids (latin-1), one per row;
-- ``video2frames.txt``: a Python dict literal ``{video_id: [frame_id, ...]}``.
+- ``video2frames.txt``: a Python dict literal ``{video_id: [frame_id, ...]}``, UTF-8 as the official
+  reader's ``open()`` and the captions (latin-1 when it is not valid UTF-8); its frame ids are matched to
+  ``id.txt``'s by their bytes.
 
 The folder is validated once on open and every frame id is mapped to its row
 once.  A video whose rows are one ascending run of ``feature.bin`` (the
@@ -32,8 +34,9 @@ from prvrlab.data.errors import DataError
 
 FILES = ("feature.bin", "shape.txt", "id.txt", "video2frames.txt")
 # its index_cache entries: what id.txt and video2frames.txt say, per version of the four files; "-2" since repeated
-# ids are refused (an index cached before would open such a folder without the check)
-INDEX_KIND = "bigfile-2"
+# ids are refused (an index cached before would open such a folder without the check), "-3" since video2frames.txt
+# is read as UTF-8 (an index cached before holds a non-ASCII video id as latin-1 had decoded it)
+INDEX_KIND = "bigfile-3"
 
 
 def read_shape(path: Path) -> tuple[int, int]:
@@ -76,7 +79,12 @@ def read_video2frames(path: Path) -> dict[str, list[str]]:
     the same dict about 20x faster and without building a syntax tree (TVR:
     0.3 s instead of 6 s and 2 GB); any JSON error falls back to literal_eval.
     """
-    text = path.read_bytes().decode("latin-1").strip()
+    raw = path.read_bytes()
+    try:  # video ids as the captions read them (UTF-8); a file that is not UTF-8: latin-1, byte for byte
+        text = raw.decode("utf-8").strip()
+        recode = not text.isascii()
+    except UnicodeDecodeError:
+        text, recode = raw.decode("latin-1").strip(), False
     mapping, keys = None, None
     if "\\" not in text and '"' not in text:
         try:
@@ -106,6 +114,8 @@ def read_video2frames(path: Path) -> dict[str, list[str]]:
     if not (key_types <= {str} and value_types <= {list, tuple} and frame_types <= {str}):
         vid, frames = next((k, v) for k, v in mapping.items() if not _valid_entry(k, v))
         raise DataError(f"{path}: entry {vid!r}: expected a str video id -> list of str frame ids, got {frames!r:.80}")
+    if recode:  # frame ids as id.txt's latin-1 reading of the same bytes
+        mapping = {vid: [f.encode("utf-8").decode("latin-1") for f in frames] for vid, frames in mapping.items()}
     return mapping
 
 

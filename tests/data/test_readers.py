@@ -274,3 +274,20 @@ def test_h5_arrays_forget_their_runs_when_the_file_is_replaced(tmp_path):
     assert arrays._runs == {}
     arrays.close()
     np.testing.assert_array_equal(arrays.read("a"), np.full((2, 3), 7.0, np.float32))  # a new handle: the new file
+
+
+def test_a_utf8_video2frames_gives_the_video_ids_the_captions_name(tmp_path):
+    """UTF-8 video ids (as the official reader's ``open()`` and the captions read them) had been decoded as
+    latin-1 ('cafÃ©'), so no caption found its video; frame ids still match id.txt's latin-1 reading."""
+    folder = tmp_path / "bf"
+    folder.mkdir()
+    matrix = np.arange(4 * 2, dtype=np.float32).reshape(4, 2)
+    frames = ["café_1", "plain_0", "café_0", "ñ"]  # id.txt: the same bytes as video2frames.txt's (UTF-8)
+    (folder / "feature.bin").write_bytes(matrix.astype("<f4").tobytes())
+    (folder / "shape.txt").write_text("4 2\n")
+    (folder / "id.txt").write_bytes(" ".join(frames).encode("utf-8"))
+    (folder / "video2frames.txt").write_bytes(repr({"café": ["café_0", "café_1"], "plain": ["plain_0", "ñ"]}).encode("utf-8"))
+    bf = BigFile(folder)
+    assert bf.video_ids() == ["café", "plain"]
+    np.testing.assert_array_equal(bf.frames("café"), matrix[[2, 0]])
+    np.testing.assert_array_equal(bf.frames("plain"), matrix[[1, 3]])
