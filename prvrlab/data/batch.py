@@ -74,7 +74,9 @@ class Batch:
 
     ``query_video`` maps every query to the row of its video in this batch, so
     ``query_video[i] == b`` means query ``i`` describes a moment of video ``b``.
-    Videos in a batch are distinct.
+    Videos in one rank's batch are distinct; the global batch of a DDP step is too, except when an epoch is a
+    single short step whose videos do not divide by the workers (fewer training videos than ``train.batch_size``):
+    then up to ``world_size - 1`` of its videos are dealt twice (:class:`~prvrlab.data.dataset.VideoBatchSampler`).
     """
 
     frames: Tensor  # (B, Lf, Dv) float, frame features (<= max_frames), zero padded

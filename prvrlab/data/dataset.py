@@ -132,7 +132,11 @@ class VideoBatchSampler(Sampler[list[int]]):
     the last step is short, it is split evenly over the ranks (``ceil(m /
     world_size)`` each), padding by wrapping around to the start of the
     permutation; with ``drop_last`` the short step is dropped.  Every rank
-    therefore yields the same number of batches, as DDP requires.
+    therefore yields the same number of batches, as DDP requires.  The wrapped
+    videos were trained in an earlier step of the epoch, except when the epoch
+    is that one short step (fewer videos than ``batch_size * world_size``): then
+    they repeat within it, so under a global batch such a video is also a
+    negative of its own queries (the training loop says so when it happens).
     """
 
     def __init__(
@@ -167,6 +171,14 @@ class VideoBatchSampler(Sampler[list[int]]):
         self.world_size = world_size
         self.drop_last = drop_last
         self.epoch = 0
+
+    def repeats_within_step(self) -> int:
+        """How many videos each epoch deals twice within one step: those that fill up the shares of an epoch that
+        is one short step (0 when it has several steps, or its videos divide by the ranks)."""
+        step = self.batch_size * self.world_size
+        if self.drop_last or self.num_videos >= step:
+            return 0
+        return math.ceil(self.num_videos / self.world_size) * self.world_size - self.num_videos
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation of ``epoch`` (call before iterating each epoch)."""
