@@ -40,7 +40,8 @@ as pairwise uncertainty is utilized to detect ambiguous pairs"), so tau_u is
 the mean of u over the training set's text-video pairs (one positive and
 N_v - 1 unpaired per query; the unpaired mean is estimated on the in-batch
 pairs of the epoch-start pass, a choice: the exact mean needs the
-N_q x N_v x L_v map).  The same tau_u serves the text-frame level (one tau_u
+N_q x N_v x L_v map; under DDP on each worker's share, so tau_u's sample
+depends on the number of workers, unlike the tables and tau_s).  The same tau_u serves the text-frame level (one tau_u
 in the paper).  Not m_q . m_f, the mean of U^q, of U^v and of u^f over
 text-frame pairs: k_hat picks each pair's most similar frame, whose U^v is
 above the frame average, so u > m_q . m_f lets through nearly every pair
@@ -48,10 +49,10 @@ with s > tau_s (88-95% on the synthetic collection; docs/arl.md).
 
 Detection quality on the synthetic collection (docs/arl.md, measured with
 benchmarks/arl_detection.py against the generator's ground truth): the
-detected pairs are barely more often truly relevant than a random unpaired
-pair (precision 3.4-4.6% against a 3.4% base rate on ``tiny``), because s
-separates truly relevant unpaired pairs only weakly (ROC AUC 0.55-0.58) and
-u not at all (AUC 0.46-0.54, falling below 0.5 as training goes on): an
+detected pairs are only a little more often truly relevant than a random
+unpaired pair (precision 4.0-5.3% against a 3.4% base rate on ``tiny``),
+because s separates truly relevant unpaired pairs only weakly (ROC AUC
+0.555-0.608, rising as training goes on) and u hardly (AUC 0.52-0.54): an
 instance's dataset-wide uncertainty says how generic it is, not whether a
 given pair shares its concept.  This follows the paper; a stricter tau_s
 (``tau_s_mode: fixed``) raises precision at the cost of recall.
