@@ -103,7 +103,7 @@ class EvalConfig:
     video_batch_size: int = 256  # videos encoded per forward (at most: fewer where memory asks, see evaluate())
     query_batch_size: int = 1024  # queries encoded per forward (at most: fewer where memory asks, see evaluate())
     score_chunk: int = 2048  # queries scored against all videos at once (at most, as video_batch_size)
-    final_splits: list[str] = field(default_factory=lambda: ["val", "test"])
+    final_splits: list[str] = field(default_factory=lambda: ["val", "test"])  # unset: data.val_split, data.test_split
 
     def check(self) -> None:
         _positive(self, "video_batch_size", "query_batch_size", "score_chunk")
@@ -476,6 +476,10 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     sections = {key: _build_section(cls, raw.get(key), key) for key, cls in SECTIONS.items()}
     if isinstance(raw.get("eval"), dict) and "final_splits" in raw["eval"]:
         _check_final_splits(sections["eval"].final_splits, sections["data"])
+    else:  # by default the data section's validation and test splits, those it has (test_split: null: no test)
+        data = sections["data"]
+        sections["eval"] = dataclasses.replace(
+            sections["eval"], final_splits=[s for s in (data.val_split, data.test_split) if s is not None])
     _check_published_split(sections["published"], sections["data"])
     _check_synthesize(sections["data"])
 

@@ -81,3 +81,17 @@ def test_utf8_captions_still_read(tmp_path):
     path = tmp_path / "synthtrain.caption.txt"
     path.write_text("v1#0 café scene\n\nv1#1 b\n", encoding="utf-8")
     assert read_captions(path) == [("v1#0", "café scene"), ("v1#1", "b")]
+
+
+def test_default_final_splits_are_the_data_sections_validation_and_test_splits(tiny_root, tmp_path):
+    """The resolved config had shown final_splits [val, test] with test_split null (the test was skipped at run
+    time), and a data section naming its validation split 'dev' had no final validation metrics."""
+    raw = small_raw(tiny_root, tmp_path)
+    raw["eval"] = {}
+    assert validate(raw).eval.final_splits == ["val", "test"]
+    raw["data"]["test_split"] = None
+    assert validate(raw).eval.final_splits == ["val"]
+    raw["data"].update(val_split="dev", test_split="test")
+    assert validate(raw).eval.final_splits == ["dev", "test"]
+    raw["eval"] = {"final_splits": ["test"]}  # given: kept as given
+    assert validate(raw).eval.final_splits == ["test"]
