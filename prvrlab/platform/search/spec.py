@@ -240,6 +240,11 @@ def _as_number(value: Any, annotation: Any) -> Any:
     kinds = _base_types(annotation)
     if not isinstance(value, str) or not kinds or not kinds <= {int, float}:
         return value
+    if kinds == {int}:
+        try:
+            return int(value.strip())  # exactly: a float would round integers above 2^53
+        except ValueError:
+            pass
     try:
         number = float(value)
     except ValueError:

@@ -372,3 +372,15 @@ def test_an_ablation_refuses_train_seed_in_its_overrides_or_set(base, tmp_path):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"--set: train.seed"):
         load_ablation_spec(path, extra_overrides={"train.seed": 7})
+
+
+def test_a_quoted_integer_above_2_53_on_an_int_key_is_read_exactly():
+    """It had gone through float: '9007199254740993' became 9007199254740992."""
+    from typing import Optional
+
+    from prvrlab.platform.search.spec import _as_number
+
+    assert _as_number("9007199254740993", int) == 9007199254740993
+    assert _as_number(" 12 ", Optional[int]) == 12
+    assert _as_number("1e3", int) == 1000 and isinstance(_as_number("1e3", int), int)
+    assert _as_number("3e-3", float) == 0.003 and _as_number("x", int) == "x"
