@@ -40,8 +40,9 @@ as pairwise uncertainty is utilized to detect ambiguous pairs"), so tau_u is
 the mean of u over the training set's text-video pairs (one positive and
 N_v - 1 unpaired per query; the unpaired mean is estimated on the in-batch
 pairs of the epoch-start pass, a choice: the exact mean needs the
-N_q x N_v x L_v map; under DDP on each worker's share, so tau_u's sample
-depends on the number of workers, unlike the tables and tau_s).  The same tau_u serves the text-frame level (one tau_u
+N_q x N_v x L_v map; under DDP the pairs of each step's global batch, every
+rank's queries against each rank's videos, so tau_u does not depend on the
+number of workers).  The same tau_u serves the text-frame level (one tau_u
 in the paper).  Not m_q . m_f, the mean of U^q, of U^v and of u^f over
 text-frame pairs: k_hat picks each pair's most similar frame, whose U^v is
 above the frame average, so u > m_q . m_f lets through nearly every pair
@@ -220,6 +221,36 @@ def _gather_ids(ctx: EpochContext, ids: tuple[list[str], list[str]]) -> list[tup
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, ids, group=ctx.process_group)
     return out
+
+
+def _step_count(ctx: EpochContext, local: int) -> int:
+    """The most batches any rank has in the epoch-start pass (the sampler gives every rank as many)."""
+    if ctx.world_size == 1 or ctx.process_group is None:
+        return local
+    return int(ctx.all_reduce(torch.tensor([float(local)], device=ctx.device), "max").item())
+
+
+def _gather_step(ctx: EpochContext, rows: Tensor, videos: int) -> tuple[Tensor, int]:
+    """Every rank's ``rows`` (n_r, C) of one step in rank order, their video column (the last) made global
+    (shifted by the videos of the ranks before), and the first global video of this rank's ``videos``."""
+    if ctx.world_size == 1 or ctx.process_group is None:
+        return rows, 0
+    import torch.distributed as dist
+
+    group = ctx.process_group
+    sizes = [torch.zeros(2, dtype=torch.long, device=rows.device) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, torch.tensor([rows.shape[0], videos], dtype=torch.long, device=rows.device), group=group)
+    counts = [(int(n), int(v)) for n, v in (t.tolist() for t in sizes)]
+    most = max(n for n, _ in counts)
+    parts = [rows.new_empty(most, rows.shape[1]) for _ in counts]
+    dist.all_gather(parts, F.pad(rows, (0, 0, 0, most - rows.shape[0])).contiguous(), group=group)
+    out, first = [], 0
+    for part, (n, v) in zip(parts, counts):
+        part = part[:n].clone()
+        part[:, -1] += first
+        out.append(part)
+        first += v
+    return torch.cat(out), sum(v for _, v in counts[: ctx.rank])
 
 
 def _ownership(ctx: EpochContext, query_ids: list[str], video_ids: list[str]) -> tuple[Tensor, list[str], Tensor, list[str]]:
@@ -496,15 +527,30 @@ class ARL(Plugin):
         fixed = (self.tau_s if self.tau_s_mode == "fixed" else None, self.tau_u if self.tau_u_mode == "fixed" else None)
         tables = reduce_uncertainty(ctx, encoded, query_ids, video_ids, frame_slots, fixed)
         keep_q, _, keep_v, _ = _ownership(ctx, query_ids, video_ids)
+        steps = _step_count(ctx, len(layouts))
         for m, (enc, table) in enumerate(zip(encoded, tables)):
             values: dict[str, list[Tensor]] = {"s+": [], "s-": [], "u+": [], "u-": []}  # s / u of positive / unpaired
-            for q, f, (video, position), (q0, v0, nv, query_video) in zip(enc.queries, enc.frames, frame_slots, layouts):
+            for b in range(steps):
+                # the step's global batch: every rank's queries against this rank's videos, so that the in-batch
+                # pairs are those of the batch one worker would hold, whatever the number of workers
+                if b < len(layouts):
+                    q, f, (video, position), (q0, v0, nv, query_video) = enc.queries[b], enc.frames[b], frame_slots[b], layouts[b]
+                else:  # a rank with fewer batches joins the gather with none
+                    q, f = enc.queries[0][:0], enc.frames[0][:0]
+                    video = position = query_video = torch.zeros(0, dtype=torch.long, device=ctx.device)
+                    q0 = v0 = nv = 0
                 nq = q.shape[0]
                 length = int(position.max()) + 1 if position.numel() else 1
                 query_unc, frame_unc = table.lookup(query_ids[q0 : q0 + nq], video_ids[v0 : v0 + nv], length)
-                s, u = pair_values(q, f, (video - v0, position), nv, query_unc.to(q.dtype), frame_unc.to(q.dtype))
-                owned = keep_q[q0 : q0 + nq, None] & keep_v[None, v0 : v0 + nv]  # (Nq, Nv): counted once
-                positive = positive_mask(query_video, nv)  # (Nq, Nv)
+                rows = torch.cat([q, query_unc.to(q.dtype)[:, None], keep_q[q0 : q0 + nq, None].to(q.dtype),
+                                  query_video[:, None].to(q.dtype)], dim=1)  # (Nq, D + 3)
+                rows, offset = _gather_step(ctx, rows, nv)  # (Nq_global, D + 3), this rank's first video in the step
+                if nv == 0 or rows.shape[0] == 0:
+                    continue
+                d = q.shape[1]
+                s, u = pair_values(rows[:, :d], f, (video - v0, position), nv, rows[:, d], frame_unc.to(q.dtype))
+                owned = rows[:, d + 1, None].bool() & keep_v[None, v0 : v0 + nv]  # (Nq_global, Nv): counted once
+                positive = positive_mask(rows[:, d + 2].long() - offset, nv)  # (Nq_global, Nv)
                 for key, sel in (("+", owned & positive), ("-", owned & ~positive)):
                     values["s" + key].append(s[sel])
                     values["u" + key].append(u[sel])

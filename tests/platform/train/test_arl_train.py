@@ -41,10 +41,12 @@ def uncertainty_tables(raw: dict, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.plugins, video_dim=collection.video_dim, query_dim=collection.query_dim)
 
+    per_rank = 16 // world  # as the trainer deals a batch of 16 out (global steps of 16 videos)
+
     def batches():
-        loader, _ = train_loader(collection, "train", batch_size_per_rank=16, rank=rank, world_size=world, shuffle=False)
+        loader, _ = train_loader(collection, "train", batch_size_per_rank=per_rank, rank=rank, world_size=world, shuffle=False)
         if rank == 1:  # videos of another rank's share seen again (as the sampler's wrap-around pads a short step)
-            other, _ = train_loader(collection, "train", batch_size_per_rank=16, rank=0, world_size=world, shuffle=False)
+            other, _ = train_loader(collection, "train", batch_size_per_rank=per_rank, rank=0, world_size=world, shuffle=False)
             return iter([*loader, next(iter(other))])
         return iter(loader)
 
