@@ -343,16 +343,32 @@ def reported_metrics(cfg: ExperimentConfig) -> list[str]:
     return out + declared_metrics(system)
 
 
+def unknown_key(key: str, cfg: ExperimentConfig, keys: list[str]) -> str:
+    """Why ``key`` is not a key of ``cfg``: a parameter of a registered plug-in or loss term the config does not
+    enable (``train --set`` would enable it; a spec's space cannot), else the closest valid key."""
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] == "plugins" and parts[1] in PLUGINS.names() and parts[1] not in cfg.plugins:
+        if parts[2] in PLUGINS.params(parts[1]) and parts[2] not in PLUGIN_DERIVED:
+            return (f"unknown config key '{key}': plug-in '{parts[1]}' is not enabled in the base config, and a "
+                    f"spec sets only the keys its base config has; use a base config that enables it (one that "
+                    f"extends this one with plugins: {{{parts[1]}: {{}}}})")
+    hint = did_you_mean(key, keys)
+    if not hint and len(parts) == 3 and parts[0] == "losses" and parts[1] not in cfg.losses:
+        return (f"unknown config key '{key}': the base config has no loss term '{parts[1]}' "
+                f"(its terms: {', '.join(cfg.losses) or 'none'}), and a spec sets only the keys its base config has")
+    return f"unknown config key '{key}'{hint}"
+
+
 def check_override_keys(overrides: dict[str, Any], cfg: ExperimentConfig, where: str) -> None:
     """Every dotted key must exist in ``cfg``: an unknown one names the closest valid key, or else the
     error validating it gives (as ``train --set`` would: an unknown plug-in or loss with its closest)."""
     keys = valid_keys(cfg)
     for key, value in overrides.items():
         if not isinstance(key, str) or key not in keys:
-            hint = did_you_mean(str(key), keys)
-            if not hint and isinstance(key, str):
+            message = unknown_key(str(key), cfg, keys)
+            if message == f"unknown config key '{key}'" and isinstance(key, str):  # no closest key to name
                 validate_with(cfg.to_dict(), {key: value}, where)
-            raise ConfigError(f"{where}: unknown config key '{key}'{hint}")
+            raise ConfigError(f"{where}: {message}")
 
 
 def validate_with(raw: dict[str, Any], overrides: dict[str, Any], where: str) -> ExperimentConfig:
@@ -499,7 +515,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
 def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[str], base: ExperimentConfig) -> SearchParam:
     where = f"{path}: space.{key}"
     if key not in keys:
-        raise ConfigError(f"{path}: space: unknown config key '{key}'{did_you_mean(key, keys)}")
+        raise ConfigError(f"{path}: space: {unknown_key(key, base, keys)}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping like {{loguniform: [low, high]}}, got {raw!r}")
     when = {k: _condition_numbers(v, key_annotation(base, str(k))) for k, v in _mapping(raw.get("when"), f"{where}.when").items()}
@@ -528,7 +544,7 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
         args = (lo, hi)
     for cond_key, expected in when.items():
         if cond_key == key or (cond_key not in keys):
-            raise ConfigError(f"{where}.when: unknown config key '{cond_key}'{did_you_mean(str(cond_key), keys)}")
+            raise ConfigError(f"{where}.when: {unknown_key(str(cond_key), base, keys)}")
         _check_condition(expected, f"{where}.when.{cond_key}", key_annotation(base, cond_key))
     param = SearchParam(key=key, kind=kind, args=args, when=dict(when))
     for value in param.probe_values():

@@ -384,3 +384,25 @@ def test_a_quoted_integer_above_2_53_on_an_int_key_is_read_exactly():
     assert _as_number(" 12 ", Optional[int]) == 12
     assert _as_number("1e3", int) == 1000 and isinstance(_as_number("1e3", int), int)
     assert _as_number("3e-3", float) == 0.003 and _as_number("x", int) == "x"
+
+
+def test_a_key_of_a_plugin_the_base_config_does_not_enable_says_so(tmp_path):
+    """It had read "unknown config key 'plugins.ral.num_proxies' (did you mean 'train.num_workers'?)", while
+    ``train --set`` of the same key enables the plug-in."""
+    base = Path(__file__).resolve().parents[3] / "configs" / "gmmformer_synth.yaml"
+    expected = ("unknown config key 'plugins.ral.num_proxies': plug-in 'ral' is not enabled in the base config, and a "
+                "spec sets only the keys its base config has; use a base config that enables it (one that extends "
+                "this one with plugins: {ral: {}})")
+    for where, fields in (("space", {"space": {"plugins.ral.num_proxies": {"choice": [4, 6]}}}),
+                          ("overrides", {"overrides": {"plugins.ral.num_proxies": 4},
+                                         "space": {"train.lr": {"loguniform": [1e-4, 1e-3]}}})):
+        path = tmp_path / f"{where}.yaml"
+        path.write_text(yaml.safe_dump({"name": where, "base_config": str(base), "budget": {"trials": 2}, **fields}))
+        with pytest.raises(ConfigError) as caught:
+            load_search_spec(path)
+        assert str(caught.value) == f"{path}: {where}: {expected}"
+    ral = Path(__file__).resolve().parents[3] / "configs" / "gmmformer_ral_synth.yaml"
+    path = tmp_path / "ral.yaml"
+    path.write_text(yaml.safe_dump({"name": "ral", "base_config": str(ral), "budget": {"trials": 2},
+                                    "space": {"plugins.ral.num_proxies": {"choice": [4, 6]}}}))
+    assert load_search_spec(path).space[0].key == "plugins.ral.num_proxies"
