@@ -257,6 +257,11 @@ class Tracker:
                     tags={EXPERIMENT_KIND_TAG: TRAINING_KIND},
                 )
             else:
+                if exp.lifecycle_stage == "deleted":  # MLflow names the store's state, not the experiment
+                    raise ConfigError(
+                        f"tracking.experiment {experiment!r}: deleted in the MLflow store {uri} (id {exp.experiment_id}); "
+                        f"restore it (MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id {exp.experiment_id}) or name another"
+                    )
                 self.experiment_id = exp.experiment_id
                 if EXPERIMENT_KIND_TAG not in exp.tags:
                     self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)

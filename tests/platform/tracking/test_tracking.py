@@ -111,3 +111,17 @@ def test_end_stopped_ends_a_run_whose_tags_fail_and_warns_when_the_store_cannot_
     assert tracker.client.get_run(second).info.status == "RUNNING"
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
     assert len(warnings) == 3 and f"could not end run {second}" in warnings[-1]
+
+
+def test_a_deleted_experiment_is_named_under_its_key_with_how_to_restore_it(tmp_path):
+    """MLflow's "The experiment 1 must be in the 'active' state" had been reported as a bad tracking.uri."""
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    tracker = Tracker(uri, "gone")
+    tracker.client.delete_experiment(tracker.experiment_id)
+    with pytest.raises(ConfigError) as caught:
+        Tracker(uri, "gone")
+    assert str(caught.value) == (
+        f"tracking.experiment 'gone': deleted in the MLflow store {uri} (id {tracker.experiment_id}); restore it "
+        f"(MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id {tracker.experiment_id}) or name another")
+    tracker.client.restore_experiment(tracker.experiment_id)
+    assert Tracker(uri, "gone").experiment_id == tracker.experiment_id
