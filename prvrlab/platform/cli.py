@@ -380,6 +380,7 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_data_convert(args: argparse.Namespace) -> int:
+    from prvrlab.checks import first_line
     from prvrlab.data.convert import convert_bigfile, destination_problem
     from prvrlab.platform import storage
     from prvrlab.platform.config import ConfigError
@@ -390,7 +391,13 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
         raise ConfigError(f"dst {args.dst}: {problem}")
     local = _staged_file(dst, "dst")
     convert_bigfile(Path(args.src), local, progress=not args.quiet)
-    storage.put(local, dst)  # s3:// or gs://: upload the staged file
+    if storage.is_remote(dst):  # upload the staged file, then drop it (a release's features: gigabytes)
+        try:
+            storage.put(local, dst)
+        except Exception as exc:  # pyarrow raises OSError or ArrowException subclasses
+            raise ConfigError(f"dst {args.dst}: cannot be written ({first_line(exc)})") from None
+        finally:
+            local.unlink(missing_ok=True)
     print(f"wrote {dst}")
     return 0
 

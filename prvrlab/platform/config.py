@@ -479,7 +479,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     else:  # by default the data section's validation and test splits, those it has (test_split: null: no test)
         data = sections["data"]
         sections["eval"] = dataclasses.replace(
-            sections["eval"], final_splits=[s for s in (data.val_split, data.test_split) if s is not None])
+            sections["eval"], final_splits=list(dict.fromkeys(s for s in (data.val_split, data.test_split) if s is not None)))
     _check_published_split(sections["published"], sections["data"])
     _check_synthesize(sections["data"])
 

@@ -153,8 +153,9 @@ class Location:
         fs, path = _filesystem(self.child(rel).uri)
         return fs.get_file_info(path).type != pafs.FileType.NotFound
 
-    def pull(self, exclude: tuple[str, ...] = (), include: tuple[str, ...] = ("*",), fresh: bool = False) -> int:
-        """Download the remote files below into :attr:`local`; the number downloaded.
+    def pull(self, exclude: tuple[str, ...] = (), include: tuple[str, ...] = ("*",), fresh: bool = False,
+             into: Path | None = None) -> int:
+        """Download the remote files below into :attr:`local` (or the folder ``into``); the number downloaded.
 
         ``exclude``: file or folder name patterns left out; ``include``: file name
         patterns taken; ``fresh``: empty the local copy first (nothing stale kept).
@@ -163,8 +164,9 @@ class Location:
             return 0
         import pyarrow.fs as pafs
 
+        root = self.local if into is None else Path(into)
         if fresh:
-            shutil.rmtree(self.local, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
         fs, path = _filesystem(self.uri)
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
         count = 0
@@ -179,7 +181,7 @@ class Location:
                 )
             if not any(fnmatch.fnmatch(info.base_name, pat) for pat in include):
                 continue
-            target = self.local / rel
+            target = root / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             replace_atomically(target, lambda tmp, source=info.path: _download(fs, source, tmp))
             count += 1

@@ -128,8 +128,8 @@ def p_floor_note(method: str, m: int, resamples: int) -> str:
     warning when it cannot reach α, so that no row of the table can be significant whatever its difference."""
     floor = 1.0 / (resamples + 1)
     adjusted = min(1.0, m * floor) if method == "holm" else floor
-    text = f"With {resamples} resamples a p over queries is at least 1/{resamples + 1} = {fmt_p(floor)}"
-    text += f" ({fmt_p(adjusted)} after Holm over {m})." if method == "holm" and m > 1 else "."
+    text = f"With {resamples} resamples a p over queries is at least 1/{resamples + 1} ≈ {floor:.2g}"
+    text += f" ({adjusted:.2g} after Holm over {m})." if method == "holm" and m > 1 else "."
     if adjusted >= stats.ALPHA:
         need = math.ceil((m if method == "holm" else 1) / stats.ALPHA)  # resamples + 1 > m / α
         text += (f" **No row can be significant at α = {stats.ALPHA} with so few resamples**: give `--bootstrap` "

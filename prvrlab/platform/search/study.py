@@ -40,6 +40,7 @@ import re
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -689,15 +690,17 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
     return base, study_dir, False
 
 
-def resumable_study(spec: StudySpec, location: storage.Location, kind: str, echo: Callable[[str], None]) -> Path:
+def resumable_study(spec: StudySpec, location: storage.Location, kind: str, echo: Callable[[str], None],
+                    scratch: Path | None = None) -> Path:
     """The local folder of the submission ``--resume`` continues (a fresh copy when it is on an object
-    store), verified as safe to unpickle and run with this spec; StudyError when there is none or it differs."""
+    store: in ``scratch`` when given, else its staging folder), verified as safe to unpickle and run with
+    this spec; StudyError when there is none or it differs."""
     found = latest_study(location)
     if found is None:
         raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {location.uri}")
     # object store: a fresh local copy (Tune's checkpoints stay remote: only read as weights)
-    found.pull(exclude=("train", "checkpoint_*"), fresh=True)
-    study_dir = found.local
+    study_dir = scratch / found.name if found.remote and scratch is not None else found.local
+    found.pull(exclude=("train", "checkpoint_*"), fresh=True, into=study_dir)
     warning = verify_state(study_dir, found.uri if found.remote else None)
     if warning:
         echo(warning)
@@ -710,14 +713,19 @@ def resumable_study(spec: StudySpec, location: storage.Location, kind: str, echo
     return study_dir
 
 
-def check_resume(spec: StudySpec, kind: str, echo: Callable[[str], None]) -> Path:
-    """``--check --resume``: the folder a resume would continue, refused as the resume would refuse it;
-    nothing is started or recorded (no data preparation, no Ray, no MLflow)."""
+def check_resume(spec: StudySpec, kind: str, echo: Callable[[str], None]) -> str:
+    """``--check --resume``: where the submission a resume would continue is (a folder or an object-store
+    URI), refused as the resume would refuse it; nothing is started, recorded or changed (no data
+    preparation, no Ray, no MLflow; an object-store study is read into a throwaway folder, not its staging
+    copy, which a running driver may be using)."""
     from prvrlab.platform.runtime import resolve_config_paths
 
     base = resolve_config_paths(spec.base)
-    storage.check(base.tracking.storage_path)
-    return resumable_study(spec, study_location(base.tracking.storage_path, kind, spec.name), kind, echo)
+    storage.check(base.tracking.storage_path, create=False)
+    location = study_location(base.tracking.storage_path, kind, spec.name)
+    with tempfile.TemporaryDirectory(prefix="prvrlab-check-") as scratch:
+        study_dir = resumable_study(spec, location, kind, echo, scratch=Path(scratch))
+        return location.child(study_dir.name).uri if location.remote else str(study_dir)
 
 
 def _spec_params(spec: StudySpec) -> dict[str, Any]:

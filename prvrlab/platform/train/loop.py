@@ -344,7 +344,7 @@ class TrainingLoop:
             n = self.sampler.num_videos
             print(f"note: the {n} training videos are one short step of train.batch_size {cfg.train.batch_size}; to "
                   f"give {self.world} workers equal shares {repeats} of them are dealt twice in it, each also a "
-                  f"negative of its own queries ({f'train.batch_size {n - n % self.world} or less' if n >= self.world else f'at most {n} workers'} avoids it)",
+                  f"negative of its own queries ({f'train.batch_size {n - n % self.world} or less' if n >= self.world else 'a number of workers that divides it'} avoids it)",
                   file=sys.stderr, flush=True)
         self.optimizer, self.scheduler = build_optimizer(
             self.system,
