@@ -113,6 +113,15 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 if hwm is None else hwm
 
 
+def reset_peak_rss() -> None:
+    """Set this process's peak resident memory (VmHWM) back to its current resident set (Linux), so that the
+    next :func:`peak_rss_gib` is the peak since now; nothing where the kernel has no ``clear_refs``."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:

@@ -153,7 +153,7 @@ def run_setting(args, checkpoint: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="data/bench_tvr")
+    p.add_argument("--root", default="data/bench_tvr_memory", help="its own sizes: not the folder the other benchmarks share")
     p.add_argument("--train-videos", type=int, default=256)
     p.add_argument("--val-videos", type=int, default=500)
     p.add_argument("--test-videos", type=int, default=20)

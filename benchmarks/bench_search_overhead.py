@@ -164,6 +164,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
     )
     startups, train_s, finals, builds, spans, trial_spans, adopted = [], 0.0, {}, [], [], [], 0
+    step_spans: list[tuple[float, float]] = []  # each epoch's training steps (time/train_s: before its validation)
     phases: dict[str, list[float]] = {name: [] for name in PHASES}
     children = sorted(children, key=lambda c: c.info.start_time)
     for child in children:
@@ -178,6 +179,8 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         epochs = tracker.client.get_metric_history(child.info.run_id, "time/epoch_s")
         if not epochs:
             continue
+        steps = {m.step: m.value for m in tracker.client.get_metric_history(child.info.run_id, "time/train_s")}
+        step_spans += [(m.timestamp / 1000 - m.value, m.timestamp / 1000 - m.value + steps.get(m.step, m.value)) for m in epochs]
         first, last = min(epochs, key=lambda m: m.step), max(epochs, key=lambda m: m.step)
         start, end = child.info.start_time / 1000, (child.info.end_time or child.info.start_time) / 1000
         startups.append(first.timestamp / 1000 - start - first.value)
@@ -201,6 +204,7 @@ def measure(tmp: Path, root: Path, name: str, **kw) -> dict[str, float]:
         "startups": startups,
         "train_s": train_s,
         "outside_share": 1 - covered(spans) / wall,
+        "outside_steps_share": 1 - covered(step_spans) / wall,
         "pool_build_s": sum(builds),
         "pools": len(builds),
         "adopted": adopted,
@@ -320,6 +324,9 @@ def main() -> None:
                     f"{label}: {m['pools']} pool(s), {m['adopted']} of them the driver's spares; built in "
                     f"{m['pool_build_s']:.1f} s in all (rank actors + process group; a spare's from its adoption)"
                 )
+            print(f"{label}: {m['outside_steps_share']:.0%} of the wall time outside the training steps (time/train_s; "
+                  f"the share above is outside the epochs, time/epoch_s, as issue 16 measures: their validation and "
+                  f"checkpoints count as training there)")
             print(f"{label}: start->1st step per trial, in start order: {', '.join(f'{s:.1f}' for s in m['startups'])} s")
             for phase in ("to loop start", "setup", "final eval"):
                 print(f"{label}: {phase} per trial, in start order: {', '.join(f'{s:.2f}' for s in m['phase_lists'][phase])} s")

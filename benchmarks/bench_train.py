@@ -18,12 +18,13 @@ REFERENCE.md §8 (official GMMFormer on this machine kind, fp32, 2 threads):
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from pathlib import Path
 
 import torch
 
-from _common import add_host_allocator_option, machine, peak_rss_gib, tvr_bench_collection, tvr_config
+from _common import add_host_allocator_option, machine, peak_rss_gib, reset_peak_rss, tvr_bench_collection, tvr_config
 from prvrlab.allocator import set_host_allocator
 from prvrlab.data.collection import open_collection
 from prvrlab.data.dataset import train_loader
@@ -53,7 +54,9 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"reference (official GMMFormer, fp32): {REFERENCE_BATCH_S:.1f} s per 128-video batch "
           f"({128 / REFERENCE_BATCH_S:.1f} videos/s)")
-    for amp in args.amp:
+    for arm, amp in enumerate(args.amp):
+        gc.collect()  # the previous precision's model, optimiser and loader are gone: its peak is not this one's
+        reset_peak_rss()
         cfg = tvr_config(root, **{"train.amp": amp, "data.loader_workers": args.loader_workers})
         seed_everything(0)
         collection = open_collection(cfg.data)
@@ -61,7 +64,7 @@ def main() -> None:
         losses = WeightedLoss.from_config(cfg.losses)
         loader, _ = train_loader(
             collection, "train", batch_size_per_rank=cfg.train.batch_size, rank=0, world_size=1,
-            seed=0, num_workers=args.loader_workers,
+            seed=arm, num_workers=args.loader_workers,  # other batches than the previous precision read
         )
         opt, sched = build_optimizer(model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                      total_steps=1000, warmup_proportion=0.01)
@@ -92,8 +95,10 @@ def main() -> None:
         print(
             f"[{amp:>4}] data {sum(data_s) / args.steps:5.2f} s/batch  step {sum(step_s) / args.steps:5.2f} s/batch  "
             f"end-to-end {per_batch:5.2f} s/batch  {videos / total:5.1f} videos/s  {queries / total:6.1f} queries/s  "
-            f"({REFERENCE_BATCH_S / per_batch:.1f}x the reference)  peak RSS {peak_rss_gib():.2f} GiB"
+            f"({REFERENCE_BATCH_S / per_batch:.1f}x the reference, another machine's figure)  "
+            f"peak RSS {peak_rss_gib():.2f} GiB (this precision's)"
         )
+        del model, losses, loader, opt, sched, it, batch, out, res, collection
 
 
 if __name__ == "__main__":
