@@ -25,7 +25,7 @@ DESCRIPTION = (
     "(PyTorch, Ray, MLflow), and check the video/query feature collections they read."
 )
 EPILOG = """examples:
-  prvrlab data synth --preset tiny --out data/synth         write a small synthetic collection
+  prvrlab data synth --preset small --out data/synth        write the synthetic collection the configs read
   prvrlab data inspect --root data --collection tvr         check data/tvr/ as released (FeatureData/, TextData/)
   prvrlab train configs/x.yaml --set train.lr=1e-4          train one config (tracked in MLflow)
   prvrlab search search_spaces/x.yaml                       run a hyperparameter search on Ray Tune
@@ -154,6 +154,15 @@ def _published_lines(published, final: dict[str, float]) -> list[str]:
     ]
 
 
+def _resume_command(command: str, args: argparse.Namespace) -> str:
+    """The command that continues an interrupted study: its spec and ``--set`` as given (a resume without them
+    is another spec, which is refused), then ``--resume``."""
+    import shlex
+
+    sets = " ".join(f"--set {shlex.quote(pair)}" for pair in args.set)
+    return f"prvrlab {command} {shlex.quote(str(args.spec))} {sets + ' ' if sets else ''}--resume"
+
+
 def _check_resume(spec, kind: str) -> None:
     """``--check --resume``: name the submission the resume would continue, or fail as it would."""
     from prvrlab.platform.search.study import check_resume
@@ -186,7 +195,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             print(f"  {key}: {value!r}")
         print(f"best config written to {result.best['path']}  (prvrlab train {result.best['path']})")
     if result.interrupted:
-        print(f"interrupted: continue with  prvrlab search {args.spec} --resume", file=sys.stderr)
+        print(f"interrupted: continue with  {_resume_command('search', args)}", file=sys.stderr)
         return 130
     return 0 if result.best is not None else EXIT_FAILED
 
@@ -210,7 +219,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         f"MLflow parent run {result.parent_run_id}"
     )
     if result.interrupted:
-        print(f"interrupted: continue with  prvrlab ablate {args.spec} --resume", file=sys.stderr)
+        print(f"interrupted: continue with  {_resume_command('ablate', args)}", file=sys.stderr)
         return 130
     return 0 if c["failed"] == 0 and c["missing"] == 0 else EXIT_FAILED
 
@@ -426,6 +435,9 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             text_feature=args.text_feature,
         )
         root = collection_root(data)
+        if root.is_dir() and not (root / "TextData").is_dir() and not (root / data.collection).exists():
+            raise ConfigError(f"--root {data.root}: holds no collection '{data.collection}' (neither {root / 'TextData'} "
+                              f"nor {root / data.collection}/ exists)")
         if args.visual_feature is None and root.is_dir():
             visual_feature_of(data, root, key="--visual-feature")  # none or several stores: name the option to pass
         splits = caption_splits(root / "TextData", data.collection) or None

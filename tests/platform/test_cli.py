@@ -269,3 +269,17 @@ def test_the_console_script_shuts_ray_down_itself_only_where_the_command_connect
     assert "shutting Ray down failed: raylet gone" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "ray")
     cli._shutdown_ray()  # Ray never imported: nothing to do
+
+
+def test_the_resume_hint_after_an_interrupt_keeps_the_spec_and_its_set_overrides():
+    """It had dropped --set, and the hint then failed: a resume without them is another spec, refused."""
+    import argparse
+    import shlex
+
+    from prvrlab.platform.cli import _resume_command
+
+    args = argparse.Namespace(spec="search_spaces/a b.yaml", set=["train.lr=5e-4", "eval.final_splits=[val, test]"])
+    hint = _resume_command("ablate", args)
+    assert hint == "prvrlab ablate 'search_spaces/a b.yaml' --set train.lr=5e-4 --set 'eval.final_splits=[val, test]' --resume"
+    assert shlex.split(hint)[2:] == [args.spec, "--set", args.set[0], "--set", args.set[1], "--resume"]
+    assert _resume_command("search", argparse.Namespace(spec="s.yaml", set=[])) == "prvrlab search s.yaml --resume"

@@ -428,3 +428,12 @@ def test_data_inspect_root_without_collection_reads_the_splits_present(tiny_root
     out = capsys.readouterr().out
     splits = [line.split()[0] for line in out.splitlines() if line.strip().startswith(("train ", "val ", "test "))]
     assert splits == ["train", "val"]
+
+
+def test_data_inspect_of_a_collection_the_root_does_not_hold_names_both_places(tmp_path, capsys):
+    """`data inspect --root data --collection tvr` without data/tvr had said "no visual feature store in data/FeatureData"."""
+    (tmp_path / "data" / "synth").mkdir(parents=True)
+    root = tmp_path / "data"
+    assert main(["data", "inspect", "--root", str(root), "--collection", "tvr"]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys) == (f"prvrlab: error: --root {root}: holds no collection 'tvr' (neither "
+                                      f"{root / 'TextData'} nor {root / 'tvr'}/ exists)")
