@@ -155,9 +155,13 @@ def compare_runs(
         raise ReportError(f"adjust must be one of {', '.join(stats.ADJUSTMENTS)}, got {adjust!r}")
     client, runs, datasets = load_runs(uri, run_ids)
     split = pick_split(runs, split)
-    missing = [r.run_id for r in runs if r.final(split, "sumr") is None]
+    missing = [r for r in runs if r.final(split, "sumr") is None]
     if missing:
-        raise ReportError(f"run '{missing[0]}' logged no final {split} metrics (final/{split}/sumr)")
+        kind = missing[0].tags.get("prvrlab.kind")
+        if kind in ("search", "ablation"):  # a study's parent run: its children are the runs to compare
+            raise ReportError(f"run '{missing[0].run_id}' is the parent run of a {kind}, not a training run; compare its "
+                              f"trials' runs, or write its report: prvrlab report --run-id {missing[0].run_id}")
+        raise ReportError(f"run '{missing[0].run_id}' logged no final {split} metrics (final/{split}/sumr)")
     notes = []
     for run, sets in zip(runs[1:], datasets[1:]):
         differs = data_difference(runs[0], datasets[0], run, sets, split)
