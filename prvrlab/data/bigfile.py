@@ -66,6 +66,14 @@ def _first_repeat(items: list) -> object:
     return next(x for x in items if x in seen or seen.add(x))
 
 
+def _shown(frame_id: str) -> str:
+    """A frame id as its file spells it: id.txt is read as latin-1, so a UTF-8 id reads as 'cafÃ©' there."""
+    try:
+        return frame_id.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return frame_id
+
+
 class _Pairs(list):
     """A JSON object's (key, value) pairs in file order (``json.loads``' ``object_pairs_hook``): repeats kept."""
 
@@ -189,7 +197,7 @@ class BigFile:
         row_of = dict(zip(ids, range(n)))
         if len(row_of) != n:  # the official reader would take the last row of a repeated id: ambiguous features
             twice = _first_repeat(ids)
-            raise DataError(f"{self.path / 'id.txt'}: frame id {twice!r} names {ids.count(twice)} rows of feature.bin "
+            raise DataError(f"{self.path / 'id.txt'}: frame id {_shown(twice)!r} names {ids.count(twice)} rows of feature.bin "
                             f"({n - len(row_of)} repeated ids in total); each frame id must name one row")
         flat = list(chain.from_iterable(v2f.values()))
         self._rows = np.fromiter(map(row_of.get, flat, repeat(-1)), dtype=np.int64, count=len(flat))
@@ -198,7 +206,7 @@ class BigFile:
             first = int(missing[0])
             vid = self._video_ids[int(np.searchsorted(self._offsets, first, side="right")) - 1]
             raise DataError(
-                f"{v2f_path}: frame id {flat[first]!r} of video {vid!r} is not in {self.path / 'id.txt'} "
+                f"{v2f_path}: frame id {_shown(flat[first])!r} of video {vid!r} is not in {self.path / 'id.txt'} "
                 f"({missing.size} unknown frame ids in total)"
             )
         # (F + 1,) consecutive row pairs so far; the extra entry serves a trailing video without frames

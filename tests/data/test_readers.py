@@ -291,3 +291,15 @@ def test_a_utf8_video2frames_gives_the_video_ids_the_captions_name(tmp_path):
     assert bf.video_ids() == ["café", "plain"]
     np.testing.assert_array_equal(bf.frames("café"), matrix[[2, 0]])
     np.testing.assert_array_equal(bf.frames("plain"), matrix[[1, 3]])
+
+
+def test_a_utf8_frame_id_in_an_error_is_spelled_as_its_file_spells_it(tmp_path):
+    """id.txt is read as latin-1: the message had shown 'cafÃ©_1'."""
+    folder = tmp_path / "bf"
+    folder.mkdir()
+    (folder / "feature.bin").write_bytes(np.zeros((1, 2), dtype="<f4").tobytes())
+    (folder / "shape.txt").write_text("1 2\n")
+    (folder / "id.txt").write_bytes("café_0".encode("utf-8"))
+    (folder / "video2frames.txt").write_bytes(repr({"café": ["café_0", "café_1"]}).encode("utf-8"))
+    with pytest.raises(DataError, match="frame id 'café_1' of video 'café' is not in"):
+        BigFile(folder)
