@@ -26,20 +26,21 @@ from torch import Tensor
 from prvrlab.data.batch import Batch, tag_lengths
 from prvrlab.models.base import BatchEncoding, _map_tensors, tensors_of
 
-def _gather_rows(local: Tensor, rows: list[int]) -> Tensor:
-    """Every rank's first ``rows[r]`` rows of its ``local`` (all padded to one shape), concatenated in rank order."""
+def gather_rows(local: Tensor, rows: list[int], group: Any = None) -> Tensor:
+    """Every rank's first ``rows[r]`` rows of its ``local`` (all padded to one shape), concatenated in rank order
+    (``group``: the process group, default the whole world)."""
     parts = [torch.empty_like(local) for _ in rows]
-    dist.all_gather(parts, local.contiguous())
+    dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat([part[:n] for part, n in zip(parts, rows)])  # (sum(rows), ...)
 
 
 class _GatherRows(torch.autograd.Function):
-    """:func:`_gather_rows` with a gradient: the gradient of this rank's rows summed over ranks."""
+    """:func:`gather_rows` with a gradient: the gradient of this rank's rows summed over ranks."""
 
     @staticmethod
     def forward(ctx, local: Tensor, rows: list[int], rank: int) -> Tensor:  # local: (n_max, ...) padded rows
         ctx.rows, ctx.rank, ctx.padded = rows, rank, local.shape[0]
-        return _gather_rows(local, rows)
+        return gather_rows(local, rows)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -71,7 +72,7 @@ class _Gatherer:
             pad += [0, longest[dim] - t.shape[dim]]
         padded = F.pad(t, pad) if any(pad) else t  # zeros; False for a bool mask
         rows = [shape[0] for shape in shapes]
-        return _GatherRows.apply(padded, rows, self.rank) if t.requires_grad else _gather_rows(padded, rows)
+        return _GatherRows.apply(padded, rows, self.rank) if t.requires_grad else gather_rows(padded, rows)
 
 
 def _host_part(batch: Batch, tensors: list[Tensor]) -> dict[str, Any]:

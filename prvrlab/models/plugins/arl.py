@@ -101,6 +101,7 @@ from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.losses._common import positive_mask
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
 from prvrlab.models.component import FRAME_TOKENS, EpochContext, StepContext
+from prvrlab.models.global_batch import gather_rows
 from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS
 
@@ -237,20 +238,16 @@ def _gather_step(ctx: EpochContext, rows: Tensor, videos: int) -> tuple[Tensor, 
         return rows, 0
     import torch.distributed as dist
 
-    group = ctx.process_group
     sizes = [torch.zeros(2, dtype=torch.long, device=rows.device) for _ in range(ctx.world_size)]
-    dist.all_gather(sizes, torch.tensor([rows.shape[0], videos], dtype=torch.long, device=rows.device), group=group)
-    counts = [(int(n), int(v)) for n, v in (t.tolist() for t in sizes)]
-    most = max(n for n, _ in counts)
-    parts = [rows.new_empty(most, rows.shape[1]) for _ in counts]
-    dist.all_gather(parts, F.pad(rows, (0, 0, 0, most - rows.shape[0])).contiguous(), group=group)
-    out, first = [], 0
-    for part, (n, v) in zip(parts, counts):
-        part = part[:n].clone()
-        part[:, -1] += first
-        out.append(part)
-        first += v
-    return torch.cat(out), sum(v for _, v in counts[: ctx.rank])
+    dist.all_gather(sizes, torch.tensor([rows.shape[0], videos], dtype=torch.long, device=rows.device),
+                    group=ctx.process_group)
+    counts, shifts = torch.stack(sizes).cpu().T.tolist()  # rows and videos of each rank
+    first = np.cumsum([0, *shifts[:-1]])  # (world,) each rank's first video in the step
+    padded = F.pad(rows, (0, 0, 0, max(counts) - rows.shape[0]))
+    out = gather_rows(padded, counts, group=ctx.process_group)  # (sum(counts), C)
+    out[:, -1] += torch.repeat_interleave(torch.as_tensor(first, dtype=out.dtype, device=out.device),
+                                          torch.as_tensor(counts, device=out.device))
+    return out, int(first[ctx.rank])
 
 
 def _ownership(ctx: EpochContext, query_ids: list[str], video_ids: list[str]) -> tuple[Tensor, list[str], Tensor, list[str]]:
