@@ -181,15 +181,51 @@ def _init_ray(num_cpus: int | None, echo: Callable[[str], None] | None = None) -
         cpus = num_cpus or os.cpu_count()
         if echo is not None:
             echo(f"starting a local Ray cluster ({cpus} CPUs, on {ray_bind_address()}; RAY_ADDRESS joins a running one)")
-        ray.init(
-            address="local",
-            num_cpus=cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="ERROR",
-            configure_logging=True,
-            _node_ip_address=_local_node_ip(ray_bind_address()),
-        )
+        with daemons_in_own_session():
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level="ERROR",
+                configure_logging=True,
+                _node_ip_address=_local_node_ip(ray_bind_address()),
+            )
+
+
+@contextlib.contextmanager
+def daemons_in_own_session():
+    """Start the local cluster's daemons (GCS, raylet, log monitor, ...) in a session of their own.
+
+    ``ray.init`` starts them in the command's process group, so a signal sent to the whole group
+    (``timeout``, a batch scheduler's SIGTERM at the time limit, ``kill -- -PGID``) reached them too:
+    they shut down while the command was still stopping its trials, Tune's teardown waited on them and
+    the command hung until its 30 s guard, without a resume hint.  In their own session only the
+    command gets the signal and stops as on a SIGTERM of its own; they still end with it (Ray's
+    kernel fate-sharing kills them when the command's process dies) and at ``ray.shutdown()``, by pid.
+    Ctrl-C was never theirs (Ray blocks SIGINT in them).  Only where Ray uses kernel fate-sharing
+    (Linux): elsewhere its reaper process cleans up by process group, which must stay the command's.
+    """
+    try:
+        from ray._private import services, utils
+    except ImportError:  # another Ray layout: its daemons stay in the command's group
+        yield
+        return
+    base = getattr(services, "ConsolePopen", None)
+    if base is None or os.name != "posix" or not utils.detect_fate_sharing_support():
+        yield
+        return
+
+    class OwnSession(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 def unreachable(address: str, *, timeout_s: float = 5.0) -> str | None:
