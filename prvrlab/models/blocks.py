@@ -245,6 +245,7 @@ class BranchLinear(nn.Module):
         )
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.zeros(num_branches, out_dim))
+        self.clip_parts = {"weight": num_branches, "bias": num_branches}  # one Linear per branch in the reference
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: Tensor, branches: slice = slice(None)) -> Tensor:

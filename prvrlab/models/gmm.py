@@ -624,6 +624,8 @@ class GaussianAttention(nn.Module):
         self.plain = all(math.isinf(s) for s in self.sigmas)
         self.window, self.window_length = window, window_length
         self.qkv = nn.Linear(hidden_size, 3 * self.num_branches * hidden_size)
+        # rows [Q | K | V], each branch-major: the reference's 3 x K separate (D, D) projections (per-tensor clipping)
+        self.clip_parts = {"qkv.weight": 3 * self.num_branches, "qkv.bias": 3 * self.num_branches}
         self.out: BranchLinear | None = None
         if out_projection:
             self.out = BranchLinear(num_branches=self.num_branches, in_dim=hidden_size, out_dim=hidden_size)
@@ -870,6 +872,7 @@ class GMMBlock(PackedLayer):
         self.dropout = Dropout(dropout)
         self.norm_weight = nn.Parameter(torch.ones(K, hidden_size))  # per-branch LayerNorm affine
         self.norm_bias = nn.Parameter(torch.zeros(K, hidden_size))
+        self.clip_parts = {"norm_weight": K, "norm_bias": K}  # one LayerNorm per branch in the reference
         self.ffn: nn.Module | None = None
         if ffn_size:
             inner = ffn_inner(ffn_activation, dropout if ffn_dropout else 0.0)

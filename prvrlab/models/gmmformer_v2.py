@@ -206,8 +206,13 @@ class LearnedQueryAttention(nn.Module):
             padded = packing.unpack(x, dim=1)  # (K, B, L, D)
             pooled = torch.matmul(probs.permute(2, 0, 3, 1).to(padded.dtype), padded)  # (K, B, H, D)
         w_v = self.value.weight.view(H, Dh, D)
-        ctx = torch.einsum("kbhd,hed->bkhe", pooled, w_v.to(pooled.dtype)).reshape(B, K, D)  # (B, K, D)
-        ctx = ctx + self.value.bias.to(ctx.dtype)
+        ctx = torch.einsum("kbhd,hed->bkhe", pooled, w_v.to(pooled.dtype))  # (B, K, H, Dh)
+        bias = self.value.bias.to(ctx.dtype).view(H, Dh)
+        if self.training and self.attn_dropout.p > 0:
+            # sum_j p_j (W x_j + b) = W (sum_j p_j x_j) + b sum_j p_j: dropped weights no longer sum to 1, so
+            # each head's bias is scaled by its weights' sum, as the reference's value rows carry it
+            bias = probs.sum(dim=1).to(ctx.dtype)[..., None] * bias  # (B, K, H, Dh)
+        ctx = (ctx + bias).reshape(B, K, D)  # (B, K, D)
         if self.out is not None:
             ctx = self.out(ctx)
         s = self.norm1(phi + self.dropout(ctx))  # (B, K, D)
@@ -278,6 +283,7 @@ class TCGMMBlock(PackedLayer):
         self.ffn_out = BranchLinear(num_branches=K, in_dim=F_, out_dim=hidden_size)
         self.norm2_weight = nn.Parameter(torch.ones(K, hidden_size))
         self.norm2_bias = nn.Parameter(torch.zeros(K, hidden_size))
+        self.clip_parts = {name: K for name in self.norm_parameters}  # one LayerNorm per branch in the reference
         self.branch_logits: nn.Parameter | None = None
         self.summary: LearnedQueryAttention | None = None
         self.weight_head: nn.Module | None = None

@@ -101,6 +101,8 @@ class MultiplicativeCrossAttention(nn.Module):
         self.query = nn.Linear(hidden_size, hidden_size)
         self.key_value = nn.Linear(hidden_size, 2 * hidden_size)
         self.out = nn.Linear(hidden_size, hidden_size)
+        # the reference's nn.MultiheadAttention packs Q, K and V in one in-projection: one tensor to clip
+        self.clip_together = (("query.weight", "key_value.weight"), ("query.bias", "key_value.bias"))
 
     def init_like_multihead_attention_(self) -> None:
         """``nn.MultiheadAttention``'s own start for the Q/K/V projections: its packed (3D, D) in-projection

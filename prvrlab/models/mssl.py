@@ -229,6 +229,7 @@ class MSSL(RetrievalModel):
         self.clip = sizes.video_encoder(layer)
         self.frame = sizes.video_encoder(layer)
         self.frame_key_value = nn.Linear(hidden_size, 2 * hidden_size, bias=False)  # [key | value]
+        self.clip_parts = {"frame_key_value.weight": 2}  # the reference's two mapping_linear layers
         init_normal_(self)
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor) -> VideoEmbedding:

@@ -5,7 +5,13 @@ gradient (added to the update, not to the gradient) and not applied to biases
 or LayerNorm gains, linear warm-up over the first steps then linear decay to
 zero.  Gradient clipping: each parameter tensor to ``max_grad_norm`` inside
 :meth:`BertAdam.step` (the reference, ``train.clip_grad: per_tensor``) or the
-global norm by the trainer (``global``).
+global norm by the trainer (``global``).  A prvrlab tensor that holds several of
+the reference's (all branches' Q/K/V in one projection, K branches' maps or
+LayerNorm affines in one (K, ...) tensor) is clipped block by block, as the
+reference's separate tensors are: its module names it in ``clip_parts``
+(:func:`clip_blocks`); tensors that are one of the reference's (Q and K|V held
+apart where the reference packs them) are clipped together: ``clip_together``
+(:func:`clip_joint`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ class BertAdam(torch.optim.Optimizer):
     ``fused``: update float32 CPU parameters in one pass where :func:`prvrlab.models.adam_step.takes` them (the
     foreach form's roundings but a correctly rounded square root); other tensors, or without the built kernel,
     take the foreach form.
+
+    ``clip_blocks``: parameter -> n, a tensor clipped as n equal blocks along its first dimension, each to
+    ``max_grad_norm`` on its own (:func:`clip_blocks`); ``clip_joint``: groups of parameters clipped as one
+    tensor, by their joint norm (:func:`clip_joint`).  Their gradients are scaled in place, as the
+    reference's ``clip_grad_norm_`` scales each of its tensors.
     """
 
     def __init__(
@@ -46,6 +57,8 @@ class BertAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         max_grad_norm: float = 0.0,
         fused: bool = True,
+        clip_blocks: dict[Tensor, int] | None = None,
+        clip_joint: list[tuple[Tensor, ...]] | None = None,
     ) -> None:
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -56,10 +69,19 @@ class BertAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
         self.fused = fused
+        self.clip_blocks = dict(clip_blocks or {})
+        for p, n in self.clip_blocks.items():
+            if n < 1 or p.dim() == 0 or p.shape[0] % n:
+                raise ValueError(f"clip_blocks: {n} blocks do not divide a parameter of shape {tuple(p.shape)}")
+        self.clip_joint = [tuple(members) for members in clip_joint or ()]
+        joined = [p for members in self.clip_joint for p in members]
+        if len({id(p) for p in joined}) < len(joined) or any(p in self.clip_blocks for p in joined):
+            raise ValueError("clip_joint: a parameter is in two clipping units")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = closure() if closure is not None else None
+        clipped = self._clip_units()
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
@@ -83,6 +105,9 @@ class BertAdam(torch.optim.Optimizer):
             if max_norm > 0:
                 norms = torch._foreach_norm(grads)  # one 0-dim norm per tensor
                 scales = [(max_norm / (n + 1e-6)).clamp_(max=1.0) for n in norms]
+                for i, p in enumerate(params):
+                    if id(p) in clipped:
+                        scales[i] = torch.ones_like(scales[i])  # clipped with its unit already
             b1, b2 = group["betas"]
             if self.fused and adam_step.takes(params, grads, exp_avg, exp_sq):
                 adam_step.step(params, grads, exp_avg, exp_sq, scales=None if scales is None else [float(s) for s in scales],
@@ -101,6 +126,55 @@ class BertAdam(torch.optim.Optimizer):
                 torch._foreach_add_(update, params, alpha=group["weight_decay"])
             torch._foreach_add_(params, update, alpha=-group["lr"])
         return loss
+
+    def _clip_units(self) -> set[int]:
+        """Clip the gradients of :attr:`clip_blocks`' blocks and :attr:`clip_joint`'s groups in place, each
+        unit to its group's ``max_grad_norm`` by its own norm; the ids of the parameters they cover."""
+        if not (self.clip_blocks or self.clip_joint):
+            return set()
+        limit = {id(p): g.get("max_grad_norm", self.defaults["max_grad_norm"]) for g in self.param_groups for p in g["params"]}
+        units: list[tuple[list[Tensor], float]] = []
+        covered: set[int] = set()
+        for p, n in self.clip_blocks.items():
+            if p.grad is not None and limit.get(id(p), 0.0) > 0:
+                units += [([part], limit[id(p)]) for part in p.grad.chunk(n, 0)]
+                covered.add(id(p))
+        for members in self.clip_joint:
+            live = [p for p in members if p.grad is not None]
+            if live and limit.get(id(live[0]), 0.0) > 0:
+                units.append(([p.grad for p in live], limit[id(live[0])]))
+                covered.update(id(p) for p in live)
+        if not units:
+            return covered
+        norms = iter(torch._foreach_norm([t for tensors, _ in units for t in tensors]))  # one 0-dim norm per tensor
+        for tensors, max_norm in units:
+            parts = [next(norms) for _ in tensors]
+            norm = parts[0] if len(parts) == 1 else torch.stack(parts).square().sum().sqrt()  # the unit's L2 norm
+            torch._foreach_mul_(tensors, (max_norm / (norm + 1e-6)).clamp_(max=1.0))
+        return covered
+
+
+def clip_blocks(model: nn.Module) -> dict[Tensor, int]:
+    """Each parameter of ``model`` that holds several of the reference's tensors -> how many (equal blocks
+    along its first dimension): its modules' ``clip_parts``, parameter names under the module -> count."""
+    found: dict[Tensor, int] = {}
+    for module in model.modules():
+        for name, count in getattr(module, "clip_parts", {}).items():
+            p = module.get_parameter(name)
+            if p.requires_grad and count > 1:
+                found[p] = count
+    return found
+
+
+def clip_joint(model: nn.Module) -> list[tuple[Tensor, ...]]:
+    """Groups of ``model``'s parameters that are one tensor of the reference's (clipped by their joint norm):
+    its modules' ``clip_together``, tuples of parameter names under the module."""
+    return [
+        tuple(module.get_parameter(name) for name in names)
+        for module in model.modules()
+        for names in getattr(module, "clip_together", ())
+        if all(module.get_parameter(name).requires_grad for name in names)
+    ]
 
 
 def no_decay(module: nn.Module, name: str, p: Tensor) -> bool:
@@ -171,9 +245,9 @@ def build_optimizer(
     max_grad_norm: float = 0.0,
     fused: bool = True,
 ):
-    """The optimiser (per-tensor clipping at ``max_grad_norm``, 0: none; ``fused``: as :class:`BertAdam`'s) and
-    its LambdaLR schedule."""
+    """The optimiser (per-tensor clipping at ``max_grad_norm``, 0: none, each of the reference's tensors on its
+    own: :func:`clip_blocks`, :func:`clip_joint`; ``fused``: as :class:`BertAdam`'s) and its LambdaLR schedule."""
     opt = BertAdam(param_groups(model, weight_decay), lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                   fused=fused)
+                   fused=fused, clip_blocks=clip_blocks(model), clip_joint=clip_joint(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(total_steps, warmup_proportion, warmup))
     return opt, sched
