@@ -146,11 +146,16 @@ class BertAdam(torch.optim.Optimizer):
                 covered.update(id(p) for p in live)
         if not units:
             return covered
-        norms = iter(torch._foreach_norm([t for tensors, _ in units for t in tensors]))  # one 0-dim norm per tensor
-        for tensors, max_norm in units:
-            parts = [next(norms) for _ in tensors]
-            norm = parts[0] if len(parts) == 1 else torch.stack(parts).square().sum().sqrt()  # the unit's L2 norm
-            torch._foreach_mul_(tensors, (max_norm / (norm + 1e-6)).clamp_(max=1.0))
+        flat = [t for tensors, _ in units for t in tensors]
+        norms = torch.stack(torch._foreach_norm(flat))  # (T,) one norm per tensor
+        sizes = [len(tensors) for tensors, _ in units]
+        if max(sizes) > 1:  # a joint unit's L2 norm; a one-tensor unit keeps its own norm exactly
+            unit = torch.repeat_interleave(torch.arange(len(units), device=norms.device), torch.tensor(sizes, device=norms.device))
+            joint = norms.new_zeros(len(units)).index_add_(0, unit, norms.square()).sqrt()[unit]  # (T,)
+            single = torch.tensor([n == 1 for n in sizes for _ in range(n)], device=norms.device)
+            norms = torch.where(single, norms, joint)
+        limits = torch.tensor([m for tensors, m in units for _ in tensors], dtype=norms.dtype, device=norms.device)
+        torch._foreach_mul_(flat, list((limits / (norms + 1e-6)).clamp_(max=1.0).unbind()))
         return covered
 
 
