@@ -48,11 +48,13 @@ def test_blocks_that_do_not_divide_the_tensor_are_refused():
         BertAdam([p], lr=0.1, clip_blocks={p: 3})
 
 
-@pytest.mark.parametrize("config, reference_tensors", [("mssl_tvr", 54), ("gmmformer_tvr", 193)])
+@pytest.mark.parametrize("config, reference_tensors", [("mssl_tvr", 54), ("gmmformer_tvr", 193), ("gmmformer_v2_tvr", 297 - 2)])
 def test_the_clipped_units_are_the_reference_models_tensors(config, reference_tensors):
     """The official models' parameter tensors (ms-sl @ e014c31 ``method/model.py``: separate Q, K, V per
     attention and two ``mapping_linear`` layers; GMMFormer @ c38df37: one ``BertAttention`` per Gaussian
-    branch, each with its own Q, K, V, output dense and LayerNorm): 54 and 193."""
+    branch, each with its own Q, K, V, output dense and LayerNorm): 54 and 193.  GMMFormer_v2 @ 5bacac9
+    (``GMMFormerV2_Net`` on the TVR config): 297, of which prvrlab lacks the two cross-attentions' key
+    biases (a key bias cancels in the softmax: its gradient is 0, so clipping it changes nothing)."""
     model = build_model(load_config(f"configs/{config}.yaml").model, video_dim=1024, query_dim=768)
     params = [p for p in model.parameters() if p.requires_grad]
     blocks = clip_blocks(model)
@@ -116,3 +118,15 @@ def test_mamfusions_fusions_clip_their_projections_as_one_in_projection():
         assert (id(fusion.query.bias), id(fusion.key_value.bias)) in joint
     optimizer, _ = build_optimizer(model, lr=1e-4, weight_decay=0.01, total_steps=10, warmup_proportion=0.1, max_grad_norm=1.0)
     assert len(optimizer.clip_joint) == 4
+
+
+def test_ral_on_gmmformer_v2_clips_the_reference_models_tensors():
+    """RAL-PRVR @ befbf22 (``RAL4GMMV2_Net`` on its TVR config): 343 tensors, of which prvrlab again lacks the
+    two cross-attention key biases; the plug-in's second text encoder's Q/K/V are clipped as three."""
+    from prvrlab.models.factory import build_system
+
+    raw = load_config("configs/gmmformer_v2_ral_tvr.yaml").to_dict()
+    system = build_system(raw["model"], raw.get("plugins"), raw["losses"], video_dim=1024, query_dim=768)
+    params = [p for p in system.parameters() if p.requires_grad]
+    blocks, joint = clip_blocks(system), clip_joint(system)
+    assert sum(blocks.get(p, 1) for p in params) - sum(len(m) - 1 for m in joint) == 343 - 2
