@@ -198,12 +198,13 @@ def daemons_in_own_session():
     """Start the local cluster's daemons (GCS, raylet, log monitor, ...) in a session of their own.
 
     ``ray.init`` starts them in the command's process group, so a signal sent to the whole group
-    (``timeout``, a batch scheduler's SIGTERM at the time limit, ``kill -- -PGID``) reached them too:
+    (``timeout``, ``kill -- -PGID``, a scheduler that signals the job's process group) reached them too:
     they shut down while the command was still stopping its trials, Tune's teardown waited on them and
     the command hung until its 30 s guard, without a resume hint.  In their own session only the
     command gets the signal and stops as on a SIGTERM of its own; they still end with it (Ray's
     kernel fate-sharing kills them when the command's process dies) and at ``ray.shutdown()``, by pid.
-    Ctrl-C was never theirs (Ray blocks SIGINT in them).  Only where Ray uses kernel fate-sharing
+    Ctrl-C was never theirs (Ray blocks SIGINT in them).  A signal to every process of a cgroup still
+    reaches them (no session escapes it).  Only where Ray uses kernel fate-sharing
     (Linux): elsewhere its reaper process cleans up by process group, which must stay the command's.
     """
     try:

@@ -148,15 +148,28 @@ class BertAdam(torch.optim.Optimizer):
             return covered
         flat = [t for tensors, _ in units for t in tensors]
         norms = torch.stack(torch._foreach_norm(flat))  # (T,) one norm per tensor
-        sizes = [len(tensors) for tensors, _ in units]
-        if max(sizes) > 1:  # a joint unit's L2 norm; a one-tensor unit keeps its own norm exactly
-            unit = torch.repeat_interleave(torch.arange(len(units), device=norms.device), torch.tensor(sizes, device=norms.device))
+        unit, single, limits = self._unit_layout(tuple((len(tensors), m) for tensors, m in units), norms)
+        if unit is not None:  # a joint unit's L2 norm; a one-tensor unit keeps its own norm exactly
             joint = norms.new_zeros(len(units)).index_add_(0, unit, norms.square()).sqrt()[unit]  # (T,)
-            single = torch.tensor([n == 1 for n in sizes for _ in range(n)], device=norms.device)
             norms = torch.where(single, norms, joint)
-        limits = torch.tensor([m for tensors, m in units for _ in tensors], dtype=norms.dtype, device=norms.device)
         torch._foreach_mul_(flat, list((limits / (norms + 1e-6)).clamp_(max=1.0).unbind()))
         return covered
+
+    def _unit_layout(self, shape: tuple[tuple[int, float], ...], norms: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        """For units of (tensor count, limit) ``shape``: each tensor's unit index and whether its unit is one
+        tensor (None, None without joint units), and each tensor's limit, on ``norms``' device and dtype;
+        built once per shape (it changes only when a gradient goes missing), so a GPU step copies nothing."""
+        key = (shape, norms.device, norms.dtype)
+        cache = self.__dict__.setdefault("_unit_layouts", {})
+        if key not in cache:
+            limits = torch.tensor([m for n, m in shape for _ in range(n)], dtype=norms.dtype, device=norms.device)
+            unit = single = None
+            if any(n > 1 for n, _ in shape):
+                unit = torch.tensor([u for u, (n, _) in enumerate(shape) for _ in range(n)], device=norms.device)
+                single = torch.tensor([n == 1 for n, _ in shape for _ in range(n)], device=norms.device)
+            cache.clear()  # one layout kept: the current one
+            cache[key] = (unit, single, limits)
+        return cache[key]
 
 
 def clip_blocks(model: nn.Module) -> dict[Tensor, int]:
