@@ -490,6 +490,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(f"model.name is required; registered backbones: {', '.join(backbones)}")
     model_params = {k: v for k, v in model_raw.items() if k != "name"}
     model = {"name": model_raw["name"], **_check_component(BACKBONES, model_raw["name"], model_params, "model.name", ("name",))}
+    _check_sequence_lengths(model, sections["data"])
 
     losses_raw = _mapping(raw.get("losses"), "losses", "{<term>: {loss: <loss>, weight: 1.0}}")
     if not losses_raw:
@@ -529,6 +530,19 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     cfg = ExperimentConfig(name=name, model=model, losses=losses, plugins=plugins, **sections)
     _instantiate_check(cfg)
     return cfg
+
+
+def _check_sequence_lengths(model: dict[str, Any], data: Any) -> None:
+    """``data.max_frames`` / ``data.max_query_len`` (the longest video and query a batch holds) within the
+    backbone's ``max_frames`` / ``max_query_len`` (its position tables' length), where it has them: a longer
+    one would fail at the first batch that holds it, after the data was read and the workers started."""
+    for key in ("max_frames", "max_query_len"):
+        limit, wanted = model.get(key), getattr(data, key)
+        if isinstance(limit, int) and not isinstance(limit, bool) and wanted > limit:
+            raise ConfigError(
+                f"data.{key}={wanted} exceeds model.{key}={limit} (the backbone's position table): "
+                f"set model.{key} to at least {wanted}, or data.{key} to at most {limit}"
+            )
 
 
 MLFLOW_KEY = re.compile(r"[/\w.\- :]*")  # MLflow's rule for param, metric and tag keys
