@@ -56,3 +56,35 @@ def test_dropped_attention_weights_scale_the_value_bias_per_head(training):
                 s = ca.norm1(ca.phi + ctx)
                 want = ca.norm2(s + ca.ffn(s))
                 torch.testing.assert_close(got[b, k], want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_under_dropped_weights_equal_the_reference_loop():
+    """The bias's and the tokens' gradients through the scaled bias (probs.sum) equal autograd's through the
+    reference's per-(video, branch) loop with the same kept weights."""
+    torch.manual_seed(4)
+    lengths, length, branches_n, heads, dh, p = [3, 1, 4], 4, 2, 2, 4, 0.4
+    ca = LearnedQueryAttention(hidden_size=heads * dh, num_heads=heads, dropout=0.0, attention_dropout=p)
+    nn.init.normal_(ca.value.bias)
+    mask = torch.arange(length)[None] < torch.tensor(lengths)[:, None]
+    packing = Packing.from_mask(mask, len(lengths), length, torch.device("cpu"))
+    keep = (torch.rand(len(lengths), length, branches_n, heads) > p).float()  # (B, L, K, H)
+    ca.attn_dropout = FixedMask(keep, p)
+    ca.train()
+    x = torch.randn(branches_n, packing.num_tokens, heads * dh, requires_grad=True)
+    weights = torch.randn(len(lengths), branches_n, heads * dh)
+    (ca(x, packing) * weights).sum().backward()
+    got_x, got_bias = x.grad.clone(), ca.value.bias.grad.clone()
+    x.grad, ca.value.bias.grad = None, None
+    rows, total = packing.rows(), 0.0
+    q = ca.query(ca.phi).view(heads, dh)
+    for b, n in enumerate(lengths):
+        for k in range(branches_n):
+            tokens = x[k][rows == b]  # (n, D)
+            keys = (tokens @ ca.key.weight.t()).view(n, heads, dh)
+            att = torch.softmax(torch.einsum("he,nhe->hn", q, keys) / dh**0.5, dim=-1) * keep[b, :n, k].t() / (1 - p)
+            ctx = torch.einsum("hn,nhe->he", att, ca.value(tokens).view(n, heads, dh)).reshape(heads * dh)
+            s = ca.norm1(ca.phi + ctx)
+            total = total + (ca.norm2(s + ca.ffn(s)) * weights[b, k]).sum()
+    total.backward()
+    torch.testing.assert_close(got_x, x.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_bias, ca.value.bias.grad, atol=1e-5, rtol=1e-5)
