@@ -212,7 +212,7 @@ class ResidentSplit:
         longest = int(lengths.max())
         real = np.arange(longest)[None, :] < lengths[:, None]  # (N, L)
         source = np.where(real, starts[:, None] + np.arange(longest)[None, :], rows.shape[0] - 1)  # (N, L)
-        out = rows.index_select(0, torch.from_numpy(source.reshape(-1)).to(self.device))  # (N * L, D)
+        out = rows.index_select(0, host_to_device(source.reshape(-1), self.device))  # (N * L, D)
         return out.view(len(lengths), longest, rows.shape[1]), tag_lengths(host_to_device(real, self.device), lengths)
 
     def videos(self, positions: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -221,7 +221,7 @@ class ResidentSplit:
             raise ValueError("a batch needs at least one video")
         v = np.asarray(positions, dtype=np.int64)  # (B,)
         frames, frame_mask = self._padded(self.frames, self.frame_start[v], self.frame_len[v])
-        return self.clips[torch.from_numpy(v).to(self.device)], frames, frame_mask
+        return self.clips[host_to_device(v, self.device)], frames, frame_mask
 
     def queries(self, positions: Sequence[int]) -> tuple[Tensor, Tensor]:
         """``(queries (N, Lq, Dq), query_mask (N, Lq))`` of these queries (split positions), padded to the longest."""

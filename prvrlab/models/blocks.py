@@ -89,7 +89,7 @@ def draw_threshold(p: float) -> int:
 
 def _keep_scale(p: float, dtype: torch.dtype) -> Tensor:
     """1/(1-p) rounded to ``dtype`` once (from the double): the value every kept element of a mask takes."""
-    return torch.tensor(1.0 / (1.0 - p), dtype=dtype)
+    return torch.tensor(1.0 / (1.0 - p), dtype=dtype, device="cpu")
 
 
 def mask_from_draw(draw: Tensor | DeferredDraw, p: float, dtype: torch.dtype) -> Tensor:

@@ -54,7 +54,7 @@ def column_sum(x: Tensor, out: Tensor | None = None) -> Tensor:
         raise ValueError(f"column_sum takes a 2-D tensor, got shape {tuple(x.shape)}")
     if not _kernel_takes(x, out):
         return x.sum(0) if out is None else torch.sum(x, 0, out=out)
-    sums = torch.empty(x.shape[1], dtype=torch.float32)  # (C,)
+    sums = torch.empty(x.shape[1], dtype=torch.float32, device="cpu")  # (C,)
     load().prvrlab_column_sum(x.data_ptr(), sums.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return sums.to(x.dtype) if out is None else out.copy_(sums)
 
@@ -70,7 +70,7 @@ def relu_grad_column_sum(g: Tensor, h: Tensor, out: Tensor) -> Tensor:
         g = torch.ops.aten.threshold_backward(g, h, 0)
         column_sum(g, out=out)
         return g
-    sums = torch.empty(g.shape[1], dtype=torch.float32)  # (C,)
+    sums = torch.empty(g.shape[1], dtype=torch.float32, device="cpu")  # (C,)
     load().prvrlab_relu_grad_column_sum(g.data_ptr(), h.data_ptr(), sums.data_ptr(), g.shape[0], g.shape[1],
                                         torch.get_num_threads())
     torch.autograd.graph.increment_version(g)  # an in-place write, as threshold_backward_ would count it

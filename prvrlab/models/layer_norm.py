@@ -72,8 +72,8 @@ def _gradient_buffers(ctx, x: Tensor, affine: tuple[int, ...]) -> tuple[Tensor |
     the affine's float32 of shape ``affine``."""
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     dx = torch.empty_like(x) if need_x else None
-    dw = torch.empty(affine, dtype=torch.float32) if need_w else None
-    db = torch.empty(affine, dtype=torch.float32) if need_b else None
+    dw = torch.empty(affine, dtype=torch.float32, device="cpu") if need_w else None
+    db = torch.empty(affine, dtype=torch.float32, device="cpu") if need_b else None
     return dx, dw, db
 
 
@@ -133,8 +133,8 @@ class _BranchLayerNorm(torch.autograd.Function):
         x = x.contiguous()  # (K, N, D)
         w, b = weight.detach().float().contiguous(), bias.detach().float().contiguous()  # (K, D) each
         out = torch.empty_like(x)
-        mean = torch.empty(K, N, dtype=torch.float32)
-        rstd = torch.empty(K, N, dtype=torch.float32)
+        mean = torch.empty(K, N, dtype=torch.float32, device="cpu")
+        rstd = torch.empty(K, N, dtype=torch.float32, device="cpu")
         load().prvrlab_layer_norm_forward(x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(), mean.data_ptr(),
                                           rstd.data_ptr(), K * N, D, max(N, 1), eps, torch.get_num_threads())
         ctx.save_for_backward(x, w, mean, rstd)

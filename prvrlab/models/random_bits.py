@@ -56,7 +56,7 @@ load, unavailable_reason = native.loader(SOURCE, abi_symbol="prvrlab_random_abi"
 
 def random_words(n: int) -> Tensor:
     """(n,) int64 CPU tensor of uniformly random 64-bit words (module docstring)."""
-    out = torch.empty(n, dtype=torch.int64)
+    out = torch.empty(n, dtype=torch.int64, device="cpu")
     lib = load()
     if lib is None:
         return out.random_(-(2**63), None)
@@ -66,7 +66,7 @@ def random_words(n: int) -> Tensor:
 
 def _seed() -> int:
     """One draw of torch's default CPU generator: the seed of a sequence of words."""
-    return int(torch.empty((), dtype=torch.int64).random_())
+    return int(torch.empty((), dtype=torch.int64, device="cpu").random_())
 
 
 def random_mask(shape: tuple[int, ...], threshold: int, scale: Tensor, draw: "DeferredDraw | None" = None) -> Tensor | None:
@@ -80,7 +80,7 @@ def random_mask(shape: tuple[int, ...], threshold: int, scale: Tensor, draw: "De
     lib = load()
     if lib is None or scale.element_size() not in (2, 4):
         return None
-    out = torch.empty(shape, dtype=scale.dtype)
+    out = torch.empty(shape, dtype=scale.dtype, device="cpu")
     seed, offset = (_seed(), 0) if draw is None else (draw.seed, draw.offset)
     bits = int(scale.view(torch.int16 if scale.element_size() == 2 else torch.int32)) & 0xFFFFFFFF
     lib.prvrlab_dropout_mask(

@@ -109,7 +109,7 @@ def move_chunks(
     _check_chunks(dst, src, dst_base, src_base, dst_mid, src_mid, chunk, pad_base)
     size = dst.element_size()
     offsets = [t.to(torch.int64).mul(size).contiguous() for t in (dst_base, src_base, dst_mid, src_mid)]
-    pads = torch.empty(0, dtype=torch.int64) if pad_base is None else pad_base.to(torch.int64).mul(size).contiguous()
+    pads = torch.empty(0, dtype=torch.int64, device="cpu") if pad_base is None else pad_base.to(torch.int64).mul(size).contiguous()
     lib.prvrlab_move_chunks(
         dst.data_ptr(),
         src.data_ptr(),
@@ -139,7 +139,7 @@ def gather_rows_bf16(x: Tensor, index: Tensor) -> Tensor | None:
         return None
     if index.numel() and not (0 <= int(index.min()) and int(index.max()) < x.shape[0]):
         raise ValueError(f"gather_rows_bf16: row indices outside the {x.shape[0]} rows of the source")
-    out = torch.empty((index.numel(), *x.shape[1:]), dtype=torch.bfloat16)
+    out = torch.empty((index.numel(), *x.shape[1:]), dtype=torch.bfloat16, device="cpu")
     width = x[0].numel() if x.shape[0] else 0
     load().prvrlab_gather_rows_bf16(out.data_ptr(), x.data_ptr(), index.data_ptr(), index.numel(), width,
                                     torch.get_num_threads())

@@ -49,11 +49,11 @@ def segment_offsets(packing: Packing) -> Tensor:
     nothing is packed away, a grid's padded slots included, as the summary attends to them there)."""
     B, L = packing.batch, packing.length
     if packing.index is None:
-        return torch.arange(B + 1, dtype=torch.int64) * L
+        return torch.arange(B + 1, dtype=torch.int64, device="cpu") * L
     index = packing.index.cpu()
     if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
         raise ValueError("packed tokens must be in row order for the summary's segments")
-    return torch.cat([torch.zeros(1, dtype=torch.int64), packing.lengths.cpu().to(torch.int64).cumsum(0)])
+    return torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), packing.lengths.cpu().to(torch.int64).cumsum(0)])
 
 
 def pool(p: Tensor, x: Tensor, offsets: Tensor) -> Tensor:

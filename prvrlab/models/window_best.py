@@ -96,7 +96,7 @@ def window_best(
     unit = None if unit is None else unit.float().contiguous()
     q_frame = None if q_frame is None else q_frame.contiguous()
     top = dots.new_empty((nq, nv))
-    best = torch.empty((nq, nv), dtype=torch.int64)
+    best = torch.empty((nq, nv), dtype=torch.int64, device="cpu")
     frame_dot = None if unit is None else dots.new_empty((nq, nv))
 
     def ptr(t: Tensor | None) -> int | None:

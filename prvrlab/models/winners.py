@@ -55,7 +55,7 @@ def winners(dots: Tensor, q_norm: Tensor, v_norm: Tensor, pad: Tensor | None, wi
         return None
     dots, q_norm, v_norm = (t.contiguous() for t in tensors)
     real = None if pad is None else (~pad[0].to(torch.bool)).to(torch.uint8).contiguous()  # (C, L)
-    out = torch.empty(nq, c, 2 if with_logits else 1, dtype=torch.int64)  # (Nq, C, W)
+    out = torch.empty(nq, c, 2 if with_logits else 1, dtype=torch.int64, device="cpu")  # (Nq, C, W)
     lib.prvrlab_winners(dots.data_ptr(), q_norm.data_ptr(), v_norm.data_ptr(), 0 if real is None else real.data_ptr(),
                         nq, c, length, int(with_logits), out.data_ptr(), torch.get_num_threads())
     return out

@@ -78,13 +78,13 @@ class ProductTimer(TorchDispatchMode):
         if op not in PRODUCT_OPS:
             return func(*args, **kwargs)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        cuda = any(t.is_cuda for t in tensors)
-        if cuda:
-            torch.cuda.synchronize()
+        cuda = next((t.device for t in tensors if t.is_cuda), None)  # the product's GPU (cuda:1 under --device cuda:1)
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
         start = time.perf_counter()
         out = func(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
         elapsed = time.perf_counter() - start
         operands = " x ".join(_operand(t) for t in tensors)
         stat = self.stats.setdefault((op, operands), ProductStat(op, operands))
