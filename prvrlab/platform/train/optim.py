@@ -77,6 +77,7 @@ class BertAdam(torch.optim.Optimizer):
         joined = [p for members in self.clip_joint for p in members]
         if len({id(p) for p in joined}) < len(joined) or any(p in self.clip_blocks for p in joined):
             raise ValueError("clip_joint: a parameter is in two clipping units")
+        self._layout: tuple[tuple, tuple] | None = None  # (key, tensors) of :meth:`_unit_layout`: the current units
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -160,16 +161,14 @@ class BertAdam(torch.optim.Optimizer):
         tensor (None, None without joint units), and each tensor's limit, on ``norms``' device and dtype;
         built once per shape (it changes only when a gradient goes missing), so a GPU step copies nothing."""
         key = (shape, norms.device, norms.dtype)
-        cache = self.__dict__.setdefault("_unit_layouts", {})
-        if key not in cache:
+        if self._layout is None or self._layout[0] != key:
             limits = torch.tensor([m for n, m in shape for _ in range(n)], dtype=norms.dtype, device=norms.device)
             unit = single = None
             if any(n > 1 for n, _ in shape):
                 unit = torch.tensor([u for u, (n, _) in enumerate(shape) for _ in range(n)], device=norms.device)
                 single = torch.tensor([n == 1 for n, _ in shape for _ in range(n)], device=norms.device)
-            cache.clear()  # one layout kept: the current one
-            cache[key] = (unit, single, limits)
-        return cache[key]
+            self._layout = (key, (unit, single, limits))
+        return self._layout[1]
 
 
 def clip_blocks(model: nn.Module) -> dict[Tensor, int]:
@@ -187,12 +186,13 @@ def clip_blocks(model: nn.Module) -> dict[Tensor, int]:
 def clip_joint(model: nn.Module) -> list[tuple[Tensor, ...]]:
     """Groups of ``model``'s parameters that are one tensor of the reference's (clipped by their joint norm):
     its modules' ``clip_together``, tuples of parameter names under the module."""
-    return [
-        tuple(module.get_parameter(name) for name in names)
-        for module in model.modules()
-        for names in getattr(module, "clip_together", ())
-        if all(module.get_parameter(name).requires_grad for name in names)
-    ]
+    groups = []
+    for module in model.modules():
+        for names in getattr(module, "clip_together", ()):
+            members = tuple(module.get_parameter(name) for name in names)
+            if all(p.requires_grad for p in members):
+                groups.append(members)
+    return groups
 
 
 def no_decay(module: nn.Module, name: str, p: Tensor) -> bool:
