@@ -350,6 +350,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         storage.check_file(args.out, "--out")
     text = compare_runs(resolve_tracking_uri(args.tracking_uri, key="--tracking-uri"), args.run_ids, split=args.split,
                         n_boot=args.bootstrap, seed=args.seed, adjust=args.adjust)
+    if args.latex:
+        from prvrlab.reports.latex import latex_tables
+
+        text = latex_tables(text, source=f"prvrlab compare {' '.join(args.run_ids)} (bootstrap {args.bootstrap}, seed {args.seed})")
     if args.out:
         storage.write_file(args.out, "--out", lambda tmp: tmp.write_text(text))
     print(text, end="")
@@ -509,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=positive_int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
     p.add_argument("--seed", type=seed_value, default=0, help="seed of the resampling (default 0)")
     p.add_argument("--adjust", choices=["holm", "none"], default="holm", help="adjust the p-values over the table's comparisons (default holm)")
-    p.add_argument("--out", default=None, help="also write the markdown to this file")
+    p.add_argument("--latex", action="store_true", help="print (and --out write) the table in LaTeX (booktabs), its legend as a comment")
+    p.add_argument("--out", default=None, help="also write the markdown (with --latex: the LaTeX) to this file")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("profile", help="parameters, FLOPs, ms per query at several gallery sizes and memory of a config's model")
