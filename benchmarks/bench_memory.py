@@ -15,7 +15,7 @@ false (the plain path) and true run.
 
 Measured 2026-11-23 (AMD EPYC Zen 3, 2 threads, fp32, v2 at batch 128): step
 peak 6.51 GiB one pass, 3.34 GiB with ``train.checkpoint_activations``
-(step 2, AdamW states included); see README, "Memory (issue 16, second part)".
+(step 2, AdamW states included); see docs/performance.md, "Memory (issue 16, second part)".
 
     .venv/bin/python benchmarks/bench_memory.py
     .venv/bin/python benchmarks/bench_memory.py --config gmmformer_tvr.yaml --setting off

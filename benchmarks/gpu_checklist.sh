@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (README, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident), every
+# The GPU checks (docs/performance.md, "On a GPU"), in one run: CUDA tests, in-process training (streamed and resident), every
 # other backbone and plug-in trained through the loop, the loop's one host wait per step against a wait after
 # every forward and optimiser step, where the host still waits inside a step (by source line), profiles,
 # evaluation (GMMFormer; MS-SL's indexed gallery), backbone steps and packing. Needs torch with CUDA,

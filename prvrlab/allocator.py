@@ -12,8 +12,8 @@ and the kernel's zeroing of its pages on first touch, every time.
   pages are reused by the next ones.  Measured by
   benchmarks/bench_allocator.py (2-core AMD EPYC, fp32, fresh process per
   run): GMMFormer training step 1.73x faster, GMMFormer v2 2.21x, an
-  evaluation of 2,500 queries x 500 videos 1.36x (README, "The host
-  allocator").  The price is peak resident memory: a freed block is reused
+  evaluation of 2,500 queries x 500 videos 1.36x (docs/performance.md, "The
+  host allocator").  The price is peak resident memory: a freed block is reused
   only by blocks that fit in it (v2 at batch 128: 7.1 -> 8.9 GiB,
   3.30 -> 3.53 GiB with ``train.checkpoint_activations``).
 * ``system``: glibc's default values.  A process that starts with it is

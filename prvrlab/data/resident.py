@@ -3,7 +3,7 @@
 The training loader reads, preprocesses and collates every batch again each
 epoch (and validation its split) and carries it to the device: at TVR's
 dimensions a batch of 128 videos is 240 MiB of float32, which bounds GPU
-training (README, "On a GPU").  A :class:`ResidentSplit` does that work once:
+training (docs/performance.md, "On a GPU").  A :class:`ResidentSplit` does that work once:
 every video's frames (at most ``max_frames`` rows, as
 :func:`~prvrlab.data.preprocess.preprocess_frames` makes them), clips and query
 tokens are packed into three tensors on the device, and

@@ -260,7 +260,7 @@ def encode_queries(
 
 # The CPU budgets below were halved in session 39 (scores 128 -> 64, videos 64 -> 32, queries 32 -> 16 MiB):
 # the same speed, and with primitive_cache_limit's caps the peak RSS of GMMFormer's evaluation went
-# 0.59 -> 0.46 GiB at 2,500 x 500 and 1.04 -> 0.57-0.59 GiB at TVR's test size (README, "Session 39").
+# 0.59 -> 0.46 GiB at 2,500 x 500 and 1.04 -> 0.57-0.59 GiB at TVR's test size (docs/performance.md, "Session 39").
 SCORE_BUDGET_BYTES = 64 << 20  # float32 scores of one chunk of queries (against every video token)
 ENCODE_BUDGET_BYTES = 32 << 20  # float32 input features (clips + frames) of one batch of videos encoded on the CPU
 DEVICE_ENCODE_BUDGET_BYTES = 128 << 20  # the same, encoded on an accelerator (its working set is in device memory)

@@ -566,13 +566,13 @@ def pooled_ranks(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, n
     ``resources.reuse_workers`` where the spec says true or false (true for one worker: a one-rank pool).
     By default (``auto``) with ``resources.pack`` > 1, and for multi-worker CPU ranks on a one-node cluster
     where a trial fits now (this machine, or a workstation's cluster a search is submitted to with ``ray
-    job submit``): there a worker group started per trial only costs time (~20 s a trial here; README,
-    Search overhead), and a pool's trial that cannot be placed stops the study after
+    job submit``): there a worker group started per trial only costs time (~20 s a trial here;
+    docs/performance.md, "Search overhead"), and a pool's trial that cannot be placed stops the study after
     ``resources.placement_timeout_s`` (:mod:`.placement`).  Elsewhere a worker group per trial: on
     several nodes a retried trial's group must be placed again after a node loss, which its admission
     ledger handles (:mod:`.admission`), and GPU pools are opt-in.  One worker trains inside the trial
     actor unless the spec says true: a one-rank pool reached its first step ~1 s sooner here, but its
-    searches were not measurably quicker in all (README, session 45)."""
+    searches were not measurably quicker in all (docs/performance.md, session 45)."""
     res = spec.resources
     if res.reuse_workers is not None:
         return res.reuse_workers

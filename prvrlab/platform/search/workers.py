@@ -459,7 +459,7 @@ def start_spares(groups: int, workers: int, cpus: float) -> list[list[Any]]:
     adopting trial's placement group holds their CPUs): only for a one-node cluster, where that is the same
     node.  Ray gives an actor without CPUs OMP_NUM_THREADS=1; each spare sets what Ray gives an actor of
     ``cpus`` (their floor, at least 1) before it imports torch: with 1, a one-rank pool's 2-thread training
-    took 15-20% longer here (README, session 45)."""
+    took 15-20% longer here (docs/performance.md, session 45)."""
     import ray
 
     remote = ray.remote(PoolWorker).options(num_cpus=0, **RANK_OPTIONS)

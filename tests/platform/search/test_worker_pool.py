@@ -50,7 +50,7 @@ def test_a_study_says_whether_its_ranks_are_kept_across_trials(tmp_path):
 
 def test_shipped_multi_worker_cpu_specs_keep_their_ranks_across_trials():
     """The shipped specs whose trials are CPU DDP runs take the reused pools (a worker group per trial cost
-    the tiny search 66 s against 6 s, with the same trial metrics: README, Search overhead)."""
+    the tiny search 66 s against 6 s, with the same trial metrics: docs/performance.md, "Search overhead")."""
     from pathlib import Path
 
     import yaml
