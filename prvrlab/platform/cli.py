@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("report", help="write the markdown report (tables, statistics, figures) of a search or ablation from MLflow")
+    p = sub.add_parser("report", help="write the report of a search or ablation from MLflow: report.md (tables, statistics, figures) and its tables in LaTeX (tables.tex)")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--run-id", default=None, help="the study's parent run id")
     who.add_argument("--experiment", default=None, help="an MLflow experiment: its latest search/ablation")
