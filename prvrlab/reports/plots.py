@@ -36,8 +36,10 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def safe_name(key: str) -> str:
-    """A file-name-safe form of a config key ('losses.qd.weight' -> 'losses.qd.weight')."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    """A file-name-safe form of a config key or study name ('losses.qd.weight' -> 'losses.qd.weight'); never
+    empty, '.' or '..' (a name of dots alone, such as a study tagged '..', would name a folder above)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    return name if name.strip(".") else name.replace(".", "_") or "_"
 
 
 def sensitivity_plot(
