@@ -102,8 +102,10 @@ def mutual_pairs(sim: Tensor, own: Tensor, threshold: float) -> tuple[Tensor, Te
 
 
 def cosine_matrix(a: Tensor, b: Tensor) -> Tensor:
-    """(N, D), (M, D) -> (N, M) cosine similarities in fp32."""
-    return F.normalize(a.float(), dim=-1, eps=_EPS) @ F.normalize(b.float(), dim=-1, eps=_EPS).t()
+    """(N, D), (M, D) -> (N, M) cosine similarities in fp32, under autocast too (bf16 products would round
+    them to steps of 2^-8 near 1 and tie close moments, which the argmax then hands to the lower index)."""
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        return F.normalize(a.float(), dim=-1, eps=_EPS) @ F.normalize(b.float(), dim=-1, eps=_EPS).t()
 
 
 # ---------------------------------------------------------------- TCP
@@ -315,7 +317,7 @@ class ICE(Plugin):
         q_video = self._query_vector(query, self.video_branch)  # (Nq, D)
         moments, mask = video.moment_tokens()  # (Nv, M, D), (Nv, M)
         own, own_mask = moments[query_video], mask[query_video]  # (Nq, M, D), (Nq, M)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):  # fp32: see cosine_matrix
             cos = (F.normalize(own.float(), dim=-1, eps=_EPS) @ F.normalize(q.float(), dim=-1, eps=_EPS)[:, :, None])
             key = cos.squeeze(-1).masked_fill(~own_mask, -2.0).argmax(dim=1)  # (Nq,) Eq. 2
         rows = torch.arange(q.shape[0], device=q.device)
