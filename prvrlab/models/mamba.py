@@ -348,7 +348,9 @@ class Mamba(nn.Module):
         xs = self.conv(xs.transpose(1, 2))[..., :length].transpose(1, 2)  # causal: (B, L, E)
         xs = F.silu(xs)
         dt, B, C = self.x_proj(xs).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(dt))  # (B, L, E)
+        # as mamba_ssm: the product (under autocast in its precision), then the bias and softplus in fp32 (its
+        # kernel's delta_bias): a bf16 sum would round mamba_ssm's initial bias, ~-6.9, to steps of 0.03
+        delta = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())  # (B, L, E) fp32
         A = -torch.exp(self.A_log.float())  # (E, N)
         y = selective_scan(xs, delta, A, B, C, self.D, mask=mask, chunk=self.scan_chunk, kernel=self.scan_kernel)  # (B, L, E) fp32
         return self.out_proj((y * F.silu(z.float())).to(z.dtype))  # (B, L, D)
