@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -76,18 +77,31 @@ def process_alive(pid: int, start: str = "") -> bool:
 
 
 def lock_path(tags: dict[str, str]) -> Path | None:
-    """The lock file of the driver named by a run's ``tags`` (None: another host, or no driver tags)."""
+    """The lock file of the driver named by a run's ``tags``, in this user's lock folder under
+    :data:`LOCK_DIR` (:func:`private_folder`); None: another host, or no driver tags."""
     if not _of_this_host(tags):
         return None
     start = "".join(c for c in tags.get(START_TAG, "") if c.isdigit())
-    return LOCK_DIR / f"prvrlab-driver-{tags[PID_TAG]}-{start}.lock"
+    return LOCK_DIR / f"prvrlab-locks-{os.getuid()}" / f"prvrlab-driver-{tags[PID_TAG]}-{start}.lock"
+
+
+def private_folder(folder: Path) -> bool:
+    """Make ``folder`` (0700) if it is missing; whether it is a folder of this user's that nobody else can
+    write (a link, another user's folder or a loosened one is not used: whoever could write it could hold or
+    plant the locks a closer waits for)."""
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 def _locked(path: Path, deadline: float) -> int | None:
     """An open descriptor of ``path`` holding its exclusive lock, the file still at that path (one that was
     removed while this waited is opened again); None when the lock is not had by ``deadline``."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             held = _flock(fd, deadline)
             current = held and _still_at(path, fd)
@@ -137,7 +151,7 @@ def driver_lock(tags: dict[str, str], *, wait_s: float = LOCK_WAIT_S) -> Iterato
     """
     path = lock_path(tags)
     fd = None
-    if path is not None:
+    if path is not None and private_folder(path.parent):
         try:
             fd = _locked(path, time.monotonic() + (0.0 if path in _GAVE_UP else wait_s))
         except OSError:  # no folder to write in, or no locks there: go on unlocked, as before the lock existed
