@@ -105,8 +105,17 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/@\s]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """``scheme://user:password@host`` -> ``scheme://user:***@host`` wherever it occurs in ``text``: a
+    tracking URI or object-store path given with its password is not shown to every reader of the store."""
+    return _URL_PASSWORD.sub(r"\g<head>:***@", text)
+
+
 def _clean_value(value: Any) -> str:
-    text = str(value)
+    text = redact_credentials(str(value))
     return text if len(text) <= PARAM_MAX else text[: PARAM_MAX - 3] + "..."
 
 
