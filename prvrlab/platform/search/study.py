@@ -497,6 +497,9 @@ def verify_state(study_dir: Path, uri: str | None = None) -> str | None:
         if driver is not None:
             raise StudyError(f"refusing to resume: {study_dir} is being run by a live driver (pid {driver})")
     record = state_record(study_dir, uri)
+    if record.is_file():  # a record in a folder others could write (a shared cache) vouches for nothing
+        for path in (record.parent, record):
+            _check_owner(path)
     if not record.is_file():
         where = uri if remote else str(study_dir)
         if os.environ.get(TRUST_STATE_ENV) == "1":
