@@ -1007,10 +1007,10 @@ def figures_of(path: str | Path) -> list[str]:
 
 def written_text(path: str | Path) -> str:
     """What a report run wrote: 'report.md and 3 figures', '... and 1 figure', '... and no figure'; with
-    the LaTeX tables beside it, '..., and its tables in LaTeX: tables.tex'."""
+    the LaTeX tables beside it, '... and 3 figures, with its tables in LaTeX (tables.tex)'."""
     n = len(figures_of(path))
     tex = Path(path).with_name(LATEX_FILE)
-    tables = f", and its tables in LaTeX: {tex.name}" if tex.is_file() else ""
+    tables = f", with its tables in LaTeX ({tex.name})" if tex.is_file() else ""
     return f"{path} and " + ("no figure" if n == 0 else "1 figure" if n == 1 else f"{n} figures") + tables
 
 
