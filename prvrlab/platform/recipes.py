@@ -90,6 +90,11 @@ def catalogue(directory: Path) -> str:
         "pins its values); **paper** follows a paper without public code (its header says which values are the",
         "paper's); **synthetic preset** is tuned for the built-in synthetic collection and reproduces nothing.",
         "Published: the row the config's `published:` section carries, compared with every run's final metrics.",
+        "Its sources cite the five papers prvrlab implements by number: papers/000 RAL (Robust Alignment Learning,",
+        "EMNLP'25), papers/001 ARL (Ambiguity-Restrained representation Learning, AAAI'25), papers/002 ICE / IRM /",
+        "TCP (Enhanced Partially Relevant Video Retrieval through Inter- and Intra-Sample Analysis with Coherence",
+        "Prediction), papers/003 MamFusion (Multi-Mamba with Temporal Fusion for PRVR), papers/004 GMMFormer v2",
+        "(An Uncertainty-aware Framework for PRVR).",
         "",
     ]
     order = [*DATASETS, *sorted({e.dataset for e in entries} - set(DATASETS))]
