@@ -9,6 +9,7 @@ one line per epoch, and closes the run FINISHED, FAILED or KILLED.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue as stdlib_queue
@@ -56,10 +57,25 @@ class TrainResult:
 
 
 def run_name_for(cfg: ExperimentConfig) -> str:
-    """A unique, filesystem-safe run name: <name>-<timestamp>."""
+    """A filesystem-safe run name: <name>-<timestamp> (made unique by :func:`claim_run_name`)."""
     stem = cfg.tracking.run_name or cfg.name
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-") or "run"
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def claim_run_name(cfg: ExperimentConfig) -> str:
+    """:func:`run_name_for`, with ``-2``, ``-3``, ... added while that name's folder under
+    ``tracking.storage_path`` exists; the folder is made here (atomically on this host: two runs started in
+    the same second get two names, not one folder whose files, checkpoints and metrics they would mix)."""
+    base, root = run_name_for(cfg), storage.Location(cfg.tracking.storage_path)
+    for name in (base if n == 1 else f"{base}-{n}" for n in itertools.count(1)):
+        if root.remote and root.has(name):
+            continue
+        try:
+            root.child(name).local.mkdir(parents=True)
+            return name
+        except FileExistsError:
+            continue
 
 
 def cpus_per_worker(cfg: ExperimentConfig, cluster_cpus: float, reserved: float = 0.0) -> float:
@@ -379,9 +395,9 @@ def train(
         check_resources(cfg, ray.cluster_resources())
     else:
         check_in_process(cfg)
-    name = run_name_for(cfg)
     tracker = Tracker(cfg.tracking.uri or resolve_tracking_uri(None), cfg.tracking.experiment)
     check_storage(cfg.tracking.storage_path)
+    name = claim_run_name(cfg)
     with store_errors(tracker.uri):
         for orphan in close_dead_runs(tracker):
             if echo:
