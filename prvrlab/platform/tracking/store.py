@@ -260,12 +260,17 @@ class Tracker:
             self.client = _StoreClient(MlflowClient(tracking_uri=uri), uri)
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
-                self.experiment_id = self.client.create_experiment(
-                    experiment,
-                    artifact_location=artifact_location(uri, experiment),
-                    tags={EXPERIMENT_KIND_TAG: TRAINING_KIND},
-                )
-            else:
+                try:
+                    self.experiment_id = self.client.create_experiment(
+                        experiment,
+                        artifact_location=artifact_location(uri, experiment),
+                        tags={EXPERIMENT_KIND_TAG: TRAINING_KIND},
+                    )
+                except Exception:  # noqa: BLE001 - made meanwhile by another command on the same store?
+                    exp = self.client.get_experiment_by_name(experiment)
+                    if exp is None:
+                        raise
+            if exp is not None:
                 if exp.lifecycle_stage == "deleted":  # MLflow names the store's state, not the experiment
                     raise ConfigError(
                         f"tracking.experiment {experiment!r}: deleted in the MLflow store {uri} (id {exp.experiment_id}); "
