@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,7 +20,7 @@ from typing import Callable
 from prvrlab.cache import cache_root
 from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
-from prvrlab.platform.tracking.drivers import HOST_TAG, PID_TAG, START_TAG, driver_alive, driver_tags
+from prvrlab.platform.tracking.drivers import HOST_TAG, PID_TAG, START_TAG, driver_alive, driver_tags, private_folder
 
 STATE_SUMS = "state.sha256"  # sha256 of every file under tune/, written by the driver after each run
 TRUST_STATE_ENV = "PRVRLAB_TRUST_STUDY_STATE"  # 1: resume a study this user has no record of
@@ -47,6 +48,53 @@ def state_record(study_dir: Path, uri: str | None = None) -> Path:
     by the study's object-store URI, else by its resolved folder."""
     key = uri if uri and storage.is_remote(uri) else str(Path(study_dir).resolve())
     return cache_root() / "study-state" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.sha256"
+
+
+_CLAIMS: dict[Path, int] = {}  # lock file -> the descriptor holding it while this process runs that study
+
+
+def study_lock(study_dir: Path, uri: str | None = None) -> Path:
+    """This user's lock file of a study on this machine, keyed as its :func:`state_record`."""
+    record = state_record(study_dir, uri)
+    return record.parent.parent / "study-locks" / record.with_suffix(".lock").name
+
+
+def claim_study(study_dir: Path, uri: str | None = None, *, hold: bool = True) -> int | None:
+    """Take this user's lock of the study on this machine (held until :func:`release_studies` or the process
+    ends, a kill included: the kernel drops it), so that two drivers cannot run, resume or pull one study at
+    once; None when taken (or already held by this process; or no private lock folder: then unlocked), else
+    the pid of the process holding it (0 when unknown).  ``hold=False``: only look (the lock is let go)."""
+    import fcntl
+
+    path = study_lock(study_dir, uri)
+    if path in _CLAIMS:
+        return None
+    try:
+        path.parent.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    if not private_folder(path.parent):
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        return int(holder) if holder.isdigit() else 0
+    if not hold:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _CLAIMS[path] = fd
+    return None
+
+
+def release_studies() -> None:
+    """Let go of every study lock this process holds (:func:`claim_study`)."""
+    while _CLAIMS:
+        os.close(_CLAIMS.popitem()[1])
 
 
 def forget_state(study_dir: Path, uri: str | None = None) -> None:

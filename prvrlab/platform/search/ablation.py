@@ -108,6 +108,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     from prvrlab.platform.search.study import StudyContext
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.runtime import ensure_ray
+    from prvrlab.platform.study_state import release_studies
 
     check_cluster(spec)  # impossible resources: refused before the study folder and parent run exist
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="ablation", echo=echo)
@@ -179,6 +180,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
         raise
     finally:
         tracker.end_run(parent, status)
+        release_studies()  # this driver's lock of the study (taken with its folder)
 
 
 def previous_parent_excluding(root: Path, current: Path) -> str | None:

@@ -70,6 +70,7 @@ from prvrlab.platform.tracking import closer
 from prvrlab.platform.study_state import (
     STATE_SUMS,
     TRUST_STATE_ENV,
+    claim_study,
     forget_state,
     forget_writers,
     read_sums,
@@ -685,11 +686,16 @@ def prepare_study(spec: StudySpec, *, resume: bool, kind: str, echo: Callable[[s
         study_dir = resumable_study(spec, location, kind, echo)
         echo(f"resuming {kind} '{spec.name}' from {study_dir}")
         return base, study_dir, True
-    study_dir = root / _stamp()
-    while study_dir.exists() or (location.remote and location.has(study_dir.name)):
-        time.sleep(1)
+    while True:
         study_dir = root / _stamp()
-    study_dir.mkdir(parents=True)
+        if not (location.remote and location.has(study_dir.name)):
+            try:
+                study_dir.mkdir(parents=True)  # atomic on this host: a submission in the same second waits for the next
+                break
+            except FileExistsError:
+                pass
+        time.sleep(1)
+    claim_study(study_dir, location.child(study_dir.name).uri if location.remote else None)
     return base, study_dir, False
 
 
@@ -701,6 +707,13 @@ def resumable_study(spec: StudySpec, location: storage.Location, kind: str, echo
     found = latest_study(location)
     if found is None:
         raise StudyError(f"nothing to resume: no earlier {kind} '{spec.name}' under {location.uri}")
+    # this user's lock of the study, before anything is pulled or read: one driver at a time (--check only looks)
+    holder = claim_study(found.local, found.uri if found.remote else None, hold=scratch is None)
+    if holder is not None:
+        raise StudyError(
+            f"refusing to resume: {found.uri} is being run by another driver on this machine"
+            + (f" (pid {holder})" if holder else "") + "; wait for it to end, or stop it"
+        )
     # object store: a fresh local copy (Tune's checkpoints stay remote: only read as weights)
     study_dir = scratch / found.name if found.remote and scratch is not None else found.local
     found.pull(exclude=("train", "checkpoint_*"), fresh=True, into=study_dir)

@@ -132,6 +132,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
 
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.runtime import ensure_ray
+    from prvrlab.platform.study_state import release_studies
 
     check_cluster(spec)  # impossible resources: refused before the study folder and parent run exist
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="search", echo=echo)
@@ -202,5 +203,6 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
         raise
     finally:
         tracker.end_run(parent, status)
+        release_studies()  # this driver's lock of the study (taken with its folder)
 
 
