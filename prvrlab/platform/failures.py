@@ -24,6 +24,7 @@ Everything here is pure (text in, :class:`Failure` out).
 from __future__ import annotations
 
 import re
+import shutil
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,6 +92,25 @@ def explain_failure(text: str, *, hint: str = TRAIN_HINT, origin: str = "the tra
 def explain_exception(exc: BaseException, *, hint: str = TRAIN_HINT, origin: str = "the training code") -> Failure:
     """:func:`explain_failure` on :func:`failure_text` of ``exc``."""
     return explain_failure(failure_text(exc), hint=hint, origin=origin)
+
+
+LOW_DISK_BYTES = 64 * 2**20  # below this much free space a failed write is most likely the full disk's
+
+
+def with_disk_note(failure: Failure, folder: Path) -> Failure:
+    """``failure`` with the disk named when the one holding ``folder`` (or its nearest existing parent) has
+    less than :data:`LOW_DISK_BYTES` free: a full disk surfaces as whatever the failed write raised
+    (torch.save's ``unexpected pos 181184 vs 181072``), which does not say so."""
+    path = Path(folder)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return failure
+    if free >= LOW_DISK_BYTES:
+        return failure
+    return Failure(failure.kind, f"{failure.summary} (the disk holding {folder} is full: {free // 1024} KiB free)", failure.retryable)
 
 
 def carries_interrupt(exc: BaseException) -> bool:

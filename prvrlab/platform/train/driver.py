@@ -34,6 +34,7 @@ from prvrlab.platform.failures import (  # TrainingError lives there: the CLI ca
     failure_text,
     interrupts_unwrapped,
     record_failure,
+    with_disk_note,
 )
 from prvrlab.platform.resources import shortfall
 from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_paths
@@ -193,7 +194,7 @@ def fit_with_ray(
         except (ConfigError, TrainingError):
             raise
         except Exception as exc:
-            failure = explain_exception(exc)
+            failure = with_disk_note(explain_exception(exc), run_dir)
             record_failure(run_dir / ERROR_FILE, failure_text(exc), failure, attempt=failures + 1)
             if not failure.retryable or failures >= cfg.train.max_failures:
                 raise TrainingError(failure.summary) from exc
@@ -451,7 +452,7 @@ def train(
         _best_effort("tagging the run's error", tracker.set_tags, run_id, {"error": str(exc)})
         raise
     except Exception as exc:
-        failure = explain_exception(exc, origin="the driver")
+        failure = with_disk_note(explain_exception(exc, origin="the driver"), run_dir)
         _best_effort(f"writing {ERROR_FILE}", record_failure, run_dir / ERROR_FILE, failure_text(exc), failure, attempt=1)
         _best_effort("tagging the run's error", tracker.set_tags, run_id, {"error": failure.summary})
         raise TrainingError(failure.summary) from exc
