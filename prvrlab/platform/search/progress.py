@@ -89,6 +89,9 @@ class ProgressCallback(Callback):
                 continue
             if t.trial_id not in self.best and t.last_result:  # restored by a resume: reported before it
                 self._note(t, t.last_result)
+                # its best over every result it reported (Tune keeps each metric's max and min with the trial)
+                reported = (getattr(t, "metric_analysis", None) or {}).get(self.metric) or {}
+                self._note(t, {self.metric: reported.get("max" if self.mode == "max" else "min")})
             if status == "TERMINATED":
                 done += 1
             elif status == "RUNNING":
