@@ -13,6 +13,7 @@ the report's title is left out.  Needs ``\\usepackage{booktabs}`` and ``\\usepac
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass, field
 
 _ALIGN = {":--": "l", ":-:": "c", "--:": "r", "---": "l"}
@@ -29,6 +30,8 @@ _SYMBOLS = {  # the report's marks and symbols
     "≠": r"$\neq$", "²": r"\textsuperscript{2}",
 }
 INTRO_MAX = 160  # a paragraph right before a table this short names it (its caption's second part)
+
+
 _INLINE = re.compile(r"\*\*(.+?)\*\*|(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])|`([^`]+)`")
 _NEGATIVE = re.compile(r"(?<![\w.])-(?=\d)")  # a minus sign before a number: "-2.3", "[-3.9, +9.7]"
 
@@ -190,15 +193,9 @@ def table_latex(table: Table, label: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _wrap(text: str, width: int = 100) -> list[str]:
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    return lines + ([line] if line else [])
+def _wrap(text: str) -> list[str]:
+    """Comment lines of at most 100 characters, words kept whole."""
+    return textwrap.wrap(text, 100, break_long_words=False, break_on_hyphens=False)
 
 
 def latex_tables(markdown: str, *, source: str = "") -> str:

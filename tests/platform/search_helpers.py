@@ -61,3 +61,22 @@ def study_runs(tmp: Path):
 def metric_history(tmp: Path, run_id: str, key: str):
     tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "tests")
     return tracker.client.get_metric_history(run_id, key)
+
+
+def recorded_study(tmp: Path, tiny_root: Path, name: str, **fields):
+    """A search spec ``name`` and a fake earlier submission folder of it whose Tune state this user's driver
+    recorded (what ``--resume`` continues): (spec path, spec, study folder)."""
+    from prvrlab.platform.search.outcome import RunMap
+    from prvrlab.platform.search.spec import load_search_spec
+    from prvrlab.platform.search.study import record_state, spec_hash, study_root
+
+    path = tiny_spec(tmp, tiny_root, name=name, **fields)
+    spec = load_search_spec(path)
+    study_dir = study_root(tmp / "results", "search", name) / "20250101-000000"
+    (study_dir / "tune").mkdir(parents=True)
+    (study_dir / "tune" / "experiment_state-1.json").write_text("{}")
+    runs = RunMap(study_dir)
+    runs.meta["spec_hash"] = spec_hash(spec)
+    runs.save()
+    record_state(study_dir)
+    return path, spec, study_dir

@@ -12,28 +12,18 @@ import sys
 import pytest
 
 from prvrlab.platform.cli import main
-from prvrlab.platform.search.outcome import RunMap
 from prvrlab.platform.search.spec import StudyError, load_search_spec
-from prvrlab.platform.search.study import check_resume, record_state, spec_hash, study_location, study_root
+from prvrlab.platform.search.study import check_resume, study_location
 from prvrlab.platform.study_state import _CLAIMS, claim_study, release_studies, study_lock
 
-from search_helpers import tiny_spec
+from search_helpers import recorded_study, tiny_spec
 
 HOLD = "import sys; from pathlib import Path; from prvrlab.platform.study_state import claim_study; " \
        "claim_study(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()"
 
 
 def _study(tmp_path, tiny_root):
-    path = tiny_spec(tmp_path, tiny_root, name="claim")
-    spec = load_search_spec(path)
-    study_dir = study_root(tmp_path / "results", "search", "claim") / "20250101-000000"
-    (study_dir / "tune").mkdir(parents=True)
-    (study_dir / "tune" / "experiment_state-1.json").write_text("{}")
-    runs = RunMap(study_dir)
-    runs.meta["spec_hash"] = spec_hash(spec)
-    runs.save()
-    record_state(study_dir)
-    return path, spec, study_dir
+    return recorded_study(tmp_path, tiny_root, "claim")
 
 
 @pytest.fixture

@@ -9,11 +9,10 @@ import pickle
 import pytest
 
 from prvrlab.platform.cli import main
-from prvrlab.platform.search.outcome import RunMap
-from prvrlab.platform.search.spec import StudyError, load_search_spec
-from prvrlab.platform.search.study import forget_state, record_state, spec_hash, state_record, study_root, verify_state
+from prvrlab.platform.search.spec import StudyError
+from prvrlab.platform.search.study import forget_state, record_state, state_record, verify_state
 
-from search_helpers import tiny_spec
+from search_helpers import recorded_study, tiny_spec
 
 
 class Planted:
@@ -28,15 +27,7 @@ class Planted:
 
 def _study(tmp_path, tiny_root, **fields):
     """A spec and a fake earlier submission folder with recorded Tune state."""
-    path = tiny_spec(tmp_path, tiny_root, name="guard", **fields)
-    spec = load_search_spec(path)
-    study_dir = study_root(tmp_path / "results", "search", "guard") / "20250101-000000"
-    (study_dir / "tune").mkdir(parents=True)
-    (study_dir / "tune" / "experiment_state-1.json").write_text("{}")
-    runs = RunMap(study_dir)
-    runs.meta["spec_hash"] = spec_hash(spec)
-    runs.save()
-    record_state(study_dir)
+    path, _, study_dir = recorded_study(tmp_path, tiny_root, "guard", **fields)
     verify_state(study_dir)
     return path, study_dir
 

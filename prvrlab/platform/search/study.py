@@ -498,9 +498,6 @@ def verify_state(study_dir: Path, uri: str | None = None) -> str | None:
         if driver is not None:
             raise StudyError(f"refusing to resume: {study_dir} is being run by a live driver (pid {driver})")
     record = state_record(study_dir, uri)
-    if record.is_file():  # a record in a folder others could write (a shared cache) vouches for nothing
-        for path in (record.parent, record):
-            _check_owner(path)
     if not record.is_file():
         where = uri if remote else str(study_dir)
         if os.environ.get(TRUST_STATE_ENV) == "1":
@@ -510,6 +507,8 @@ def verify_state(study_dir: Path, uri: str | None = None) -> str | None:
             f"or its driver was killed with its run sentinel, and whoever wrote the study could have written its "
             f"state and checksums; resume where the study ran, or set {TRUST_STATE_ENV}=1 to trust it"
         )
+    for path in (record.parent, record):  # a record in a folder others could write (a shared cache) vouches for nothing
+        _check_owner(path)
     recorded, current = read_sums(record), state_sums(study_dir)
     for rel in sorted(set(recorded) | set(current)):
         if recorded.get(rel) != current.get(rel):
