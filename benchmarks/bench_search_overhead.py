@@ -38,12 +38,19 @@ per search), so every row finds them ready.
 With a GPU it also prints the aggregate trial throughput when packing 1, 2
 and 4 one-worker trials per GPU (gpus_per_worker 1, 0.5, 0.25).
 
+``--tune-floor`` also runs, after the rows, the same number of trials on Ray Tune alone (one at a time,
+actors reused, each trial reporting once per epoch from a function that imports nothing and trains
+nothing), and prints the wall time from ``Tuner.fit()`` to the first trial's first report and to the
+end: the part of a search's overhead that is Ray Tune's own (its controller, the trial actor's start
+and its Ray Tune import, the reports' round trips), against the budget that <= 10% leaves at each
+row's epoch time.
+
 ``--cli`` also runs the last row's search as a user does, ``prvrlab search SPEC`` in a fresh process
 (its imports, opening the MLflow store, starting its own Ray, Tune, Ray's shutdown at exit), and
 prints when its output lines came against the time its trials spent in epochs (``--rows ''``: that
 command alone; the store is created before it, as a user's earlier runs would have).
 
-    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r,2p] [--cli]
+    .venv/bin/python benchmarks/bench_search_overhead.py [--trials 3] [--epochs 2] [--preset small] [--rows 1,2,2r,2p] [--tune-floor] [--cli]
 """
 
 from __future__ import annotations
@@ -241,6 +248,34 @@ def max_difference(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]
     return max((abs(a[lr][k] - b[lr].get(k, float("inf"))) for lr in a for k in a[lr]), default=float("inf"))
 
 
+def _no_op_trial(config: dict) -> None:
+    """A trainable that imports nothing: one report per 'epoch', stamped with the time it was made."""
+    import time as clock
+
+    from ray import tune
+
+    for epoch in range(config["epochs"]):
+        tune.report({"at": clock.time(), "epoch": epoch})
+
+
+def tune_floor(tmp: Path, trials: int, epochs: int) -> dict[str, float]:
+    """Ray Tune alone on this cluster (``trials`` no-op trials, one at a time, actors reused, Tune's
+    default logger callbacks as a search has them): seconds from ``fit()`` to the first trial's first report, and to ``fit()``'s return."""
+    from ray import tune
+
+    t0 = time.time()
+    tuner = tune.Tuner(
+        _no_op_trial,
+        param_space={"epochs": epochs, "trial": tune.grid_search(list(range(trials)))},
+        tune_config=tune.TuneConfig(reuse_actors=True, max_concurrent_trials=1),
+        run_config=tune.RunConfig(storage_path=str(tmp / "tune_floor"), name="floor", verbose=0),
+    )
+    results = tuner.fit()
+    wall = time.time() - t0
+    firsts = [r.metrics_dataframe["at"].min() for r in results if r.metrics_dataframe is not None]
+    return {"first_report_s": min(firsts) - t0 if firsts else float("nan"), "wall_s": wall, "trials": len(firsts)}
+
+
 def cold_command(tmp: Path, root: Path, row: str, trials: int, epochs: int) -> None:
     """``prvrlab search`` of ``row``'s spec in a fresh process: when its lines came, and its trials' epochs."""
     import os
@@ -286,6 +321,9 @@ def main() -> None:
         default="1,2,2r,2p",
         help="1: one worker in the trial actor; 1r: one worker on a one-rank pool; 2: a TorchTrainer per trial; "
         "2r: 2 workers, reused pool; 2p: 2r packed 2 per group (pack: 2)",
+    )
+    parser.add_argument(
+        "--tune-floor", action="store_true", help="also run the trials on Ray Tune alone (a no-op trainable): Tune's own share"
     )
     parser.add_argument("--cli", action="store_true", help="also run the last row's search as `prvrlab search SPEC` in a fresh process")
     args = parser.parse_args()
@@ -346,6 +384,18 @@ def main() -> None:
                 f"row {row}: search start -> first training step {span:.1f} s; the machine's CPUs were busy {busy:.1f} "
                 f"of the {cores * span:.1f} CPU-s its {cores} cores had ({busy / (cores * span):.0%}; /proc/stat, every process)"
             )
+        if args.tune_floor:
+            floor = tune_floor(tmp, args.trials, args.epochs)
+            print(
+                f"Ray Tune alone ({floor['trials']} no-op trials x {args.epochs} reports, one at a time, same cluster): "
+                f"first trial's first report {floor['first_report_s']:.1f} s after fit(), fit() {floor['wall_s']:.1f} s in all"
+            )
+            for row, m in measured.items():
+                budget = m["train_s"] / 9  # outside / (outside + train) <= 10%
+                print(
+                    f"row {row}: <= 10% outside training at its {m['train_s']:.1f} s of epochs leaves {budget:.1f} s; "
+                    f"Ray Tune alone takes {floor['wall_s']:.1f} s of it, the row {m['outside_share'] * m['wall_s']:.1f} s"
+                )
         print("where a trial's outside-training time goes (s, mean per trial; 'no trial' is the search's wall time outside every child run)")
         print(f"{'row':>5} " + " ".join(f"{name:>17}" for name in PHASES) + f" {'no trial':>9} {'(before 1st':>11} {'after last)':>11}")
         for row, m in measured.items():
