@@ -44,7 +44,8 @@ positives, -1/|P| sum_{p in P} log(e^s_p / (e^s_ij + sum_{A u N} e^s)), and
 L_n^trip only; ``ignore``: the ambiguous members are masked out of every
 term (plain NCE over the positive and N, L_n^trip only).  With empty sets
 (warm-up, or the plug-in's switches off) all three are the base losses:
-InfoNCE on s plus the hardest-negative triplet with margin m.
+InfoNCE on s plus the triplet with margin m (a drawn member before
+``hard_negative_start_epoch``, the hardest from then on).
 
 With ``cross_model`` the loss is the sum over the two encoders, each with
 the sets the other detected.  Metrics: ``video`` and ``frame`` (the two

@@ -46,7 +46,7 @@ number of workers).  The same tau_u serves the text-frame level (one tau_u
 in the paper).  Not m_q . m_f, the mean of U^q, of U^v and of u^f over
 text-frame pairs: k_hat picks each pair's most similar frame, whose U^v is
 above the frame average, so u > m_q . m_f lets through nearly every pair
-with s > tau_s (88-95% on the synthetic collection; docs/arl.md).
+with s > tau_s (88-97% on the synthetic collection; docs/arl.md).
 
 Detection quality on the synthetic collection (docs/arl.md, measured with
 benchmarks/arl_detection.py against the generator's ground truth): the
