@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # torch is installed first and pinned here so that the project's range
-# (torch>=2.3) is already satisfied: on a CPU-only machine with a local
+# (torch>=2.6) is already satisfied: on a CPU-only machine with a local
 # CPU wheel this avoids pulling several GB of CUDA packages.  Users with
 # GPUs may set TORCH_SPEC to the build they want.
 TORCH_SPEC ?= torch==2.13.0
