@@ -38,7 +38,16 @@ def distinct_targets(target: Tensor) -> tuple[Tensor, Tensor]:
     return target[first[order]], rank[group]
 
 
-def paired_contrastive(anchor: Tensor, target: Tensor, triplet: TripletLoss, nce_weight: float, *, epoch: int) -> Tensor:
+def paired_contrastive(
+    anchor: Tensor,
+    target: Tensor,
+    triplet: TripletLoss,
+    nce_weight: float,
+    *,
+    epoch: int,
+    anchor_group: Tensor | None = None,
+    target_group: Tensor | None = None,
+) -> Tensor:
     """L^trip + nce_weight * L^nce of n aligned pairs (anchor_i, target_i), (n, D) each.
 
     The matrix has anchors as rows ("queries") and targets as columns
@@ -48,11 +57,17 @@ def paired_contrastive(anchor: Tensor, target: Tensor, triplet: TripletLoss, nce
     Identical targets are one column, positive for each of their anchors
     (:func:`distinct_targets`): as separate columns each would be the
     other's negative while equal to its positive.  Distinct targets: the
-    n x n matrix, the diagonal positive.
+    n x n matrix, the diagonal positive.  With ``anchor_group`` and
+    ``target_group`` (n,) each, an anchor and another pair's target of the
+    same group are neither positive nor negative (left out of both terms).
     """
     a = anchor.float()
     b, column = distinct_targets(target.float())  # (k, D), (n,)
-    loss = triplet.compute(cosine_matrix(a, b), column, epoch=epoch).loss  # (n, k) cosines
+    ignore = None
+    if anchor_group is not None and target_group is not None:
+        column_group = target_group.new_empty(b.shape[0]).scatter_(0, column, target_group)  # (k,) a member's group
+        ignore = anchor_group[:, None] == column_group[None, :]  # (n, k); the losses never ignore a positive
+    loss = triplet.compute(cosine_matrix(a, b), column, epoch=epoch, ignore=ignore).loss  # (n, k) cosines
     if nce_weight > 0:
-        loss = loss + nce_weight * infonce(a @ b.t(), column)  # (n, k) dots
+        loss = loss + nce_weight * infonce(a @ b.t(), column, ignore=ignore)  # (n, k) dots
     return loss

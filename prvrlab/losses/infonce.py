@@ -46,27 +46,43 @@ from prvrlab.registry import LOSSES
 FORMS = ("two_sided", "joint")
 
 
-def infonce(logits: Tensor, query_video: Tensor, *, form: str = "two_sided") -> Tensor:
+def infonce(logits: Tensor, query_video: Tensor, *, form: str = "two_sided", ignore: Tensor | None = None) -> Tensor:
     """Bidirectional InfoNCE of (Nq, Nv) logits; ``query_video`` (Nq,): each query's positive column;
-    ``form``: ``two_sided`` (multi-positive, the two directions' means summed) or ``joint``."""
+    ``form``: ``two_sided`` (multi-positive, the two directions' means summed) or ``joint``; ``ignore``
+    (Nq, Nv) bool (``two_sided`` only): entries left out of both directions' sums (never a positive)."""
     logits = logits.float()
     nq, nv = logits.shape
     if nq == 0 or nv == 0:
         return logits.sum() * 0.0
-    rows = torch.arange(nq, device=logits.device)
-    positive = logits[rows, query_video]  # (Nq,)
+    if ignore is not None:
+        if form != "two_sided":
+            raise ValueError("infonce: ignore is supported with form two_sided only")
+        return _two_sided(logits, query_video, ignore.to(logits.device) & ~positive_mask(query_video, nv))
     if form == "joint":
+        rows = torch.arange(nq, device=logits.device)
+        positive = logits[rows, query_video]  # (Nq,)
         column = logits[:, query_video].t()  # (Nq, Nq): row i holds s[k, video(i)] for every query k
         siblings = (query_video[:, None] == query_video[None, :]) & (rows[:, None] != rows[None, :])  # (Nq, Nq)
         column = column.masked_fill(siblings, float("-inf"))  # row i always keeps k = i: finite
         return (torch.logsumexp(torch.cat([logits, column], dim=1), dim=1) - positive).mean()
-    pos = positive_mask(query_video, nv)  # (Nq, Nv)
-    t2v = torch.logsumexp(logits, dim=1) - positive  # (Nq,)
+    return _two_sided(logits, query_video, None)
 
+
+def _two_sided(logits: Tensor, query_video: Tensor, ignore: Tensor | None) -> Tensor:
+    """The ``two_sided`` form of (Nq, Nv) float logits; ``ignore`` (Nq, Nv) bool holds no positive."""
+    nq, nv = logits.shape
+    positive = logits[torch.arange(nq, device=logits.device), query_video]  # (Nq,)
+    pos = positive_mask(query_video, nv)  # (Nq, Nv)
     has_pos = pos.any(dim=0)  # (Nv,)
+    in_row = in_column = logits
+    if ignore is not None:  # a row keeps its positive; a column without positives keeps its (unused) logits
+        in_row = logits.masked_fill(ignore, float("-inf"))  # (Nq, Nv)
+        in_column = logits.masked_fill(ignore & has_pos[None, :], float("-inf"))  # (Nq, Nv)
+    t2v = torch.logsumexp(in_row, dim=1) - positive  # (Nq,)
+
     # Columns without positives keep their logits (finite, then ignored) so no -inf reaches the gradient.
     pos_logits = torch.where(pos | ~has_pos[None, :], logits, float("-inf"))  # (Nq, Nv)
-    v2t = torch.logsumexp(logits, dim=0) - torch.logsumexp(pos_logits, dim=0)  # (Nv,)
+    v2t = torch.logsumexp(in_column, dim=0) - torch.logsumexp(pos_logits, dim=0)  # (Nv,)
     v2t_mean = (v2t * has_pos).sum() / has_pos.sum().clamp(min=1)
     return t2v.mean() + v2t_mean
 

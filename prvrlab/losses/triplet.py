@@ -92,9 +92,16 @@ class TripletLoss(Loss):
         return self.compute(scores.sim, positives(scores, batch), epoch=epoch).loss  # sim (Nq, B)
 
     def compute(
-        self, sim: Tensor, query_video: Tensor, *, epoch: int, generator: torch.Generator | None = None
+        self,
+        sim: Tensor,
+        query_video: Tensor,
+        *,
+        epoch: int,
+        generator: torch.Generator | None = None,
+        ignore: Tensor | None = None,
     ) -> TripletTerms:
-        """The loss of (Nq, Nv) cosine scores; ``query_video`` (Nq,) long."""
+        """The loss of (Nq, Nv) cosine scores; ``query_video`` (Nq,) long; ``ignore`` (Nq, Nv) bool: entries
+        that are neither positive nor negative (never drawn as a negative; a positive is never ignored)."""
         sim = sim.float()
         nq, nv = sim.shape
         if nq == 0 or nv == 0:
@@ -105,9 +112,10 @@ class TripletLoss(Loss):
         pool = self.hard_pool_size if hard else None
         v2t_pool = self.v2t_hard_pool_size if hard else None
         pos_mask = positive_mask(query_video, nv)  # (Nq, Nv)
+        negative = ~pos_mask if ignore is None else ~pos_mask & ~ignore.to(pos_mask.device)  # (Nq, Nv)
         rows = torch.arange(nq, device=sim.device)
 
-        t2v_neg = sample_negatives(sim, ~pos_mask, pool, generator)  # (Nq,)
+        t2v_neg = sample_negatives(sim, negative, pool, generator)  # (Nq,)
         t2v_pos = sim[rows, query_video]  # (Nq,)
         t2v_negs = sim[rows, t2v_neg.clamp(min=0)]  # (Nq,)
         t2v = (self.margin + t2v_negs - t2v_pos).clamp(min=0) * (t2v_neg >= 0)  # (Nq,)
@@ -116,7 +124,7 @@ class TripletLoss(Loss):
         pos_t = pos_mask.t()  # (Nv, Nq)
         count = pos_t.sum(dim=1)  # (Nv,)
         v2t_pos = (sim_t * pos_t).sum(dim=1) / count.clamp(min=1)  # (Nv,)
-        v2t_neg = sample_negatives(sim_t, ~pos_t, v2t_pool, generator)  # (Nv,)
+        v2t_neg = sample_negatives(sim_t, negative.t(), v2t_pool, generator)  # (Nv,)
         v2t_negs = sim_t[torch.arange(nv, device=sim.device), v2t_neg.clamp(min=0)]  # (Nv,)
         valid = (v2t_neg >= 0) & (count > 0)  # (Nv,)
         v2t = (self.margin + v2t_negs - v2t_pos).clamp(min=0) * valid  # (Nv,)
