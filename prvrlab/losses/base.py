@@ -25,6 +25,9 @@ class Loss(Component):
     # Its ``branch`` names query vectors it reads (``out.query.vectors``), not a branch's scores: it may then
     # also name a backbone's training-only batch vectors (``RetrievalModel.batch_vector_names``).
     reads_query_vectors: ClassVar[bool] = False
+    # Boolean constructor parameters that switch parts of the term on/off (run tags and ablation
+    # components list them as ``loss:<term>.<part>``; a term listing none is ``loss:<term>``).
+    switch_params: ClassVar[tuple[str, ...]] = ()
 
     def required_aux(self) -> tuple[str, ...]:
         """``ModelOutput.aux`` keys this loss reads (plug-in outputs such as 'ral.text_mu');

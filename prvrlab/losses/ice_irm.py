@@ -27,6 +27,8 @@ inside each term, not in the paper) defaults to 0.04 as L_ice.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,6 +62,8 @@ def redundancy_negatives(query: Tensor, key_moment: Tensor, r_v: Tensor, r_q: Te
 @LOSSES.register("ice_irm")
 class IRMLoss(Loss):
     """``neg`` x L_neg + ``red`` x L_red (see the module docstring)."""
+
+    switch_params: ClassVar[tuple[str, ...]] = ("neg", "red")
 
     def __init__(
         self,

@@ -698,17 +698,28 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
             )
 
 
+def _switch_tokens(registry, registered: str, label: str, params: dict[str, Any]) -> list[str]:
+    """``label.part`` for every boolean parameter the component lists in ``switch_params`` that is on
+    (defaults included), or ``label`` when it lists none."""
+    known = registry.params(registered)
+    switches = getattr(registry.get(registered), "switch_params", ())
+    on = [key for key in switches if key in known and params.get(key, known[key].default) is True]
+    return [f"{label}.{key}" for key in on] if switches else [label]
+
+
 def plugin_tokens(cfg: ExperimentConfig) -> list[str]:
     """Enabled plug-in parts for tags, generically: ``name.part`` for every boolean
     parameter the plug-in lists in ``switch_params`` that is on (defaults included),
     or ``name`` when it lists none."""
-    out: list[str] = []
-    for name, params in sorted(cfg.plugins.items()):
-        known = PLUGINS.params(name)
-        switches = getattr(PLUGINS.get(name), "switch_params", ())
-        on = [key for key in switches if key in known and params.get(key, known[key].default) is True]
-        out += [f"{name}.{key}" for key in on] if switches else [name]
-    return out
+    return [t for name, params in sorted(cfg.plugins.items()) for t in _switch_tokens(PLUGINS, name, name, params)]
+
+
+def loss_tokens(cfg: ExperimentConfig) -> list[str]:
+    """Loss terms of non-zero weight for tags, as :func:`plugin_tokens`: ``term.part`` for every boolean
+    parameter the term's loss lists in ``switch_params`` that is on, or ``term`` when it lists none."""
+    return [
+        t for term, spec in cfg.losses.items() if spec["weight"] > 0 for t in _switch_tokens(LOSSES, spec["loss"], term, spec)
+    ]
 
 
 # ---------------------------------------------------------------- overrides

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 
 from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
-from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, plugin_tokens, read_yaml, validate
+from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, loss_tokens, plugin_tokens, read_yaml, validate
 from prvrlab.platform.ray_logs import ray_logs_to
 from prvrlab.platform.resources import local_cluster, shortfall
 from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, explain_exception, failure_text, record_failure
@@ -93,7 +93,7 @@ def _components(cfg: ExperimentConfig) -> str:
     """Backbone, plug-ins and loss terms of non-zero weight (generic, from the config)."""
     parts = [f"backbone:{cfg.backbone}"]
     parts += [f"plugin:{p}" for p in plugin_tokens(cfg)]
-    parts += [f"loss:{t}" for t, s in cfg.losses.items() if s["weight"] > 0]
+    parts += [f"loss:{t}" for t in loss_tokens(cfg)]
     return ",".join(parts)
 
 
