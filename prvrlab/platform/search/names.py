@@ -5,6 +5,12 @@
   trials carry no number) and the sampled values, each key without its
   config section (kept where two keys of the space would read the same);
 - ablation: ``<variant> · seed 1``.
+
+A name holds at most :data:`NAME_LIMIT` characters: a search name keeps the
+values that fit whole and ends with ``…`` (the run's params and its
+``prvrlab.sampled`` tag keep them all), an ablation name shortens the
+variant, never the seed.  MLflow stores a run name in a 250-character column
+(PostgreSQL and strict MySQL refuse a longer one).
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import math
 from typing import Any, Iterable
 
 SEP = " · "
+NAME_LIMIT = 120  # characters; the MLflow runs table shows about 20, its store holds 250
+MORE = "…"
 
 
 def short_keys(keys: Iterable[str]) -> dict[str, str]:
@@ -46,11 +54,22 @@ def compact(value: Any) -> str:
 
 
 def search_run_name(number: int, config: dict[str, Any], shortened: dict[str, str]) -> str:
-    """``trial 3 · lr=3e-4 K=5`` (keys not in ``shortened`` are shown in full)."""
-    values = " ".join(f"{shortened.get(k, k)}={compact(v)}" for k, v in config.items())
-    return f"trial {number}" + (SEP + values if values else "")
+    """``trial 3 · lr=3e-4 K=5`` (keys not in ``shortened`` are shown in full), the values that fit
+    :data:`NAME_LIMIT` whole, then ``…`` when some did not."""
+    name = f"trial {number}"
+    values = [f"{shortened.get(k, k)}={compact(v)}" for k, v in config.items()]
+    kept: list[str] = []
+    for i, value in enumerate(values):
+        room = NAME_LIMIT - (len(MORE) + 1 if i < len(values) - 1 else 0)  # room for " …" unless this is the last
+        if len(name + SEP + " ".join(kept + [value])) > room:
+            return name + SEP + " ".join(kept + [MORE]) if kept else name + SEP + MORE
+        kept.append(value)
+    return name + (SEP + " ".join(kept) if kept else "")
 
 
 def ablation_run_name(variant: str, seed: int) -> str:
-    """``<variant> · seed 1``."""
-    return f"{variant}{SEP}seed {seed}"
+    """``<variant> · seed 1``; a variant too long for :data:`NAME_LIMIT` is cut, ending with ``…``."""
+    tail = f"{SEP}seed {seed}"
+    if len(variant) + len(tail) > NAME_LIMIT:
+        variant = variant[: max(NAME_LIMIT - len(tail) - len(MORE), 1)] + MORE
+    return variant + tail

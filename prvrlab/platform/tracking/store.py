@@ -26,6 +26,7 @@ from prvrlab.uris import SQLITE, file_store, sqlite_file
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
+RUN_NAME_LIMIT = 250  # characters: MLflow's runs.name column (VARCHAR(250))
 # MLflow 3's experiment kind: its UI shows a "custom_model_development" experiment as model training
 # (runs table, metrics) rather than GenAI (traces); the value is one of the UI's ExperimentKind names.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -281,7 +282,9 @@ class Tracker:
                     self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
 
     def start_run(self, name: str, *, tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> str:
-        """Create a RUNNING run and return its id."""
+        """Create a RUNNING run named ``name`` (cut to :data:`RUN_NAME_LIMIT` characters) and return its id."""
+        if len(name) > RUN_NAME_LIMIT:  # MLflow's runs.name column; PostgreSQL and strict MySQL refuse more
+            name = name[: RUN_NAME_LIMIT - 1] + "…"
         all_tags = {**driver_tags(), **(tags or {})}  # which process drives it: the closers close only its own
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
