@@ -8,7 +8,10 @@ as KILLED, and skips every cell whose config hash already has a FINISHED child
 run of this study in the experiment.  Each submission tags the parent with its
 cells' config hashes (``prvrlab.cell_hash.<cell>``): its summary and the
 report count only the runs of those configs, not those of an earlier
-submission with another base config, ``--set`` or default.
+submission with another base config, ``--set`` or default; every child run
+of the study is tagged ``prvrlab.superseded`` ``true`` when its config is
+none of the latest submission's cells (``false`` otherwise), so the MLflow UI
+can hide them (``tags.prvrlab.superseded = 'false'``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Callable
 from prvrlab.platform.failures import interrupts_unwrapped
 from prvrlab.platform.search.outcome import STUDY_FILE, RunMap
 from prvrlab.platform.search.study import (
+    SUPERSEDED_TAG,
     StudyResult,
     check_cluster,
     make_study,
@@ -51,6 +55,20 @@ def finished_hashes(tracker, name: str) -> dict[str, str]:
         for r in runs
         if r.data.tags.get("prvrlab.status") == "finished" and "config_hash" in r.data.tags
     }
+
+
+def mark_superseded(tracker, name: str, current: set[str]) -> None:
+    """Tag each child run of ablation ``name`` :data:`SUPERSEDED_TAG` ``true`` when its config hash is none
+    of ``current`` (the latest submission's cells), else ``false`` (a run made before config hashes, none)."""
+    found = tracker.client.search_runs(
+        [tracker.experiment_id],
+        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation'",
+        max_results=5000,
+    )
+    for run in found:
+        value = "false" if run.data.tags.get("config_hash") in current else "true"
+        if run.data.tags.get(SUPERSEDED_TAG) != value:
+            tracker.set_tags(run.info.run_id, {SUPERSEDED_TAG: value})
 
 
 def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
@@ -132,6 +150,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     study_location(base.tracking.storage_path, "ablation", spec.name).pull(include=(STUDY_FILE,))  # object store: earlier parents
     parent = open_parent(tracker, runs, spec, "ablation", study_dir, parent_run_id=None if resumed else previous_parent_excluding(root, study_dir))
     tracker.set_tags(parent, {f"{CELL_HASH_TAG}{c}": h for c, h in hashes.items()})
+    mark_superseded(tracker, spec.name, set(hashes.values()))
     echo(
         f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "
         f"{skipped} already finished; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"

@@ -21,6 +21,7 @@ restored study reattaches to the same runs instead of duplicating them.
 
 from __future__ import annotations
 
+import math
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -267,9 +268,20 @@ class MlflowStudyCallback(Callback):
             error = str(trial.last_result.get("error", "non-finite loss"))
             self.close(trial, "FAILED", {"prvrlab.status": "nonfinite", "error": error})
         elif outcome == "early_stopped":
+            self._log_best(trial)
             self.close(trial, "FINISHED", {"prvrlab.status": "early_stopped", "prvrlab.early_stopped": "true"})
         else:
+            self._log_best(trial)
             self.close(trial, "FINISHED", {"prvrlab.status": "finished", "prvrlab.early_stopped": "false"})
+
+    def _log_best(self, trial) -> None:
+        """``best/<metric>`` on the trial's run: the value the study ranks it by (Tune's best over all its
+        reports, as :func:`tuning.best_trial` reads it), under the parent's key, so one column of the
+        MLflow runs table sorts the trials as the study did (its ``best/sumr`` is the best epoch's SumR,
+        which picks the checkpoint and the ``final/*`` metrics)."""
+        value = trial.metric_analysis.get(self.study.metric, {}).get(self.study.mode)
+        if value is not None and math.isfinite(value):
+            self.tracker.log_metrics(self._child_run(trial), {f"best/{self.study.metric}": float(value)})
 
     def _error(self, trial) -> None:
         if self.runs.closed.get(trial.trial_id) not in ("FINISHED", "FAILED"):

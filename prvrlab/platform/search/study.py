@@ -89,6 +89,10 @@ NODES_FILE = "nodes.txt"  # per trial: the Ray node of the trial actor / each Tr
 WORKER_GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train V2 (2.60) reads it
 
 
+SUPERSEDED_TAG = "prvrlab.superseded"  # an ablation's child run: "true" when no cell of the latest submission has its config
+NOW_TAG = "prvrlab.now."  # + a parent's param: its value in the latest submission, where that differs from the logged one
+
+
 def _components(cfg: ExperimentConfig) -> str:
     """Backbone, plug-ins and loss terms of non-zero weight (generic, from the config)."""
     parts = [f"backbone:{cfg.backbone}"]
@@ -219,6 +223,7 @@ class StudyContext:
         if self.cells is not None:
             tags["prvrlab.variant"] = self.cell(config)[0]
             tags["prvrlab.cell"] = str(config["cell"])
+            tags[SUPERSEDED_TAG] = "false"  # a cell of the latest submission (ablation.mark_superseded)
         else:
             tags["prvrlab.sampled"] = format_params(config)
         return tags
@@ -228,6 +233,7 @@ class StudyContext:
         tags = {"prvrlab.kind": "trial", "prvrlab.study": self.name, "prvrlab.study_kind": self.kind, "error": error}
         if self.cells is not None:
             tags["prvrlab.cell"] = str(config["cell"])
+            tags[SUPERSEDED_TAG] = "false"
         else:
             tags["prvrlab.sampled"] = format_params(config)
         return tags
@@ -770,9 +776,12 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
     if run_id is not None:
         # An ablation submitted again after its spec grew (variants, seeds) continues under the same
         # parent: the spec as submitted now replaces the logged one, which the report reads; new keys
-        # are logged (MLflow keeps a param's first value).
+        # are logged (MLflow keeps a param's first value, so a param this submission changed is also a
+        # tag NOW_TAG + key holding its value now), and the parent's study folder is this submission's.
         before = tracker.reopen_run(run_id)
         logged = set(before.data.params)
+        now = {k: v for k, v in params.items() if k in logged and before.data.params[k] != tracker.param_text(v)}
+        tracker.set_tags(run_id, {"prvrlab.study_dir": str(study_dir), **{NOW_TAG + k: v for k, v in now.items()}})
     else:
         tags = {
             "prvrlab.kind": kind,

@@ -336,6 +336,11 @@ class Tracker:
         closer.opened(self.uri, run_id)
         return before
 
+    @staticmethod
+    def param_text(value: Any) -> str:
+        """A param's value as :meth:`log_params` stores it."""
+        return _clean_value(value)
+
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
