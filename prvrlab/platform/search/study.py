@@ -749,6 +749,16 @@ def check_resume(spec: StudySpec, kind: str, echo: Callable[[str], None]) -> str
         return location.child(study_dir.name).uri if location.remote else str(study_dir)
 
 
+def header_comment(path: str | Path) -> str:
+    """The comment lines at the top of a YAML file, without their ``#`` ('' when it has none)."""
+    lines = []
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].removeprefix(" "))
+    return "\n".join(lines).strip()
+
+
 def _spec_params(spec: StudySpec) -> dict[str, Any]:
     """The parent run's params: the spec's settings, one ``space.<key>`` / ``variant.<name>`` each."""
     from prvrlab.platform.runtime import project_relative
@@ -790,6 +800,9 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
             "prvrlab.spec": project_relative(spec.path),
             "prvrlab.study_dir": str(study_dir),
         }
+        description = header_comment(spec.path)
+        if description:  # the run page's Description: what the spec's author wrote above it
+            tags["mlflow.note.content"] = description
         run_id = tracker.start_run(f"{spec.name}-{study_dir.name}", tags=tags)
         logged = set()
     try:  # the run is RUNNING now: whatever fails before the caller holds it ends it here

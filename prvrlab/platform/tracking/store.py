@@ -120,6 +120,28 @@ def _clean_value(value: Any) -> str:
     return text if len(text) <= PARAM_MAX else text[: PARAM_MAX - 3] + "..."
 
 
+@functools.lru_cache(maxsize=1)
+def source_tags() -> dict[str, str]:
+    """MLflow's own provenance tags for the UI's User and Source columns: this process's user and its
+    command line (``prvrlab train configs/x.yaml --set train.lr=1e-3``: the config file and the
+    overrides; passwords in URLs masked)."""
+    import getpass
+    import shlex
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container user without a passwd entry)
+        user = "unknown"
+    words = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
+    return {"mlflow.user": user, "mlflow.source.type": "LOCAL", "mlflow.source.name": _clean_value(shlex.join(words))}
+
+
+def commit_tags(tags: dict[str, str]) -> dict[str, str]:
+    """``mlflow.source.git.commit`` (the UI's Version column) for tags carrying a known ``git_commit``."""
+    commit = tags.get("git_commit", "unknown")
+    return {} if commit == "unknown" else {"mlflow.source.git.commit": commit.removesuffix("-dirty")}
+
+
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The finite numeric entries of a metrics dict (bools and strings dropped)."""
     out = {}
@@ -285,7 +307,8 @@ class Tracker:
         """Create a RUNNING run named ``name`` (cut to :data:`RUN_NAME_LIMIT` characters) and return its id."""
         if len(name) > RUN_NAME_LIMIT:  # MLflow's runs.name column; PostgreSQL and strict MySQL refuse more
             name = name[: RUN_NAME_LIMIT - 1] + "…"
-        all_tags = {**driver_tags(), **(tags or {})}  # which process drives it: the closers close only its own
+        all_tags = {**driver_tags(), **source_tags(), **commit_tags(tags or {}), **(tags or {})}  # driver: closers close only its own
+        all_tags = {k: _clean_value(v) for k, v in all_tags.items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         closer.opening(self.uri, self.experiment_id)
