@@ -135,6 +135,8 @@ class MlflowStudyCallback(Callback):
             if cfg is not None:
                 self.tracker.log_params(run_id, cfg.flat())
                 self.tracker.log_dataset(run_id, self._dataset(cfg))
+            elif self.study.cells is None:  # a sampled config that does not validate: its values, as params
+                self.tracker.log_params(run_id, dict(trial.config))
         except BaseException as exc:
             self._end_unrecorded(trial_id, run_id, exc)
             raise
