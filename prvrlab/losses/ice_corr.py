@@ -24,7 +24,7 @@ positive nor negative.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from torch import Tensor
 
@@ -43,6 +43,8 @@ OWN_VIDEO = ("negative", "ignore")
 @LOSSES.register("ice_corr")
 class ICECorrelationLoss(Loss):
     """Triplet + ``nce_weight`` x InfoNCE over the mined pseudo-positive pairs (see the module docstring)."""
+
+    hash_neutral: ClassVar[dict[str, Any]] = {"own_video": "negative"}  # added in session 62
 
     def __init__(
         self,

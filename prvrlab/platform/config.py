@@ -244,12 +244,30 @@ class ExperimentConfig:
         d.pop("name")
         if not d["plugins"]:
             d.pop("plugins")  # configs without plug-ins keep the fingerprint they had before plug-ins existed
+        _drop_hash_neutral(d["model"], BACKBONES, d["model"].get("name"))
+        for name, params in d.get("plugins", {}).items():
+            _drop_hash_neutral(params, PLUGINS, name)
+        for spec in d["losses"].values():
+            _drop_hash_neutral(spec, LOSSES, spec.get("loss"))
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @property
     def backbone(self) -> str:
         return str(self.model["name"])
+
+
+def _drop_hash_neutral(params: dict[str, Any], registry, name: Any) -> None:
+    """Leave out of a fingerprint the parameters the component added later that hold their neutral value
+    (its ``hash_neutral``: name -> the value that does what the component did before it had the
+    parameter), so configs written before keep their hash: finished ablation cells are still found."""
+    try:
+        neutral = getattr(registry.get(str(name)), "hash_neutral", {})
+    except RegistryError:
+        return
+    for key, value in neutral.items():
+        if key in params and params[key] == value:
+            params.pop(key)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

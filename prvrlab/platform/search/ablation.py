@@ -59,7 +59,7 @@ def finished_hashes(tracker, name: str) -> dict[str, str]:
 
 def mark_superseded(tracker, name: str, current: set[str]) -> None:
     """Tag each child run of ablation ``name`` :data:`SUPERSEDED_TAG` ``true`` when its config hash is none
-    of ``current`` (the latest submission's cells), else ``false`` (a run made before config hashes, none)."""
+    of ``current`` (the latest submission's cells; a run without a config hash too), else ``false``."""
     found = tracker.client.search_runs(
         [tracker.experiment_id],
         filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation'",
@@ -150,7 +150,6 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     study_location(base.tracking.storage_path, "ablation", spec.name).pull(include=(STUDY_FILE,))  # object store: earlier parents
     parent = open_parent(tracker, runs, spec, "ablation", study_dir, parent_run_id=None if resumed else previous_parent_excluding(root, study_dir))
     tracker.set_tags(parent, {f"{CELL_HASH_TAG}{c}": h for c, h in hashes.items()})
-    mark_superseded(tracker, spec.name, set(hashes.values()))
     echo(
         f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "
         f"{skipped} already finished; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
@@ -158,6 +157,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     status = "FAILED"
     interrupted = False
     try:
+        mark_superseded(tracker, spec.name, set(hashes.values()))
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
             if todo or resumed:
                 prepare_environment()

@@ -281,9 +281,12 @@ class MlflowStudyCallback(Callback):
         reports, as :func:`tuning.best_trial` reads it), under the parent's key, so one column of the
         MLflow runs table sorts the trials as the study did (its ``best/sumr`` is the best epoch's SumR,
         which picks the checkpoint and the ``final/*`` metrics)."""
+        run_id = self.runs.trials.get(trial.trial_id)
+        if run_id is None or self.runs.closed.get(trial.trial_id) in ("FINISHED", "FAILED"):
+            return  # no run to write to, or a replayed outcome: already logged
         value = trial.metric_analysis.get(self.study.metric, {}).get(self.study.mode)
         if value is not None and math.isfinite(value):
-            self.tracker.log_metrics(self._child_run(trial), {f"best/{self.study.metric}": float(value)})
+            self.tracker.log_metrics(run_id, {f"best/{self.study.metric}": float(value)})
 
     def _error(self, trial) -> None:
         if self.runs.closed.get(trial.trial_id) not in ("FINISHED", "FAILED"):

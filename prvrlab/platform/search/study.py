@@ -791,7 +791,8 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
         before = tracker.reopen_run(run_id)
         logged = set(before.data.params)
         now = {k: v for k, v in params.items() if k in logged and before.data.params[k] != tracker.param_text(v)}
-        tracker.set_tags(run_id, {"prvrlab.study_dir": str(study_dir), **{NOW_TAG + k: v for k, v in now.items()}})
+        reopened = {"prvrlab.study_dir": str(study_dir), **{NOW_TAG + k: v for k, v in now.items() if len(NOW_TAG + k) <= 250}}
+        stale = [k for k in before.data.tags if k.startswith(NOW_TAG) and k[len(NOW_TAG):] not in now]
     else:
         tags = {
             "prvrlab.kind": kind,
@@ -804,8 +805,12 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
         if description:  # the run page's Description: what the spec's author wrote above it
             tags["mlflow.note.content"] = description
         run_id = tracker.start_run(f"{spec.name}-{study_dir.name}", tags=tags)
-        logged = set()
+        logged, reopened, stale = set(), {}, []
     try:  # the run is RUNNING now: whatever fails before the caller holds it ends it here
+        if reopened:
+            tracker.set_tags(run_id, reopened)
+        for key in stale:  # back to its logged value: no longer changed
+            tracker.client.delete_tag(run_id, key)
         tracker.log_params(run_id, {k: v for k, v in params.items() if k not in logged})
         tracker.log_artifacts(run_id, [spec.path], "spec")
         runs.parent = run_id

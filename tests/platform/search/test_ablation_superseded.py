@@ -43,7 +43,8 @@ def test_superseded_cells_and_the_parent_now_tags(tiny_root, tmp_path):
     assert "'train.epochs': 2" in parent.data.tags["prvrlab.now.spec.overrides"]
     assert parent.data.tags["prvrlab.study_dir"] == str(second.study_dir)
     submit(1)  # back to the first config: its run is current again, skipped as finished
-    _, children = study_runs(tmp_path)
+    (parent,), children = study_runs(tmp_path)
+    assert "prvrlab.now.spec.overrides" not in parent.data.tags  # the logged value is the current one again
     by_epochs = {int(c.data.params["train.epochs"]): c for c in children}
     assert len(children) == 2
     assert by_epochs[1].data.tags["prvrlab.superseded"] == "false"
