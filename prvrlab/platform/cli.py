@@ -286,12 +286,19 @@ def _check_data_root(value: str, data) -> None:
     raise ConfigError(f"--data-root {value}: folder not found{how}")
 
 
+def _tracking_key(args: argparse.Namespace) -> str:
+    """Where a report or compare command's tracking URI came from, for its errors."""
+    import os
+
+    return "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking store"
+
+
 def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
     """(tracking URI, experiment, study name) of the study a search / ablation spec file describes."""
     from prvrlab.platform.config import ConfigError, read_yaml
     from prvrlab.platform.runtime import resolve_config_paths
     from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
-    from prvrlab.platform.tracking.store import resolve_tracking_uri
+    from prvrlab.platform.tracking.store import check_server, resolve_tracking_uri
 
     if not path.is_file():
         raise ConfigError(f"unknown spec '{path}': file not found")
@@ -302,18 +309,21 @@ def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
     except ConfigError as exc:
         raise ConfigError(f"spec '{path}' cannot be read: {exc}") from None
     base = resolve_config_paths(spec.base)
-    uri = resolve_tracking_uri(tracking_uri, key="--tracking-uri") if tracking_uri else base.tracking.uri
+    if tracking_uri:
+        uri = check_server(resolve_tracking_uri(tracking_uri, key="--tracking-uri"), "--tracking-uri")
+    else:
+        uri = check_server(base.tracking.uri, f"spec '{path}': tracking.uri")
     return uri, base.tracking.experiment, spec.name
 
 
 def _report_parent(args: argparse.Namespace) -> tuple[str, str]:
     """(tracking URI, parent run id) of the study named by --run-id, --experiment or --spec."""
-    from prvrlab.platform.tracking.store import resolve_tracking_uri
+    from prvrlab.platform.tracking.store import check_server, resolve_tracking_uri
     from prvrlab.reports.errors import ReportError
     from prvrlab.reports.source import find_parent
 
     if args.spec is None:
-        uri = resolve_tracking_uri(args.tracking_uri, key="--tracking-uri")
+        uri = check_server(resolve_tracking_uri(args.tracking_uri, key="--tracking-uri"), _tracking_key(args))
         return uri, find_parent(tracking_uri=uri, run_id=args.run_id, experiment=args.experiment)
     path = Path(args.spec)
     uri, experiment, name = _spec_study(path, args.tracking_uri)
@@ -343,12 +353,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from prvrlab.platform import storage
-    from prvrlab.platform.tracking.store import resolve_tracking_uri
+    from prvrlab.platform.tracking.store import check_server, resolve_tracking_uri
     from prvrlab.reports.compare import compare_runs
 
     if args.out:
         storage.check_file(args.out, "--out")
-    text = compare_runs(resolve_tracking_uri(args.tracking_uri, key="--tracking-uri"), args.run_ids, split=args.split,
+    uri = check_server(resolve_tracking_uri(args.tracking_uri, key="--tracking-uri"), _tracking_key(args))
+    text = compare_runs(uri, args.run_ids, split=args.split,
                         n_boot=args.bootstrap, seed=args.seed, adjust=args.adjust)
     if args.latex:
         from prvrlab.reports.latex import latex_tables

@@ -1022,14 +1022,30 @@ def report(
     options: Options | None = None,
     log_artifact: bool = True,
 ) -> Path:
-    """Write the report of the study ``parent_id`` (see ``source.find_parent``) and log the folder as
-    artifact ``report/`` of the parent run; returns the markdown path."""
+    """Write the report of the study ``parent_id`` (see ``source.find_parent``) and log what it wrote
+    (``report.md``, ``tables.tex`` and the figures it links; nothing else in ``out``) as artifact
+    ``report/`` of the parent run; returns the markdown path."""
     with load_study(tracking_uri, parent_id) as study:
         out = Path(out) if out is not None else Path("results") / "reports" / plots.safe_name(study.name)
         path = write_report(study, out, options)
     if log_artifact:
-        study.client.log_artifacts(parent_id, str(out), "report")
+        for name in report_files(path):
+            folder = Path(name).parent.as_posix()
+            study.client.log_artifact(parent_id, str(path.parent / name), "report" if folder == "." else f"report/{folder}")
     return path
 
 
-__all__ = ["Options", "ReportError", "figures_of", "report", "write_report", "written_text"]
+def report_files(path: str | Path) -> list[str]:
+    """The files a written ``report.md`` consists of, relative to its folder: itself, ``tables.tex`` when
+    written, and the figures it links that are inside the folder."""
+    path = Path(path)
+    names = [path.name] + ([LATEX_FILE] if (path.parent / LATEX_FILE).is_file() else [])
+    root = path.parent.resolve()
+    for figure in figures_of(path):
+        target = (path.parent / figure).resolve()
+        if target.is_file() and target.is_relative_to(root) and figure not in names:
+            names.append(figure)
+    return names
+
+
+__all__ = ["Options", "ReportError", "figures_of", "report", "report_files", "write_report", "written_text"]

@@ -218,6 +218,15 @@ def _server_problem(uri: str, timeout_s: float = 10.0, wait_s: float = 0.0) -> s
         time.sleep(min(SERVER_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
+def check_server(uri: str, key: str) -> str:
+    """``uri``, after checking that a tracking server it names answers: ConfigError naming ``key`` when
+    none does (MLflow itself retries a refused connection for minutes before it fails)."""
+    problem = _server_problem(uri)
+    if problem:
+        raise ConfigError(f"{key}: tracking store {uri}: {problem}")
+    return uri
+
+
 def store_uri(exc: BaseException) -> str | None:
     """The URI of the store whose :class:`Tracker` client raised ``exc`` (the innermost one where several
     were involved); None for an error no Tracker's client raised."""
