@@ -339,6 +339,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from prvrlab.reports.report import Options, report, written_text
 
     uri, parent = _report_parent(args)
+    if args.run_id and parent != args.run_id:  # a trial's run: its study is reported
+        print(f"run {args.run_id} is a trial of the study of parent run {parent}: reporting that study")
     out = _local_folder(args.out, "--out") if args.out else None
     if out is not None:
         storage.check(str(out), "--out", create=False)
@@ -502,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="write the report of a search or ablation from MLflow: report.md (tables, statistics, figures) and its tables in LaTeX (tables.tex)")
     who = p.add_mutually_exclusive_group(required=True)
-    who.add_argument("--run-id", default=None, help="the study's parent run id")
+    who.add_argument("--run-id", default=None, help="the study's parent run id (a trial's run id reports its study)")
     who.add_argument("--experiment", default=None, help="an MLflow experiment: its latest search/ablation")
     who.add_argument("--spec", default=None, help="a search/ablation spec: the latest study of that name")
     p.add_argument("--out", default=None, help="output folder (default results/reports/<study name>)")

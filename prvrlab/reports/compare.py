@@ -24,6 +24,7 @@ from prvrlab.reports.source import TrialRun, check_split, ground_truth_differenc
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
+    NOT_SIGNIFICANT,
     adjusted_cells,
     adjusted_header,
     adjusted_legend,
@@ -159,7 +160,7 @@ def compare_runs(
     if missing:
         kind = missing[0].tags.get("prvrlab.kind")
         if kind in ("search", "ablation"):  # a study's parent run: its children are the runs to compare
-            raise ReportError(f"run '{missing[0].run_id}' is the parent run of a {kind}, not a training run; compare its "
+            raise ReportError(f"run '{missing[0].run_id}' is the parent run of {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a training run; compare its "
                               f"trials' runs, or write its report: prvrlab report --run-id {missing[0].run_id}")
         raise ReportError(f"run '{missing[0].run_id}' logged no final {split} metrics (final/{split}/sumr)")
     notes = []
@@ -210,7 +211,7 @@ def compare_runs(
         f"with a paired-bootstrap 95% interval; p (queries): two-sided sign-flip permutation test on the per-query "
         f"SumR differences ({n_boot} resamples, seed {seed}); "
         + adjusted_legend(adjust, len(tested), "comparisons with the reference", n_boot)
-        + f" Significant: p < {stats.ALPHA}."
+        + f" Significant: {adjusted_header(adjust)} < {stats.ALPHA}; {NOT_SIGNIFICANT} = not significant."
     )
     published = {}
     for run in runs:

@@ -116,11 +116,16 @@ def adjusted_legend(method: str, m: int, family: str, resamples: int) -> str:
     if m == 0:
         return f"{adjusted_header(method)}: none of the table's {family} was tested over queries, so none adjusted."
     if method == "holm":
-        text = (f"p (Holm): the same p-values adjusted by Holm–Bonferroni over the table's {m} {family}, so that "
+        text = (f"p (Holm): the same p-values adjusted by Holm–Bonferroni over the table's {_count(m, family)}, so that "
                 f"the chance of any false \"significant\" in the table stays below α = {stats.ALPHA}.")
     else:
-        text = f"p (unadjusted): not adjusted for the table's {m} {family} (`--adjust none`)."
+        text = f"p (unadjusted): not adjusted for the table's {_count(m, family)} (`--adjust none`)."
     return f"{text} {p_floor_note(method, m, resamples)}"
+
+
+def _count(m: int, family: str) -> str:
+    """'3 comparisons with the baseline', '1 comparison with the baseline'."""
+    return f"{m} {family.replace('comparisons', 'comparison', 1) if m == 1 else family}"
 
 
 def p_floor_note(method: str, m: int, resamples: int) -> str:

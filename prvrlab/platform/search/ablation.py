@@ -184,7 +184,8 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
             if summary:
                 echo(f"{'variant':<24} {spec.metric + ' mean':>16} {'std':>8} {'seeds':>6}")
                 for variant, (mean, std, n) in summary.items():
-                    echo(f"{variant:<24} {mean:16.2f} {std:8.2f} {n:6d}")
+                    spread = f"{std:8.2f}" if n > 1 else f"{'—':>8}"  # one seed: no spread
+                    echo(f"{variant:<24} {mean:16.2f} {spread} {n:6d}")
                     metrics[f"variant/{variant}/mean"] = mean
                     metrics[f"variant/{variant}/std"] = std
             tracker.log_metrics(parent, metrics)

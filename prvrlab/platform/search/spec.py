@@ -364,6 +364,9 @@ def check_override_keys(overrides: dict[str, Any], cfg: ExperimentConfig, where:
     error validating it gives (as ``train --set`` would: an unknown plug-in or loss with its closest)."""
     keys = valid_keys(cfg)
     for key, value in overrides.items():
+        head = str(key).split(".", 1)[0]
+        if head in (*SEARCH_KEYS, *ABLATION_KEYS) and head not in ("name", "overrides") and isinstance(key, str) and key not in keys:
+            raise ConfigError(f"{where}: '{head}' is a key of the spec file, not of the config: set it in the spec")
         if not isinstance(key, str) or key not in keys:
             message = unknown_key(str(key), cfg, keys)
             if message == f"unknown config key '{key}'" and isinstance(key, str):  # no closest key to name
@@ -376,7 +379,8 @@ def validate_with(raw: dict[str, Any], overrides: dict[str, Any], where: str) ->
     try:
         return validate(apply_overrides(raw, overrides))
     except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        text = str(exc)
+        raise ConfigError(text if text.startswith(f"{where}:") else f"{where}: {text}") from None
 
 
 # ---------------------------------------------------------------- loading

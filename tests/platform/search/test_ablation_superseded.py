@@ -24,12 +24,16 @@ def ray_shutdown():
 
 
 def test_superseded_cells_and_the_parent_now_tags(tiny_root, tmp_path):
+    lines: list[str] = []
+
     def submit(epochs: int):
         path = tiny_spec(tmp_path, tiny_root, name="resub", overrides={"train.epochs": epochs, "eval.final_splits": []},
                          variants={"full": {}}, seeds=[0])
-        return ablate(load_ablation_spec(path), echo=None)
+        return ablate(load_ablation_spec(path), echo=lines.append)
 
     first = submit(1)
+    (row,) = [ln for ln in lines if ln.startswith("full ")]
+    assert row.split()[2:] == ["—", "1"]  # one seed: no spread (it printed 0.00)
     (parent,), (child,) = study_runs(tmp_path)
     assert child.data.tags["prvrlab.superseded"] == "false"
     assert not any(k.startswith("prvrlab.now.") for k in parent.data.tags)
