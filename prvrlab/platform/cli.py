@@ -338,6 +338,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import validate
     from prvrlab.reports.report import Options, report, written_text
 
+    if args.gallery and not args.profile:
+        from prvrlab.platform.config import ConfigError
+
+        raise ConfigError("--gallery: sizes the efficiency section, which only --profile writes; add --profile")
     uri, parent = _report_parent(args)
     if args.run_id and parent != args.run_id:  # a trial's run: its study is reported
         print(f"run {args.run_id} is a trial of the study of parent run {parent}: reporting that study")
@@ -388,9 +392,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from prvrlab.platform.recipes import catalogue
+    from prvrlab.platform.config import ConfigError
+    from prvrlab.platform.recipes import catalogue, recipes
 
-    print(catalogue(Path(args.dir)), end="")
+    folder = Path(args.dir)
+    if not folder.is_dir():
+        raise ConfigError(f"--dir {folder}: " + ("not a folder" if folder.exists() else "folder not found"))
+    if not recipes(folder):
+        raise ConfigError(f"--dir {folder}: no configs (*.yaml) in it")
+    print(catalogue(folder), end="")
     return 0
 
 

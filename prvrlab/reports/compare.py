@@ -20,7 +20,15 @@ from typing import Sequence
 from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.reports import stats
 from prvrlab.reports.errors import ReportError
-from prvrlab.reports.source import TrialRun, check_split, ground_truth_difference, mlflow_client, run_ranks, trial_run
+from prvrlab.reports.source import (
+    TrialRun,
+    check_split,
+    evaluated_splits,
+    ground_truth_difference,
+    mlflow_client,
+    run_ranks,
+    trial_run,
+)
 from prvrlab.reports.tables import (
     DASH,
     METRIC_NAMES,
@@ -162,7 +170,12 @@ def compare_runs(
         if kind in ("search", "ablation"):  # a study's parent run: its children are the runs to compare
             raise ReportError(f"run '{missing[0].run_id}' is the parent run of {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a training run; compare its "
                               f"trials' runs, or write its report: prvrlab report --run-id {missing[0].run_id}")
-        raise ReportError(f"run '{missing[0].run_id}' logged no final {split} metrics (final/{split}/sumr)")
+        own = evaluated_splits(missing[:1])
+        common = sorted(set.intersection(*(set(evaluated_splits([r])) for r in runs)))
+        raise ReportError(
+            f"run '{missing[0].run_id}' logged no final {split} metrics (final/{split}/sumr); it logged: "
+            f"{', '.join(own) or 'none'}" + (f"; splits every run logged: {', '.join(common)} (--split)" if common else "")
+        )
     notes = []
     for run, sets in zip(runs[1:], datasets[1:]):
         differs = data_difference(runs[0], datasets[0], run, sets, split)
