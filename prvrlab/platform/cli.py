@@ -396,9 +396,9 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     from prvrlab.platform.recipes import catalogue, recipes
 
     folder = Path(args.dir)
-    if not folder.is_dir():
-        raise ConfigError(f"--dir {folder}: " + ("not a folder" if folder.exists() else "folder not found"))
-    if not recipes(folder):
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--dir {folder}: not a folder")
+    if not recipes(folder):  # (a missing folder: its own error)
         raise ConfigError(f"--dir {folder}: no configs (*.yaml) in it")
     print(catalogue(folder), end="")
     return 0

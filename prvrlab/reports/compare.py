@@ -168,7 +168,7 @@ def compare_runs(
     if missing:
         kind = missing[0].tags.get("prvrlab.kind")
         if kind in ("search", "ablation"):  # a study's parent run: its children are the runs to compare
-            raise ReportError(f"run '{missing[0].run_id}' is the parent run of {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a training run; compare its "
+            raise ReportError(f"run '{missing[0].run_id}' is the parent run of a {kind}, not a training run; compare its "
                               f"trials' runs, or write its report: prvrlab report --run-id {missing[0].run_id}")
         own = evaluated_splits(missing[:1])
         common = sorted(set.intersection(*(set(evaluated_splits([r])) for r in runs)))

@@ -18,7 +18,7 @@ def test_recipes_dir_must_be_a_folder_holding_configs(tmp_path, capsys):
     assert main(["recipes", "--dir", str(tmp_path / "file.txt")]) == EXIT_BAD_INPUT
     assert "not a folder" in capsys.readouterr().err
     assert main(["recipes", "--dir", str(tmp_path / "nope")]) == EXIT_BAD_INPUT
-    assert "folder not found" in capsys.readouterr().err
+    assert "config folder not found" in capsys.readouterr().err
     assert main(["recipes", "--dir", str(REPO / "configs")]) == 0
 
 
