@@ -284,7 +284,10 @@ class MlflowStudyCallback(Callback):
         run_id = self.runs.trials.get(trial.trial_id)
         if run_id is None or self.runs.closed.get(trial.trial_id) in ("FINISHED", "FAILED"):
             return  # no run to write to, or a replayed outcome: already logged
-        value = trial.metric_analysis.get(self.study.metric, {}).get(self.study.mode)
+        analysis = getattr(trial, "metric_analysis", None)
+        if not analysis:  # no result was analysed: nothing to log
+            return
+        value = analysis.get(self.study.metric, {}).get(self.study.mode)
         if value is not None and math.isfinite(value):
             self.tracker.log_metrics(run_id, {f"best/{self.study.metric}": float(value)})
 
