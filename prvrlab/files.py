@@ -33,6 +33,16 @@ def write_text_atomically(target: str | Path, text: str) -> Path:
     return replace_atomically(target, lambda tmp: tmp.write_text(text))
 
 
+def leading_comments(path: str | Path) -> list[str]:
+    """The comment lines (``#`` ...) at the top of a text file such as a YAML config or spec, as written."""
+    lines = []
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return lines
+
+
 def leaves_folder(rel: str) -> bool:
     """Whether the relative path ``rel`` (``/``-separated, e.g. an object-store key or an artifact path from a
     server) could leave the folder it is joined to: empty, absolute, or with an empty, ``.`` or ``..`` part."""

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from prvrlab.files import leading_comments
 from prvrlab.platform.config import ConfigError, load_config, read_yaml
 
 OFFICIAL = re.compile(r"Official source: github\.com/(\S+) @ ([0-9a-f]{7,40})")
@@ -36,13 +37,8 @@ class Recipe:
 
 
 def header(path: Path) -> str:
-    """The leading comment block of a YAML file."""
-    lines = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        lines.append(line.lstrip("# "))
-    return " ".join(lines)
+    """The leading comment block of a YAML file, as one line."""
+    return " ".join(line.lstrip("# ") for line in leading_comments(path))
 
 
 def recipe(path: Path) -> Recipe:

@@ -43,13 +43,18 @@ from prvrlab.platform.tracking.drivers import driver_alive, driver_tags
 CELL_HASH_TAG = "prvrlab.cell_hash."  # + cell: the config hash this cell has in the parent's latest submission
 
 
+def study_children(tracker, name: str, status: str | None = None) -> list:
+    """The child runs of ablation ``name`` in the tracker's experiment (only those in ``status``, e.g.
+    ``FINISHED``, when given)."""
+    where = f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation'"
+    if status is not None:
+        where += f" and attributes.status = '{status}'"
+    return tracker.client.search_runs([tracker.experiment_id], filter_string=where, max_results=5000)
+
+
 def finished_hashes(tracker, name: str) -> dict[str, str]:
     """config hash -> run id of this ablation's FINISHED (full-budget) child runs."""
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'FINISHED'",
-        max_results=5000,
-    )
+    runs = study_children(tracker, name, "FINISHED")
     return {
         r.data.tags["config_hash"]: r.info.run_id
         for r in runs
@@ -60,11 +65,7 @@ def finished_hashes(tracker, name: str) -> dict[str, str]:
 def mark_superseded(tracker, name: str, current: set[str]) -> None:
     """Tag each child run of ablation ``name`` :data:`SUPERSEDED_TAG` ``true`` when its config hash is none
     of ``current`` (the latest submission's cells; a run without a config hash too), else ``false``."""
-    found = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation'",
-        max_results=5000,
-    )
+    found = study_children(tracker, name)
     for run in found:
         value = "false" if run.data.tags.get("config_hash") in current else "true"
         if run.data.tags.get(SUPERSEDED_TAG) != value:
@@ -75,11 +76,7 @@ def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
     """Close as KILLED this ablation's child runs left RUNNING by a driver that died (every RUNNING
     child run the current study does not own and no other live process on this host drives); their cells
     then count as not finished and run again."""
-    found = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'RUNNING'",
-        max_results=5000,
-    )
+    found = study_children(tracker, name, "RUNNING")
     own, me = set(runs.trials.values()), driver_tags()
     orphans = []
     for run in found:
@@ -94,11 +91,7 @@ def close_orphans(tracker, name: str, runs: RunMap) -> list[str]:
 def summarise(tracker, name: str, metric: str, hashes: dict[str, str], spec: AblationSpec) -> dict[str, tuple[float, float, int]]:
     """variant -> (mean, std, n) of ``final/<metric>`` (else ``<metric>``) over finished seeds, counting for
     each cell only a run of its config (``hashes``: cell -> config hash)."""
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation' and attributes.status = 'FINISHED'",
-        max_results=5000,
-    )
+    runs = study_children(tracker, name, "FINISHED")
     values: dict[str, list[float]] = {v: [] for v in spec.variants}
     seen: set[str] = set()
     for r in runs:
@@ -217,11 +210,7 @@ def previous_parent_excluding(root: Path, current: Path) -> str | None:
 def _cell_counts(tracker, name: str, hashes: dict[str, str]) -> dict[str, int]:
     """finished / failed / missing cells of the whole ablation (over all submissions, each cell's runs of its
     config only: ``hashes``, cell -> config hash)."""
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.`prvrlab.study` = '{name}' and tags.`prvrlab.study_kind` = 'ablation'",
-        max_results=5000,
-    )
+    runs = study_children(tracker, name)
     runs = [r for r in runs if hashes.get(r.data.tags.get("prvrlab.cell", "")) == r.data.tags.get("config_hash")]
     finished = {r.data.tags.get("prvrlab.cell") for r in runs if r.data.tags.get("prvrlab.status") == "finished" and r.info.status == "FINISHED"}
     failed = {r.data.tags.get("prvrlab.cell") for r in runs if r.info.status == "FAILED"} - finished

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from prvrlab.files import write_text_atomically
+from prvrlab.files import leading_comments, write_text_atomically
 from prvrlab.platform import storage
 from prvrlab.platform.config import ConfigError, ExperimentConfig, apply_overrides, loss_tokens, plugin_tokens, read_yaml, validate
 from prvrlab.platform.ray_logs import ray_logs_to
@@ -751,12 +751,7 @@ def check_resume(spec: StudySpec, kind: str, echo: Callable[[str], None]) -> str
 
 def header_comment(path: str | Path) -> str:
     """The comment lines at the top of a YAML file, without their ``#`` ('' when it has none)."""
-    lines = []
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.startswith("#"):
-            break
-        lines.append(line[1:].removeprefix(" "))
-    return "\n".join(lines).strip()
+    return "\n".join(line[1:].removeprefix(" ") for line in leading_comments(path)).strip()
 
 
 def _spec_params(spec: StudySpec) -> dict[str, Any]:
