@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from prvrlab.uris import redact_credentials  # standard library only: `prvrlab --help` stays light
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
@@ -624,13 +626,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError, RegistryError) as exc:
-        print(f"prvrlab: error: {exc}", file=sys.stderr)
+        print(f"prvrlab: error: {redact_credentials(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TrainingError as exc:
-        print(f"prvrlab: training failed: {exc}", file=sys.stderr)
+        print(f"prvrlab: training failed: {redact_credentials(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     except (StudyError, ReportError) as exc:
-        print(f"prvrlab: error: {exc}", file=sys.stderr)
+        print(f"prvrlab: error: {redact_credentials(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("prvrlab: interrupted", file=sys.stderr)
@@ -642,7 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, BrokenPipeError):  # stdout's reader went away (| head): its pending output goes nowhere
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"prvrlab: error: {line}", file=sys.stderr)
+        print(f"prvrlab: error: {redact_credentials(line)}", file=sys.stderr)
         return EXIT_FAILED
     finally:  # a process that goes on (tests, notebooks) gets its handler back and no more sentinels
         closer.unguard_process()

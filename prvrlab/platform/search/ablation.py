@@ -39,6 +39,7 @@ from prvrlab.platform.search.study import (
 )
 from prvrlab.platform.search.spec import AblationSpec
 from prvrlab.platform.tracking.drivers import driver_alive, driver_tags
+from prvrlab.uris import redact_credentials
 
 CELL_HASH_TAG = "prvrlab.cell_hash."  # + cell: the config hash this cell has in the parent's latest submission
 
@@ -145,7 +146,7 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     tracker.set_tags(parent, {f"{CELL_HASH_TAG}{c}": h for c, h in hashes.items()})
     echo(
         f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "
-        f"{skipped} already finished; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
+        f"{skipped} already finished; MLflow parent run {parent} ({redact_credentials(tracker.uri)}); folder {study_dir}"
     )
     status = "FAILED"
     interrupted = False

@@ -14,6 +14,7 @@ from prvrlab.platform.failures import interrupts_unwrapped
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.resumable import RestoredTrial, resumable
 from prvrlab.platform.search.spec import SearchSpec
+from prvrlab.uris import redact_credentials
 from prvrlab.platform.search.study import (
     StudyContext,
     StudyResult,
@@ -150,7 +151,7 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
                 f"{study.workers} worker(s) x {study.cpus_per_worker:g} CPU"
                 + (f" + {study.gpus_per_worker:g} GPU" if study.gpus_per_worker else "")
                 + study.ranks_note()
-                + f"; MLflow parent run {parent} ({tracker.uri}); folder {study_dir}"
+                + f"; MLflow parent run {parent} ({redact_credentials(tracker.uri)}); folder {study_dir}"
             )
             searcher = _searcher(spec)
             if spec.scheduler == "asha":

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,7 @@ from prvrlab.platform.config import ConfigError
 from prvrlab.platform.failures import carries_interrupt
 from prvrlab.platform.tracking import closer, template
 from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
-from prvrlab.uris import SQLITE, file_store, sqlite_file
+from prvrlab.uris import SQLITE, file_store, redact_credentials, sqlite_file
 
 DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
@@ -106,15 +107,6 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/@\s]*@")
-
-
-def redact_credentials(text: str) -> str:
-    """``scheme://user:password@host`` -> ``scheme://user:***@host`` wherever it occurs in ``text``: a
-    tracking URI or object-store path given with its password is not shown to every reader of the store."""
-    return _URL_PASSWORD.sub(r"\g<head>:***@", text)
-
-
 def _clean_value(value: Any) -> str:
     text = redact_credentials(str(value))
     return text if len(text) <= PARAM_MAX else text[: PARAM_MAX - 3] + "..."
@@ -140,6 +132,23 @@ def commit_tags(tags: dict[str, str]) -> dict[str, str]:
     """``mlflow.source.git.commit`` (the UI's Version column) for tags carrying a known ``git_commit``."""
     commit = tags.get("git_commit", "unknown")
     return {} if commit == "unknown" else {"mlflow.source.git.commit": commit.removesuffix("-dirty")}
+
+
+REDACTED_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".txt", ".log", ".md", ".tex", ".csv")
+_REDACT_LIMIT = 64 * 2**20  # larger text files go up as they are
+
+
+def _redacted_text(path: Path) -> str | None:
+    """``path``'s text with URL passwords masked, or None where nothing changes (or it is not a text file
+    this reads: another suffix, above 64 MiB, not UTF-8)."""
+    if path.suffix.lower() not in REDACTED_SUFFIXES or path.stat().st_size > _REDACT_LIMIT:
+        return None
+    try:
+        text = path.read_bytes().decode("utf-8")  # bytes: line endings kept as written
+    except (OSError, UnicodeDecodeError):
+        return None
+    redacted = redact_credentials(text)
+    return None if redacted == text else redacted
 
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -403,11 +412,21 @@ class Tracker:
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags)])
 
     def log_artifacts(self, run_id: str, paths: Iterable[Path], artifact_path: str | None = None) -> None:
+        """Upload files (or folders) as artifacts; a text file naming a URL with its password (a config's
+        ``tracking.uri``, a spec, a traceback) goes up as a copy with the password masked
+        (:func:`redact_credentials`), and the local file keeps what the user gave."""
         for path in paths:
             if path.is_dir():
                 self.client.log_artifacts(run_id, str(path), artifact_path)
             elif path.exists():
-                self.client.log_artifact(run_id, str(path), artifact_path)
+                redacted = _redacted_text(path)
+                if redacted is None:
+                    self.client.log_artifact(run_id, str(path), artifact_path)
+                    continue
+                with tempfile.TemporaryDirectory(prefix="prvrlab-redacted-") as tmp:
+                    copy = Path(tmp) / path.name
+                    copy.write_bytes(redacted.encode("utf-8"))
+                    self.client.log_artifact(run_id, str(copy), artifact_path)
 
     def end_run(self, run_id: str, status: str) -> None:
         """Close a run as FINISHED, FAILED or KILLED."""

@@ -43,6 +43,7 @@ from prvrlab.platform.train.session import process_group_backend
 from prvrlab.platform.tracking.drivers import close_dead_runs
 from prvrlab.platform.tracking.store import Tracker, best_point, resolve_tracking_uri, store_errors
 from prvrlab.platform.tracking.tags import run_tags
+from prvrlab.uris import redact_credentials
 
 
 @dataclass
@@ -412,7 +413,7 @@ def train(
         echo = _console(_clearing(live, echo))
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
     if echo:
-        echo(f"run {name}  (MLflow run {run_id}, store {tracker.uri})")
+        echo(f"run {name}  (MLflow run {run_id}, store {redact_credentials(tracker.uri)})")
 
     def on_retry(failure: Failure, retry: int) -> None:
         tracker.set_tags(run_id, {"prvrlab.retries": str(retry), "prvrlab.last_failure": failure.summary})

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from prvrlab.files import replace_atomically, write_text_atomically
 from prvrlab.platform.config import ExperimentConfig, spans_ranks, validate
 from prvrlab.platform.train.session import LocalSession, RaySession, Session, scratch_dir
+from prvrlab.uris import redact_nested
 
 # best_model.pt layout: 2 = resolved config (every default written) + loss-term state;
 # 3 = its "epoch" counts from 1 (as every report does; format 2 counted from 0);
@@ -610,7 +611,7 @@ class TrainingLoop:
             sumr = result.metrics["sumr"]
             if sumr > state.best_sumr:
                 state.best_sumr, state.best_epoch, state.bad_epochs = sumr, epoch, 0
-                blob = {"config": self.cfg.to_dict(), "epoch": epoch + 1, "val_sumr": sumr, "format": CHECKPOINT_FORMAT}
+                blob = {"config": redact_nested(self.cfg.to_dict()), "epoch": epoch + 1, "val_sumr": sumr, "format": CHECKPOINT_FORMAT}
                 _atomic_save(self._weights() | blob, self.best_path)
                 self.mirror.push()
             else:
