@@ -135,21 +135,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     for split in ("val", "test"):
         if f"{split}/sumr" in metrics:
             print(f"  {split:<5} " + recall_text({k: metrics.get(f"{split}/{k}") for k in METRIC_KEYS}))
-    for line in _published_lines(cfg.published, metrics):
+    for line in _published_lines(cfg.published, metrics, cfg.data.collection):
         print(f"  {line}")
     print(f"  files: {result.run_dir}")
     return 0
 
 
-def _published_lines(published, final: dict[str, float]) -> list[str]:
-    """The published result and the run's difference to it, when ``final`` has its split."""
+def _published_lines(published, final: dict[str, float], collection: str) -> list[str]:
+    """The published result and the run's difference to it, when ``final`` has its split (a note instead
+    when the run read another collection than the published one)."""
     from prvrlab.reports.tables import recall_text
 
-    deltas = published.compare(final)
-    if not deltas:
-        return []
     given = published.metrics()
     split = published.split
+    if published.other_collection(collection) and f"{split}/sumr" in final:
+        return [f"published ({published.source}; {split}) is for collection '{published.collection}', "
+                f"this run read '{collection}': not compared"]
+    deltas = published.compare(final, collection=collection)
+    if not deltas:
+        return []
     return [
         f"published ({published.source}; {split}): {recall_text(given)}",
         f"this run - published:  {recall_text({k: deltas[f'{split}/{k}_vs_published'] for k in given}, signed=True)}",
@@ -262,8 +266,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     for group, values in (result.by_group or {}).items():
         print(f"  {group:<7} ({int(values.get('count', 0))} queries)  SumR {values['sumr']:.1f}")
-    published = checkpoint_config(blob, checkpoint).published
-    for line in _published_lines(published, {f"{args.split}/{k}": v for k, v in m.items()}):
+    trained = checkpoint_config(blob, checkpoint)
+    for line in _published_lines(trained.published, {f"{args.split}/{k}": v for k, v in m.items()}, trained.data.collection):
         print(f"  {line}")
     if args.json:
         print(json.dumps({"metrics": m, "by_group": result.by_group}, indent=1))

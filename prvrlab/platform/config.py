@@ -142,6 +142,7 @@ class PublishedConfig:
 
     source: str | None = None  # where the numbers are printed, e.g. "papers/002 Table 1, GMMFormer"
     split: str | None = None  # the split they were reported on (compared when eval.final_splits has it)
+    collection: str | None = None  # the collection they were reported on: a run reading another is not compared
     r1: float | None = None
     r5: float | None = None
     r10: float | None = None
@@ -175,10 +176,18 @@ class PublishedConfig:
             if abs(total - given["sumr"]) > PUBLISHED_SUM_TOLERANCE:
                 raise ConfigError(f"published.sumr: {given['sumr']:g}, but r1 + r5 + r10 + r100 = {total:.1f}")
 
-    def compare(self, final: dict[str, Any]) -> dict[str, float]:
+    def other_collection(self, collection: str | None) -> bool:
+        """Whether the numbers were reported on a collection other than ``collection`` (the run's
+        ``data.collection``): then nothing is compared.  Unknown on either side: False."""
+        return self.collection is not None and collection is not None and self.collection != collection
+
+    def compare(self, final: dict[str, Any], *, collection: str | None = None) -> dict[str, float]:
         """The run's final metrics minus the published ones, ``{"<split>/<metric>_vs_published": delta}``,
-        for the metrics both have (``final`` as the trainer reports it: ``"<split>/<metric>"`` keys)."""
+        for the metrics both have (``final`` as the trainer reports it: ``"<split>/<metric>"`` keys); nothing
+        for a run on another collection than the published one (``collection``: the run's)."""
         out = {}
+        if self.other_collection(collection):
+            return out
         for key, value in self.metrics().items():
             ours = final.get(f"{self.split}/{key}")
             if isinstance(ours, (int, float)):

@@ -231,6 +231,8 @@ def compare_runs(
         row = run.published(split)
         if row is not None:
             published.setdefault(row[0], (row[1], []))[1].append(run)
+        elif (elsewhere := run.published_elsewhere(split)) is not None:
+            notes.append(f"{_label(run)}: {escape(elsewhere)}")
     for source, (values, who) in published.items():
         shown = recall_text(values)
         deltas = "; ".join(f"{_label(r)} {fmt(r.final(split, 'sumr') - values['sumr'], signed=True)}"

@@ -621,9 +621,10 @@ def ablation_report(doc: Doc, study: Study, opt: Options) -> None:
 
 def published_note(row: VariantRow | None, chosen: dict[str, dict[int, TrialRun]], split: str) -> str:
     """The baseline config's published result on ``split`` beside the baseline's mean ('' without one)."""
-    published = next((chosen[row.name][s].published(split) for s in row.seeds_ok), None) if row else None
+    runs = [chosen[row.name][s] for s in row.seeds_ok] if row else []
+    published = next((r.published(split) for r in runs), None)
     if published is None:
-        return ""
+        return next((escape(note) for r in runs if (note := r.published_elsewhere(split))), "")
     source, values = published
     parts = []
     for m, v in values.items():
@@ -790,7 +791,8 @@ def published_pairs(run: TrialRun, split: str) -> list[tuple[str, str]]:
     """Rows for the published result of the run's config on ``split`` and the run's difference to it."""
     published = run.published(split)
     if published is None:
-        return []
+        elsewhere = run.published_elsewhere(split)
+        return [] if elsewhere is None else [("Published", escape(elsewhere))]
     source, values = published
     deltas = {m: None if (ours := run.final(split, m)) is None else ours - v for m, v in values.items()}
     return [(f"Published ({escape(source)})", recall_text(values)), ("This run − published", recall_text(deltas, signed=True))]

@@ -97,8 +97,9 @@ class TrialRun:
         return self.tags.get("error", self.tags.get("prvrlab.stop_reason", ""))
 
     def published(self, split: str) -> tuple[str, dict[str, float]] | None:
-        """``(source, {metric: value})`` of the run config's ``published`` result on ``split``, if any."""
-        if self.params.get("published.split") != split:
+        """``(source, {metric: value})`` of the run config's ``published`` result on ``split``, if any and
+        reported on the collection the run read (:meth:`published_elsewhere`)."""
+        if self.params.get("published.split") != split or self.published_elsewhere(split):
             return None
         values = {}
         for key in METRIC_KEYS:
@@ -106,6 +107,15 @@ class TrialRun:
             if text not in (None, "None"):
                 values[key] = float(text)
         return (self.params.get("published.source", ""), values) if values else None
+
+    def published_elsewhere(self, split: str) -> str | None:
+        """A note when the config's published result on ``split`` was reported on another collection than the
+        run's ``data.collection`` (then it is not compared); None otherwise."""
+        theirs, ours = self.params.get("published.collection"), self.params.get("data.collection")
+        if self.params.get("published.split") != split or theirs in (None, "None") or ours is None or theirs == ours:
+            return None
+        return (f"The published result ({self.params.get('published.source', '')}, {split}) is for collection "
+                f"'{theirs}'; this run read '{ours}': not compared.")
 
     def final(self, split: str, metric: str) -> float | None:
         """``final/<split>/<metric>`` when logged and finite."""

@@ -660,7 +660,7 @@ class TrainingLoop:
         t0 = time.perf_counter()
         final: dict[str, Any] = {"kind": "final", "best/sumr": self.progress.best_sumr, "best/epoch": self.progress.best_epoch + 1}
         final.update(self._evaluate_best())
-        final.update(self.cfg.published.compare(final))  # <split>/<metric>_vs_published, when configured
+        final.update(self.cfg.published.compare(final, collection=self.cfg.data.collection))  # <split>/<metric>_vs_published
         if self.rank == 0:
             self.mirror.push()
         final["time/final_s"] = time.perf_counter() - t0
