@@ -28,7 +28,7 @@ is Eq. 8 / the official sum.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from torch import Tensor
 
@@ -66,6 +66,8 @@ def official_prior(m: Tensor, ls: Tensor) -> Tensor:
 @LOSSES.register("ral_da")
 class RALDistributionAlignmentLoss(Loss):
     """KL(text || video) plus ``prior_weight`` x the prior terms; see the module docstring."""
+
+    corrected: ClassVar[dict[str, Any]] = {"formulation": "paper"}  # the `corrected` preset (docs/parity.md)
 
     def __init__(
         self, *, formulation: Literal["paper", "official"] = "official", prior_weight: float = 1.0, plugin: str = "ral"

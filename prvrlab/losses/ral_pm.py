@@ -20,7 +20,7 @@ s = raw dot product over the (T*P) x (B*P) matrix, no temperature::
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,8 @@ def proxy_matching_official(text: Tensor, video: Tensor, text_video: Tensor) -> 
 @LOSSES.register("ral_pm")
 class RALProxyMatchingLoss(Loss):
     """Proxy matching; ``tau`` and ``bidirectional`` apply to ``formulation="paper"`` only (see the module docstring)."""
+
+    corrected: ClassVar[dict[str, Any]] = {"formulation": "paper"}  # the `corrected` preset (docs/parity.md)
 
     def __init__(
         self,

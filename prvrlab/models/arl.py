@@ -24,7 +24,8 @@ from torch import Tensor
 
 from prvrlab.checks import check_layer_count
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.models.blocks import AttentionPooling, BackboneSizes, check_score_weights, init_normal_, resolve_ffn_size
+from prvrlab.models.blocks import AttentionPooling, BackboneSizes, check_score_weights, resolve_ffn_size
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
 from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from prvrlab.data.batch import Batch
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS, check_capabilities
+from prvrlab.models.initialization import init_normal_
 
 
 def _map_value(v: Any, fn):
@@ -372,6 +373,9 @@ class RetrievalModel(nn.Module):
     # Capabilities this backbone can supply (names from prvrlab.models.component).
     provides: ClassVar[frozenset[str]] = frozenset()
     legacy_keys: ClassVar[Mapping[str, str]] = {}
+    # Parameter values of the ``corrected`` preset (``--preset corrected``): prvrlab's corrected behaviour
+    # where the backbone's official default reproduces a reference defect (docs/parity.md).
+    corrected: ClassVar[dict[str, Any]] = {}
     low_precision_fields: ClassVar[tuple[str, ...]] = ()
     query_redraw: bool = False  # a backbone taking the switch sets it (batch_vectors)
     window_length: object = None  # a backbone with Gaussian windows sets its span setting (batch_dependent_videos)
@@ -474,8 +478,6 @@ class RetrievalModel(nn.Module):
         parameters, trained by both encoders) instead of a fresh one.
         Default: a copy of ``self.query`` (the built-in backbones' query encoder) re-drawn from N(0, 0.02)."""
         import copy
-
-        from prvrlab.models.blocks import init_normal_
 
         query = getattr(self, "query", None)
         if not isinstance(query, nn.Module) or not hasattr(query, "encode"):

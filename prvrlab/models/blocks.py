@@ -236,6 +236,8 @@ class BranchLinear(nn.Module):
     -> output (K, N, out_dim), branch k using ``weight[k]``.
     """
 
+    linear_like = True  # initialisation.init_normal_ draws it as an nn.Linear
+
     def __init__(self, *, num_branches: int, in_dim: int, out_dim: int) -> None:
         super().__init__()
         shape = (
@@ -551,15 +553,6 @@ def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5
     if fused is not None:
         return fused
     return torch.stack([layer_norm(x_k, w_k, b_k, eps) for x_k, w_k, b_k in zip(x, weight, bias)])  # (K, N, D)
-
-
-def init_normal_(module: nn.Module, std: float = 0.02) -> None:
-    """Initialise Linear/BranchLinear/Embedding weights from N(0, std) and biases to zero."""
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding, BranchLinear)):
-            nn.init.normal_(m.weight, mean=0.0, std=std)
-        if isinstance(m, (nn.Linear, BranchLinear)) and m.bias is not None:
-            nn.init.zeros_(m.bias)
 
 
 def decay_norm_gains(module: nn.Module, decayed: bool = True) -> None:

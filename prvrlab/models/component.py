@@ -144,6 +144,9 @@ class Component(nn.Module):
     # it did before; a config holding that value leaves the key out of its hash (``config_hash``), so
     # earlier runs and finished ablation cells keep matching it.
     hash_neutral: ClassVar[dict[str, Any]] = {}
+    # Parameter values of the ``corrected`` preset (``--preset corrected``): prvrlab's corrected behaviour
+    # where this component's official default reproduces a reference defect (docs/parity.md).
+    corrected: ClassVar[dict[str, Any]] = {}
 
     def needs(self, *, training: bool) -> frozenset[str]:
         """Capabilities (names in :data:`CAPABILITIES`) needed at training / retrieval time."""

@@ -26,6 +26,8 @@ video's real length (:mod:`prvrlab.models.gmm`).
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from torch import Tensor
 
 from prvrlab.checks import check_bool, check_layer_count
@@ -34,10 +36,10 @@ from prvrlab.models.blocks import (
     BackboneSizes,
     PooledFrameBackbone,
     check_score_weights,
-    init_normal_,
     legacy_encoder_keys,
     resolve_ffn_size,
 )
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import (
     GMMBlock, TransformerLayer, VideoWindowLength, Window, WindowLength, parse_sigmas, video_window_spans,
@@ -65,6 +67,8 @@ class GMMFormer(PooledFrameBackbone):
     query-diverse loss (``branch: redrawn``; False: no second encoding).  Encoders: ``query``,
     ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
+
+    corrected: ClassVar[dict[str, Any]] = {"window": "centred", "window_length": "real"}  # the `corrected` preset (docs/parity.md)
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
     low_precision_fields = ("clip",)  # max-scored: bf16 products in a bf16 evaluation

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +85,11 @@ from prvrlab.models.blocks import (
     check_score_weights,
     decay_norm_gains,
     dropout_draw,
-    init_normal_,
     legacy_encoder_keys,
     residual_dropout_draw,
     resolve_ffn_size,
 )
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import (
     GaussianAttention,
@@ -447,6 +447,10 @@ class GMMFormerV2(RetrievalModel):
     losses read ``clip``, the vector the scores use).  Encoders: ``query``,
     ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
+
+    corrected: ClassVar[dict[str, Any]] = {
+        "window": "centred", "window_length": "real", "frame_padding": "masked", "norm_decay": False,
+    }  # the `corrected` preset (docs/parity.md)
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # frame and clip embeddings are always per item
     legacy_keys = {

@@ -30,10 +30,10 @@ from prvrlab.models.blocks import (
     BackboneSizes,
     PooledFrameBackbone,
     check_score_weights,
-    init_normal_,
     legacy_encoder_keys,
     resolve_ffn_size,
 )
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
 from prvrlab.registry import BACKBONES

@@ -42,7 +42,7 @@ tokens are the same either way).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -57,9 +57,9 @@ from prvrlab.models.blocks import (
     Packing,
     PooledFrameBackbone,
     check_score_weights,
-    init_normal_,
     resolve_ffn_size,
 )
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import (
     GMMBlock, TransformerLayer, VideoWindowLength, Window, WindowLength, parse_sigmas, video_window_spans,
@@ -162,6 +162,8 @@ class MamFusion(PooledFrameBackbone):
     queries, another dropout draw, as the reference's ``forward`` encodes them again for the fusion;
     that vector is also the training-only ``redrawn``).
     """
+
+    corrected: ClassVar[dict[str, Any]] = {"window": "centred", "window_length": "real", "mamba_norm_decay": False}  # the `corrected` preset (docs/parity.md)
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})
 

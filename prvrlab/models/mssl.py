@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -72,10 +72,10 @@ from prvrlab.models.blocks import (
     BackboneSizes,
     Packing,
     check_score_weights,
-    init_normal_,
     legacy_encoder_keys,
     resolve_ffn_size,
 )
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, WORD_TOKENS
 from prvrlab.models.gmm import TransformerLayer
 from prvrlab.registry import BACKBONES
@@ -177,6 +177,8 @@ class MSSL(RetrievalModel):
     reference) or ``per_branch`` (module docstring).
     Encoders: ``query``, ``clip`` and ``frame`` (:class:`SequenceEncoder`).
     """
+
+    corrected: ClassVar[dict[str, Any]] = {"frame_training": "all_pairs"}  # the `corrected` preset (docs/parity.md)
 
     provides = frozenset({FRAME_TOKENS, WORD_TOKENS, MOMENT_TOKENS})  # per-frame values and proposals are always per item
     legacy_keys = {

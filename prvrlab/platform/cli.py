@@ -179,10 +179,11 @@ def _check_resume(spec, kind: str) -> None:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from prvrlab.platform.search.spec import load_search_spec
+    from prvrlab.platform.search.study import check_cluster
 
     spec = load_search_spec(args.spec, _overrides(args.set))  # before Ray Tune's import (2 s): a bad spec fails fast
     if args.check:
-        spec.check_cluster()
+        check_cluster(spec)
         print(f"{args.spec}: valid search spec ({len(spec.space)} keys, {spec.trials} trials)")
         if args.resume:
             _check_resume(spec, "search")
@@ -208,10 +209,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from prvrlab.platform.search.spec import load_ablation_spec
+    from prvrlab.platform.search.study import check_cluster
 
     spec = load_ablation_spec(args.spec, _overrides(args.set))  # before Ray Tune's import, as in cmd_search
     if args.check:
-        spec.check_cluster()
+        check_cluster(spec)
         print(f"{args.spec}: valid ablation spec ({len(spec.variants)} variants x {len(spec.seeds)} seeds)")
         if args.resume:
             _check_resume(spec, "ablation")
@@ -304,7 +306,8 @@ def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
     from prvrlab.platform.config import ConfigError, read_yaml
     from prvrlab.platform.runtime import resolve_config_paths
     from prvrlab.platform.search.spec import load_ablation_spec, load_search_spec
-    from prvrlab.platform.tracking.store import check_server, resolve_tracking_uri
+    from prvrlab.platform.tracking.store import check_server
+    from prvrlab.platform.tracking.uri import resolve_tracking_uri
 
     if not path.is_file():
         raise ConfigError(f"unknown spec '{path}': file not found")
@@ -324,7 +327,8 @@ def _spec_study(path: Path, tracking_uri: str | None) -> tuple[str, str, str]:
 
 def _report_parent(args: argparse.Namespace) -> tuple[str, str]:
     """(tracking URI, parent run id) of the study named by --run-id, --experiment or --spec."""
-    from prvrlab.platform.tracking.store import check_server, resolve_tracking_uri
+    from prvrlab.platform.tracking.store import check_server
+    from prvrlab.platform.tracking.uri import resolve_tracking_uri
     from prvrlab.reports.errors import ReportError
     from prvrlab.reports.source import find_parent
 
@@ -365,7 +369,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from prvrlab.platform import storage
-    from prvrlab.platform.tracking.store import check_server, resolve_tracking_uri
+    from prvrlab.platform.tracking.store import check_server
+    from prvrlab.platform.tracking.uri import resolve_tracking_uri
     from prvrlab.reports.compare import compare_runs
 
     if args.out:

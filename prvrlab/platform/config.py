@@ -31,11 +31,8 @@ from prvrlab.checks import first_line
 from prvrlab.files import leaves_folder
 from prvrlab.allocator import HostAllocator
 from prvrlab.data.config import DataConfig
+from prvrlab.platform.errors import ConfigError  # noqa: F401 - raised here, imported from here by many
 from prvrlab.registry import BACKBONES, DATA_DERIVED, LOSSES, PLUGIN_DERIVED, PLUGINS, RegistryError, did_you_mean
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the offending key."""
 
 
 @dataclass
@@ -120,7 +117,7 @@ class TrackingConfig:
 
     def check(self) -> None:
         from prvrlab.platform.storage import normalize
-        from prvrlab.platform.tracking.store import check_tracking_uri
+        from prvrlab.platform.tracking.uri import check_tracking_uri
 
         if not self.experiment:
             raise ConfigError("tracking.experiment must not be empty")

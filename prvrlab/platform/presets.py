@@ -1,7 +1,8 @@
 """Named sets of behaviour switches applied on top of a config.
 
 ``corrected`` holds prvrlab's corrected choices wherever its behaviour and the
-official code's differ (docs/parity.md); the shipped dataset configs keep the
+official code's differ (docs/parity.md): the data and training sections' here, each
+component's in its own ``corrected`` class attribute; the shipped dataset configs keep the
 official behaviour, so ``prvrlab train configs/gmmformer_tvr.yaml --preset
 corrected`` trains the same recipe with the corrections.  ``PRE_PARITY`` is the
 behaviour a config meant before these switches existed, and ``BEFORE_FORMAT``
@@ -16,28 +17,55 @@ the parameter, ``plugins.<name>`` keys when that plug-in is enabled,
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prvrlab.registry import BACKBONES, LOSSES, did_you_mean
+from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, did_you_mean
 
 Switches = dict[str, dict[str, Any]]
 
-PRESETS: dict[str, Switches] = {
-    "corrected": {
-        "model": {
-            "window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs",
-            "norm_decay": False, "mamba_norm_decay": False,
-        },
-        "data": {"last_bin": "inclusive", "normalize": "exact"},
-        "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
-        "plugins.ral": {
-            "csa_padding": "masked", "heads_padding": "masked", "text_heads_padding": "masked",
-            "logvar_range": "clamped", "norm_decay": False,
-        },
-        "loss:ral_pm": {"formulation": "paper"},
-        "loss:ral_da": {"formulation": "paper"},
-    },
+# The platform's own sections of the ``corrected`` preset; each backbone, plug-in and loss declares its
+# own values (its ``corrected`` class attribute), so a new component's correction needs no edit here.
+CORRECTED_PLATFORM: Switches = {
+    "data": {"last_bin": "inclusive", "normalize": "exact"},
+    "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
 }
+
+
+def corrected_switches() -> Switches:
+    """The ``corrected`` preset: :data:`CORRECTED_PLATFORM` and every registered component's ``corrected``
+    values (``model``: the backbones' together, one value per key; ``plugins.<name>``; ``loss:<name>``)."""
+    out = copy.deepcopy(CORRECTED_PLATFORM)
+    model: dict[str, Any] = {}
+    for name in BACKBONES.names():
+        for key, value in getattr(BACKBONES.get(name), "corrected", {}).items():
+            if model.setdefault(key, value) != value:
+                raise ValueError(f"backbone '{name}': corrected model.{key}={value!r}, another backbone has {model[key]!r}")
+    out["model"] = model
+    for prefix, registry in (("plugins.", PLUGINS), ("loss:", LOSSES)):
+        for name in registry.names():
+            values = getattr(registry.get(name), "corrected", {})
+            if values:
+                out[f"{prefix}{name}"] = dict(values)
+    return out
+
+
+class _Presets(Mapping[str, Switches]):
+    """Preset name -> its switches, gathered from the components when looked up."""
+
+    _MAKERS = {"corrected": corrected_switches}
+
+    def __getitem__(self, name: str) -> Switches:
+        return self._MAKERS[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._MAKERS)
+
+    def __len__(self) -> int:
+        return len(self._MAKERS)
+
+
+PRESETS: Mapping[str, Switches] = _Presets()
 
 PRE_PARITY: Switches = {
     "model": {"window": "centred", "window_length": "real", "frame_padding": "masked"},

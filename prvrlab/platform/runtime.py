@@ -18,7 +18,7 @@ from typing import Callable
 from prvrlab.checks import first_line
 from prvrlab.platform.config import ConfigError, ExperimentConfig
 from prvrlab.platform.storage import normalize
-from prvrlab.platform.tracking.store import resolve_tracking_uri
+from prvrlab.platform.tracking.uri import resolve_tracking_uri
 
 
 def project_home() -> Path:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from prvrlab.checks import first_line
 from prvrlab.files import leaves_folder, replace_atomically
-from prvrlab.platform.config import ConfigError
+from prvrlab.platform.errors import ConfigError
 
 KEY = "tracking.storage_path"
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}

@@ -69,7 +69,7 @@ from prvrlab.checks import check_bool, check_choice, check_identifier, check_int
 from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.losses._common import positive_mask
 from prvrlab.models.base import QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.models.blocks import init_normal_
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, MOMENT_TOKENS, EpochContext, StepContext
 from prvrlab.models.plugins.base import Plugin, PluginError
 from prvrlab.registry import PLUGINS

@@ -66,7 +66,7 @@ CSA (training and retrieval)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -76,7 +76,8 @@ from torch import Tensor, nn
 from prvrlab.checks import check_bool, check_choice, check_identifier, check_int, check_number, check_positive_int
 from prvrlab.data.batch import Batch, host_to_device
 from prvrlab.models.base import BranchScores, QueryEmbedding, RetrievalModel, VideoEmbedding
-from prvrlab.models.blocks import decay_norm_gains, init_normal_
+from prvrlab.models.blocks import decay_norm_gains
+from prvrlab.models.initialization import init_normal_
 from prvrlab.models.component import FRAME_TOKENS, WORD_TOKENS
 from prvrlab.models.layer_norm import LayerNorm
 from prvrlab.models.plugins.base import Plugin, PluginError
@@ -342,6 +343,11 @@ class RAL(Plugin):
     ``msra`` and ``csa`` both false the plug-in adds nothing and changes no
     score (the baseline cell of an ablation: the bare backbone's results).
     """
+
+    corrected: ClassVar[dict[str, Any]] = {
+        "csa_padding": "masked", "heads_padding": "masked", "text_heads_padding": "masked",
+        "logvar_range": "clamped", "norm_decay": False,
+    }  # the `corrected` preset (docs/parity.md)
 
     supports_global_batch = True  # training_aux reads the encodings, query_video and the query lengths only
 

@@ -134,12 +134,6 @@ class StudySpec:
         """The validated base config (with the spec's overrides), validated once."""
         return validate(self.base_raw)
 
-    def check_cluster(self) -> None:
-        """Refuse resources this machine cannot hold (:func:`prvrlab.platform.search.study.check_cluster`)."""
-        from prvrlab.platform.search.study import check_cluster
-
-        check_cluster(self)
-
 
 @dataclass(frozen=True)
 class SearchSpec(StudySpec):

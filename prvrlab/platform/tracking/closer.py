@@ -92,7 +92,7 @@ def unguard_process() -> None:
 
 def _absolute(uri: str) -> str:
     """A relative store by its absolute path (the helpers start elsewhere)."""
-    from prvrlab.platform.tracking.store import resolve_tracking_uri
+    from prvrlab.platform.tracking.uri import resolve_tracking_uri
 
     return resolve_tracking_uri(uri, cwd=os.getcwd())
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -19,13 +18,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from prvrlab.checks import first_line, is_number
-from prvrlab.platform.config import ConfigError
+from prvrlab.platform.errors import ConfigError
 from prvrlab.platform.failures import carries_interrupt
 from prvrlab.platform.tracking import closer, template
 from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
-from prvrlab.uris import SQLITE, file_store, redact_credentials, sqlite_file
+from prvrlab.uris import redact_credentials, sqlite_file
 
-DEFAULT_DB = "mlflow.db"
 PARAM_MAX = 6000
 RUN_NAME_LIMIT = 250  # characters: MLflow's runs.name column (VARCHAR(250))
 # MLflow 3's experiment kind: its UI shows a "custom_model_development" experiment as model training
@@ -36,7 +34,6 @@ STORE_URI_ATTR = "prvrlab_store_uri"  # set on an error a Tracker's client raise
 STOP_TAGS = ("prvrlab.status", "prvrlab.stop_reason")  # how a run ended; a reopened run drops them
 SERVER_RETRY_S = 0.5  # between tries of a tracking server that refused the connection (Tracker's wait_s)
 STUDY_SERVER_WAIT_S = 60.0  # a study's trial-time Tracker: the server answered when the study began
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def artifact_location(uri: str, experiment: str) -> str | None:
@@ -46,37 +43,6 @@ def artifact_location(uri: str, experiment: str) -> str | None:
         return None
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
     return (path.parent / "mlruns" / safe).as_uri()
-
-
-def check_tracking_uri(uri: str | None, key: str) -> None:
-    """Refuse a path without a scheme as tracking URI (MLflow would open it as its retired file store):
-    ConfigError naming ``key`` (the config key, option or environment variable it came from)."""
-    if uri and not _SCHEME.match(uri):
-        raise ConfigError(
-            f"{key}: '{uri}' is a file path; use sqlite:///<absolute path> for a SQLite file "
-            "(or http(s)://host:port for a server)"
-        )
-
-
-def resolve_tracking_uri(uri: str | None = None, cwd: str | Path | None = None, key: str = "tracking.uri") -> str:
-    """An absolute tracking URI.
-
-    ``None`` means ``$MLFLOW_TRACKING_URI`` or an SQLite file ``mlflow.db`` in
-    ``$PRVRLAB_HOME`` or else the working directory.  Relative SQLite and file paths are made absolute
-    so that Ray workers and ``ray job submit`` (which change directory) reach
-    the same store.  A path without a scheme is refused (:func:`check_tracking_uri`; ``key`` names
-    where ``uri`` came from).
-    """
-    base = Path(cwd or os.environ.get("PRVRLAB_HOME") or os.getcwd()).resolve()
-    if not uri:
-        uri, key = os.environ.get("MLFLOW_TRACKING_URI"), "$MLFLOW_TRACKING_URI"
-    check_tracking_uri(uri, key)
-    uri = uri or f"{SQLITE}{base / DEFAULT_DB}"
-    if uri.startswith(SQLITE):
-        path = uri[len(SQLITE) :]  # with its query string, if any
-        return uri if path.startswith("/") else f"{SQLITE}{(base / path).resolve()}"
-    folder = file_store(uri)
-    return uri if folder is None else "file://" + str((base / folder).resolve())
 
 
 GIT_COMMIT_ENV = "PRVRLAB_GIT_COMMIT"

@@ -41,7 +41,8 @@ from prvrlab.platform.runtime import ensure_ray, prepare_data, resolve_config_pa
 from prvrlab.platform.train.live import LiveLine
 from prvrlab.platform.train.session import process_group_backend
 from prvrlab.platform.tracking.drivers import close_dead_runs
-from prvrlab.platform.tracking.store import Tracker, best_point, resolve_tracking_uri, store_errors
+from prvrlab.platform.tracking.store import Tracker, best_point, store_errors
+from prvrlab.platform.tracking.uri import resolve_tracking_uri
 from prvrlab.platform.tracking.tags import run_tags
 from prvrlab.uris import redact_credentials
 

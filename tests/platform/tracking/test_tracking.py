@@ -4,7 +4,8 @@
 import pytest
 
 from prvrlab.platform.config import ConfigError
-from prvrlab.platform.tracking.store import Tracker, numeric_metrics, resolve_tracking_uri
+from prvrlab.platform.tracking.store import Tracker, numeric_metrics
+from prvrlab.platform.tracking.uri import resolve_tracking_uri
 
 
 def test_default_uri_is_absolute_sqlite_in_cwd(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ import pytest
 
 from prvrlab.platform.config import ConfigError
 from prvrlab.platform.tracking import closer
-from prvrlab.platform.tracking.store import Tracker, resolve_tracking_uri
+from prvrlab.platform.tracking.store import Tracker
+from prvrlab.platform.tracking.uri import resolve_tracking_uri
 from prvrlab.platform.tracking.template import store_path
 from prvrlab.uris import file_store, sqlite_file
 
