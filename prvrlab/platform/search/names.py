@@ -53,10 +53,11 @@ def compact(value: Any) -> str:
     return str(value)
 
 
-def search_run_name(number: int, config: dict[str, Any], shortened: dict[str, str]) -> str:
+def search_run_name(number: int, config: dict[str, Any], shortened: dict[str, str], *, digits: int = 1) -> str:
     """``trial 3 · lr=3e-4 K=5`` (keys not in ``shortened`` are shown in full), the values that fit
-    :data:`NAME_LIMIT` whole, then ``…`` when some did not."""
-    name = f"trial {number}"
+    :data:`NAME_LIMIT` whole, then ``…`` when some did not.  ``digits``: the number is zero-padded to
+    that width (``trial 03`` of 12), so sorting the runs by name keeps their start order."""
+    name = f"trial {number:0{digits}d}"
     values = [f"{shortened.get(k, k)}={compact(v)}" for k, v in config.items()]
     kept: list[str] = []
     for i, value in enumerate(values):

@@ -119,6 +119,7 @@ class StudyContext:
     cells: dict[str, dict[str, Any]] | None = None  # ablation: cell -> overrides
     fault: dict[str, Any] | None = None  # test hook forwarded to the workers
     short_keys: dict[str, str] = field(default_factory=dict)  # search: space key -> its short form in run names
+    trial_digits: int = 1  # search: trial numbers in run names are zero-padded to the width of the trial count
     admission: str | None = None  # multi-worker trials: the name of the study's admission ledger actor
     placement_timeout_s: float = 60.0  # how long a worker group, or with none running a trial, may wait to be placed
     resolved: dict[str, ExperimentConfig] = field(default_factory=dict, repr=False)  # overrides JSON -> config
@@ -198,7 +199,7 @@ class StudyContext:
 
         if self.cells is not None:
             return ablation_run_name(*self.cell(config))
-        return search_run_name(number, config, self.short_keys)
+        return search_run_name(number, config, self.short_keys, digits=self.trial_digits)
 
     def trial_tags(self, config: dict[str, Any], cfg: ExperimentConfig, commit: str) -> dict[str, str]:
         """Tags of a trial's child run."""
@@ -1074,6 +1075,7 @@ def make_study(
         cells=cells,
         fault=fault_hook_from_env(),
         short_keys=short_keys(p.key for p in getattr(spec, "space", ())),
+        trial_digits=len(str(getattr(spec, "trials", 1))),
         reuse_workers=pooled,
         admission=admission_name(study_dir) if spec.resources.workers_per_trial > 1 and not pooled else None,
         placement_timeout_s=spec.resources.placement_timeout_s,
