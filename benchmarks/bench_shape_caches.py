@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="gmmformer_tvr.yaml")
-    p.add_argument("--root", default="/tmp/prvrlab_bench_shape_caches", help="the TVR-shaped collection (written once)")
+    p.add_argument("--root", default="data/bench_shape_caches", help="the TVR-shaped collection (written once)")
     p.add_argument("--train-videos", type=int, default=320)
     p.add_argument("--batch", type=int, default=32, help="videos a batch (5 queries each)")
     p.add_argument("--epochs", type=int, default=3)

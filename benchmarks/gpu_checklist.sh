@@ -11,13 +11,15 @@
 #   STAGES=plugins PLUGIN_CONFIGS="mamfusion_tvr.yaml mamfusion_tvr.yaml+model.mamba_residual=zero_init" \
 #       PLUGIN_EPOCHS=20 PLUGIN_LIMIT=400 OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh   # chosen configs, longer
 set -u
-OUT=${OUT:-/tmp/prvrlab_gpu}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$REPO/results/gpu_checklist}  # defaults inside the checkout (git-ignored), not a shared /tmp name
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
+OUT=$(cd "$OUT" && pwd)  # a relative OUT stays where it was given after the cd below
+cd "$REPO"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-DATA=${DATA:-/tmp/prvrlab_gpu_data}
+DATA=${DATA:-$REPO/data/gpu_checklist}
 if [ "${QUICK:-0}" = 1 ]; then
     SIZES=(--train-videos 128 --val-videos 32 --test-videos 48); EPOCHS=2; SYNC_EPOCHS=2
     AMP=none  # a CPU without bf16 units emulates it, tens of times slower
