@@ -358,8 +358,9 @@ def _train_trial(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
 def _fit_trainer(study: StudyContext, trial_id: str, loop_config: dict[str, Any], filler: MetricFiller) -> None:
     """Fit a TorchTrainer (DDP over ``study.workers`` Train workers) for one trial attempt."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
+    from prvrlab.platform.train.loopback import LoopbackTorchConfig
     from prvrlab.platform.train.session import process_group_backend
 
     use_gpu = study.gpus_per_worker > 0
@@ -367,7 +368,7 @@ def _fit_trainer(study: StudyContext, trial_id: str, loop_config: dict[str, Any]
     trainer = TorchTrainer(
         placed_worker,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
+        torch_config=LoopbackTorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(num_workers=study.workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=trial_id,

@@ -62,7 +62,6 @@ takes no bind address), unauthenticated, as the TorchTrainer path's does.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import os
@@ -78,6 +77,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from prvrlab.platform.rendezvous import STORE_PREFIX, is_loopback, loopback_interface, store_folder
 from prvrlab.platform.train.session import Session, process_group_backend
 
 if TYPE_CHECKING:
@@ -88,7 +88,6 @@ POLL_S = 0.5  # how often the trial actor looks for rank 0's reports and for fai
 PG_TIMEOUT = timedelta(minutes=30)  # collective timeout, Ray Train's default
 STAGE_DIR = "pool_reports"  # next to a trial's files: rank 0's checkpoints until Tune persists them
 POOL_LOG = "pool.jsonl"  # next to a trial's files: one line per attempt (pool name, rank pids, build time, ...)
-STORE_PREFIX = "prvrlab-pg-"  # a loopback pool's FileStore folder (in the temp folder, 0700)
 # What a rank imports before its first trial, while its trial actor still validates the trial's config:
 # torch, the process group, DDP's torch._dynamo (~2.4 s here), the loop and every registered component.
 PRELOAD = (
@@ -116,35 +115,6 @@ def preload() -> None:
             registry.names()
     except Exception:  # noqa: BLE001 - the same import fails again, with its traceback, where it is needed
         pass
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a node IP) is a loopback address (``localhost`` included)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def loopback_interface() -> str | None:
-    """The name of the network interface holding 127.0.0.1 (Linux ``lo``, macOS ``lo0``); None if none is found."""
-    try:
-        import psutil  # Ray's copy (ray/thirdparty_files), importable once ray is
-
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
-                return name
-    except Exception:  # noqa: BLE001 - no psutil: the usual names
-        pass
-    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
-    return next((name for name in ("lo", "lo0") if name in names), None)
-
-
-def store_folder(init_method: str) -> str | None:
-    """The folder of a ``file://`` rendezvous's FileStore; None for another init method."""
-    return os.path.dirname(init_method[len("file://"):]) if init_method.startswith("file://") else None
 
 
 def pool_resources(workers: int, cpus: float, gpus: float, trial_actor_cpu: float):

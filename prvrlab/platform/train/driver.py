@@ -216,10 +216,11 @@ def _fit_once(
     """One ``TorchTrainer.fit()`` (Ray retries nothing); Ray's exception is re-raised as is."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
     from prvrlab.platform.train.live import PROGRESS_FILE, read_progress
+    from prvrlab.platform.train.loopback import LoopbackTorchConfig
     from prvrlab.platform.train.loop import fault_hook_from_env, train_worker
 
     ensure_ray()
@@ -235,7 +236,7 @@ def _fit_once(
             "fault": fault_hook_from_env(),
             "sync_to": sync_to,
         },
-        torch_config=TorchConfig(backend=process_group_backend(cfg.train.use_gpu)),
+        torch_config=LoopbackTorchConfig(backend=process_group_backend(cfg.train.use_gpu)),
         scaling_config=ScalingConfig(
             num_workers=cfg.train.num_workers,
             use_gpu=cfg.train.use_gpu,
