@@ -5,7 +5,6 @@ rendezvous (multi-node)."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import stat
@@ -14,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from prvrlab.platform.search import workers
+from socket_helpers import listening as listening_of, on_loopback
 
 
 def test_loopback_addresses_and_interface():
@@ -93,21 +93,6 @@ def test_an_nccl_pool_keeps_its_file_store_until_it_is_shut_down(monkeypatch, tm
     assert not (tmp_path / "gloo").exists() and gloo.store is None
 
 
-def _listening(pid: int) -> list[tuple[str, int]]:
-    import psutil
-
-    proc = psutil.Process(pid)
-    conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
-    return [(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
-
-
-def _loopback(ip: str) -> bool:
-    """127.0.0.1 or ::1, also as an IPv4-mapped IPv6 address (``::ffff:127.0.0.1``: gloo's socket)."""
-    address = ipaddress.ip_address(ip.split("%")[0])
-    mapped = getattr(address, "ipv4_mapped", None)
-    return str(mapped or address) in ("127.0.0.1", "::1")
-
-
 @pytest.fixture(scope="module")
 def ray_shutdown():
     yield
@@ -130,9 +115,9 @@ def test_a_loopback_pools_ranks_listen_on_loopback_only_and_leave_no_store(ray_s
     folder = None
     try:
         pool.ready()
-        listening = {pid: _listening(pid) for pid in pool.pids}
+        listening = {pid: listening_of(pid) for pid in pool.pids}
         assert all(listening.values()), listening  # gloo listens in every rank
-        exposed = {pid: [s for s in socks if not _loopback(s[0])] for pid, socks in listening.items()}
+        exposed = {pid: [s for s in socks if not on_loopback(s[0])] for pid, socks in listening.items()}
         assert not any(exposed.values()), f"rank sockets listening beyond loopback: {exposed}"
         # gloo listens where its hostname resolves unless told: the loopback interface, in every rank
         ifnames = ray.get([a.__ray_call__.remote(lambda _: os.environ.get("GLOO_SOCKET_IFNAME")) for a in pool.actors])

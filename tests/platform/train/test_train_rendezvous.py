@@ -4,7 +4,6 @@ interface, so no rank socket listens beyond 127.0.0.1. Elsewhere Ray Train's own
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import stat
@@ -14,6 +13,7 @@ import pytest
 
 from prvrlab.platform import rendezvous
 from prvrlab.platform.train import loopback
+from socket_helpers import listening, on_loopback
 
 
 class _FakeGroup:
@@ -77,19 +77,6 @@ def test_any_rank_off_loopback_keeps_ray_trains_rendezvous(fake_ray):
     assert fake_ray == [group] and group.joins == []
 
 
-def _listening(pid: int) -> list[tuple[str, int]]:
-    import psutil
-
-    proc = psutil.Process(pid)
-    conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
-    return [(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
-
-
-def _is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip.split("%")[0])
-    return str(getattr(address, "ipv4_mapped", None) or address) in ("127.0.0.1", "::1")
-
-
 def _rank_probe(config: dict) -> None:
     """A train function: all-reduce once, then write this rank's listening sockets and gloo interface."""
     import torch
@@ -97,7 +84,7 @@ def _rank_probe(config: dict) -> None:
 
     one = torch.ones(1)
     dist.all_reduce(one)
-    out = {"sum": one.item(), "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "listening": _listening(os.getpid())}
+    out = {"sum": one.item(), "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "listening": listening(os.getpid())}
     Path(config["out"], f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
 
 
@@ -116,7 +103,8 @@ def test_a_ray_train_group_on_the_local_cluster_listens_on_loopback_only(tmp_pat
 
     from ray import cloudpickle
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # a test module the workers cannot import
+    for module in (sys.modules[__name__], sys.modules[listening.__module__]):  # test modules the workers cannot import
+        cloudpickle.register_pickle_by_value(module)
     ensure_ray()
     try:
         before = set(p.name for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{rendezvous.STORE_PREFIX}*"))
@@ -134,7 +122,7 @@ def test_a_ray_train_group_on_the_local_cluster_listens_on_loopback_only(tmp_pat
     assert [r["sum"] for r in ranks] == [2.0, 2.0]
     assert [r["ifname"] for r in ranks] == [rendezvous.loopback_interface()] * 2
     assert all(r["listening"] for r in ranks)  # gloo listens in every rank
-    exposed = [s for r in ranks for s in r["listening"] if not _is_loopback(s[0])]
+    exposed = [s for r in ranks for s in r["listening"] if not on_loopback(s[0])]
     assert not exposed, f"rank sockets listening beyond loopback: {exposed}"
     after = set(p.name for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{rendezvous.STORE_PREFIX}*"))
     assert after <= before  # the rendezvous folder is gone
