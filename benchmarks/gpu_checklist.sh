@@ -15,8 +15,8 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results/gpu_checklist}  # defaults inside the checkout (git-ignored), not a shared /tmp name
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)  # a relative OUT stays where it was given after the cd below
+mkdir -p "$OUT" || exit 1
+OUT=$(cd "$OUT" && pwd) || exit 1  # a relative OUT stays where it was given after the cd below
 cd "$REPO"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DATA=${DATA:-$REPO/data/gpu_checklist}

@@ -29,7 +29,7 @@ def file_store(uri: str) -> Path | None:
     return Path(uri[len("file:") :].removeprefix("//"))
 
 
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/@\s]*@")
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/\s]*@")  # to the authority's last @
 
 
 def redact_credentials(text: str) -> str:

@@ -37,7 +37,7 @@ from prvrlab.models.component import FRAME_TOKENS
 from prvrlab.models.layer_norm import LayerNorm, layer_norm
 from prvrlab.models.layer_norm import branch_layer_norm as native_branch_layer_norm
 from prvrlab.models.precision import weight_cast
-from prvrlab.models import random_bits, row_chunks
+from prvrlab.models import initialization, random_bits, row_chunks
 from prvrlab.models.random_bits import DeferredDraw, apply_mask_, random_mask, random_words
 from prvrlab.models.scoring import index_token_norms, indexed_norms, indexed_score_elements, max_scores, vector_scores
 
@@ -553,6 +553,9 @@ def branch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5
     if fused is not None:
         return fused
     return torch.stack([layer_norm(x_k, w_k, b_k, eps) for x_k, w_k, b_k in zip(x, weight, bias)])  # (K, N, D)
+
+
+init_normal_ = initialization.init_normal_  # importable from here too (plug-ins written against earlier releases)
 
 
 def decay_norm_gains(module: nn.Module, decayed: bool = True) -> None:

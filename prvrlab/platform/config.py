@@ -922,7 +922,11 @@ def _replaces(old: dict[str, Any], new: dict[str, Any], where: tuple[str, ...]) 
     """A mapping naming another component (backbone ``name``, loss term ``loss``) replaces the old one.
 
     A loss term's loss is its ``loss:`` or else its term name (``losses.<term>``): a child's term that
-    names a loss replaces the parent's term of another loss, whether the parent wrote ``loss:`` or not."""
+    names a loss replaces the parent's term of another loss, whether the parent wrote ``loss:`` or not.
+    A ``published`` row with another ``source`` replaces the parent's whole row (its split, collection and
+    metrics belong to the parent's table)."""
+    if where == ("published",):
+        return "source" in new and new["source"] != old.get("source")
     if len(where) == 2 and where[0] == "losses" and "loss" in new:
         return new["loss"] != old.get("loss", where[1])
     return any(k in old and k in new and old[k] != new[k] for k in ("name", "loss"))

@@ -85,7 +85,7 @@ def catalogue(directory: Path) -> str:
         "Kind: **official** reproduces the cited official code's recipe (`tests/parity/test_official_configs.py`",
         "pins its values); **paper** follows a paper without public code (its header says which values are the",
         "paper's); **synthetic preset** is tuned for the built-in synthetic collection and reproduces nothing.",
-        "Published: the row the config's `published:` section carries, compared with every run's final metrics.",
+        "Published: the row the config's `published:` section carries, compared with the final metrics of every run on its collection.",
         "Its sources cite the five papers prvrlab implements by number: papers/000 RAL (Robust Alignment Learning,",
         "EMNLP'25), papers/001 ARL (Ambiguity-Restrained representation Learning, AAAI'25), papers/002 ICE / IRM /",
         "TCP (Enhanced Partially Relevant Video Retrieval through Inter- and Intra-Sample Analysis with Coherence",

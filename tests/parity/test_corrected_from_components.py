@@ -48,3 +48,21 @@ def test_backbones_that_disagree_on_a_shared_key_are_refused_by_name(monkeypatch
     monkeypatch.setitem(BACKBONES._items, "test_clash", clash)
     with pytest.raises(ValueError, match=r"backbone '(test_clash|gmmformer\w*|mamfusion)': corrected model.window="):
         corrected_switches()
+
+
+def test_the_gathered_preset_is_the_one_presets_py_wrote_out_before():
+    """The preset as presets.py held it until 2026-12-07 (session 63), when the components took it over."""
+    assert PRESETS["corrected"] == {
+        "model": {
+            "window": "centred", "window_length": "real", "frame_padding": "masked", "frame_training": "all_pairs",
+            "norm_decay": False, "mamba_norm_decay": False,
+        },
+        "data": {"last_bin": "inclusive", "normalize": "exact"},
+        "train": {"warmup": "shifted", "clip_grad": "global", "early_stop": "at_patience"},
+        "plugins.ral": {
+            "csa_padding": "masked", "heads_padding": "masked", "text_heads_padding": "masked",
+            "logvar_range": "clamped", "norm_decay": False,
+        },
+        "loss:ral_pm": {"formulation": "paper"},
+        "loss:ral_da": {"formulation": "paper"},
+    }

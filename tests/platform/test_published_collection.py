@@ -94,3 +94,17 @@ def test_a_run_on_another_collection_logs_no_differences_and_compare_notes_it(ru
     md = compare_runs(uri, ids, split="val", n_boot=20, seed=0)
     assert "Published (" not in md
     assert f"`{ids[0][:8]}` " in md and "is for collection 'tvr'; this run read 'synth': not compared." in md
+
+
+def test_a_childs_own_row_replaces_the_parents_whole(tmp_path):
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(yaml.safe_dump({"extends": str(CONFIGS / "gmmformer_tvr.yaml")}))
+    own = {"source": "my table", "split": "test", "r1": 1.0}
+    child = tmp_path / "child.yaml"
+    child.write_text(yaml.safe_dump({"extends": "parent.yaml", "data": {"collection": "mine"}, "published": own}))
+    published = load_config(str(child), []).published
+    assert (published.source, published.collection, published.r5, published.r1) == ("my table", None, None, 1.0)
+    same = tmp_path / "same.yaml"  # the parent's row, one field changed: still the parent's row
+    same.write_text(yaml.safe_dump({"extends": "parent.yaml", "published": {"collection": "tvr_v2"}}))
+    kept = load_config(str(same), []).published
+    assert kept.collection == "tvr_v2" and kept.r1 == load_config(str(CONFIGS / "gmmformer_tvr.yaml"), []).published.r1

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from prvrlab.platform.tracking.drivers import PID_TAG, driver_lock, driver_tags, process_alive, start_time
-from prvrlab.uris import file_store, sqlite_file
+from prvrlab.uris import file_store, redact_credentials, sqlite_file
 
 _OPEN: dict[str, str] = {}  # run id -> tracking URI, the runs this process opened and has not closed
 _STORES: set[tuple[str, str]] = set()  # (tracking URI, experiment id) where this process creates runs
@@ -426,7 +426,8 @@ def _driven_runs(uri: str, experiment_id: str, driver: dict[str, str]) -> list[s
             max_results=1000,
         )
     except Exception as exc:  # noqa: BLE001 - the listed runs are still closed
-        print(f"prvrlab: could not search {uri} for the driver's runs: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"prvrlab: could not search {redact_credentials(uri)} for the driver's runs: {type(exc).__name__}: "
+              f"{redact_credentials(str(exc))}", file=sys.stderr)
         return []
     return [run.info.run_id for run in found]
 

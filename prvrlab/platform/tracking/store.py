@@ -104,17 +104,17 @@ REDACTED_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".txt", ".log", ".md", 
 _REDACT_LIMIT = 64 * 2**20  # larger text files go up as they are
 
 
-def _redacted_text(path: Path) -> str | None:
-    """``path``'s text with URL passwords masked, or None where nothing changes (or it is not a text file
-    this reads: another suffix, above 64 MiB, not UTF-8)."""
+def _redacted_bytes(path: Path) -> bytes | None:
+    """``path``'s bytes with URL passwords masked, or None where nothing changes (or it is not a text file
+    this reads: another suffix, above 64 MiB).  Bytes that are not UTF-8 pass through unchanged."""
     if path.suffix.lower() not in REDACTED_SUFFIXES or path.stat().st_size > _REDACT_LIMIT:
         return None
     try:
-        text = path.read_bytes().decode("utf-8")  # bytes: line endings kept as written
-    except (OSError, UnicodeDecodeError):
+        text = path.read_bytes().decode("utf-8", errors="surrogateescape")  # bytes: line endings kept as written
+    except OSError:
         return None
     redacted = redact_credentials(text)
-    return None if redacted == text else redacted
+    return None if redacted == text else redacted.encode("utf-8", errors="surrogateescape")
 
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -378,21 +378,27 @@ class Tracker:
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags)])
 
     def log_artifacts(self, run_id: str, paths: Iterable[Path], artifact_path: str | None = None) -> None:
-        """Upload files (or folders) as artifacts; a text file naming a URL with its password (a config's
-        ``tracking.uri``, a spec, a traceback) goes up as a copy with the password masked
-        (:func:`redact_credentials`), and the local file keeps what the user gave."""
+        """Upload files (a folder: every file under it, at its relative place); a text file naming a URL with
+        its password (a config's ``tracking.uri``, a spec, a traceback) goes up as a copy with the password
+        masked (:func:`redact_credentials`), and the local file keeps what the user gave."""
         for path in paths:
             if path.is_dir():
-                self.client.log_artifacts(run_id, str(path), artifact_path)
+                for file in sorted(f for f in path.rglob("*") if f.is_file()):
+                    rel = file.parent.relative_to(path).as_posix()
+                    inner = "/".join(p for p in (artifact_path, "" if rel == "." else rel) if p) or None
+                    self._log_file(run_id, file, inner)
             elif path.exists():
-                redacted = _redacted_text(path)
-                if redacted is None:
-                    self.client.log_artifact(run_id, str(path), artifact_path)
-                    continue
-                with tempfile.TemporaryDirectory(prefix="prvrlab-redacted-") as tmp:
-                    copy = Path(tmp) / path.name
-                    copy.write_bytes(redacted.encode("utf-8"))
-                    self.client.log_artifact(run_id, str(copy), artifact_path)
+                self._log_file(run_id, path, artifact_path)
+
+    def _log_file(self, run_id: str, path: Path, artifact_path: str | None) -> None:
+        redacted = _redacted_bytes(path)
+        if redacted is None:
+            self.client.log_artifact(run_id, str(path), artifact_path)
+            return
+        with tempfile.TemporaryDirectory(prefix="prvrlab-redacted-") as tmp:
+            copy = Path(tmp) / path.name
+            copy.write_bytes(redacted)
+            self.client.log_artifact(run_id, str(copy), artifact_path)
 
     def end_run(self, run_id: str, status: str) -> None:
         """Close a run as FINISHED, FAILED or KILLED."""
@@ -415,10 +421,10 @@ class Tracker:
             try:
                 self.set_tags(run_id, tags)
             except Exception as again:  # noqa: BLE001 - ending the run matters more than its tags
-                print(f"prvrlab: warning: could not tag run {run_id} with how it ended: {again}", file=sys.stderr)
+                print(f"prvrlab: warning: could not tag run {run_id} with how it ended: {redact_credentials(str(again))}", file=sys.stderr)
         try:
             self.end_run(run_id, status)
         except Exception as again:  # noqa: BLE001 - as above
-            print(f"prvrlab: warning: could not end run {run_id}: {again}", file=sys.stderr)
+            print(f"prvrlab: warning: could not end run {run_id}: {redact_credentials(str(again))}", file=sys.stderr)
             return None
         return status

@@ -328,7 +328,7 @@ def _best_effort(what: str, step: Callable[..., Any], *args: Any, **kwargs: Any)
     except Exception as exc:  # noqa: BLE001 - the run must still end
         if carries_interrupt(exc):
             raise KeyboardInterrupt from exc
-        print(f"prvrlab: warning: {what} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"prvrlab: warning: {what} failed: {type(exc).__name__}: {redact_credentials(str(exc))}", file=sys.stderr)
 
 
 def _clearing(live: LiveLine, echo: Callable[[str], None]) -> Callable[[str], None]:
@@ -420,7 +420,7 @@ def train(
     def on_retry(failure: Failure, retry: int) -> None:
         tracker.set_tags(run_id, {"prvrlab.retries": str(retry), "prvrlab.last_failure": failure.summary})
         if echo:
-            echo(f"{failure.summary}\n  retrying from the last checkpoint ({retry} of train.max_failures={cfg.train.max_failures})")
+            echo(f"{redact_credentials(failure.summary)}\n  retrying from the last checkpoint ({retry} of train.max_failures={cfg.train.max_failures})")
 
     status = "FAILED"
     try:

@@ -49,19 +49,21 @@ class _LoopbackBackend(_TorchBackend):
             super().on_start(worker_group, backend_config)
             return
         backend = backend_config.backend or "gloo"
-        self.store = tempfile.mkdtemp(prefix=STORE_PREFIX)  # new and empty: a FileStore refuses a stale file
-        init_method = f"file://{self.store}/store"
         if not isinstance(worker_group, V1WorkerGroup):  # as Ray Train's own backend: LOCAL_RANK etc.
             worker_group.execute(_set_torch_distributed_env_vars)
+        self.store = tempfile.mkdtemp(prefix=STORE_PREFIX)  # new and empty: a FileStore refuses a stale file
+        init_method = f"file://{self.store}/store"
         try:
             ray.get([
                 worker_group.execute_single_async(i, _join, backend=backend, world_rank=i, world_size=len(worker_group),
                                                   init_method=init_method, timeout_s=backend_config.timeout_s)
                 for i in range(len(worker_group))
             ])
-        finally:
-            if "nccl" not in backend:  # a gloo group is done with its store once joined; NCCL reads it again
-                self.drop_store()
+        except BaseException:  # Ray Train does not call on_shutdown after a failed on_start
+            self.drop_store()
+            raise
+        if "nccl" not in backend:  # a gloo group is done with its store once joined; NCCL reads it again
+            self.drop_store()
 
     def on_shutdown(self, worker_group, backend_config) -> None:
         try:

@@ -89,3 +89,25 @@ def test_the_cli_error_line_masks_the_password(monkeypatch, capsys):
     assert cli.main(["recipes"]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "alice:***@db.lab" in err and "s3cret" not in err
+
+
+def test_a_folder_goes_up_file_by_file_masked_at_its_relative_places(tracker, tmp_path):
+    run_id = tracker.start_run("r")
+    folder = tmp_path / "report"
+    (folder / "figures").mkdir(parents=True)
+    (folder / "report.md").write_text(f"store {SECRET_URI}\n")
+    (folder / "figures" / "notes.txt").write_bytes(b"caf\xe9 " + SECRET_URI.encode() + b"\n")  # latin-1, not UTF-8
+    tracker.log_artifacts(run_id, [folder], "report")
+    names = sorted(f.path for f in tracker.client.list_artifacts(run_id, "report"))
+    assert names == ["report/figures", "report/report.md"]
+    assert uploaded(tracker, run_id, "report/report.md", tmp_path / "d1") == b"store postgresql://alice:***@db.lab/mlflow\n"
+    assert uploaded(tracker, run_id, "report/figures/notes.txt", tmp_path / "d2") == b"caf\xe9 postgresql://alice:***@db.lab/mlflow\n"
+    tracker.end_run(run_id, "FINISHED")
+
+
+def test_a_password_holding_at_signs_is_masked_whole():
+    from prvrlab.uris import redact_credentials
+
+    assert redact_credentials("postgresql://u:p@ss@h/db") == "postgresql://u:***@h/db"
+    assert redact_credentials("http://h:5000/x@y") == "http://h:5000/x@y"  # a port, then a path: nothing to mask
+    assert redact_credentials("https://u:p@h/a@b c://d:e@f") == "https://u:***@h/a@b c://d:***@f"

@@ -71,6 +71,20 @@ def test_an_nccl_group_keeps_its_store_until_shutdown(fake_ray, monkeypatch):
     assert not os.path.exists(folder) and backend.store is None
 
 
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo,cuda:nccl"])
+def test_a_group_that_fails_to_join_leaves_no_store(fake_ray, monkeypatch, backend):
+    """Ray Train does not call on_shutdown after a failed on_start: the folder goes with the failure."""
+    def fail(refs):
+        raise RuntimeError("a rank could not join")
+
+    monkeypatch.setattr(loopback.ray, "get", fail)
+    backend_, group = loopback._LoopbackBackend(), _FakeGroup(["127.0.0.1", "127.0.0.1"])
+    with pytest.raises(RuntimeError, match="could not join"):
+        backend_.on_start(group, loopback.LoopbackTorchConfig(backend=backend))
+    folder = rendezvous.store_folder(group.joins[0]["init_method"])
+    assert not os.path.exists(folder) and backend_.store is None
+
+
 def test_any_rank_off_loopback_keeps_ray_trains_rendezvous(fake_ray):
     group = _FakeGroup(["127.0.0.1", "10.0.0.5"])
     loopback._LoopbackBackend().on_start(group, loopback.LoopbackTorchConfig(backend="gloo"))
