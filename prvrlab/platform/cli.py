@@ -179,10 +179,11 @@ def _check_resume(spec, kind: str) -> None:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from prvrlab.platform.search.spec import load_search_spec
-    from prvrlab.platform.search.study import check_cluster
 
     spec = load_search_spec(args.spec, _overrides(args.set))  # before Ray Tune's import (2 s): a bad spec fails fast
     if args.check:
+        from prvrlab.platform.search.study import check_cluster  # Ray Tune's import: after the spec's check
+
         check_cluster(spec)
         print(f"{args.spec}: valid search spec ({len(spec.space)} keys, {spec.trials} trials)")
         if args.resume:
@@ -209,10 +210,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from prvrlab.platform.search.spec import load_ablation_spec
-    from prvrlab.platform.search.study import check_cluster
 
     spec = load_ablation_spec(args.spec, _overrides(args.set))  # before Ray Tune's import, as in cmd_search
     if args.check:
+        from prvrlab.platform.search.study import check_cluster  # Ray Tune's import: after the spec's check
+
         check_cluster(spec)
         print(f"{args.spec}: valid ablation spec ({len(spec.variants)} variants x {len(spec.seeds)} seeds)")
         if args.resume:
