@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import socket
+import tempfile
 
 STORE_PREFIX = "prvrlab-pg-"  # a loopback rendezvous's FileStore folder (in the temp folder, 0700)
 
@@ -38,3 +40,16 @@ def loopback_interface() -> str | None:
 def store_folder(init_method: str) -> str | None:
     """The folder of a ``file://`` rendezvous's FileStore; None for another init method."""
     return os.path.dirname(init_method[len("file://"):]) if init_method.startswith("file://") else None
+
+
+def new_file_store() -> tuple[str, str]:
+    """A fresh private (0700) folder and the ``file://`` init method of a FileStore in it (new and empty: a
+    FileStore refuses a stale file); :func:`store_folder` gives the folder back from the init method."""
+    folder = tempfile.mkdtemp(prefix=STORE_PREFIX)
+    return folder, f"file://{folder}/store"
+
+
+def remove_store(folder: str | None) -> None:
+    """Remove a rendezvous folder made by :func:`new_file_store` (None: nothing to do)."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

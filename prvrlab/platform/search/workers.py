@@ -69,7 +69,6 @@ import queue
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -77,7 +76,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from prvrlab.platform.rendezvous import STORE_PREFIX, is_loopback, loopback_interface, store_folder
+from prvrlab.platform import rendezvous
+from prvrlab.platform.rendezvous import is_loopback, loopback_interface, new_file_store, remove_store, store_folder
 from prvrlab.platform.train.session import Session, process_group_backend
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 FOLLOW_S = 2.0  # how often an adopted spare checks that its trial actor is alive
 POLL_S = 0.5  # how often the trial actor looks for rank 0's reports and for failed ranks
 PG_TIMEOUT = timedelta(minutes=30)  # collective timeout, Ray Train's default
+STORE_PREFIX = rendezvous.STORE_PREFIX  # a loopback pool's FileStore folder name starts so
 STAGE_DIR = "pool_reports"  # next to a trial's files: rank 0's checkpoints until Tune persists them
 POOL_LOG = "pool.jsonl"  # next to a trial's files: one line per attempt (pool name, rank pids, build time, ...)
 # What a rank imports before its first trial, while its trial actor still validates the trial's config:
@@ -234,8 +235,8 @@ class PoolWorker:
 
         host = ray.util.get_node_ip_address()
         if is_loopback(host):
-            self.store = tempfile.mkdtemp(prefix=STORE_PREFIX)  # new, empty: FileStore refuses a stale file
-            return f"file://{self.store}/store"
+            self.store, init_method = new_file_store()
+            return init_method
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
@@ -260,9 +261,8 @@ class PoolWorker:
 
     def drop_store(self) -> None:
         """Remove the rendezvous folder this rank made, if any (its trial actor ended without removing it)."""
-        if self.store is not None:
-            shutil.rmtree(self.store, ignore_errors=True)
-            self.store = None
+        remove_store(self.store)
+        self.store = None
 
     def run(self, loop_config: dict[str, Any], resume: str | None, stage: str) -> None:
         """One trial on this rank; rank 0 posts ``("done",)`` when the loop returns or raises."""
@@ -414,9 +414,8 @@ class WorkerPool:
 
     def remove_store(self) -> None:
         """Remove the loopback rendezvous's FileStore folder (rank 0 made it on this machine), if any."""
-        if self.store is not None:
-            shutil.rmtree(self.store, ignore_errors=True)
-            self.store = None
+        remove_store(self.store)
+        self.store = None
 
 
 _POOL: WorkerPool | None = None  # the pool of this trial actor (one per concurrent trial slot)

@@ -11,15 +11,13 @@ loopback interface (``GLOO_SOCKET_IFNAME``, unless set), as the reused worker po
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import ray
 from ray.train._internal.worker_group import WorkerGroup as V1WorkerGroup
 from ray.train.torch.config import TorchConfig, _set_torch_distributed_env_vars, _setup_torch_process_group, _TorchBackend
 
-from prvrlab.platform.rendezvous import STORE_PREFIX, is_loopback, loopback_interface
+from prvrlab.platform.rendezvous import is_loopback, loopback_interface, new_file_store, remove_store
 
 
 def _node_ip() -> str:
@@ -51,8 +49,7 @@ class _LoopbackBackend(_TorchBackend):
         backend = backend_config.backend or "gloo"
         if not isinstance(worker_group, V1WorkerGroup):  # as Ray Train's own backend: LOCAL_RANK etc.
             worker_group.execute(_set_torch_distributed_env_vars)
-        self.store = tempfile.mkdtemp(prefix=STORE_PREFIX)  # new and empty: a FileStore refuses a stale file
-        init_method = f"file://{self.store}/store"
+        self.store, init_method = new_file_store()
         try:
             ray.get([
                 worker_group.execute_single_async(i, _join, backend=backend, world_rank=i, world_size=len(worker_group),
@@ -72,9 +69,8 @@ class _LoopbackBackend(_TorchBackend):
             self.drop_store()
 
     def drop_store(self) -> None:
-        if self.store is not None:
-            shutil.rmtree(self.store, ignore_errors=True)
-            self.store = None
+        remove_store(self.store)
+        self.store = None
 
 
 @dataclass
