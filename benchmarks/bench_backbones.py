@@ -38,7 +38,7 @@ from prvrlab.evaluation.retrieval import resolve_amp_dtype
 from prvrlab.losses.weighted import WeightedLoss
 from prvrlab.models.base import RetrievalModel, VideoEmbedding
 from prvrlab.registry import BACKBONES
-from prvrlab.reports.profile import DEFAULT_GALLERIES
+from prvrlab.evaluation.profile import DEFAULT_GALLERIES
 
 
 def _base_losses(first: str, second: str, margin: float, nce: tuple[float, float]) -> dict:

@@ -23,7 +23,8 @@ from _common import (
     add_collection_options, bench_collection, bench_system, machine, peak_rss_gib, step_seconds, tvr_config,
 )
 from prvrlab.data.collection import open_collection
-from prvrlab.reports.profile import profile_config, profile_table
+from prvrlab.evaluation.profile import profile_config
+from prvrlab.reports.profile import profile_table
 
 PARTS = ("ice", "irm", "tcp")
 TERMS = {"ice": "ice_corr", "irm": "ice_irm", "tcp": "ice_tcp"}

@@ -19,7 +19,8 @@ import torch
 
 from _common import bench_system, machine, peak_rss_gib, step_seconds, tvr_bench_collection, tvr_config
 from prvrlab.data.collection import open_collection
-from prvrlab.reports.profile import profile_config, profile_table
+from prvrlab.evaluation.profile import profile_config
+from prvrlab.reports.profile import profile_table
 
 RAL = {
     "plugins.ral.msra": True,

@@ -67,7 +67,8 @@ PROFILE_CONFIGS=${PROFILE_CONFIGS:-gmmformer_tvr gmmformer_v2_tvr gmmformer_v2_r
 want profile && stage profile 100 $PY - "$DEVICE" "${GALLERY[*]}" $PROFILE_CONFIGS <<'PROFILE'
 import sys
 from prvrlab.platform.config import load_config
-from prvrlab.reports.profile import profile_config, profile_table
+from prvrlab.evaluation.profile import profile_config
+from prvrlab.reports.profile import profile_table
 device, galleries = sys.argv[1], [int(g) for g in sys.argv[2].split()]
 rows = []
 for name in sys.argv[3:]:  # every backbone at TVR's dimensions, with and without plug-ins

@@ -354,6 +354,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         from prvrlab.platform.config import ConfigError
 
         raise ConfigError("--gallery: sizes the efficiency section, which only --profile writes; add --profile")
+    measure = None
+    if args.profile:  # builds models: imported only when asked for
+        from prvrlab.evaluation.profile import profile_config as measure
     uri, parent = _report_parent(args)
     if args.run_id and parent != args.run_id:  # a trial's run: its study is reported
         print(f"run {args.run_id} is a trial of the study of parent run {parent}: reporting that study")
@@ -362,7 +365,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         storage.check(str(out), "--out", create=False)
     options = Options(
         split=args.split, n_boot=args.bootstrap, seed=args.seed, profile=args.profile,
-        galleries=tuple(args.gallery) if args.gallery else None, read_config=validate, adjust=args.adjust,
+        galleries=tuple(args.gallery) if args.gallery else None, read_config=validate, measure=measure,
+        adjust=args.adjust,
     )
     path = report(tracking_uri=uri, parent_id=parent, out=out, options=options, log_artifact=not args.no_log)
     print(f"wrote {written_text(path)}; " + ("not logged" if args.no_log else f"logged as artifact report/ of run {parent}"))
@@ -393,7 +397,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from prvrlab.platform.config import load_config
     from prvrlab.platform.runtime import resolve_config_paths
-    from prvrlab.reports.profile import DEFAULT_GALLERIES, profile_config, profile_table
+    from prvrlab.evaluation.profile import DEFAULT_GALLERIES, profile_config
+    from prvrlab.reports.profile import profile_table
 
     cfg = resolve_config_paths(load_config(args.config, _overrides(args.set)))
     result = profile_config(

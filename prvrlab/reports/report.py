@@ -71,15 +71,18 @@ CI_METRICS = ("sumr", *(m for m in METRIC_KEYS if m != "sumr"))  # column order 
 
 @dataclass
 class Options:
-    """How to write a report; ``read_config`` turns a run's logged ``config.yaml`` into a validated config
-    (for ``profile``; the CLI passes the platform's validator)."""
+    """How to write a report. ``profile`` (an efficiency section) needs two callables injected: ``read_config``
+    turns a run's logged ``config.yaml`` into a validated config (the CLI passes the platform's validator) and
+    ``measure(cfg, name=...)`` builds and measures its model (the CLI passes
+    :func:`prvrlab.evaluation.profile.profile_config`), so the reports never build a model themselves."""
 
     split: str | None = None  # None: test when the runs have it, else val
     n_boot: int = 1000
     seed: int = 0
     profile: bool = False
-    galleries: Sequence[int] | None = None  # None: prvrlab.reports.profile.DEFAULT_GALLERIES
+    galleries: Sequence[int] | None = None  # None: those ``measure`` defaults to
     read_config: Callable[[dict[str, Any]], Any] | None = None
+    measure: Callable[..., Any] | None = None
     adjust: str = "holm"  # a table's query-level p-values adjusted for its number of comparisons: holm | none
 
     def __post_init__(self) -> None:
@@ -959,10 +962,14 @@ def _counts_text(counts: dict[str, int]) -> str:
 
 
 def _profile_section(doc: Doc, study: Study, entries: list[tuple[str, TrialRun | None]], opt: Options) -> None:
-    from prvrlab.reports.profile import DEFAULT_GALLERIES, profile_config, profile_table
+    from prvrlab.reports.profile import profile_table
 
-    if opt.read_config is None:
-        raise ReportError("an efficiency profile needs Options.read_config (logged config -> validated config)")
+    if opt.read_config is None or opt.measure is None:
+        raise ReportError(
+            "an efficiency profile needs Options.read_config (logged config -> validated config) and "
+            "Options.measure (validated config -> measured model)"
+        )
+    sizes = {"galleries": tuple(opt.galleries)} if opt.galleries else {}
     results = []
     for name, run in entries:
         if run is None:
@@ -973,7 +980,7 @@ def _profile_section(doc: Doc, study: Study, entries: list[tuple[str, TrialRun |
         except Exception:
             continue
         cfg = opt.read_config(yaml.safe_load(Path(local).read_text()))
-        results.append(profile_config(cfg, galleries=opt.galleries or DEFAULT_GALLERIES, name=name, device="cpu"))
+        results.append(opt.measure(cfg, name=name, device="cpu", **sizes))
     if results:
         doc.section("Efficiency")
         doc.add(profile_table(results))

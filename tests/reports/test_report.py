@@ -181,7 +181,8 @@ def test_profile_reads_feature_sizes_from_the_collection_or_the_synthetic_preset
     written data is read; a real collection without data or known sizes asks for them."""
     from prvrlab.data.synth import PRESETS
     from prvrlab.platform.config import load_config
-    from prvrlab.reports.profile import ReportError, model_dims
+    from prvrlab.data.errors import DataError
+    from prvrlab.evaluation.profile import model_dims
 
     repo = Path(__file__).resolve().parents[2]
     missing = tmp_path / "not_written"
@@ -194,5 +195,5 @@ def test_profile_reads_feature_sizes_from_the_collection_or_the_synthetic_preset
     assert model_dims(written) == (PRESETS["tiny"].video_dim, PRESETS["tiny"].query_dim)
     real = load_config(repo / "configs" / "gmmformer_synth.yaml",
                        overrides={"data.root": str(missing), "data.synthesize": None, "data.collection": "mine"})
-    with pytest.raises(ReportError, match="pass --video-dim and --query-dim"):
+    with pytest.raises(DataError, match="pass --video-dim and --query-dim"):
         model_dims(real)
