@@ -44,6 +44,26 @@ def did_you_mean(name: str, candidates: typing.Iterable[str]) -> str:
     return f" (did you mean '{best}'?)" if best else ""
 
 
+def closest_key(key: str, candidates: typing.Iterable[str]) -> str | None:
+    """The dotted candidate most similar to dotted ``key``: its last part against the last parts of the
+    candidates under the same prefix (a shared ``train.`` alone makes no key similar), or the whole key
+    when no candidate has its prefix (a misspelt section or term); None when nothing is close."""
+    candidates = list(candidates)
+    prefix, _, leaf = key.rpartition(".")
+    siblings = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] == prefix}
+    if siblings:  # of the close ones, one the key begins (train.batch: batch_size before ddp_batch)
+        close = difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.5)
+        best = next((c for c in close if c.startswith(leaf)), close[0] if close else None)
+        return siblings[best] if best else None
+    return closest(key, candidates)
+
+
+def did_you_mean_key(key: str, candidates: typing.Iterable[str]) -> str:
+    """:func:`did_you_mean` for dotted keys, by :func:`closest_key`."""
+    best = closest_key(key, candidates)
+    return f" (did you mean '{best}'?)" if best else ""
+
+
 @dataclass(frozen=True)
 class ConstructorParam:
     """One keyword-only constructor parameter of a registered component."""

@@ -32,7 +32,7 @@ from prvrlab.files import leaves_folder
 from prvrlab.allocator import HostAllocator
 from prvrlab.data.config import DataConfig
 from prvrlab.platform.errors import ConfigError  # noqa: F401 - raised here, imported from here by many
-from prvrlab.registry import BACKBONES, DATA_DERIVED, LOSSES, PLUGIN_DERIVED, PLUGINS, RegistryError, did_you_mean
+from prvrlab.registry import BACKBONES, DATA_DERIVED, LOSSES, PLUGIN_DERIVED, PLUGINS, RegistryError, did_you_mean, did_you_mean_key
 
 
 @dataclass
@@ -841,6 +841,8 @@ def load_raw(path: str | Path, what: str = "config file") -> dict[str, Any]:
 
     A config's ``extends`` / ``unset`` are resolved here (:func:`resolve_extends`)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a folder: give the YAML file in it")
     if not path.is_file():
         raise ConfigError(f"{what} not found: {path}")
     raw = _read_mapping(path)
@@ -1012,6 +1014,6 @@ def _check_set_section_keys(overrides: dict[str, Any]) -> None:
             names = [f"{section}.{f.name}" for f in dataclasses.fields(SECTIONS[section])]
             if dotted not in names:
                 raise ConfigError(
-                    f"--set {dotted}: unknown key{did_you_mean(dotted, names)}; valid keys in {section}: "
+                    f"--set {dotted}: unknown key{did_you_mean_key(dotted, names)}; valid keys in {section}: "
                     + ", ".join(n.partition(".")[2] for n in names)
                 )

@@ -361,6 +361,15 @@ def _latest_parent(client, experiment_ids: list[str], extra_filter: str = "") ->
     return found[0] if found else None
 
 
+def _study_names(client, experiment_id: str) -> list[str]:
+    """The names of the searches and ablations with a parent run in the experiment."""
+    names = set()
+    for kind in STUDY_KINDS:
+        runs = client.search_runs([experiment_id], filter_string=f"tags.`prvrlab.kind` = '{kind}'", max_results=5000)
+        names.update(r.data.tags.get("prvrlab.study", "") for r in runs)
+    return sorted(n for n in names if n)
+
+
 def find_parent(
     *,
     tracking_uri: str,
@@ -386,15 +395,21 @@ def find_parent(
             raise ReportError(f"run '{run_id}' is not a search or ablation parent run (prvrlab.kind={kind!r})")
         return run_id
     exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise ReportError(
+            f"unknown experiment '{experiment}' in the tracking store {tracking_uri}{did_you_mean(experiment, names)}; "
+            f"experiments: {', '.join(names) or 'none'}"
+        )
     if study is not None:
-        run = _latest_parent(client, [exp.experiment_id], f"tags.`prvrlab.study` = '{study}'") if exp else None
+        run = _latest_parent(client, [exp.experiment_id], f"tags.`prvrlab.study` = '{study}'")
         if run is None:
+            names = _study_names(client, exp.experiment_id)
             raise ReportError(
                 f"no search or ablation named '{study}' in experiment '{experiment}' of the tracking store {tracking_uri}"
+                f"{did_you_mean(study, names)}; its studies: {', '.join(names) or 'none'}"
             )
         return run.info.run_id
-    if exp is None:
-        raise ReportError(f"unknown experiment '{experiment}' in the tracking store {tracking_uri}")
     run = _latest_parent(client, [exp.experiment_id])
     if run is None:
         raise ReportError(f"experiment '{experiment}' has no search or ablation parent run ({tracking_uri})")

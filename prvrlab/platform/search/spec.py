@@ -45,7 +45,7 @@ from prvrlab.platform.config import (
     validate,
     validate_overrides,
 )
-from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean
+from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean, did_you_mean_key
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
 SCHEDULERS = ("none", "asha")
@@ -346,10 +346,14 @@ def unknown_key(key: str, cfg: ExperimentConfig, keys: list[str]) -> str:
             return (f"unknown config key '{key}': plug-in '{parts[1]}' is not enabled in the base config, and a "
                     f"spec sets only the keys its base config has; use a base config that enables it (one that "
                     f"extends this one with plugins: {{{parts[1]}: {{}}}})")
-    hint = did_you_mean(key, keys)
+    hint = did_you_mean_key(key, keys)
     if not hint and len(parts) == 3 and parts[0] == "losses" and parts[1] not in cfg.losses:
         return (f"unknown config key '{key}': the base config has no loss term '{parts[1]}' "
                 f"(its terms: {', '.join(cfg.losses) or 'none'}), and a spec sets only the keys its base config has")
+    prefix = key.rpartition(".")[0]
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == prefix] if prefix else []
+    if not hint and siblings:  # nothing close: the keys it could have meant
+        return f"unknown config key '{key}'; keys in {prefix}: {', '.join(siblings)}"
     return f"unknown config key '{key}'{hint}"
 
 
