@@ -26,13 +26,16 @@ RECOVERY_CONFIGS = (
 
 def checkpoint_file(path: str | Path) -> Path:
     """The model file ``path`` names: the file itself; in a folder, its ``state.pt`` (a checkpoint
-    folder), else its ``best_model.pt`` (a run's files)."""
+    folder), else its ``best_model.pt`` (a run's files), else ``files/best_model.pt`` (the run's folder
+    that training prints)."""
     path = Path(path)
     if path.is_dir():
-        for name in (RECOVERY_FILE, BEST_FILE):
+        for name in (RECOVERY_FILE, BEST_FILE, f"files/{BEST_FILE}"):
             if (path / name).is_file():
                 return path / name
-        raise DataError(f"{path}: a folder without {RECOVERY_FILE} or {BEST_FILE}: {EXPECTED}")
+        held = sorted(d.name for d in path.glob("checkpoint_*") if (d / RECOVERY_FILE).is_file())
+        where = f"; its recovery checkpoints: {', '.join(held)}" if held else ""
+        raise DataError(f"{path}: a folder without {RECOVERY_FILE} or {BEST_FILE} (nor files/{BEST_FILE}){where}: {EXPECTED}")
     return path
 
 
