@@ -8,8 +8,9 @@ Files of a collection ``<c>`` under ``TextData/``:
   shape ``(n_tokens, Dq)``.
 - ``<c><split>.timestamps.json`` (optional, analysis only): a JSON object
   ``{cap_id: [start_seconds, end_seconds, video_duration_seconds]}``.  The
-  synthetic generator writes it; the public releases ship their moments in
-  other files, so it is usually absent there and ratios are then ``None``.
+  synthetic generator writes it; the public feature releases ship no moments,
+  so ratios are ``None`` there until ``prvrlab data timestamps`` writes it from
+  the dataset's own annotations (:mod:`prvrlab.data.moments`).
 """
 
 from __future__ import annotations

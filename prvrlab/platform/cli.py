@@ -456,6 +456,30 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_timestamps(args: argparse.Namespace) -> int:
+    from prvrlab.data.collection import collection_root
+    from prvrlab.data.config import DataConfig
+    from prvrlab.data.errors import DataError
+    from prvrlab.data.moments import match_moments, read_annotations
+    from prvrlab.data.text import caption_path, missing_split_message, read_captions, timestamps_path, write_timestamps
+
+    text_dir = collection_root(DataConfig(root=args.root, collection=args.collection)) / "TextData"
+    captions_file = caption_path(text_dir, args.collection, args.split)
+    if not captions_file.is_file():
+        raise DataError(missing_split_message(text_dir, args.collection, args.split))
+    captions = read_captions(captions_file)
+    matched = match_moments(captions, read_annotations(args.annotations, args.format, durations=args.durations))
+    if not matched.moments:
+        raise DataError(f"{args.annotations}: no caption of {captions_file} matched a {args.format} annotation by video "
+                        "and sentence; check --format and that the file annotates this split")
+    out = timestamps_path(text_dir, args.collection, args.split)
+    write_timestamps(out, matched.moments)
+    left = matched.unmatched
+    print(f"wrote {out}: moments of {len(matched.moments):,} of {len(captions):,} captions"
+          + (f"; {len(left):,} without one (e.g. {', '.join(left[:3])}): their ratio group is unknown" if left else ""))
+    return 0
+
+
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from prvrlab.data.inspect import inspect_collection
     from prvrlab.data.config import DataConfig
@@ -585,6 +609,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output .hdf5 file (one dataset per video)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_data_convert)
+
+    p = data.add_parser(
+        "timestamps", help="write a split's moment timestamps (for R@K by moment/video ratio) from the dataset's annotations"
+    )
+    p.add_argument("annotations", help="TVR's tvr_<split>_release.jsonl, ActivityNet Captions' <split>.json or Charades-STA's charades_sta_<split>.txt")
+    p.add_argument("--format", required=True, choices=("tvr", "activitynet", "charades"), help="which dataset's annotation file it is")
+    p.add_argument("--root", required=True, help="folder holding the collection's TextData/, or its parent")
+    p.add_argument("--collection", required=True, help="collection name, the caption file prefix (tvr, activitynet, charades)")
+    p.add_argument("--split", required=True, help="the caption file's split (<collection><split>.caption.txt)")
+    p.add_argument("--durations", default=None, help="Charades-STA: Charades' Charades_v1_<split>.csv (video lengths)")
+    p.set_defaults(func=cmd_data_timestamps)
 
     p = data.add_parser("inspect", help="summarise and check a collection")
     p.add_argument("--config", default=None, help="take the data section of this experiment config")
