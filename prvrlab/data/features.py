@@ -101,7 +101,8 @@ class H5Arrays:
         self._fd_pid = -1
 
     def keys(self) -> list[str]:
-        """Every dataset name at the root, in file order."""
+        """Every dataset name at the root, in h5py's order: by name, unless the file was written with
+        ``track_order=True`` (then in creation order)."""
         return list(self._keys)
 
     def __len__(self) -> int:
@@ -299,7 +300,8 @@ class HDF5Features:
         return len(self._counts)
 
     def video_ids(self) -> list[str]:
-        """Every video id (dataset name), in file order."""
+        """Every video id (dataset name), in h5py's order (by name unless written with ``track_order``);
+        a split's videos follow its caption file, not this."""
         return list(self._counts)
 
     def has(self, video_id: str) -> bool:
