@@ -157,3 +157,31 @@ def test_a_reference_without_ranks_is_named_once_and_no_adjustment_is_claimed(mo
     assert notes == ["`run0aaaa` run 0 logged no ranks for test: no test.", "`run1aaaa` run 1 logged no ranks for test: no test."]
     assert "0 comparisons" not in text
     assert "p (Holm): none of the table's comparisons with the reference was tested over queries, so none adjusted." in text
+
+
+def test_the_delta_is_the_sumr_difference_counted_by_hand_from_the_ranks(three_runs):
+    """ΔSumR's point estimate, recomputed without the statistics module: on the queries both runs ranked,
+    100 x the share with rank <= K, summed over K in (1, 5, 10, 100), the run's minus the reference's."""
+    import numpy as np
+
+    uri, ids = three_runs["uri"], three_runs["ids"]
+    body = md_rows(compare_runs(uri, ids, split="val", n_boot=N_BOOT, seed=0), "# Runs compared on val")[2:]
+
+    def ranks(run_id):
+        run = three_runs["tracker"].client.get_run(run_id)
+        (path,) = three_runs["results"].glob(f"{run.info.run_name}/files/ranks_val.parquet")
+        table = load_ranks(path)
+        return dict(zip((str(q) for q in table.column("query_id").to_pylist()), table.column("rank").to_numpy()))
+
+    def sumr(by_query, queries):
+        r = np.array([by_query[q] for q in queries])
+        return sum(100.0 * float(np.mean(r <= k)) for k in (1, 5, 10, 100))
+
+    reference = ranks(ids[0])
+    for row, run_id in zip(body[1:], ids[1:]):
+        other = ranks(run_id)
+        common = sorted(set(reference) & set(other))
+        assert len(common) == len(reference)  # one split, every query ranked by both
+        delta = sumr(other, common) - sumr(reference, common)
+        shown = row[6].split(" [")[0]
+        assert shown == (f"{delta:+.1f}" if f"{abs(delta):.1f}" != "0.0" else "0.0")
