@@ -153,7 +153,9 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     try:
         mark_superseded(tracker, spec.name, set(hashes.values()))
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
-            if todo or resumed:
+            if not todo and resumed:  # Tune would only restore trials whose cells have finished since: no Ray
+                echo(f"ablation '{spec.name}': every cell has finished; nothing left to resume")
+            if todo:
                 prepare_environment()
                 ensure_ray(echo=echo)
                 study = make_study(spec, "ablation", base, study_dir, cells=all_cells, resolved=plain.resolved)
