@@ -48,15 +48,37 @@ def artifact_location(uri: str, experiment: str) -> str | None:
 GIT_COMMIT_ENV = "PRVRLAB_GIT_COMMIT"
 
 
+def code_checkout() -> Path | None:
+    """The git checkout the running ``prvrlab`` package is part of: the folder above the package when git
+    tracks ``prvrlab/__init__.py`` there; None for an installed copy (also one in a virtual environment
+    inside another repository, whose commit is not this code's)."""
+    import prvrlab
+
+    root = Path(prvrlab.__file__).resolve().parent.parent
+    try:
+        subprocess.run(
+            ["git", "ls-files", "--error-unmatch", "prvrlab/__init__.py"],
+            cwd=root, capture_output=True, timeout=10, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return root
+
+
 def git_commit(cwd: str | Path | None = None) -> str:
     """The commit of the code that runs, suffixed '-dirty' with local changes to tracked files, or 'unknown'.
 
     ``$PRVRLAB_GIT_COMMIT`` wins when set: the commit captured where the code was
-    submitted (``ray job submit`` runs a copy of the working dir without ``.git``).
+    submitted (``ray job submit`` runs a copy of the working dir without ``.git``).  Without ``cwd``, the
+    checkout the package runs from (:func:`code_checkout`), whatever folder the command was started in.
     """
     given = os.environ.get(GIT_COMMIT_ENV, "").strip()
     if given:
         return given
+    if cwd is None:
+        cwd = code_checkout()
+        if cwd is None:
+            return "unknown"
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
