@@ -638,6 +638,8 @@ class TrainingLoop:
         )
         if self.setup_s is not None:  # the first epoch of this attempt
             metrics["time/setup_s"], self.setup_s = self.setup_s, None
+            # what the run trained with beside its config: the ranks and each one's threads decide its numbers
+            metrics["run/ranks"], metrics["run/threads"] = self.world, torch.get_num_threads()
         states = _gather(random_state(self.device))  # every rank's generators, on rank 0 (all ranks join)
         if self.rank != 0:
             self.session.report(metrics, None)

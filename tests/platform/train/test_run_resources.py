@@ -1,0 +1,21 @@
+"""A run records what it trained with beside its config: ``run/ranks`` (DDP ranks that trained) and
+``run/threads`` (each rank's torch threads) on each attempt's first epoch, e.g. ``--no-ray`` trains one rank
+whatever ``train.num_workers`` says, and the thread count decides float sums' order."""
+
+from __future__ import annotations
+
+import torch
+
+from prvrlab.platform.config import validate
+from prvrlab.platform.train.loop import run_local
+
+from train_helpers import small_raw
+
+
+def test_the_first_epoch_records_the_ranks_and_threads_that_trained(tiny_root, tmp_path):
+    cfg = validate(small_raw(tiny_root, tmp_path, epochs=2, num_workers=2, torch_threads=2))
+    session = run_local(cfg, tmp_path / "run")
+    epochs = [r for r in session.reports if r.get("kind") == "epoch"]
+    assert (epochs[0]["run/ranks"], epochs[0]["run/threads"]) == (1, 2)  # one rank in-process, as configured threads
+    assert "run/ranks" not in epochs[1]  # once per attempt, with time/setup_s
+    assert cfg.train.num_workers == 2 and torch.get_num_threads() == 2
