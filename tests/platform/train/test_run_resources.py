@@ -19,3 +19,13 @@ def test_the_first_epoch_records_the_ranks_and_threads_that_trained(tiny_root, t
     assert (epochs[0]["run/ranks"], epochs[0]["run/threads"]) == (1, 2)  # one rank in-process, as configured threads
     assert "run/ranks" not in epochs[1]  # once per attempt, with time/setup_s
     assert cfg.train.num_workers == 2 and torch.get_num_threads() == 2
+
+
+def test_the_first_epoch_records_whether_the_cpu_kernels_drew_the_dropout_masks(tiny_root, tmp_path, monkeypatch):
+    from prvrlab.models import random_bits
+
+    with_kernels = run_local(validate(small_raw(tiny_root, tmp_path, epochs=1)), tmp_path / "a")
+    assert with_kernels.reports[0]["run/native_kernels"] == int(random_bits.load() is not None)
+    monkeypatch.setattr(random_bits, "load", lambda: None)  # a machine without a compiler
+    without = run_local(validate(small_raw(tiny_root, tmp_path, epochs=1)), tmp_path / "b")
+    assert without.reports[0]["run/native_kernels"] == 0
