@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ray.tune.search.optuna import OptunaSearch
 
 from prvrlab.files import write_text_atomically
+from prvrlab.platform import storage
 from prvrlab.platform.failures import interrupts_unwrapped
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.resumable import RestoredTrial, resumable
@@ -35,7 +36,7 @@ from prvrlab.platform.search.study import (
 # ---------------------------------------------------------------- search
 
 
-def best_trial(trials, study: StudyContext, killed: set[str] = frozenset()) -> dict[str, Any] | None:
+def best_trial(trials, study: StudyContext | SearchSpec, killed: set[str] = frozenset()) -> dict[str, Any] | None:
     """The trial with the best value of the metric over all its reports (failed ones and those
     ended by an interrupt, ``killed``, excluded)."""
     better = (lambda a, b: a > b) if study.mode == "max" else (lambda a, b: a < b)
@@ -105,6 +106,24 @@ class TolerantOptunaSearch(OptunaSearch):
                     state=optuna.trial.TrialState.WAITING, system_attrs={"fixed_params": dict(frozen.params), **point}))
 
 
+def ended_trials(study_dir: Path, total: int) -> list[Any] | None:
+    """A local study's Tune trials when a resume would have nothing to run: all ``total`` of them created and
+    ended (finished, or failed: a resume does not retry those), none closed by an interrupt; read from Tune's
+    saved state without Ray.  None otherwise, or when the state cannot be read (Tune then decides)."""
+    from ray.tune import ExperimentAnalysis
+
+    tune_path = Path(study_dir) / "tune"
+    if not tune_path.is_dir() or killed_trials(study_dir):
+        return None
+    try:
+        trials = ExperimentAnalysis(str(tune_path)).trials
+    except Exception:  # noqa: BLE001 - an unreadable state is Tune's to report, on the usual path
+        return None
+    if len(trials) < total or any(t.status not in ("TERMINATED", "ERROR") for t in trials):
+        return None
+    return trials
+
+
 def _searcher(spec: SearchSpec):
     """OptunaSearch (seeded sampler, define-by-run space) that tolerates rounds without the metric,
     limited to the spec's concurrent slots, in a generator that restores consistently.
@@ -143,6 +162,15 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     status = "FAILED"
     try:
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
+            ended = ended_trials(study_dir, spec.trials) if resumed and not storage.is_remote(base.tracking.storage_path) else None
+            if ended is not None:  # nothing left to run: no Ray, the outcome as the first submission recorded it
+                killed = killed_trials(study_dir)
+                best = best_trial(ended, spec, killed)
+                written = study_dir / "best_config.yaml"
+                if best is None or written.is_file():
+                    echo(f"search '{spec.name}': all {len(ended)} trials have ended; nothing left to resume")
+                    result, status = _search_outcome(tracker, spec, study_dir, parent, ended, killed, best, written, interrupted=False)
+                    return result
             prepare_environment()
             ensure_ray(echo=echo)
             study = make_study(spec, "search", base, study_dir)
@@ -182,20 +210,13 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
             )
             trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
             killed = killed_trials(study_dir)
-            counts = count_outcomes(trials, killed)
             best = best_trial(trials, study, killed)
-            summary = {f"trials/{k}": v for k, v in counts.items()}
+            path = None
             if best is not None:
                 path = write_best_config(study, best, spec)
                 study.push_files().push()  # object store: best_config.yaml beside the study
-                best["path"] = path
-                summary[f"best/{spec.metric}"] = best["value"]
-                tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
-                tracker.log_artifacts(parent, [path])
-            tracker.log_metrics(parent, summary)
-            complete = counts["failed"] + counts["unfinished"] == 0
-            status = parent_status(tracker, parent, interrupted=interrupted, ok=best is not None, complete=complete)
-            return StudyResult(study_dir, parent, counts, best, interrupted)
+            result, status = _search_outcome(tracker, spec, study_dir, parent, trials, killed, best, path, interrupted=interrupted)
+            return result
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -205,5 +226,22 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     finally:
         tracker.end_run(parent, status)
         release_studies()  # this driver's lock of the study (taken with its folder)
+
+
+def _search_outcome(tracker, spec: SearchSpec, study_dir: Path, parent: str, trials, killed: set[str],
+                    best: dict[str, Any] | None, path: Path | None, *, interrupted: bool) -> tuple[StudyResult, str]:
+    """Record a search's outcome on its parent run (trial counts, the best trial, ``best_config.yaml`` at
+    ``path``); returns it and the MLflow status the caller ends the parent run with."""
+    counts = count_outcomes(trials, killed)
+    summary = {f"trials/{k}": v for k, v in counts.items()}
+    if best is not None:
+        best["path"] = path
+        summary[f"best/{spec.metric}"] = best["value"]
+        tracker.set_tags(parent, {"prvrlab.best_trial": best["trial_id"], "prvrlab.best_run": runs_for(study_dir).get(best["trial_id"], "")})
+        tracker.log_artifacts(parent, [path])
+    tracker.log_metrics(parent, summary)
+    complete = counts["failed"] + counts["unfinished"] == 0
+    status = parent_status(tracker, parent, interrupted=interrupted, ok=best is not None, complete=complete)
+    return StudyResult(study_dir, parent, counts, best, interrupted), status
 
 
