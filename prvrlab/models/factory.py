@@ -158,7 +158,8 @@ class TrainingSystem(nn.Module):
                 if not plugin.supports_global_batch:
                     raise PluginError(
                         f"plugins.{name}: '{type(plugin).registered_name}' computes on each DDP rank's share of "
-                        "a batch; set train.ddp_batch: local (or train.num_workers: 1)"
+                        "a batch (its class does not declare supports_global_batch = True); set train.ddp_batch: "
+                        "local (or train.num_workers: 1)"
                     )
         model.request(
             training=set().union(*(c.needs(training=True) for c in self.components().values())),
