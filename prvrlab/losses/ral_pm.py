@@ -78,6 +78,9 @@ class RALProxyMatchingLoss(Loss):
     """Proxy matching; ``tau`` and ``bidirectional`` apply to ``formulation="paper"`` only (see the module docstring)."""
 
     corrected: ClassVar[dict[str, Any]] = {"formulation": "paper"}  # the `corrected` preset (docs/parity.md)
+    applies_when: ClassVar[dict[str, dict[str, tuple[Any, ...]]]] = {
+        "tau": {"formulation": ("paper",)}, "bidirectional": {"formulation": ("paper",)}
+    }
 
     def __init__(
         self,

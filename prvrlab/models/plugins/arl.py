@@ -362,6 +362,7 @@ class ARL(Plugin):
     # training_aux reads the encodings and the batch's ids; under a global batch every rank adds the same
     # ground-truth counts in on_step_end, which scales them alike: the precision and recall ratios hold
     supports_global_batch = True
+    applies_when = {"tau_s": {"tau_s_mode": ("fixed",)}, "tau_u": {"tau_u_mode": ("fixed",)}}
 
     def __init__(
         self,

@@ -554,6 +554,41 @@ def _param(path: Path, key: str, raw: Any, base_raw: dict[str, Any], keys: list[
     return param
 
 
+def _component_of(key: str, flat: dict[str, Any]) -> type | None:
+    """The registered class behind ``losses.<term>.<param>`` / ``plugins.<name>.<param>``, else None."""
+    parts = key.split(".")
+    if len(parts) != 3:
+        return None
+    if parts[0] == "losses" and flat.get(f"losses.{parts[1]}.loss") in LOSSES.names():
+        return LOSSES.get(flat[f"losses.{parts[1]}.loss"])
+    if parts[0] == "plugins" and parts[1] in PLUGINS.names():
+        return PLUGINS.get(parts[1])
+    return None
+
+
+def _check_effective(path: Path, params: list[SearchParam], flat: dict[str, Any]) -> None:
+    """Refuse a searched key its component reads only under another value of a key beside it
+    (``Component.applies_when``): fixed elsewhere, or searched without a ``when`` on it."""
+    searched = {p.key for p in params}
+    for param in params:
+        component = _component_of(param.key, flat)
+        prefix, _, name = param.key.rpartition(".")
+        for other, values in (getattr(component, "applies_when", {}) or {}).get(name, {}).items():
+            other_key = f"{prefix}.{other}"
+            allowed = " or ".join(repr(v) for v in values)
+            if other_key in searched and other_key not in param.when:
+                raise ConfigError(
+                    f"{path}: space.{param.key}: acts only when {other_key} is {allowed}, which is searched too; "
+                    f"add when: {{{other_key}: {values[0]!r}}} so it is drawn only then"
+                )
+            if other_key not in searched and flat.get(other_key) not in values:
+                raise ConfigError(
+                    f"{path}: space.{param.key}: has no effect: it acts only when {other_key} is {allowed}, and "
+                    f"{other_key} is {flat.get(other_key)!r} in every trial; set {other_key}: {values[0]!r} in "
+                    "the spec's overrides, or leave the key out"
+                )
+
+
 def _as_trials(common: dict[str, Any]) -> dict[str, Any]:
     """The base config as the trials train it: with ``train.num_workers`` = ``resources.workers_per_trial``."""
     return apply_overrides(common["base_raw"], {"train.num_workers": common["resources"].workers_per_trial})
@@ -608,6 +643,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
                 )
         params.append(param)
     _check_overridden(path, params, _mapping(raw.get("overrides"), f"{path}: overrides"), extra_overrides or {})
+    _check_effective(path, params, flat)
 
     budget = _mapping(raw.get("budget"), f"{path}: budget")
     _check_keys(budget, ("trials", "time_limit_s"), f"{path}: budget")
