@@ -46,7 +46,18 @@ def _number(value, path: Path, where: str) -> float:
     return out
 
 
+def _moment(start, end, duration, path: Path, where: str) -> Moment:
+    """(start, end, duration) as numbers, refused when no moment: negative start, end before start, a video
+    of no length (an end past the video's length is kept: its ratio counts as 1)."""
+    s, e, d = _number(start, path, where), _number(end, path, where), _number(duration, path, where)
+    if d <= 0 or s < 0 or e < s:
+        raise DataError(f"{path}: {where}: not a moment: start {s:g}, end {e:g} in a video of {d:g} s")
+    return s, e, d
+
+
 def _read_text(path: Path) -> str:
+    if path.is_dir():
+        raise DataError(f"annotation file {path} is a folder: give the file in it")
     if not path.is_file():
         raise DataError(f"annotation file not found: {path}")
     try:
@@ -66,8 +77,7 @@ def _tvr(path: Path) -> list[tuple[str, str, Moment]]:
         except (ValueError, KeyError, TypeError) as exc:
             raise DataError(f"{path}: line {number}: expected a TVR record with vid_name, desc, ts [start, end] "
                             f"and duration ({type(exc).__name__}: {exc})") from None
-        where = f"line {number}"
-        out.append((str(video), str(sentence), (_number(start, path, where), _number(end, path, where), _number(duration, path, where))))
+        out.append((str(video), str(sentence), _moment(start, end, duration, path, f"line {number}")))
     return out
 
 
@@ -90,8 +100,7 @@ def _activitynet(path: Path) -> list[tuple[str, str, Moment]]:
         for k, (stamp, sentence) in enumerate(zip(stamps, sentences)):
             if not (isinstance(stamp, list) and len(stamp) == 2):
                 raise DataError(f"{path}: video {video!r}: timestamp {k}: expected [start, end], got {stamp!r}")
-            where = f"video {video!r} timestamp {k}"
-            out.append((str(video), str(sentence), (_number(stamp[0], path, where), _number(stamp[1], path, where), d)))
+            out.append((str(video), str(sentence), _moment(stamp[0], stamp[1], d, path, f"video {video!r} timestamp {k}")))
     return out
 
 
@@ -118,8 +127,7 @@ def _charades(path: Path, durations: Path | None) -> list[tuple[str, str, Moment
         video = parts[0]
         if video not in lengths:
             raise DataError(f"{path}: line {number}: video {video!r} has no length in {durations}")
-        where = f"line {number}"
-        out.append((video, sentence, (_number(parts[1], path, where), _number(parts[2], path, where), lengths[video])))
+        out.append((video, sentence, _moment(parts[1], parts[2], lengths[video], path, f"line {number}")))
     return out
 
 

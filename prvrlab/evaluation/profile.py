@@ -173,7 +173,8 @@ def model_dims(cfg) -> tuple[int, int]:
         return KNOWN_DIMS[cfg.data.collection]
     raise DataError(
         f"cannot tell the feature sizes of collection '{cfg.data.collection}': its data root {cfg.data.root} "
-        "is not readable; pass --video-dim and --query-dim"
+        "is not readable; pass --video-dim and --query-dim to prvrlab profile (report --profile reads the sizes "
+        "from the data)"
     )
 
 

@@ -147,9 +147,10 @@ class Component(nn.Module):
     # Parameter values of the ``corrected`` preset (``--preset corrected``): prvrlab's corrected behaviour
     # where this component's official default reproduces a reference defect (docs/parity.md).
     corrected: ClassVar[dict[str, Any]] = {}
-    # Parameters that act only while another parameter of this component has one of some values:
+    # Parameters of a loss or plug-in that act only while another of its parameters has one of some values:
     # {param: {other: (values...)}}. A search spec that searches ``param`` while ``other`` is fixed at
-    # another value is refused (every trial would differ in a value nothing reads).
+    # another value, or searched without a ``when`` drawing it only then, is refused (every such trial would
+    # differ in a value nothing reads).
     applies_when: ClassVar[dict[str, dict[str, tuple[Any, ...]]]] = {}
 
     def needs(self, *, training: bool) -> frozenset[str]:

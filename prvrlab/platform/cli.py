@@ -475,8 +475,10 @@ def cmd_data_timestamps(args: argparse.Namespace) -> int:
     out = timestamps_path(text_dir, args.collection, args.split)
     write_timestamps(out, matched.moments)
     left = matched.unmatched
+    over = sum(end > duration for _, end, duration in matched.moments.values())
     print(f"wrote {out}: moments of {len(matched.moments):,} of {len(captions):,} captions"
-          + (f"; {len(left):,} without one (e.g. {', '.join(left[:3])}): their ratio group is unknown" if left else ""))
+          + (f"; {len(left):,} without one (e.g. {', '.join(left[:3])}): their ratio group is unknown" if left else "")
+          + (f"; {over:,} ending after their video's length (ratio taken as 1)" if over else ""))
     return 0
 
 

@@ -114,3 +114,30 @@ def test_the_cli_refuses_a_file_that_matches_nothing_and_writes_nothing(tiny_roo
     code = main(["data", "timestamps", str(annotations), "--format", "tvr", "--root", str(root), "--collection", "synth",
                  "--split", "tset"])
     assert code == EXIT_BAD_INPUT and "(did you mean 'test'?)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ts, duration", [([9.0, 3.0], 20.0), ([-1.0, 3.0], 20.0), ([1.0, 3.0], 0.0)])
+def test_a_record_that_is_no_moment_is_refused_naming_its_line(tmp_path, ts, duration):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"vid_name": "v", "desc": "x", "ts": [0, 1], "duration": 5}) + "\n"
+                    + json.dumps({"vid_name": "v", "desc": "y", "ts": ts, "duration": duration}))
+    with pytest.raises(DataError, match=rf"a\.jsonl: line 2: not a moment: start {ts[0]:g}, end {ts[1]:g} in a video of {duration:g} s"):
+        read_annotations(path, "tvr")
+
+
+def test_an_annotation_folder_is_named_as_one(tmp_path):
+    with pytest.raises(DataError, match=rf"^annotation file {tmp_path} is a folder: give the file in it$"):
+        read_annotations(tmp_path, "activitynet")
+
+
+def test_the_cli_counts_moments_that_end_after_their_video(tiny_root, tmp_path, capsys):
+    root = tmp_path / "coll"
+    shutil.copytree(tiny_root / "TextData", root / "TextData")
+    captions = read_captions(root / "TextData" / "synthval.caption.txt")
+    records = [{"vid_name": c.split("#")[0], "desc": text, "ts": [1.0, 12.0 if i < 2 else 4.0], "duration": 10.0}
+               for i, (c, text) in enumerate(captions)]  # the first two end 2 s after their video
+    annotations = tmp_path / "a.jsonl"
+    annotations.write_text("\n".join(json.dumps(r) for r in records))
+    assert main(["data", "timestamps", str(annotations), "--format", "tvr", "--root", str(root), "--collection", "synth",
+                 "--split", "val"]) == 0
+    assert "; 2 ending after their video's length (ratio taken as 1)" in capsys.readouterr().out

@@ -576,10 +576,11 @@ def _check_effective(path: Path, params: list[SearchParam], flat: dict[str, Any]
         for other, values in (getattr(component, "applies_when", {}) or {}).get(name, {}).items():
             other_key = f"{prefix}.{other}"
             allowed = " or ".join(repr(v) for v in values)
-            if other_key in searched and other_key not in param.when:
+            drawn_when = other_key in param.when and any(condition_holds(v, param.when[other_key]) for v in values)
+            if other_key in searched and not drawn_when:
                 raise ConfigError(
                     f"{path}: space.{param.key}: acts only when {other_key} is {allowed}, which is searched too; "
-                    f"add when: {{{other_key}: {values[0]!r}}} so it is drawn only then"
+                    f"give it when: {{{other_key}: {values[0]!r}}} so it is drawn only then"
                 )
             if other_key not in searched and flat.get(other_key) not in values:
                 raise ConfigError(

@@ -108,8 +108,9 @@ class TolerantOptunaSearch(OptunaSearch):
 
 def ended_trials(study_dir: Path, total: int) -> list[Any] | None:
     """A local study's Tune trials when a resume would have nothing to run: all ``total`` of them created and
-    ended (finished, or failed: a resume does not retry those), none closed by an interrupt; read from Tune's
-    saved state without Ray.  None otherwise, or when the state cannot be read (Tune then decides)."""
+    ended (finished, or failed: a resume does not retry those), and each one's MLflow run closed by the driver
+    FINISHED or FAILED; read from Tune's saved state without Ray.  None otherwise, or when the state cannot be
+    read (Tune then decides)."""
     from ray.tune import ExperimentAnalysis
 
     tune_path = Path(study_dir) / "tune"
@@ -121,6 +122,9 @@ def ended_trials(study_dir: Path, total: int) -> list[Any] | None:
         return None
     if len(trials) < total or any(t.status not in ("TERMINATED", "ERROR") for t in trials):
         return None
+    closed = RunMap(study_dir).closed  # each trial's MLflow run as the driver closed it
+    if any(closed.get(t.trial_id) not in ("FINISHED", "FAILED") for t in trials):
+        return None  # a run the driver did not close (killed first): Tune's path closes it with its state
     return trials
 
 

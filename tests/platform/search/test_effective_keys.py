@@ -42,7 +42,10 @@ def test_ral_tau_under_the_official_formulation_is_refused_naming_the_switch(tmp
 def test_a_threshold_searched_beside_its_mode_needs_a_when_on_it(tmp_path):
     space = {"plugins.arl.tau_s_mode": {"choice": ["rule", "fixed"]}, "plugins.arl.tau_s": {"uniform": [0.2, 0.9]}}
     with pytest.raises(ConfigError, match=r"space\.plugins\.arl\.tau_s: acts only when plugins\.arl\.tau_s_mode is "
-                                          r"'fixed', which is searched too; add when: \{plugins\.arl\.tau_s_mode: 'fixed'\}"):
+                                          r"'fixed', which is searched too; give it when: \{plugins\.arl\.tau_s_mode: 'fixed'\}"):
+        load_search_spec(_spec(tmp_path, "arl_synth.yaml", space))
+    space["plugins.arl.tau_s"]["when"] = {"plugins.arl.tau_s_mode": "rule"}  # drawn only where nothing reads it
+    with pytest.raises(ConfigError, match=r"give it when: \{plugins\.arl\.tau_s_mode: 'fixed'\}"):
         load_search_spec(_spec(tmp_path, "arl_synth.yaml", space))
     space["plugins.arl.tau_s"]["when"] = {"plugins.arl.tau_s_mode": "fixed"}
     assert len(load_search_spec(_spec(tmp_path, "arl_synth.yaml", space)).space) == 2

@@ -29,6 +29,8 @@ def finished(tiny_root, tmp_path_factory):
 
 
 def test_resuming_a_finished_search_starts_no_ray_and_gives_the_same_outcome(finished, capsys, monkeypatch):
+    import ray
+
     from prvrlab.platform import runtime
 
     tmp, path, first = finished
@@ -39,6 +41,7 @@ def test_resuming_a_finished_search_starts_no_ray_and_gives_the_same_outcome(fin
     monkeypatch.setattr(runtime, "ensure_ray", no_ray)
     again = search(load_search_spec(path), resume=True, echo=print)
     out = capsys.readouterr().out
+    assert not ray.is_initialized()  # nor did anything else start it
     assert "search 'ended': all 2 trials have ended; nothing left to resume" in out
     assert again.study_dir == first.study_dir and again.counts == first.counts == {
         "finished": 2, "early_stopped": 0, "failed": 0, "unfinished": 0}
@@ -68,3 +71,9 @@ def test_a_study_with_a_trial_not_ended_or_fewer_trials_than_asked_is_left_to_tu
     entry[0] = json.dumps(trial)
     state.write_text(json.dumps(saved))
     assert ended_trials(copy, 2) is None
+    again = tmp_path / "again"
+    shutil.copytree(first.study_dir, again)
+    record = json.loads((again / "study.json").read_text())
+    record["closed"].pop(next(iter(record["closed"])))  # a run the driver never closed (killed first)
+    (again / "study.json").write_text(json.dumps(record))
+    assert ended_trials(again, 2) is None
