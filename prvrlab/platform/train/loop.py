@@ -638,12 +638,12 @@ class TrainingLoop:
         )
         if self.setup_s is not None:  # the first epoch of this attempt
             metrics["time/setup_s"], self.setup_s = self.setup_s, None
-            # what the run trained with beside its config: the ranks and each one's threads decide its numbers
-            metrics["run/ranks"], metrics["run/threads"] = self.world, torch.get_num_threads()
-            if self.device.type == "cpu":  # 0: no C++ kernels here, so torch's generator draws the dropout masks
-                from prvrlab.models import random_bits
+        # what the epoch trained with beside the config: the ranks and each one's threads decide its numbers
+        metrics["run/ranks"], metrics["run/threads"] = self.world, torch.get_num_threads()
+        if self.device.type == "cpu":  # 0: no C++ kernels here, so torch's generator draws the dropout masks
+            from prvrlab.models import random_bits
 
-                metrics["run/native_kernels"] = int(random_bits.load() is not None)
+            metrics["run/native_kernels"] = int(random_bits.load() is not None)
         states = _gather(random_state(self.device))  # every rank's generators, on rank 0 (all ranks join)
         if self.rank != 0:
             self.session.report(metrics, None)
