@@ -573,7 +573,7 @@ def _check_effective(path: Path, params: list[SearchParam], flat: dict[str, Any]
     for param in params:
         component = _component_of(param.key, flat)
         prefix, _, name = param.key.rpartition(".")
-        for other, values in (getattr(component, "applies_when", {}) or {}).get(name, {}).items():
+        for other, values in getattr(component, "applies_when", {}).get(name, {}).items():
             other_key = f"{prefix}.{other}"
             allowed = " or ".join(repr(v) for v in values)
             drawn_when = other_key in param.when and any(condition_holds(v, param.when[other_key]) for v in values)

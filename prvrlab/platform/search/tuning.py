@@ -114,7 +114,7 @@ def ended_trials(study_dir: Path, total: int) -> list[Any] | None:
     from ray.tune import ExperimentAnalysis
 
     tune_path = Path(study_dir) / "tune"
-    if not tune_path.is_dir() or killed_trials(study_dir):
+    if not tune_path.is_dir():
         return None
     try:
         trials = ExperimentAnalysis(str(tune_path)).trials
@@ -124,7 +124,7 @@ def ended_trials(study_dir: Path, total: int) -> list[Any] | None:
         return None
     closed = RunMap(study_dir).closed  # each trial's MLflow run as the driver closed it
     if any(closed.get(t.trial_id) not in ("FINISHED", "FAILED") for t in trials):
-        return None  # a run the driver did not close (killed first): Tune's path closes it with its state
+        return None  # closed KILLED by an interrupt, or not by the driver (killed first): Tune's path decides
     return trials
 
 
@@ -168,12 +168,11 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
             ended = ended_trials(study_dir, spec.trials) if resumed and not storage.is_remote(base.tracking.storage_path) else None
             if ended is not None:  # nothing left to run: no Ray, the outcome as the first submission recorded it
-                killed = killed_trials(study_dir)
-                best = best_trial(ended, spec, killed)
+                best = best_trial(ended, spec)  # none was closed KILLED (ended_trials)
                 written = study_dir / "best_config.yaml"
                 if best is None or written.is_file():
                     echo(f"search '{spec.name}': all {len(ended)} trials have ended; nothing left to resume")
-                    result, status = _search_outcome(tracker, spec, study_dir, parent, ended, killed, best, written, interrupted=False)
+                    result, status = _search_outcome(tracker, spec, study_dir, parent, ended, set(), best, written, interrupted=False)
                     return result
             prepare_environment()
             ensure_ray(echo=echo)
