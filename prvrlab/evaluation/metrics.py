@@ -27,6 +27,7 @@ METRIC_KEYS: tuple[str, ...] = (*(f"r{k}" for k in DEFAULT_KS), "sumr")  # what 
 # Moment/video duration ratio groups (REFERENCE §1): upper bounds, inclusive.
 GROUPS: tuple[str, ...] = ("short", "medium", "long")
 GROUP_UPPER: tuple[float, ...] = (0.2, 0.4, 1.0)
+RATIO_TOLERANCE = 1e-9  # relative: a group's upper bound also takes the division's rounding above it
 UNGROUPED = ""  # label of ratios outside (0, inf) or NaN
 
 
@@ -67,7 +68,9 @@ def ratio_groups(ratios: np.ndarray | Sequence[float]) -> np.ndarray:
     short: r in (0, 0.2]; medium: (0.2, 0.4]; long: (0.4, 1].  Ratios above 1
     (annotations that overrun the video's duration) count as long.  Ratios
     <= 0 or NaN get ``""`` (ungrouped).  Boundaries are compared in the
-    array's own floating dtype, so a float32 0.2 is still short.
+    array's own floating dtype, so a float32 0.2 is still short, with a
+    relative tolerance of 1e-9 for the division's rounding: 1.2 s of 6 s
+    (0.20000000000000004 as 3.6 - 2.4 over 6) is short as 0 - 1.2 of 6 is.
     """
     r = np.asarray(ratios)
     if not np.issubdtype(r.dtype, np.floating):
@@ -76,7 +79,7 @@ def ratio_groups(ratios: np.ndarray | Sequence[float]) -> np.ndarray:
     lower = r.dtype.type(0.0)
     valid = r > lower  # False for NaN
     for name, upper in zip(GROUPS, GROUP_UPPER):
-        up = r.dtype.type(upper)
+        up = r.dtype.type(upper * (1.0 + RATIO_TOLERANCE))  # float32: the bound itself
         hit = valid & (r <= up) if name != GROUPS[-1] else valid
         labels[hit] = name
         valid = valid & ~hit
