@@ -128,13 +128,20 @@ def _count(m: int, family: str) -> str:
     return f"{m} {family.replace('comparisons', 'comparison', 1) if m == 1 else family}"
 
 
+def _floor_text(p: float) -> str:
+    """A smallest attainable p in two significant digits, or as :func:`fmt_p` keeps it on its side of α where
+    those would cross it (7/141 prints 0.0496, not 0.05)."""
+    text = f"{p:.2g}"
+    return text if (float(text) < stats.ALPHA) == (p < stats.ALPHA) else fmt_p(p)
+
+
 def p_floor_note(method: str, m: int, resamples: int) -> str:
     """The smallest p the permutation test over queries can give (1/(resamples + 1); Holm: m times that), and a
     warning when it cannot reach α, so that no row of the table can be significant whatever its difference."""
     floor = 1.0 / (resamples + 1)
     adjusted = min(1.0, m * floor) if method == "holm" else floor
-    text = f"With {resamples} resamples a p over queries is at least 1/{resamples + 1} ≈ {floor:.2g}"
-    text += f" ({adjusted:.2g} after Holm over {m})." if method == "holm" and m > 1 else "."
+    text = f"With {resamples} resamples a p over queries is at least 1/{resamples + 1} ≈ {_floor_text(floor)}"
+    text += f" ({_floor_text(adjusted)} after Holm over {m})." if method == "holm" and m > 1 else "."
     if adjusted >= stats.ALPHA:
         need = math.ceil((m if method == "holm" else 1) / stats.ALPHA)  # resamples + 1 > m / α
         text += (f" **No row can be significant at α = {stats.ALPHA} with so few resamples**: give `--bootstrap` "
