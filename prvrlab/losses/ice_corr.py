@@ -8,9 +8,10 @@ trained like the base model (Eq. 3)::
 
 The paper does not give the balance inside L_ice; ``nce_weight`` defaults
 to 0.04, the base model's moment-level lambda_2 (the pairs are moment-text
-pairs).  The triplet part uses the hardest in-batch negative from epoch
-``hard_negative_start_epoch`` on (a uniform one before), as the base
-triplet loss.  No pair, or one: 0 (no negative), still attached to the graph.
+pairs).  The triplet part uses the single hardest in-batch negative from
+epoch ``hard_negative_start_epoch`` on (a uniform one before): the base
+loss's schedule, not its choice (it draws among its ``hard_pool_size``
+hardest).  No pair, or one: 0 (no negative), still attached to the graph.
 
 ``own_video`` (the paper says only that the pairs "form a mini-batch of
 size n_c" aligned "using contrastive learning losses"): ``negative``, the
