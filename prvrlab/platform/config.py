@@ -720,6 +720,36 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
                 f"which no enabled plug-in produces; enable it under plugins.{section} "
                 f"(enabled: {', '.join(cfg.plugins) or 'none'}) or set losses.{term}.weight: 0"
             )
+    read = {key for term, spec in cfg.losses.items() if spec["weight"] > 0 for key in system.losses.losses[term].required_aux()}
+    for name, plugin in system.plugins().items():
+        keys = plugin.aux_keys()
+        if keys and not read & {f"{name}.{key}" for key in keys}:
+            readers = _aux_readers(name, keys)
+            shown = ", ".join(keys[:3]) + (f", ... {len(keys)} in all" if len(keys) > 3 else "")
+            parts = [key for key in type(plugin).switch_params if getattr(plugin, key, False) is True]
+            raise ConfigError(
+                f"plugins.{name}: no loss term with a weight > 0 reads its training outputs ({shown}), so what makes "
+                f"them is trained by nothing; add a loss term that reads them"
+                + (f" (loss: {' or '.join(repr(r) for r in readers)})" if readers else "")
+                + (f" or switch the part making them off (on: {', '.join(f'plugins.{name}.{p}' for p in parts)})" if parts
+                   else " or remove the plug-in")
+            )
+
+
+def _aux_readers(plugin: str, keys: tuple[str, ...]) -> list[str]:
+    """Registered losses that, built with their defaults, read one of ``plugin``'s training outputs."""
+    from prvrlab.models.factory import on_meta
+
+    wanted, found = {f"{plugin}.{key}" for key in keys}, []
+    for name in LOSSES.names():
+        try:
+            with on_meta():
+                loss = LOSSES.build(name)
+        except Exception:  # noqa: BLE001 - a loss with required parameters is not offered
+            continue
+        if wanted & set(loss.required_aux()):
+            found.append(name)
+    return found
 
 
 def _switch_tokens(registry, registered: str, label: str, params: dict[str, Any]) -> list[str]:
