@@ -144,7 +144,7 @@ def _with_run_config(blob: dict, path: Path, config: str | Path | None) -> dict:
     source = Path(config) if config is not None else recovery_config(path)
     if source is None:
         raise ConfigError(f"{path}: a recovery checkpoint holds no config and no run's config.yaml lies where "
-                          "training writes it; give it with --config <run folder>/config.yaml")
+                          "training writes it; give it with --config <run folder>/files/config.yaml")
     try:
         epoch = int(blob["progress"]["epoch"])
     except (KeyError, TypeError, ValueError):
