@@ -67,6 +67,7 @@ that a video's queries are not always adjacent in the file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import shutil
@@ -193,7 +194,9 @@ def get_preset(preset: str | SynthPreset) -> SynthPreset:
     base, _, suffix = preset.rpartition("-")
     if suffix == "skewed" and base in PRESETS:
         return dataclasses.replace(PRESETS[base], name=preset, skewed=True)
-    raise DataError(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)} (or '<name>-skewed')")
+    close = difflib.get_close_matches(preset, [*PRESETS, *(f"{name}-skewed" for name in PRESETS)], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise DataError(f"unknown synthetic preset {preset!r}{hint}; known: {', '.join(PRESETS)} (or '<name>-skewed')")
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

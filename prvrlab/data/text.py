@@ -47,9 +47,17 @@ def caption_splits(text_dir: str | Path, collection: str) -> list[str]:
 
 def missing_split_message(text_dir: str | Path, collection: str, split: str) -> str:
     """Why split ``split`` cannot be read: the splits that exist, and the closest one."""
+    text_dir = Path(text_dir)
+    if not text_dir.is_dir():
+        root = text_dir.parent
+        where = f"{root} has no TextData folder" if root.is_dir() else f"the data root {root} does not exist"
+        return f"split {split!r} not found: {where} (a data root holds TextData/ and FeatureData/)"
     known = caption_splits(text_dir, collection)
     if not known:
-        return f"split {split!r} not found: no caption file {collection}<split>.caption.txt in {text_dir}"
+        others = sorted(p.name for p in text_dir.glob("*.caption.txt"))
+        hint = f"; caption files there: {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}" if others else ""
+        return (f"split {split!r} not found: no caption file of collection {collection!r} in {text_dir} "
+                f"(looked for {collection}{split}.caption.txt){hint}")
     close = difflib.get_close_matches(split, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"split {split!r} not found in {text_dir}; splits with captions: {', '.join(known)}{hint}"

@@ -506,10 +506,13 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             text_feature=args.text_feature,
         )
         root = collection_root(data)
-        if root.is_dir() and not (root / "TextData").is_dir() and not (root / data.collection).exists():
+        if not root.is_dir():
+            synth = f" (prvrlab data synth --out {data.root} writes a synthetic collection there)" if data.collection == "synth" else ""
+            raise ConfigError(f"--root {data.root}: not found: {root}{synth}")
+        if not (root / "TextData").is_dir() and not (root / data.collection).exists():
             raise ConfigError(f"--root {data.root}: holds no collection '{data.collection}' (neither {root / 'TextData'} "
                               f"nor {root / data.collection}/ exists)")
-        if args.visual_feature is None and root.is_dir():
+        if args.visual_feature is None:
             visual_feature_of(data, root, key="--visual-feature")  # none or several stores: name the option to pass
         splits = caption_splits(root / "TextData", data.collection) or None
     report = inspect_collection(data, splits=splits)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -866,6 +867,17 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     return raw
 
 
+def _closest_file(path: Path) -> str:
+    """`` (did you mean '<folder>/<name>'?)`` for the closest YAML file beside a missing ``path``; else ``""``."""
+    folder = path.parent
+    try:
+        names = [p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()] if folder.is_dir() else []
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1)
+    return f" (did you mean '{folder / close[0]}'?)" if close else ""
+
+
 def load_raw(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """Read a YAML mapping (a config, or a spec with ``what="spec file"``); one error naming the file when it is bad.
 
@@ -874,7 +886,7 @@ def load_raw(path: str | Path, what: str = "config file") -> dict[str, Any]:
     if path.is_dir():
         raise ConfigError(f"{what} {path} is a folder: give the YAML file in it")
     if not path.is_file():
-        raise ConfigError(f"{what} not found: {path}")
+        raise ConfigError(f"{what} not found: {path}{_closest_file(path)}")
     raw = _read_mapping(path)
     return resolve_extends(raw, path) if what == "config file" else raw
 
