@@ -18,6 +18,7 @@ raise :class:`DataError` naming the file and the id.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,6 +328,37 @@ def check_synthetic_root(cfg: "DataConfig", root: Path, *, option: str | None = 
     )
 
 
+def caption_collections(text_dir: Path) -> list[str]:
+    """The collections ``text_dir`` holds a train, val or test caption file of, sorted."""
+    names = set()
+    for path in text_dir.glob("*.caption.txt") if text_dir.is_dir() else ():
+        stem = path.name[: -len(".caption.txt")]
+        names.update(stem[: -len(split)] for split in ("train", "val", "test") if stem.endswith(split) and len(stem) > len(split))
+    return sorted(names)
+
+
+def _check_feature_paths(cfg: "DataConfig", paths: dict[str, Path]) -> None:
+    """A configured visual store or a query features file that is not there, named with what is: the stores
+    under ``FeatureData/``, or the collections ``TextData/`` holds captions of (a misspelled collection)."""
+    visual, feature_dir = paths["visual"], paths["root"] / "FeatureData"
+    if not visual.exists() and visual.parent == feature_dir:
+        stores = feature_candidates(feature_dir)
+        close = difflib.get_close_matches(visual.name, stores, n=1)
+        listed = f"stores in {feature_dir.name}/: {', '.join(stores)}" if stores else f"no store in {feature_dir.name}/"
+        raise DataError(f"visual features not found: {visual}{_did_you_mean(close)}; {listed}")
+    query = paths["query"]
+    if not query.exists() and cfg.text_feature is None:
+        known = caption_collections(paths["text_dir"])
+        if known and cfg.collection not in known:
+            close = difflib.get_close_matches(cfg.collection, known, n=1)
+            raise DataError(f"query features file not found: {query}; {paths['text_dir']} holds captions of collection "
+                            f"{', '.join(repr(k) for k in known)}, not {cfg.collection!r}{_did_you_mean(close)}")
+
+
+def _did_you_mean(close: list[str]) -> str:
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_synthesize: bool = True) -> Collection:
     """Open the collection described by ``cfg``.
 
@@ -348,6 +380,7 @@ def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_sy
     if not root.is_dir():
         raise DataError(f"data root not found: {root} (set data.root, or data.synthesize to generate one)")
     paths = data_paths(cfg)
+    _check_feature_paths(cfg, paths)
     collection = Collection(
         name=cfg.collection,
         root=paths["root"],
