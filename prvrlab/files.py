@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 STALE_PART_S = 6 * 3600.0  # a temporary untouched this long was left by a writer that died
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def special_kind(path: str | Path) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (``"a character device"``, ...); else None.
+    Links are followed."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def replace_atomically(target: str | Path, write: Callable[[Path], object]) -> Path:
@@ -18,6 +35,9 @@ def replace_atomically(target: str | Path, write: Callable[[Path], object]) -> P
     Temporaries of ``target`` that a killed writer left (untouched for :data:`STALE_PART_S`) are removed
     once the new file is in place.  Returns ``target`` as a Path."""
     target = Path(target)
+    kind = special_kind(target)
+    if kind is not None:  # a rename would replace a device, FIFO or socket with a file (/dev/full, run as root)
+        raise FileExistsError(f"{target}: is {kind}, not replaced with a file")
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
     try:
         write(tmp)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import difflib
 import json
-import stat
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
 from prvrlab.data.errors import DataError
+from prvrlab.files import special_kind
 from prvrlab.data.features import H5Arrays
 
 
@@ -65,13 +65,7 @@ def missing_split_message(text_dir: str | Path, collection: str, split: str) -> 
 
 def not_a_regular_file(path: Path) -> str:
     """Why ``path``, which exists, cannot be read as a text file: what kind of file it is."""
-    mode = path.stat().st_mode
-    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-    return f"{path}: is {kind}, expected a regular text file"
-
-
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return f"{path}: is {special_kind(path) or 'not a regular file'}, expected a regular text file"
 
 
 def timestamps_path(text_dir: str | Path, collection: str, split: str) -> Path:
