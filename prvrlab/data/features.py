@@ -89,7 +89,7 @@ class H5Arrays:
             try:
                 with h5py.File(self.path, "r") as f:
                     index = H5Index(keys=list(f.keys()), stamp=listed)
-            except OSError as exc:
+            except (OSError, RuntimeError) as exc:  # RuntimeError: a damaged B-tree or heap (h5py)
                 raise DataError(f"{self.path}: cannot open as HDF5 ({exc})") from None
         self._index = index
         self._keys = index.keys
@@ -179,7 +179,7 @@ class H5Arrays:
                 space = dsid.get_space()
                 space.select_hyperslab((0, 0), out.shape)
                 dsid.read(h5py.h5s.create_simple(out.shape), space, out)
-        except OSError as exc:  # a corrupt chunk, a failing filter: h5py names neither file nor dataset
+        except (OSError, RuntimeError) as exc:  # a corrupt chunk, a failing filter: h5py names neither file nor dataset
             raise DataError(f"{self.path}: cannot read dataset {key!r} ({exc})") from None
         return out
 
@@ -240,6 +240,8 @@ class H5Arrays:
             return h5py.h5d.open(fid, key.encode("utf-8"))
         except (KeyError, ValueError, TypeError):
             raise DataError(f"{self.path}: no dataset {key!r} in the {self.what} file") from None
+        except (OSError, RuntimeError) as exc:  # a damaged B-tree or object header: h5py names neither
+            raise DataError(f"{self.path}: cannot open dataset {key!r}, the file is damaged ({exc})") from None
 
     def _file(self) -> h5py.File:
         if self._handle is None or self._pid != os.getpid():
