@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prvrlab.data.errors import DataError
-from prvrlab.data.text import video_id_of
+from prvrlab.data.text import checked_moment, checked_number, video_id_of
 
 FORMATS = ("tvr", "activitynet", "charades")
 
@@ -34,25 +34,6 @@ Moment = tuple[float, float, float]  # (start, end, video duration) in seconds
 def sentence_key(text: str) -> str:
     """A sentence as its lower-case words: 'A man, walking.' and 'a man walking' are the same key."""
     return " ".join(re.findall(r"[0-9a-z]+", text.lower()))
-
-
-def _number(value, path: Path, where: str) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise DataError(f"{path}: {where}: expected a number, got {value!r}") from None
-    if out != out or out in (float("inf"), float("-inf")):
-        raise DataError(f"{path}: {where}: expected a finite number, got {value!r}")
-    return out
-
-
-def _moment(start, end, duration, path: Path, where: str) -> Moment:
-    """(start, end, duration) as numbers, refused when no moment: negative start, end before start, a video
-    of no length (an end past the video's length is kept: its ratio counts as 1)."""
-    s, e, d = _number(start, path, where), _number(end, path, where), _number(duration, path, where)
-    if d <= 0 or s < 0 or e < s:
-        raise DataError(f"{path}: {where}: not a moment: start {s:g}, end {e:g} in a video of {d:g} s")
-    return s, e, d
 
 
 def _read_text(path: Path) -> str:
@@ -77,7 +58,7 @@ def _tvr(path: Path) -> list[tuple[str, str, Moment]]:
         except (ValueError, KeyError, TypeError) as exc:
             raise DataError(f"{path}: line {number}: expected a TVR record with vid_name, desc, ts [start, end] "
                             f"and duration ({type(exc).__name__}: {exc})") from None
-        out.append((str(video), str(sentence), _moment(start, end, duration, path, f"line {number}")))
+        out.append((str(video), str(sentence), checked_moment(start, end, duration, path, f"line {number}")))
     return out
 
 
@@ -96,11 +77,11 @@ def _activitynet(path: Path) -> list[tuple[str, str, Moment]]:
             raise DataError(f"{path}: video {video!r}: expected duration, timestamps and sentences") from None
         if not (isinstance(stamps, list) and isinstance(sentences, list) and len(stamps) == len(sentences)):
             raise DataError(f"{path}: video {video!r}: timestamps and sentences must be lists of one length")
-        d = _number(duration, path, f"video {video!r}")
+        d = checked_number(duration, path, f"video {video!r}")
         for k, (stamp, sentence) in enumerate(zip(stamps, sentences)):
             if not (isinstance(stamp, list) and len(stamp) == 2):
                 raise DataError(f"{path}: video {video!r}: timestamp {k}: expected [start, end], got {stamp!r}")
-            out.append((str(video), str(sentence), _moment(stamp[0], stamp[1], d, path, f"video {video!r} timestamp {k}")))
+            out.append((str(video), str(sentence), checked_moment(stamp[0], stamp[1], d, path, f"video {video!r} timestamp {k}")))
     return out
 
 
@@ -108,7 +89,7 @@ def _durations(path: Path) -> dict[str, float]:
     rows = csv.DictReader(_read_text(path).splitlines())
     if not rows.fieldnames or "id" not in rows.fieldnames or "length" not in rows.fieldnames:
         raise DataError(f"{path}: expected Charades' CSV with the columns id and length, got {rows.fieldnames}")
-    return {row["id"]: _number(row["length"], path, f"video {row['id']!r} length") for row in rows}
+    return {row["id"]: checked_number(row["length"], path, f"video {row['id']!r} length") for row in rows}
 
 
 def _charades(path: Path, durations: Path | None) -> list[tuple[str, str, Moment]]:
@@ -127,7 +108,7 @@ def _charades(path: Path, durations: Path | None) -> list[tuple[str, str, Moment
         video = parts[0]
         if video not in lengths:
             raise DataError(f"{path}: line {number}: video {video!r} has no length in {durations}")
-        out.append((video, sentence, _moment(parts[1], parts[2], lengths[video], path, f"line {number}")))
+        out.append((video, sentence, checked_moment(parts[1], parts[2], lengths[video], path, f"line {number}")))
     return out
 
 

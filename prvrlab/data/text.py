@@ -187,8 +187,29 @@ class QueryFeatures:
         return f"QueryFeatures({str(self.path)!r}, queries={len(self)}, dim={self._dim})"
 
 
+def checked_number(value, path: Path, where: str) -> float:
+    """``value`` (an annotation's field) as a finite float; DataError naming the file and ``where`` otherwise."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise DataError(f"{path}: {where}: expected a number, got {value!r}") from None
+    if out != out or out in (float("inf"), float("-inf")):
+        raise DataError(f"{path}: {where}: expected a finite number, got {value!r}")
+    return out
+
+
+def checked_moment(start, end, duration, path: Path, where: str) -> tuple[float, float, float]:
+    """(start, end, duration) as numbers, refused when no moment: negative start, end before start, a video
+    of no length (an end past the video's length is kept: its ratio counts as 1)."""
+    s, e, d = checked_number(start, path, where), checked_number(end, path, where), checked_number(duration, path, where)
+    if d <= 0 or s < 0 or e < s:
+        raise DataError(f"{path}: {where}: not a moment: start {s:g}, end {e:g} in a video of {d:g} s")
+    return s, e, d
+
+
 def read_timestamps(path: str | Path) -> dict[str, tuple[float, float, float]] | None:
-    """``{cap_id: (start, end, duration)}`` from a timestamps file, or None if absent."""
+    """``{cap_id: (start, end, duration)}`` from a timestamps file, or None if absent; DataError naming the file
+    and the query for an entry that is not a moment (:func:`checked_moment`)."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -200,9 +221,10 @@ def read_timestamps(path: str | Path) -> dict[str, tuple[float, float, float]] |
         raise DataError(f"{path}: expected a JSON object {{cap_id: [start, end, duration]}}")
     out: dict[str, tuple[float, float, float]] = {}
     for cap_id, value in raw.items():
-        if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)):
+        numbers = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if not (numbers and len(value) == 3):
             raise DataError(f"{path}: query {cap_id!r}: expected [start, end, duration], got {value!r}")
-        out[cap_id] = (float(value[0]), float(value[1]), float(value[2]))
+        out[cap_id] = checked_moment(*value, path, f"query {cap_id!r}")
     return out
 
 
