@@ -15,6 +15,7 @@ config or a spec.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -328,6 +329,25 @@ def trial_run(r: Any) -> TrialRun:
     )
 
 
+MLFLOW_TABLES = frozenset({"experiments", "runs", "metrics", "params", "tags"})
+
+
+def _not_an_mlflow_database(database: Path) -> str | None:
+    """Why the SQLite file ``database`` is no MLflow store, read without writing (MLflow would create its
+    tables in any database it opens); None when it holds MLflow's tables."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        return f"cannot be read as an SQLite database ({exc})"
+    missing = sorted(MLFLOW_TABLES - tables)
+    if missing:
+        return "is empty" if not tables else f"is not an MLflow store (it lacks MLflow's tables {', '.join(missing)})"
+    return None
+
+
 def mlflow_client(uri: str, *, existing: bool = False):
     """A client of the store at ``uri``, opened now: a store MLflow refuses (a file store, an unreadable
     database) is one ReportError naming the URI, not a traceback at the first query.  ``existing``: an
@@ -339,14 +359,19 @@ def mlflow_client(uri: str, *, existing: bool = False):
     if database is not None and not database.is_file():
         what = "is a folder" if database.is_dir() else "does not exist"
         raise ReportError(f"tracking store {uri}: the database file {database} {what}")
+    if database is not None:
+        problem = _not_an_mlflow_database(database)
+        if problem:
+            raise ReportError(f"tracking store {uri}: the database file {database} {problem}")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+    from sqlalchemy.exc import SQLAlchemyError
 
     try:
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)
-    except (MlflowException, OSError) as exc:
+    except (MlflowException, SQLAlchemyError, OSError) as exc:
         reason = first_line(exc)
         raise ReportError(f"tracking store {uri}: cannot use it: {reason}") from None
     return client
