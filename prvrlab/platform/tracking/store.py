@@ -185,6 +185,26 @@ def _sqlite_problem(uri: str) -> str | None:
     return None
 
 
+def _artifact_problem(location: str | None) -> str | None:
+    """Why a local artifact location (a path or ``file:`` URI) cannot be written: its nearest existing folder
+    is a file or not writable.  None when it can, or for a remote location (a server or bucket decides)."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(location or "")
+    if not location or parts.scheme not in ("", "file"):
+        return None
+    path = Path(urllib.parse.unquote(parts.path) if parts.scheme == "file" else location).expanduser()
+    while not path.exists():
+        if path.parent == path:
+            return None
+        path = path.parent
+    if not path.is_dir():
+        return f"{path} is a file, not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"the folder {path} is not writable"
+    return None
+
+
 def _server_problem(uri: str, timeout_s: float = 10.0, wait_s: float = 0.0) -> str | None:
     """Why a tracking server cannot be reached (None: it can, the URI is not http(s), or a proxy is set for it).
 
@@ -308,6 +328,10 @@ class Tracker:
                 self.experiment_id = exp.experiment_id
                 if EXPERIMENT_KIND_TAG not in exp.tags:
                     self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+            location = exp.artifact_location if exp is not None else artifact_location(uri, experiment)
+        problem = _artifact_problem(location)
+        if problem:  # found before any work: MLflow itself fails only at a run's first artifact, after training
+            raise ConfigError(f"tracking.experiment {experiment!r}: its artifact location {location} cannot be written: {problem}")
 
     def start_run(self, name: str, *, tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> str:
         """Create a RUNNING run named ``name`` (cut to :data:`RUN_NAME_LIMIT` characters) and return its id."""
