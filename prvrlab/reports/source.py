@@ -296,6 +296,10 @@ def run_ranks(client: Any, run_id: str, split: str, cache: Path) -> dict[str, An
     if missing:
         raise ReportError(f"{artifact} is not a ranks table: no column {', '.join(missing)} "
                           f"(columns: {', '.join(table.column_names) or 'none'})")
+    nulls = [c for c in RANKS_COLUMNS if table.column(c).null_count]
+    if nulls:
+        raise ReportError(f"{artifact} is not a ranks table: column {nulls[0]} holds {table.column(nulls[0]).null_count} "
+                          "null value(s)")
     try:
         qid = np.asarray(table.column("query_id").to_pylist(), dtype=object)
         order = np.argsort(qid.astype(str), kind="stable")
