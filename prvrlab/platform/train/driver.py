@@ -374,6 +374,14 @@ def amp_note(cfg: ExperimentConfig, native: bool | None = None) -> str | None:
     )
 
 
+def _has_text(path: Path) -> bool:
+    """Whether ``path`` is a file with something in it."""
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
 def train(
     cfg: ExperimentConfig,
     *,
@@ -463,7 +471,7 @@ def train(
         try:  # each step best effort, and the run ends whatever they raise
             if live is not None:
                 _best_effort("clearing the progress line", live.clear)
-            if (run_dir / ERROR_FILE).is_file():  # every failure's full text, retried ones included
+            if _has_text(run_dir / ERROR_FILE):  # every failure's full text, retried ones included (a full disk: none)
                 _best_effort(f"logging {ERROR_FILE} to MLflow", tracker.log_artifacts, run_id, [run_dir / ERROR_FILE])
                 if status != "FINISHED" and echo:
                     _best_effort("printing where the error text is", echo, f"full error text: {run_dir / ERROR_FILE} (artifact {ERROR_FILE} of MLflow run {run_id})")
