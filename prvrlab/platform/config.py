@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
@@ -33,7 +32,7 @@ from prvrlab.files import leaves_folder
 from prvrlab.allocator import HostAllocator
 from prvrlab.data.config import DataConfig
 from prvrlab.platform.errors import ConfigError  # noqa: F401 - raised here, imported from here by many
-from prvrlab.registry import BACKBONES, DATA_DERIVED, LOSSES, PLUGIN_DERIVED, PLUGINS, RegistryError, did_you_mean, did_you_mean_key
+from prvrlab.registry import BACKBONES, DATA_DERIVED, LOSSES, PLUGIN_DERIVED, PLUGINS, RegistryError, closest, did_you_mean, did_you_mean_key
 
 
 @dataclass
@@ -723,18 +722,16 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
             )
     read = {key for term, spec in cfg.losses.items() if spec["weight"] > 0 for key in system.losses.losses[term].required_aux()}
     for name, plugin in system.plugins().items():
-        keys = plugin.aux_keys()
-        if keys and not read & {f"{name}.{key}" for key in keys}:
-            readers = _aux_readers(name, keys)
-            shown = ", ".join(keys[:3]) + (f", ... {len(keys)} in all" if len(keys) > 3 else "")
-            parts = [key for key in type(plugin).switch_params if getattr(plugin, key, False) is True]
-            raise ConfigError(
-                f"plugins.{name}: no loss term with a weight > 0 reads its training outputs ({shown}), so what makes "
-                f"them is trained by nothing; add a loss term that reads them"
-                + (f" (loss: {' or '.join(repr(r) for r in readers)})" if readers else "")
-                + (f" or switch the part making them off (on: {', '.join(f'plugins.{name}.{p}' for p in parts)})" if parts
-                   else " or remove the plug-in")
-            )
+        for part, keys in plugin.trained_parts().items():
+            if not read & {f"{name}.{key}" for key in keys}:
+                readers = _aux_readers(name, keys)
+                shown = ", ".join(keys[:3]) + (f", ... {len(keys)} in all" if len(keys) > 3 else "")
+                raise ConfigError(
+                    f"plugins.{name}.{part}: no loss term with a weight > 0 reads its training outputs ({shown}), so its "
+                    "parameters would train on nothing; add a loss term that reads them"
+                    + (f" (loss: {' or '.join(repr(r) for r in readers)})" if readers else "")
+                    + f" or set plugins.{name}.{part}: false"
+                )
 
 
 def _aux_readers(plugin: str, keys: tuple[str, ...]) -> list[str]:
@@ -874,8 +871,8 @@ def _closest_file(path: Path) -> str:
         names = [p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()] if folder.is_dir() else []
     except OSError:
         return ""
-    close = difflib.get_close_matches(path.name, names, n=1)
-    return f" (did you mean '{folder / close[0]}'?)" if close else ""
+    close = closest(path.name, names)
+    return f" (did you mean '{folder / close}'?)" if close else ""
 
 
 def load_raw(path: str | Path, what: str = "config file") -> dict[str, Any]:

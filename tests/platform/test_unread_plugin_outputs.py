@@ -1,5 +1,7 @@
-"""A plug-in part whose training outputs no weighted loss term reads trains on nothing: RAL's MSRA without
-L_DA or L_PM (the README's plug-in snippet on a plain config) is refused, naming the losses that read them."""
+"""A plug-in part whose parameters train only through its training outputs, which no weighted loss term reads,
+trains on nothing: RAL's MSRA without L_DA or L_PM (the README's plug-in snippet on a plain config), ICE's TCP
+without L_tcp, are refused naming the losses that read them; a plug-in without such parts (ARL without its
+cross-model encoder, a diagnostic run) is not."""
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ def test_msra_with_no_loss_term_reading_it_is_refused_naming_the_readers_and_the
     with pytest.raises(ConfigError) as caught:
         load_config(PLAIN, {"plugins": {"ral": {"msra": True, "csa": True, "num_proxies": 6}}})
     message = str(caught.value)
-    assert "plugins.ral: no loss term with a weight > 0 reads its training outputs" in message
-    assert "loss: 'ral_da' or 'ral_pm'" in message and "plugins.ral.msra" in message
+    assert "plugins.ral.msra: no loss term with a weight > 0 reads its training outputs" in message
+    assert "loss: 'ral_da' or 'ral_pm'" in message and message.endswith("or set plugins.ral.msra: false")
 
 
 def test_msra_with_its_losses_at_weight_0_is_refused_too():
-    with pytest.raises(ConfigError, match="plugins.ral: no loss term"):
+    with pytest.raises(ConfigError, match="plugins.ral.msra: no loss term"):
         load_config(RAL, {"losses.ral_da.weight": 0, "losses.ral_pm.weight": 0})
 
 
@@ -36,3 +38,19 @@ def test_msra_with_its_losses_at_weight_0_is_refused_too():
 def test_a_plugin_whose_outputs_some_loss_reads_or_that_has_none_is_accepted(overrides):
     cfg = load_config(RAL, overrides)
     assert "ral" in cfg.plugins
+
+
+def test_ice_tcp_without_its_loss_is_refused_while_the_other_parts_are_read():
+    with pytest.raises(ConfigError) as caught:
+        load_config(REPO / "configs" / "gmmformer_ice_synth.yaml", {"losses.ice_tcp.weight": 0})
+    assert str(caught.value).endswith(
+        "plugins.ice.tcp: no loss term with a weight > 0 reads its training outputs (tcp_logits, tcp_labels, tcp_part), "
+        "so its parameters would train on nothing; add a loss term that reads them (loss: 'ice_tcp') or set plugins.ice.tcp: false")
+    assert load_config(REPO / "configs" / "gmmformer_ice_synth.yaml", {"losses.ice_tcp.weight": 0, "plugins.ice.tcp": False})
+
+
+def test_arl_without_its_loss_and_cross_model_is_a_valid_diagnostic_run():
+    cfg = load_config(REPO / "configs" / "arl_synth.yaml", {
+        "plugins.arl.cross_model": False, "losses.ambiguity.weight": 0,
+        "losses.base": {"loss": "triplet", "weight": 1.0, "branch": "frame"}})
+    assert "arl" in cfg.plugins

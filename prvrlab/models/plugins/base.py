@@ -68,6 +68,12 @@ class Plugin(Component):
         """Keys (without the prefix) ``training_aux`` provides; losses requiring others fail validation."""
         return ()
 
+    def trained_parts(self) -> dict[str, tuple[str, ...]]:
+        """Parts that are on (``switch_params`` names) whose parameters train only through the loss terms reading
+        their training outputs -> those ``aux_keys``; validation refuses a part no loss term with a weight > 0
+        reads (its parameters would train on nothing).  None by default."""
+        return {}
+
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor, video: VideoEmbedding) -> dict[str, Any]:
         """Extra per-video values (keys without the prefix) added to ``video.extra``."""
         return {}

@@ -76,6 +76,12 @@ from prvrlab.registry import PLUGINS
 
 _EPS = 1e-6
 TCP_LEVELS = ("both", "video", "moment")
+# each part's training outputs (``ice.<key>``), in the order aux_keys lists them
+PART_KEYS: dict[str, tuple[str, ...]] = {
+    "ice": ("pair_moment", "pair_query", "pair_video", "pair_text"),
+    "irm": ("key_moment", "query", "redundant_video", "redundant_query"),
+    "tcp": ("tcp_logits", "tcp_labels", "tcp_part"),
+}
 
 
 # ---------------------------------------------------------------- ICE
@@ -249,14 +255,11 @@ class ICE(Plugin):
         return (ice if self.ice else ()) + (("tcp_accuracy",) if self.tcp else ())
 
     def aux_keys(self) -> tuple[str, ...]:
-        keys: tuple[str, ...] = ()
-        if self.ice:
-            keys += ("pair_moment", "pair_query", "pair_video", "pair_text")
-        if self.irm:
-            keys += ("key_moment", "query", "redundant_video", "redundant_query")
-        if self.tcp:
-            keys += ("tcp_logits", "tcp_labels", "tcp_part")
-        return keys
+        return tuple(key for part, keys in PART_KEYS.items() if getattr(self, part) for key in keys)
+
+    def trained_parts(self) -> dict[str, tuple[str, ...]]:
+        """IRM's FC and TCP's classifiers train only through L_irm and L_tcp (ICE mines without parameters)."""
+        return {part: PART_KEYS[part] for part in ("irm", "tcp") if getattr(self, part)}
 
     # ------------------------------------------------------------ training extras
 

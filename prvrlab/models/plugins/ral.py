@@ -498,6 +498,10 @@ class RAL(Plugin):
     def metric_names(self) -> tuple[str, ...]:
         return ("sigma_query", "sigma_video", "logvar_outside") if self.msra else ()
 
+    def trained_parts(self) -> dict[str, tuple[str, ...]]:
+        """MSRA's Gaussian heads feed only its training outputs (L_DA, L_PM)."""
+        return {"msra": self.aux_keys()} if self.msra else {}
+
     def aux_keys(self) -> tuple[str, ...]:
         if not self.msra:
             return ()
