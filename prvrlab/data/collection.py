@@ -18,7 +18,6 @@ raise :class:`DataError` naming the file and the id.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from prvrlab.data.text import (
     timestamps_path,
     video_id_of,
 )
+from prvrlab.registry import did_you_mean
 
 if TYPE_CHECKING:
     from prvrlab.data.config import DataConfig
@@ -190,7 +190,11 @@ class Collection:
         offsets = np.zeros(len(video_ids) + 1, dtype=np.int64)
         np.cumsum(np.bincount(query_video, minlength=len(video_ids)), out=offsets[1:])
         token_counts = self.queries.check(query_ids, source=path)
-        stamps = read_timestamps(self.timestamps_file(name))
+        skipped: list[str] = []
+        stamps = read_timestamps(self.timestamps_file(name), skipped=skipped)
+        if skipped:
+            self.notes.append(f"{self.timestamps_file(name)}: {len(skipped)} entr{'y is' if len(skipped) == 1 else 'ies are'} "
+                              f"no moment, left out of the ratio groups (first: {skipped[0]})")
         ratios = moment_ratios(stamps, query_ids) if stamps is not None else None
         return SplitIndex(
             name=name,
@@ -343,20 +347,14 @@ def _check_feature_paths(cfg: "DataConfig", paths: dict[str, Path]) -> None:
     visual, feature_dir = paths["visual"], paths["root"] / "FeatureData"
     if not visual.exists() and visual.parent == feature_dir:
         stores = feature_candidates(feature_dir)
-        close = difflib.get_close_matches(visual.name, stores, n=1)
         listed = f"stores in {feature_dir.name}/: {', '.join(stores)}" if stores else f"no store in {feature_dir.name}/"
-        raise DataError(f"visual features not found: {visual}{_did_you_mean(close)}; {listed}")
+        raise DataError(f"visual features not found: {visual}{did_you_mean(visual.name, stores)}; {listed}")
     query = paths["query"]
     if not query.exists() and cfg.text_feature is None:
         known = caption_collections(paths["text_dir"])
         if known and cfg.collection not in known:
-            close = difflib.get_close_matches(cfg.collection, known, n=1)
             raise DataError(f"query features file not found: {query}; {paths['text_dir']} holds captions of collection "
-                            f"{', '.join(repr(k) for k in known)}, not {cfg.collection!r}{_did_you_mean(close)}")
-
-
-def _did_you_mean(close: list[str]) -> str:
-    return f" (did you mean {close[0]!r}?)" if close else ""
+                            f"{', '.join(repr(k) for k in known)}, not {cfg.collection!r}{did_you_mean(cfg.collection, known)}")
 
 
 def open_collection(cfg: "DataConfig", *, validate_splits: bool = True, allow_synthesize: bool = True) -> Collection:

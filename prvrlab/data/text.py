@@ -23,8 +23,8 @@ from typing import Iterable
 import numpy as np
 
 from prvrlab.data.errors import DataError
-from prvrlab.files import special_kind
 from prvrlab.data.features import H5Arrays
+from prvrlab.files import special_kind
 
 
 def video_id_of(cap_id: str) -> str:
@@ -207,9 +207,10 @@ def checked_moment(start, end, duration, path: Path, where: str) -> tuple[float,
     return s, e, d
 
 
-def read_timestamps(path: str | Path) -> dict[str, tuple[float, float, float]] | None:
+def read_timestamps(path: str | Path, *, skipped: list[str] | None = None) -> dict[str, tuple[float, float, float]] | None:
     """``{cap_id: (start, end, duration)}`` from a timestamps file, or None if absent; DataError naming the file
-    and the query for an entry that is not a moment (:func:`checked_moment`)."""
+    and the query for an entry that is not a moment (:func:`checked_moment`), or with ``skipped`` given, that
+    entry left out and why appended to it."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -224,7 +225,12 @@ def read_timestamps(path: str | Path) -> dict[str, tuple[float, float, float]] |
         numbers = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         if not (numbers and len(value) == 3):
             raise DataError(f"{path}: query {cap_id!r}: expected [start, end, duration], got {value!r}")
-        out[cap_id] = checked_moment(*value, path, f"query {cap_id!r}")
+        try:
+            out[cap_id] = checked_moment(*value, path, f"query {cap_id!r}")
+        except DataError as exc:
+            if skipped is None:
+                raise
+            skipped.append(str(exc).removeprefix(f"{path}: "))  # left out: its query is in no ratio group
     return out
 
 
