@@ -67,7 +67,6 @@ that a video's queries are not always adjacent in the file.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import shutil
@@ -82,6 +81,7 @@ from tqdm import tqdm
 from prvrlab.data.errors import DataError
 from prvrlab.data.text import write_timestamps
 from prvrlab.data.truth import truth_file_name
+from prvrlab.registry import did_you_mean
 
 COLLECTION = "synth"
 VISUAL_FEATURE = "synth_feat"
@@ -194,8 +194,7 @@ def get_preset(preset: str | SynthPreset) -> SynthPreset:
     base, _, suffix = preset.rpartition("-")
     if suffix == "skewed" and base in PRESETS:
         return dataclasses.replace(PRESETS[base], name=preset, skewed=True)
-    close = difflib.get_close_matches(preset, [*PRESETS, *(f"{name}-skewed" for name in PRESETS)], n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(preset, [*PRESETS, *(f"{name}-skewed" for name in PRESETS)])
     raise DataError(f"unknown synthetic preset {preset!r}{hint}; known: {', '.join(PRESETS)} (or '<name>-skewed')")
 
 

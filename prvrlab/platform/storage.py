@@ -308,8 +308,8 @@ def check_file(value: str, key: str) -> None:
             raise ConfigError(f"{key}: {value!r} names a bucket, not a file")
     elif Path(uri).is_dir():
         raise ConfigError(f"{key} {value}: is a folder; give a file name in it")
-    elif special_kind(uri) is not None:  # writing replaces the path: a device or FIFO would become a file
-        raise ConfigError(f"{key} {value}: is {special_kind(uri)}; give a regular file's name")
+    elif (kind := special_kind(uri)) is not None:  # writing replaces the path: a device or FIFO would become a file
+        raise ConfigError(f"{key} {value}: is {kind}; give a regular file's name")
     else:
         folder = str(Path(uri).parent)
     check(folder, key, create=False)

@@ -172,7 +172,9 @@ def compare_runs(
                               f"trials' runs, or write its report: prvrlab report --run-id {missing[0].run_id}")
         own = evaluated_splits(missing[:1])
         common = sorted(set.intersection(*(set(evaluated_splits([r])) for r in runs)))
-        ended = "" if missing[0].ok else f" (it ended {missing[0].run_status}, status {missing[0].status})"
+        run = missing[0]
+        ended = "" if run.ok else (" (it is still RUNNING)" if run.run_status == "RUNNING"
+                                   else f" (it ended {run.run_status}, status {run.status})")
         raise ReportError(
             f"run '{missing[0].run_id}'{ended} logged no final {split} metrics (final/{split}/sumr); it logged: "
             f"{', '.join(own) or 'none'}" + (f"; splits every run logged: {', '.join(common)} (--split)" if common else "")

@@ -337,12 +337,13 @@ MLFLOW_TABLES = frozenset({"experiments", "runs", "metrics", "params", "tags"})
 
 
 def _not_an_mlflow_database(database: Path) -> str | None:
-    """Why the SQLite file ``database`` is no MLflow store, read without writing (MLflow would create its
-    tables in any database it opens); None when it holds MLflow's tables."""
+    """Why the SQLite file ``database`` is no MLflow store, read without creating anything (MLflow would create
+    its tables in any database it opens; ``mode=rw``, not ``ro``, so that SQLite can roll back the journal a
+    killed writer left); None when it holds MLflow's tables."""
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as db:
+        with contextlib.closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=rw", uri=True)) as db:
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.Error as exc:
         return f"cannot be read as an SQLite database ({exc})"

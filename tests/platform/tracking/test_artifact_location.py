@@ -64,3 +64,20 @@ def test_training_into_it_stops_before_any_work_and_records_no_run(tiny_root, tm
     experiment = client.get_experiment_by_name(raw["tracking"]["experiment"])
     assert client.search_runs([experiment.experiment_id]) == []
     assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+
+
+@pytest.mark.parametrize("location", ["mlflow-artifacts:/1", "s3://bucket/x", "gs://bucket/x", "http://host/x", None, ""])
+def test_remote_or_absent_locations_are_left_to_their_store(location):
+    from prvrlab.platform.tracking.store import _artifact_problem
+
+    assert _artifact_problem(location) is None
+
+
+def test_relative_and_quoted_local_locations_are_checked_where_mlflow_writes(tmp_path, monkeypatch):
+    from prvrlab.platform.tracking.store import _artifact_problem
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a file").write_text("x")
+    assert _artifact_problem("./mlruns/1") is None
+    assert _artifact_problem((tmp_path / "a file" / "arts").as_uri()) == f"{tmp_path / 'a file'} is a file, not a folder"
+    assert _artifact_problem("a file/arts") == "a file is a file, not a folder"
