@@ -444,13 +444,18 @@ def distribution_section(doc: Doc, study: Study, entries: list[tuple[str, list[T
 
 
 def _ablation_sweeps(study: Study, rows: list[VariantRow], chosen) -> dict[str, list[tuple[Any, TrialRun]]]:
-    """Config keys that take at least 3 values across the variants -> [(value, run)]."""
+    """Config keys that take at least 3 values across the variants -> [(value, run)], one at a time: a variant
+    counts for a key only when the key is all its overrides change (or it changes none: the baseline), so a
+    variant that also changes other keys is not credited to this one."""
     variants = study.spec.get("variants") or {}
     keys = sorted({k for ov in variants.values() if isinstance(ov, dict) for k in ov})
     out = {}
     for key in keys:
         points = []
         for r in rows:
+            changed = variants.get(r.name)
+            if not isinstance(changed, dict) or set(changed) - {key}:
+                continue
             for s in r.seeds_ok:
                 run = chosen[r.name][s]
                 if key in run.params:
