@@ -720,14 +720,15 @@ def _instantiate_check(cfg: ExperimentConfig) -> None:
                 f"which no enabled plug-in produces; enable it under plugins.{section} "
                 f"(enabled: {', '.join(cfg.plugins) or 'none'}) or set losses.{term}.weight: 0"
             )
-    read = {key for term, spec in cfg.losses.items() if spec["weight"] > 0 for key in system.losses.losses[term].required_aux()}
+    # a term at weight 0 counts: zeroing a loss is a deliberate ablation, leaving it out an oversight
+    read = {key for term in cfg.losses for key in system.losses.losses[term].required_aux()}
     for name, plugin in system.plugins().items():
         for part, keys in plugin.trained_parts().items():
             if not read & {f"{name}.{key}" for key in keys}:
                 readers = _aux_readers(name, keys)
                 shown = ", ".join(keys[:3]) + (f", ... {len(keys)} in all" if len(keys) > 3 else "")
                 raise ConfigError(
-                    f"plugins.{name}.{part}: no loss term with a weight > 0 reads its training outputs ({shown}), so its "
+                    f"plugins.{name}.{part}: no loss term reads its training outputs ({shown}), so its "
                     "parameters would train on nothing; add a loss term that reads them"
                     + (f" (loss: {' or '.join(repr(r) for r in readers)})" if readers else "")
                     + f" or set plugins.{name}.{part}: false"
