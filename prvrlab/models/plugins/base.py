@@ -70,8 +70,8 @@ class Plugin(Component):
 
     def trained_parts(self) -> dict[str, tuple[str, ...]]:
         """Parts that are on (``switch_params`` names) whose parameters train only through the loss terms reading
-        their training outputs -> those ``aux_keys``; validation refuses a part no loss term with a weight > 0
-        reads (its parameters would train on nothing).  None by default."""
+        their training outputs -> those ``aux_keys``; validation refuses a part no loss term of the config reads,
+        at any weight (its parameters would train on nothing).  None by default."""
         return {}
 
     def encode_videos(self, clips: Tensor, frames: Tensor, frame_mask: Tensor, video: VideoEmbedding) -> dict[str, Any]:
