@@ -37,11 +37,10 @@ from prvrlab.platform.search.study import (
     prepare_environment,
     tag_study_error,
 )
-from prvrlab.platform.search.spec import AblationSpec
+from prvrlab.platform.search.spec import CELL_HASH_TAG, AblationSpec
 from prvrlab.platform.tracking.drivers import driver_alive, driver_tags
 from prvrlab.uris import redact_credentials
 
-CELL_HASH_TAG = "prvrlab.cell_hash."  # + cell: the config hash this cell has in the parent's latest submission
 
 
 def study_children(tracker, name: str, status: str | None = None) -> list:
@@ -143,14 +142,14 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     root = study_root(base.tracking.storage_path, "ablation", spec.name)
     study_location(base.tracking.storage_path, "ablation", spec.name).pull(include=(STUDY_FILE,))  # object store: earlier parents
     parent = open_parent(tracker, runs, spec, "ablation", study_dir, parent_run_id=None if resumed else previous_parent_excluding(root, study_dir))
-    tracker.set_tags(parent, {f"{CELL_HASH_TAG}{c}": h for c, h in hashes.items()})
-    echo(
-        f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "
-        f"{skipped} already finished; MLflow parent run {parent} ({redact_credentials(tracker.uri)}); folder {study_dir}"
-    )
     status = "FAILED"
     interrupted = False
-    try:
+    try:  # from here on every way out ends the parent (FAILED with the error, KILLED on an interrupt)
+        tracker.set_tags(parent, {f"{CELL_HASH_TAG}{c}": h for c, h in hashes.items()})
+        echo(
+            f"ablation '{spec.name}': {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(all_cells)} cells, "
+            f"{skipped} already finished; MLflow parent run {parent} ({redact_credentials(tracker.uri)}); folder {study_dir}"
+        )
         mark_superseded(tracker, spec.name, set(hashes.values()))
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the parent KILLED
             if not todo and resumed:  # Tune would only restore trials whose cells have finished since: no Ray

@@ -53,6 +53,7 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a study name is a folder under res
 SAMPLERS = ("tpe", "random", "grid")
 INT_PROBE_LIMIT = 64  # an int range this small has every value validated up front
 ORDER_OPS = (">", ">=", "<", "<=")
+CELL_HASH_TAG = "prvrlab.cell_hash."  # + cell, on an ablation's parent: the config hash this cell has in its latest submission
 
 SEARCH_KEYS = (
     "name", "base_config", "overrides", "metric", "mode", "budget", "concurrency",
@@ -735,5 +736,11 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
             raise ConfigError(f"{path}: seeds[{i}]: must be below 2**64 (train.seed's range), got {seed!r}")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"{path}: seeds: repeated seed in {list(seeds)}")
+    longest = max(seeds, key=lambda s: len(str(s)))
+    for name in variants:  # the parent's tag per cell '<variant>/seed<k>': the longest seed gives the longest key
+        key = f"{CELL_HASH_TAG}{name}/seed{longest}"
+        problem = mlflow_key_problem(key)
+        if problem:
+            raise ConfigError(f"{path}: variants.{name}: this variant name cannot be recorded in MLflow (key '{key}'): {problem}")
     return AblationSpec(**common, baseline=baseline, variants=variants, seeds=seeds)
 
