@@ -410,20 +410,18 @@ def train(
     tracker = Tracker(cfg.tracking.uri or resolve_tracking_uri(None), cfg.tracking.experiment)
     check_storage(cfg.tracking.storage_path)
     name = claim_run_name(cfg)
+    run_files = storage.Location(cfg.tracking.storage_path).child(name, "files")
+    run_dir = run_files.local  # the folder itself, or the object store's staging mirror
+    sync_to = run_files.uri if run_files.remote else None
+    live = LiveLine() if echo is not None else None  # before the run starts: nothing between it and `try` can fail
+    if live is not None:
+        echo = _console(_clearing(live, echo))
     with store_errors(tracker.uri):
         for orphan in close_dead_runs(tracker):
             if echo:
                 echo(f"closed run {orphan} as KILLED: its driver died without closing it")
         run_id = tracker.start_run(name, tags=run_tags(cfg), parent_run_id=parent_run_id)  # with its driver's tags
-    run_files = storage.Location(cfg.tracking.storage_path).child(name, "files")
-    run_dir = run_files.local  # the folder itself, or the object store's staging mirror
-    sync_to = run_files.uri if run_files.remote else None
-    live = LiveLine() if echo is not None else None
-    if live is not None:
-        echo = _console(_clearing(live, echo))
     recorder = RunRecorder(tracker, run_id, cfg.train.epochs, echo)
-    if echo:
-        echo(f"run {name}  (MLflow run {run_id}, store {redact_credentials(tracker.uri)})")
 
     def on_retry(failure: Failure, retry: int) -> None:
         tracker.set_tags(run_id, {"prvrlab.retries": str(retry), "prvrlab.last_failure": failure.summary})
@@ -432,6 +430,8 @@ def train(
 
     status = "FAILED"
     try:
+        if echo:
+            echo(f"run {name}  (MLflow run {run_id}, store {redact_credentials(tracker.uri)})")
         with interrupts_unwrapped():  # an interrupt wrapped by other code still ends the run KILLED
             tracker.log_params(run_id, cfg.flat())
             tracker.log_dataset(run_id, collection_dataset(collection, configured_splits(cfg.data)))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from prvrlab.files import replace_atomically
+from prvrlab.platform.errors import ConfigError
 
 PROGRESS_FILE = "progress.json"
 EVERY_S_ENV = "PRVRLAB_PROGRESS_S"
@@ -31,12 +32,12 @@ LOSS_EVERY_S = TTY_REDRAW_S  # rank 0 reads its running loss from the device at 
 
 
 def every_s_from_env() -> float:
-    """``$PRVRLAB_PROGRESS_S`` as a non-negative float (default 10 s)."""
+    """``$PRVRLAB_PROGRESS_S`` as a non-negative float (default 10 s); ConfigError naming it when not a number."""
     raw = os.environ.get(EVERY_S_ENV, "")
     try:
         value = float(raw) if raw.strip() else DEFAULT_EVERY_S
     except ValueError:
-        raise ValueError(f"{EVERY_S_ENV}={raw!r}: expected a number of seconds") from None
+        raise ConfigError(f"{EVERY_S_ENV}={raw!r}: expected a number of seconds") from None
     return max(0.0, value)
 
 
