@@ -80,3 +80,26 @@ def recorded_study(tmp: Path, tiny_root: Path, name: str, **fields):
     runs.save()
     record_state(study_dir)
     return path, spec, study_dir
+
+
+def stand_in_study(tmp: Path, experiment: str, trial_ids, closed: dict[str, str] | None = None):
+    """A stand-in for a study's context (local storage) with a parent run and an open child run per trial,
+    mapped in its ``study.json`` as Tune's start leaves them; returns (study, {trial id: run id})."""
+    import json
+    from types import SimpleNamespace
+
+    from prvrlab.platform.search.outcome import STUDY_FILE
+    from prvrlab.platform.storage import Mirror
+
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    folder = tmp / "study"
+    folder.mkdir()
+    study = SimpleNamespace(
+        study_dir=str(folder), tracking_uri=uri, experiment=experiment, trial_dir=lambda t: folder / "trials" / t / "files",
+        storage="", push_files=lambda: Mirror(folder, None),  # local storage: nothing pushed
+    )
+    tracker = Tracker(uri, experiment)
+    parent = tracker.start_run("search")
+    runs = {t: tracker.start_run(f"trial {t}", parent_run_id=parent) for t in trial_ids}
+    (folder / STUDY_FILE).write_text(json.dumps({"parent": parent, "trials": runs, "closed": closed or {}}))
+    return study, runs

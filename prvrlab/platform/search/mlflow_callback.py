@@ -34,6 +34,7 @@ from prvrlab.platform.tracking.drivers import driver_alive
 from prvrlab.platform.tracking.store import best_point
 from prvrlab.platform.search.checkpoints import repair_checkpoints
 from prvrlab.platform.search.outcome import (
+    FILLED_KEY,
     INTERRUPTED,
     OUTCOME_FILE,
     RunMap,
@@ -45,6 +46,7 @@ from prvrlab.platform.search.outcome import (
 
 if TYPE_CHECKING:
     from prvrlab.platform.search.study import StudyContext
+
 
 class MlflowStudyCallback(Callback):
     """Writes a study's child runs from the Tune driver (picklable: the client is created lazily)."""
@@ -333,8 +335,9 @@ class MlflowStudyCallback(Callback):
         metrics = {k: v for k, v in result.items() if "/" in k or k in ("lr", "epoch")}
         if kind == "epoch":
             self.tracker.log_metrics(run_id, metrics, step=int(result["epoch"]))
-        elif kind == "final":
-            self.tracker.log_metrics(run_id, {f"final/{k}": v for k, v in metrics.items()})
+        elif kind == "final":  # a value filled in for Tune only is no evaluation of the best model: not final/*
+            filled = result.get(FILLED_KEY)
+            self.tracker.log_metrics(run_id, {f"final/{k}": v for k, v in metrics.items() if k != filled})
             self.tracker.log_metrics(run_id, *best_point(metrics))
         elif kind == "nonfinite":
             self.tracker.set_tags(run_id, {"error": str(result.get("error", "non-finite loss"))})

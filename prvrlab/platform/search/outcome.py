@@ -18,6 +18,7 @@ from prvrlab.platform.failures import STUDY_HINT, Failure, explain_failure
 STUDY_FILE = "study.json"
 OUTCOME_FILE = "outcome.json"  # in a trial's files: the last result of a trial that ended (FINISHED or FAILED)
 FAILED_OUTCOMES = ("nonfinite", "invalid", "error")  # trials that ended without a Tune error but count as failed
+FILLED_KEY = "filled_metric"  # a final report's key naming the searched metric the trial filled in (study.MetricFiller)
 INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
 
 
@@ -102,7 +103,7 @@ def write_outcome(files: str | Path, last_result: dict[str, Any] | None) -> None
     kept = {
         k: v
         for k, v in (last_result or {}).items()
-        if ("/" in k or k in ("kind", "error", "epoch", "lr")) and isinstance(v, (int, float, str, bool))
+        if ("/" in k or k in ("kind", "error", "epoch", "lr", FILLED_KEY)) and isinstance(v, (int, float, str, bool))
     }
     path = Path(files) / OUTCOME_FILE
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,7 @@ from prvrlab.platform.failures import ERROR_FILE, STUDY_HINT, explain_exception,
 from prvrlab.platform.search.mlflow_callback import MlflowStudyCallback
 from prvrlab.platform.search.outcome import (
     FAILED_OUTCOMES,
+    FILLED_KEY,
     INTERRUPTED,
     OUTCOME_FILE,
     STUDY_FILE,
@@ -247,8 +248,10 @@ class MetricFiller:
     """Makes every report carry the searched metric where it is meaningful.
 
     The final round has no per-epoch value: it gets the best model's value
-    (``best/<name>``) or the best value seen so far.  Non-finite rounds are
-    left without it (Optuna records such a trial as pruned).
+    (``best/<name>``) or the best value seen so far, and ``FILLED_KEY`` names
+    it (for Tune's ranking only: the child run's ``final/*`` holds evaluations
+    of the best model, not this).  Non-finite rounds are left without it
+    (Optuna records such a trial as pruned).
     """
 
     def __init__(self, metric: str, mode: str) -> None:
@@ -265,6 +268,7 @@ class MetricFiller:
             fallback = metrics.get("best/" + self.metric.rsplit("/", 1)[-1], self.best)
             if fallback is not None:
                 metrics[self.metric] = fallback
+                metrics[FILLED_KEY] = self.metric
         return metrics
 
 
