@@ -124,7 +124,7 @@ class MlflowStudyCallback(Callback):
         try:
             cfg = self.study.experiment_config(trial.config)
         except ConfigError as exc:  # the trial reports it and ends FAILED
-            cfg, tags = None, self.study.invalid_tags(trial.config, str(exc))
+            cfg, tags = None, self.study.invalid_tags(trial.config, str(exc), commit=self._commit)
         else:
             tags = self.study.trial_tags(trial.config, cfg, commit=self._commit)
         number = len(self.runs.trials) + 1  # start order, kept across --resume by the run map

@@ -230,9 +230,13 @@ class StudyContext:
             tags["prvrlab.sampled"] = format_params(config)
         return tags
 
-    def invalid_tags(self, config: dict[str, Any], error: str) -> dict[str, str]:
-        """Tags of the child run of a trial whose sampled config does not validate."""
-        tags = {"prvrlab.kind": "trial", "prvrlab.study": self.name, "prvrlab.study_kind": self.kind, "error": error}
+    def invalid_tags(self, config: dict[str, Any], error: str, commit: str) -> dict[str, str]:
+        """Tags of the child run of a trial whose sampled config does not validate (with the code's
+        commit, as its sibling trials have: the UI's Version column)."""
+        from prvrlab.platform.tracking.tags import provenance_tags
+
+        tags = {"prvrlab.kind": "trial", "prvrlab.study": self.name, "prvrlab.study_kind": self.kind, "error": error,
+                **provenance_tags(commit)}
         if self.cells is not None:
             tags["prvrlab.cell"] = str(config["cell"])
             tags[SUPERSEDED_TAG] = "false"
