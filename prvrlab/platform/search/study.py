@@ -92,6 +92,7 @@ WORKER_GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Tra
 
 SUPERSEDED_TAG = "prvrlab.superseded"  # an ablation's child run: "true" when no cell of the latest submission has its config
 NOW_TAG = "prvrlab.now."  # + a parent's param: its value in the latest submission, where that differs from the logged one
+FIRST_COMMIT_TAG = "prvrlab.first_git_commit"  # on a parent a later submission continued with other code: the first one's
 
 
 def _components(cfg: ExperimentConfig) -> str:
@@ -783,7 +784,7 @@ def _spec_params(spec: StudySpec) -> dict[str, Any]:
 def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Path, parent_run_id: str | None = None) -> str:
     """Create the study's parent run, or reopen the one ``study.json`` (or the caller) names."""
     from prvrlab.platform.runtime import project_relative
-    from prvrlab.platform.tracking.store import git_commit
+    from prvrlab.platform.tracking.store import VERSION_TAG, commit_tags, git_commit, source_tags
     from prvrlab.platform.tracking.tags import provenance_tags
 
     run_id = runs.parent or parent_run_id
@@ -793,11 +794,20 @@ def open_parent(tracker, runs: RunMap, spec: StudySpec, kind: str, study_dir: Pa
         # parent: the spec as submitted now replaces the logged one, which the report reads; new keys
         # are logged (MLflow keeps a param's first value, so a param this submission changed is also a
         # tag NOW_TAG + key holding its value now), and the parent's study folder is this submission's.
+        # The code and command tags (git_commit, the UI's Version and Source) become this submission's;
+        # FIRST_COMMIT_TAG keeps the first submission's commit once another one continues the study.
         before = tracker.reopen_run(run_id)
         logged = set(before.data.params)
         now = {k: v for k, v in params.items() if k in logged and before.data.params[k] != tracker.param_text(v)}
-        reopened = {"prvrlab.study_dir": str(study_dir), **{NOW_TAG + k: v for k, v in now.items() if len(NOW_TAG + k) <= 250}}
+        code = {**provenance_tags(git_commit()), **source_tags()}
+        code.update(commit_tags(code))
+        first = before.data.tags.get("git_commit")
+        if first and first != code["git_commit"] and FIRST_COMMIT_TAG not in before.data.tags:
+            code[FIRST_COMMIT_TAG] = first
+        reopened = {"prvrlab.study_dir": str(study_dir), **code, **{NOW_TAG + k: v for k, v in now.items() if len(NOW_TAG + k) <= 250}}
         stale = [k for k in before.data.tags if k.startswith(NOW_TAG) and k[len(NOW_TAG):] not in now]
+        if VERSION_TAG not in code and VERSION_TAG in before.data.tags:  # this commit unknown: no stale Version
+            stale.append(VERSION_TAG)
     else:
         tags = {
             "prvrlab.kind": kind,

@@ -116,10 +116,13 @@ def source_tags() -> dict[str, str]:
     return {"mlflow.user": user, "mlflow.source.type": "LOCAL", "mlflow.source.name": _clean_value(shlex.join(words))}
 
 
+VERSION_TAG = "mlflow.source.git.commit"  # the MLflow UI's Version column
+
+
 def commit_tags(tags: dict[str, str]) -> dict[str, str]:
     """``mlflow.source.git.commit`` (the UI's Version column) for tags carrying a known ``git_commit``."""
     commit = tags.get("git_commit", "unknown")
-    return {} if commit == "unknown" else {"mlflow.source.git.commit": commit.removesuffix("-dirty")}
+    return {} if commit == "unknown" else {VERSION_TAG: commit.removesuffix("-dirty")}
 
 
 REDACTED_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".txt", ".log", ".md", ".tex", ".csv")
