@@ -45,6 +45,7 @@ from prvrlab.platform.config import (
     validate,
     validate_overrides,
 )
+from prvrlab.platform.tracking.store import PARAM_MAX
 from prvrlab.registry import BACKBONES, LOSSES, PLUGINS, RegistryError, did_you_mean, did_you_mean_key
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice", "grid")
@@ -406,6 +407,17 @@ def _number(value: Any, where: str, *, integer: bool = False, minimum: float | N
     return int(value) if integer else value
 
 
+def _check_recordable(where: str, key: str, value: Any) -> None:
+    """A parent-run param the report reads back whole (``space.*``, ``variant.*``, ``spec.overrides``):
+    refused when MLflow would have to cut its text."""
+    size = len(str(value))
+    if size > PARAM_MAX:
+        raise ConfigError(
+            f"{where}: its text ({size:,} characters) exceeds MLflow's {PARAM_MAX:,}-character limit for the parent "
+            f"run's param '{key}', which the report reads back whole; shorten it"
+        )
+
+
 def _check_keys(raw: dict[str, Any], valid: tuple[str, ...], where: str) -> None:
     for key in raw:
         if key not in valid:
@@ -448,6 +460,7 @@ def _common(path: Path, raw: dict[str, Any], extra_overrides: dict[str, Any] | N
     except ConfigError as exc:
         raise ConfigError(f"{path}: base_config {base_path}: {exc}") from None
     check_override_keys(spec_overrides, plain, f"{path}: overrides")
+    _check_recordable(f"{path}: overrides", "spec.overrides", overrides)
     for key, value in extra.items():
         check_override_keys({key: value}, plain, f"--set {key}")
     try:
@@ -625,6 +638,7 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
     params: list[SearchParam] = []
     flat = base.flat()  # what a key not searched is in every trial, as the sampler reads it (DefineByRun)
     for key, value in space_raw.items():
+        _check_recordable(f"{path}: space.{key}", f"space.{key}", value)
         param = _param(path, str(key), value, trial_raw, keys, base)
         for cond_key, expected in param.when.items():
             if cond_key in space_raw and cond_key not in [p.key for p in params]:
@@ -719,6 +733,7 @@ def load_ablation_spec(path: str | Path, extra_overrides: dict[str, Any] | None 
             problem = mlflow_key_problem(key)
             if problem:
                 raise ConfigError(f"{where}: this variant name cannot be recorded in MLflow (key '{key}'): {problem}")
+        _check_recordable(where, f"variant.{name}", overrides)
         overrides = _mapping(overrides, where)
         _refuse_seed(overrides, where)
         check_override_keys(overrides, base, where)

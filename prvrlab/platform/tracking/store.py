@@ -24,7 +24,8 @@ from prvrlab.platform.tracking import closer, template
 from prvrlab.platform.tracking.drivers import driver_alive, driver_lock, driver_tags
 from prvrlab.uris import redact_credentials, sqlite_file
 
-PARAM_MAX = 6000
+PARAM_MAX = 6000  # characters of a param (or tag) value MLflow keeps: a longer one is cut to this
+CUT_PARAMS_TAG = "prvrlab.cut_params"  # the keys of the params log_params had to cut, comma-separated
 RUN_NAME_LIMIT = 250  # characters: MLflow's runs.name column (VARCHAR(250))
 # MLflow 3's experiment kind: its UI shows a "custom_model_development" experiment as model training
 # (runs table, metrics) rather than GenAI (traces); the value is one of the UI's ExperimentKind names.
@@ -398,11 +399,17 @@ class Tracker:
         return _clean_value(value)
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        """Log ``params``; a value longer than MLflow keeps (:data:`PARAM_MAX`) is cut, and the run's
+        ``CUT_PARAMS_TAG`` names every key cut (with this call's)."""
         from mlflow.entities import Param
 
         items = [Param(k, _clean_value(v)) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[i : i + 100])
+        cut = [p.key for p in items if len(p.value) == PARAM_MAX and len(redact_credentials(str(params[p.key]))) > PARAM_MAX]
+        if cut:
+            earlier = self.client.get_run(run_id).data.tags.get(CUT_PARAMS_TAG, "")
+            self.set_tags(run_id, {CUT_PARAMS_TAG: ",".join(sorted({*filter(None, earlier.split(",")), *cut}))})
 
     def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int | None = None) -> None:
         from mlflow.entities import Metric
