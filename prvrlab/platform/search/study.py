@@ -474,10 +474,15 @@ def latest_study_dir(root: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def spec_hash(spec: StudySpec) -> str:
-    """Hash of a spec's resolved content (base config with overrides, space or variants, budget...)."""
+def spec_hash(spec: StudySpec, *, absolute_base: bool = False) -> str:
+    """Hash of a spec's resolved content (base config with overrides, space or variants, budget...),
+    the same wherever the project is: the base config counts by its path from the spec's folder (a
+    submitted job's copy is unpacked under a new folder each time).  ``absolute_base``: the hash studies
+    recorded before that (its absolute path), which a resume still accepts."""
     fields = dataclasses.asdict(spec)
     fields.pop("path")
+    if not absolute_base:
+        fields["base_config"] = os.path.relpath(spec.base_config, Path(spec.path).parent)
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -737,7 +742,7 @@ def resumable_study(spec: StudySpec, location: storage.Location, kind: str, echo
     if warning:
         echo(warning)
     recorded = RunMap(study_dir).meta.get("spec_hash")
-    if recorded is not None and recorded != spec_hash(spec):
+    if recorded is not None and recorded not in (spec_hash(spec), spec_hash(spec, absolute_base=True)):
         raise StudyError(
             f"refusing to resume: {study_dir} was run with a different '{spec.name}' spec; "
             "submit it again without --resume to start a fresh study"
