@@ -551,8 +551,10 @@ def _record_final_state(location: storage.Location, study: StudyContext) -> None
 def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *, whole: bool = True) -> tuple[float, float]:
     """(CPUs, GPUs) per Train worker for ``spec`` on this cluster; StudyError naming the key when
     ``concurrency`` would leave each worker less than Ray's 0.01 CPU, and, when the cluster is ``whole``
-    (no node will join it), when one trial cannot run there (on a growing cluster such a trial fails
-    at run time after ``resources.placement_timeout_s``, with its reason)."""
+    (no node will join it), when one trial cannot run there.  On a growing cluster only GPUs the
+    cluster lacks are refused; a share is computed from the CPUs it has now (below one CPU per worker
+    when it has fewer CPUs than workers), and a trial whose explicit resources do not fit fails at run
+    time after ``resources.placement_timeout_s``, with its reason."""
     res = spec.resources
     reserved = TRIAL_ACTOR_CPU if res.workers_per_trial > 1 else 0.0
     problem = shortfall(
@@ -567,7 +569,9 @@ def trial_resources(spec: StudySpec, cluster_cpus: float, cluster_gpus: float, *
     )
     if problem and (whole or (res.gpus_per_worker > 0 and cluster_gpus <= 0)):
         raise StudyError(f"{spec.path}: {problem}")
-    if res.cpus_per_worker is not None:
+    if res.cpus_per_worker is not None and res.pack == 1:  # as asked (1.5 is 1.5), as train.cpus_per_worker
+        return max(res.cpus_per_worker, 0.01), res.gpus_per_worker
+    if res.cpus_per_worker is not None:  # a packed trial's part of it: whole CPUs, or hundredths below one
         return _cpu_share(res.cpus_per_worker / res.pack), res.gpus_per_worker
     share = (cluster_cpus - reserved * spec.slots) / (spec.slots * res.workers_per_trial)
     if share < 0.01:
