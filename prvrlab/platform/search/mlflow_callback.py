@@ -33,10 +33,12 @@ from prvrlab.platform import storage
 from prvrlab.platform.tracking.drivers import driver_alive
 from prvrlab.platform.tracking.store import best_point
 from prvrlab.platform.search.checkpoints import repair_checkpoints
+from prvrlab.platform.search.time_limit import time_limit_reason
 from prvrlab.platform.search.outcome import (
     FILLED_KEY,
     INTERRUPTED,
     OUTCOME_FILE,
+    TIME_LIMIT,
     RunMap,
     trial_error,
     trial_outcome,
@@ -260,10 +262,14 @@ class MlflowStudyCallback(Callback):
     def _complete(self, trial) -> None:
         outcome = trial_outcome(trial.last_result)
         interrupted = outcome == "early_stopped" and INTERRUPTED.is_set()
-        if not interrupted:  # recorded before the run closes: a killed driver never loses an ended trial
+        cut = outcome == "early_stopped" and not interrupted and TIME_LIMIT.is_set()  # not ASHA's stop
+        if not (interrupted or cut):  # recorded before the run closes: a killed driver never loses an ended trial
             write_outcome(self.study.trial_dir(trial.trial_id), trial.last_result)
         if interrupted:
             self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"})
+        elif cut:
+            reason = time_limit_reason(self.study.time_limit_s)
+            self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": reason})
         elif outcome == "invalid":
             self.close(trial, "FAILED", {"prvrlab.status": "error", "error": str(trial.last_result.get("error", "invalid config"))})
         elif outcome == "error":

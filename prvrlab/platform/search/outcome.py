@@ -20,6 +20,7 @@ OUTCOME_FILE = "outcome.json"  # in a trial's files: the last result of a trial 
 FAILED_OUTCOMES = ("nonfinite", "invalid", "error")  # trials that ended without a Tune error but count as failed
 FILLED_KEY = "filled_metric"  # a final report's key naming the searched metric the trial filled in (study.MetricFiller)
 INTERRUPTED = threading.Event()  # set in the driver when Ctrl-C / SIGTERM stops the study
+TIME_LIMIT = threading.Event()  # set in the driver when budget.time_limit_s stops the search (time_limit.TimeLimit)
 
 
 def watch_interrupts() -> None:

@@ -61,6 +61,7 @@ from prvrlab.platform.search.outcome import (
     INTERRUPTED,
     OUTCOME_FILE,
     STUDY_FILE,
+    TIME_LIMIT,
     RunMap,
     format_params,
     read_outcome,
@@ -91,6 +92,7 @@ WORKER_GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Tra
 
 
 SUPERSEDED_TAG = "prvrlab.superseded"  # an ablation's child run: "true" when no cell of the latest submission has its config
+TIME_LIMIT_META = "time_limit_reached"  # study.json: the budget.time_limit_s (s) that stopped the search
 NOW_TAG = "prvrlab.now."  # + a parent's param: its value in the latest submission, where that differs from the logged one
 FIRST_COMMIT_TAG = "prvrlab.first_git_commit"  # on a parent a later submission continued with other code: the first one's
 
@@ -128,6 +130,7 @@ class StudyContext:
     reuse_workers: bool = False  # trials train on their slot's long-lived pool (search/workers.py)
     storage: str = ""  # the study folder's object-store URI; "" when study_dir is the folder itself
     driver: dict[str, str] = field(default_factory=dict)  # the driver process (drivers.driver_tags): trials register as its writers
+    time_limit_s: float | None = None  # search: budget.time_limit_s, named where it cut a trial
 
     def ranks_note(self) -> str:
         """How a multi-worker trial gets its DDP ranks, for the study's first console line ("" for one
@@ -745,6 +748,12 @@ def resumable_study(spec: StudySpec, location: storage.Location, kind: str, echo
     warning = verify_state(study_dir, found.uri if found.remote else None)
     if warning:
         echo(warning)
+    limit = RunMap(study_dir).meta.get(TIME_LIMIT_META)
+    if limit is not None:  # Tune keeps the budget left across a resume: none; every trial would stop at once
+        raise StudyError(
+            f"refusing to resume: {study_dir} ended when its budget.time_limit_s ({limit:g} s) ran out; "
+            "submit it again without --resume to start a fresh search"
+        )
     recorded = RunMap(study_dir).meta.get("spec_hash")
     if recorded is not None and recorded not in (spec_hash(spec), spec_hash(spec, absolute_base=True)):
         raise StudyError(
@@ -870,8 +879,10 @@ def run_study(
     total: int,
     progress: bool = True,
     echo: Callable[[str], None] | None = print,
+    stop: Any = None,
 ) -> tuple[Any, MlflowStudyCallback, bool]:
     """Run (or restore) the Tune experiment of ``study``; returns (ResultGrid, callback, interrupted).
+    ``stop``: Tune's stopper (a search's :class:`~.time_limit.TimeLimit`; a restore keeps the saved one).
     ``echo``: where admission notes (why a trial waits) go besides ``study.log``."""
     from ray import tune
 
@@ -918,6 +929,7 @@ def run_study(
                     storage_path=study.storage or str(study.study_dir),
                     verbose=0,
                     callbacks=callbacks,
+                    stop=stop,
                     failure_config=tune.FailureConfig(max_failures=spec.max_retries),
                     checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                     log_to_file=True,
@@ -926,6 +938,7 @@ def run_study(
         interrupted = False
         unplaced: Unplaced | None = None
         INTERRUPTED.clear()
+        TIME_LIMIT.clear()
         location = storage.Location(study.storage or study.study_dir)
         location.remove(STATE_SUMS)  # stale once Tune writes again; re-recorded at the end
         forget_state(Path(study.study_dir), study.storage or None)
@@ -1107,6 +1120,7 @@ def make_study(
         reuse_workers=pooled,
         admission=admission_name(study_dir) if spec.resources.workers_per_trial > 1 and not pooled else None,
         placement_timeout_s=spec.resources.placement_timeout_s,
+        time_limit_s=getattr(spec, "time_limit_s", None),
     )
     location = study_location(base.tracking.storage_path, kind, spec.name).child(Path(study_dir).name)
     study.storage = location.uri if location.remote else ""
@@ -1118,7 +1132,7 @@ def make_study(
 
 
 def killed_trials(study_dir: Path) -> set[str]:
-    """Trials whose child run was closed KILLED (ended by an interrupt)."""
+    """Trials whose child run was closed KILLED (ended by an interrupt or the search's time limit)."""
     return {t for t, status in RunMap(study_dir).closed.items() if status == "KILLED"}
 
 

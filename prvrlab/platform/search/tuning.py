@@ -12,11 +12,12 @@ from ray.tune.search.optuna import OptunaSearch
 from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
 from prvrlab.platform.failures import interrupts_unwrapped
-from prvrlab.platform.search.outcome import FAILED_OUTCOMES, RunMap, format_params, trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, TIME_LIMIT, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.resumable import RestoredTrial, resumable
 from prvrlab.platform.search.spec import SearchSpec
 from prvrlab.uris import redact_credentials
 from prvrlab.platform.search.study import (
+    TIME_LIMIT_META,
     StudyContext,
     StudyResult,
     check_cluster,
@@ -154,6 +155,8 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     echo = echo or (lambda _: None)
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+    from prvrlab.platform.search.time_limit import TimeLimit, time_limit_reason
+
     from prvrlab.platform.tracking.store import Tracker
     from prvrlab.platform.runtime import ensure_ray
     from prvrlab.platform.study_state import release_studies
@@ -202,7 +205,6 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
                     "search_alg": searcher,
                     "scheduler": scheduler,
                     "num_samples": spec.trials,
-                    "time_budget_s": spec.time_limit_s,
                 },
                 param_space={},
                 resume=resumed,
@@ -210,8 +212,16 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
                 total=spec.trials,
                 progress=progress,
                 echo=echo,
+                stop=None if spec.time_limit_s is None else TimeLimit(spec.time_limit_s),
             )
             trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
+            if TIME_LIMIT.is_set() and not interrupted:  # recorded: a resume would have no time left
+                reason = f"{time_limit_reason(spec.time_limit_s)}: {len(trials)} of {spec.trials} trials started"
+                mlflow_cb.runs.meta[TIME_LIMIT_META] = spec.time_limit_s
+                mlflow_cb.runs.save()
+                mlflow_cb.mirror.push()
+                tracker.set_tags(parent, {"prvrlab.stop_reason": reason})
+                echo(f"search '{spec.name}': {reason}")
             killed = killed_trials(study_dir)
             best = best_trial(trials, study, killed)
             path = None
