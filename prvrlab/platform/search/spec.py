@@ -219,6 +219,29 @@ def _check_condition_values(expected: Any, where: str, condition_param: SearchPa
             )
 
 
+INT_ENUMERATE_LIMIT = 100_000  # an int range this small is tried value by value against a condition
+
+
+def _can_hold(param: SearchParam, expected: Any, unsampled: Any) -> bool:
+    """Whether a value the searched ``param`` can take meets the condition ``expected`` (``unsampled``: the
+    base value a conditional ``param`` keeps where it is not sampled).  A range is tried at its ends (an
+    order test holds somewhere in it only if at one of them; equality is refused on a continuous range)."""
+    values: list[Any] = [unsampled] if param.when else []
+    if param.kind in ("choice", "grid"):
+        values += list(param.args)
+    elif param.kind == "int":
+        low, high = int(param.args[0]), int(param.args[1])
+        if high - low < INT_ENUMERATE_LIMIT:
+            values += range(low, high + 1)
+        elif isinstance(expected, dict) and next(iter(expected)) in ("!=", "not_in"):
+            return True  # a few excluded values leave most of a range this wide
+        else:
+            values += [low, high, *(v for v in _named_values(expected) if is_number(v) and low <= v <= high)]
+    else:
+        values += list(param.args)
+    return any(condition_holds(v, expected) for v in values)
+
+
 def _base_types(annotation: Any) -> set[Any]:
     """The non-None types an annotation allows (``{Any}`` when unknown or not a plain type)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -651,6 +674,12 @@ def load_search_spec(path: str | Path, extra_overrides: dict[str, Any] | None = 
                 raise ConfigError(
                     f"{where}: '{cond_key}' is drawn from a continuous range, which an equality or membership test "
                     "(almost) never matches or always does; compare it with >, >=, < or <="
+                )
+            if searched is not None and not _can_hold(searched, expected, flat.get(cond_key)):
+                unsampled = f" (or {flat.get(cond_key)!r} where it is not sampled)" if searched.when else ""
+                raise ConfigError(
+                    f"{where}: never holds: '{cond_key}' is searched over {searched.kind} {list(searched.args)}{unsampled}, "
+                    f"and no value of it meets {expected!r}, so '{key}' would never be sampled"
                 )
             elif searched is None and not condition_holds(flat.get(cond_key), expected):
                 raise ConfigError(
