@@ -163,9 +163,7 @@ def _init_ray(num_cpus: int | None, echo: Callable[[str], None] | None = None) -
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
         print(f"joining the Ray cluster at {address}", file=sys.stderr, flush=True)
-        silent = unreachable(address)
-        if silent:  # ray.init would retry for ever, deaf to Ctrl-C and SIGTERM
-            raise ConfigError(f"RAY_ADDRESS={address}: cannot join the Ray cluster ({silent})")
+        _check_answers(address)  # ray.init would retry for ever, deaf to Ctrl-C and SIGTERM
         try:
             ray.init(
                 address=address,
@@ -227,6 +225,23 @@ def daemons_in_own_session():
         yield
     finally:
         services.ConsolePopen = base
+
+
+def _check_answers(address: str) -> None:
+    silent = unreachable(address)
+    if silent:
+        raise ConfigError(f"RAY_ADDRESS={address}: cannot join the Ray cluster ({silent})")
+
+
+def check_joinable() -> None:
+    """ConfigError when ``$RAY_ADDRESS`` names a cluster nothing answers at: what :func:`ensure_ray` would
+    refuse, checked before a study records anything (its folder, its parent run).  Nothing when Ray is
+    already up in this process or no address is set."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address and not ray.is_initialized():
+        _check_answers(address)
 
 
 def unreachable(address: str, *, timeout_s: float = 5.0) -> str | None:

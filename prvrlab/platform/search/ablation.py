@@ -118,10 +118,11 @@ def ablate(spec: AblationSpec, *, resume: bool = False, echo: Callable[[str], No
     from prvrlab.platform.search.resumable import ListSearcher, resumable
     from prvrlab.platform.search.study import StudyContext
     from prvrlab.platform.tracking.store import Tracker
-    from prvrlab.platform.runtime import ensure_ray
+    from prvrlab.platform.runtime import check_joinable, ensure_ray
     from prvrlab.platform.study_state import release_studies
 
     check_cluster(spec)  # impossible resources: refused before the study folder and parent run exist
+    check_joinable()  # as is a RAY_ADDRESS nothing answers at
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="ablation", echo=echo)
     tracker = Tracker(base.tracking.uri, base.tracking.experiment)
     runs = RunMap(study_dir)

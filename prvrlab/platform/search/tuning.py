@@ -12,11 +12,13 @@ from ray.tune.search.optuna import OptunaSearch
 from prvrlab.files import write_text_atomically
 from prvrlab.platform import storage
 from prvrlab.platform.failures import interrupts_unwrapped
+from prvrlab.platform.ray_logs import ray_logs_to
 from prvrlab.platform.search.outcome import FAILED_OUTCOMES, TIME_LIMIT, RunMap, format_params, trial_outcome
 from prvrlab.platform.search.resumable import RestoredTrial, resumable
 from prvrlab.platform.search.spec import SearchSpec
 from prvrlab.uris import redact_credentials
 from prvrlab.platform.search.study import (
+    STUDY_LOG,
     TIME_LIMIT_META,
     StudyContext,
     StudyResult,
@@ -118,7 +120,8 @@ def ended_trials(study_dir: Path, total: int) -> list[Any] | None:
     if not tune_path.is_dir():
         return None
     try:
-        trials = ExperimentAnalysis(str(tune_path)).trials
+        with ray_logs_to(Path(study_dir) / STUDY_LOG):  # Tune's warnings (a trial with no results yet): off the console
+            trials = ExperimentAnalysis(str(tune_path)).trials
     except Exception:  # noqa: BLE001 - an unreadable state is Tune's to report, on the usual path
         return None
     if len(trials) < total or any(t.status not in ("TERMINATED", "ERROR") for t in trials):
@@ -158,10 +161,11 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
     from prvrlab.platform.search.time_limit import TimeLimit, time_limit_reason
 
     from prvrlab.platform.tracking.store import Tracker
-    from prvrlab.platform.runtime import ensure_ray
+    from prvrlab.platform.runtime import check_joinable, ensure_ray
     from prvrlab.platform.study_state import release_studies
 
     check_cluster(spec)  # impossible resources: refused before the study folder and parent run exist
+    check_joinable()  # as is a RAY_ADDRESS nothing answers at
     base, study_dir, resumed = prepare_study(spec, resume=resume, kind="search", echo=echo)
     tracker = Tracker(base.tracking.uri, base.tracking.experiment)
     runs = RunMap(study_dir)
