@@ -303,6 +303,14 @@ def _forward_reports(
         return exc
 
 
+# prvrlab.status of a training run as it ends (as a trial's: finished | error | killed), so one tag filters them all
+ENDED_TAGS = {
+    "FINISHED": {"prvrlab.status": "finished"},
+    "FAILED": {"prvrlab.status": "error"},
+    "KILLED": {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"},
+}
+
+
 def _console(write: Callable[[Any], None]) -> Callable[[Any], None]:
     """``write`` (a console line or progress update) gone quiet once its reader went away (``| head``):
     a closed pipe never fails a run or stops it from being closed."""
@@ -480,7 +488,10 @@ def train(
             status = "KILLED"
             raise
         finally:
-            tracker.end_run(run_id, status)
+            try:
+                _best_effort("tagging how the run ended", tracker.set_tags, run_id, ENDED_TAGS[status])
+            finally:
+                tracker.end_run(run_id, status)
     return TrainResult(
         run_id=run_id,
         run_dir=run_dir,
