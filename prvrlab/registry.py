@@ -146,6 +146,8 @@ def _check_keyword_only(cls: Callable[..., Any], what: str) -> None:
             raise TypeError(f"{what}: constructor must not take *args/**kwargs")
         if p.kind is not p.KEYWORD_ONLY:
             raise TypeError(f"{what}: parameter '{p.name}' must be keyword-only")
+        if p.annotation is p.empty:  # a config value is checked against it: without one, anything passes
+            raise TypeError(f"{what}: parameter '{p.name}' needs a type annotation (config values are checked against it)")
 
 
 def constructor_params(cls: Callable[..., Any]) -> dict[str, ConstructorParam]:

@@ -83,7 +83,8 @@ def test_decay_group_is_everything_but_biases_and_norm_affines(backbone, plugins
 def test_norm_named_parameters_outside_norm_modules_are_declared(backbone, plugins, losses):
     """The convention ``optim.no_decay`` relies on: a plain parameter holding a LayerNorm affine is
     named ``norm*`` and listed in its module's ``norm_parameters``."""
-    model = build_model({"name": backbone, "hidden_size": 32, "num_heads": 4}, plugins, **DIMS)
+    sizes = {"hidden_size": 32, "num_heads": 4}  # where the constructor takes them
+    model = build_model({"name": backbone, **{k: v for k, v in sizes.items() if k in BACKBONES.params(backbone)}}, plugins, **DIMS)
     for module_name, module in model.named_modules():
         if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)):
             continue
