@@ -159,6 +159,8 @@ class BigFile:
 
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder)
+        if self.path.exists() and not self.path.is_dir():
+            raise DataError(f"{self.path}: not a folder; a BigFile is a folder (feature.bin, shape.txt, id.txt, video2frames.txt)")
         if not self.path.is_dir():
             raise DataError(f"BigFile folder not found: {self.path}")
         for name in FILES:

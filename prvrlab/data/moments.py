@@ -95,7 +95,7 @@ def _durations(path: Path) -> dict[str, float]:
 def _charades(path: Path, durations: Path | None) -> list[tuple[str, str, Moment]]:
     if durations is None:
         raise DataError(f"{path}: Charades-STA's annotations carry no video durations; give Charades' "
-                        "Charades_v1_<split>.csv (its id and length columns) as the durations file")
+                        "Charades_v1_<split>.csv (its id and length columns) with --durations")
     lengths = _durations(durations)
     out = []
     for number, line in enumerate(_read_text(path).splitlines(), 1):

@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 from pathlib import Path
+
+from prvrlab import __version__
 from typing import Any, Sequence
 
 from prvrlab.uris import redact_credentials  # standard library only: `prvrlab --help` stays light
@@ -42,6 +44,22 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, with arguments no option takes refused by the (sub)command they follow
+    (argparse's own error names the top-level parser: ``prvrlab: error``, ``see prvrlab --help``)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser
+        while True:  # down to the innermost command chosen
+            chooser = next((a for a in command._actions if isinstance(a, argparse._SubParsersAction)), None)
+            chosen = chooser.choices.get(getattr(args, chooser.dest, None)) if chooser is not None else None
+            if chosen is None:
+                break
+            command = chosen
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def seed_value(text: str) -> int:
@@ -506,6 +524,8 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             text_feature=args.text_feature,
         )
         root = collection_root(data)
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"--root {data.root}: {root} is not a folder")
         if not root.is_dir():
             synth = f" (prvrlab data synth --out {data.root} writes a synthetic collection there)" if data.collection == "synth" else ""
             raise ConfigError(f"--root {data.root}: not found: {root}{synth}")
@@ -524,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="prvrlab", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train one config with Ray Train (DDP) and log it to MLflow")
@@ -541,10 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, what in (("search", cmd_search, "a hyperparameter search"), ("ablate", cmd_ablate, "an ablation study")):
         p = sub.add_parser(name, help=f"run {what} on Ray Tune (one DDP training run per trial), tracked in MLflow")
-        p.add_argument("spec", help=f"{name} spec YAML (see search_spaces/)")
+        p.add_argument("spec", help=f"the {'ablation' if name == 'ablate' else name} spec YAML (see search_spaces/)")
         p.add_argument("--resume", action="store_true", help="continue the latest interrupted submission of this spec")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override of the base config, repeatable")
-        p.add_argument("--check", action="store_true", help="validate the spec only")
+        p.add_argument("--check", action="store_true",
+                       help="validate the spec (and with --resume, what it would continue); run nothing")
         p.set_defaults(func=func)
 
     p = sub.add_parser("eval", help="evaluate a saved model (best_model.pt, or a recovery checkpoint) on a split")
@@ -577,7 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("compare", help="runs side by side on one split: R@K, ΔSumR against the first, query-level significance")
-    p.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="MLflow run ids of training runs; the first is the reference")
+    p.add_argument("run_ids", nargs="+", metavar="RUN_ID",
+                   help="two or more MLflow run ids of training runs; the first is the reference")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.add_argument("--split", default=None, help="split of the final metrics and ranks (default: test when every run logged it, else val)")
     p.add_argument("--bootstrap", type=positive_int, default=1000, metavar="N", help="bootstrap / permutation resamples (default 1000)")
@@ -591,21 +614,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="experiment YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     p.add_argument("--gallery", type=positive_int, nargs="+", default=None, help="gallery sizes in videos (default 500 to 2500 by 500)")
-    p.add_argument("--queries", type=positive_int, default=20, help="single-query runs timed per gallery size (median)")
-    p.add_argument("--video-dim", type=positive_int, default=None, help="video feature size (default: read from the data)")
-    p.add_argument("--query-dim", type=positive_int, default=None, help="query token feature size (default: read from the data)")
+    p.add_argument("--queries", type=positive_int, default=20, help="single-query runs timed per gallery size (median; default 20)")
+    p.add_argument("--video-dim", type=positive_int, default=None, help="video feature size (default: read from the data, else the small synthetic preset's)")
+    p.add_argument("--query-dim", type=positive_int, default=None, help="query token feature size (default: read from the data, else the small synthetic preset's)")
     p.add_argument("--device", type=torch_device, default=None, help="cpu or cuda (default: cuda when train.use_gpu and available)")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("recipes", help="the shipped configs by dataset: official / paper / synthetic, the published number")
-    p.add_argument("--dir", default="configs", help="folder of experiment YAMLs (default configs)")
+    p.add_argument("--dir", default="configs", help="folder of experiment YAMLs (default configs, in the folder you run from)")
     p.set_defaults(func=cmd_recipes)
 
     data = sub.add_parser("data", help="synthetic data, conversion and checks").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("synth", help="write a synthetic PRVR collection in the public release layout")
     p.add_argument("--out", default="data/synth", help="output folder (default data/synth)")
-    p.add_argument("--preset", default="small", help="size preset, e.g. tiny or small (default small)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--preset", default="small",
+                   help="size preset: tiny, small, medium or tvr, each also as <name>-skewed (skewed: small-skewed) (default small)")
+    p.add_argument("--seed", type=seed_value, default=0, help="random seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_data_synth)
 
@@ -636,6 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--text-feature", default=None, help="query feature file (default TextData/roberta_<collection>_query_feat.hdf5)")
     p.set_defaults(func=cmd_data_inspect)
+    for commands in (sub, data):  # errors say COMMAND (and list the choices), not the attribute holding it
+        commands.metavar = "COMMAND"
     return parser
 
 
@@ -676,7 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from prvrlab.platform.tracking import closer
 
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
     closer.guard_process()  # a sentinel closes this process's runs if it is killed outright
     try:

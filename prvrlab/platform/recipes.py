@@ -71,7 +71,8 @@ def recipe(path: Path) -> Recipe:
 def recipes(directory: Path) -> list[Recipe]:
     """Every ``*.yaml`` config directly in ``directory`` (parts in sub-folders are not configs), by name."""
     if not directory.is_dir():
-        raise ConfigError(f"config folder not found: {directory}")
+        raise ConfigError(f"--dir {directory}: config folder not found (relative to {Path.cwd()}; run from the "
+                          "project folder, or give --dir the path of its configs/)")
     return [recipe(path) for path in sorted(directory.glob("*.yaml"))]
 
 

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from prvrlab.checks import first_line
 from prvrlab.evaluation.metrics import METRIC_KEYS
 from prvrlab.reports import stats
 from prvrlab.reports.errors import ReportError
@@ -58,7 +59,9 @@ def load_runs(uri: str, run_ids: Sequence[str]) -> tuple[object, list[TrialRun],
         try:
             entity = client.get_run(run_id)
         except Exception as exc:  # noqa: BLE001 - MLflow raises its own types for a missing run
-            raise ReportError(f"run '{run_id}' not found in {uri} ({type(exc).__name__})") from None
+            missing = getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(exc).lower()
+            why = "" if missing else f" ({first_line(exc)})"
+            raise ReportError(f"run '{run_id}' {'not found in' if missing else 'cannot be read from'} {uri}{why}") from None
         runs.append(trial_run(entity))
         datasets.append(datasets_of(entity))
     return client, runs, datasets
