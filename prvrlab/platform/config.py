@@ -802,7 +802,8 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             child = node.get(part)
             if child is None:
                 if i == 0 and part not in TOP_LEVEL:
-                    raise ConfigError(f"--set {dotted}: unknown key{did_you_mean(part, TOP_LEVEL)}")
+                    hint = did_you_mean(part, TOP_LEVEL) or f"; '{part}' is not a top-level key ({', '.join(TOP_LEVEL)})"
+                    raise ConfigError(f"--set {dotted}: unknown key{hint}")
                 child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(f"cannot set '{dotted}': '{'.'.join(parts[: i + 1])}' is not a mapping")

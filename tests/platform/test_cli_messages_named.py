@@ -44,3 +44,13 @@ def test_compare_says_a_run_is_missing_plainly(tmp_path, capsys):
     capsys.readouterr()  # MLflow's lines as it creates the store
     assert main(["compare", "deadbeef", "cafe", "--tracking-uri", uri]) == 2
     assert capsys.readouterr().err == f"prvrlab: error: run 'deadbeef' not found in {uri}\n"
+
+
+def test_an_unknown_top_level_key_lists_the_top_level_keys():
+    from prvrlab.platform.config import TOP_LEVEL, apply_overrides
+
+    with pytest.raises(ConfigError) as caught:
+        apply_overrides({}, {"foo.bar": 1})
+    assert str(caught.value) == f"--set foo.bar: unknown key; 'foo' is not a top-level key ({', '.join(TOP_LEVEL)})"
+    with pytest.raises(ConfigError, match=r"^--set trian\.lr: unknown key \(did you mean 'train'\?\)$"):
+        apply_overrides({}, {"trian.lr": 1})
