@@ -255,16 +255,17 @@ class StudyContext:
 class MetricFiller:
     """Makes every report carry the searched metric where it is meaningful.
 
-    The final round has no per-epoch value: it gets the best model's value
-    (``best/<name>``) or the best value seen so far, and ``FILLED_KEY`` names
-    it (for Tune's ranking only: the child run's ``final/*`` holds evaluations
-    of the best model, not this).  Non-finite rounds are left without it
+    The final round has no per-epoch value: it gets the best model's value, ``best/<name>``, or for a
+    validation metric its value at the best epoch (``best/epoch``, the epoch that saved the best model);
+    else the best value seen so far, which ``FILLED_KEY`` names (for Tune's ranking only: the child run's
+    ``final/*`` holds the best model's values, not this).  Non-finite rounds are left without it
     (Optuna records such a trial as pruned).
     """
 
     def __init__(self, metric: str, mode: str) -> None:
         self.metric, self.mode = metric, mode
         self.best: float | None = None
+        self.by_epoch: dict[int, float] = {}
 
     def __call__(self, metrics: dict[str, Any]) -> dict[str, Any]:
         kind = metrics.get("kind")
@@ -272,10 +273,17 @@ class MetricFiller:
         if kind == "epoch" and isinstance(value, (int, float)):
             if self.best is None or (value > self.best if self.mode == "max" else value < self.best):
                 self.best = float(value)
+            if isinstance(metrics.get("epoch"), (int, float)):
+                self.by_epoch[int(metrics["epoch"])] = float(value)
         if kind == "final" and self.metric not in metrics:
-            fallback = metrics.get("best/" + self.metric.rsplit("/", 1)[-1], self.best)
-            if fallback is not None:
-                metrics[self.metric] = fallback
+            own = metrics.get("best/" + self.metric.rsplit("/", 1)[-1])
+            epoch = metrics.get("best/epoch")
+            if own is None and self.metric.startswith("val/") and isinstance(epoch, (int, float)):
+                own = self.by_epoch.get(int(epoch))  # the best model's validation, at the epoch that saved it
+            if own is not None:
+                metrics[self.metric] = own
+            elif self.best is not None:
+                metrics[self.metric] = self.best
                 metrics[FILLED_KEY] = self.metric
         return metrics
 
