@@ -786,10 +786,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"--set expects key=value, got {text!r}")
-    if not value.strip() and key in SECTIONS:  # None: every key of the section back to its default, silently
-        raise ConfigError(f"--set {key}=: an empty value would reset the whole '{key}' section to its defaults; "
+    parsed = parse_yaml(value, f"--set {key}") if value.strip() else None
+    if parsed is None and key in SECTIONS:  # None (empty, null, ~): every key of the section back to its default, silently
+        raise ConfigError(f"--set {key}={value}: an empty value would reset the whole '{key}' section to its defaults; "
                           f"set its keys instead (--set {key}.<key>=<value>)")
-    return key, parse_yaml(value, f"--set {key}") if value.strip() else None
+    return key, parsed
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -13,10 +13,11 @@ from prvrlab.platform.cli import main
 from prvrlab.platform.config import SECTIONS, ConfigError, parse_override
 
 
+@pytest.mark.parametrize("empty", ["", "null", "~"])
 @pytest.mark.parametrize("section", sorted(SECTIONS))
-def test_an_empty_section_override_is_refused(section):
-    with pytest.raises(ConfigError, match=rf"--set {section}=: an empty value would reset the whole '{section}' section"):
-        parse_override(f"{section}=")
+def test_an_empty_section_override_is_refused(section, empty):
+    with pytest.raises(ConfigError, match=rf"--set {section}={empty}: an empty value would reset the whole '{section}' section"):
+        parse_override(f"{section}={empty}")
     assert parse_override(f"{section}.x=") == (f"{section}.x", None)  # a key's empty value: as before
 
 

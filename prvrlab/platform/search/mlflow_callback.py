@@ -63,11 +63,12 @@ class MlflowStudyCallback(Callback):
         self._lost_checked = False
         self._mirror: "storage.Mirror | None" = None
         self._repaired: dict[str, str] = {}
+        self.cut: set[str] = set()  # trials budget.time_limit_s stopped (closed KILLED; their reports still count)
 
     def __getstate__(self) -> dict[str, Any]:
         return {
             "study": self.study, "_tracker": None, "_map": None, "_open": set(), "_commit": None, "_datasets": {},
-            "_lost_checked": False, "_mirror": None, "_repaired": {},
+            "_lost_checked": False, "_mirror": None, "_repaired": {}, "cut": set(),
         }
 
     # ------------------------------------------------------------ helpers
@@ -268,6 +269,8 @@ class MlflowStudyCallback(Callback):
         if interrupted:
             self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": "interrupted"})
         elif cut:
+            self.cut.add(trial.trial_id)
+            self._log_best(trial)
             reason = time_limit_reason(self.study.time_limit_s)
             self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": reason})
         elif outcome == "invalid":

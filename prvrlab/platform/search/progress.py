@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ray.tune import Callback
 
-from prvrlab.platform.search.outcome import FAILED_OUTCOMES, TIME_LIMIT, trial_error, trial_outcome
+from prvrlab.platform.search.outcome import FAILED_OUTCOMES, trial_error, trial_outcome
 from prvrlab.platform.train.live import short_progress
 
 
@@ -137,8 +137,6 @@ class ProgressCallback(Callback):
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         """The trial's outcome and the new counts."""
         outcome = trial_outcome(trial.last_result)
-        if outcome == "early_stopped" and TIME_LIMIT.is_set():  # cut by budget.time_limit_s, not ASHA
-            outcome = "time limit"
         extra = f": {trial.last_result.get('error')}" if outcome in FAILED_OUTCOMES else ""
         self._echo(f"{outcome:<13} {trial.trial_id}{extra} | {self._counts(trials, ended=trial)}")
 

@@ -1054,7 +1054,7 @@ def count_outcomes(trials, killed: set[str] = frozenset()) -> dict[str, int]:
     whose run the driver closed KILLED, i.e. ended by an interrupt, count as unfinished)."""
     counts = {"finished": 0, "early_stopped": 0, "failed": 0, "unfinished": 0}
     for t in trials:
-        if t.trial_id in killed:
+        if t.trial_id in killed or (t.status == "TERMINATED" and not t.last_result):  # or ended before it reported
             counts["unfinished"] += 1
         elif t.status == "TERMINATED":
             outcome = trial_outcome(t.last_result)

@@ -220,14 +220,14 @@ def search(spec: SearchSpec, *, resume: bool = False, echo: Callable[[str], None
             )
             trials = list(getattr(results, "_experiment_analysis").trials) if results is not None else []
             if TIME_LIMIT.is_set() and not interrupted:  # recorded: a resume would have no time left
-                reason = f"{time_limit_reason(spec.time_limit_s)}: {len(trials)} of {spec.trials} trials started"
+                reason = f"{time_limit_reason(spec.time_limit_s)}: {len(mlflow_cb.runs.trials)} of {spec.trials} trials started"
                 mlflow_cb.runs.meta[TIME_LIMIT_META] = spec.time_limit_s
                 mlflow_cb.runs.save()
                 mlflow_cb.mirror.push()
                 tracker.set_tags(parent, {"prvrlab.stop_reason": reason})
                 echo(f"search '{spec.name}': {reason}")
             killed = killed_trials(study_dir)
-            best = best_trial(trials, study, killed)
+            best = best_trial(trials, study, killed - mlflow_cb.cut)  # a cut trial's reports count, as ASHA's stops
             path = None
             if best is not None:
                 path = write_best_config(study, best, spec)

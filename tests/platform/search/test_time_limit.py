@@ -48,8 +48,10 @@ def test_a_cut_trial_ends_killed_and_an_asha_stop_finished(tmp_path, reached):
         assert run.info.status == "KILLED"
         assert run.data.tags["prvrlab.stop_reason"] == "budget.time_limit_s (20 s) ran out"
         assert RunMap(study.study_dir).closed == {"t": "KILLED"}  # counted as unfinished (killed_trials)
+        assert callback.cut == {"t"}  # its reports still compete for the best trial
     else:
         assert run.info.status == "FINISHED" and run.data.tags["prvrlab.status"] == "early_stopped"
+        assert callback.cut == set()
 
 
 def test_a_resume_of_a_search_the_time_limit_ended_is_refused(tmp_path, tiny_root, capsys):
@@ -80,7 +82,18 @@ def test_a_time_limited_search_reports_its_cut_and_unstarted_trials(tiny_root, t
     assert 1 <= started < 20 and len(children) == started
     assert parent.data.metrics["trials/early_stopped"] == 0  # no scheduler: nothing stopped early
     assert sum(r.info.status == "KILLED" for r in children) == parent.data.metrics["trials/unfinished"]
+    killed = [r for r in children if r.info.status == "KILLED" and "best/val/sumr" in r.data.metrics]
+    if killed and parent.data.metrics["trials/finished"] == 0:  # a cut trial's reports still give a best trial
+        assert parent.info.status == "FINISHED" and parent.data.tags["prvrlab.best_run"] in {r.info.run_id for r in killed}
     assert all(r.data.tags["prvrlab.stop_reason"] == "budget.time_limit_s (12 s) ran out"
                for r in children if r.info.status == "KILLED")
     assert f"search 'limited': {reason}" in out
     assert main(["search", str(path), "--resume"]) == 2
+
+
+def test_a_trial_that_never_reported_is_unfinished():
+    from prvrlab.platform.search.study import count_outcomes
+
+    queued = SimpleNamespace(trial_id="q", status="TERMINATED", last_result={})  # stopped while still pending
+    stopped = SimpleNamespace(trial_id="s", status="TERMINATED", last_result={"kind": "epoch", "epoch": 1})
+    assert count_outcomes([queued, stopped]) == {"finished": 0, "early_stopped": 1, "failed": 0, "unfinished": 1}
