@@ -961,7 +961,7 @@ def _status_counts(runs: list[TrialRun]) -> dict[str, int]:
 
 
 def _counts_text(counts: dict[str, int]) -> str:
-    order = ["finished", "early_stopped", "nonfinite", "error", "killed"]
+    order = ["finished", "early_stopped", "time_limited", "nonfinite", "error", "killed"]
     keys = [k for k in order if k in counts] + sorted(k for k in counts if k not in order)
     return ", ".join(f"{counts[k]} {k.replace('_', '-')}" for k in keys) or "no runs"
 

@@ -37,7 +37,8 @@ from prvrlab.reports.errors import ReportError
 from prvrlab.uris import sqlite_file
 
 STUDY_KINDS = ("search", "ablation")
-OK_STATUSES = ("finished", "early_stopped")  # prvrlab.status of a trial with usable metrics
+OK_STATUSES = ("finished", "early_stopped", "time_limited")  # prvrlab.status of a trial with usable metrics
+TIME_LIMITED = "time_limited"  # a trial budget.time_limit_s stopped: its run ended KILLED, its reports count
 TRAIN_PREFIX = "train/"  # per-epoch training metrics: train/<loss term>, train/<component>.<name>
 NOT_SPLITS = ("best",)  # final/best/{sumr,epoch}: the best epoch's validation SumR, logged with final/<split>/*
 CELL_HASH_TAG = "prvrlab.cell_hash."  # + cell, on an ablation's parent: that cell's config hash in its latest submission
@@ -69,7 +70,7 @@ class TrialRun:
     @property
     def ok(self) -> bool:
         """Metrics are usable (the trial ran to the end or was stopped early by the scheduler)."""
-        return self.status in OK_STATUSES and self.run_status == "FINISHED"
+        return self.status in OK_STATUSES and (self.run_status == "FINISHED" or self.status == TIME_LIMITED)
 
     @property
     def failed(self) -> bool:

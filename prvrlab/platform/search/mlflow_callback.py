@@ -272,7 +272,7 @@ class MlflowStudyCallback(Callback):
             self.cut.add(trial.trial_id)
             self._log_best(trial)
             reason = time_limit_reason(self.study.time_limit_s)
-            self.close(trial, "KILLED", {"prvrlab.status": "killed", "prvrlab.stop_reason": reason})
+            self.close(trial, "KILLED", {"prvrlab.status": "time_limited", "prvrlab.stop_reason": reason})
         elif outcome == "invalid":
             self.close(trial, "FAILED", {"prvrlab.status": "error", "error": str(trial.last_result.get("error", "invalid config"))})
         elif outcome == "error":

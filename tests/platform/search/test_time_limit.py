@@ -47,6 +47,7 @@ def test_a_cut_trial_ends_killed_and_an_asha_stop_finished(tmp_path, reached):
     if reached:
         assert run.info.status == "KILLED"
         assert run.data.tags["prvrlab.stop_reason"] == "budget.time_limit_s (20 s) ran out"
+        assert run.data.tags["prvrlab.status"] == "time_limited"
         assert RunMap(study.study_dir).closed == {"t": "KILLED"}  # counted as unfinished (killed_trials)
         assert callback.cut == {"t"}  # its reports still compete for the best trial
     else:
