@@ -264,17 +264,13 @@ class MetricFiller:
 
     def __init__(self, metric: str, mode: str) -> None:
         self.metric, self.mode = metric, mode
-        self.best: float | None = None
-        self.by_epoch: dict[int, float] = {}
+        self.by_epoch: dict[int, float] = {}  # epoch -> the metric's value reported then
 
     def __call__(self, metrics: dict[str, Any]) -> dict[str, Any]:
         kind = metrics.get("kind")
         value = metrics.get(self.metric)
-        if kind == "epoch" and isinstance(value, (int, float)):
-            if self.best is None or (value > self.best if self.mode == "max" else value < self.best):
-                self.best = float(value)
-            if isinstance(metrics.get("epoch"), (int, float)):
-                self.by_epoch[int(metrics["epoch"])] = float(value)
+        if kind == "epoch" and isinstance(value, (int, float)) and isinstance(metrics.get("epoch"), (int, float)):
+            self.by_epoch[int(metrics["epoch"])] = float(value)
         if kind == "final" and self.metric not in metrics:
             own = metrics.get("best/" + self.metric.rsplit("/", 1)[-1])
             epoch = metrics.get("best/epoch")
@@ -282,8 +278,8 @@ class MetricFiller:
                 own = self.by_epoch.get(int(epoch))  # the best model's validation, at the epoch that saved it
             if own is not None:
                 metrics[self.metric] = own
-            elif self.best is not None:
-                metrics[self.metric] = self.best
+            elif self.by_epoch:
+                metrics[self.metric] = (max if self.mode == "max" else min)(self.by_epoch.values())
                 metrics[FILLED_KEY] = self.metric
         return metrics
 

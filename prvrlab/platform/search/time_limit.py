@@ -9,17 +9,13 @@ from ray.tune.stopper import TimeoutStopper
 from prvrlab.platform.search.outcome import TIME_LIMIT
 
 
-def time_limit_reason(seconds: float | None) -> str:
+def time_limit_reason(seconds: float) -> str:
     """The stop reason of a trial (or search) the time limit cut."""
-    return "budget.time_limit_s ran out" if seconds is None else f"budget.time_limit_s ({seconds:g} s) ran out"
+    return f"budget.time_limit_s ({seconds:g} s) ran out"
 
 
 class TimeLimit(TimeoutStopper):
     """Stops every trial once ``seconds`` of the search have passed, and sets ``TIME_LIMIT``."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__(seconds)
-        self.seconds = float(seconds)
 
     def stop_all(self) -> bool:
         reached = super().stop_all()
